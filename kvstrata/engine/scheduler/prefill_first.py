@@ -1,0 +1,44 @@
+"""Baselines from before SARATHI, on the same engine (papers/sarathi.md §2.1).
+
+`PrefillFirstScheduler`: iteration-level batching as in Orca / vLLM's original scheduler.
+Waiting prompts are admitted whole whenever they fit; a step with prefills runs only prefills,
+so running decodes stall behind it.
+
+`StaticScheduler`: request-level batching. A batch is admitted at once and runs until every
+member finishes; only then is the next batch admitted. A member preempted for lack of KV
+blocks goes back to the waiting queue's front and joins the next batch.
+"""
+
+from __future__ import annotations
+
+from kvstrata.engine.scheduler.base import Scheduler, SchedulerOutput
+from kvstrata.kv.cache_manager import KVCacheManager
+
+
+class PrefillFirstScheduler(Scheduler):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int | None):
+        super().__init__(kv, max_num_seqs)
+        self.max_prefill_tokens = max_prefill_tokens
+
+    def may_admit(self) -> bool:
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.waiting and self.may_admit():
+            budget = self.max_prefill_tokens
+            while self.waiting and (budget is None or budget > 0) and self._admit(out, budget, whole=True):
+                if budget is not None:
+                    budget -= out.scheduled[-1][1]
+            if out.scheduled:
+                return out
+        self._schedule_decodes(out)
+        return out
+
+
+class StaticScheduler(PrefillFirstScheduler):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int):
+        super().__init__(kv, max_num_seqs, max_prefill_tokens=None)
+
+    def may_admit(self) -> bool:
+        return not self.running

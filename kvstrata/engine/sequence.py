@@ -1,0 +1,74 @@
+"""One request's state inside the engine: its tokens, its place in the cache, its timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.kv.block_hash import BlockHash
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the most likely alternatives and their logprobs
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(default_factory=list)  # prompt then output
+    status: SequenceStatus = SequenceStatus.WAITING
+    # The KV cache holds this many of `token_ids`, in the blocks of `block_table`.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_prompt_tokens: int | None = None  # prefix-cache hits at first admission
+    num_preemptions: int = 0
+    output_text: str = ""
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet in the KV cache: the prompt's rest, or the one token sampled last step."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,67 @@
+"""A fixed pool of KV blocks: reference counts, a prefix-cache index and LRU eviction.
+
+A block with no references is free. A free block that still holds a cached prefix (it has a
+hash) can be claimed back by a later request until it is evicted; blocks are evicted least
+recently used first, and blocks holding nothing cached are handed out before any cached one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvstrata.kv.block_hash import BlockHash
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.hash_of_block: list[BlockHash | None] = [None] * num_blocks
+        self.block_of_hash: dict[BlockHash, int] = {}
+        # Free blocks, the next one to hand out first.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def allocate(self) -> int:
+        """Take a free block (evicting whatever prefix it cached); the caller checked `num_free`."""
+        block, _ = self.free.popitem(last=False)
+        cached = self.hash_of_block[block]
+        if cached is not None:
+            del self.block_of_hash[cached]
+            self.hash_of_block[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self.block_of_hash.get(block_hash)
+
+    def share(self, block: int) -> None:
+        """Add a reference to a cached block found by `lookup`."""
+        if self.ref_counts[block] == 0:
+            del self.free[block]
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free[block] = None
+            if self.hash_of_block[block] is None:
+                self.free.move_to_end(block, last=False)
+
+    def register(self, block: int, block_hash: BlockHash) -> None:
+        """Index a full block by its chained hash, unless an identical block is already indexed."""
+        if self.hash_of_block[block] is None and block_hash not in self.block_of_hash:
+            self.block_of_hash[block_hash] = block
+            self.hash_of_block[block] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block in list(self.block_of_hash.items()):
+            self.hash_of_block[block] = None
+            del self.block_of_hash[block_hash]

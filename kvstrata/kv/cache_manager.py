@@ -1,0 +1,87 @@
+"""Gives sequences their KV blocks: prefix-cache matching, growth, release."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.engine.sequence import Sequence
+from kvstrata.kv.block_hash import full_block_hashes
+from kvstrata.kv.block_pool import BlockPool
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    def record(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.queried_tokens += num_tokens
+        self.hit_tokens += num_hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by a live sequence."""
+        return self.pool.num_used / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach the cached blocks of the longest known prefix; return the tokens it covers.
+
+        At least one token is always left to compute, since its logits give the next token.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        usable = (seq.num_tokens - 1) // self.block_size
+        for block_hash in seq.block_hashes[:usable]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            self.pool.share(block)
+            seq.block_table.append(block)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        extra = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return extra <= self.pool.num_free
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens of `seq`; False (and no change) if the pool is short."""
+        if not self.can_grow(seq, num_new_tokens):
+            return False
+        while len(seq.block_table) < self.blocks_needed(seq.num_computed_tokens + num_new_tokens):
+            seq.block_table.append(self.pool.allocate())
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Index the blocks that the last step filled, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full > len(seq.block_hashes):
+            seq.block_hashes = full_block_hashes(seq.token_ids[: full * self.block_size], self.block_size, seq.block_hashes)
+        for block, block_hash in zip(seq.block_table[:full], seq.block_hashes[:full]):
+            self.pool.register(block, block_hash)
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of `seq`; the tail goes first, so shared heads stay cached longest."""
+        for block in reversed(seq.block_table):
+            self.pool.release(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,61 @@
+"""The paged KV cache on the compute device: one preallocated tensor per K and V."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.kv.attention_batch import AttentionBatch
+from kvstrata.kv.reference_attention import causal_attention
+
+
+class PagedKVCache:
+    """Full-precision paged storage: [layers, blocks, block_size, kv_heads, head_dim] for K and V."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # empty, not zeros: untouched pages cost no memory until a block is first written.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def on_layer_input(self, layer: int, x: torch.Tensor, batch: AttentionBatch) -> None:
+        pass
+
+    def attention(self, layer, q, k_new, v_new, batch: AttentionBatch) -> torch.Tensor:
+        k_layer, v_layer = self.k[layer], self.v[layer]
+        k_layer.view(-1, *k_new.shape[1:]).index_copy_(0, batch.slot_mapping, k_new.to(k_layer.dtype))
+        v_layer.view(-1, *v_new.shape[1:]).index_copy_(0, batch.slot_mapping, v_new.to(v_layer.dtype))
+        out = torch.empty_like(q)
+        if batch.decode is not None:
+            group = batch.decode
+            keys = k_layer[group.block_tables].flatten(1, 2)
+            values = v_layer[group.block_tables].flatten(1, 2)
+            out[group.rows] = causal_attention(
+                q[group.rows, None], keys, values, (group.context_lens - 1)[:, None], group.context_lens
+            )[:, 0]
+        for chunk in batch.prefills:
+            keys = k_layer[chunk.block_table].flatten(0, 1)[None, : chunk.context_len]
+            values = v_layer[chunk.block_table].flatten(0, 1)[None, : chunk.context_len]
+            out[chunk.rows] = causal_attention(q[None, chunk.rows], keys, values, batch.positions[None, chunk.rows])[0]
+        return out
+
+    def read(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [num_tokens, kv_heads, head_dim] of one sequence, for tests and tools."""
+        blocks = torch.tensor(block_table, dtype=torch.long, device=self.k.device)
+        return (
+            self.k[layer][blocks].flatten(0, 1)[:num_tokens],
+            self.v[layer][blocks].flatten(0, 1)[:num_tokens],
+        )

@@ -1,0 +1,135 @@
+"""Architecture hyper-parameters, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstrata.errors import KvstrataError
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "opt")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling; `None` on the config means plain RoPE."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    # OPT only
+    activation: str = "silu"
+    norm_before: bool = True
+    word_embed_proj_dim: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @property
+    def kv_values_per_token_per_layer(self) -> int:
+        """Values one token stores per layer for K (the same again for V)."""
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_json_file(cls, path: Path) -> ModelConfig:
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise KvstrataError(f"cannot read model config {path}: {exc}") from exc
+        return cls.from_hf_dict(raw)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict) -> ModelConfig:
+        arch = raw.get("model_type")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise KvstrataError(
+                f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if arch == "opt":
+            return _opt_config(raw)
+        return _llama_family_config(arch, raw)
+
+
+def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
+    hidden = raw["hidden_size"]
+    heads = raw["num_attention_heads"]
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise KvstrataError(f"rope type {rope_type!r} is not supported; supported: default, llama3")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_position_embeddings=rope["original_max_position_embeddings"],
+        )
+    uses_window = raw.get("use_sliding_window", arch == "mistral")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        intermediate_size=raw["intermediate_size"],
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+        rope_scaling=scaling,
+        # Qwen2 always has q/k/v biases; Llama and Mistral say so in the config.
+        attention_bias=arch == "qwen2" or raw.get("attention_bias", False),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        sliding_window=raw.get("sliding_window") if uses_window else None,
+        activation=raw.get("hidden_act", "silu"),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+    )
+
+
+def _opt_config(raw: dict) -> ModelConfig:
+    hidden = raw["hidden_size"]
+    heads = raw["num_attention_heads"]
+    proj_dim = raw.get("word_embed_proj_dim", hidden)
+    return ModelConfig(
+        architecture="opt",
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=raw["ffn_dim"],
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        norm_eps=1e-5,
+        attention_bias=raw.get("enable_bias", True),
+        tie_word_embeddings=raw.get("tie_word_embeddings", True),
+        activation=raw.get("activation_function", "relu"),
+        norm_before=raw.get("do_layer_norm_before", True),
+        word_embed_proj_dim=proj_dim if proj_dim != hidden else None,
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+    )

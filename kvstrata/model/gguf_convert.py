@@ -1,0 +1,108 @@
+"""Convert a GGUF file into a Hugging Face style checkpoint directory.
+
+Tensors are dequantized to fp32 with the `gguf` package and renamed; llama.cpp stores q and k
+projections with rows interleaved for its RoPE kernel, which is undone here. The tokenizer is
+rebuilt from the GGUF metadata by transformers' converter and saved as tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from kvstrata.errors import KvstrataError
+
+LAYER_TENSORS = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _undo_rope_interleave(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_llama_config(reader, has_output_weight: bool) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise KvstrataError(f"GGUF architecture {arch!r} is not supported; supported: llama")
+    p = "llama."
+    heads = _field(reader, p + "attention.head_count")
+    hidden = _field(reader, p + "embedding_length")
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, p + "feed_forward_length"),
+        "num_hidden_layers": _field(reader, p + "block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, p + "attention.head_count_kv", heads),
+        "head_dim": _field(reader, p + "attention.key_length", hidden // heads),
+        "max_position_embeddings": _field(reader, p + "context_length", 2048),
+        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
+        "tie_word_embeddings": not has_output_weight,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def gguf_llama_state_dict(reader, config: dict) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
+    state = {}
+    for tensor in reader.tensors:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        name = tensor.name
+        if name in GLOBAL_TENSORS:
+            state[GLOBAL_TENSORS[name]] = torch.from_numpy(np.require(values, requirements=["C", "W"]))
+            continue
+        _, layer, short = name.split(".", 2)
+        if short not in LAYER_TENSORS:
+            raise KvstrataError(f"unexpected tensor {name!r} in GGUF file")
+        if short in heads:
+            values = _undo_rope_interleave(values, heads[short])
+        state[f"model.layers.{layer}.{LAYER_TENSORS[short]}"] = torch.from_numpy(np.require(values, requirements=["C", "W"]))
+    return state
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    import gguf
+    from transformers import AutoTokenizer
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as exc:  # the gguf package raises bare ValueErrors and struct errors
+        raise KvstrataError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+    names = {t.name for t in reader.tensors}
+    config = gguf_llama_config(reader, "output.weight" in names)
+    state = gguf_llama_state_dict(reader, config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))

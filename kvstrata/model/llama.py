@@ -1,0 +1,130 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over one packed batch of tokens.
+
+Every linear layer runs once over all packed tokens of a step; attention goes through the
+KV policy, which knows which tokens belong to which sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.kv.attention_batch import AttentionBatch
+from kvstrata.kv.policy import KVPolicy
+from kvstrata.model.config import ModelConfig
+from kvstrata.model.rotary import RotaryEmbedding, apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        # q, k and v fused into one GEMM: the weights are read once per step.
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        # Llama's attention_bias covers the output projection too; Qwen2's does not.
+        output_bias = config.attention_bias and config.architecture != "qwen2"
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=output_bias)
+
+    def forward(self, x, cos, sin, kv: KVPolicy, batch: AttentionBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = kv.attention(self.layer, q, k, v, batch)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = LlamaAttention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, cos, sin, kv: KVPolicy, batch: AttentionBatch) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        kv.on_layer_input(self.layer, h, batch)
+        x = x + self.self_attn(h, cos, sin, kv, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv: KVPolicy, batch: AttentionBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the packed tokens."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv, batch)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @staticmethod
+    def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+        """Rename a Hugging Face checkpoint's tensors and fuse q/k/v and gate/up."""
+        out = {
+            "embed_tokens.weight": hf["model.embed_tokens.weight"],
+            "norm.weight": hf["model.norm.weight"],
+        }
+        out["lm_head.weight"] = (
+            out["embed_tokens.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
+        )
+        for i in range(config.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            attn = src + "self_attn."
+            out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
+                [hf[attn + f"{p}_proj.weight"] for p in "qkv"]
+            )
+            if config.attention_bias:
+                out[dst + "self_attn.qkv_proj.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
+            out[dst + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
+            if attn + "o_proj.bias" in hf:
+                out[dst + "self_attn.o_proj.bias"] = hf[attn + "o_proj.bias"]
+            out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+                [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
+            )
+            out[dst + "mlp.down_proj.weight"] = hf[src + "mlp.down_proj.weight"]
+            out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
+            out[dst + "post_attention_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        return out
