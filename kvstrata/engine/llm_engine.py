@@ -57,7 +57,9 @@ class LLMEngine:
             model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads,
             model_config.head_dim, dtype, self.device,
         )
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, on_first_use=self.kv_cache.zero_blocks
+        )
         self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.block_size, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)

@@ -33,7 +33,7 @@ class SequenceSlice:
 @dataclass
 class DecodeGroup:
     rows: slice
-    block_tables: torch.Tensor  # [n, max_blocks], padded with block 0 (masked out)
+    block_tables: torch.Tensor  # [n, max_blocks], padded with the row's first block (masked out)
     context_lens: torch.Tensor  # [n]
 
 
@@ -85,9 +85,10 @@ def build_attention_batch(
 
 def _decode_group(decodes: list[SequenceSlice], device: torch.device) -> DecodeGroup:
     widest = max(sl.block_table.shape[0] for sl in decodes)
-    tables = torch.zeros(len(decodes), widest, dtype=torch.long, device=device)
+    tables = torch.empty(len(decodes), widest, dtype=torch.long, device=device)
     for i, sl in enumerate(decodes):
         tables[i, : sl.block_table.shape[0]] = sl.block_table
+        tables[i, sl.block_table.shape[0] :] = sl.block_table[0]
     return DecodeGroup(
         rows=slice(0, len(decodes)),
         block_tables=tables,

@@ -20,6 +20,8 @@ class BlockPool:
         self.block_of_hash: dict[BlockHash, int] = {}
         # Free blocks, the next one to hand out first.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.used_before = [False] * num_blocks
+        self.first_uses: list[int] = []  # blocks handed out for the first time, until drained
 
     @property
     def num_free(self) -> int:
@@ -32,12 +34,20 @@ class BlockPool:
     def allocate(self) -> int:
         """Take a free block (evicting whatever prefix it cached); the caller checked `num_free`."""
         block, _ = self.free.popitem(last=False)
+        if not self.used_before[block]:
+            self.used_before[block] = True
+            self.first_uses.append(block)
         cached = self.hash_of_block[block]
         if cached is not None:
             del self.block_of_hash[cached]
             self.hash_of_block[block] = None
         self.ref_counts[block] = 1
         return block
+
+    def drain_first_uses(self) -> list[int]:
+        """Blocks handed out for the first time since the last call (their memory was never written)."""
+        blocks, self.first_uses = self.first_uses, []
+        return blocks
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self.block_of_hash.get(block_hash)

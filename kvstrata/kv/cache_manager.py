@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstrata.engine.sequence import Sequence
@@ -24,8 +25,15 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_first_use: Callable[[list[int]], None] | None = None,
+    ):
         self.pool = BlockPool(num_blocks)
+        self.on_first_use = on_first_use  # told of blocks handed out for the first time
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_stats = PrefixCacheStats()
@@ -67,6 +75,9 @@ class KVCacheManager:
             return False
         while len(seq.block_table) < self.blocks_needed(seq.num_computed_tokens + num_new_tokens):
             seq.block_table.append(self.pool.allocate())
+        first_uses = self.pool.drain_first_uses()
+        if first_uses and self.on_first_use is not None:
+            self.on_first_use(first_uses)
         return True
 
     def commit(self, seq: Sequence) -> None:

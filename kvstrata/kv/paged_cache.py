@@ -22,7 +22,8 @@ class PagedKVCache:
         device: torch.device,
     ):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        # empty, not zeros: untouched pages cost no memory until a block is first written.
+        # empty, not zeros: pages cost memory (and zeroing costs time) only once a block is used;
+        # `zero_blocks` clears each block the first time the pool hands it out.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.block_size = block_size
@@ -30,6 +31,13 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Clear blocks never used before. Decode attention reads a block's unwritten tail (masked
+        out), and a NaN left there by the allocator would still leak: 0 weight times NaN is NaN."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.k.device)
+        self.k.index_fill_(1, index, 0)
+        self.v.index_fill_(1, index, 0)
 
     def on_layer_input(self, layer: int, x: torch.Tensor, batch: AttentionBatch) -> None:
         pass

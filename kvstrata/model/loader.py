@@ -7,6 +7,7 @@ tokenizer files). A GGUF file is converted into such a directory under the cache
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -105,11 +106,26 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@contextlib.contextmanager
+def _parameter_init_skipped():
+    """Build modules without random initialisation: the checkpoint overwrites every weight anyway,
+    and initialising meta tensors pulls in torch's compiler stack (seconds of start-up)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "ones_", "zeros_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     checkpoint, name = resolve_checkpoint(model)
     config = ModelConfig.from_json_file(checkpoint / "config.json")
     cls = LlamaForCausalLM if config.architecture in LLAMA_FAMILY else OPTForCausalLM
-    with torch.device("meta"):
+    with torch.device("meta"), _parameter_init_skipped():
         network = cls(config)
     try:
         state = cls.state_dict_from_hf(read_safetensors(checkpoint), config)

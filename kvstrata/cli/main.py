@@ -1,0 +1,123 @@
+"""The `kvstrata` command: generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
+from kvstrata.errors import KvstrataError
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    group.add_argument(
+        "--temperature", type=float, default=temperature,
+        help=f"sampling temperature; 0 is greedy (default: {temperature})",
+    )
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1.0)")
+    group.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all (default: 0)")
+    group.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from kvstrata.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=args.stop,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstrata", description="KV-cache-centric LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser(
+        "generate", help="stream a completion of a prompt to the terminal",
+        description="Stream a completion of PROMPT to the terminal.",
+    )
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument(
+        "--chat", action="store_true",
+        help="wrap the prompt as a user message in the model's chat template",
+    )
+    _add_sampling_arguments(generate, temperature=0.0)
+    add_engine_arguments(generate)
+
+    chat = commands.add_parser(
+        "chat", help="interactive chat with the model",
+        description="Interactive chat. Type a message and press Enter; /reset clears the history, /exit quits.",
+    )
+    chat.add_argument("--system", default=None, help="system message for the conversation")
+    _add_sampling_arguments(chat, temperature=0.7)
+    add_engine_arguments(chat)
+    return parser
+
+
+def _stream_to_terminal(llm, prompt, params) -> str:
+    text = ""
+    for output in llm.stream(prompt, params):
+        sys.stdout.write(output.new_text)
+        sys.stdout.flush()
+        text = output.text
+    sys.stdout.write("\n")
+    return text
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from kvstrata.llm import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(**vars(engine_config_from_args(args)))
+    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    _stream_to_terminal(llm, prompt, params)
+
+
+def run_chat(args: argparse.Namespace) -> None:
+    from kvstrata.llm import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(**vars(engine_config_from_args(args)))
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    print("kvstrata chat: /reset clears the history, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history = []
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            reply = _stream_to_terminal(llm, llm.chat_prompt(system + history), params)
+        except KvstrataError as exc:  # e.g. the conversation outgrew the context: keep the session
+            history.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": run_generate, "chat": run_chat}[args.command](args)
+    except KvstrataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# The converted default model is cached per test session, away from the user's cache.
+os.environ.setdefault("KVSTRATA_CACHE_DIR", str(Path(tempfile.gettempdir()) / "kvstrata-test-cache"))
+
+from tests.tiny_models import (  # noqa: E402
+    save_tiny_checkpoint,
+    tiny_llama_config,
+    tiny_opt_config,
+    tiny_qwen2_config,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tiny_llama_config(), tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory) -> Path:
+    config = tiny_llama_config(tie_word_embeddings=True, num_key_value_heads=1)
+    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("tiny-llama-tied"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tiny_qwen2_config(), tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_opt(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tiny_opt_config(), tmp_path_factory.mktemp("tiny-opt"), seed=3)
+
+
+@pytest.fixture(scope="session")
+def emma_text() -> str:
+    return (DATA / "emma.txt").read_text()

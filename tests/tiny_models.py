@@ -1,0 +1,83 @@
+"""Tiny random-weight checkpoints built from transformers' own config classes, with a small tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+VOCAB_SIZE = 320
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TRAINING_TEXT = (Path(__file__).parent / "data" / "emma.txt").read_text()[:200_000]
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A byte-level BPE tokenizer of VOCAB_SIZE tokens with the special tokens chat needs."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([TRAINING_TEXT], trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    settings = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=5000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def tiny_opt_config(**overrides):
+    from transformers import OPTConfig
+
+    settings = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    settings.update(overrides)
+    return OPTConfig(**settings)
+
+
+def tiny_qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    )
+
+
+def save_tiny_checkpoint(config, directory: Path, seed: int = 0) -> Path:
+    """Random weights (scaled up so logits are far from ties) saved as a Hugging Face checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.08)
+            elif "bias" in name:
+                param.normal_(0.0, 0.02)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory))
+    write_tokenizer(directory)
+    return directory
