@@ -7,7 +7,7 @@ import pytest
 # The converted default model is cached per test session, away from the user's cache.
 os.environ.setdefault("KVSTRATA_CACHE_DIR", str(Path(tempfile.gettempdir()) / "kvstrata-test-cache"))
 
-from tests.tiny_models import (  # noqa: E402
+from tests.tiny_models import (
     save_tiny_checkpoint,
     tiny_llama_config,
     tiny_opt_config,

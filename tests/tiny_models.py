@@ -17,14 +17,15 @@ TRAINING_TEXT = (Path(__file__).parent / "data" / "emma.txt").read_text()[:200_0
 
 
 def write_tokenizer(directory: Path) -> None:
-    """A byte-level BPE tokenizer of VOCAB_SIZE tokens with the special tokens chat needs."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    """A SentencePiece-style BPE tokenizer of VOCAB_SIZE tokens (every token decodes to whole
+    characters) with the special tokens chat needs."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        limit_alphabet=100,
         show_progress=False,
     )
     tokenizer.train_from_iterator([TRAINING_TEXT], trainer)
@@ -36,24 +37,21 @@ def write_tokenizer(directory: Path) -> None:
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
-    settings = dict(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=5000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )
-    settings.update(overrides)
-    return LlamaConfig(**settings)
+    settings = {
+        "vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rope_theta": 5000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    }
+    return LlamaConfig(**{**settings, **overrides})
 
 
-def tiny_opt_config(**overrides):
+def tiny_opt_config():
     from transformers import OPTConfig
 
-    settings = dict(
+    return OPTConfig(
         vocab_size=VOCAB_SIZE, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
         max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    settings.update(overrides)
-    return OPTConfig(**settings)
 
 
 def tiny_qwen2_config():

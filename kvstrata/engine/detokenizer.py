@@ -26,3 +26,10 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """At the end of generation: whatever text is still held back for an incomplete character."""
+        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return full[len(prefix) :]

@@ -27,22 +27,26 @@ class OutputProcessor:
         params = seq.params
         if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             seq.finish_reason = "stop"
-        else:
-            self._append_text(seq, token_id)
+        elif self._append_text(seq, token_id):
+            return  # a stop string ended the text
         if seq.finish_reason is None and (
             len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             seq.finish_reason = "length"
+        detok = self._detokenizers.get(seq.seq_id)
+        if seq.finish_reason is not None and detok is not None:
+            seq.output_text += detok.flush()  # bytes of a character that will never be completed
 
-    def _append_text(self, seq: Sequence, token_id: int) -> None:
+    def _append_text(self, seq: Sequence, token_id: int) -> bool:
+        """Extend the output text; True when it now holds a stop string (cut off there)."""
         if self.tokenizer is None:
-            return
+            return False
         detok = self._detokenizers.get(seq.seq_id)
         if detok is None:
             detok = self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         new_text = detok.add(token_id)
         if not new_text:
-            return
+            return False
         searched_from = max(0, len(seq.output_text) - max((len(s) for s in seq.params.stop), default=0))
         seq.output_text += new_text
         for stop in seq.params.stop:
@@ -50,7 +54,8 @@ class OutputProcessor:
             if at != -1:
                 seq.output_text = seq.output_text[:at]  # the stop string itself is not returned
                 seq.finish_reason = "stop"
-                return
+                return True
+        return False
 
     def build_output(self, seq: Sequence) -> RequestOutput:
         """The request's state now; `new_text` holds what was not released before.

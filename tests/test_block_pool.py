@@ -1,0 +1,79 @@
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.engine.sequence import Sequence
+from kvstrata.kv.block_hash import chained_block_hash, full_block_hashes
+from kvstrata.kv.block_pool import BlockPool
+from kvstrata.kv.cache_manager import KVCacheManager
+
+
+def seq(tokens, seq_id=0):
+    return Sequence(seq_id, str(seq_id), None, list(tokens), SamplingParams())
+
+
+def test_chained_hash_depends_on_everything_before():
+    a = full_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, [])
+    b = full_block_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4, [])
+    assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same second block, different prefix
+    assert a[1] == chained_block_hash(a[0], [5, 6, 7, 8])
+    assert full_block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, a[:1]) == a  # extends a known prefix
+
+
+def test_free_blocks_without_cache_go_first_and_cached_ones_are_evicted_lru():
+    pool = BlockPool(4)
+    blocks = [pool.allocate() for _ in range(4)]
+    assert pool.num_free == 0
+    pool.register(blocks[0], b"h0")
+    pool.register(blocks[1], b"h1")
+    pool.release(blocks[0])  # cached, freed first: least recently used
+    pool.release(blocks[1])  # cached
+    pool.release(blocks[2])  # holds nothing cached: handed out before any cached block
+    assert pool.allocate() == blocks[2]
+    assert pool.allocate() == blocks[0]  # evicts h0
+    assert pool.lookup(b"h0") is None and pool.lookup(b"h1") == blocks[1]
+
+
+def test_shared_blocks_count_references():
+    pool = BlockPool(2)
+    block = pool.allocate()
+    pool.register(block, b"h")
+    pool.share(block)
+    pool.release(block)
+    assert pool.num_free == 1  # still referenced once
+    pool.release(block)
+    assert pool.num_free == 2 and pool.lookup(b"h") == block  # free but still cached
+    pool.share(block)
+    assert pool.num_free == 1
+
+
+def test_prefix_match_reuses_blocks_and_leaves_one_token_to_compute():
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    first = seq(range(12))
+    assert manager.match_prefix(first) == 0
+    assert manager.grow(first, 12)
+    first.num_computed_tokens = 12
+    manager.commit(first)
+    same = seq(range(12), seq_id=1)
+    # All 12 tokens are cached, but the last block is left to compute so the step yields logits.
+    assert manager.match_prefix(same) == 8
+    assert same.block_table == first.block_table[:2]
+    longer = seq(list(range(12)) + [99], seq_id=2)
+    assert manager.match_prefix(longer) == 12
+
+
+def test_grow_refuses_without_changing_anything_when_short():
+    manager = KVCacheManager(num_blocks=2, block_size=4)
+    s = seq(range(6))
+    assert manager.grow(s, 6) and len(s.block_table) == 2
+    other = seq(range(3), seq_id=1)
+    assert not manager.grow(other, 3) and other.block_table == []
+    manager.free(s)
+    assert manager.pool.num_free == 2 and s.block_table == []
+
+
+def test_first_use_of_a_block_is_reported_once():
+    seen = []
+    manager = KVCacheManager(num_blocks=3, block_size=4, on_first_use=seen.extend)
+    s = seq(range(8))
+    manager.grow(s, 8)
+    manager.free(s)
+    manager.grow(seq(range(8), seq_id=1), 8)
+    assert sorted(seen) == [0, 1]

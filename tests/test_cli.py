@@ -1,0 +1,46 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvstrata.cli.main import main
+
+
+def run_cli(*args):
+    env = dict(os.environ)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstrata.cli.main", *args], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+
+
+def test_generate_help_describes_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--max-tokens", "--temperature", "--seed", "--model", "--kv-cache-memory", "--scheduler",
+                 "--chunk-size", "--tile", "--block-size", "--device", "--max-num-seqs", "--stop", "--chat"):
+        assert flag in text
+
+
+def test_generate_streams_text(tiny_llama, capsys):
+    assert main(["generate", "Emma", "--model", str(tiny_llama), "--max-tokens", "8", "--kv-cache-memory", "8MiB"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_bad_input_prints_an_error_without_traceback(tmp_path):
+    result = run_cli("generate", "hi", "--model", str(tmp_path / "missing"))
+    assert result.returncode == 2
+    assert "error: model path" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli("generate", "hi", "--temperature", "-1", "--model", str(tmp_path / "missing"))
+    assert result.returncode == 2 and "temperature must be in" in result.stderr
+
+
+def test_chat_session(tiny_llama):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstrata.cli.main", "chat", "--model", str(tiny_llama), "--max-tokens", "5",
+         "--kv-cache-memory", "8MiB"],
+        input="Hello\n/reset\nAgain\n/exit\n", capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(">") >= 3
