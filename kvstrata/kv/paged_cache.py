@@ -49,21 +49,28 @@ class PagedKVCache:
         out = torch.empty_like(q)
         if batch.decode is not None:
             group = batch.decode
-            keys = k_layer[group.block_tables].flatten(1, 2)
-            values = v_layer[group.block_tables].flatten(1, 2)
+            keys, values = _gather(k_layer, group.block_tables), _gather(v_layer, group.block_tables)
             out[group.rows] = causal_attention(
                 q[group.rows, None], keys, values, (group.context_lens - 1)[:, None], group.context_lens
             )[:, 0]
         for chunk in batch.prefills:
-            keys = k_layer[chunk.block_table].flatten(0, 1)[None, : chunk.context_len]
-            values = v_layer[chunk.block_table].flatten(0, 1)[None, : chunk.context_len]
+            keys = _gather(k_layer, chunk.block_table[None])[:, : chunk.context_len]
+            values = _gather(v_layer, chunk.block_table[None])[:, : chunk.context_len]
             out[chunk.rows] = causal_attention(q[None, chunk.rows], keys, values, batch.positions[None, chunk.rows])[0]
         return out
 
     def read(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_tokens, kv_heads, head_dim] of one sequence, for tests and tools."""
-        blocks = torch.tensor(block_table, dtype=torch.long, device=self.k.device)
-        return (
-            self.k[layer][blocks].flatten(0, 1)[:num_tokens],
-            self.v[layer][blocks].flatten(0, 1)[:num_tokens],
-        )
+        blocks = torch.tensor([block_table], dtype=torch.long, device=self.k.device)
+        return _gather(self.k[layer], blocks)[0, :num_tokens], _gather(self.v[layer], blocks)[0, :num_tokens]
+
+
+def _gather(layer_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[n, blocks * block_size, kv_heads, head_dim] from a layer's [blocks, block_size, ...] pool.
+
+    index_select copies whole blocks as contiguous rows: several times faster on CPU than
+    advanced indexing of the 5-D tensor.
+    """
+    n, width = block_tables.shape
+    picked = layer_cache.index_select(0, block_tables.reshape(-1))
+    return picked.view(n, width * layer_cache.shape[1], *layer_cache.shape[2:])
