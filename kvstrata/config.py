@@ -53,7 +53,10 @@ class EngineConfig:
         metadata=_option("batching policy: sarathi (chunked prefill + decode-maximal batches), prefill-first "
                          "(Orca/vLLM-v0 style), static (request-level batches)", choices=SCHEDULERS),
     )
-    chunk_size: int = field(default=256, metadata=_option("sarathi: tokens per step (decodes + prefill chunk)"))
+    chunk_size: int = field(
+        default=1024,
+        metadata=_option("sarathi: tokens per step, decodes plus prefill chunks (1024 measured best on 2 CPU cores)"),
+    )
     tile: int | None = field(
         default=None, metadata=_option("sarathi: round each step's token count down to a multiple of this")
     )

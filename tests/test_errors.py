@@ -69,6 +69,10 @@ def test_corrupt_weights(tmp_path, tiny_llama):
     (tmp_path / "model.safetensors").write_bytes(b"garbage" * 10)
     with pytest.raises(KvstrataError, match="cannot read weights"):
         LLM(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes((tiny_llama / "model.safetensors").read_bytes())
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(KvstrataError, match="cannot read the tokenizer"):
+        LLM(str(tmp_path))
 
 
 def test_impossible_kv_budget_names_the_minimum(tiny_llama):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvstrata import LLM, SamplingParams
 from kvstrata.model import loader
 
 
@@ -23,6 +24,9 @@ def test_default_model_converts_once_then_loads_from_cache(monkeypatch):
     assert loaded.model.lm_head.weight is loaded.model.embed_tokens.weight  # tied, stored once
 
 
-def test_dtype_option_casts_weights(tiny_llama):
-    loaded = loader.load_model(str(tiny_llama), torch.device("cpu"), torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+def test_bfloat16_weights_and_cache_generate(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="bfloat16", kv_cache_memory="8MiB")
+    assert all(p.dtype == torch.bfloat16 for p in llm.engine.loaded.model.parameters())
+    assert llm.engine.kv_cache.k.dtype == torch.bfloat16
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 6

@@ -179,6 +179,8 @@ class LLMEngine:
         """Run one scheduled batch; return the outputs of the requests that got a token or ended."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            if self.scheduler.has_unfinished():  # would spin forever: a scheduler bug, not user input
+                raise RuntimeError(f"no tokens scheduled with {self.num_waiting} waiting, {self.num_running} running")
             return []
         start = time.perf_counter()
         to_sample, logits = self.runner.execute(plan.scheduled)

@@ -33,9 +33,12 @@ class Tokenizer:
         """The directory's tokenizer, or None when it ships none (token-id prompts still work)."""
         if not (path / "tokenizer.json").is_file():
             return None
-        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        except Exception as exc:  # tokenizers raises bare Exceptions, json ValueErrors, files OSErrors
+            raise KvstrataError(f"cannot read the tokenizer in {path}: {exc}") from exc
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
