@@ -39,5 +39,12 @@ def tiny_opt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_opt_post_norm(tmp_path_factory) -> Path:
+    """OPT-350m's layout: layer norm after each block, embeddings projected from a smaller width."""
+    config = tiny_opt_config(do_layer_norm_before=False, word_embed_proj_dim=32)
+    return save_tiny_checkpoint(config, tmp_path_factory.mktemp("tiny-opt-post-norm"), seed=4)
+
+
+@pytest.fixture(scope="session")
 def emma_text() -> str:
     return (DATA / "emma.txt").read_text()

@@ -45,13 +45,15 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**{**settings, **overrides})
 
 
-def tiny_opt_config():
+def tiny_opt_config(**overrides):
     from transformers import OPTConfig
 
-    return OPTConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
-        max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
+    settings = {
+        "vocab_size": VOCAB_SIZE, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "max_position_embeddings": 512, "word_embed_proj_dim": 64,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    }
+    return OPTConfig(**{**settings, **overrides})
 
 
 def tiny_qwen2_config():
