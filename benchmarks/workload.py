@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "emma.txt"
+from kvstrata.data import EMMA
+
+DEFAULT_TEXT = EMMA
 
 
 def prompts_from_text(tokenizer, count: int, length: int, text_file: Path = DEFAULT_TEXT) -> list[list[int]]:

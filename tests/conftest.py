@@ -7,14 +7,13 @@ import pytest
 # The converted default model is cached per test session, away from the user's cache.
 os.environ.setdefault("KVSTRATA_CACHE_DIR", str(Path(tempfile.gettempdir()) / "kvstrata-test-cache"))
 
+from kvstrata.data import EMMA
 from tests.tiny_models import (
     save_tiny_checkpoint,
     tiny_llama_config,
     tiny_opt_config,
     tiny_qwen2_config,
 )
-
-DATA = Path(__file__).parent / "data"
 
 
 @pytest.fixture(scope="session")
@@ -47,4 +46,4 @@ def tiny_opt_post_norm(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def emma_text() -> str:
-    return (DATA / "emma.txt").read_text()
+    return EMMA.read_text()

@@ -8,12 +8,14 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kvstrata.data import EMMA
+
 VOCAB_SIZE = 320
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-TRAINING_TEXT = (Path(__file__).parent / "data" / "emma.txt").read_text()[:200_000]
+TRAINING_TEXT = EMMA.read_text()[:200_000]
 
 
 def write_tokenizer(directory: Path) -> None:

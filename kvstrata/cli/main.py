@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvstrata.bench.serve import add_bench_serve_arguments, run_bench_serve
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.errors import KvstrataError
+from kvstrata.server.serve import add_serve_arguments, run_serve
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -54,6 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message for the conversation")
     _add_sampling_arguments(chat, temperature=0.7)
     add_engine_arguments(chat)
+
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.",
+    )
+    add_serve_arguments(serve)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bench_serve = bench.add_parser(
+        "serve", help="load generator against a running server",
+        description="Open-loop (Poisson arrivals at --request-rate) or closed-loop (--concurrency clients) "
+                    "streaming load against a running kvstrata (or any OpenAI-compatible) server.",
+    )
+    add_bench_serve_arguments(bench_serve)
     return parser
 
 
@@ -110,7 +126,8 @@ def run_chat(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": run_generate, "chat": run_chat}[args.command](args)
+        commands = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench_serve}
+        commands[args.command](args)
     except KvstrataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

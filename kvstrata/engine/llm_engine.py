@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.model.loader import LoadedModel, load_model
+
+MAX_STEP_STATS = 100_000
 
 
 @dataclass
@@ -63,7 +66,8 @@ class LLMEngine:
         self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.block_size, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)
-        self.step_stats: list[StepStats] = []
+        # The latest steps only, so a long-running server's memory stays bounded.
+        self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_STATS)
         self._sequences: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
 
@@ -122,12 +126,7 @@ class LLMEngine:
             raise KvstrataError(f"a token-id prompt must be a list of integers in [0, {vocab}), got {prompt!r:.200}")
         return list(prompt)
 
-    def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
-    ) -> str:
-        """Queue a request; returns its id. `prompt` is text or a list of token ids."""
-        params = params or SamplingParams()
-        token_ids = self.tokenize(prompt)
+    def check_prompt_length(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise KvstrataError("the prompt is empty; give at least one token")
         if len(token_ids) >= self.max_model_len:
@@ -135,6 +134,21 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; the context allows at most {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len}, one token kept for the output)"
             )
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id. `prompt` is text or a list of token ids.
+
+        `arrival_time` (a `time.perf_counter()` reading) lets a server count queueing before this call.
+        """
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self.check_prompt_length(token_ids)
         seq_id = next(self._seq_ids)
         request_id = str(seq_id) if request_id is None else request_id
         if request_id in self._sequences:
@@ -150,6 +164,8 @@ class LLMEngine:
             params=params,
             generator=generator,
         )
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id

@@ -1,0 +1,259 @@
+"""`kvstrata bench serve`: streaming load against a running OpenAI-compatible server.
+
+Open loop: requests arrive as a Poisson process at --request-rate (inf = all at once), optionally
+capped at --concurrency in flight. Closed loop: --concurrency clients, each sending its next
+request when the previous one ends. Metric names follow `vllm bench serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstrata.bench.stats import summarize
+from kvstrata.data import EMMA
+from kvstrata.errors import KvstrataError
+
+CHARS_PER_TOKEN = 4  # rough; exact counts come back in each response's usage
+
+
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests to send (closed loop: in all)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="open loop: mean requests per second, Poisson arrivals (default: inf, all at once)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="closed loop with this many clients, or a cap on requests in flight with a rate")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="closed loop: keep sending for this many seconds instead of --num-prompts requests")
+    parser.add_argument("--prompt-len", type=int, default=256, help="approximate prompt tokens (default: 256)")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens to generate per request (default: 128)")
+    parser.add_argument("--text", type=Path, default=EMMA, help="UTF-8 text the prompts are cut from")
+    parser.add_argument("--goodput", default=None,
+                        help="latency objectives in ms for goodput, e.g. ttft:2000,tpot:300,e2el:60000")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before one request counts as failed")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
+    parser.add_argument("--plot", type=Path, default=None, help="write latency distributions to this PNG")
+    parser.add_argument("--result-file", type=Path, default=None, help="also write the JSON here")
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def make_prompts(text: str, count: int, prompt_len: int, seed: int) -> list[str]:
+    """`count` passages of about `prompt_len` tokens from random places in `text`."""
+    width = prompt_len * CHARS_PER_TOKEN
+    if len(text) < 2 * width:
+        raise KvstrataError(f"the text has {len(text)} characters, too few for prompts of {prompt_len} tokens")
+    rng = random.Random(seed)
+    return [text[start : start + width] for start in (rng.randrange(len(text) - width) for _ in range(count))]
+
+
+def parse_goodput(spec: str | None) -> dict[str, float]:
+    if not spec:
+        return {}
+    objectives = {}
+    for part in spec.split(","):
+        name, _, value = part.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise KvstrataError(f"goodput objective {part!r} is not one of ttft:MS, tpot:MS, e2el:MS")
+        objectives[name] = float(value) / 1000
+    return objectives
+
+
+async def _one_request(client, url: str, body: dict, chat: bool, timeout: float) -> RequestResult:
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if text:
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "the stream carried no usage or no tokens"
+    except Exception as exc:  # noqa: BLE001 - any network error or timeout counts as a failed request
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def _run_load(args, model: str, prompts: list[str], progress) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    chat = args.endpoint.endswith("chat/completions")
+    url = args.base_url.rstrip("/") + args.endpoint
+
+    def body(prompt: str) -> dict:
+        request = {"model": model, "max_tokens": args.output_len, "stream": True, "ignore_eos": True,
+                   "temperature": 0.0, "stream_options": {"include_usage": True}}
+        if chat:
+            return {**request, "messages": [{"role": "user", "content": prompt}]}
+        return {**request, "prompt": prompt}
+
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=args.concurrency or len(prompts) or 1)
+    async with httpx.AsyncClient(limits=limits, timeout=args.timeout) as client:
+        gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+
+        async def send(prompt: str) -> None:
+            if gate is None:
+                results.append(await _one_request(client, url, body(prompt), chat, args.timeout))
+            else:
+                async with gate:
+                    results.append(await _one_request(client, url, body(prompt), chat, args.timeout))
+            progress.update(1)
+
+        start = time.perf_counter()
+        if args.duration is not None:  # closed loop for a fixed time
+            async def client_loop(offset: int) -> None:
+                i = offset
+                while time.perf_counter() - start < args.duration:
+                    await send(prompts[i % len(prompts)])
+                    i += args.concurrency
+            await asyncio.gather(*(client_loop(c) for c in range(args.concurrency)))
+        else:
+            rng = random.Random(args.seed)
+            tasks = []
+            for prompt in prompts:
+                tasks.append(asyncio.create_task(send(prompt)))
+                if args.request_rate != float("inf"):
+                    await asyncio.sleep(rng.expovariate(args.request_rate))
+            await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def summarize_results(results: list[RequestResult], duration: float, goodput: dict[str, float]) -> dict:
+    done = [r for r in results if r.ok]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+
+    def meets_objectives(r: RequestResult) -> bool:
+        measured = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.e2e}
+        return all(measured[name] <= limit for name, limit in goodput.items())
+
+    summary = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration": round(duration, 3),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": round(len(done) / duration, 4),
+        "output_throughput": round(output_tokens / duration, 2),
+        "total_token_throughput": round((input_tokens + output_tokens) / duration, 2),
+    }
+    if goodput:
+        summary["request_goodput"] = round(sum(map(meets_objectives, done)) / duration, 4)
+    summary.update(summarize([r.ttft for r in done], "ttft_ms", 1000))
+    summary.update(summarize([r.tpot for r in done if r.tpot is not None], "tpot_ms", 1000))
+    summary.update(summarize([gap for r in done for gap in r.itl], "itl_ms", 1000))
+    summary.update(summarize([r.e2e for r in done], "e2el_ms", 1000))
+    return summary
+
+
+def plot_latencies(results: list[RequestResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in results if r.ok]
+    series = {
+        "TTFT (ms)": [r.ttft * 1000 for r in done],
+        "TPOT (ms)": [r.tpot * 1000 for r in done if r.tpot is not None],
+        "ITL (ms)": [g * 1000 for r in done for g in r.itl],
+        "end-to-end (ms)": [r.e2e * 1000 for r in done],
+    }
+    figure, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    for ax, (label, values) in zip(axes, series.items()):
+        ax.hist(values, bins=30, color="#3a6ea5")
+        ax.set_xlabel(label)
+        ax.set_ylabel("count")
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def run_bench_serve(args: argparse.Namespace) -> None:
+    import httpx
+    from tqdm import tqdm
+
+    if args.bench != "serve":
+        raise KvstrataError(f"unknown benchmark {args.bench!r}")
+    if args.duration is not None and not args.concurrency:
+        raise KvstrataError("--duration runs a closed loop and needs --concurrency N")
+    goodput = parse_goodput(args.goodput)
+    try:
+        model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise KvstrataError(f"cannot reach a server at {args.base_url}: {exc}") from exc
+    count = args.num_prompts if args.duration is None else max(args.num_prompts, args.concurrency)
+    prompts = make_prompts(args.text.read_text(), count, args.prompt_len, args.seed)
+    with tqdm(total=None if args.duration else len(prompts), desc="requests", disable=args.json) as progress:
+        results, duration = asyncio.run(_run_load(args, model, prompts, progress))
+    report = {
+        "benchmark": "serve",
+        "base_url": args.base_url,
+        "model": model,
+        "workload": {
+            "endpoint": args.endpoint, "num_prompts": len(results), "request_rate": str(args.request_rate),
+            "concurrency": args.concurrency, "duration_s": args.duration, "prompt_len": args.prompt_len,
+            "output_len": args.output_len, "text": str(args.text), "seed": args.seed, "goodput_ms":
+            {k: v * 1000 for k, v in goodput.items()},
+        },
+        **summarize_results(results, duration, goodput),
+    }
+    if args.plot:
+        plot_latencies(results, args.plot, f"{model}: {len(results)} requests, rate {args.request_rate}")
+    text = json.dumps(report, indent=2)
+    if args.result_file:
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+        args.result_file.write_text(text)
+    if args.json:
+        print(text)
+    else:
+        for key, value in report.items():
+            if key != "workload":
+                print(f"{key:>28}: {value}")

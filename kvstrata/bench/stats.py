@@ -1,0 +1,19 @@
+"""Summary statistics shared by the benchmarks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def summarize(values: list[float], name: str, scale: float = 1.0) -> dict[str, float]:
+    """mean, median, p90 and p99 of `values` * `scale`, keyed like vLLM's benchmarks (mean_ttft_ms, ...)."""
+    if not values:
+        return {f"{stat}_{name}": 0.0 for stat in ("mean", "median", "p50", "p90", "p99")}
+    data = np.asarray(values, dtype=float) * scale
+    return {
+        f"mean_{name}": round(float(data.mean()), 3),
+        f"median_{name}": round(float(np.median(data)), 3),
+        f"p50_{name}": round(float(np.percentile(data, 50)), 3),
+        f"p90_{name}": round(float(np.percentile(data, 90)), 3),
+        f"p99_{name}": round(float(np.percentile(data, 99)), 3),
+    }

@@ -1,0 +1,78 @@
+"""Prometheus metrics of the server, named like vLLM's so existing dashboards carry over."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.outputs import RequestOutput
+
+disable_created_metrics()  # the *_created series only add noise for scrapers
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(name, doc, list(labels), registry=self.registry).labels(**labels)
+
+        def histogram(name, doc):
+            return Histogram(name, doc, list(labels), buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+
+        self.running = gauge("kvstrata:num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("kvstrata:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kvstrata:kv_cache_usage_perc", "Fraction of KV blocks held by live requests")
+        self.prefix_hit_rate = gauge("kvstrata:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache")
+        self.prompt_tokens = counter("kvstrata:prompt_tokens", "Prompt tokens of requests that got a first token")
+        self.generation_tokens = counter("kvstrata:generation_tokens", "Tokens generated")
+        self.preemptions = counter("kvstrata:num_preemptions", "Requests preempted for lack of KV blocks")
+        self.ttft = histogram("kvstrata:time_to_first_token_seconds", "Arrival to first token")
+        self.itl = histogram("kvstrata:inter_token_latency_seconds", "Time between consecutive outputs")
+        self.e2e = histogram("kvstrata:e2e_request_latency_seconds", "Arrival to the last token")
+        self.finished = Counter(
+            "kvstrata:request_success", "Requests finished, by reason", ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+        self._last_token_time: dict[str, float] = {}
+
+    def observe_output(self, output: RequestOutput) -> None:
+        """Called in the engine thread for every output a step produced."""
+        now = time.perf_counter()
+        if output.new_token_ids:
+            self.generation_tokens.inc(len(output.new_token_ids))
+            last = self._last_token_time.get(output.request_id)
+            if last is None:
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                if output.metrics.ttft is not None:
+                    self.ttft.observe(output.metrics.ttft)
+            else:
+                self.itl.observe(now - last)
+            self._last_token_time[output.request_id] = now
+        if output.finished:
+            self.observe_finished(output)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        self._last_token_time.pop(output.request_id, None)
+        self.finished.labels(model_name=self.model_name, finished_reason=output.finish_reason).inc()
+        if output.metrics.e2e is not None:
+            self.e2e.observe(output.metrics.e2e)
+
+    def observe_step(self, engine: LLMEngine) -> None:
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_usage.set(engine.kv_manager.usage)
+        self.prefix_hit_rate.set(engine.kv_manager.prefix_stats.hit_rate)
+        if engine.step_stats:
+            self.preemptions.inc(engine.step_stats[-1].num_preempted)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,108 @@
+"""OpenAI response bodies and server-sent-event chunks built from engine outputs."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from kvstrata.engine.outputs import RequestOutput
+from kvstrata.engine.sequence import TokenLogprobs
+from kvstrata.model.tokenizer import Tokenizer
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def usage(output: RequestOutput) -> dict:
+    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error", code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ResponseBuilder:
+    """Shapes one request's outputs for one endpoint."""
+
+    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer):
+        self.chat = chat
+        self.model = model
+        self.tokenizer = tokenizer
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self._sent_logprobs = 0
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
+        if self.chat:
+            return {"content": [
+                {
+                    "token": self._token_text(e.token_id),
+                    "logprob": e.logprob,
+                    "bytes": list(self._token_text(e.token_id).encode()),
+                    "top_logprobs": [
+                        {"token": self._token_text(t), "logprob": lp, "bytes": list(self._token_text(t).encode())}
+                        for t, lp in e.top.items()
+                    ],
+                }
+                for e in entries
+            ]}
+        return {
+            "tokens": [self._token_text(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token_text(t): lp for t, lp in e.top.items()} for e in entries],
+        }
+
+    def _new_logprobs(self, output: RequestOutput) -> dict | None:
+        if output.logprobs is None:
+            return None
+        entries = output.logprobs[self._sent_logprobs :]
+        self._sent_logprobs = len(output.logprobs)
+        return self._logprobs(entries)
+
+    def _envelope(self, choice: dict, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def full(self, output: RequestOutput) -> dict:
+        """The whole non-streaming response."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": output.text}}
+        else:
+            choice = {"index": 0, "text": output.text}
+        choice["logprobs"] = None if output.logprobs is None else self._logprobs(output.logprobs)
+        choice["finish_reason"] = output.finish_reason
+        return {**self._envelope(choice, chunk=False), "usage": usage(output)}
+
+    def first_chunk(self) -> dict | None:
+        """Chat streams open with the assistant role."""
+        if not self.chat:
+            return None
+        return self._envelope({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}, chunk=True)
+
+    def chunk(self, output: RequestOutput) -> dict | None:
+        """The streaming chunk for this output; None when it adds nothing."""
+        logprobs = self._new_logprobs(output)
+        if not output.new_text and logprobs is None and not output.finished:
+            return None
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": output.new_text} if output.new_text else {}}
+        else:
+            choice = {"index": 0, "text": output.new_text}
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = output.finish_reason if output.finished else None
+        return self._envelope(choice, chunk=True)
+
+    def usage_chunk(self, output: RequestOutput) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": usage(output)}
