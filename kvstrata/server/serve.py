@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
+
+import uvicorn
 
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 
@@ -20,9 +24,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-def run_serve(args: argparse.Namespace) -> None:
-    import uvicorn
+class GracefulServer(uvicorn.Server):
+    """On SIGTERM or SIGINT: stop accepting, give open requests the grace period, let the app's
+    shutdown abort what is left, and exit 0. (uvicorn itself re-raises the signal once shut down,
+    which makes the exit status -15 instead of the 0 a supervisor expects.)"""
 
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def run_serve(args: argparse.Namespace) -> None:
     from kvstrata.engine.llm_engine import LLMEngine
     from kvstrata.errors import KvstrataError
     from kvstrata.server.app import build_app
@@ -32,7 +49,6 @@ def run_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config_from_args(args))
     app = build_app(engine, args.served_model_name or engine.loaded.name, args.max_waiting)
-    # uvicorn stops accepting on SIGTERM, waits up to the grace period for open requests, then the
-    # app's shutdown aborts whatever is left and the process exits 0.
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.shutdown_grace,
-                log_level="info")
+    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.shutdown_grace,
+                            log_level="info")
+    GracefulServer(config).run()

@@ -1,0 +1,283 @@
+"""The HTTP server on a tiny model: OpenAI shapes, errors, back-pressure, disconnects, shutdown."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstrata import LLM, SamplingParams
+from tests.server_harness import free_port, running_server
+
+MODEL = "test-model"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with running_server(str(tiny_llama), MODEL, kv_cache_memory="8MiB", max_model_len=256) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    return LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256)
+
+
+def wait_idle(app, timeout=30.0):
+    engine = app.state.async_engine
+    deadline = time.time() + timeout
+    while time.time() < deadline and (engine.num_in_flight or engine.engine.has_unfinished_requests()):
+        time.sleep(0.05)
+    return engine.engine
+
+
+def test_completion_matches_offline_generate(client, offline):
+    expected = offline.generate(["Emma Woodhouse, handsome"], SamplingParams(max_tokens=12, temperature=0))[0]
+    reply = client.completions.create(model=MODEL, prompt="Emma Woodhouse, handsome", max_tokens=12, temperature=0)
+    assert reply.choices[0].text == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    streamed = client.completions.create(
+        model=MODEL, prompt="Emma Woodhouse, handsome", max_tokens=12, temperature=0, stream=True
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_chat_matches_offline_chat(client, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Emma?"}]
+    expected = offline.chat(messages, SamplingParams(max_tokens=10, temperature=0))[0]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == expected.text and reply.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_sampling_options_and_logprobs(client):
+    a = client.completions.create(model=MODEL, prompt="Emma", max_tokens=8, temperature=1.0, top_p=0.9, seed=7,
+                                  extra_body={"top_k": 20})
+    b = client.completions.create(model=MODEL, prompt="Emma", max_tokens=8, temperature=1.0, top_p=0.9, seed=7,
+                                  extra_body={"top_k": 20})
+    assert a.choices[0].text == b.choices[0].text
+    scored = client.completions.create(model=MODEL, prompt="Emma", max_tokens=4, temperature=0, logprobs=2)
+    assert len(scored.choices[0].logprobs.token_logprobs) == 4
+    assert all(len(top) == 2 for top in scored.choices[0].logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    assert len(chat.choices[0].logprobs.content) == 3
+    free = client.completions.create(model=MODEL, prompt="Emma", max_tokens=12, temperature=0).choices[0].text
+    stop = free[3:6]
+    stopped = client.completions.create(model=MODEL, prompt="Emma", max_tokens=12, temperature=0, stop=[stop])
+    assert stopped.choices[0].text == free[: free.index(stop)] and stopped.choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_metrics(server, client):
+    url, app = server
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    before = _metric(url, "kvstrata:generation_tokens_total")
+    reply = client.completions.create(model=MODEL, prompt="Emma", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    wait_idle(app)
+    assert _metric(url, "kvstrata:generation_tokens_total") - before == reply.usage.completion_tokens == 5
+    text = httpx.get(url + "/metrics").text
+    for name in ("kvstrata:num_requests_running", "kvstrata:num_requests_waiting", "kvstrata:kv_cache_usage_perc",
+                 "kvstrata:prefix_cache_hit_rate", "kvstrata:prompt_tokens_total", "kvstrata:num_preemptions_total",
+                 "kvstrata:time_to_first_token_seconds_bucket", "kvstrata:inter_token_latency_seconds_bucket",
+                 "kvstrata:e2e_request_latency_seconds_bucket", "kvstrata:request_success_total"):
+        assert name in text
+
+
+def _metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "Emma " * 300}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ],
+)
+def test_bad_completion_requests(server, body, status, param):
+    reply = httpx.post(server[0] + "/v1/completions", json=body)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_bad_bodies(server):
+    url = server[0]
+    assert httpx.post(url + "/v1/completions", content=b"{not json",
+                      headers={"content-type": "application/json"}).status_code == 400
+    assert httpx.post(url + "/v1/completions", json=[1, 2]).status_code == 400
+    reply = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages.0.role"
+    assert httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": []}).status_code == 400
+    assert httpx.get(url + "/v1/nothing").status_code == 404
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+          "stream", "logprobs", "top_logprobs", "stream_options", "max_completion_tokens", "ignore_eos", "echo"]
+
+
+def _edge_body():
+    """Mostly-valid bodies with one or more fields replaced by arbitrary JSON."""
+    base = st.fixed_dictionaries({
+        "model": st.just(MODEL),
+        "prompt": st.text(max_size=40),
+        "messages": st.just([{"role": "user", "content": "hi"}]),
+        "max_tokens": st.integers(1, 4),
+    })
+    overrides = st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=3)
+    return st.builds(lambda b, o: {**b, **o}, base, overrides) | JSON_VALUES
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=_edge_body(), chat=st.booleans(), raw=st.booleans())
+def test_no_input_produces_a_server_error(server, body, chat, raw):
+    url = server[0] + ("/v1/chat/completions" if chat else "/v1/completions")
+    if raw:  # also bytes that are not JSON at all
+        reply = httpx.post(url, content=json.dumps(body)[:-1].encode() or b"{", timeout=60,
+                           headers={"content-type": "application/json"})
+    else:
+        reply = httpx.post(url, json=body, timeout=60)
+    assert reply.status_code < 500, reply.text
+    if reply.status_code >= 400:
+        assert reply.json()["error"]["message"]
+
+
+def test_server_still_correct_after_the_fuzzing(client, offline):
+    """Runs after the property test in file order."""
+    expected = offline.generate(["Emma"], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert client.completions.create(model=MODEL, prompt="Emma", max_tokens=6, temperature=0).choices[0].text == expected.text
+
+
+def test_disconnected_clients_leave_no_blocks_in_use(server):
+    url, app = server
+    aborted = 'kvstrata:request_success_total{finished_reason="abort",model_name="test-model"}'
+    aborts_before = _metric_line(url, aborted)
+
+    async def hang_up_mid_stream():
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"model": MODEL, "prompt": "Emma Woodhouse", "max_tokens": 200, "stream": True, "ignore_eos": True}
+            async with http.stream("POST", url + "/v1/completions", json=body) as response:
+                seen = 0
+                async for line in response.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= 3:
+                        return  # closes the connection mid-stream
+
+    async def twenty():
+        await asyncio.gather(*(hang_up_mid_stream() for _ in range(20)))
+
+    asyncio.run(twenty())
+    engine = wait_idle(app)
+    assert engine.kv_manager.pool.num_used == 0
+    assert not engine.has_unfinished_requests()
+    assert _metric_line(url, aborted) > aborts_before
+
+
+def _metric_line(url: str, series: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_full_queue_answers_503_with_a_retry_hint(tiny_llama):
+    with running_server(str(tiny_llama), MODEL, max_waiting=1, kv_cache_memory="8MiB", max_model_len=256,
+                        max_num_seqs=1) as (url, app):
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {"model": MODEL, "prompt": "Emma", "max_tokens": 60, "ignore_eos": True}
+                return await asyncio.gather(*(http.post(url + "/v1/completions", json=body) for _ in range(8)))
+
+        replies = asyncio.run(burst())
+        codes = sorted(r.status_code for r in replies)
+        assert 200 in codes and 503 in codes and set(codes) <= {200, 503}
+        busy = next(r for r in replies if r.status_code == 503)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_overloaded"
+        assert wait_idle(app).kv_manager.pool.num_used == 0
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_llama):
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvstrata.cli.main", "serve", "--model", str(tiny_llama), "--port", str(port),
+         "--kv-cache-memory", "8MiB", "--max-model-len", "256", "--served-model-name", MODEL],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "Emma", "max_tokens": 150, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        final = json.loads(next(line for line in reversed(rest) if line.startswith("data: {"))[6:])
+        assert final["choices"][0]["finish_reason"] in ("length", "abort")
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.real_model
+def test_default_model_greedy_over_http_equals_generate():
+    prompts = ["The capital of France is", "Emma Woodhouse, handsome, clever, and rich,"]
+    offline = LLM(kv_cache_memory="512MiB")
+    expected = offline.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    del offline
+    with running_server(None, MODEL, kv_cache_memory="512MiB") as (url, _):
+        http = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for prompt, want in zip(prompts, expected):
+            got = http.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert got.choices[0].text == want.text and got.usage.completion_tokens == 32
