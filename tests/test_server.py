@@ -281,3 +281,22 @@ def test_default_model_greedy_over_http_equals_generate():
             got = http.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0,
                                           extra_body={"ignore_eos": True})
             assert got.choices[0].text == want.text and got.usage.completion_tokens == 32
+
+
+def test_bench_serve_reports_consistent_figures(server, tmp_path):
+    import argparse
+
+    from kvstrata.bench.serve import add_bench_serve_arguments, benchmark_server, plot_latencies
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_arguments(parser)
+    args = parser.parse_args(["--base-url", server[0], "--num-prompts", "6", "--request-rate", "50",
+                              "--prompt-len", "16", "--output-len", "5", "--goodput", "ttft:60000", "--json"])
+    report, results = benchmark_server(args)
+    assert report["completed"] == 6 and report["failed"] == 0 and report["model"] == MODEL
+    assert report["total_output_tokens"] == 30 and len(results) == 6
+    assert report["request_goodput"] == report["request_throughput"]  # every request met the objective
+    assert 0 < report["p50_ttft_ms"] <= report["p99_ttft_ms"] and report["median_e2el_ms"] >= report["median_ttft_ms"]
+    assert all(len(r.itl) == 4 for r in results)
+    plot_latencies(results, tmp_path / "serve.png", "test")
+    assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"

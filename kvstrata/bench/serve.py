@@ -216,12 +216,11 @@ def plot_latencies(results: list[RequestResult], path: Path, title: str) -> None
     plt.close(figure)
 
 
-def run_bench_serve(args: argparse.Namespace) -> None:
+def benchmark_server(args: argparse.Namespace) -> tuple[dict, list[RequestResult]]:
+    """Run the load `args` describe; returns the report and every request's result."""
     import httpx
     from tqdm import tqdm
 
-    if args.bench != "serve":
-        raise KvstrataError(f"unknown benchmark {args.bench!r}")
     if args.duration is not None and not args.concurrency:
         raise KvstrataError("--duration runs a closed loop and needs --concurrency N")
     goodput = parse_goodput(args.goodput)
@@ -245,6 +244,14 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         },
         **summarize_results(results, duration, goodput),
     }
+    return report, results
+
+
+def run_bench_serve(args: argparse.Namespace) -> None:
+    if args.bench != "serve":
+        raise KvstrataError(f"unknown benchmark {args.bench!r}")
+    report, results = benchmark_server(args)
+    model = report["model"]
     if args.plot:
         plot_latencies(results, args.plot, f"{model}: {len(results)} requests, rate {args.request_rate}")
     text = json.dumps(report, indent=2)
