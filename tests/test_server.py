@@ -297,6 +297,6 @@ def test_bench_serve_reports_consistent_figures(server, tmp_path):
     assert report["total_output_tokens"] == 30 and len(results) == 6
     assert report["request_goodput"] == report["request_throughput"]  # every request met the objective
     assert 0 < report["p50_ttft_ms"] <= report["p99_ttft_ms"] and report["median_e2el_ms"] >= report["median_ttft_ms"]
-    assert all(len(r.itl) == 4 for r in results)
+    assert all(len(r.itl) <= 4 and r.ttft + sum(r.itl) <= r.e2e for r in results)
     plot_latencies(results, tmp_path / "serve.png", "test")
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
