@@ -50,7 +50,7 @@ def test_prefix_match_reuses_blocks_and_leaves_one_token_to_compute():
     assert manager.match_prefix(first) == 0
     assert manager.grow(first, 12)
     first.num_computed_tokens = 12
-    manager.commit(first)
+    manager.commit(first, 12)
     same = seq(range(12), seq_id=1)
     # All 12 tokens are cached, but the last block is left to compute so the step yields logits.
     assert manager.match_prefix(same) == 8

@@ -205,7 +205,7 @@ class LLMEngine:
             is_decode = num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             prefill_tokens += 0 if is_decode else num_tokens
             seq.num_computed_tokens += num_tokens
-            self.kv_manager.commit(seq)
+            self.kv_manager.commit(seq, num_tokens)
         tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
         now = time.perf_counter()
         outputs = []

@@ -68,7 +68,3 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens not yet in the KV cache: the prompt's rest, or the one token sampled last step."""
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

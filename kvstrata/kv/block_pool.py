@@ -70,8 +70,3 @@ class BlockPool:
         if self.hash_of_block[block] is None and block_hash not in self.block_of_hash:
             self.block_of_hash[block_hash] = block
             self.hash_of_block[block] = block_hash
-
-    def reset_prefix_cache(self) -> None:
-        for block_hash, block in list(self.block_of_hash.items()):
-            self.hash_of_block[block] = None
-            del self.block_of_hash[block_hash]

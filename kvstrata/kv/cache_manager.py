@@ -80,15 +80,16 @@ class KVCacheManager:
             self.on_first_use(first_uses)
         return True
 
-    def commit(self, seq: Sequence) -> None:
-        """Index the blocks that the last step filled, so later requests can share them."""
+    def commit(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Index the blocks that the last step's `num_new_tokens` filled, so later requests can share them."""
         if not self.enable_prefix_caching:
             return
+        first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
         full = seq.num_computed_tokens // self.block_size
         if full > len(seq.block_hashes):
             seq.block_hashes = full_block_hashes(seq.token_ids[: full * self.block_size], self.block_size, seq.block_hashes)
-        for block, block_hash in zip(seq.block_table[:full], seq.block_hashes[:full]):
-            self.pool.register(block, block_hash)
+        for index in range(first, full):
+            self.pool.register(seq.block_table[index], seq.block_hashes[index])
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`; the tail goes first, so shared heads stay cached longest."""

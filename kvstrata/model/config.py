@@ -46,11 +46,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
-    @property
-    def kv_values_per_token_per_layer(self) -> int:
-        """Values one token stores per layer for K (the same again for V)."""
-        return self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_json_file(cls, path: Path) -> ModelConfig:
         try:

@@ -36,7 +36,6 @@ class _Add:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
-    outputs: asyncio.Queue
     arrival: float
 
 
@@ -88,7 +87,7 @@ class AsyncEngine:
             request_id = f"req-{self._counter}"
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (outputs, asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, token_ids, params, outputs, time.perf_counter()))
+        self._commands.put(_Add(request_id, token_ids, params, time.perf_counter()))
         finished = False
         try:
             while not finished:
