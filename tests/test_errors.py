@@ -17,6 +17,7 @@ from kvstrata.config import parse_memory_size
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),
         ({"seed": True}, "seed"),
+        ({"seed": 2**64}, "seed must be at most"),
         ({"logprobs": 50}, "logprobs must be at most 20"),
         ({"stop": [""]}, "stop must be"),
         ({"stop_token_ids": [-3]}, "stop_token_ids entry"),

@@ -7,13 +7,16 @@ from dataclasses import dataclass, field
 from kvstrata.errors import KvstrataError
 
 MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 
 
-def _check_int(name: str, value, minimum: int, allow_none: bool = False) -> None:
+def _check_int(name: str, value, minimum: int, allow_none: bool = False, maximum: int | None = None) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise KvstrataError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise KvstrataError(f"{name} must be at most {maximum}, got {value!r}")
 
 
 def _check_number(name: str, value, low: float, high: float, low_inclusive: bool) -> None:
@@ -44,10 +47,8 @@ class SamplingParams:
         _check_number("temperature", self.temperature, 0.0, float("inf"), low_inclusive=True)
         _check_number("top_p", self.top_p, 0.0, 1.0, low_inclusive=False)
         _check_int("top_k", self.top_k, 0)
-        _check_int("seed", self.seed, 0, allow_none=True)
-        _check_int("logprobs", self.logprobs, 0, allow_none=True)
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise KvstrataError(f"logprobs must be at most {MAX_LOGPROBS}, got {self.logprobs}")
+        _check_int("seed", self.seed, 0, allow_none=True, maximum=MAX_SEED)
+        _check_int("logprobs", self.logprobs, 0, allow_none=True, maximum=MAX_LOGPROBS)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

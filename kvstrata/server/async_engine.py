@@ -130,6 +130,9 @@ class AsyncEngine:
                     self.engine.add_request(command.prompt, command.params, command.request_id, command.arrival)
                 except KvstrataError as exc:
                     self._deliver(command.request_id, exc)
+                except Exception as exc:  # never let one request stop the loop
+                    log.exception("could not start request %s", command.request_id)
+                    self._deliver(command.request_id, EngineDeadError(f"could not start the request: {exc}"))
             else:
                 output = self.engine.abort(command.request_id)
                 if output is not None:

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from kvstrata.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvstrata.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 Number = StrictFloat | StrictInt
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
@@ -26,7 +26,7 @@ class _SamplingFields(BaseModel):
     temperature: Annotated[Number, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[Number, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=-1)] = 0  # vLLM's -1 also means "off"
-    seed: Annotated[StrictInt, Field(ge=0)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=16)] | None = None
     n: Literal[1] = 1
     stream: StrictBool = False
