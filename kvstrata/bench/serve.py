@@ -230,7 +230,7 @@ def benchmark_server(args: argparse.Namespace) -> tuple[dict, list[RequestResult
         raise KvstrataError(f"cannot reach a server at {args.base_url}: {exc}") from exc
     count = args.num_prompts if args.duration is None else max(args.num_prompts, args.concurrency)
     prompts = make_prompts(args.text.read_text(), count, args.prompt_len, args.seed)
-    with tqdm(total=None if args.duration else len(prompts), desc="requests", disable=args.json) as progress:
+    with tqdm(total=None if args.duration else len(prompts), desc="requests") as progress:  # on stderr
         results, duration = asyncio.run(_run_load(args, model, prompts, progress))
     report = {
         "benchmark": "serve",
