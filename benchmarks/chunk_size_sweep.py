@@ -11,8 +11,9 @@ import argparse
 import json
 import time
 
-from benchmarks.workload import machine, prompts_from_text
 from kvstrata import LLM, SamplingParams
+from kvstrata.bench.report import machine_info
+from kvstrata.bench.workload import prompts_from_text
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
     best = max(results, key=lambda r: r["tokens_per_s"])
     print(json.dumps({
         "benchmark": "chunk_size_sweep",
-        "machine": machine(),
+        "machine": machine_info(),
         "model": args.model or "SmolLM2-135M-Instruct (default)",
         "workload": vars(args),
         "results": results,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.workload import machine, prompts_from_text
 from kvstrata import LLM, SamplingParams
+from kvstrata.bench.report import machine_info
+from kvstrata.bench.workload import prompts_from_text
 
 QUESTIONS = (" Who is Emma?", " Who is Mr. Knightley?")
 
@@ -46,7 +47,7 @@ def main() -> None:
 
     print(json.dumps({
         "benchmark": "prefix_cache_ttft",
-        "machine": machine(),
+        "machine": machine_info(),
         "model": "SmolLM2-135M-Instruct (default)",
         "workload": vars(args),
         "runs": runs,

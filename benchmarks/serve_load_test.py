@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.workload import machine
+from kvstrata.bench.report import machine_info
 from kvstrata.bench.serve import add_bench_serve_arguments, benchmark_server, plot_latencies
 
 
@@ -103,7 +103,7 @@ def main() -> None:
     }
     print(json.dumps({
         "benchmark": "serve_load_test",
-        "machine": machine(),
+        "machine": machine_info(),
         "clients": own.clients,
         "seconds": own.seconds,
         "server_rss_idle_mib": round(rss_idle / 2**20, 1),

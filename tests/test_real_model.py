@@ -107,3 +107,19 @@ def test_shared_prefix_is_served_from_the_cache(emma_text):
     assert second.num_cached_tokens == 1000
     prefilled = [s.prefill_tokens for s in llm.engine.step_stats]
     assert sum(prefilled) == len(first.prompt_token_ids) + len(second.prompt_token_ids) - 1000
+
+
+def test_eval_ppl_matches_transformers_on_a_2048_token_window(llm, hf_model, emma_text):
+    import math
+
+    import torch.nn.functional as F
+
+    from kvstrata.eval.perplexity import evaluate_perplexity
+
+    start = emma_text.index("CHAPTER II")
+    ids = llm.tokenizer.encode(emma_text[start : start + 20000])[:2048]
+    ours = evaluate_perplexity(llm.engine, ids, context_len=1536, score_len=512, windows=1)["perplexity"]
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids])).logits[0, 1535:2047].float()
+    reference = math.exp(F.cross_entropy(logits, torch.tensor(ids[1536:])).item())
+    assert abs(ours / reference - 1) < 0.005

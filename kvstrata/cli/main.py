@@ -8,6 +8,7 @@ import sys
 from kvstrata.bench.serve import add_bench_serve_arguments, run_bench_serve
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.errors import KvstrataError
+from kvstrata.eval.cli import add_eval_commands, run_eval
 from kvstrata.server.serve import add_serve_arguments, run_serve
 
 
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "streaming load against a running kvstrata (or any OpenAI-compatible) server.",
     )
     add_bench_serve_arguments(bench_serve)
+    add_eval_commands(commands)
     return parser
 
 
@@ -126,7 +128,9 @@ def run_chat(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench_serve}
+        commands = {
+            "generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench_serve, "eval": run_eval,
+        }
         commands[args.command](args)
     except KvstrataError as exc:
         print(f"error: {exc}", file=sys.stderr)
