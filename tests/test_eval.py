@@ -77,3 +77,45 @@ def test_eval_ppl_command(tiny_llama, tmp_path, capsys):
     assert first["perplexity"] == pytest.approx(second["perplexity"], rel=1e-4)  # block size changes nothing
     assert report["perplexity"] == first["perplexity"] and set(report["ratios_to_first"]) == {"block_size=16", "block_size=8"}
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_agreement_command(tiny_llama, tmp_path, capsys):
+    plot = tmp_path / "agreement.png"
+    code = main(["eval", "agreement", "--model", str(tiny_llama), "--kv-cache-memory", "8MiB", "--prompts", "3",
+                 "--prompt-len", "40", "--gen-len", "12", "--json", "--plot", str(plot),
+                 "--compare", "block_size=16,dtype=bfloat16"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    same, coarse = report["results"]
+    assert same["agreement"] == 1.0 and same["kl"] < 1e-6 and same["positions"] == 36
+    assert coarse["kl"] > same["kl"]  # bfloat16 weights and cache move the distributions
+    assert report["agreement"] == 1.0 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_needle_prompt_has_the_exact_length_and_the_key_at_its_depth(engine, emma_text):
+    from kvstrata.eval.needle import NEEDLE, needle_prompt
+
+    haystack = engine.tokenize(emma_text[:20000])
+    for depth in (0.0, 0.5, 1.0):
+        prompt = needle_prompt(engine, haystack, 300, depth, "12345")
+        assert len(prompt) == 300
+        text = engine.tokenizer.decode(prompt)
+        assert NEEDLE.format(key="12345").strip() in text
+        position = text.index("12345") / len(text)
+        assert abs(position - depth) < 0.2
+    with pytest.raises(KvstrataError, match="cannot build a 10-token needle prompt"):
+        needle_prompt(engine, haystack, 10, 0.5, "12345")
+
+
+def test_eval_needle_command(tiny_llama, tmp_path, capsys):
+    plot = tmp_path / "needle.png"
+    code = main(["eval", "needle", "--model", str(tiny_llama), "--kv-cache-memory", "8MiB", "--lengths", "128,256",
+                 "--depths", "0,0.5,1", "--trials", "2", "--json", "--plot", str(plot)])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    result = report["results"][0]
+    assert len(result["grid"]) == 6 and len(result["cases"]) == 12
+    assert result["accuracy"] == pytest.approx(sum(c["correct"] for c in result["cases"]) / 12, abs=1e-4)
+    assert all(len(c["key"]) == 5 for c in result["cases"])
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval", "needle", "--model", str(tiny_llama), "--depths", "2"]) == 2

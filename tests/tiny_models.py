@@ -28,6 +28,7 @@ def write_tokenizer(directory: Path) -> None:
         vocab_size=VOCAB_SIZE,
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         limit_alphabet=100,
+        initial_alphabet=list("0123456789"),  # pass keys in the needle evaluation are digits
         show_progress=False,
     )
     tokenizer.train_from_iterator([TRAINING_TEXT], trainer)

@@ -28,6 +28,30 @@ def add_eval_commands(commands) -> None:
     )
     _add_common(ppl)
 
+    agreement = evals.add_parser(
+        "agreement", help="greedy agreement and KL of configurations against a reference",
+        description="The engine flags give the reference (normally the full-precision cache); each --compare "
+                    "configuration scores the reference's greedy continuations through its own cache. Reports "
+                    "`agreement` (argmax equals the reference token) and `kl` (mean KL(reference || config)).",
+    )
+    agreement.add_argument("--text", type=Path, default=EMMA, help="UTF-8 text the prompts are cut from")
+    agreement.add_argument("--prompts", type=int, default=8, help="number of prompts (default: 8)")
+    agreement.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default: 256)")
+    agreement.add_argument("--gen-len", type=int, default=64, help="continuation tokens scored (default: 64)")
+    _add_common(agreement)
+
+    needle = evals.add_parser(
+        "needle", help="passkey retrieval at several context lengths and depths",
+        description="A 5-digit pass key is hidden at each depth of a haystack cut from --text; the answer is "
+                    "right when its first number is exactly the key. Reports `accuracy` and a (length, depth) grid.",
+    )
+    needle.add_argument("--text", type=Path, default=EMMA, help="UTF-8 haystack text")
+    needle.add_argument("--lengths", default="512,1024,2048,4096", help="prompt lengths in tokens")
+    needle.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, fractions of the haystack")
+    needle.add_argument("--trials", type=int, default=2, help="prompts per (length, depth) (default: 2)")
+    needle.add_argument("--seed", type=int, default=0)
+    _add_common(needle)
+
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", default=None,
@@ -39,6 +63,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
-    from kvstrata.eval.run import run_perplexity
+    from kvstrata.eval.run import run_agreement, run_needle, run_perplexity
 
-    {"ppl": run_perplexity}[args.eval](args, engine_config_from_args(args))
+    {"ppl": run_perplexity, "agreement": run_agreement, "needle": run_needle}[args.eval](
+        args, engine_config_from_args(args)
+    )

@@ -3,63 +3,103 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from pathlib import Path
 
 from kvstrata.bench.report import emit, engine_info, machine_info
+from kvstrata.bench.workload import prompts_from_text
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
+from kvstrata.eval import plots
+from kvstrata.eval.agreement import compare_distributions, continuation_log_probs, greedy_continuations
 from kvstrata.eval.compare import configurations
+from kvstrata.eval.needle import evaluate_needle
 from kvstrata.eval.perplexity import evaluate_perplexity
 
 
-def _positive(name: str, value: int) -> None:
-    if value < 1:
-        raise KvstrataError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+def _check_positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise KvstrataError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvstrataError(f"cannot read --text {path}: {exc}") from exc
+
+
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise KvstrataError(f"--{flag} takes comma-separated numbers, got {text!r}") from exc
+
+
+def _report(evaluation: str, headline: str, workload: dict, results: list[dict]) -> dict:
+    first = results[0][headline]
+    return {
+        "evaluation": evaluation,
+        "machine": machine_info(),
+        "workload": workload,
+        "results": results,
+        headline: first,
+        "ratios_to_first": {r["label"]: round(r[headline] / first, 5) if first else None for r in results},
+    }
 
 
 def run_perplexity(args: argparse.Namespace, base: EngineConfig) -> None:
-    for name in ("context_len", "score_len", "windows", "tokens_per_step"):
-        _positive(name, getattr(args, name))
-    try:
-        text = args.text.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KvstrataError(f"cannot read --text {args.text}: {exc}") from exc
+    _check_positive(args, "context_len", "score_len", "windows", "tokens_per_step")
+    text = _read_text(args.text)
     results = []
     for label, config in configurations(base, args.compare):
         engine = LLMEngine(config)
-        token_ids = engine.tokenize(text)
         figures = evaluate_perplexity(
-            engine, token_ids, args.context_len, args.score_len, args.windows, args.tokens_per_step
+            engine, engine.tokenize(text), args.context_len, args.score_len, args.windows, args.tokens_per_step
         )
         results.append({"label": label, **engine_info(engine), **figures})
-    report = {
-        "evaluation": "ppl",
-        "machine": machine_info(),
-        "workload": {"text": str(args.text), "context_len": args.context_len, "score_len": args.score_len,
-                     "windows": args.windows, "tokens_per_step": args.tokens_per_step},
-        "results": results,
-        "perplexity": results[0]["perplexity"],
-        "ratios_to_first": {r["label"]: round(r["perplexity"] / results[0]["perplexity"], 5) for r in results},
-    }
+    workload = {"text": str(args.text), "context_len": args.context_len, "score_len": args.score_len,
+                "windows": args.windows, "tokens_per_step": args.tokens_per_step}
     if args.plot:
-        _plot_segments(results, args.plot)
-    emit(report, args.json)
+        plots.perplexity_segments(results, args.plot)
+    emit(_report("ppl", "perplexity", workload, results), args.json)
 
 
-def _plot_segments(results: list[dict], path) -> None:
-    import matplotlib
+def run_agreement(args: argparse.Namespace, base: EngineConfig) -> None:
+    _check_positive(args, "prompts", "prompt_len", "gen_len")
+    reference_engine = LLMEngine(base)
+    prompts = prompts_from_text(reference_engine.tokenizer, args.prompts, args.prompt_len, args.text)
+    tokens = greedy_continuations(reference_engine, prompts, args.gen_len)
+    reference = continuation_log_probs(reference_engine, prompts, tokens)
+    del reference_engine
+    results = []
+    for label, config in configurations(base, args.compare):
+        engine = LLMEngine(config)
+        figures = compare_distributions(reference, continuation_log_probs(engine, prompts, tokens), tokens)
+        results.append({"label": label, **engine_info(engine), **figures})
+    workload = {"text": str(args.text), "prompts": args.prompts, "prompt_len": args.prompt_len,
+                "gen_len": args.gen_len, "reference_config": dataclasses.asdict(base)}
+    if args.plot:
+        plots.agreement_bars(results, args.plot)
+    emit(_report("agreement", "agreement", workload, results), args.json)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    figure, ax = plt.subplots(figsize=(7, 4))
-    for r in results:
-        ax.plot([s["to"] for s in r["segments"]], [s["perplexity"] for s in r["segments"]], marker="o",
-                label=f"{r['label']} (ppl {r['perplexity']})")
-    ax.set_xlabel("position (end of 256-token segment)")
-    ax.set_ylabel("perplexity")
-    ax.legend()
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+def run_needle(args: argparse.Namespace, base: EngineConfig) -> None:
+    _check_positive(args, "trials")
+    lengths = _numbers(args.lengths, int, "lengths")
+    depths = _numbers(args.depths, float, "depths")
+    if not lengths or not depths or any(not 0 <= d <= 1 for d in depths):
+        raise KvstrataError(f"--depths must be fractions in [0, 1] and --lengths non-empty, got {args.depths!r}")
+    text = _read_text(args.text)
+    results = []
+    for label, config in configurations(base, args.compare):
+        engine = LLMEngine(config)
+        figures = evaluate_needle(engine, text, lengths, depths, args.trials, args.seed)
+        results.append({"label": label, **engine_info(engine), **figures})
+    workload = {"text": str(args.text), "lengths": lengths, "depths": depths, "trials": args.trials,
+                "seed": args.seed}
+    if args.plot:
+        plots.needle_heatmaps(results, lengths, depths, args.plot)
+    emit(_report("needle", "accuracy", workload, results), args.json)
