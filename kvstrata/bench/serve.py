@@ -248,8 +248,6 @@ def benchmark_server(args: argparse.Namespace) -> tuple[dict, list[RequestResult
 
 
 def run_bench_serve(args: argparse.Namespace) -> None:
-    if args.bench != "serve":
-        raise KvstrataError(f"unknown benchmark {args.bench!r}")
     report, results = benchmark_server(args)
     model = report["model"]
     if args.plot:

@@ -14,3 +14,34 @@ def prompts_from_text(tokenizer, count: int, length: int, text_file: Path = EMMA
     if len(ids) < count * length:
         raise KvstrataError(f"{text_file} has {len(ids)} tokens, fewer than {count} x {length}")
     return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def parse_length(spec: str, flag: str):
+    """`N` (fixed) or `uniform:LOW:HIGH` (inclusive) as a function of a random.Random."""
+    parts = str(spec).split(":")
+    try:
+        if len(parts) == 1 and int(parts[0]) > 0:
+            value = int(parts[0])
+            return lambda rng: value
+        if len(parts) == 3 and parts[0] == "uniform" and 0 < int(parts[1]) <= int(parts[2]):
+            low, high = int(parts[1]), int(parts[2])
+            return lambda rng: rng.randint(low, high)
+    except ValueError:
+        pass
+    raise KvstrataError(f"--{flag} {spec!r} is not a positive N or uniform:LOW:HIGH")
+
+
+def sample_requests(tokenizer, count: int, prompt_len, output_len, text_file: Path, seed: int):
+    """(prompt token ids, output length) pairs; prompts are windows at random places in the text."""
+    import random
+
+    ids = tokenizer.encode(text_file.read_text())
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(count):
+        length = prompt_len(rng)
+        if length >= len(ids):
+            raise KvstrataError(f"{text_file} has {len(ids)} tokens, too few for a {length}-token prompt")
+        start = rng.randrange(len(ids) - length)
+        requests.append((ids[start : start + length], output_len(rng)))
+    return requests

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvstrata.bench.serve import add_bench_serve_arguments, run_bench_serve
+from kvstrata.bench.cli import add_bench_commands, run_bench
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.errors import KvstrataError
 from kvstrata.eval.cli import add_eval_commands, run_eval
@@ -64,13 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(serve)
 
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    bench_serve = bench.add_parser(
-        "serve", help="load generator against a running server",
-        description="Open-loop (Poisson arrivals at --request-rate) or closed-loop (--concurrency clients) "
-                    "streaming load against a running kvstrata (or any OpenAI-compatible) server.",
-    )
-    add_bench_serve_arguments(bench_serve)
+    add_bench_commands(commands)
     add_eval_commands(commands)
     return parser
 
@@ -129,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {
-            "generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench_serve, "eval": run_eval,
+            "generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench, "eval": run_eval,
         }
         commands[args.command](args)
     except KvstrataError as exc:

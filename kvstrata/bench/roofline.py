@@ -1,0 +1,75 @@
+"""`kvstrata bench roofline`: the engine against this machine's limits on the default model.
+
+Limits: a batch-1 decode step must stream every weight byte once, so it takes at least
+weight_bytes / bandwidth; a token needs about 2 FLOPs per weight it multiplies (plus attention),
+so tokens/s is at most GEMM rate / FLOPs per token. The engine's measured decode step and prefill
+rate are reported as fractions of those limits (`decode_fraction`, `prefill_fraction`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.model.config import ModelConfig
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter (a tied embedding counts once)."""
+    seen = {id(p): p for p in model.parameters()}
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
+def flops_per_token(model: torch.nn.Module, config: ModelConfig, context_len: int, with_logits: bool) -> float:
+    """2 FLOPs per multiplied weight plus attention's two products over `context_len` keys in every
+    layer. The embedding lookup multiplies nothing; the LM head counts only `with_logits` (a prompt
+    token mid-prefill needs no logits, and the engine computes none)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and (with_logits or m is not model.lm_head)]
+    matmul_weights = sum(m.weight.numel() for m in linears)
+    attention = 2 * 2 * context_len * config.num_heads * config.head_dim * config.num_layers
+    return 2 * matmul_weights + attention
+
+
+def workload_flops(model: torch.nn.Module, config: ModelConfig, requests: int, prompt_len: int, output_len: int) -> float:
+    """FLOPs of `requests` requests of `prompt_len` + `output_len` tokens: every token through the
+    layers (at the mean context), logits only for each sampled token."""
+    tokens = prompt_len + output_len
+    per_token = flops_per_token(model, config, tokens // 2, with_logits=False)
+    return requests * (tokens * per_token + 2 * model.lm_head.weight.numel() * output_len)
+
+
+def measure_decode_step(engine: LLMEngine, prompt: list[int], steps: int) -> float:
+    """Median seconds of a batch-1 decode step after `prompt`."""
+    engine.step_stats.clear()
+    request = engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.abort(request)
+    return statistics.median(s.seconds for s in engine.step_stats if s.prefill_tokens == 0)
+
+
+def measure_prefill_rate(engine: LLMEngine, prompts: list[list[int]]) -> float:
+    """Prompt tokens per second of a single prefill, best over distinct `prompts` (no prefix-cache hits)."""
+    best = 0.0
+    for prompt in prompts:
+        start = time.perf_counter()
+        engine.add_request(prompt, SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+        best = max(best, len(prompt) / (time.perf_counter() - start))
+    return best
+
+
+def measure_concurrent_rate(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> float:
+    """Total (prompt + output) tokens per second of all `prompts` run together."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return sum(len(p) + output_len for p in prompts) / (time.perf_counter() - start)

@@ -1,0 +1,127 @@
+"""Run the engine benchmarks and report them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from kvstrata.bench import plots
+from kvstrata.bench.machine_limits import gemm_gflops, gemv_bandwidth_gbs, read_bandwidth_gbs
+from kvstrata.bench.report import emit, engine_info, machine_info
+from kvstrata.bench.roofline import (
+    flops_per_token,
+    measure_concurrent_rate,
+    measure_decode_step,
+    measure_prefill_rate,
+    weight_bytes,
+    workload_flops,
+)
+from kvstrata.bench.throughput import run_kvstrata, run_transformers
+from kvstrata.bench.workload import parse_length, prompts_from_text, sample_requests
+from kvstrata.cli.engine_args import engine_config_from_args
+from kvstrata.config import SCHEDULERS
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.errors import KvstrataError
+
+
+def run_roofline(args: argparse.Namespace) -> None:
+    engine = LLMEngine(engine_config_from_args(args))
+    model, config = engine.loaded.model, engine.loaded.config
+    gflops, bandwidth = gemm_gflops(engine.device), read_bandwidth_gbs(engine.device)
+    gemv_bandwidth = gemv_bandwidth_gbs(engine.device)
+    params_bytes = weight_bytes(model)
+
+    decode_prompt = prompts_from_text(engine.tokenizer, 1, args.decode_context, args.text)[0]
+    decode_step = measure_decode_step(engine, decode_prompt, args.decode_steps)
+    decode_limit = params_bytes / (bandwidth * 1e9)
+    decode_flops = flops_per_token(model, config, args.decode_context, with_logits=True)
+
+    prefill_prompts = prompts_from_text(engine.tokenizer, 3, args.prompt_len, args.text)
+    prefill_rate = measure_prefill_rate(engine, prefill_prompts)
+    prefill_flops = flops_per_token(model, config, args.prompt_len // 2, with_logits=False)  # mean context
+    prefill_limit = gflops * 1e9 / prefill_flops
+
+    report = {
+        "benchmark": "roofline",
+        "machine": machine_info(),
+        **engine_info(engine),
+        "workload": {"prompt_len": args.prompt_len, "decode_context": args.decode_context,
+                     "decode_steps": args.decode_steps, "concurrent": args.concurrent,
+                     "concurrent_prompt_len": args.concurrent_prompt_len,
+                     "concurrent_output_len": args.concurrent_output_len, "text": str(args.text)},
+        "gemm_gflops": round(gflops, 1),
+        "read_bandwidth_gbs": round(bandwidth, 2),
+        "gemv_bandwidth_gbs": round(gemv_bandwidth, 2),
+        "weight_bytes": params_bytes,
+        "flops_per_token_decode": round(decode_flops),
+        "flops_per_token_prefill": round(prefill_flops),
+        "decode_step_limit_ms": round(decode_limit * 1000, 2),
+        "decode_step_ms": round(decode_step * 1000, 2),
+        "decode_fraction": round(decode_limit / decode_step, 4),
+        "decode_fraction_of_gemv_bandwidth": round(params_bytes / (gemv_bandwidth * 1e9) / decode_step, 4),
+        "prefill_limit_tokens_per_s": round(prefill_limit, 1),
+        "prefill_tokens_per_s": round(prefill_rate, 1),
+        "prefill_fraction": round(prefill_rate / prefill_limit, 4),
+    }
+    if args.concurrent:
+        prompts = prompts_from_text(engine.tokenizer, args.concurrent, args.concurrent_prompt_len, args.text)
+        rate = measure_concurrent_rate(engine, prompts, args.concurrent_output_len)
+        tokens = args.concurrent * (args.concurrent_prompt_len + args.concurrent_output_len)
+        flops = workload_flops(model, config, args.concurrent, args.concurrent_prompt_len, args.concurrent_output_len)
+        limit = gflops * 1e9 / (flops / tokens)
+        report.update({
+            "flops_per_token_concurrent": round(flops / tokens),
+            "concurrent_limit_tokens_per_s": round(limit, 1),
+            "concurrent_tokens_per_s": round(rate, 1),
+            "concurrent_fraction": round(rate / limit, 4),
+        })
+    if args.plot:
+        plots.roofline(report, args.plot)
+    emit(report, args.json)
+
+
+def run_throughput(args: argparse.Namespace) -> None:
+    base = engine_config_from_args(args)
+    schedulers = [s for s in args.schedulers.split(",") if s]
+    for scheduler in schedulers:
+        if scheduler not in SCHEDULERS:
+            raise KvstrataError(f"--schedulers: {scheduler!r} is not one of {', '.join(SCHEDULERS)}")
+    if args.requests < 1:
+        raise KvstrataError(f"--requests must be at least 1, got {args.requests}")
+    probe = LLMEngine(base)
+    loaded = probe.loaded
+    requests = sample_requests(
+        probe.tokenizer, args.requests, parse_length(args.prompt_len, "prompt-len"),
+        parse_length(args.output_len, "output-len"), args.text, args.seed,
+    )
+    del probe
+    results = []
+    for scheduler in schedulers:
+        config = dataclasses.replace(base, scheduler=scheduler)
+        results.append({"system": "kvstrata", "scheduler": scheduler, **run_kvstrata(config, loaded, requests)})
+    if not args.no_transformers:
+        batch = args.hf_batch_size or len(requests)
+        results.append({"system": "transformers", "batch_size": batch, **run_transformers(loaded, requests, batch)})
+    rate = {r.get("scheduler", r["system"]): r["total_tokens_per_s"] for r in results}
+    ratios = {f"{s}_vs_transformers": round(rate[s] / rate["transformers"], 3) for s in schedulers
+              if "transformers" in rate}
+    ratios.update({f"sarathi_vs_{s}": round(rate["sarathi"] / rate[s], 3) for s in schedulers
+                   if "sarathi" in rate and s != "sarathi"})
+    report = {
+        "benchmark": "throughput",
+        "machine": machine_info(),
+        "model": loaded.name,
+        "config": dataclasses.asdict(base),
+        "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                     "text": str(args.text), "seed": args.seed,
+                     "prompt_tokens": sum(len(p) for p, _ in requests),
+                     "output_tokens": sum(n for _, n in requests)},
+        "results": results,
+        "ratios": ratios,
+    }
+    if "transformers" in rate:
+        best = max(schedulers, key=lambda s: rate[s])
+        report["speedup_vs_transformers"] = round(rate[best] / rate["transformers"], 3)
+    if args.plot:
+        plots.throughput(results, args.plot)
+    emit(report, args.json)
