@@ -57,9 +57,32 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(throughput)
     add_engine_arguments(throughput)
 
+    sarathi = bench.add_parser(
+        "sarathi", help="the SARATHI paper's experiments on this machine",
+        description="per_token_cost (Fig. 3), piggyback (Table 2, marginal-time method), pd_sweep (Fig. 9, batch "
+                    "capped by the KV budget, sarathi chunk sizes vs prefill-first and static) and chunk_overhead "
+                    "(Fig. 13). --only runs a subset.",
+    )
+    sarathi.add_argument("--only", default="per_token_cost,piggyback,pd_sweep,chunk_overhead")
+    sarathi.add_argument("--batches", default="1,2,4,8,16,32", help="per_token_cost batch sizes")
+    sarathi.add_argument("--prompt-len", type=int, default=256, help="per_token_cost prompt length (default: 256)")
+    sarathi.add_argument("--context", type=int, default=256, help="decode context of per_token_cost / piggyback")
+    sarathi.add_argument("--chunk", type=int, default=256, help="piggyback token count C (default: 256)")
+    sarathi.add_argument("--decodes", default="1,3,7,15", help="piggyback decode counts")
+    sarathi.add_argument("--seq-len", type=int, default=256, help="pd_sweep prompt + output length (default: 256)")
+    sarathi.add_argument("--batch", type=int, default=8, help="pd_sweep batch the KV budget holds (default: 8)")
+    sarathi.add_argument("--requests", type=int, default=16, help="pd_sweep requests per run (default: 16)")
+    sarathi.add_argument("--ratios", default="1,3,7,15,31", help="pd_sweep prefill:decode ratios")
+    sarathi.add_argument("--chunks", default="64,128,256", help="pd_sweep sarathi chunk sizes")
+    sarathi.add_argument("--overhead-prompt-len", type=int, default=1024, help="chunk_overhead prompt length")
+    sarathi.add_argument("--overhead-chunks", default="64,128,256,512,1024", help="chunk_overhead chunk sizes")
+    _add_output_flags(sarathi)
+    add_engine_arguments(sarathi)
+
 
 def run_bench(args: argparse.Namespace) -> None:
-    from kvstrata.bench.run import run_roofline, run_throughput
+    from kvstrata.bench.run import run_roofline, run_sarathi, run_throughput
     from kvstrata.bench.serve import run_bench_serve
 
-    {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput}[args.bench](args)
+    commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi}
+    commands[args.bench](args)

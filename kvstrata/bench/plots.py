@@ -59,3 +59,31 @@ def throughput(results: list[dict], path: Path) -> None:
     right.set_ylabel("ms")
     right.legend(fontsize=8)
     _save(figure, path)
+
+
+def sarathi(report: dict, path: Path) -> None:
+    panels = [key for key in ("per_token_cost", "piggyback", "pd_sweep", "chunk_overhead") if key in report]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.8), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        rows = report[key]
+        if key == "per_token_cost":
+            batches = [r["batch"] for r in rows]
+            ax.plot(batches, [r["prefill_ms_per_token"] for r in rows], marker="o", label="prefill")
+            ax.plot(batches, [r["decode_ms_per_token"] for r in rows], marker="o", label="decode")
+            ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms per token", title="Fig. 3 analogue")
+        elif key == "piggyback":
+            decodes = [r["decodes"] for r in rows]
+            ax.plot(decodes, [r["decode_only_ms_per_token"] for r in rows], marker="o", label="decode-only")
+            ax.plot(decodes, [r["piggybacked_ms_per_decode"] for r in rows], marker="o", label="piggybacked")
+            ax.set(xlabel="decodes in the step", ylabel="ms per decode token", title="Table 2 analogue")
+        elif key == "pd_sweep":
+            ratios = [r["pd_ratio"] for r in rows]
+            for series in [k for k in rows[0] if k.endswith("_tokens_per_s")]:
+                ax.plot(ratios, [r[series] for r in rows], marker="o", label=series.removesuffix("_tokens_per_s"))
+            ax.set(xscale="log", xlabel="prefill:decode ratio", ylabel="tokens/s", title="Fig. 9 analogue")
+        else:
+            ax.plot([r["chunk_size"] for r in rows], [r["slowdown_vs_one_piece"] for r in rows], marker="o",
+                    label="prefill time / one piece")
+            ax.set(xscale="log", xlabel="chunk size", ylabel="relative prefill time", title="Fig. 13 analogue")
+        ax.legend(fontsize=7)
+    _save(figure, path)

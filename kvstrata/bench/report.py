@@ -29,6 +29,11 @@ def engine_info(engine: LLMEngine) -> dict:
     return {"model": engine.loaded.name, "config": dataclasses.asdict(engine.config)}
 
 
+def sig(value: float, digits: int = 4) -> float:
+    """`value` to `digits` significant digits: readable at every scale, from a tiny test model up."""
+    return float(f"{value:.{digits}g}")
+
+
 def emit(report: dict, as_json: bool) -> None:
     """With --json, stdout holds exactly the document; otherwise a readable listing."""
     if as_json:

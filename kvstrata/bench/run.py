@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from kvstrata.bench import plots
+from kvstrata.bench import plots, sarathi
 from kvstrata.bench.machine_limits import gemm_gflops, gemv_bandwidth_gbs, read_bandwidth_gbs
-from kvstrata.bench.report import emit, engine_info, machine_info
+from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.roofline import (
     flops_per_token,
     measure_concurrent_rate,
@@ -19,7 +19,7 @@ from kvstrata.bench.roofline import (
 from kvstrata.bench.throughput import run_kvstrata, run_transformers
 from kvstrata.bench.workload import parse_length, prompts_from_text, sample_requests
 from kvstrata.cli.engine_args import engine_config_from_args
-from kvstrata.config import SCHEDULERS
+from kvstrata.config import SCHEDULERS, EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
 
@@ -49,19 +49,19 @@ def run_roofline(args: argparse.Namespace) -> None:
                      "decode_steps": args.decode_steps, "concurrent": args.concurrent,
                      "concurrent_prompt_len": args.concurrent_prompt_len,
                      "concurrent_output_len": args.concurrent_output_len, "text": str(args.text)},
-        "gemm_gflops": round(gflops, 1),
-        "read_bandwidth_gbs": round(bandwidth, 2),
-        "gemv_bandwidth_gbs": round(gemv_bandwidth, 2),
+        "gemm_gflops": sig(gflops),
+        "read_bandwidth_gbs": sig(bandwidth),
+        "gemv_bandwidth_gbs": sig(gemv_bandwidth),
         "weight_bytes": params_bytes,
         "flops_per_token_decode": round(decode_flops),
         "flops_per_token_prefill": round(prefill_flops),
-        "decode_step_limit_ms": round(decode_limit * 1000, 2),
-        "decode_step_ms": round(decode_step * 1000, 2),
-        "decode_fraction": round(decode_limit / decode_step, 4),
-        "decode_fraction_of_gemv_bandwidth": round(params_bytes / (gemv_bandwidth * 1e9) / decode_step, 4),
-        "prefill_limit_tokens_per_s": round(prefill_limit, 1),
-        "prefill_tokens_per_s": round(prefill_rate, 1),
-        "prefill_fraction": round(prefill_rate / prefill_limit, 4),
+        "decode_step_limit_ms": sig(decode_limit * 1000),
+        "decode_step_ms": sig(decode_step * 1000),
+        "decode_fraction": sig(decode_limit / decode_step),
+        "decode_fraction_of_gemv_bandwidth": sig(params_bytes / (gemv_bandwidth * 1e9) / decode_step),
+        "prefill_limit_tokens_per_s": sig(prefill_limit),
+        "prefill_tokens_per_s": sig(prefill_rate),
+        "prefill_fraction": sig(prefill_rate / prefill_limit),
     }
     if args.concurrent:
         prompts = prompts_from_text(engine.tokenizer, args.concurrent, args.concurrent_prompt_len, args.text)
@@ -71,9 +71,9 @@ def run_roofline(args: argparse.Namespace) -> None:
         limit = gflops * 1e9 / (flops / tokens)
         report.update({
             "flops_per_token_concurrent": round(flops / tokens),
-            "concurrent_limit_tokens_per_s": round(limit, 1),
-            "concurrent_tokens_per_s": round(rate, 1),
-            "concurrent_fraction": round(rate / limit, 4),
+            "concurrent_limit_tokens_per_s": sig(limit),
+            "concurrent_tokens_per_s": sig(rate),
+            "concurrent_fraction": sig(rate / limit),
         })
     if args.plot:
         plots.roofline(report, args.plot)
@@ -125,3 +125,51 @@ def run_throughput(args: argparse.Namespace) -> None:
     if args.plot:
         plots.throughput(results, args.plot)
     emit(report, args.json)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise KvstrataError(f"--{flag} takes comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise KvstrataError(f"--{flag} takes positive integers, got {text!r}")
+    return values
+
+
+def run_sarathi(args: argparse.Namespace) -> None:
+    base = engine_config_from_args(args)
+    parts = [p for p in args.only.split(",") if p]
+    known = ("per_token_cost", "piggyback", "pd_sweep", "chunk_overhead")
+    if unknown := [p for p in parts if p not in known]:
+        raise KvstrataError(f"--only: {unknown[0]!r} is not one of {', '.join(known)}")
+    engine = LLMEngine(dataclasses.replace(base, enable_prefix_caching=False))
+    source = engine.tokenize(args.text.read_text())
+    report = {"benchmark": "sarathi", "machine": machine_info(), **engine_info(engine), "workload": vars_of(args)}
+    if "per_token_cost" in parts:
+        report["per_token_cost"] = sarathi.per_token_cost(
+            engine, source, _ints(args.batches, "batches"), args.prompt_len, args.context
+        )
+    if "piggyback" in parts:
+        report["piggyback"] = sarathi.piggyback(engine, source, args.chunk, _ints(args.decodes, "decodes"), args.context)
+    if "chunk_overhead" in parts:
+        report["chunk_overhead"] = sarathi.chunk_overhead(
+            engine, source, args.overhead_prompt_len, _ints(args.overhead_chunks, "overhead-chunks")
+        )
+    if "pd_sweep" in parts:
+        ratios = [float(r) for r in args.ratios.split(",") if r]
+        chunks = _ints(args.chunks, "chunks")
+        report["pd_sweep"] = sarathi.pd_sweep(base, engine.loaded, source, args.seq_len, args.batch, args.requests,
+                                              ratios, chunks)
+        report["pd_sweep_predicted_peak"] = {c: round(c / (args.batch - 1), 1) if args.batch > 1 else None
+                                             for c in chunks}
+    if args.plot:
+        plots.sarathi(report, args.plot)
+    emit(report, args.json)
+
+
+def vars_of(args: argparse.Namespace) -> dict:
+    """The command's own flags, for the report (engine flags are in `config`)."""
+    engine_flags = set(EngineConfig.field_names())
+    return {k: (str(v) if k == "text" else v) for k, v in vars(args).items()
+            if k not in engine_flags and k not in ("command", "bench", "json", "plot")}

@@ -1,0 +1,58 @@
+"""Time hand-built batches on the engine's runner: any mix of prefill chunks and decodes.
+
+Sequences are brought to a state (so many tokens in the cache) once; a timed step runs and is
+then undone by resetting the counters (its cache writes land in the same slots with the same
+values when repeated), so one composition can be timed many times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.engine.sequence import Sequence
+from kvstrata.errors import KvstrataError
+
+
+class StepTimer:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.sequences: list[Sequence] = []
+
+    def sequence(self, token_ids: list[int], cached: int) -> Sequence:
+        """A sequence of `token_ids` whose first `cached` tokens are already in the KV cache."""
+        seq = Sequence(seq_id=-(len(self.sequences) + 1), request_id=f"timer-{len(self.sequences)}", prompt=None,
+                       prompt_token_ids=list(token_ids), params=SamplingParams())
+        if not self.engine.kv_manager.grow(seq, len(token_ids)):
+            raise KvstrataError("the KV cache budget is too small for this timing experiment")
+        self.sequences.append(seq)
+        if cached:
+            self._run([(seq, cached)])
+        seq.num_computed_tokens = cached
+        return seq
+
+    @torch.inference_mode()
+    def _run(self, work: list[tuple[Sequence, int]]) -> None:
+        runner = self.engine.runner
+        _, input_ids, batch = runner.pack(work)
+        hidden = runner.model(input_ids, batch.positions, runner.kv, batch)
+        last_rows = [piece.rows.stop - 1 for piece in batch.sequences]
+        runner.model.compute_logits(hidden[last_rows])
+
+    def time(self, work: list[tuple[Sequence, int]], repeats: int = 5) -> float:
+        """Median seconds of one step running `work` (sequence, new tokens) from the sequences' states."""
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            start = time.perf_counter()
+            self._run(work)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    def release(self) -> None:
+        for seq in self.sequences:
+            self.engine.kv_manager.free(seq)
+        self.sequences = []

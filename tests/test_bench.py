@@ -1,0 +1,70 @@
+"""The engine benchmarks on a tiny model: each runs, prints one JSON document, draws its plot,
+and its figures hang together (no timing is asserted)."""
+
+import json
+
+import pytest
+
+from kvstrata.cli.main import main
+
+TINY = ["--kv-cache-memory", "8MiB"]
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_roofline(tiny_llama, tmp_path, capsys):
+    plot = tmp_path / "roofline.png"
+    report = run_json(capsys, "bench", "roofline", "--model", str(tiny_llama), *TINY, "--prompt-len", "64",
+                      "--decode-context", "16", "--decode-steps", "4", "--concurrent", "3",
+                      "--concurrent-prompt-len", "16", "--concurrent-output-len", "4", "--json", "--plot", str(plot))
+    assert report["benchmark"] == "roofline" and report["gemm_gflops"] > 0 and report["read_bandwidth_gbs"] > 0
+    assert report["decode_fraction"] == pytest.approx(report["decode_step_limit_ms"] / report["decode_step_ms"], rel=0.02)
+    assert report["prefill_fraction"] == pytest.approx(
+        report["prefill_tokens_per_s"] / report["prefill_limit_tokens_per_s"], rel=0.02)
+    assert report["flops_per_token_decode"] > report["flops_per_token_prefill"] - 2 * 64 * 64  # logits cost more
+    assert 0 < report["concurrent_fraction"]
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_throughput(tiny_llama, tmp_path, capsys):
+    plot = tmp_path / "throughput.png"
+    report = run_json(capsys, "bench", "throughput", "--model", str(tiny_llama), *TINY, "--requests", "5",
+                      "--prompt-len", "uniform:8:40", "--output-len", "6", "--json", "--plot", str(plot))
+    systems = [r.get("scheduler", r["system"]) for r in report["results"]]
+    assert systems == ["sarathi", "prefill-first", "static", "transformers"]
+    assert report["workload"]["output_tokens"] == 30
+    for r in report["results"]:
+        assert r["total_tokens_per_s"] == pytest.approx(r["prefill_tokens_per_s"] + r["decode_tokens_per_s"], rel=1e-3)
+        assert r["p50_ttft_ms"] <= r["p99_ttft_ms"] and r["p50_e2e_ms"] >= r["p50_ttft_ms"] and r["peak_rss_mib"] > 0
+    rates = {s: r["total_tokens_per_s"] for s, r in zip(systems, report["results"])}
+    assert report["ratios"]["sarathi_vs_transformers"] == pytest.approx(rates["sarathi"] / rates["transformers"], abs=2e-3)
+    assert report["speedup_vs_transformers"] == pytest.approx(
+        max(rates[s] for s in systems[:3]) / rates["transformers"], abs=2e-3)
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sarathi(tiny_llama, tmp_path, capsys):
+    plot = tmp_path / "sarathi.png"
+    report = run_json(capsys, "bench", "sarathi", "--model", str(tiny_llama), *TINY, "--batches", "1,2",
+                      "--decodes", "1,3", "--ratios", "1,3", "--chunks", "16,32", "--seq-len", "64", "--batch", "3",
+                      "--requests", "4", "--overhead-prompt-len", "64", "--overhead-chunks", "16,64", "--chunk", "32",
+                      "--context", "32", "--prompt-len", "32", "--json", "--plot", str(plot))
+    assert [r["batch"] for r in report["per_token_cost"]] == [1, 2]
+    for r in report["piggyback"]:
+        assert r["prefill_tokens"] + r["decodes"] == 32
+        assert r["piggybacked_ms_per_decode"] == pytest.approx(
+            (r["decode_maximal_ms"] - r["prefill_only_ms"]) / r["decodes"], abs=0.02)
+    assert [r["pd_ratio"] for r in report["pd_sweep"]] == [1.0, 3.0]
+    assert {"sarathi_c16_tokens_per_s", "prefill-first_tokens_per_s", "static_tokens_per_s"} <= set(report["pd_sweep"][0])
+    assert report["chunk_overhead"][-1]["slowdown_vs_one_piece"] == 1.0
+    assert report["pd_sweep_predicted_peak"] == {"16": 8.0, "32": 16.0}
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_benchmark_flags(tiny_llama):
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--prompt-len", "lots"]) == 2
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--schedulers", "fifo"]) == 2
+    assert main(["bench", "sarathi", "--model", str(tiny_llama), "--only", "fig99"]) == 2
