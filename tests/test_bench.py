@@ -68,3 +68,9 @@ def test_bad_benchmark_flags(tiny_llama):
     assert main(["bench", "throughput", "--model", str(tiny_llama), "--prompt-len", "lots"]) == 2
     assert main(["bench", "throughput", "--model", str(tiny_llama), "--schedulers", "fifo"]) == 2
     assert main(["bench", "sarathi", "--model", str(tiny_llama), "--only", "fig99"]) == 2
+
+
+def test_missing_text_file_is_a_clear_error(tiny_llama, tmp_path, capsys):
+    for argv in (["bench", "throughput"], ["bench", "sarathi"], ["eval", "ppl"], ["eval", "needle"]):
+        assert main([*argv, "--model", str(tiny_llama), "--text", str(tmp_path / "none.txt")]) == 2
+        assert "cannot read text file" in capsys.readouterr().err

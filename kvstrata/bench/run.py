@@ -17,7 +17,7 @@ from kvstrata.bench.roofline import (
     workload_flops,
 )
 from kvstrata.bench.throughput import run_kvstrata, run_transformers
-from kvstrata.bench.workload import parse_length, prompts_from_text, sample_requests
+from kvstrata.bench.workload import parse_length, prompts_from_text, read_text, sample_requests
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.config import SCHEDULERS, EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
@@ -144,8 +144,8 @@ def run_sarathi(args: argparse.Namespace) -> None:
     if unknown := [p for p in parts if p not in known]:
         raise KvstrataError(f"--only: {unknown[0]!r} is not one of {', '.join(known)}")
     engine = LLMEngine(dataclasses.replace(base, enable_prefix_caching=False))
-    source = engine.tokenize(args.text.read_text())
-    report = {"benchmark": "sarathi", "machine": machine_info(), **engine_info(engine), "workload": vars_of(args)}
+    source = engine.tokenize(read_text(args.text))
+    report = {"benchmark": "sarathi", "machine": machine_info(), **engine_info(engine), "workload": command_flags(args)}
     if "per_token_cost" in parts:
         report["per_token_cost"] = sarathi.per_token_cost(
             engine, source, _ints(args.batches, "batches"), args.prompt_len, args.context
@@ -168,7 +168,7 @@ def run_sarathi(args: argparse.Namespace) -> None:
     emit(report, args.json)
 
 
-def vars_of(args: argparse.Namespace) -> dict:
+def command_flags(args: argparse.Namespace) -> dict:
     """The command's own flags, for the report (engine flags are in `config`)."""
     engine_flags = set(EngineConfig.field_names())
     return {k: (str(v) if k == "text" else v) for k, v in vars(args).items()

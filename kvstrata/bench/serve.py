@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstrata.bench.stats import summarize
+from kvstrata.bench.workload import read_text
 from kvstrata.data import EMMA
 from kvstrata.errors import KvstrataError
 
@@ -229,7 +230,7 @@ def benchmark_server(args: argparse.Namespace) -> tuple[dict, list[RequestResult
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise KvstrataError(f"cannot reach a server at {args.base_url}: {exc}") from exc
     count = args.num_prompts if args.duration is None else max(args.num_prompts, args.concurrency)
-    prompts = make_prompts(args.text.read_text(), count, args.prompt_len, args.seed)
+    prompts = make_prompts(read_text(args.text), count, args.prompt_len, args.seed)
     with tqdm(total=None if args.duration else len(prompts), desc="requests") as progress:  # on stderr
         results, duration = asyncio.run(_run_load(args, model, prompts, progress))
     report = {

@@ -8,9 +8,16 @@ from kvstrata.data import EMMA
 from kvstrata.errors import KvstrataError
 
 
+def read_text(path: Path) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvstrataError(f"cannot read text file {path}: {exc}") from exc
+
+
 def prompts_from_text(tokenizer, count: int, length: int, text_file: Path = EMMA) -> list[list[int]]:
     """`count` prompts of exactly `length` tokens: consecutive windows of the text."""
-    ids = tokenizer.encode(text_file.read_text())
+    ids = tokenizer.encode(read_text(text_file))
     if len(ids) < count * length:
         raise KvstrataError(f"{text_file} has {len(ids)} tokens, fewer than {count} x {length}")
     return [ids[i * length : (i + 1) * length] for i in range(count)]
@@ -35,7 +42,7 @@ def sample_requests(tokenizer, count: int, prompt_len, output_len, text_file: Pa
     """(prompt token ids, output length) pairs; prompts are windows at random places in the text."""
     import random
 
-    ids = tokenizer.encode(text_file.read_text())
+    ids = tokenizer.encode(read_text(text_file))
     rng = random.Random(seed)
     requests = []
     for _ in range(count):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 from kvstrata.bench.report import emit, engine_info, machine_info
-from kvstrata.bench.workload import prompts_from_text
+from kvstrata.bench.workload import prompts_from_text, read_text
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
@@ -22,13 +21,6 @@ def _check_positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
             raise KvstrataError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KvstrataError(f"cannot read --text {path}: {exc}") from exc
 
 
 def _numbers(text: str, kind, flag: str) -> list:
@@ -52,7 +44,7 @@ def _report(evaluation: str, headline: str, workload: dict, results: list[dict])
 
 def run_perplexity(args: argparse.Namespace, base: EngineConfig) -> None:
     _check_positive(args, "context_len", "score_len", "windows", "tokens_per_step")
-    text = _read_text(args.text)
+    text = read_text(args.text)
     results = []
     for label, config in configurations(base, args.compare):
         engine = LLMEngine(config)
@@ -92,7 +84,7 @@ def run_needle(args: argparse.Namespace, base: EngineConfig) -> None:
     depths = _numbers(args.depths, float, "depths")
     if not lengths or not depths or any(not 0 <= d <= 1 for d in depths):
         raise KvstrataError(f"--depths must be fractions in [0, 1] and --lengths non-empty, got {args.depths!r}")
-    text = _read_text(args.text)
+    text = read_text(args.text)
     results = []
     for label, config in configurations(base, args.compare):
         engine = LLMEngine(config)
