@@ -53,7 +53,7 @@ def transformers_step(engine: LLMEngine, prompts: list[list[int]], context: int)
 
     def step():
         model(step_ids, past_key_values=cache, use_cache=True)
-        cache.crop(context)  # back to `context` tokens, so every timed step appends to the same cache
+        cache.crop(-1)  # drop the appended token, so every timed step appends to the same `context`-token cache
 
     times = []
     for _ in range(STEPS + 1):
