@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def _save(figure, path: Path) -> None:
+def save_figure(figure, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -43,7 +43,7 @@ def roofline(report: dict, path: Path) -> None:
     ax.set_xlabel("arithmetic intensity (FLOP per weight byte)")
     ax.set_ylabel("GFLOP/s")
     ax.legend(fontsize=8)
-    _save(figure, path)
+    save_figure(figure, path)
 
 
 def throughput(results: list[dict], path: Path) -> None:
@@ -58,7 +58,7 @@ def throughput(results: list[dict], path: Path) -> None:
     right.set_yscale("log")
     right.set_ylabel("ms")
     right.legend(fontsize=8)
-    _save(figure, path)
+    save_figure(figure, path)
 
 
 def sarathi(report: dict, path: Path) -> None:
@@ -86,4 +86,4 @@ def sarathi(report: dict, path: Path) -> None:
                     label="prefill time / one piece")
             ax.set(xscale="log", xlabel="chunk size", ylabel="relative prefill time", title="Fig. 13 analogue")
         ax.legend(fontsize=7)
-    _save(figure, path)
+    save_figure(figure, path)

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import torch
 from tqdm import tqdm
 
+from kvstrata.bench.roofline import measure_concurrent_rate
 from kvstrata.bench.step_timer import StepTimer
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.model.loader import LoadedModel
 
@@ -118,17 +117,8 @@ def pd_sweep(base: EngineConfig, loaded: LoadedModel, source: list[int], seq_len
         row = {"pd_ratio": round(prompt_len / output_len, 2), "prompt_len": prompt_len, "output_len": output_len}
         for scheduler, chunk in policies:
             config = dataclasses.replace(capped, scheduler=scheduler, chunk_size=chunk or capped.chunk_size)
-            engine = LLMEngine(config, loaded=loaded)
-            params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-            start = time.perf_counter()
-            for prompt in prompts:
-                engine.add_request(prompt, params)
-            while engine.has_unfinished_requests():
-                engine.step()
-            seconds = time.perf_counter() - start
-            row[f"{scheduler}{'' if chunk is None else f'_c{chunk}'}_tokens_per_s"] = round(
-                requests * seq_len / seconds, 2
-            )
+            rate = measure_concurrent_rate(LLMEngine(config, loaded=loaded), prompts, output_len)
+            row[f"{scheduler}{'' if chunk is None else f'_c{chunk}'}_tokens_per_s"] = round(rate, 2)
         sarathi_best = max(v for k, v in row.items() if k.startswith("sarathi_c"))
         row["sarathi_best_vs_prefill_first"] = round(sarathi_best / row["prefill-first_tokens_per_s"], 3)
         row["sarathi_best_vs_static"] = round(sarathi_best / row["static_tokens_per_s"], 3)

@@ -4,17 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-
-def _save(figure, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+from kvstrata.bench.plots import plt, save_figure
 
 
 def perplexity_segments(results: list[dict], path: Path) -> None:
@@ -25,7 +15,7 @@ def perplexity_segments(results: list[dict], path: Path) -> None:
     ax.set_xlabel("position (end of 256-token segment)")
     ax.set_ylabel("perplexity")
     ax.legend()
-    _save(figure, path)
+    save_figure(figure, path)
 
 
 def agreement_bars(results: list[dict], path: Path) -> None:
@@ -38,7 +28,7 @@ def agreement_bars(results: list[dict], path: Path) -> None:
     right.set_ylabel("mean KL (nats)")
     for ax in (left, right):
         ax.tick_params(axis="x", labelrotation=20)
-    _save(figure, path)
+    save_figure(figure, path)
 
 
 def needle_heatmaps(results: list[dict], lengths: list[int], depths: list[float], path: Path) -> None:
@@ -53,4 +43,4 @@ def needle_heatmaps(results: list[dict], lengths: list[int], depths: list[float]
         ax.set_ylabel("needle depth")
         ax.set_title(f"{r['label']}: accuracy {r['accuracy']}")
         figure.colorbar(image, ax=ax)
-    _save(figure, path)
+    save_figure(figure, path)
