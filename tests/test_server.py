@@ -296,7 +296,7 @@ def test_bench_serve_reports_consistent_figures(server, tmp_path):
     args = parser.parse_args(["--base-url", server[0], "--num-prompts", "6", "--request-rate", "50",
                               "--prompt-len", "16", "--output-len", "5", "--goodput", "ttft:60000", "--json"])
     report, results = benchmark_server(args)
-    assert report["completed"] == 6 and report["failed"] == 0 and report["model"] == MODEL
+    assert report["completed"] == 6 and report["failed"] == 0 and report["model"] == MODEL and report["machine"]["cores"]
     assert report["total_output_tokens"] == 30 and len(results) == 6
     assert report["request_goodput"] == report["request_throughput"]  # every request met the objective
     assert 0 < report["p50_ttft_ms"] <= report["p99_ttft_ms"] and report["median_e2el_ms"] >= report["median_ttft_ms"]

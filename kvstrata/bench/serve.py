@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstrata.bench.report import emit, machine_info
 from kvstrata.bench.stats import summarize
 from kvstrata.bench.workload import read_text
 from kvstrata.data import EMMA
@@ -235,6 +236,7 @@ def benchmark_server(args: argparse.Namespace) -> tuple[dict, list[RequestResult
         results, duration = asyncio.run(_run_load(args, model, prompts, progress))
     report = {
         "benchmark": "serve",
+        "machine": machine_info(),  # the load generator's machine; the server may run elsewhere
         "base_url": args.base_url,
         "model": model,
         "workload": {
@@ -253,13 +255,10 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     model = report["model"]
     if args.plot:
         plot_latencies(results, args.plot, f"{model}: {len(results)} requests, rate {args.request_rate}")
-    text = json.dumps(report, indent=2)
     if args.result_file:
         args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(text)
+        args.result_file.write_text(json.dumps(report, indent=2))
     if args.json:
-        print(text)
+        emit(report, as_json=True)
     else:
-        for key, value in report.items():
-            if key != "workload":
-                print(f"{key:>28}: {value}")
+        emit({k: v for k, v in report.items() if k != "workload"}, as_json=False)
