@@ -25,7 +25,8 @@ from kvstrata.errors import KvstrataError
 
 
 def run_roofline(args: argparse.Namespace) -> None:
-    engine = LLMEngine(engine_config_from_args(args))
+    # No prefix caching: the prompts below overlap, and a hit would flatter the prefill rate.
+    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_prefix_caching=False))
     model, config = engine.loaded.model, engine.loaded.config
     gflops, bandwidth = gemm_gflops(engine.device), read_bandwidth_gbs(engine.device)
     gemv_bandwidth = gemv_bandwidth_gbs(engine.device)

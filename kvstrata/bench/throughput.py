@@ -40,8 +40,8 @@ def _figures(requests: Requests, wall: float, ttft: list[float], tpot: list[floa
 
 def run_kvstrata(config: EngineConfig, loaded: LoadedModel, requests: Requests) -> dict:
     engine = LLMEngine(config, loaded=loaded)
-    warm = SamplingParams(max_tokens=2)
-    engine.add_request(requests[0][0][:16], warm)
+    # Warm up on a reversed snippet: no prompt of the run shares its prefix-cache blocks.
+    engine.add_request(requests[0][0][15::-1], SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
     outputs = []
