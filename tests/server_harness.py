@@ -21,6 +21,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base_url: str, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise TimeoutError(f"no healthy server at {base_url} after {seconds} s")
+
+
 @contextmanager
 def running_server(model: str | None, model_name: str = "test-model", max_waiting: int = 256, **options):
     """Yields (base_url, app) while a uvicorn server runs in a background thread."""
@@ -31,13 +42,7 @@ def running_server(model: str | None, model_name: str = "test-model", max_waitin
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    wait_healthy(base_url)
     try:
         yield base_url, app
     finally:

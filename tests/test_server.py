@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstrata import LLM, SamplingParams
-from tests.server_harness import free_port, running_server
+from tests.server_harness import free_port, running_server, wait_healthy
 
 MODEL = "test-model"
 
@@ -250,13 +250,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_llama):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url)
         body = {"model": MODEL, "prompt": "Emma", "max_tokens": 150, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
             lines = response.iter_lines()
