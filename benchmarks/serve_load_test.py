@@ -22,19 +22,7 @@ import httpx
 import psutil
 
 from kvstrata.bench.report import machine_info
-from kvstrata.bench.serve import add_bench_serve_arguments, benchmark_server, plot_latencies
-
-
-def wait_healthy(url: str, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the server did not become healthy")
+from kvstrata.bench.serve import add_bench_serve_arguments, benchmark_server, plot_latencies, wait_healthy
 
 
 def metric_totals(url: str) -> dict[str, float]:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from contextlib import contextmanager
 
-import httpx
 import uvicorn
 
+from kvstrata.bench.serve import wait_healthy
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.server.app import build_app
@@ -19,17 +18,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(base_url: str, seconds: float = 120) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise TimeoutError(f"no healthy server at {base_url} after {seconds} s")
 
 
 @contextmanager

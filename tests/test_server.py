@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstrata import LLM, SamplingParams
-from tests.server_harness import free_port, running_server, wait_healthy
+from kvstrata.bench.serve import wait_healthy
+from tests.server_harness import free_port, running_server
 
 MODEL = "test-model"
 

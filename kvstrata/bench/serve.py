@@ -62,6 +62,20 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
+def wait_healthy(base_url: str, seconds: float = 120) -> None:
+    """Block until the server at `base_url` answers GET /health with 200."""
+    import httpx
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if httpx.get(base_url.rstrip("/") + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise KvstrataError(f"no healthy server at {base_url} after {seconds:.0f} s")
+
+
 def make_prompts(text: str, count: int, prompt_len: int, seed: int) -> list[str]:
     """`count` passages of about `prompt_len` tokens from random places in `text`."""
     width = prompt_len * CHARS_PER_TOKEN
