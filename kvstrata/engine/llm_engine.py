@@ -6,6 +6,7 @@ wraps them for offline use.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -25,6 +26,8 @@ from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.paged_cache import PagedKVCache
+from kvstrata.kv.preloaded import PreloadedKV
+from kvstrata.model.fingerprint import model_fingerprint
 from kvstrata.model.loader import LoadedModel, load_model
 
 MAX_STEP_STATS = 100_000
@@ -61,7 +64,8 @@ class LLMEngine:
             model_config.head_dim, dtype, self.device,
         )
         self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, on_first_use=self.kv_cache.zero_blocks
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            on_first_use=self.kv_cache.zero_blocks, write_kv=self.kv_cache.write,
         )
         self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.block_size, self.device)
@@ -112,6 +116,11 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
+    @functools.cached_property
+    def model_fingerprint(self) -> str:
+        """Identifies the weights in files made for this model (saved contexts, profiles)."""
+        return model_fingerprint(self.loaded.model, self.loaded.config)
+
     # --- requests -----------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -141,14 +150,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        preloaded: list[PreloadedKV] | None = None,
+        cache_salt: bytes | None = None,
     ) -> str:
         """Queue a request; returns its id. `prompt` is text or a list of token ids.
 
         `arrival_time` (a `time.perf_counter()` reading) lets a server count queueing before this call.
+        `preloaded` gives ready KV for ranges of the prompt (placed instead of prefilled); `cache_salt`
+        keeps the prefix-cache blocks built on it apart from those of plain prefills.
         """
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.check_prompt_length(token_ids)
+        preloaded = self._check_preloaded(preloaded or [], len(token_ids))
         seq_id = next(self._seq_ids)
         request_id = str(seq_id) if request_id is None else request_id
         if request_id in self._sequences:
@@ -163,12 +177,31 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             generator=generator,
+            preloaded=preloaded,
+            cache_salt=cache_salt,
         )
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _check_preloaded(self, preloaded: list[PreloadedKV], num_tokens: int) -> list[PreloadedKV]:
+        mc = self.loaded.config
+        dtype = getattr(torch, self.config.dtype)
+        position = 0
+        for segment in sorted(preloaded, key=lambda s: s.start):
+            shape = (mc.num_layers, segment.k.shape[1], mc.num_kv_heads, mc.head_dim)
+            if tuple(segment.k.shape) != shape or tuple(segment.v.shape) != shape:
+                raise KvstrataError(f"preloaded KV of shape {tuple(segment.k.shape)} does not fit this model's {shape}")
+            if segment.start < position or segment.end > num_tokens:
+                raise KvstrataError(
+                    f"preloaded KV for tokens [{segment.start}, {segment.end}) overlaps another range or runs past "
+                    f"the prompt's {num_tokens} tokens"
+                )
+            position = segment.end
+        return [PreloadedKV(s.start, s.k.to(self.device, dtype), s.v.to(self.device, dtype))
+                for s in sorted(preloaded, key=lambda s: s.start)]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; None if it is unknown or already done."""
@@ -206,6 +239,8 @@ class LLMEngine:
             prefill_tokens += 0 if is_decode else num_tokens
             seq.num_computed_tokens += num_tokens
             self.kv_manager.commit(seq, num_tokens)
+            if seq.preloaded and not self.kv_manager.place_preloaded(seq):
+                self.scheduler.preempt(seq)  # short of blocks for its next preloaded range
         tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
         now = time.perf_counter()
         outputs = []

@@ -10,6 +10,7 @@ import torch
 
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.block_hash import BlockHash
+from kvstrata.kv.preloaded import PreloadedKV
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +42,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_prompt_tokens: int | None = None  # prefix-cache hits at first admission
+    # KV of prompt ranges given ready-made (a decoded saved context), placed instead of computed.
+    preloaded: list[PreloadedKV] = field(default_factory=list)
+    num_preloaded_tokens: int = 0
+    cache_salt: bytes | None = None  # separates prefix-cache entries built on preloaded KV
     num_preemptions: int = 0
     output_text: str = ""
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -68,3 +73,11 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens not yet in the KV cache: the prompt's rest, or the one token sampled last step."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Pending tokens the model must run before the next preloaded range takes over."""
+        for segment in self.preloaded:
+            if segment.start > self.num_computed_tokens:
+                return min(self.num_pending_tokens, segment.start - self.num_computed_tokens)
+        return self.num_pending_tokens

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.engine.direct_forward import forward_tokens
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.preloaded import PreloadedKV
 
 
 class CacheScorer:
@@ -22,26 +24,28 @@ class CacheScorer:
         self.engine = engine
 
     def _forward(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
-        """Run `num_tokens` more of `seq` through the model; logits [num_tokens, vocab] in fp32."""
-        if not self.engine.kv_manager.grow(seq, num_tokens):
-            raise KvstrataError("the KV cache budget is too small for this evaluation window")
-        runner = self.engine.runner
-        _, input_ids, batch = runner.pack([(seq, num_tokens)])
-        hidden = runner.model(input_ids, batch.positions, runner.kv, batch)
-        seq.num_computed_tokens += num_tokens
-        return runner.model.compute_logits(hidden).float()
+        return forward_tokens(self.engine, seq, num_tokens)
 
     @torch.inference_mode()
-    def next_token_logits(self, token_ids: list[int], context_len: int, tokens_per_step: int = 1) -> torch.Tensor:
-        """Logits [len(token_ids) - context_len, vocab]: row i predicts token_ids[context_len + i]."""
+    def next_token_logits(
+        self, token_ids: list[int], context_len: int, tokens_per_step: int = 1, preloaded: list[PreloadedKV] = ()
+    ) -> torch.Tensor:
+        """Logits [len(token_ids) - context_len, vocab]: row i predicts token_ids[context_len + i].
+
+        `preloaded` KV (a decoded saved context) is placed in the cache instead of prefilling its range.
+        """
         if not 0 < context_len < len(token_ids):
             raise KvstrataError(f"context_len must be in [1, {len(token_ids) - 1}], got {context_len}")
         if len(token_ids) > self.engine.max_model_len:
             raise KvstrataError(f"a window of {len(token_ids)} tokens exceeds max_model_len {self.engine.max_model_len}")
         seq = Sequence(seq_id=-1, request_id="eval", prompt=None, prompt_token_ids=list(token_ids),
                        params=SamplingParams())
+        # The context's last token is always run: its logits predict the first scored token.
+        seq.preloaded = [s for s in (p.clipped(context_len - 1) for p in preloaded) if s is not None]
         rows = []
         try:
+            if not self.engine.kv_manager.place_preloaded(seq):
+                raise KvstrataError("the KV cache budget is too small for this evaluation window")
             chunk = self.engine.config.chunk_size
             while seq.num_computed_tokens < context_len:
                 logits = self._forward(seq, min(chunk, context_len - seq.num_computed_tokens))

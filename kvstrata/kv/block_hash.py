@@ -14,9 +14,15 @@ def chained_block_hash(parent: BlockHash | None, token_ids: list[int]) -> BlockH
     return digest.digest()
 
 
-def full_block_hashes(token_ids: list[int], block_size: int, known: list[BlockHash]) -> list[BlockHash]:
-    """Hashes of every full block of `token_ids`, extending the already known prefix of the chain."""
+def full_block_hashes(
+    token_ids: list[int], block_size: int, known: list[BlockHash], salt: bytes | None = None
+) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids`, extending the already known prefix of the chain.
+
+    A salt starts a separate chain: blocks whose KV came from somewhere else than a plain prefill
+    (a decoded saved context) are shared only with requests that bring the same salt.
+    """
     hashes = list(known)
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        hashes.append(chained_block_hash(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+        hashes.append(chained_block_hash(hashes[-1] if hashes else salt, token_ids[start : start + block_size]))
     return hashes

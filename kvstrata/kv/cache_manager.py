@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kvstrata.engine.sequence import Sequence
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.block_pool import BlockPool
@@ -31,9 +33,11 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_first_use: Callable[[list[int]], None] | None = None,
+        write_kv: Callable[[list[int], int, torch.Tensor, torch.Tensor], None] | None = None,
     ):
         self.pool = BlockPool(num_blocks)
         self.on_first_use = on_first_use  # told of blocks handed out for the first time
+        self.write_kv = write_kv  # (block_table, first token, K, V): stores given KV in a sequence's blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_stats = PrefixCacheStats()
@@ -54,7 +58,7 @@ class KVCacheManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
-        seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.cache_salt)
         usable = (seq.num_tokens - 1) // self.block_size
         for block_hash in seq.block_hashes[:usable]:
             block = self.pool.lookup(block_hash)
@@ -87,9 +91,32 @@ class KVCacheManager:
         first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
         full = seq.num_computed_tokens // self.block_size
         if full > len(seq.block_hashes):
-            seq.block_hashes = full_block_hashes(seq.token_ids[: full * self.block_size], self.block_size, seq.block_hashes)
+            seq.block_hashes = full_block_hashes(
+                seq.token_ids[: full * self.block_size], self.block_size, seq.block_hashes, seq.cache_salt
+            )
         for index in range(first, full):
             self.pool.register(seq.block_table[index], seq.block_hashes[index])
+
+    def place_preloaded(self, seq: Sequence) -> bool:
+        """Store the preloaded KV that continues `seq` from its computed tokens, as if it had been computed.
+
+        Stops at the first gap (a text chunk to recompute) and before the last token, whose logits
+        are needed. False if the pool is short of blocks; the caller frees or preempts `seq`.
+        """
+        for segment in seq.preloaded:
+            start = seq.num_computed_tokens
+            end = min(segment.end, seq.num_tokens - 1)
+            if not segment.start <= start < end:
+                continue
+            if not self.grow(seq, end - start):
+                return False
+            offset = start - segment.start
+            self.write_kv(seq.block_table, start, segment.k[:, offset : end - segment.start],
+                          segment.v[:, offset : end - segment.start])
+            seq.num_computed_tokens = end
+            seq.num_preloaded_tokens += end - start
+            self.commit(seq, end - start)
+        return True
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`; the tail goes first, so shared heads stay cached longest."""

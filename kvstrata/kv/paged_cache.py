@@ -59,6 +59,14 @@ class PagedKVCache:
             out[chunk.rows] = causal_attention(q[None, chunk.rows], keys, values, batch.positions[None, chunk.rows])[0]
         return out
 
+    def write(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V [layers, n, kv_heads, head_dim] of tokens start .. start + n of a sequence."""
+        positions = torch.arange(start, start + k.shape[1], device=self.k.device)
+        table = torch.tensor(block_table, dtype=torch.long, device=self.k.device)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        for cache, values in ((self.k, k), (self.v, v)):
+            cache.view(cache.shape[0], -1, *cache.shape[3:]).index_copy_(1, slots, values.to(cache.dtype))
+
     def read(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_tokens, kv_heads, head_dim] of one sequence, for tests and tools."""
         blocks = torch.tensor([block_table], dtype=torch.long, device=self.k.device)

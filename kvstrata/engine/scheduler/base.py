@@ -58,9 +58,10 @@ class Scheduler(ABC):
         if len(self.running) >= self.max_num_seqs or (token_budget is not None and token_budget <= 0):
             return False
         hits = self.kv.match_prefix(seq)
-        pending = seq.num_pending_tokens
+        placed = self.kv.place_preloaded(seq)
+        pending = seq.num_tokens_to_compute
         num_tokens = pending if token_budget is None else min(pending, token_budget)
-        if (whole and num_tokens < pending) or not self.kv.grow(seq, num_tokens):
+        if not placed or (whole and num_tokens < pending) or not self.kv.grow(seq, num_tokens):
             self.kv.free(seq)
             return False
         self.kv.prefix_stats.record(seq.num_tokens, hits)
@@ -86,14 +87,14 @@ class Scheduler(ABC):
         """
         while not self.kv.grow(seq, num_tokens):
             victim = self.running[-1]
-            self._preempt(victim)
+            self.preempt(victim)
             out.preempted.append(victim)
             out.scheduled = [(s, n) for s, n in out.scheduled if s is not victim]
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING

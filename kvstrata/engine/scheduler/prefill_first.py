@@ -12,6 +12,7 @@ blocks goes back to the waiting queue's front and joins the next batch.
 from __future__ import annotations
 
 from kvstrata.engine.scheduler.base import Scheduler, SchedulerOutput
+from kvstrata.engine.sequence import SequenceStatus
 from kvstrata.kv.cache_manager import KVCacheManager
 
 
@@ -25,15 +26,22 @@ class PrefillFirstScheduler(Scheduler):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._continue_prompts(out)
         if self.waiting and self.may_admit():
-            budget = self.max_prefill_tokens
+            budget = None if self.max_prefill_tokens is None else self.max_prefill_tokens - out.num_tokens
             while self.waiting and (budget is None or budget > 0) and self._admit(out, budget, whole=True):
                 if budget is not None:
                     budget -= out.scheduled[-1][1]
-            if out.scheduled:
-                return out
+        if out.scheduled:
+            return out
         self._schedule_decodes(out)
         return out
+
+    def _continue_prompts(self, out: SchedulerOutput) -> None:
+        """Running prompts that paused where preloaded KV was placed: their next text, whole."""
+        for seq in [s for s in self.running if s.num_pending_tokens > 1]:
+            if seq.status is SequenceStatus.RUNNING and self._grow_or_preempt(seq, seq.num_tokens_to_compute, out):
+                out.scheduled.append((seq, seq.num_tokens_to_compute))
 
 
 class StaticScheduler(PrefillFirstScheduler):

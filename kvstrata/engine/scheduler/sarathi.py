@@ -25,7 +25,7 @@ class SarathiScheduler(Scheduler):
             budget = self.chunk_size - out.num_tokens
             if budget <= 0:
                 break
-            num_tokens = min(seq.num_pending_tokens, budget)
+            num_tokens = min(seq.num_tokens_to_compute, budget)
             if seq.status is SequenceStatus.RUNNING and self._grow_or_preempt(seq, num_tokens, out):
                 out.scheduled.append((seq, num_tokens))
         while self.waiting and self._admit(out, self.chunk_size - out.num_tokens, whole=False):
