@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 from tqdm import tqdm
 
+from kvstrata.cachegen.context import DEFAULT_CHUNK_TOKENS, ContextLoad, SavedContext, SaveReport, save_context
+from kvstrata.cachegen.levels import CACHEGEN_LEVELS
+from kvstrata.cachegen.profile import CodecProfile
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
@@ -28,13 +32,39 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        context: str | Path | SavedContext | None = None,
+        context_level: str | None = None,
+        recompute_chunks: Iterable[int] = (),
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched by the scheduler; outputs in the prompts' order."""
+        """Run every prompt to completion, batched by the scheduler; outputs in the prompts' order.
+
+        With `context` (a file from `save_context`), every prompt continues that context: its chunks
+        are decoded into the KV cache at `context_level` (default: the best stored) instead of being
+        prefilled, except `recompute_chunks`, which are prefilled from their tokens.
+        """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = self._params_per_prompt(params, len(prompts))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        load = ContextLoad.prepare(self.engine, context, context_level, recompute_chunks)
+        ids = [self._add(p, sp, load) for p, sp in zip(prompts, params_list)]
         return self._run_to_completion(ids, use_tqdm)
+
+    def save_context(
+        self,
+        context: Prompt,
+        path: str | Path,
+        levels: Sequence[str] = CACHEGEN_LEVELS,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        profile: CodecProfile | None = None,
+    ) -> SaveReport:
+        """Prefill `context` once and save its KV cache as CacheGen chunks at every level in `levels`."""
+        return save_context(self.engine, self.engine.tokenize(context), path, levels, chunk_tokens, profile)
+
+    def _add(self, prompt: Prompt, params: SamplingParams, load: ContextLoad | None) -> str:
+        if load is None:
+            return self.engine.add_request(prompt, params)
+        token_ids = load.token_ids + self.engine.tokenize(prompt)
+        return self.engine.add_request(token_ids, params, preloaded=load.preloaded, cache_salt=load.salt)
 
     def chat(
         self,
@@ -52,9 +82,16 @@ class LLM:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
         return self.tokenizer.encode_chat(messages)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        context: str | Path | SavedContext | None = None,
+        context_level: str | None = None,
+    ) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets new tokens; the last one has finished=True."""
-        request_id = self.engine.add_request(prompt, params)
+        load = ContextLoad.prepare(self.engine, context, context_level, ())
+        request_id = self._add(prompt, params or SamplingParams(), load)
         try:
             while True:
                 for output in self.engine.step():

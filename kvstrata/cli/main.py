@@ -1,11 +1,13 @@
-"""The `kvstrata` command: generate, chat."""
+"""The `kvstrata` command: generate, chat, serve, bench, eval, kv, calibrate."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from kvstrata.bench.cli import add_bench_commands, run_bench
+from kvstrata.cachegen.cli import add_calibrate_commands, add_kv_commands, run_calibrate, run_kv
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.errors import KvstrataError
 from kvstrata.eval.cli import add_eval_commands, run_eval
@@ -47,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true",
         help="wrap the prompt as a user message in the model's chat template",
     )
+    generate.add_argument("--context", type=Path, default=None,
+                          help="a saved context (kvstrata kv save): the prompt continues it, without its prefill")
+    generate.add_argument("--context-level", default=None,
+                          help="the saved context's level to decode (default: the best one stored)")
     _add_sampling_arguments(generate, temperature=0.0)
     add_engine_arguments(generate)
 
@@ -64,14 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(serve)
 
+    add_kv_commands(commands)
+    add_calibrate_commands(commands)
     add_bench_commands(commands)
     add_eval_commands(commands)
     return parser
 
 
-def _stream_to_terminal(llm, prompt, params) -> str:
+def _stream_to_terminal(llm, prompt, params, **context) -> str:
     text = ""
-    for output in llm.stream(prompt, params):
+    for output in llm.stream(prompt, params, **context):
         sys.stdout.write(output.new_text)
         sys.stdout.flush()
         text = output.text
@@ -85,7 +93,7 @@ def run_generate(args: argparse.Namespace) -> None:
     params = _sampling_params(args)
     llm = LLM(**vars(engine_config_from_args(args)))
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    _stream_to_terminal(llm, prompt, params)
+    _stream_to_terminal(llm, prompt, params, context=args.context, context_level=args.context_level)
 
 
 def run_chat(args: argparse.Namespace) -> None:
@@ -124,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {
             "generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench, "eval": run_eval,
+            "kv": run_kv, "calibrate": run_calibrate,
         }
         commands[args.command](args)
     except KvstrataError as exc:

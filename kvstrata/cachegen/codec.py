@@ -1,0 +1,185 @@
+"""One K or V tensor of a chunk [layers, tokens, channels] to named byte sections and back.
+
+Sections: "scales" (the quantizer's scales), "models" (count tables, or symbol ranges for
+profiled models; absent for raw storage) and "symbols" (the range-coded or bit-packed symbols).
+Coder groups (papers/cachegen.md §2.3): with per-(layer, channel) models, each layer's anchors
+share one model and each (layer, channel) has its own for the differences; with a global model,
+anchors and differences have one model each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvstrata.cachegen import entropy
+from kvstrata.cachegen.errors import CorruptStreamError
+from kvstrata.cachegen.levels import CodecSettings
+from kvstrata.cachegen.profile import TensorProfile
+from kvstrata.cachegen.quantize import (
+    CacheGenSymbols,
+    UniformSymbols,
+    anchor_positions,
+    dequantize_cachegen,
+    dequantize_uniform,
+    quantize_cachegen,
+    quantize_uniform,
+    uniform_levels,
+)
+
+MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
+
+
+def layer_bins(bins: tuple[float, float, float], num_layers: int) -> torch.Tensor:
+    """Each layer's bin: layers split into three equal thirds, shallow to deep."""
+    return torch.tensor([bins[min(3 * layer // num_layers, 2)] for layer in range(num_layers)], dtype=torch.float32)
+
+
+def encode_tensor(x: torch.Tensor, settings: CodecSettings, profile: TensorProfile | None = None) -> dict[str, bytes]:
+    x = x.float().cpu()
+    if not torch.isfinite(x).all():
+        raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
+    if settings.quantizer == "uniform":
+        symbols = quantize_uniform(x, settings.bits)
+        sections = {"scales": symbols.scale.numpy().tobytes()}
+        if settings.models == "raw":
+            sections["symbols"] = pack_bits(symbols.values + uniform_levels(settings.bits), settings.bits)
+            return sections
+        groups = _uniform_groups(symbols.values, settings.models)
+    else:
+        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), settings.anchors)
+        sections = {"scales": symbols.anchor_scale.numpy().tobytes() + symbols.step.numpy().tobytes()}
+        groups = _cachegen_groups(symbols, settings.models)
+    if settings.source == "profiled":
+        models = profile.models_for(groups, settings.bins)
+        sections["models"] = entropy.write_ranges(groups)
+    else:
+        counted = [entropy.counted_model(g) for g in groups]
+        models = [m for m, _ in counted]
+        sections["models"] = entropy.write_count_tables([c for _, c in counted], [m.lo for m in models])
+    sections["symbols"] = entropy.encode_groups(groups, models)
+    return sections
+
+
+def decode_tensor(
+    sections: dict[str, bytes], settings: CodecSettings, shape: tuple[int, int, int], profile: TensorProfile | None = None
+) -> torch.Tensor:
+    num_layers, num_tokens, channels = shape
+    scales = sections["scales"]
+    if settings.quantizer == "uniform":
+        scale = torch.from_numpy(_array(scales, np.float16, (num_layers, num_tokens), "scales"))
+        qmax = uniform_levels(settings.bits)
+        if settings.models == "raw":
+            values = unpack_bits(sections["symbols"], settings.bits, num_layers * num_tokens * channels) - qmax
+            values = values.reshape(num_layers, num_tokens, channels)
+        else:
+            groups = _decode_groups(sections, settings, _uniform_sizes(shape, settings.models), None)
+            values = _uniform_from_groups(groups, shape, settings.models)
+        if np.abs(values).max(initial=0) > qmax:
+            raise CorruptStreamError(f"a decoded symbol lies outside [-{qmax}, {qmax}]")
+        return dequantize_uniform(UniformSymbols(scale, torch.from_numpy(values.astype(np.int32))))
+    num_anchors = len(anchor_positions(num_tokens)) if settings.anchors else 0
+    anchor_bytes = 2 * num_layers * channels
+    anchor_scale = torch.from_numpy(_array(scales[:anchor_bytes], np.float16, (num_layers, channels), "anchor scales"))
+    step = torch.from_numpy(_array(scales[anchor_bytes:], np.float32, (num_layers,), "steps"))
+    sizes = _cachegen_sizes(num_layers, num_anchors, num_tokens - num_anchors, channels, settings.models)
+    groups = _decode_groups(sections, settings, sizes, profile)
+    symbols = _cachegen_from_groups(groups, anchor_scale, step, num_layers, num_anchors, num_tokens, channels,
+                                    settings.models)
+    return dequantize_cachegen(symbols, num_tokens)
+
+
+def _decode_groups(sections, settings: CodecSettings, sizes: list[int], profile) -> list[np.ndarray]:
+    if settings.source == "profiled":
+        ranges = entropy.read_ranges(sections["models"], len(sizes))
+        models = profile.models_for_ranges(ranges, settings.bins)
+    else:
+        models = entropy.read_count_tables(sections["models"], len(sizes), MAX_TABLE)
+    return entropy.decode_groups(sections["symbols"], models, sizes)
+
+
+def _array(data: bytes, dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
+    expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if len(data) != expected:
+        raise CorruptStreamError(f"the {what} section holds {len(data)} bytes, expected {expected}")
+    array = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+    if not np.isfinite(array).all():
+        raise CorruptStreamError(f"the {what} section holds a non-finite number")
+    return array
+
+
+# --- coder groups -----------------------------------------------------------------------------
+
+
+def _cachegen_groups(symbols: CacheGenSymbols, models: str) -> list[np.ndarray]:
+    anchors = symbols.anchors.numpy()
+    rest = symbols.rest.permute(0, 2, 1).contiguous().numpy()  # [L, C, tokens]: a channel's symbols in a row
+    if models == "global":
+        return [anchors.reshape(-1), rest.reshape(-1)]
+    groups = []
+    for layer in range(anchors.shape[0]):
+        groups.append(anchors[layer].reshape(-1))
+        groups.extend(rest[layer])
+    return groups
+
+
+def _cachegen_sizes(num_layers: int, num_anchors: int, num_rest: int, channels: int, models: str) -> list[int]:
+    if models == "global":
+        return [num_layers * num_anchors * channels, num_layers * num_rest * channels]
+    return ([num_anchors * channels] + [num_rest] * channels) * num_layers
+
+
+def _cachegen_from_groups(groups, anchor_scale, step, num_layers, num_anchors, num_tokens, channels, models):
+    num_rest = num_tokens - num_anchors
+    if models == "global":
+        anchors, rest = groups[0].reshape(num_layers, num_anchors, channels), groups[1]
+        rest = rest.reshape(num_layers, channels, num_rest)
+    else:
+        per_layer = channels + 1
+        anchors = np.stack([groups[i * per_layer].reshape(num_anchors, channels) for i in range(num_layers)])
+        rest = np.stack([np.stack(groups[i * per_layer + 1 : (i + 1) * per_layer]) for i in range(num_layers)])
+    if np.abs(anchors).max(initial=0) > 127:
+        raise CorruptStreamError("a decoded anchor symbol lies outside [-127, 127]")
+    return CacheGenSymbols(
+        anchor_scale, step, torch.from_numpy(anchors.astype(np.int32)),
+        torch.from_numpy(rest.astype(np.int32)).permute(0, 2, 1),
+    )
+
+
+def _uniform_groups(values: torch.Tensor, models: str) -> list[np.ndarray]:
+    per_channel = values.permute(0, 2, 1).contiguous().numpy()
+    return [per_channel.reshape(-1)] if models == "global" else list(per_channel.reshape(-1, values.shape[1]))
+
+
+def _uniform_sizes(shape: tuple[int, int, int], models: str) -> list[int]:
+    num_layers, num_tokens, channels = shape
+    return [num_layers * num_tokens * channels] if models == "global" else [num_tokens] * (num_layers * channels)
+
+
+def _uniform_from_groups(groups: list[np.ndarray], shape: tuple[int, int, int], models: str) -> np.ndarray:
+    num_layers, num_tokens, channels = shape
+    per_channel = np.concatenate(groups).reshape(num_layers, channels, num_tokens)
+    return per_channel.transpose(0, 2, 1)
+
+
+# --- raw storage ------------------------------------------------------------------------------
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> bytes:
+    """Non-negative integers below 2**bits, `bits` bits each, little-endian bit order."""
+    flat = values.reshape(-1).numpy().astype(np.uint8)
+    if bits == 8:
+        return flat.tobytes()
+    planes = (flat[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_bits(data: bytes, bits: int, count: int) -> np.ndarray:
+    expected = -(-count * bits // 8)
+    if len(data) != expected:
+        raise CorruptStreamError(f"the packed symbols hold {len(data)} bytes, expected {expected}")
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if bits == 8:
+        return raw.astype(np.int64)
+    planes = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits)
+    return (planes.astype(np.int64) << np.arange(bits)).sum(axis=1)

@@ -1,0 +1,110 @@
+"""Lossless coding of integer symbols with constriction's range (ANS) coder.
+
+Symbols come in groups; each group is coded with its own probability model over the integer
+range [lo, lo + len(probabilities)). A model is either counted from the group itself (its table
+of counts travels in the stream) or given from an offline profile (only its range travels).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import constriction
+import numpy as np
+
+from kvstrata.cachegen.errors import CorruptStreamError
+
+
+@dataclass
+class SymbolModel:
+    lo: int
+    probabilities: np.ndarray  # float64, sums to 1; entry i is the probability of symbol lo + i
+
+    def categorical(self):
+        # perfect=False: a faster, slightly lossy fixed-point approximation, computed the same
+        # way on both sides, so encoder and decoder always agree. constriction refuses a
+        # one-symbol alphabet, so a constant group gets an unused second symbol.
+        probabilities = self.probabilities if len(self.probabilities) > 1 else np.array([1.0, 0.0])
+        return constriction.stream.model.Categorical(probabilities, perfect=False)
+
+
+def symbol_range(group: np.ndarray) -> tuple[int, int]:
+    return (int(group.min()), int(group.max())) if group.size else (0, 0)
+
+
+def counted_model(group: np.ndarray) -> tuple[SymbolModel, np.ndarray]:
+    """The group's own histogram as a model, and the counts that describe it."""
+    lo, hi = symbol_range(group)
+    counts = np.bincount(group - lo, minlength=hi - lo + 1) if group.size else np.ones(1, dtype=np.int64)
+    return SymbolModel(lo, counts / counts.sum()), counts
+
+
+def encode_groups(groups: list[np.ndarray], models: list[SymbolModel]) -> bytes:
+    coder = constriction.stream.stack.AnsCoder()
+    for group, model in zip(reversed(groups), reversed(models)):  # a stack: encode last group first
+        if group.size:
+            coder.encode_reverse((group - model.lo).astype(np.int32), model.categorical())
+    return coder.get_compressed().tobytes()
+
+
+def decode_groups(data: bytes, models: list[SymbolModel], sizes: list[int]) -> list[np.ndarray]:
+    if len(data) % 4:
+        raise CorruptStreamError(f"an entropy-coded section of {len(data)} bytes is not whole 32-bit words")
+    coder = constriction.stream.stack.AnsCoder(np.frombuffer(data, dtype=np.uint32).copy())
+    out = []
+    for model, size in zip(models, sizes):
+        symbols = coder.decode(model.categorical(), size) if size else np.zeros(0, dtype=np.int32)
+        out.append(symbols.astype(np.int32) + model.lo)
+    return out
+
+
+# --- count tables: the models counted per chunk, serialized -----------------------------------
+
+
+def write_count_tables(counts: list[np.ndarray], los: list[int]) -> bytes:
+    """lo (int32) and table length (uint32) per model, then every count (uint32), deflated."""
+    header = np.stack([np.array(los, dtype=np.int64), np.array([len(c) for c in counts], dtype=np.int64)], axis=1)
+    raw = header.astype("<i4").tobytes() + np.concatenate(counts).astype("<u4").tobytes()
+    return zlib.compress(raw, 6)
+
+
+def read_count_tables(data: bytes, num_models: int, max_table: int) -> list[SymbolModel]:
+    try:
+        raw = zlib.decompress(data)
+    except zlib.error as exc:
+        raise CorruptStreamError(f"the model table does not inflate: {exc}") from None
+    if len(raw) < 8 * num_models:
+        raise CorruptStreamError(f"the model table holds {len(raw)} bytes, too few for {num_models} models")
+    header = np.frombuffer(raw[: 8 * num_models], dtype="<i4").reshape(num_models, 2)
+    lengths = header[:, 1].astype(np.int64)
+    if (lengths < 1).any() or (lengths > max_table).any() or len(raw) != 8 * num_models + 4 * int(lengths.sum()):
+        raise CorruptStreamError("the model table's lengths do not match its size")
+    counts = np.frombuffer(raw[8 * num_models :], dtype="<u4").astype(np.float64)
+    models, start = [], 0
+    for lo, length in zip(header[:, 0].tolist(), lengths.tolist()):
+        table = counts[start : start + length]
+        start += length
+        if table.sum() <= 0:
+            raise CorruptStreamError("a model table has no counts")
+        models.append(SymbolModel(lo, table / table.sum()))
+    return models
+
+
+def write_ranges(groups: list[np.ndarray]) -> bytes:
+    """Each group's (lo, hi), deflated: all a profiled model needs from the chunk."""
+    ranges = np.array([symbol_range(g) for g in groups], dtype="<i4")
+    return zlib.compress(ranges.tobytes(), 6)
+
+
+def read_ranges(data: bytes, num_models: int) -> np.ndarray:
+    try:
+        raw = zlib.decompress(data)
+    except zlib.error as exc:
+        raise CorruptStreamError(f"the symbol ranges do not inflate: {exc}") from None
+    if len(raw) != 8 * num_models:
+        raise CorruptStreamError(f"the symbol ranges hold {len(raw)} bytes, expected {8 * num_models}")
+    ranges = np.frombuffer(raw, dtype="<i4").reshape(num_models, 2)
+    if (ranges[:, 1] < ranges[:, 0]).any():
+        raise CorruptStreamError("a symbol range ends before it starts")
+    return ranges

@@ -1,0 +1,78 @@
+"""Codec settings and the named quality levels.
+
+A level's bins are the quantization steps of the three layer thirds, in units of each layer's
+anchor-difference RMS (papers/cachegen.md §2.2: coarser with depth). The paper's default level
+uses bins 0.5 / 1 / 1.5; the others scale that shape. Uniform levels are the FlexGen-style
+baselines, bit-packed ("raw") or through the same entropy coder ("-ac").
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvstrata.errors import KvstrataError
+
+QUANTIZERS = ("cachegen", "uniform")
+MODELS = ("layer-channel", "global", "raw")
+SOURCES = ("chunk", "profiled")
+
+
+@dataclass(frozen=True)
+class CodecSettings:
+    quantizer: str = "cachegen"
+    bins: tuple[float, float, float] = (0.5, 1.0, 1.5)  # cachegen: steps of the first, middle, last layer third
+    anchors: bool = True  # cachegen: code differences from the group's anchor (off: an ablation)
+    bits: int = 8  # uniform: bits per value
+    models: str = "layer-channel"  # one coder model per (layer, channel), one for everything, or no coder
+    source: str = "chunk"  # models counted per chunk (shipped in the stream) or profiled offline
+
+    def __post_init__(self) -> None:
+        _require(self.quantizer in QUANTIZERS, f"quantizer {self.quantizer!r} is not one of {QUANTIZERS}")
+        _require(self.models in MODELS, f"models {self.models!r} is not one of {MODELS}")
+        _require(self.source in SOURCES, f"source {self.source!r} is not one of {SOURCES}")
+        _require(
+            len(self.bins) == 3 and all(isinstance(b, (int, float)) and 0 < b < 1e6 for b in self.bins),
+            f"bins must be three positive numbers, got {self.bins!r}",
+        )
+        _require(isinstance(self.bits, int) and 2 <= self.bits <= 8, f"bits must be in [2, 8], got {self.bits!r}")
+        _require(self.models != "raw" or self.quantizer == "uniform", "only the uniform quantizer stores raw symbols")
+        _require(
+            self.source == "chunk" or (self.quantizer == "cachegen" and self.anchors and self.models == "layer-channel"),
+            "profiled models exist for the cachegen quantizer with anchors and per-(layer, channel) models only",
+        )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data) -> CodecSettings:
+        if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
+            raise KvstrataError(f"codec settings {data!r:.200} do not have the fields {sorted(cls.__dataclass_fields__)}")
+        return cls(**{**data, "bins": tuple(data["bins"]) if isinstance(data["bins"], list) else data["bins"]})
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise KvstrataError(message)
+
+
+# Best quality first. Bins scale the paper's default shape 1 : 2 : 3.
+LEVELS: dict[str, CodecSettings] = {
+    "near-lossless": CodecSettings(bins=(0.05, 0.1, 0.15)),
+    "high": CodecSettings(bins=(0.25, 0.5, 0.75)),
+    "medium": CodecSettings(bins=(0.5, 1.0, 1.5)),
+    "low": CodecSettings(bins=(1.0, 2.0, 3.0)),
+}
+CACHEGEN_LEVELS = tuple(LEVELS)
+BASELINES: dict[str, CodecSettings] = {
+    f"uniform{bits}{suffix}": CodecSettings(quantizer="uniform", bits=bits, models=models)
+    for bits in (8, 4, 3)
+    for suffix, models in (("", "raw"), ("-ac", "layer-channel"))
+}
+ALL_LEVELS = {**LEVELS, **BASELINES}
+
+
+def settings_for(level: str) -> CodecSettings:
+    if level not in ALL_LEVELS:
+        raise KvstrataError(f"level {level!r} is not one of {', '.join(ALL_LEVELS)}")
+    return ALL_LEVELS[level]
