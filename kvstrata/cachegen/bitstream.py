@@ -87,8 +87,9 @@ def write_kv_file(path: str | Path, header: KVFileHeader, payloads: list[dict[st
         offset += record.length
     header_bytes = json.dumps(header.to_json(), separators=(",", ":")).encode()
     path = Path(path)
-    fd, staging = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.")
+    staging = None
     try:
+        fd, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(fd, "wb") as out:
             out.write(PREAMBLE.pack(MAGIC, VERSION, len(header_bytes)) + header_bytes + _digest(header_bytes))
             for sections in payloads:
@@ -98,7 +99,8 @@ def write_kv_file(path: str | Path, header: KVFileHeader, payloads: list[dict[st
             os.fsync(out.fileno())
         os.replace(staging, path)
     except OSError as exc:
-        Path(staging).unlink(missing_ok=True)
+        if staging is not None:
+            Path(staging).unlink(missing_ok=True)
         raise KvstrataError(f"could not write the KV file {path}: {exc.strerror or exc}") from None
     return PREAMBLE.size + len(header_bytes) + DIGEST_BYTES + offset
 

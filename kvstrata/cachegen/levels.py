@@ -38,7 +38,8 @@ class CodecSettings:
         _require(self.models != "raw" or self.quantizer == "uniform", "only the uniform quantizer stores raw symbols")
         _require(
             self.source == "chunk" or (self.quantizer == "cachegen" and self.anchors and self.models == "layer-channel"),
-            "profiled models exist for the cachegen quantizer with anchors and per-(layer, channel) models only",
+            f"source 'profiled' needs the cachegen quantizer with anchors and per-(layer, channel) models; got "
+            f"quantizer {self.quantizer!r}, anchors {self.anchors!r}, models {self.models!r}",
         )
 
     def to_json(self) -> dict:

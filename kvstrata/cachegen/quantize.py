@@ -20,13 +20,16 @@ import torch
 
 GROUP_SIZE = 10
 ANCHOR_LEVELS = 127  # 8-bit symmetric
+FLOAT16_TINY = 2.0**-14
 
 
 def _stored_scale(scale: torch.Tensor) -> torch.Tensor:
     """Scales travel as float16; quantize with the rounded value so the decoder multiplies by the same
     number. Rounding is nudged upward (float16 keeps 11 significant bits) so that absmax / scale never
-    exceeds the top symbol and nothing is clipped. A zero scale (an all-zero vector) becomes 1."""
-    scale = torch.where(scale > 0, scale * (1 + 2**-10), torch.ones_like(scale)).to(torch.float16)
+    exceeds the top symbol and nothing is clipped; scales below float16's smallest normal number are
+    raised to it (subnormals keep fewer bits). A zero scale (an all-zero vector) becomes 1."""
+    scale = torch.where(scale > 0, (scale * (1 + 2**-10)).clamp_min(FLOAT16_TINY), torch.ones_like(scale))
+    scale = scale.to(torch.float16)
     if not torch.isfinite(scale).all() or (scale == 0).any():
         raise ValueError("a quantization scale is outside float16's range; the KV values are too large or too small")
     return scale

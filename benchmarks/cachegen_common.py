@@ -1,0 +1,61 @@
+"""Shared by the CacheGen benchmarks: long Austen contexts, their exact KV, and quality through a decoded cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvstrata.cachegen.codec import decode_tensor, encode_tensor
+from kvstrata.cachegen.levels import CodecSettings
+from kvstrata.data import EMMA
+from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.eval.cache_scorer import CacheScorer
+from kvstrata.kv.preloaded import PreloadedKV
+
+PERSUASION = Path(__file__).parent / "data" / "persuasion.txt"
+TEXTS = {"emma": EMMA, "persuasion": PERSUASION}
+CONTEXT_TOKENS = 3072  # two chunks of 1,536
+SCORED_TOKENS = 512
+
+
+class Window:
+    """A context of CONTEXT_TOKENS tokens and the SCORED_TOKENS that follow it."""
+
+    def __init__(self, engine, name: str, offset_chars: int = 50_000):
+        text = TEXTS[name].read_text(encoding="utf-8")[offset_chars : offset_chars + 40_000]
+        self.name = name
+        self.token_ids = engine.tokenize(text)[: CONTEXT_TOKENS + SCORED_TOKENS]
+        self.k, self.v = compute_kv(engine, self.token_ids[:CONTEXT_TOKENS])
+        self.scorer = CacheScorer(engine)
+        self._reference = None  # the uncompressed cache's logits, computed on first use
+
+    def logits(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.scorer.next_token_logits(self.token_ids, CONTEXT_TOKENS, tokens_per_step=64,
+                                             preloaded=[PreloadedKV(0, k, v)])
+
+    def reference(self) -> torch.Tensor:
+        if self._reference is None:
+            self._reference = self.logits(self.k, self.v)
+        return self._reference
+
+    def quality(self, k: torch.Tensor, v: torch.Tensor) -> dict:
+        """Perplexity of the scored tokens, and greedy agreement with the uncompressed cache's predictions."""
+        logits = self.logits(k, v)
+        targets = torch.tensor(self.token_ids[CONTEXT_TOKENS:])
+        return {
+            "perplexity": torch.nn.functional.cross_entropy(logits, targets).exp().item(),
+            "agreement": (logits.argmax(-1) == self.reference().argmax(-1)).float().mean().item(),
+        }
+
+
+def round_trip(x: torch.Tensor, settings: CodecSettings, chunk_tokens: int = 1536, profile=None):
+    """Encode [L, T, H, D] in independent chunks; the decoded tensor and the bytes used."""
+    layers, tokens = x.shape[:2]
+    pieces, size = [], 0
+    for start in range(0, tokens, chunk_tokens):
+        chunk = x[:, start : start + chunk_tokens].reshape(layers, -1, x.shape[2] * x.shape[3])
+        sections = encode_tensor(chunk, settings, profile)
+        size += sum(len(data) for data in sections.values())
+        pieces.append(decode_tensor(sections, settings, tuple(chunk.shape), profile))
+    return torch.cat(pieces, dim=1).reshape(x.shape), size

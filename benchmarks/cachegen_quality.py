@@ -1,0 +1,96 @@
+"""CacheGen size against quality on the default model (docs/BENCHMARKS.md, "CacheGen codec").
+
+    .venv/bin/python -m benchmarks.cachegen_quality > benchmarks/results/cachegen_quality.json
+
+For 3,072-token contexts from Emma and Persuasion (two 1,536-token chunks each), every level and
+baseline: bytes per token, bits per value, perplexity of the next 512 tokens read through the decoded
+cache, and greedy agreement with the uncompressed cache. Then the paper's ablation (§7.5), offline
+profiled against per-chunk counted coder models (each text coded with a profile calibrated on the
+other novel), and the quality loss when one layer third is quantized coarsely (Insight 2).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from benchmarks.cachegen_common import TEXTS, Window, round_trip
+from kvstrata.bench.report import engine_info, machine_info, sig
+from kvstrata.cachegen.levels import ALL_LEVELS, LEVELS, CodecSettings
+from kvstrata.cachegen.profile import calibrate
+from kvstrata.llm import LLM
+
+ABLATION = {
+    "1 uniform step, one global coder model": CodecSettings(bins=(1, 1, 1), anchors=False, models="global"),
+    "2 + per-(layer, channel) models": CodecSettings(bins=(1, 1, 1), anchors=False),
+    "3 + anchor differences": CodecSettings(bins=(1, 1, 1)),
+    "4 + layer-wise bins (0.5, 1, 1.5)": CodecSettings(bins=(0.5, 1, 1.5)),
+}
+COARSE_THIRD = {"none": (0.5, 0.5, 0.5), "first": (3, 0.5, 0.5), "middle": (0.5, 3, 0.5), "last": (0.5, 0.5, 3)}
+
+
+def evaluate(windows: list[Window], settings: CodecSettings, profiles=None) -> dict:
+    rows = []
+    for window in windows:
+        profile = profiles[window.name] if profiles else None
+        k, k_bytes = round_trip(window.k, settings, profile=profile and profile.k)
+        v, v_bytes = round_trip(window.v, settings, profile=profile and profile.v)
+        rows.append({"bytes": k_bytes + v_bytes, "values": 2 * window.k.numel(), "tokens": window.k.shape[1],
+                     **window.quality(k, v)})
+    size = sum(r["bytes"] for r in rows)
+    return {
+        "bits_per_value": sig(8 * size / sum(r["values"] for r in rows)),
+        "bytes_per_token": sig(size / sum(r["tokens"] for r in rows)),
+        "perplexity": sig(float(np.mean([r["perplexity"] for r in rows]))),
+        "agreement": sig(float(np.mean([r["agreement"] for r in rows]))),
+        "per_text": {w.name: {k: sig(v) for k, v in r.items()} for w, r in zip(windows, rows)},
+    }
+
+
+def main() -> None:
+    llm = LLM(threads=2)
+    engine = llm.engine
+    windows = [Window(engine, name) for name in TEXTS]
+    exact = {"perplexity": sig(float(np.mean([w.quality(w.k, w.v)["perplexity"] for w in windows])))}
+    levels = {name: evaluate(windows, settings) for name, settings in ALL_LEVELS.items()}
+    for name, row in levels.items():
+        print(name, row["bits_per_value"], row["perplexity"], file=sys.stderr, flush=True)
+    ablation = {name: evaluate(windows, settings) for name, settings in ABLATION.items()}
+    sensitivity = {third: evaluate(windows, CodecSettings(bins=bins)) for third, bins in COARSE_THIRD.items()}
+
+    # Profiles from the other novel, so no evaluated context was seen in calibration.
+    profiles = {}
+    for name in TEXTS:
+        other = next(n for n in TEXTS if n != name)
+        tokens = engine.tokenize(TEXTS[other].read_text(encoding="utf-8"))
+        profiles[name] = calibrate(engine, tokens, windows=100, window_tokens=512)
+    model_source = {}
+    for level in ("high", "medium"):
+        bins = ALL_LEVELS[level].bins
+        model_source[level] = {
+            "chunk": levels[level],
+            "profiled": evaluate(windows, CodecSettings(bins=bins, source="profiled"), profiles),
+        }
+
+    eight_bit = levels["uniform8"]
+    within = [(levels[name]["bits_per_value"], name) for name in LEVELS
+              if levels[name]["perplexity"] <= 1.01 * eight_bit["perplexity"]]
+    best = min(within) if within else None
+    report = {
+        "machine": machine_info(), "engine": engine_info(engine),
+        "workload": {"texts": list(TEXTS), "context_tokens": windows[0].k.shape[1], "scored_tokens": 512,
+                     "chunk_tokens": 1536, "values_per_token": 2 * windows[0].k[:, 0].numel()},
+        "uncompressed": exact, "levels": levels, "ablation": ablation, "coarse_third": sensitivity,
+        "model_source": model_source,
+        "smallest_level_within_1pct_of_8bit": None if best is None else {
+            "level": best[1], "bits_per_value": best[0],
+            "size_ratio_vs_8bit": sig(eight_bit["bits_per_value"] / best[0]),
+        },
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
