@@ -22,17 +22,13 @@ from kvstrata.cachegen.quantize import (
     anchor_positions,
     dequantize_cachegen,
     dequantize_uniform,
+    layer_bins,
     quantize_cachegen,
     quantize_uniform,
     uniform_levels,
 )
 
 MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
-
-
-def layer_bins(bins: tuple[float, float, float], num_layers: int) -> torch.Tensor:
-    """Each layer's bin: layers split into three equal thirds, shallow to deep."""
-    return torch.tensor([bins[min(3 * layer // num_layers, 2)] for layer in range(num_layers)], dtype=torch.float32)
 
 
 def encode_tensor(x: torch.Tensor, settings: CodecSettings, profile: TensorProfile | None = None) -> dict[str, bytes]:

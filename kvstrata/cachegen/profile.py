@@ -17,10 +17,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from kvstrata.cachegen.entropy import SymbolModel, symbol_range
 from kvstrata.cachegen.errors import CorruptStreamError, ForeignModelError
-from kvstrata.cachegen.quantize import ANCHOR_LEVELS, GROUP_SIZE, differences_from_anchors, quantize_cachegen
+from kvstrata.cachegen.quantize import (
+    ANCHOR_LEVELS,
+    GROUP_SIZE,
+    differences_from_anchors,
+    layer_bins,
+    quantize_cachegen,
+)
+from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.errors import KvstrataError
 
 PROFILE_FORMAT = "kvstrata-cachegen-profile"
 PROFILE_VERSION = 1
@@ -37,8 +46,6 @@ class TensorProfile:
         return self.models_for_ranges(np.array([symbol_range(g) for g in groups]), bins)
 
     def models_for_ranges(self, ranges: np.ndarray, bins) -> list[SymbolModel]:
-        from kvstrata.cachegen.codec import layer_bins
-
         num_layers, channels = self.loc.shape
         if len(ranges) != num_layers * (channels + 1):
             raise CorruptStreamError(f"{len(ranges)} symbol ranges do not fit a profile of {num_layers} layers")
@@ -138,11 +145,6 @@ class ProfileBuilder:
 
 def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, progress: bool = True) -> CodecProfile:
     """Profile the coder models over `windows` windows of `window_tokens` tokens spread over `token_ids`."""
-    from tqdm import tqdm
-
-    from kvstrata.engine.direct_forward import compute_kv
-    from kvstrata.errors import KvstrataError
-
     if windows < 1 or window_tokens < 2 * GROUP_SIZE or len(token_ids) < window_tokens:
         raise KvstrataError(
             f"calibration needs at least one window of at least {2 * GROUP_SIZE} tokens from a text that long; got "

@@ -43,6 +43,11 @@ class CacheGenSymbols:
     rest: torch.Tensor  # int32 [L, T - A, C]: differences (or plain values without anchors)
 
 
+def layer_bins(bins: tuple[float, float, float], num_layers: int) -> torch.Tensor:
+    """Each layer's bin: layers split into three equal thirds, shallow to deep."""
+    return torch.tensor([bins[min(3 * layer // num_layers, 2)] for layer in range(num_layers)], dtype=torch.float32)
+
+
 def anchor_positions(num_tokens: int) -> torch.Tensor:
     return torch.arange(0, num_tokens, GROUP_SIZE)
 

@@ -189,8 +189,9 @@ class LLMEngine:
     def _check_preloaded(self, preloaded: list[PreloadedKV], num_tokens: int) -> list[PreloadedKV]:
         mc = self.loaded.config
         dtype = getattr(torch, self.config.dtype)
+        preloaded = sorted(preloaded, key=lambda s: s.start)
         position = 0
-        for segment in sorted(preloaded, key=lambda s: s.start):
+        for segment in preloaded:
             shape = (mc.num_layers, segment.k.shape[1], mc.num_kv_heads, mc.head_dim)
             if tuple(segment.k.shape) != shape or tuple(segment.v.shape) != shape:
                 raise KvstrataError(f"preloaded KV of shape {tuple(segment.k.shape)} does not fit this model's {shape}")
@@ -201,7 +202,7 @@ class LLMEngine:
                 )
             position = segment.end
         return [PreloadedKV(s.start, s.k.to(self.device, dtype), s.v.to(self.device, dtype))
-                for s in sorted(preloaded, key=lambda s: s.start)]
+                for s in preloaded]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; None if it is unknown or already done."""
