@@ -49,13 +49,13 @@ class Window:
         }
 
 
-def round_trip(x: torch.Tensor, settings: CodecSettings, chunk_tokens: int = 1536, profile=None):
-    """Encode [L, T, H, D] in independent chunks; the decoded tensor and the bytes used."""
+def round_trip(x: torch.Tensor, settings: CodecSettings, kind: str, chunk_tokens: int = 1536, profile=None):
+    """Encode K or V (`kind`) [L, T, H, D] in independent chunks; the decoded tensor and the bytes used."""
     layers, tokens = x.shape[:2]
     pieces, size = [], 0
     for start in range(0, tokens, chunk_tokens):
         chunk = x[:, start : start + chunk_tokens].reshape(layers, -1, x.shape[2] * x.shape[3])
-        sections = encode_tensor(chunk, settings, profile)
+        sections = encode_tensor(chunk, settings, kind, profile)
         size += sum(len(data) for data in sections.values())
-        pieces.append(decode_tensor(sections, settings, tuple(chunk.shape), profile))
+        pieces.append(decode_tensor(sections, settings, tuple(chunk.shape), kind, profile))
     return torch.cat(pieces, dim=1).reshape(x.shape), size

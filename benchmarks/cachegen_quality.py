@@ -11,6 +11,7 @@ other novel), and the quality loss when one layer third is quantized coarsely (I
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -23,10 +24,11 @@ from kvstrata.cachegen.profile import calibrate
 from kvstrata.llm import LLM
 
 ABLATION = {
-    "1 uniform step, one global coder model": CodecSettings(bins=(1, 1, 1), anchors=False, models="global"),
-    "2 + per-(layer, channel) models": CodecSettings(bins=(1, 1, 1), anchors=False),
-    "3 + anchor differences": CodecSettings(bins=(1, 1, 1)),
-    "4 + layer-wise bins (0.5, 1, 1.5)": CodecSettings(bins=(0.5, 1, 1.5)),
+    "1 uniform step, one global coder model": CodecSettings(bins=(1, 1, 1), differences="none", models="global"),
+    "2 + per-(layer, channel) models": CodecSettings(bins=(1, 1, 1), differences="none"),
+    "3 + anchor differences (K and V)": CodecSettings(bins=(1, 1, 1), differences="kv"),
+    "4 + layer-wise bins (0.5, 1, 1.5)": CodecSettings(bins=(0.5, 1, 1.5), differences="kv"),
+    "5 V coded directly, differences for K only (medium)": CodecSettings(bins=(0.5, 1, 1.5)),
 }
 COARSE_THIRD = {"none": (0.5, 0.5, 0.5), "first": (3, 0.5, 0.5), "middle": (0.5, 3, 0.5), "last": (0.5, 0.5, 3)}
 
@@ -35,8 +37,8 @@ def evaluate(windows: list[Window], settings: CodecSettings, profiles=None) -> d
     rows = []
     for window in windows:
         profile = profiles[window.name] if profiles else None
-        k, k_bytes = round_trip(window.k, settings, profile=profile and profile.k)
-        v, v_bytes = round_trip(window.v, settings, profile=profile and profile.v)
+        k, k_bytes = round_trip(window.k, settings, "k", profile=profile and profile.k)
+        v, v_bytes = round_trip(window.v, settings, "v", profile=profile and profile.v)
         rows.append({"bytes": k_bytes + v_bytes, "values": 2 * window.k.numel(), "tokens": window.k.shape[1],
                      **window.quality(k, v)})
     size = sum(r["bytes"] for r in rows)
@@ -47,6 +49,15 @@ def evaluate(windows: list[Window], settings: CodecSettings, profiles=None) -> d
         "agreement": sig(float(np.mean([r["agreement"] for r in rows]))),
         "per_text": {w.name: {k: sig(v) for k, v in r.items()} for w, r in zip(windows, rows)},
     }
+
+
+def smallest_within_1pct(rows: dict[str, dict], eight_bit: dict) -> dict | None:
+    within = [(row["bits_per_value"], name) for name, row in rows.items()
+              if row["perplexity"] <= 1.01 * eight_bit["perplexity"]]
+    if not within:
+        return None
+    bits, name = min(within)
+    return {"level": name, "bits_per_value": bits, "size_ratio_vs_8bit": sig(eight_bit["bits_per_value"] / bits)}
 
 
 def main() -> None:
@@ -66,27 +77,21 @@ def main() -> None:
         other = next(n for n in TEXTS if n != name)
         tokens = engine.tokenize(TEXTS[other].read_text(encoding="utf-8"))
         profiles[name] = calibrate(engine, tokens, windows=100, window_tokens=512)
-    model_source = {}
-    for level in ("high", "medium"):
-        bins = ALL_LEVELS[level].bins
-        model_source[level] = {
-            "chunk": levels[level],
-            "profiled": evaluate(windows, CodecSettings(bins=bins, source="profiled"), profiles),
-        }
-
+    model_source = {
+        level: {"chunk": levels[level],
+                "profiled": evaluate(windows, dataclasses.replace(LEVELS[level], source="profiled"), profiles)}
+        for level in LEVELS
+    }
     eight_bit = levels["uniform8"]
-    within = [(levels[name]["bits_per_value"], name) for name in LEVELS
-              if levels[name]["perplexity"] <= 1.01 * eight_bit["perplexity"]]
-    best = min(within) if within else None
     report = {
         "machine": machine_info(), "engine": engine_info(engine),
         "workload": {"texts": list(TEXTS), "context_tokens": windows[0].k.shape[1], "scored_tokens": 512,
                      "chunk_tokens": 1536, "values_per_token": 2 * windows[0].k[:, 0].numel()},
         "uncompressed": exact, "levels": levels, "ablation": ablation, "coarse_third": sensitivity,
         "model_source": model_source,
-        "smallest_level_within_1pct_of_8bit": None if best is None else {
-            "level": best[1], "bits_per_value": best[0],
-            "size_ratio_vs_8bit": sig(eight_bit["bits_per_value"] / best[0]),
+        "smallest_level_within_1pct_of_8bit": {
+            source: smallest_within_1pct({name: model_source[name][source] for name in LEVELS}, eight_bit)
+            for source in ("chunk", "profiled")
         },
     }
     print(json.dumps(report, indent=2))

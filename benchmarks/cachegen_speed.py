@@ -44,8 +44,8 @@ def best_of(fn, repeats: int = REPEATS):
 def codec_speed(window: Window, level: str) -> dict:
     settings = settings_for(level)
     chunk = {name: x[:, CHUNK : 2 * CHUNK].reshape(x.shape[0], CHUNK, -1) for name, x in (("k", window.k), ("v", window.v))}
-    encode_s, sections = best_of(lambda: {n: encode_tensor(x, settings) for n, x in chunk.items()})
-    decode_s, _ = best_of(lambda: [decode_tensor(sections[n], settings, tuple(x.shape)) for n, x in chunk.items()])
+    encode_s, sections = best_of(lambda: {n: encode_tensor(x, settings, n) for n, x in chunk.items()})
+    decode_s, _ = best_of(lambda: [decode_tensor(sections[n], settings, tuple(x.shape), n) for n, x in chunk.items()])
     fp16_bytes = 2 * sum(x.numel() for x in chunk.values())
     size = sum(len(d) for s in sections.values() for d in s.values())
     return {"bytes": size, "encode_s": sig(encode_s), "decode_s": sig(decode_s),

@@ -17,7 +17,8 @@ from kvstrata.cachegen.profile import ProfileBuilder, TensorProfile
 from kvstrata.errors import KvstrataError
 
 ABLATIONS = {
-    "no-anchors": CodecSettings(anchors=False),
+    "differences-kv": CodecSettings(differences="kv"),
+    "no-differences": CodecSettings(differences="none"),
     "global-models": CodecSettings(models="global"),
     "uniform4-global": CodecSettings(quantizer="uniform", bits=4, models="global"),
 }
@@ -39,27 +40,31 @@ def kv_tensor(layers: int = 6, tokens: int = 57, channels: int = 16, seed: int =
     return x
 
 
-def quantized(x: torch.Tensor, settings: CodecSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized(x: torch.Tensor, settings: CodecSettings, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantizer's own reconstruction (what decoding must return exactly) and each element's error bound."""
     if settings.quantizer == "uniform":
         symbols = quantize.quantize_uniform(x, settings.bits)
         bound = (symbols.scale.float() / 2)[..., None].expand_as(x)
         return quantize.dequantize_uniform(symbols), bound
-    symbols = quantize.quantize_cachegen(x, codec.layer_bins(settings.bins, x.shape[0]), settings.anchors)
-    return quantize.dequantize_cachegen(symbols, x.shape[1]), quantize.cachegen_error_bound(symbols, x.shape[1])
+    differences = settings.differences_for(kind)
+    symbols = quantize.quantize_cachegen(x, codec.layer_bins(settings.bins, x.shape[0]), differences)
+    return (quantize.dequantize_cachegen(symbols, x.shape[1], differences),
+            quantize.cachegen_error_bound(symbols, x.shape[1], differences))
 
 
 def assert_round_trip(x: torch.Tensor, settings: CodecSettings, profile: TensorProfile | None = None) -> torch.Tensor:
-    """Encoding is deterministic, the entropy stage is lossless, and every element is within its bound."""
-    sections = codec.encode_tensor(x, settings, profile)
-    assert codec.encode_tensor(x, settings, profile) == sections
-    decoded = codec.decode_tensor(sections, settings, tuple(x.shape), profile)
-    expected, bound = quantized(x, settings)
-    assert torch.equal(decoded, expected), "the decoded symbols differ from the encoded ones"
-    error = (decoded - x).abs()
-    excess = error - (bound * (1 + 1e-5) + 1e-6)  # float32 slack
-    worst = np.unravel_index(int(excess.argmax()), tuple(x.shape))
-    assert excess[worst] <= 0, f"error {error[worst]:.3g} exceeds its bound {bound[worst]:.3g} at {worst}"
+    """Coded as K and as V: encoding is deterministic, the entropy stage is lossless, and every element
+    is within its bound. Returns the tensor decoded as V."""
+    for kind in ("k", "v"):
+        sections = codec.encode_tensor(x, settings, kind, profile)
+        assert codec.encode_tensor(x, settings, kind, profile) == sections
+        decoded = codec.decode_tensor(sections, settings, tuple(x.shape), kind, profile)
+        expected, bound = quantized(x, settings, kind)
+        assert torch.equal(decoded, expected), "the decoded symbols differ from the encoded ones"
+        error = (decoded - x).abs()
+        excess = error - (bound * (1 + 1e-5) + 1e-6)  # float32 slack
+        worst = np.unravel_index(int(excess.argmax()), tuple(x.shape))
+        assert excess[worst] <= 0, f"{kind}: error {error[worst]:.3g} exceeds its bound {bound[worst]:.3g} at {worst}"
     return decoded
 
 
@@ -104,7 +109,7 @@ def test_non_finite_input_is_refused(name, bad):
     x = kv_tensor()
     x[2, 40, 7] = bad
     with pytest.raises(ValueError, match="NaN or inf"):
-        codec.encode_tensor(x, ALL_LEVELS[name])
+        codec.encode_tensor(x, ALL_LEVELS[name], "k")
 
 
 # --- raw bit packing ------------------------------------------------------------------------
@@ -194,7 +199,7 @@ def context_file(profiles: dict[str, TensorProfile]) -> tuple[KVFileHeader, list
             payloads.append({
                 f"{kind}.{name}": data
                 for kind, x in tensors.items()
-                for name, data in codec.encode_tensor(x[:, start:end], settings, profiles[kind]).items()
+                for name, data in codec.encode_tensor(x[:, start:end], settings, kind, profiles[kind]).items()
             })
     token_ids = list(range(1000, 1000 + CHUNKS[-1][1]))
     return KVFileHeader(SHAPE, token_ids, list(CHUNKS), "profile-digest", records), payloads
@@ -211,7 +216,7 @@ def decode_file(data: bytes, profiles: dict[str, TensorProfile]) -> tuple:
         shape = (model.num_layers, end - start, model.num_kv_heads * model.head_dim)
         for kind in ("k", "v"):
             mine = {name.removeprefix(f"{kind}."): b for name, b in sections.items() if name.startswith(f"{kind}.")}
-            tensors[record.chunk, record.level, kind] = codec.decode_tensor(mine, record.settings, shape, profiles[kind])
+            tensors[record.chunk, record.level, kind] = codec.decode_tensor(mine, record.settings, shape, kind, profiles[kind])
     return kv.header.token_ids, kv.header.chunk_bounds, tensors
 
 
@@ -247,7 +252,7 @@ def test_kv_file_round_trip(saved_context):
     _, _, tensors = decode_file(path.read_bytes(), profiles)
     for (chunk, level, kind), decoded in tensors.items():
         start, end = CHUNKS[chunk]
-        assert torch.equal(decoded, quantized(originals[kind][:, start:end], FILE_SETTINGS[level])[0])
+        assert torch.equal(decoded, quantized(originals[kind][:, start:end], FILE_SETTINGS[level], kind)[0])
 
 
 def test_kv_file_refuses_other_models(saved_context):

@@ -23,7 +23,7 @@ from kvstrata.cachegen.levels import CodecSettings
 from kvstrata.errors import KvstrataError
 
 MAGIC = b"KVSTRATA-KV\x00"
-VERSION = 1
+VERSION = 2  # 2: settings name which of K and V are coded as anchor differences
 PREAMBLE = struct.Struct("<12sHI")  # magic, version, header length
 DIGEST_BYTES = 16
 MAX_HEADER = 1 << 28

@@ -31,7 +31,10 @@ from kvstrata.cachegen.quantize import (
 MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
 
 
-def encode_tensor(x: torch.Tensor, settings: CodecSettings, profile: TensorProfile | None = None) -> dict[str, bytes]:
+def encode_tensor(
+    x: torch.Tensor, settings: CodecSettings, kind: str, profile: TensorProfile | None = None
+) -> dict[str, bytes]:
+    """`kind`: "k" or "v" (the settings may code them differently)."""
     x = x.float().cpu()
     if not torch.isfinite(x).all():
         raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
@@ -43,11 +46,12 @@ def encode_tensor(x: torch.Tensor, settings: CodecSettings, profile: TensorProfi
             return sections
         groups = _uniform_groups(symbols.values, settings.models)
     else:
-        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), settings.anchors)
+        differences = settings.differences_for(kind)
+        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences)
         sections = {"scales": symbols.anchor_scale.numpy().tobytes() + symbols.step.numpy().tobytes()}
         groups = _cachegen_groups(symbols, settings.models)
     if settings.source == "profiled":
-        models = profile.models_for(groups, settings.bins)
+        models = profile.models_for(groups, settings.bins, differences)
         sections["models"] = entropy.write_ranges(groups)
     else:
         counted = [entropy.counted_model(g) for g in groups]
@@ -58,7 +62,8 @@ def encode_tensor(x: torch.Tensor, settings: CodecSettings, profile: TensorProfi
 
 
 def decode_tensor(
-    sections: dict[str, bytes], settings: CodecSettings, shape: tuple[int, int, int], profile: TensorProfile | None = None
+    sections: dict[str, bytes], settings: CodecSettings, shape: tuple[int, int, int], kind: str,
+    profile: TensorProfile | None = None,
 ) -> torch.Tensor:
     num_layers, num_tokens, channels = shape
     scales = sections["scales"]
@@ -69,26 +74,27 @@ def decode_tensor(
             values = unpack_bits(sections["symbols"], settings.bits, num_layers * num_tokens * channels) - qmax
             values = values.reshape(num_layers, num_tokens, channels)
         else:
-            groups = _decode_groups(sections, settings, _uniform_sizes(shape, settings.models), None)
+            groups = _decode_groups(sections, settings, _uniform_sizes(shape, settings.models), None, False)
             values = _uniform_from_groups(groups, shape, settings.models)
         if np.abs(values).max(initial=0) > qmax:
             raise CorruptStreamError(f"a decoded symbol lies outside [-{qmax}, {qmax}]")
         return dequantize_uniform(UniformSymbols(scale, torch.from_numpy(values.astype(np.int32))))
-    num_anchors = len(anchor_positions(num_tokens)) if settings.anchors else 0
+    differences = settings.differences_for(kind)
+    num_anchors = len(anchor_positions(num_tokens, differences))
     anchor_bytes = 2 * num_layers * channels
     anchor_scale = torch.from_numpy(_array(scales[:anchor_bytes], np.float16, (num_layers, channels), "anchor scales"))
     step = torch.from_numpy(_array(scales[anchor_bytes:], np.float32, (num_layers,), "steps"))
     sizes = _cachegen_sizes(num_layers, num_anchors, num_tokens - num_anchors, channels, settings.models)
-    groups = _decode_groups(sections, settings, sizes, profile)
+    groups = _decode_groups(sections, settings, sizes, profile, differences)
     symbols = _cachegen_from_groups(groups, anchor_scale, step, num_layers, num_anchors, num_tokens, channels,
                                     settings.models)
-    return dequantize_cachegen(symbols, num_tokens)
+    return dequantize_cachegen(symbols, num_tokens, differences)
 
 
-def _decode_groups(sections, settings: CodecSettings, sizes: list[int], profile) -> list[np.ndarray]:
+def _decode_groups(sections, settings: CodecSettings, sizes: list[int], profile, differences: bool) -> list[np.ndarray]:
     if settings.source == "profiled":
         ranges = entropy.read_ranges(sections["models"], len(sizes))
-        models = profile.models_for_ranges(ranges, settings.bins)
+        models = profile.models_for_ranges(ranges, settings.bins, differences)
     else:
         models = entropy.read_count_tables(sections["models"], len(sizes), MAX_TABLE)
     return entropy.decode_groups(sections["symbols"], models, sizes)

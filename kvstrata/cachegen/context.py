@@ -8,6 +8,7 @@ earlier chunks' decoded KV (the paper's text fallback).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ import torch
 
 from kvstrata.cachegen.bitstream import KVFile, KVFileHeader, ModelShape, Record, write_kv_file
 from kvstrata.cachegen.codec import decode_tensor, encode_tensor
-from kvstrata.cachegen.levels import ALL_LEVELS, CACHEGEN_LEVELS, settings_for
-from kvstrata.cachegen.profile import CodecProfile
+from kvstrata.cachegen.levels import ALL_LEVELS, CACHEGEN_LEVELS, CodecSettings, settings_for
+from kvstrata.cachegen.profile import CodecProfile, shipped_profile
 from kvstrata.cachegen.quantize import GROUP_SIZE
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.engine.llm_engine import LLMEngine
@@ -45,6 +46,12 @@ def chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk_tokens, num_tokens)) for start in range(0, num_tokens, chunk_tokens)]
 
 
+def _with_best_models(settings: CodecSettings, profile: CodecProfile | None) -> CodecSettings:
+    if profile is None or settings.quantizer != "cachegen" or settings.models != "layer-channel":
+        return settings
+    return dataclasses.replace(settings, source="profiled")
+
+
 @dataclass
 class SaveReport:
     path: Path
@@ -62,8 +69,11 @@ def save_context(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     profile: CodecProfile | None = None,
 ) -> SaveReport:
-    """Prefill `token_ids` once and write every chunk at every level in `levels`."""
-    settings = {level: settings_for(level) for level in levels}
+    """Prefill `token_ids` once and write every chunk at every level in `levels`. CacheGen levels use
+    profiled coder models (measured smaller) when a profile is given or ships for the model, and
+    models counted per chunk otherwise."""
+    profile = profile or shipped_profile(engine.model_fingerprint)
+    settings = {level: _with_best_models(settings_for(level), profile) for level in levels}
     if not settings:
         raise KvstrataError("give at least one level to save")
     if any(s.source == "profiled" for s in settings.values()) and profile is None:
@@ -78,7 +88,7 @@ def save_context(
             tensors = {"k": profile.k if profile else None, "v": profile.v if profile else None}
             sections = {}
             for name, x in (("k", k), ("v", v)):
-                encoded = encode_tensor(_flat(x[:, first:end]), codec, tensors[name])
+                encoded = encode_tensor(_flat(x[:, first:end]), codec, name, tensors[name])
                 sections.update({f"{name}.{part}": data for part, data in encoded.items()})
             records.append(Record(index, level, codec, 0, {}, ""))
             payloads.append(sections)
@@ -95,6 +105,8 @@ class SavedContext:
         self.file = KVFile.open(path)
         self.shape = model_shape(engine)
         self.file.check_model(self.shape)
+        if self.file.header.profile is not None and profile is None:
+            profile = shipped_profile(self.shape.fingerprint)
         self.profile = profile
         if self.file.header.profile is not None and (profile is None or profile.digest != self.file.header.profile):
             raise KvstrataError(
@@ -135,7 +147,7 @@ class SavedContext:
             parts = {key.split(".", 1)[1]: data for key, data in sections.items() if key.startswith(f"{name}.")}
             profile = getattr(self.profile, name) if self.profile else None
             try:
-                x = decode_tensor(parts, record.settings, shape, profile)
+                x = decode_tensor(parts, record.settings, shape, name, profile)
             except KeyError as exc:
                 raise KvstrataError(f"chunk {chunk} at level {record.level} lacks section {name}.{exc}") from None
             out.append(x.reshape(self.shape.num_layers, end - first, self.shape.num_kv_heads, self.shape.head_dim))

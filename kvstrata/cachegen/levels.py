@@ -2,7 +2,8 @@
 
 A level's bins are the quantization steps of the three layer thirds, in units of each layer's
 anchor-difference RMS (papers/cachegen.md §2.2: coarser with depth). The paper's default level
-uses bins 0.5 / 1 / 1.5; the others scale that shape. Uniform levels are the FlexGen-style
+uses bins 0.5 / 1 / 1.5; the others scale that shape. K is coded as differences from its group's
+anchor and V directly (measured on the default model: docs/BENCHMARKS.md, "CacheGen codec"). Uniform levels are the FlexGen-style
 baselines, bit-packed ("raw") or through the same entropy coder ("-ac").
 """
 
@@ -14,6 +15,7 @@ from kvstrata.errors import KvstrataError
 
 QUANTIZERS = ("cachegen", "uniform")
 MODELS = ("layer-channel", "global", "raw")
+DIFFERENCES = ("kv", "k", "none")
 SOURCES = ("chunk", "profiled")
 
 
@@ -21,13 +23,14 @@ SOURCES = ("chunk", "profiled")
 class CodecSettings:
     quantizer: str = "cachegen"
     bins: tuple[float, float, float] = (0.5, 1.0, 1.5)  # cachegen: steps of the first, middle, last layer third
-    anchors: bool = True  # cachegen: code differences from the group's anchor (off: an ablation)
+    differences: str = "k"  # cachegen: which of K and V are coded as differences from their group's anchor
     bits: int = 8  # uniform: bits per value
     models: str = "layer-channel"  # one coder model per (layer, channel), one for everything, or no coder
     source: str = "chunk"  # models counted per chunk (shipped in the stream) or profiled offline
 
     def __post_init__(self) -> None:
         _require(self.quantizer in QUANTIZERS, f"quantizer {self.quantizer!r} is not one of {QUANTIZERS}")
+        _require(self.differences in DIFFERENCES, f"differences {self.differences!r} is not one of {DIFFERENCES}")
         _require(self.models in MODELS, f"models {self.models!r} is not one of {MODELS}")
         _require(self.source in SOURCES, f"source {self.source!r} is not one of {SOURCES}")
         _require(
@@ -37,10 +40,14 @@ class CodecSettings:
         _require(isinstance(self.bits, int) and 2 <= self.bits <= 8, f"bits must be in [2, 8], got {self.bits!r}")
         _require(self.models != "raw" or self.quantizer == "uniform", "only the uniform quantizer stores raw symbols")
         _require(
-            self.source == "chunk" or (self.quantizer == "cachegen" and self.anchors and self.models == "layer-channel"),
-            f"source 'profiled' needs the cachegen quantizer with anchors and per-(layer, channel) models; got "
-            f"quantizer {self.quantizer!r}, anchors {self.anchors!r}, models {self.models!r}",
+            self.source == "chunk" or (self.quantizer == "cachegen" and self.models == "layer-channel"),
+            f"source 'profiled' needs the cachegen quantizer and per-(layer, channel) models; got "
+            f"quantizer {self.quantizer!r}, models {self.models!r}",
         )
+
+    def differences_for(self, kind: str) -> bool:
+        """Whether the K ("k") or V ("v") tensor is coded as differences from anchors."""
+        return kind in self.differences
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -2,7 +2,8 @@
 
 For every (layer, channel) of K and of V, the anchor differences divided by their layer's RMS are
 fitted with a Laplace distribution (location = median, scale = mean absolute deviation), averaged
-over the calibration windows; anchors get one histogram per layer. A chunk then only ships each
+over the calibration windows; anchors get one histogram per layer. The same is fitted to the values
+themselves (in the same unit) for tensors coded without differences. A chunk then only ships each
 group's symbol range, and the model is the profile discretized at the level's bin with a small
 floor, so symbols the profile never saw stay codable.
 """
@@ -32,21 +33,30 @@ from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.errors import KvstrataError
 
 PROFILE_FORMAT = "kvstrata-cachegen-profile"
-PROFILE_VERSION = 1
+SHIPPED_PROFILES = Path(__file__).parent / "profiles"  # <model fingerprint>.npz, made by `kvstrata calibrate cachegen`
+PROFILE_VERSION = 2
+FIT_NAMES = ("loc", "scale", "anchor_counts")
 FLOOR = 1e-6  # probability mass spread over every symbol of a group's range
 
 
 @dataclass
-class TensorProfile:
+class SymbolFit:
     loc: np.ndarray  # [L, C], in units of the layer's difference RMS
     scale: np.ndarray  # [L, C]
     anchor_counts: np.ndarray  # [L, 2 * ANCHOR_LEVELS + 1]
 
-    def models_for(self, groups: list[np.ndarray], bins) -> list[SymbolModel]:
-        return self.models_for_ranges(np.array([symbol_range(g) for g in groups]), bins)
 
-    def models_for_ranges(self, ranges: np.ndarray, bins) -> list[SymbolModel]:
-        num_layers, channels = self.loc.shape
+@dataclass
+class TensorProfile:
+    differences: SymbolFit  # for coding as anchor differences
+    direct: SymbolFit  # for coding the values themselves
+
+    def models_for(self, groups: list[np.ndarray], bins, differences: bool) -> list[SymbolModel]:
+        return self.models_for_ranges(np.array([symbol_range(g) for g in groups]), bins, differences)
+
+    def models_for_ranges(self, ranges: np.ndarray, bins, differences: bool) -> list[SymbolModel]:
+        fit = self.differences if differences else self.direct
+        num_layers, channels = fit.loc.shape
         if len(ranges) != num_layers * (channels + 1):
             raise CorruptStreamError(f"{len(ranges)} symbol ranges do not fit a profile of {num_layers} layers")
         layer_bin = layer_bins(bins, num_layers).numpy()
@@ -56,9 +66,9 @@ class TensorProfile:
             symbols = np.arange(lo, hi + 1, dtype=np.float64)
             if slot == 0:
                 inside = np.clip(symbols + ANCHOR_LEVELS, 0, 2 * ANCHOR_LEVELS).astype(np.int64)
-                mass = self.anchor_counts[layer][inside] / max(self.anchor_counts[layer].sum(), 1)
+                mass = fit.anchor_counts[layer][inside] / max(fit.anchor_counts[layer].sum(), 1)
             else:
-                mass = _laplace_mass(symbols, layer_bin[layer], self.loc[layer, slot - 1], self.scale[layer, slot - 1])
+                mass = _laplace_mass(symbols, layer_bin[layer], fit.loc[layer, slot - 1], fit.scale[layer, slot - 1])
             mass = mass + FLOOR
             models.append(SymbolModel(lo, mass / mass.sum()))
         return models
@@ -87,8 +97,8 @@ class CodecProfile:
         buffer = io.BytesIO()
         meta = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "fingerprint": self.fingerprint,
                 "num_windows": self.num_windows, "group_size": GROUP_SIZE}
-        arrays = {f"{kind}_{name}": getattr(getattr(self, kind), name)
-                  for kind in ("k", "v") for name in ("loc", "scale", "anchor_counts")}
+        arrays = {f"{kind}_{coding}_{name}": getattr(getattr(getattr(self, kind), coding), name)
+                  for kind in ("k", "v") for coding in ("differences", "direct") for name in FIT_NAMES}
         np.savez_compressed(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
         return buffer.getvalue()
 
@@ -109,38 +119,56 @@ class CodecProfile:
             raise ForeignModelError(
                 f"the profile {path} was made for model {meta.get('fingerprint')}, not the loaded model {fingerprint}"
             )
-        profiles = {kind: TensorProfile(arrays[f"{kind}_loc"], arrays[f"{kind}_scale"], arrays[f"{kind}_anchor_counts"])
-                    for kind in ("k", "v")}
+        try:
+            profiles = {kind: TensorProfile(*(SymbolFit(*(arrays[f"{kind}_{coding}_{name}"] for name in FIT_NAMES))
+                                              for coding in ("differences", "direct")))
+                        for kind in ("k", "v")}
+        except KeyError as exc:
+            raise CorruptStreamError(f"{path} lacks the array {exc}") from None
         return cls(fingerprint, profiles["k"], profiles["v"], int(meta["num_windows"]))
+
+
+class _FitBuilder:
+    """Averages one coding's Laplace fits over windows and sums its anchor histograms."""
+
+    def __init__(self):
+        self.locs, self.scales, self.anchor_counts = [], [], 0
+
+    def add(self, normalized: torch.Tensor, anchors: torch.Tensor) -> None:
+        loc = normalized.median(dim=1).values
+        self.locs.append(loc)
+        self.scales.append((normalized - loc[:, None]).abs().mean(dim=1).clamp_min(1e-3))
+        self.anchor_counts = self.anchor_counts + torch.stack([
+            torch.bincount(layer_anchors.reshape(-1) + ANCHOR_LEVELS, minlength=2 * ANCHOR_LEVELS + 1)
+            for layer_anchors in anchors
+        ])
+
+    def build(self) -> SymbolFit:
+        return SymbolFit(torch.stack(self.locs).mean(0).numpy().astype(np.float32),
+                         torch.stack(self.scales).mean(0).numpy().astype(np.float32),
+                         self.anchor_counts.numpy().astype(np.int64))
 
 
 class ProfileBuilder:
     """Accumulates windows of K or V [L, T, C] into a TensorProfile."""
 
     def __init__(self):
-        self.locs, self.scales, self.anchor_counts = [], [], None
+        self.fits = {True: _FitBuilder(), False: _FitBuilder()}  # keyed by `differences`
 
     def add(self, x: torch.Tensor) -> None:
-        num_layers = x.shape[0]
-        symbols = quantize_cachegen(x.float(), torch.ones(num_layers))  # bin 1: differences in RMS units
-        anchors_hat = symbols.anchors.float() * symbols.anchor_scale.float()[:, None]
-        normalized = differences_from_anchors(x.float(), anchors_hat) / symbols.step[:, None, None]
-        loc = normalized.median(dim=1).values
-        self.locs.append(loc)
-        self.scales.append((normalized - loc[:, None]).abs().mean(dim=1).clamp_min(1e-3))
-        counts = torch.stack([
-            torch.bincount(symbols.anchors[layer].reshape(-1) + ANCHOR_LEVELS, minlength=2 * ANCHOR_LEVELS + 1)
-            for layer in range(num_layers)
-        ])
-        self.anchor_counts = counts if self.anchor_counts is None else self.anchor_counts + counts
+        x = x.float()
+        bin_one = torch.ones(x.shape[0])  # bin 1: symbols before rounding are in RMS units
+        for differences, fit in self.fits.items():
+            symbols = quantize_cachegen(x, bin_one, differences)
+            if differences:
+                anchors_hat = symbols.anchors.float() * symbols.anchor_scale.float()[:, None]
+                values = differences_from_anchors(x, anchors_hat)
+            else:
+                values = x[:, 1:]
+            fit.add(values / symbols.step[:, None, None], symbols.anchors)
 
     def build(self) -> TensorProfile:
-        return TensorProfile(
-            torch.stack(self.locs).mean(0).numpy().astype(np.float32),
-            torch.stack(self.scales).mean(0).numpy().astype(np.float32),
-            self.anchor_counts.numpy().astype(np.int64),
-        )
-
+        return TensorProfile(self.fits[True].build(), self.fits[False].build())
 
 
 def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, progress: bool = True) -> CodecProfile:
@@ -157,3 +185,9 @@ def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, pr
         for name, x in (("k", k), ("v", v)):
             builders[name].add(x.reshape(x.shape[0], x.shape[1], -1))
     return CodecProfile(engine.model_fingerprint, builders["k"].build(), builders["v"].build(), len(starts))
+
+
+def shipped_profile(fingerprint: str) -> CodecProfile | None:
+    """The profile that ships with kvstrata for this model, if there is one."""
+    path = SHIPPED_PROFILES / f"{fingerprint}.npz"
+    return CodecProfile.load(path, fingerprint) if path.exists() else None

@@ -8,6 +8,11 @@ uniform step per layer, step = bin x sigma, where sigma is the RMS of the layer'
 the chunk and bin comes from the quality level (coarser for deeper layer thirds). Error bounds:
 anchor_scale / 2 for anchors, step / 2 for the rest.
 
+Without differences (for V by default: on the default model V is nearly independent token to token,
+so a difference has about twice a value's variance; docs/BENCHMARKS.md), tokens are quantized
+directly with the same step, and only the chunk's first token is an 8-bit anchor: a context's first
+token is the attention sink, whose error every later query reads.
+
 Uniform baseline (FlexGen-style, §5): b-bit symmetric quantization per (layer, token), scale =
 absmax over channels / (2^(b-1) - 1). Error bound: scale / 2.
 """
@@ -48,8 +53,8 @@ def layer_bins(bins: tuple[float, float, float], num_layers: int) -> torch.Tenso
     return torch.tensor([bins[min(3 * layer // num_layers, 2)] for layer in range(num_layers)], dtype=torch.float32)
 
 
-def anchor_positions(num_tokens: int) -> torch.Tensor:
-    return torch.arange(0, num_tokens, GROUP_SIZE)
+def anchor_positions(num_tokens: int, differences: bool = True) -> torch.Tensor:
+    return torch.arange(0, num_tokens, GROUP_SIZE if differences else max(num_tokens, 1))
 
 
 def _anchor_reference(anchors_hat: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -57,8 +62,16 @@ def _anchor_reference(anchors_hat: torch.Tensor, num_tokens: int) -> torch.Tenso
     return anchors_hat.repeat_interleave(GROUP_SIZE, dim=1)[:, :num_tokens]
 
 
-def _non_anchor_mask(num_tokens: int) -> torch.Tensor:
-    return torch.arange(num_tokens) % GROUP_SIZE != 0
+def _non_anchor_mask(num_tokens: int, differences: bool = True) -> torch.Tensor:
+    mask = torch.ones(num_tokens, dtype=torch.bool)
+    mask[anchor_positions(num_tokens, differences)] = False
+    return mask
+
+
+def _quantize_anchors(anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit symbols [L, A, C] with one scale per (layer, channel)."""
+    scale = _stored_scale(anchors.abs().amax(dim=1) / ANCHOR_LEVELS)
+    return scale, torch.round(anchors / scale.float()[:, None]).clamp(-ANCHOR_LEVELS, ANCHOR_LEVELS)
 
 
 def differences_from_anchors(x: torch.Tensor, anchors_hat: torch.Tensor) -> torch.Tensor:
@@ -67,39 +80,36 @@ def differences_from_anchors(x: torch.Tensor, anchors_hat: torch.Tensor) -> torc
     return (x - _anchor_reference(anchors_hat, num_tokens))[:, _non_anchor_mask(num_tokens)]
 
 
-def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor, use_anchors: bool = True) -> CacheGenSymbols:
-    """`bins` [L]: each layer's step in units of its difference RMS. Without anchors (an ablation)
-    every token is quantized on its own with the same step, and `anchors` is empty."""
-    num_layers, num_tokens, channels = x.shape
-    anchors = x[:, anchor_positions(num_tokens)]
-    anchor_scale = _stored_scale(anchors.abs().amax(dim=1) / ANCHOR_LEVELS)
-    anchor_symbols = torch.round(anchors / anchor_scale.float()[:, None]).clamp(-ANCHOR_LEVELS, ANCHOR_LEVELS)
-    differences = differences_from_anchors(x, anchor_symbols * anchor_scale.float()[:, None])
-    sigma = differences.square().mean(dim=(1, 2)).sqrt() if differences.numel() else torch.ones(num_layers)
+def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor, differences: bool = True) -> CacheGenSymbols:
+    """`bins` [L]: each layer's step in units of its anchor-difference RMS (the unit either way)."""
+    num_layers, num_tokens, _ = x.shape
+    anchor_scale, anchor_symbols = _quantize_anchors(x[:, anchor_positions(num_tokens)])
+    diffs = differences_from_anchors(x, anchor_symbols * anchor_scale.float()[:, None])
+    sigma = diffs.square().mean(dim=(1, 2)).sqrt() if diffs.numel() else torch.ones(num_layers)
     step = torch.where(sigma > 0, bins * sigma, torch.ones_like(sigma)).float()
-    if use_anchors:
-        rest = torch.round(differences / step[:, None, None])
-        return CacheGenSymbols(anchor_scale, step, anchor_symbols.int(), rest.int())
-    rest = torch.round(x / step[:, None, None])
-    return CacheGenSymbols(anchor_scale, step, torch.zeros(num_layers, 0, channels, dtype=torch.int32), rest.int())
+    if differences:
+        return CacheGenSymbols(anchor_scale, step, anchor_symbols.int(), torch.round(diffs / step[:, None, None]).int())
+    first_scale, first_symbols = _quantize_anchors(x[:, :1])
+    rest = torch.round(x[:, _non_anchor_mask(num_tokens, False)] / step[:, None, None])
+    return CacheGenSymbols(first_scale, step, first_symbols.int(), rest.int())
 
 
-def dequantize_cachegen(symbols: CacheGenSymbols, num_tokens: int) -> torch.Tensor:
+def dequantize_cachegen(symbols: CacheGenSymbols, num_tokens: int, differences: bool = True) -> torch.Tensor:
     step = symbols.step[:, None, None]
-    if symbols.anchors.shape[1] == 0:
-        return symbols.rest.float() * step
     anchors_hat = symbols.anchors.float() * symbols.anchor_scale.float()[:, None]
-    x = _anchor_reference(anchors_hat, num_tokens).clone()
-    x[:, _non_anchor_mask(num_tokens)] += symbols.rest.float() * step
-    return x
+    rest = symbols.rest.float() * step
+    if differences:
+        x = _anchor_reference(anchors_hat, num_tokens).clone()
+        x[:, _non_anchor_mask(num_tokens)] += rest
+        return x
+    return torch.cat((anchors_hat, rest), dim=1)
 
 
-def cachegen_error_bound(symbols: CacheGenSymbols, num_tokens: int) -> torch.Tensor:
+def cachegen_error_bound(symbols: CacheGenSymbols, num_tokens: int, differences: bool = True) -> torch.Tensor:
     """The largest error each element may have [L, T, C] (exact arithmetic; float32 adds ~1e-7 relative)."""
     num_layers, _, channels = symbols.rest.shape
     bound = (symbols.step / 2)[:, None, None].expand(num_layers, num_tokens, channels).clone()
-    if symbols.anchors.shape[1]:
-        bound[:, anchor_positions(num_tokens)] = (symbols.anchor_scale.float() / 2)[:, None]
+    bound[:, anchor_positions(num_tokens, differences)] = (symbols.anchor_scale.float() / 2)[:, None]
     return bound
 
 
