@@ -69,11 +69,16 @@ def test_grow_refuses_without_changing_anything_when_short():
     assert manager.pool.num_free == 2 and s.block_table == []
 
 
-def test_first_use_of_a_block_is_reported_once():
+def test_every_allocation_is_reported_and_shared_blocks_are_not():
     seen = []
-    manager = KVCacheManager(num_blocks=3, block_size=4, on_first_use=seen.extend)
-    s = seq(range(8))
-    manager.grow(s, 8)
+    manager = KVCacheManager(num_blocks=3, block_size=4, on_allocate=seen.extend)
+    s = seq(range(9))
+    manager.grow(s, 9)
+    s.num_computed_tokens = 9
+    manager.commit(s, 9)
     manager.free(s)
-    manager.grow(seq(range(8), seq_id=1), 8)
-    assert sorted(seen) == [0, 1]
+    assert sorted(seen) == [0, 1, 2]
+    again = seq(range(9), seq_id=1)
+    assert manager.match_prefix(again) == 8  # two cached blocks shared, not handed out anew
+    manager.grow(again, 1)
+    assert len(seen) == 4  # one block allocated for the last token

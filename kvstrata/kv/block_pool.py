@@ -20,8 +20,7 @@ class BlockPool:
         self.block_of_hash: dict[BlockHash, int] = {}
         # Free blocks, the next one to hand out first.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.used_before = [False] * num_blocks
-        self.first_uses: list[int] = []  # blocks handed out for the first time, until drained
+        self.allocations: list[int] = []  # blocks handed out for new content, until drained
 
     @property
     def num_free(self) -> int:
@@ -34,9 +33,7 @@ class BlockPool:
     def allocate(self) -> int:
         """Take a free block (evicting whatever prefix it cached); the caller checked `num_free`."""
         block, _ = self.free.popitem(last=False)
-        if not self.used_before[block]:
-            self.used_before[block] = True
-            self.first_uses.append(block)
+        self.allocations.append(block)
         cached = self.hash_of_block[block]
         if cached is not None:
             del self.block_of_hash[cached]
@@ -44,9 +41,9 @@ class BlockPool:
         self.ref_counts[block] = 1
         return block
 
-    def drain_first_uses(self) -> list[int]:
-        """Blocks handed out for the first time since the last call (their memory was never written)."""
-        blocks, self.first_uses = self.first_uses, []
+    def drain_allocations(self) -> list[int]:
+        """Blocks handed out since the last call: whatever they held before is stale."""
+        blocks, self.allocations = self.allocations, []
         return blocks
 
     def lookup(self, block_hash: BlockHash) -> int | None:

@@ -32,11 +32,11 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        on_first_use: Callable[[list[int]], None] | None = None,
+        on_allocate: Callable[[list[int]], None] | None = None,
         write_kv: Callable[[list[int], int, torch.Tensor, torch.Tensor], None] | None = None,
     ):
         self.pool = BlockPool(num_blocks)
-        self.on_first_use = on_first_use  # told of blocks handed out for the first time
+        self.on_allocate = on_allocate  # told of blocks handed out for new content (the cache resets them)
         self.write_kv = write_kv  # (block_table, first token, K, V): stores given KV in a sequence's blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -79,9 +79,9 @@ class KVCacheManager:
             return False
         while len(seq.block_table) < self.blocks_needed(seq.num_computed_tokens + num_new_tokens):
             seq.block_table.append(self.pool.allocate())
-        first_uses = self.pool.drain_first_uses()
-        if first_uses and self.on_first_use is not None:
-            self.on_first_use(first_uses)
+        allocated = self.pool.drain_allocations()
+        if allocated and self.on_allocate is not None:
+            self.on_allocate(allocated)
         return True
 
     def commit(self, seq: Sequence, num_new_tokens: int) -> None:
