@@ -14,6 +14,8 @@ from kvstrata.errors import KvstrataError
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULERS = ("sarathi", "prefill-first", "static")
+KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "oaken")
+OAKEN_KEYS = ("pre-rope", "post-rope")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -44,6 +46,20 @@ class EngineConfig:
     kv_cache_memory: int | str = field(
         default="2GiB", metadata=_option("memory for the paged KV cache, e.g. 2GiB or 512MiB")
     )
+    kv_format: str | None = field(
+        default=None,
+        metadata=_option("how the paged cache stores K and V: fp32, fp16, bf16, int8 (per-token absmax), int4 "
+                         "(asymmetric, groups of 64), oaken (online-offline hybrid, ~4.8 bits) (default: the dtype)",
+                         choices=KV_FORMATS),
+    )
+    oaken_calibration: str | None = field(
+        default=None,
+        metadata=_option("oaken: thresholds file from `kvstrata calibrate oaken` (default: the model's shipped "
+                         "calibration, or one made on first use)"),
+    )
+    oaken_keys: str = field(
+        default="pre-rope", metadata=_option("oaken: quantize keys before or after RoPE", choices=OAKEN_KEYS)
+    )
     block_size: int = field(default=16, metadata=_option("tokens per KV cache block"))
     max_model_len: int | None = field(
         default=None, metadata=_option("longest sequence (prompt + output) in tokens (default: the model's context)")
@@ -72,8 +88,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
-        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS)):
-            if getattr(self, name) not in allowed:
+        choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
+                   ("oaken_keys", OAKEN_KEYS))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
         for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory"):
             _require_positive(name, getattr(self, name))

@@ -10,6 +10,7 @@ from kvstrata.cachegen.context import DEFAULT_CHUNK_TOKENS
 from kvstrata.cachegen.levels import ALL_LEVELS, CACHEGEN_LEVELS
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.formats.oaken.cli import add_oaken_calibrate_command, run_oaken_calibrate
 
 
 def add_kv_commands(commands) -> None:
@@ -49,6 +50,7 @@ def add_calibrate_commands(commands) -> None:
     cachegen.add_argument("--windows", type=int, default=100, help="windows of text (default: 100)")
     cachegen.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
     add_engine_arguments(cachegen)
+    add_oaken_calibrate_command(calibrate)
 
 
 def run_kv(args: argparse.Namespace) -> None:
@@ -100,6 +102,8 @@ def inspect_kv_file(path: Path, as_json: bool) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> None:
+    if args.calibrate == "oaken":
+        return run_oaken_calibrate(args)
     from kvstrata.bench.workload import read_text
     from kvstrata.cachegen.profile import calibrate
     from kvstrata.engine.llm_engine import LLMEngine

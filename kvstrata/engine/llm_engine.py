@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import time
 from collections import deque
@@ -24,8 +25,8 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
 from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.cache_factory import KVCacheLayout
 from kvstrata.kv.cache_manager import KVCacheManager
-from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.model.fingerprint import model_fingerprint
 from kvstrata.model.loader import LoadedModel, load_model
@@ -55,17 +56,14 @@ class LLMEngine:
         self.device = _device(config.device)
         dtype = getattr(torch, config.dtype)
         self.loaded = loaded or load_model(config.model, self.device, dtype)
-        model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len()
-        num_blocks = self._num_blocks(dtype)
-        self.kv_cache = PagedKVCache(
-            model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads,
-            model_config.head_dim, dtype, self.device,
-        )
+        layout = KVCacheLayout(config.kv_format, self, dtype)
+        num_blocks = self._num_blocks(layout.bytes_per_token)
+        self.kv_cache = layout.build(num_blocks, config.block_size, self.device)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
-            on_first_use=self.kv_cache.zero_blocks, write_kv=self.kv_cache.write,
+            on_allocate=self.kv_cache.zero_blocks, write_kv=self.kv_cache.write,
         )
         self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.block_size, self.device)
@@ -85,9 +83,9 @@ class LLMEngine:
             raise KvstrataError(f"max_model_len {asked} exceeds the model's context of {limit} tokens")
         return asked or limit
 
-    def _num_blocks(self, dtype: torch.dtype) -> int:
-        mc, bs = self.loaded.config, self.config.block_size
-        block_bytes = bs * PagedKVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    def _num_blocks(self, bytes_per_token: float) -> int:
+        bs = self.config.block_size
+        block_bytes = math.ceil(bs * bytes_per_token)
         num_blocks = self.config.kv_cache_memory // block_bytes
         needed = -(-self.max_model_len // bs)
         if num_blocks < needed:

@@ -1,0 +1,1 @@
+"""KV storage formats for the paged cache (`--kv-format`)."""

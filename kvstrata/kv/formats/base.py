@@ -1,0 +1,54 @@
+"""How one token's K or V is stored in the paged cache: a fixed-size record, plus sparse bytes for
+formats that keep outliers apart (Oaken). A format encodes each new token when it is written and
+decodes on read for attention (DESIGN.md, kv/formats)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("k", "v")
+
+
+@dataclass
+class EncodedTokens:
+    dense: torch.Tensor  # uint8 [N, record_bytes]
+    sparse: torch.Tensor | None = None  # uint8 [S]: every token's variable-length bytes, token after token
+    sparse_bytes: torch.Tensor | None = None  # int64 [N]: how many of `sparse` belong to each token
+
+
+class KVFormat(ABC):
+    """Encodes [N, width] vectors (one layer's K or V of N tokens, all KV heads) into byte records."""
+
+    name: str
+    has_sparse = False
+
+    def __init__(self, width: int):
+        self.width = width
+
+    @property
+    @abstractmethod
+    def record_bytes(self) -> int:
+        """Fixed bytes per token (payload and per-token parameters)."""
+
+    @property
+    def expected_sparse_bytes(self) -> float:
+        """Sparse bytes per token on typical data (0 for dense formats): sizes the sparse pages."""
+        return 0.0
+
+    @property
+    def max_sparse_bytes(self) -> int:
+        """Sparse bytes of a token at worst (every value an outlier)."""
+        return 0
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, layer: int, kind: str, positions: torch.Tensor) -> EncodedTokens:
+        """x float32 [N, width] at sequence positions [N]."""
+
+    @abstractmethod
+    def decode(
+        self, dense: torch.Tensor, sparse: torch.Tensor | None, layer: int, kind: str, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """float32 [M, width] from M records (and exactly their sparse bytes, in order)."""

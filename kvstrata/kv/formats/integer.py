@@ -1,0 +1,74 @@
+"""Plain integer formats: int8 (symmetric, per-token absmax) and int4 (asymmetric, groups of 64 values).
+
+int8 record: W codes (int8) + one float16 scale. int4 record: W / 2 bytes of nibbles + per group of
+64 values a float16 minimum and step. Error bound: half a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.kv.formats.base import EncodedTokens, KVFormat
+from kvstrata.kv.formats.float16_params import (
+    float16_down,
+    float16_up,
+    params_from_bytes,
+    params_to_bytes,
+    require_finite,
+)
+from kvstrata.kv.formats.nibbles import pack_nibbles, unpack_nibbles
+
+INT4_GROUP = 64
+
+
+class Int8Format(KVFormat):
+    name = "int8"
+
+    @property
+    def record_bytes(self) -> int:
+        return self.width + 2
+
+    def encode(self, x, layer, kind, positions) -> EncodedTokens:
+        require_finite(x)
+        scale = float16_up(x.abs().amax(dim=1, keepdim=True) / 127, "int8 scale")
+        safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+        codes = torch.round(x / safe).clamp(-127, 127).to(torch.int8)
+        return EncodedTokens(torch.cat((codes.view(torch.uint8), params_to_bytes(scale)), dim=1))
+
+    def decode(self, dense, sparse, layer, kind, positions) -> torch.Tensor:
+        codes = dense[:, : self.width].contiguous().view(torch.int8).float()
+        return codes * params_from_bytes(dense[:, self.width :])
+
+
+class Int4Format(KVFormat):
+    name = "int4"
+
+    def __init__(self, width: int):
+        super().__init__(width)
+        self.groups = -(-width // INT4_GROUP)
+        self.padded = self.groups * INT4_GROUP
+        self.code_bytes = -(-width // 2)  # only the real values' codes are stored, not the last group's padding
+
+    @property
+    def record_bytes(self) -> int:
+        return self.code_bytes + 4 * self.groups
+
+    def encode(self, x, layer, kind, positions) -> EncodedTokens:
+        require_finite(x)
+        # a short last group is padded with copies of its last value, which widen neither its range nor its step
+        padding = x[:, -1:].expand(-1, self.padded - self.width)
+        grouped = torch.cat((x, padding), dim=1).view(x.shape[0], self.groups, INT4_GROUP)
+        low = float16_down(grouped.amin(dim=2), "int4 minimum")
+        step = float16_up((grouped.amax(dim=2) - low.float()) / 15, "int4 step")
+        safe = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
+        codes = torch.round((grouped - low.float()[..., None]) / safe[..., None]).clamp(0, 15)
+        params = torch.stack((low, step), dim=2).reshape(x.shape[0], -1)
+        codes = codes.view(x.shape[0], -1)[:, : 2 * self.code_bytes]
+        return EncodedTokens(torch.cat((pack_nibbles(codes), params_to_bytes(params)), dim=1))
+
+    def decode(self, dense, sparse, layer, kind, positions) -> torch.Tensor:
+        codes = unpack_nibbles(dense[:, : self.code_bytes]).float()
+        codes = torch.nn.functional.pad(codes, (0, self.padded - codes.shape[1])).view(-1, self.groups, INT4_GROUP)
+        params = params_from_bytes(dense[:, self.code_bytes :]).view(-1, self.groups, 2)
+        values = params[..., :1] + codes * params[..., 1:]
+        return values.view(dense.shape[0], -1)[:, : self.width]

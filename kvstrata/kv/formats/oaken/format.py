@@ -1,0 +1,84 @@
+"""Oaken as a paged-cache format: each token's K and V are grouped by the model's offline thresholds,
+quantized per token (4-bit dense, 5-bit outliers) and packed into a fixed-size dense record plus
+variable-length sparse entries (papers/oaken.md §3, §6).
+
+Keys: the cache holds keys after RoPE. With `keys="pre-rope"` (the default, as the authors' code
+profiles k_proj outputs) a key is rotated back before it is quantized and rotated again after it is
+decoded, at its position; with "post-rope" the stored key is quantized as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvstrata.kv.formats.base import EncodedTokens, KVFormat
+from kvstrata.kv.formats.oaken.codec import decode_tokens, dense_bytes, encode_tokens, sparse_entry_bytes
+from kvstrata.kv.formats.oaken.groups import OakenConfig
+from kvstrata.kv.formats.oaken.thresholds import OakenThresholds, default_thresholds
+from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
+
+
+class OakenFormat(KVFormat):
+    name = "oaken"
+    has_sparse = True
+
+    def __init__(self, num_kv_heads: int, head_dim: int, thresholds: OakenThresholds, config: OakenConfig,
+                 keys: str = "pre-rope", rotary: RotaryEmbedding | None = None):
+        super().__init__(num_kv_heads * head_dim)
+        self.head_shape = (num_kv_heads, head_dim)
+        self.config = config
+        self.rotary = rotary if keys == "pre-rope" else None  # None: keys are stored as the cache holds them
+        self.bounds = {
+            (layer, kind): thresholds.bounds(layer, kind, keys) for layer in range(thresholds.num_layers) for kind in "kv"
+        }
+
+    @property
+    def record_bytes(self) -> int:
+        return dense_bytes(self.width, self.config)
+
+    @property
+    def expected_sparse_bytes(self) -> float:
+        outlier_fraction = 1 - self.config.ratios[self.config.dense_group]
+        return outlier_fraction * self.width * sparse_entry_bytes(self.config)
+
+    @property
+    def max_sparse_bytes(self) -> int:
+        return self.width * sparse_entry_bytes(self.config)
+
+    def encode(self, x, layer, kind, positions) -> EncodedTokens:
+        if kind == "k" and self.rotary is not None:
+            x = self._rotate(x, positions, undo_rope)
+        encoded = encode_tokens(x, self.bounds[layer, kind], self.config)
+        return EncodedTokens(encoded.dense, encoded.sparse, encoded.sparse_bytes.long())
+
+    def decode(self, dense, sparse, layer, kind, positions) -> torch.Tensor:
+        x = decode_tokens(dense, sparse, self.bounds[layer, kind], self.config, self.width)
+        if kind == "k" and self.rotary is not None:
+            x = self._rotate(x, positions, apply_rope)
+        return x
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, rotation) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions, torch.float32)
+        return rotation(x.view(x.shape[0], *self.head_shape), cos, sin).reshape(x.shape[0], -1)
+
+
+def oaken_format_for(engine, config: OakenConfig | None = None) -> OakenFormat:
+    """The engine's Oaken format: its calibration file, or the model's shipped or first-use calibration."""
+    mc = engine.loaded.config
+    if engine.config.oaken_calibration:
+        thresholds = OakenThresholds.load(engine.config.oaken_calibration, engine.model_fingerprint)
+    else:
+        thresholds = default_thresholds(_full_precision_twin(engine), *([config.ratios] if config else []))
+    config = config or OakenConfig(ratios=thresholds.ratios)
+    return OakenFormat(mc.num_kv_heads, mc.head_dim, thresholds, config, engine.config.oaken_keys,
+                       getattr(engine.loaded.model, "rotary", None))
+
+
+def _full_precision_twin(engine):
+    """An engine on the same weights with a full-precision cache: what calibration runs on, since the
+    quantized cache is still being built."""
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    return LLMEngine(dataclasses.replace(engine.config, kv_format=None), loaded=engine.loaded)

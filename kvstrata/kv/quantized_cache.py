@@ -1,0 +1,71 @@
+"""A paged KV cache that keeps every token in a quantized format (kv/formats): each new token is
+encoded when it is written and the blocks a step needs are decoded when attention reads them.
+
+Per layer and per K/V: fixed-size records [blocks * block_size, record_bytes] (uint8), and for
+formats with outliers kept apart, sparse pages (kv/sparse_pages.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.kv.formats.base import KVFormat
+from kvstrata.kv.paged_attention import PagedAttention
+from kvstrata.kv.sparse_pages import SparsePages
+
+SPARSE_PAGE_BYTES = 256
+SPARSE_HEADROOM = 1.25  # sparse pages reserved beyond the expected outlier bytes (the pool grows if short)
+
+
+class QuantizedPagedKVCache(PagedAttention):
+    def __init__(self, kv_format: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device):
+        self.format = kv_format
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.kv_shape = (num_kv_heads, head_dim)
+        self.device = device
+        slots = num_blocks * block_size
+        self.records = {kind: torch.zeros(num_layers, slots, kv_format.record_bytes, dtype=torch.uint8, device=device)
+                        for kind in ("k", "v")}
+        self.sparse: dict[str, SparsePages] = {}
+        if kv_format.has_sparse:
+            pages = int(slots * kv_format.expected_sparse_bytes * SPARSE_HEADROOM / SPARSE_PAGE_BYTES) + 1
+            self.sparse = {kind: SparsePages(num_layers, num_blocks, block_size, SPARSE_PAGE_BYTES, pages,
+                                             kv_format.max_sparse_bytes, device) for kind in ("k", "v")}
+
+    @staticmethod
+    def bytes_per_token(kv_format: KVFormat, num_layers: int) -> float:
+        """What one token costs the budget: K and V records, expected sparse bytes and their table entry."""
+        per_kind = kv_format.record_bytes
+        if kv_format.has_sparse:
+            per_kind += kv_format.expected_sparse_bytes * SPARSE_HEADROOM + SparsePages.TABLE_BYTES
+        return 2 * num_layers * per_kind
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        slots = (index[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+        for records in self.records.values():
+            records.index_fill_(1, slots, 0)
+        for pages in self.sparse.values():
+            pages.release(blocks)
+
+    def store_tokens(self, layer, slots, positions, k, v) -> None:
+        for kind, x in (("k", k), ("v", v)):
+            encoded = self.format.encode(x.reshape(x.shape[0], -1).float(), layer, kind, positions)
+            self.records[kind][layer].index_copy_(0, slots, encoded.dense)
+            if kind in self.sparse:
+                self.sparse[kind].write(layer, slots, encoded.sparse, encoded.sparse_bytes)
+
+    def load_tokens(self, layer, block_tables, num_tokens, dtype):
+        n = block_tables.shape[0]
+        offsets = torch.arange(self.block_size, device=self.device)
+        slots = (block_tables[:, :, None] * self.block_size + offsets).reshape(n, -1)[:, :num_tokens].reshape(-1)
+        positions = torch.arange(num_tokens, device=self.device).repeat(n)
+        out = []
+        for kind in ("k", "v"):
+            dense = self.records[kind][layer].index_select(0, slots)
+            sparse = self.sparse[kind].read(layer, slots) if kind in self.sparse else None
+            values = self.format.decode(dense, sparse, layer, kind, positions)
+            out.append(values.view(n, num_tokens, *self.kv_shape).to(dtype))
+        return out[0], out[1]

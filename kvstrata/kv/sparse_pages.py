@@ -1,0 +1,98 @@
+"""Variable-length per-token bytes (Oaken's outlier entries) in pages allocated on demand.
+
+Two tables, as in the paper's MMU (papers/oaken.md §4), in software: each cache block owns a list
+of sparse pages (block -> pages), and each token slot has an (offset, count) entry locating its
+bytes in its block's pages. A token's bytes may straddle a page boundary: offsets are logical,
+within the block, and pages translate them. Pages go back to the free list when the block is
+handed out again. The pool starts at the size the budget expects and grows if the data hold more
+outliers than that, so nothing is ever dropped; `grown_pages` counts such growth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SparsePages:
+    TABLE_BYTES = 6  # per token slot: int32 offset + int16 count
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, page_bytes: int, initial_pages: int,
+                 max_bytes_per_token: int, device: torch.device):
+        self.block_size = block_size
+        self.page_bytes = page_bytes
+        self.num_pages = max(initial_pages, 1)
+        self.data = torch.zeros(num_layers, self.num_pages * page_bytes, dtype=torch.uint8, device=device)
+        max_pages = -(-block_size * max_bytes_per_token // page_bytes)
+        self.block_pages = torch.full((num_layers, num_blocks, max_pages), -1, dtype=torch.long, device=device)
+        self.block_fill = torch.zeros(num_layers, num_blocks, dtype=torch.long, device=device)
+        self.token_offset = torch.zeros(num_layers, num_blocks * block_size, dtype=torch.int32, device=device)
+        self.token_count = torch.zeros(num_layers, num_blocks * block_size, dtype=torch.int16, device=device)
+        self.free_pages = [list(range(self.num_pages - 1, -1, -1)) for _ in range(num_layers)]
+        self.grown_pages = 0
+
+    def pages_in_use(self) -> int:
+        return sum(self.num_pages - len(free) for free in self.free_pages)
+
+    def release(self, blocks: list[int]) -> None:
+        index = torch.tensor(blocks, dtype=torch.long, device=self.data.device)
+        for layer, free in enumerate(self.free_pages):
+            owned = self.block_pages[layer, index]
+            free.extend(owned[owned >= 0].tolist())
+        self.block_pages[:, index] = -1
+        self.block_fill[:, index] = 0
+        slots = (index[:, None] * self.block_size + torch.arange(self.block_size, device=index.device)).flatten()
+        self.token_count[:, slots] = 0
+
+    def write(self, layer: int, slots: torch.Tensor, data: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append each token's `counts[i]` bytes (taken in order from `data`) to its block's pages.
+        Tokens of one block arrive in slot order within a call, as a sequence's tokens do."""
+        blocks = slots // self.block_size
+        ends = counts.cumsum(0)
+        starts = ends - counts
+        run_blocks, run_lengths = torch.unique_consecutive(blocks, return_counts=True)
+        run_first = run_lengths.cumsum(0) - run_lengths
+        run_bytes = ends[run_first + run_lengths - 1] - starts[run_first]
+        base = self.block_fill[layer, run_blocks]
+        self._ensure_pages(layer, run_blocks, base + run_bytes)
+        self.block_fill[layer, run_blocks] = base + run_bytes
+        # offset of each token in its block = the block's fill before the call + bytes of earlier tokens of the run
+        run_of_token = torch.repeat_interleave(torch.arange(len(run_blocks), device=slots.device), run_lengths)
+        offsets = base[run_of_token] + starts - starts[run_first][run_of_token]
+        self.token_offset[layer, slots] = offsets.int()
+        self.token_count[layer, slots] = counts.to(torch.int16)
+        if data.numel():
+            self.data[layer, self._physical(layer, blocks, offsets, counts)] = data
+
+    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The bytes of the tokens at `slots`, token after token."""
+        counts = self.token_count[layer, slots].long()
+        offsets = self.token_offset[layer, slots].long()
+        return self.data[layer, self._physical(layer, slots // self.block_size, offsets, counts)]
+
+    def _physical(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        token = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+        firsts = counts.cumsum(0) - counts
+        logical = offsets[token] + torch.arange(len(token), device=counts.device) - firsts[token]
+        pages = self.block_pages[layer, blocks[token], logical // self.page_bytes]
+        return pages * self.page_bytes + logical % self.page_bytes
+
+    def _ensure_pages(self, layer: int, blocks: torch.Tensor, fills: torch.Tensor) -> None:
+        needed = -(-fills // self.page_bytes)
+        owned = (self.block_pages[layer, blocks] >= 0).sum(dim=1)
+        for block, have, need in zip(blocks.tolist(), owned.tolist(), needed.tolist()):
+            for page_index in range(have, need):
+                self.block_pages[layer, block, page_index] = self._take_page(layer)
+
+    def _take_page(self, layer: int) -> int:
+        if not self.free_pages[layer]:
+            self._grow()
+        return self.free_pages[layer].pop()
+
+    def _grow(self) -> None:
+        extra = max(self.num_pages // 4, 1)
+        more = torch.zeros(self.data.shape[0], extra * self.page_bytes, dtype=torch.uint8, device=self.data.device)
+        self.data = torch.cat((self.data, more), dim=1)
+        for free in self.free_pages:
+            free.extend(range(self.num_pages + extra - 1, self.num_pages - 1, -1))
+        self.num_pages += extra
+        self.grown_pages += extra
