@@ -14,7 +14,7 @@ from kvstrata.errors import KvstrataError
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULERS = ("sarathi", "prefill-first", "static")
-KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "oaken")
+KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "kivi4", "kivi2", "oaken")
 OAKEN_KEYS = ("pre-rope", "post-rope")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -49,8 +49,12 @@ class EngineConfig:
     kv_format: str | None = field(
         default=None,
         metadata=_option("how the paged cache stores K and V: fp32, fp16, bf16, int8 (per-token absmax), int4 "
-                         "(asymmetric, groups of 64), oaken (online-offline hybrid, ~4.8 bits) (default: the dtype)",
+                         "(asymmetric, groups of 64), kivi4/kivi2 (keys per channel, values per token, newest tokens "
+                         "in full precision), oaken (online-offline hybrid, ~4.8 bits) (default: the dtype)",
                          choices=KV_FORMATS),
+    )
+    kivi_residual: int = field(
+        default=128, metadata=_option("kivi: newest tokens of each sequence kept in full precision (KIVI's R)")
     )
     oaken_calibration: str | None = field(
         default=None,
@@ -59,6 +63,22 @@ class EngineConfig:
     )
     oaken_keys: str = field(
         default="pre-rope", metadata=_option("oaken: quantize keys before or after RoPE", choices=OAKEN_KEYS)
+    )
+    oaken_ratios: str | None = field(
+        default=None,
+        metadata=_option("oaken: group fractions outermost first, 2 to 5 of them, e.g. 0.04,0.90,0.06 (default: "
+                         "the calibration's; other ratios are calibrated on first use)"),
+    )
+    oaken_group_shift: bool = field(
+        default=True, metadata=_option("oaken: shift the outer and middle groups by their thresholds (ablation: off)")
+    )
+    oaken_outliers: str = field(
+        default="5bit", metadata=_option("oaken: outliers as 5-bit codes or float16 values (ablation)",
+                                         choices=("5bit", "fp16"))
+    )
+    oaken_scales: str = field(
+        default="token", metadata=_option("oaken: group min/step per token or per written window (ablation)",
+                                          choices=("token", "window"))
     )
     block_size: int = field(default=16, metadata=_option("tokens per KV cache block"))
     max_model_len: int | None = field(
@@ -93,7 +113,7 @@ class EngineConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory"):
+        for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual"):
             _require_positive(name, getattr(self, name))
         for name in ("max_model_len", "tile", "max_prefill_tokens", "threads"):
             if getattr(self, name) is not None:

@@ -59,8 +59,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len()
         layout = KVCacheLayout(config.kv_format, self, dtype)
-        num_blocks = self._num_blocks(layout.bytes_per_token)
-        self.kv_cache = layout.build(num_blocks, config.block_size, self.device)
+        num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
+        self.kv_cache = layout.build(num_blocks, self.device)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             on_allocate=self.kv_cache.zero_blocks, write_kv=self.kv_cache.write,
@@ -83,16 +83,18 @@ class LLMEngine:
             raise KvstrataError(f"max_model_len {asked} exceeds the model's context of {limit} tokens")
         return asked or limit
 
-    def _num_blocks(self, bytes_per_token: float) -> int:
+    def _num_blocks(self, bytes_per_token: float, reserved_bytes: int) -> int:
         bs = self.config.block_size
         block_bytes = math.ceil(bs * bytes_per_token)
-        num_blocks = self.config.kv_cache_memory // block_bytes
+        num_blocks = max(self.config.kv_cache_memory - reserved_bytes, 0) // block_bytes
         needed = -(-self.max_model_len // bs)
         if num_blocks < needed:
+            least = needed * block_bytes + reserved_bytes
+            reserved = f" ({reserved_bytes} reserved for KIVI's full-precision window)" if reserved_bytes else ""
             raise KvstrataError(
-                f"kv_cache_memory of {self.config.kv_cache_memory} bytes holds {num_blocks * bs} tokens, fewer than "
-                f"one request of max_model_len {self.max_model_len}; give at least {needed * block_bytes} bytes "
-                f"({needed * block_bytes / 2**20:.1f} MiB) or lower --max-model-len"
+                f"kv_cache_memory of {self.config.kv_cache_memory} bytes{reserved} holds {num_blocks * bs} tokens, "
+                f"fewer than one request of max_model_len {self.max_model_len}; give at least {least} bytes "
+                f"({least / 2**20:.1f} MiB) or lower --max-model-len"
             )
         return num_blocks
 

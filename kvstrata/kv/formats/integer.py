@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.base import EncodedTokens, KVFormat
-from kvstrata.kv.formats.float16_params import (
-    float16_down,
-    float16_up,
-    params_from_bytes,
-    params_to_bytes,
-    require_finite,
-)
+from kvstrata.kv.formats.float16_params import float16_up, params_from_bytes, params_to_bytes, require_finite
 from kvstrata.kv.formats.nibbles import pack_nibbles, unpack_nibbles
 
 INT4_GROUP = 64
@@ -58,17 +53,12 @@ class Int4Format(KVFormat):
         # a short last group is padded with copies of its last value, which widen neither its range nor its step
         padding = x[:, -1:].expand(-1, self.padded - self.width)
         grouped = torch.cat((x, padding), dim=1).view(x.shape[0], self.groups, INT4_GROUP)
-        low = float16_down(grouped.amin(dim=2), "int4 minimum")
-        step = float16_up((grouped.amax(dim=2) - low.float()) / 15, "int4 step")
-        safe = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
-        codes = torch.round((grouped - low.float()[..., None]) / safe[..., None]).clamp(0, 15)
-        params = torch.stack((low, step), dim=2).reshape(x.shape[0], -1)
+        codes, params = quantize_asymmetric(grouped, 2, 4, "int4")
         codes = codes.view(x.shape[0], -1)[:, : 2 * self.code_bytes]
-        return EncodedTokens(torch.cat((pack_nibbles(codes), params_to_bytes(params)), dim=1))
+        return EncodedTokens(torch.cat((pack_nibbles(codes), params_to_bytes(params.view(x.shape[0], -1))), dim=1))
 
     def decode(self, dense, sparse, layer, kind, positions) -> torch.Tensor:
-        codes = unpack_nibbles(dense[:, : self.code_bytes]).float()
+        codes = unpack_nibbles(dense[:, : self.code_bytes])
         codes = torch.nn.functional.pad(codes, (0, self.padded - codes.shape[1])).view(-1, self.groups, INT4_GROUP)
         params = params_from_bytes(dense[:, self.code_bytes :]).view(-1, self.groups, 2)
-        values = params[..., :1] + codes * params[..., 1:]
-        return values.view(dense.shape[0], -1)[:, : self.width]
+        return dequantize_asymmetric(codes, params, 2).view(dense.shape[0], -1)[:, : self.width]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.formats.oaken.groups import OakenConfig
+from kvstrata.kv.formats.oaken.groups import parse_ratios
 from kvstrata.kv.formats.oaken.thresholds import (
     DEFAULT_RATIOS,
     DEFAULT_WINDOW_TOKENS,
@@ -36,14 +36,6 @@ def add_oaken_calibrate_command(calibrate_commands) -> None:
     add_engine_arguments(oaken)
 
 
-def parse_ratios(text: str) -> tuple[float, ...]:
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise KvstrataError(f"--ratios {text!r} must be comma-separated numbers, e.g. 0.04,0.90,0.06") from None
-    return OakenConfig(ratios=values).ratios
-
-
 def summary(thresholds: OakenThresholds) -> str:
     """The outermost boundary's thresholds, averaged over layers, for each table."""
     tables = {"K pre-RoPE": thresholds.k_pre_rope, "K post-RoPE": thresholds.k_post_rope, "V": thresholds.v}
@@ -55,7 +47,7 @@ def run_oaken_calibrate(args: argparse.Namespace) -> None:
     from kvstrata.bench.workload import read_text
     from kvstrata.engine.llm_engine import LLMEngine
 
-    ratios = parse_ratios(args.ratios)
+    ratios = parse_ratios(args.ratios, "--ratios")
     engine = LLMEngine(engine_config_from_args(args))
     if engine.tokenizer is None:
         raise KvstrataError("calibration needs a model with a tokenizer")

@@ -13,10 +13,11 @@ import dataclasses
 
 import torch
 
+from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.base import EncodedTokens, KVFormat
 from kvstrata.kv.formats.oaken.codec import decode_tokens, dense_bytes, encode_tokens, sparse_entry_bytes
-from kvstrata.kv.formats.oaken.groups import OakenConfig
-from kvstrata.kv.formats.oaken.thresholds import OakenThresholds, default_thresholds
+from kvstrata.kv.formats.oaken.groups import OakenConfig, parse_ratios
+from kvstrata.kv.formats.oaken.thresholds import OakenThresholds, default_thresholds, same_ratios
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
 
 
@@ -64,15 +65,20 @@ class OakenFormat(KVFormat):
         return rotation(x.view(x.shape[0], *self.head_shape), cos, sin).reshape(x.shape[0], -1)
 
 
-def oaken_format_for(engine, config: OakenConfig | None = None) -> OakenFormat:
+def oaken_format_for(engine) -> OakenFormat:
     """The engine's Oaken format: its calibration file, or the model's shipped or first-use calibration."""
-    mc = engine.loaded.config
-    if engine.config.oaken_calibration:
-        thresholds = OakenThresholds.load(engine.config.oaken_calibration, engine.model_fingerprint)
+    c, mc = engine.config, engine.loaded.config
+    ratios = parse_ratios(c.oaken_ratios, "oaken_ratios") if c.oaken_ratios else None
+    if c.oaken_calibration:
+        thresholds = OakenThresholds.load(c.oaken_calibration, engine.model_fingerprint)
+        if ratios is not None and not same_ratios(ratios, thresholds.ratios):
+            raise KvstrataError(f"oaken_ratios {c.oaken_ratios} differ from the ratios {thresholds.ratios} that "
+                                f"{c.oaken_calibration} was calibrated for")
     else:
-        thresholds = default_thresholds(_full_precision_twin(engine), *([config.ratios] if config else []))
-    config = config or OakenConfig(ratios=thresholds.ratios)
-    return OakenFormat(mc.num_kv_heads, mc.head_dim, thresholds, config, engine.config.oaken_keys,
+        thresholds = default_thresholds(_full_precision_twin(engine), *([ratios] if ratios else []))
+    config = OakenConfig(ratios=thresholds.ratios, group_shift=c.oaken_group_shift, outliers=c.oaken_outliers,
+                         scales=c.oaken_scales)
+    return OakenFormat(mc.num_kv_heads, mc.head_dim, thresholds, config, c.oaken_keys,
                        getattr(engine.loaded.model, "rotary", None))
 
 

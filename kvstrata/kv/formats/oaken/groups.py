@@ -95,6 +95,15 @@ class OakenConfig:
         return cls(**data)
 
 
+def parse_ratios(text: str, what: str) -> tuple[float, ...]:
+    """Group fractions from a command-line style "0.04,0.90,0.06"; `what` names the option in errors."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise KvstrataError(f"{what} {text!r} must be comma-separated numbers, e.g. 0.04,0.90,0.06") from None
+    return OakenConfig(ratios=tuple(values)).ratios
+
+
 def validate_bounds(bounds: torch.Tensor, config: OakenConfig) -> torch.Tensor:
     """Check a [G-1, 2] (lo, hi) threshold tensor; return it as contiguous float32."""
     want = (config.num_groups - 1, 2)

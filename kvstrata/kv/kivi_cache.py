@@ -1,0 +1,153 @@
+"""KIVI (Liu et al., 2024) in the paged cache: keys quantized per channel, values per token, each at
+2 or 4 bits, and the newest tokens of every sequence kept in full precision.
+
+A key channel's minimum and step are taken over the tokens of one cache block (KIVI's token group:
+16 tokens by default, 32 as in the KIVI paper with --block-size 32); values are quantized per token in
+groups of 32 channels. A block stays in full precision (float16, as KIVI's residual) in a separate
+pool until it lies wholly outside the sequence's newest `residual` tokens; then the whole block is
+quantized at once, the same step for every layer. Blocks that never leave the window (a finished
+sequence's tail) keep their full-precision slot until the block is handed out again; the pool grows
+if the slots reserved for running sequences run out, and `grown_slots` counts that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.kv.attention_batch import AttentionBatch
+from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
+from kvstrata.kv.formats.nibbles import pack_codes, unpack_codes
+from kvstrata.kv.paged_attention import PagedAttention
+
+VALUE_GROUP = 32  # channels sharing a value's minimum and step
+PARAM_BYTES = 4  # float16 minimum + float16 step
+
+
+class KiviPagedKVCache(PagedAttention):
+    def __init__(self, bits: int, residual: int, num_layers: int, num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, device: torch.device, window_slots: int):
+        self.bits, self.residual = bits, residual
+        self.block_size, self.num_layers, self.device = block_size, num_layers, device
+        self.kv_shape = (num_kv_heads, head_dim)
+        width = num_kv_heads * head_dim
+        self.width = width
+        self.value_group = value_group(width)
+        slots = num_blocks * block_size
+        code_bytes = width * bits // 8
+        self.key_codes = torch.zeros(num_layers, slots, code_bytes, dtype=torch.uint8, device=device)
+        self.key_params = torch.zeros(num_layers, num_blocks, width, 2, dtype=torch.float16, device=device)
+        self.value_codes = torch.zeros(num_layers, slots, code_bytes, dtype=torch.uint8, device=device)
+        self.value_params = torch.zeros(num_layers, slots, width // self.value_group, 2, dtype=torch.float16,
+                                        device=device)
+        self.window_slot = torch.full((num_blocks,), -1, dtype=torch.long, device=device)  # -1: quantized
+        self.window_k = torch.zeros(num_layers, window_slots, block_size, width, dtype=torch.float16, device=device)
+        self.window_v = torch.zeros_like(self.window_k)
+        self.free_slots = list(range(window_slots - 1, -1, -1))
+        self.grown_slots = 0
+        self._leaving: torch.Tensor | None = None  # blocks leaving the window in this step, decided at layer 0
+
+    @staticmethod
+    def bytes_per_token(bits: int, width: int, block_size: int, num_layers: int) -> float:
+        """Quantized K and V: codes, key params per block channel, value params per 32-channel group."""
+        codes = width * bits / 8
+        key_params = width * PARAM_BYTES / block_size
+        value_params = width // value_group(width) * PARAM_BYTES
+        return num_layers * (2 * codes + key_params + value_params)
+
+    @staticmethod
+    def window_bytes_per_token(width: int, num_layers: int) -> int:
+        return num_layers * 2 * width * torch.float16.itemsize
+
+    # --- block lifecycle ----------------------------------------------------------------------
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """A block handed out starts in full precision, in a cleared slot."""
+        slots = []
+        for block in blocks:
+            if self.window_slot[block] < 0:
+                self.window_slot[block] = self._take_slot()
+            slots.append(int(self.window_slot[block]))
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.window_k.index_fill_(1, index, 0)
+        self.window_v.index_fill_(1, index, 0)
+
+    def _take_slot(self) -> int:
+        if not self.free_slots:
+            extra = max(self.window_k.shape[1] // 4, 1)
+            start = self.window_k.shape[1]
+            self.window_k = torch.cat((self.window_k, torch.zeros_like(self.window_k[:, :extra])), dim=1)
+            self.window_v = torch.cat((self.window_v, torch.zeros_like(self.window_v[:, :extra])), dim=1)
+            self.free_slots.extend(range(start + extra - 1, start - 1, -1))
+            self.grown_slots += extra
+        return self.free_slots.pop()
+
+    def _blocks_leaving(self, sequences: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """Full-precision blocks of these (block table, context length) sequences that lie wholly
+        before the newest `residual` tokens."""
+        leaving = []
+        for table, context_len in sequences:
+            old = table[: max(context_len - self.residual, 0) // self.block_size]
+            leaving.append(old[self.window_slot[old] >= 0])
+        return torch.unique(torch.cat(leaving)) if leaving else torch.zeros(0, dtype=torch.long)
+
+    def _quantize_blocks(self, layer: int, blocks: torch.Tensor) -> None:
+        if not len(blocks):
+            return
+        slots = self.window_slot[blocks]
+        keys = self.window_k[layer, slots].float()  # [n, block_size, width]
+        codes, params = quantize_asymmetric(keys, 1, self.bits, "KIVI key")
+        token_slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+        self.key_codes[layer, token_slots] = pack_codes(codes.reshape(-1, self.width), self.bits)
+        self.key_params[layer, blocks] = params
+        values = self.window_v[layer, slots].float().reshape(-1, self.width // self.value_group, self.value_group)
+        codes, params = quantize_asymmetric(values, 2, self.bits, "KIVI value")
+        self.value_codes[layer, token_slots] = pack_codes(codes.reshape(-1, self.width), self.bits)
+        self.value_params[layer, token_slots] = params
+
+    def _release_window(self, blocks: torch.Tensor) -> None:
+        self.free_slots.extend(self.window_slot[blocks].tolist())
+        self.window_slot[blocks] = -1
+
+    # --- the PagedAttention storage -----------------------------------------------------------
+
+    def attention(self, layer, q, k_new, v_new, batch: AttentionBatch) -> torch.Tensor:
+        if layer == 0:
+            self._leaving = self._blocks_leaving([(s.block_table, s.context_len) for s in batch.sequences])
+        return super().attention(layer, q, k_new, v_new, batch)
+
+    def store_tokens(self, layer, slots, positions, k, v) -> None:
+        window = self.window_slot[slots // self.block_size]
+        offsets = slots % self.block_size
+        self.window_k[layer, window, offsets] = k.reshape(len(slots), -1).half()
+        self.window_v[layer, window, offsets] = v.reshape(len(slots), -1).half()
+        if self._leaving is not None:
+            self._quantize_blocks(layer, self._leaving)
+            if layer == self.num_layers - 1:
+                self._release_window(self._leaving)
+                self._leaving = None
+
+    def write(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
+        self._leaving = self._blocks_leaving([(table, start + k.shape[1])])
+        super().write(block_table, start, k, v)
+
+    def load_tokens(self, layer, block_tables, num_tokens, dtype):
+        n = block_tables.shape[0]
+        offsets = torch.arange(self.block_size, device=self.device)
+        slots = (block_tables[:, :, None] * self.block_size + offsets).reshape(n, -1)[:, :num_tokens].reshape(-1)
+        blocks = slots // self.block_size
+        key_params = self.key_params[layer, blocks].float()  # a key channel's params are its block's
+        keys = key_params[..., 0] + unpack_codes(self.key_codes[layer, slots], self.bits).float() * key_params[..., 1]
+        codes = unpack_codes(self.value_codes[layer, slots], self.bits).view(len(slots), -1, self.value_group)
+        values = dequantize_asymmetric(codes, self.value_params[layer, slots].float(), 2).reshape(len(slots), -1)
+        window = self.window_slot[blocks]
+        young = (window >= 0).nonzero().flatten()
+        if len(young):
+            keys[young] = self.window_k[layer, window[young], slots[young] % self.block_size].float()
+            values[young] = self.window_v[layer, window[young], slots[young] % self.block_size].float()
+        shape = (n, num_tokens, *self.kv_shape)
+        return keys.view(shape).to(dtype), values.view(shape).to(dtype)
+
+
+def value_group(width: int) -> int:
+    return VALUE_GROUP if width % VALUE_GROUP == 0 else width
