@@ -268,12 +268,13 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_llama):
 
 
 @pytest.mark.real_model
-def test_default_model_greedy_over_http_equals_generate():
+@pytest.mark.parametrize("kv_format", [None, "oaken"])
+def test_default_model_greedy_over_http_equals_generate(kv_format):
     prompts = ["The capital of France is", "Emma Woodhouse, handsome, clever, and rich,"]
-    offline = LLM(kv_cache_memory="512MiB")
+    offline = LLM(kv_cache_memory="512MiB", kv_format=kv_format)
     expected = offline.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     del offline
-    with running_server(None, MODEL, kv_cache_memory="512MiB") as (url, _):
+    with running_server(None, MODEL, kv_cache_memory="512MiB", kv_format=kv_format) as (url, _):
         http = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         for prompt, want in zip(prompts, expected):
             got = http.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0,

@@ -6,8 +6,9 @@ A key channel's minimum and step are taken over the tokens of one cache block (K
 groups of 32 channels. A block stays in full precision (float16, as KIVI's residual) in a separate
 pool until it lies wholly outside the sequence's newest `residual` tokens; then the whole block is
 quantized at once, the same step for every layer. Blocks that never leave the window (a finished
-sequence's tail) keep their full-precision slot until the block is handed out again; the pool grows
-if the slots reserved for running sequences run out, and `grown_slots` counts that.
+sequence's tail) keep their full-precision slot while slots are to spare; when none is free, the slots of
+window blocks no sequence holds are taken back (a block the prefix cache keeps is quantized first). The
+pool grows only if the running sequences themselves need more slots, and `grown_slots` counts that.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch
+from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, unpack_codes
 from kvstrata.kv.paged_attention import PagedAttention
@@ -44,6 +46,7 @@ class KiviPagedKVCache(PagedAttention):
         self.window_v = torch.zeros_like(self.window_k)
         self.free_slots = list(range(window_slots - 1, -1, -1))
         self.grown_slots = 0
+        self.block_pool: BlockPool | None = None  # the engine's pool: which blocks no sequence holds
         self._leaving: torch.Tensor | None = None  # blocks leaving the window in this step, decided at layer 0
 
     @staticmethod
@@ -73,6 +76,8 @@ class KiviPagedKVCache(PagedAttention):
 
     def _take_slot(self) -> int:
         if not self.free_slots:
+            self._reclaim_slots()
+        if not self.free_slots:
             extra = max(self.window_k.shape[1] // 4, 1)
             start = self.window_k.shape[1]
             self.window_k = torch.cat((self.window_k, torch.zeros_like(self.window_k[:, :extra])), dim=1)
@@ -80,6 +85,20 @@ class KiviPagedKVCache(PagedAttention):
             self.free_slots.extend(range(start + extra - 1, start - 1, -1))
             self.grown_slots += extra
         return self.free_slots.pop()
+
+    def _reclaim_slots(self) -> None:
+        """Free the slots of window blocks that no sequence holds: a cached one (a later prompt may share it) is
+        quantized first, any other is stale."""
+        pool = self.block_pool
+        if pool is None:
+            return
+        held = (self.window_slot >= 0).nonzero().flatten().tolist()
+        idle = [b for b in held if pool.ref_counts[b] == 0]
+        cached = torch.tensor([b for b in idle if pool.hash_of_block[b] is not None], dtype=torch.long,
+                              device=self.device)
+        for layer in range(self.num_layers):
+            self._quantize_blocks(layer, cached)
+        self._release_window(torch.tensor(idle, dtype=torch.long, device=self.device))
 
     def _blocks_leaving(self, sequences: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
         """Full-precision blocks of these (block table, context length) sequences that lie wholly
@@ -141,7 +160,10 @@ class KiviPagedKVCache(PagedAttention):
         codes = unpack_codes(self.value_codes[layer, slots], self.bits).view(len(slots), -1, self.value_group)
         values = dequantize_asymmetric(codes, self.value_params[layer, slots].float(), 2).reshape(len(slots), -1)
         window = self.window_slot[blocks]
-        young = (window >= 0).nonzero().flatten()
+        young = window >= 0
+        if self._leaving is not None:  # quantized at this layer already; their slots are released after the last
+            young &= ~torch.isin(blocks, self._leaving)
+        young = young.nonzero().flatten()
         if len(young):
             keys[young] = self.window_k[layer, window[young], slots[young] % self.block_size].float()
             values[young] = self.window_v[layer, window[young], slots[young] % self.block_size].float()

@@ -1,0 +1,369 @@
+"""KIVI in the paged cache (kv/kivi_cache.py): 2- and 4-bit packing, layer 0's K/V bit for bit against KIVI's
+quantization of the full-precision cache, blocks leaving the float16 window as sequences grow, the engine with
+kivi4/kivi2 (prefix sharing, preemption, blocks per budget) and a saved CacheGen context placed into it."""
+
+import math
+
+import pytest
+import torch
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.cachegen.context import SavedContext
+from kvstrata.config import EngineConfig
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sequence import Sequence
+from kvstrata.errors import KvstrataError
+from kvstrata.kv import paged_attention
+from kvstrata.kv.cache_factory import KVCacheLayout
+from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
+from kvstrata.kv.formats.nibbles import pack_codes, pack_nibbles, unpack_codes, unpack_nibbles
+from kvstrata.kv.kivi_cache import KiviPagedKVCache
+from kvstrata.kv.reference_attention import causal_attention
+from tests.helpers import prefill_in_chunks
+from tests.tiny_models import save_tiny_checkpoint, tiny_llama_config
+
+KIVI = ("kivi4", "kivi2")
+BITS = {"kivi4": 4, "kivi2": 2}
+BLOCK_SIZE = 16
+RESIDUAL = 32
+CHUNK_SIZE = 32
+MAX_SEQS = 4
+NUM_LAYERS, WIDTH = 3, 64  # the tiny Llama below: 4 KV heads x 16
+WINDOW_BLOCKS = -(-RESIDUAL // BLOCK_SIZE) + 1  # most float16 blocks a sequence holds after a step
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+# --- packing ------------------------------------------------------------------------------------------------------
+
+
+def test_pack_codes_puts_each_code_at_its_bits():
+    codes = torch.tensor([[1, 2, 3, 0, 3, 3, 0, 1]], dtype=torch.uint8)
+    # 2 bits: code i in byte i // 4 at bit 2 * (i % 4), the first code lowest
+    assert pack_codes(codes, 2).tolist() == [[0b00_11_10_01, 0b01_00_11_11]]
+    # 4 bits: code i in byte i // 2, the even code in the low nibble
+    assert pack_codes(codes, 4).tolist() == [[0x21, 0x03, 0x33, 0x10]]
+    two_bit = torch.tensor([[0b00_11_10_01, 0b01_00_11_11]], dtype=torch.uint8)
+    assert unpack_codes(two_bit, 2).tolist() == codes.tolist()
+    assert unpack_codes(torch.tensor([[0xA1, 0x3F]], dtype=torch.uint8), 4).tolist() == [[0x1, 0xA, 0xF, 0x3]]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pack_codes_round_trips(bits):
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (37, 96), generator=gen, dtype=torch.uint8)
+    codes[0] = 2**bits - 1  # the largest code everywhere, and the smallest
+    codes[1] = 0
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (37, 96 * bits // 8)
+    assert torch.equal(unpack_codes(packed, bits), codes)
+    assert torch.equal(pack_codes(codes.long(), bits), packed)  # any integer dtype in
+    if bits == 4:
+        assert torch.equal(pack_nibbles(codes), packed) and torch.equal(unpack_nibbles(packed), codes)
+
+
+# --- engines ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama whose K/V width (4 heads x 16 = 64) holds two 32-channel value groups."""
+    return save_tiny_checkpoint(tiny_llama_config(num_key_value_heads=4), tmp_path_factory.mktemp("tiny-llama-kivi"),
+                                seed=6)
+
+
+@pytest.fixture(scope="module")
+def fp_engine(model_dir):
+    return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", threads=1))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (37, 64, 90, 21, 48)]
+
+
+def make_llm(model_dir, kv_format, **options) -> LLM:
+    options = {"kv_cache_memory": "8MiB", "threads": 1, "chunk_size": CHUNK_SIZE, "max_num_seqs": MAX_SEQS,
+               "kivi_residual": RESIDUAL, **options}
+    return LLM(str(model_dir), kv_format=kv_format, **options)
+
+
+def kivi_of(k: torch.Tensor, v: torch.Tensor, bits: int, num_quantized: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What KIVI makes of K and V [n, width]: every value rounded to float16; the first `num_quantized` tokens (whole
+    blocks) quantized, keys per channel over each block's tokens, values per token in groups of 32 channels."""
+    k, v = k.half().float(), v.half().float()
+    width = k.shape[1]
+    want_k, want_v = k.clone(), v.clone()
+    if num_quantized:
+        blocks = k[:num_quantized].reshape(-1, BLOCK_SIZE, width)
+        codes, params = quantize_asymmetric(blocks, 1, bits, "key")
+        want_k[:num_quantized] = dequantize_asymmetric(codes, params.float(), 1).reshape(num_quantized, width)
+        groups = v[:num_quantized].reshape(num_quantized, width // 32, 32)
+        codes, params = quantize_asymmetric(groups, 2, bits, "value")
+        want_v[:num_quantized] = dequantize_asymmetric(codes, params.float(), 2).reshape(num_quantized, width)
+    return want_k, want_v
+
+
+def quantized_tokens(context_len: int) -> int:
+    """Tokens in the blocks that lie wholly before a sequence's newest RESIDUAL tokens."""
+    return max(context_len - RESIDUAL, 0) // BLOCK_SIZE * BLOCK_SIZE
+
+
+# --- layer 0 against the full-precision cache ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [24, 100])
+@pytest.mark.parametrize("kv_format", KIVI)
+def test_layer_0_holds_kivis_quantization_of_the_full_precision_cache(kv_format, chunk, model_dir, fp_engine,
+                                                                      prompts):
+    """Layer 0's K/V do not depend on the cache, so KIVI's layer 0 must hold exactly KIVI's quantization of what a
+    full-precision engine stores: blocks wholly before the newest RESIDUAL tokens quantized, the rest float16. With
+    chunks of 24, blocks straddle chunks and leave the window in different steps."""
+    token_ids = (prompts[2] + prompts[0])[:100]
+    n = len(token_ids)
+    _, seq = prefill_in_chunks(fp_engine, token_ids, chunk)
+    k_full, v_full = fp_engine.kv_cache.read(0, seq.block_table, n)
+    fp_engine.kv_manager.free(seq)
+
+    engine = make_llm(model_dir, kv_format).engine
+    cache = engine.kv_cache
+    assert isinstance(cache, KiviPagedKVCache) and cache.bits == BITS[kv_format] and cache.value_group == 32
+    _, seq = prefill_in_chunks(engine, token_ids, chunk)
+    quantized = quantized_tokens(n)  # 64: blocks 0-3; tokens 64-99 (blocks 4-6) stay float16
+    assert quantized == 64
+    slots = cache.window_slot[seq.block_table]
+    assert (slots[: quantized // BLOCK_SIZE] == -1).all() and (slots[quantized // BLOCK_SIZE :] >= 0).all()
+    k_got, v_got = cache.read(0, seq.block_table, n)
+    want_k, want_v = kivi_of(k_full.reshape(n, -1), v_full.reshape(n, -1), BITS[kv_format], quantized)
+    for got, want, full in ((k_got, want_k, k_full), (v_got, want_v, v_full)):
+        got = got.reshape(n, -1)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, want)
+        assert torch.equal(got[quantized:], full.reshape(n, -1)[quantized:].half().float())
+        assert not torch.equal(got[:quantized], full.reshape(n, -1)[:quantized].half().float())  # it was quantized
+    engine.kv_manager.free(seq)
+
+
+@pytest.mark.parametrize("kv_format", KIVI)
+def test_every_layer_attends_to_what_the_cache_holds_after_the_step(kv_format, model_dir, monkeypatch):
+    """A block leaves the window in one step for every layer: each layer's attention in that step already reads it
+    quantized (the K/V it is given equal what the cache reads back after the step), here over chunks of 24 in which
+    blocks leave, some of them while their last tokens are being written."""
+    seen = []
+
+    def spy(q, k, v, *args):
+        seen.append((k.clone(), v.clone()))
+        return causal_attention(q, k, v, *args)
+
+    monkeypatch.setattr(paged_attention, "causal_attention", spy)
+    engine = make_llm(model_dir, kv_format).engine
+    cache = engine.kv_cache
+    token_ids = torch.randint(3, 320, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    seq = Sequence(seq_id=1, request_id="probe", prompt=None, prompt_token_ids=token_ids, params=SamplingParams())
+    quantized_blocks = []
+    with torch.inference_mode():
+        while seq.num_pending_tokens:
+            n = min(24, seq.num_pending_tokens)
+            assert engine.kv_manager.grow(seq, n)
+            _, input_ids, batch = engine.runner.pack([(seq, n)])
+            seen.clear()
+            engine.runner.model(input_ids, batch.positions, cache, batch)
+            seq.num_computed_tokens += n
+            context_len = seq.num_computed_tokens
+            assert len(seen) == NUM_LAYERS
+            for layer, (k, v) in enumerate(seen):
+                want_k, want_v = cache.read(layer, seq.block_table, context_len)
+                assert torch.equal(k[0], want_k) and torch.equal(v[0], want_v), (context_len, layer)
+            quantized_blocks.append(int((cache.window_slot[seq.block_table] == -1).sum()))
+    assert quantized_blocks == [0, 1, 2, 4, 4]  # after 24, 48, 72, 96 and 100 tokens
+    engine.kv_manager.free(seq)
+
+
+# --- the window as sequences grow ---------------------------------------------------------------------------------
+
+
+def check_window(engine: LLMEngine) -> None:
+    """Every running sequence's blocks wholly before its newest RESIDUAL tokens are quantized, the others are in the
+    window (at most WINDOW_BLOCKS of them); every window slot is either held by one block or free."""
+    cache = engine.kv_cache
+    for seq in engine.scheduler.running:
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        old = quantized_tokens(seq.num_computed_tokens) // BLOCK_SIZE
+        assert (cache.window_slot[table[:old]] == -1).all(), seq.request_id
+        assert (cache.window_slot[table[old:]] >= 0).all(), seq.request_id
+        assert len(table) - old <= WINDOW_BLOCKS
+    held = cache.window_slot[cache.window_slot >= 0].tolist()
+    assert sorted(held + cache.free_slots) == list(range(cache.window_k.shape[1]))
+
+
+@pytest.mark.parametrize("kv_format", KIVI)
+def test_blocks_leave_the_window_as_sequences_decode(kv_format, model_dir):
+    llm = make_llm(model_dir, kv_format)
+    engine, cache = llm.engine, llm.engine.kv_cache
+    window_slots = MAX_SEQS * WINDOW_BLOCKS + -(-CHUNK_SIZE // BLOCK_SIZE) + 1
+    assert cache.window_k.shape == (NUM_LAYERS, window_slots, BLOCK_SIZE, WIDTH) and len(cache.free_slots) == 15
+    gen = torch.Generator().manual_seed(11)
+    lengths = (100, 70, 45, 90)  # MAX_SEQS sequences at once
+    ids = [engine.add_request(torch.randint(3, 320, (n,), generator=gen).tolist(), greedy(40)) for n in lengths]
+    handed_out = []
+    zero_blocks = engine.kv_manager.on_allocate
+    engine.kv_manager.on_allocate = lambda blocks: (handed_out.extend(blocks), zero_blocks(blocks))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        assert len(engine.scheduler.running) <= MAX_SEQS
+        check_window(engine)
+        assert cache.grown_slots == 0
+    assert all(len(finished[i].token_ids) == 40 for i in ids)
+    # 31 blocks went through 15 window slots: the slots of blocks that left came back and were handed out again
+    assert len(handed_out) == sum(-(-(n + 39) // BLOCK_SIZE) for n in lengths) == 31 > window_slots
+    assert cache.window_k.shape[1] == window_slots and cache.grown_slots == 0
+    assert engine.kv_manager.pool.num_used == 0
+
+
+def test_finished_sequences_give_their_window_slots_back(model_dir):
+    """A finished sequence's newest blocks stay in the prefix cache holding float16 slots; when the window runs short
+    they are taken back (a cached block is quantized first) instead of the pool growing past the budget."""
+    llm = make_llm(model_dir, "kivi4", max_num_seqs=2)
+    cache = llm.engine.kv_cache
+    assert cache.window_k.shape[1] == 2 * WINDOW_BLOCKS + 3
+    gen = torch.Generator().manual_seed(1)
+    batches = [[torch.randint(3, 320, (70,), generator=gen).tolist() for _ in range(4)] for _ in range(4)]
+    for batch in batches:
+        outputs = llm.generate(batch, greedy(8))
+        assert all(len(o.token_ids) == 8 for o in outputs)
+        assert cache.grown_slots == 0 and cache.window_k.shape[1] == 2 * WINDOW_BLOCKS + 3
+    # the first batch's blocks, quantized when their slots were taken back, are still shared
+    again = llm.generate([batches[0][0] + [7]], greedy(8))[0]
+    assert again.num_cached_tokens == 64 and len(again.token_ids) == 8
+
+
+# --- the engine ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_format", KIVI)
+def test_greedy_generation_and_prefix_sharing(kv_format, model_dir, prompts):
+    llm = make_llm(model_dir, kv_format)
+    outputs = llm.generate(prompts, GREEDY)
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" and o.text for o in outputs)
+    assert llm.engine.kv_manager.pool.num_used == 0
+
+    # KIVI quantizes a block in place once it leaves its sequence's window, so a later request sharing it sees the
+    # quantized block; the first request stops (92 + 3 tokens) before block 3 leaves, so the shared blocks are in the
+    # state they would be in had the second request computed them itself.
+    llm = make_llm(model_dir, kv_format)
+    prefix = prompts[2]  # 90 tokens: 5 full blocks
+    first = llm.generate([prefix + [10, 11]], greedy(4))[0]
+    second = llm.generate([prefix + [12]], GREEDY)[0]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 80)
+    unshared = make_llm(model_dir, kv_format, enable_prefix_caching=False).generate([prefix + [12]], GREEDY)[0]
+    assert unshared.num_cached_tokens == 0
+    assert second.token_ids == unshared.token_ids
+
+
+@pytest.mark.parametrize("kv_format", KIVI)
+def test_preemption_gives_the_same_outputs(kv_format, model_dir):
+    """KIVI's output depends on the step in which each block leaves the window (that step's attention already reads
+    it quantized), and SARATHI's chunks depend on what else runs; so this compares whole-prompt prefills
+    (prefill-first) of prompts whose set of quantized blocks does not change while they generate: a recomputed
+    sequence then sees exactly the cache it saw the first time."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = (48, 64, 32, 48, 64, 16)  # whole blocks: a decode needs a new block at once
+    for n in lengths:
+        assert quantized_tokens(n) == quantized_tokens(n + GREEDY.max_tokens - 1)
+    batch = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in lengths]
+    roomy = make_llm(model_dir, kv_format, scheduler="prefill-first", max_model_len=128)
+    expected = [o.token_ids for o in roomy.generate(batch, GREEDY)]
+    assert sum(s.num_preempted for s in roomy.engine.step_stats) == 0
+
+    layout = KVCacheLayout(kv_format, roomy.engine, torch.float32)
+    block_bytes = math.ceil(BLOCK_SIZE * layout.bytes_per_token)
+    cramped = make_llm(model_dir, kv_format, scheduler="prefill-first", max_model_len=128,
+                       kv_cache_memory=layout.reserved_bytes + 10 * block_bytes)
+    engine = cramped.engine
+    assert engine.kv_manager.pool.num_blocks == 10
+    ids = [engine.add_request(prompt, GREEDY) for prompt in batch]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        check_window(engine)
+    assert sum(s.num_preempted for s in engine.step_stats) > 0
+    assert [outputs[i].token_ids for i in ids] == expected
+    assert engine.kv_manager.pool.num_used == 0 and engine.kv_cache.grown_slots == 0
+
+
+@pytest.mark.parametrize("kv_format", KIVI)
+def test_blocks_per_budget_count_the_reserved_window(kv_format, model_dir):
+    budget = 4 * 2**20
+    engine = make_llm(model_dir, kv_format, kv_cache_memory=budget).engine
+    bits = BITS[kv_format]
+    layout = KVCacheLayout(kv_format, engine, torch.float32)
+    window_slots = MAX_SEQS * WINDOW_BLOCKS + -(-CHUNK_SIZE // BLOCK_SIZE) + 1
+    assert layout.window_slots == window_slots == 15
+    assert layout.reserved_bytes == window_slots * BLOCK_SIZE * NUM_LAYERS * 2 * WIDTH * 2  # float16 K and V
+    # codes of K and V, a key (min, step) per channel per block, a value (min, step) per 32 channels per token
+    assert layout.bytes_per_token == NUM_LAYERS * (2 * WIDTH * bits / 8 + WIDTH * 4 / BLOCK_SIZE + WIDTH // 32 * 4)
+    block_bytes = math.ceil(BLOCK_SIZE * layout.bytes_per_token)
+    num_blocks = engine.kv_manager.pool.num_blocks
+    assert num_blocks == (budget - layout.reserved_bytes) // block_bytes
+    cache = engine.kv_cache
+    assert cache.key_codes.shape == cache.value_codes.shape == (NUM_LAYERS, num_blocks * BLOCK_SIZE, WIDTH * bits // 8)
+    assert cache.key_params.shape == (NUM_LAYERS, num_blocks, WIDTH, 2)
+    assert cache.value_params.shape == (NUM_LAYERS, num_blocks * BLOCK_SIZE, WIDTH // 32, 2)
+    assert cache.window_k.shape == (NUM_LAYERS, window_slots, BLOCK_SIZE, WIDTH)
+    fp16_blocks = make_llm(model_dir, "fp16", kv_cache_memory=budget).engine.kv_manager.pool.num_blocks
+    assert num_blocks > 2 * fp16_blocks
+
+    # one request of max_model_len 128 needs 8 blocks on top of the reserve
+    least = layout.reserved_bytes + 8 * block_bytes
+    just_enough = make_llm(model_dir, kv_format, kv_cache_memory=least, max_model_len=128).engine
+    assert just_enough.kv_manager.pool.num_blocks == 8
+    for short in (least - 1, layout.reserved_bytes, 8 * block_bytes):
+        with pytest.raises(KvstrataError, match=rf"\({layout.reserved_bytes} reserved for KIVI's full-precision window"
+                                                rf"\).*give at least {least} bytes"):
+            make_llm(model_dir, kv_format, kv_cache_memory=short, max_model_len=128)
+
+
+# --- a saved CacheGen context ---------------------------------------------------------------------------------------
+
+
+def test_a_saved_context_resumes_on_kivi4(model_dir, emma_text, tmp_path):
+    """The decoded context is placed by `write`: the blocks outside the window are quantized at once, bit for bit as
+    KIVI quantizes the decoded K/V, and only the question is prefilled."""
+    saver = make_llm(model_dir, None)
+    context_ids = saver.engine.tokenize(emma_text[5000:9000])[:95]
+    question = saver.engine.tokenize(" What did she say?")
+    path = tmp_path / "context.kv"
+    saver.save_context(context_ids, path, levels=["near-lossless"], chunk_tokens=30)  # chunks 30, 30, 30, 5
+
+    llm = make_llm(model_dir, "kivi4")
+    cache = llm.engine.kv_cache
+    decoded = SavedContext(llm.engine, path).preloaded()
+    k_dec = torch.cat([p.k[0] for p in decoded]).reshape(len(context_ids), -1)
+    v_dec = torch.cat([p.v[0] for p in decoded]).reshape(len(context_ids), -1)
+    writes = []
+    write = llm.engine.kv_manager.write_kv
+
+    def checked_write(block_table, start, k, v):
+        write(block_table, start, k, v)
+        end = start + k.shape[1]
+        old = quantized_tokens(end) // BLOCK_SIZE
+        slots = cache.window_slot[block_table[: -(-end // BLOCK_SIZE)]]
+        assert (slots[:old] == -1).all() and (slots[old:] >= 0).all()
+        want_k, want_v = kivi_of(k_dec[:end], v_dec[:end], 4, old * BLOCK_SIZE)
+        got_k, got_v = cache.read(0, block_table, end)
+        assert torch.equal(got_k.reshape(end, -1), want_k) and torch.equal(got_v.reshape(end, -1), want_v)
+        writes.append((start, end, old))
+
+    llm.engine.kv_manager.write_kv = checked_write
+    out = llm.generate(question, GREEDY, context=path)[0]
+    assert writes == [(0, 30, 0), (30, 60, 1), (60, 90, 3), (90, 95, 3)]  # blocks 0-2 quantized as they were placed
+    assert sum(s.prefill_tokens for s in llm.engine.step_stats) == len(question)
+    assert len(out.token_ids) == GREEDY.max_tokens and out.text
+    assert cache.grown_slots == 0
