@@ -22,6 +22,13 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_kv64(tmp_path_factory) -> Path:
+    """K/V width 4 heads x 16 = 64: a multiple of Oaken's 64-value blocks and of KIVI's 32-channel groups."""
+    return save_tiny_checkpoint(tiny_llama_config(num_key_value_heads=4), tmp_path_factory.mktemp("tiny-llama-kv64"),
+                                seed=6)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_tied(tmp_path_factory) -> Path:
     config = tiny_llama_config(tie_word_embeddings=True, num_key_value_heads=1)
     return save_tiny_checkpoint(config, tmp_path_factory.mktemp("tiny-llama-tied"), seed=1)

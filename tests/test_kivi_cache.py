@@ -20,7 +20,6 @@ from kvstrata.kv.formats.nibbles import pack_codes, pack_nibbles, unpack_codes, 
 from kvstrata.kv.kivi_cache import KiviPagedKVCache
 from kvstrata.kv.reference_attention import causal_attention
 from tests.helpers import prefill_in_chunks
-from tests.tiny_models import save_tiny_checkpoint, tiny_llama_config
 
 KIVI = ("kivi4", "kivi2")
 BITS = {"kivi4": 4, "kivi2": 2}
@@ -69,15 +68,8 @@ def test_pack_codes_round_trips(bits):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Llama whose K/V width (4 heads x 16 = 64) holds two 32-channel value groups."""
-    return save_tiny_checkpoint(tiny_llama_config(num_key_value_heads=4), tmp_path_factory.mktemp("tiny-llama-kivi"),
-                                seed=6)
-
-
-@pytest.fixture(scope="module")
-def fp_engine(model_dir):
-    return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", threads=1))
+def fp_engine(tiny_llama_kv64):
+    return LLMEngine(EngineConfig(model=str(tiny_llama_kv64), kv_cache_memory="8MiB", threads=1))
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +78,10 @@ def prompts():
     return [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (37, 64, 90, 21, 48)]
 
 
-def make_llm(model_dir, kv_format, **options) -> LLM:
+def make_llm(tiny_llama_kv64, kv_format, **options) -> LLM:
     options = {"kv_cache_memory": "8MiB", "threads": 1, "chunk_size": CHUNK_SIZE, "max_num_seqs": MAX_SEQS,
                "kivi_residual": RESIDUAL, **options}
-    return LLM(str(model_dir), kv_format=kv_format, **options)
+    return LLM(str(tiny_llama_kv64), kv_format=kv_format, **options)
 
 
 def kivi_of(k: torch.Tensor, v: torch.Tensor, bits: int, num_quantized: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +110,7 @@ def quantized_tokens(context_len: int) -> int:
 
 @pytest.mark.parametrize("chunk", [24, 100])
 @pytest.mark.parametrize("kv_format", KIVI)
-def test_layer_0_holds_kivis_quantization_of_the_full_precision_cache(kv_format, chunk, model_dir, fp_engine,
+def test_layer_0_holds_kivis_quantization_of_the_full_precision_cache(kv_format, chunk, tiny_llama_kv64, fp_engine,
                                                                       prompts):
     """Layer 0's K/V do not depend on the cache, so KIVI's layer 0 must hold exactly KIVI's quantization of what a
     full-precision engine stores: blocks wholly before the newest RESIDUAL tokens quantized, the rest float16. With
@@ -129,7 +121,7 @@ def test_layer_0_holds_kivis_quantization_of_the_full_precision_cache(kv_format,
     k_full, v_full = fp_engine.kv_cache.read(0, seq.block_table, n)
     fp_engine.kv_manager.free(seq)
 
-    engine = make_llm(model_dir, kv_format).engine
+    engine = make_llm(tiny_llama_kv64, kv_format).engine
     cache = engine.kv_cache
     assert isinstance(cache, KiviPagedKVCache) and cache.bits == BITS[kv_format] and cache.value_group == 32
     _, seq = prefill_in_chunks(engine, token_ids, chunk)
@@ -149,7 +141,7 @@ def test_layer_0_holds_kivis_quantization_of_the_full_precision_cache(kv_format,
 
 
 @pytest.mark.parametrize("kv_format", KIVI)
-def test_every_layer_attends_to_what_the_cache_holds_after_the_step(kv_format, model_dir, monkeypatch):
+def test_every_layer_attends_to_what_the_cache_holds_after_the_step(kv_format, tiny_llama_kv64, monkeypatch):
     """A block leaves the window in one step for every layer: each layer's attention in that step already reads it
     quantized (the K/V it is given equal what the cache reads back after the step), here over chunks of 24 in which
     blocks leave, some of them while their last tokens are being written."""
@@ -160,7 +152,7 @@ def test_every_layer_attends_to_what_the_cache_holds_after_the_step(kv_format, m
         return causal_attention(q, k, v, *args)
 
     monkeypatch.setattr(paged_attention, "causal_attention", spy)
-    engine = make_llm(model_dir, kv_format).engine
+    engine = make_llm(tiny_llama_kv64, kv_format).engine
     cache = engine.kv_cache
     token_ids = torch.randint(3, 320, (100,), generator=torch.Generator().manual_seed(3)).tolist()
     seq = Sequence(seq_id=1, request_id="probe", prompt=None, prompt_token_ids=token_ids, params=SamplingParams())
@@ -201,8 +193,8 @@ def check_window(engine: LLMEngine) -> None:
 
 
 @pytest.mark.parametrize("kv_format", KIVI)
-def test_blocks_leave_the_window_as_sequences_decode(kv_format, model_dir):
-    llm = make_llm(model_dir, kv_format)
+def test_blocks_leave_the_window_as_sequences_decode(kv_format, tiny_llama_kv64):
+    llm = make_llm(tiny_llama_kv64, kv_format)
     engine, cache = llm.engine, llm.engine.kv_cache
     window_slots = MAX_SEQS * WINDOW_BLOCKS + -(-CHUNK_SIZE // BLOCK_SIZE) + 1
     assert cache.window_k.shape == (NUM_LAYERS, window_slots, BLOCK_SIZE, WIDTH) and len(cache.free_slots) == 15
@@ -227,10 +219,10 @@ def test_blocks_leave_the_window_as_sequences_decode(kv_format, model_dir):
     assert engine.kv_manager.pool.num_used == 0
 
 
-def test_finished_sequences_give_their_window_slots_back(model_dir):
+def test_finished_sequences_give_their_window_slots_back(tiny_llama_kv64):
     """A finished sequence's newest blocks stay in the prefix cache holding float16 slots; when the window runs short
     they are taken back (a cached block is quantized first) instead of the pool growing past the budget."""
-    llm = make_llm(model_dir, "kivi4", max_num_seqs=2)
+    llm = make_llm(tiny_llama_kv64, "kivi4", max_num_seqs=2)
     cache = llm.engine.kv_cache
     assert cache.window_k.shape[1] == 2 * WINDOW_BLOCKS + 3
     gen = torch.Generator().manual_seed(1)
@@ -248,8 +240,8 @@ def test_finished_sequences_give_their_window_slots_back(model_dir):
 
 
 @pytest.mark.parametrize("kv_format", KIVI)
-def test_greedy_generation_and_prefix_sharing(kv_format, model_dir, prompts):
-    llm = make_llm(model_dir, kv_format)
+def test_greedy_generation_and_prefix_sharing(kv_format, tiny_llama_kv64, prompts):
+    llm = make_llm(tiny_llama_kv64, kv_format)
     outputs = llm.generate(prompts, GREEDY)
     assert all(len(o.token_ids) == 12 and o.finish_reason == "length" and o.text for o in outputs)
     assert llm.engine.kv_manager.pool.num_used == 0
@@ -257,18 +249,18 @@ def test_greedy_generation_and_prefix_sharing(kv_format, model_dir, prompts):
     # KIVI quantizes a block in place once it leaves its sequence's window, so a later request sharing it sees the
     # quantized block; the first request stops (92 + 3 tokens) before block 3 leaves, so the shared blocks are in the
     # state they would be in had the second request computed them itself.
-    llm = make_llm(model_dir, kv_format)
+    llm = make_llm(tiny_llama_kv64, kv_format)
     prefix = prompts[2]  # 90 tokens: 5 full blocks
     first = llm.generate([prefix + [10, 11]], greedy(4))[0]
     second = llm.generate([prefix + [12]], GREEDY)[0]
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 80)
-    unshared = make_llm(model_dir, kv_format, enable_prefix_caching=False).generate([prefix + [12]], GREEDY)[0]
+    unshared = make_llm(tiny_llama_kv64, kv_format, enable_prefix_caching=False).generate([prefix + [12]], GREEDY)[0]
     assert unshared.num_cached_tokens == 0
     assert second.token_ids == unshared.token_ids
 
 
 @pytest.mark.parametrize("kv_format", KIVI)
-def test_preemption_gives_the_same_outputs(kv_format, model_dir):
+def test_preemption_gives_the_same_outputs(kv_format, tiny_llama_kv64):
     """KIVI's output depends on the step in which each block leaves the window (that step's attention already reads
     it quantized), and SARATHI's chunks depend on what else runs; so this compares whole-prompt prefills
     (prefill-first) of prompts whose set of quantized blocks does not change while they generate: a recomputed
@@ -278,13 +270,13 @@ def test_preemption_gives_the_same_outputs(kv_format, model_dir):
     for n in lengths:
         assert quantized_tokens(n) == quantized_tokens(n + GREEDY.max_tokens - 1)
     batch = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in lengths]
-    roomy = make_llm(model_dir, kv_format, scheduler="prefill-first", max_model_len=128)
+    roomy = make_llm(tiny_llama_kv64, kv_format, scheduler="prefill-first", max_model_len=128)
     expected = [o.token_ids for o in roomy.generate(batch, GREEDY)]
     assert sum(s.num_preempted for s in roomy.engine.step_stats) == 0
 
     layout = KVCacheLayout(kv_format, roomy.engine, torch.float32)
     block_bytes = math.ceil(BLOCK_SIZE * layout.bytes_per_token)
-    cramped = make_llm(model_dir, kv_format, scheduler="prefill-first", max_model_len=128,
+    cramped = make_llm(tiny_llama_kv64, kv_format, scheduler="prefill-first", max_model_len=128,
                        kv_cache_memory=layout.reserved_bytes + 10 * block_bytes)
     engine = cramped.engine
     assert engine.kv_manager.pool.num_blocks == 10
@@ -299,9 +291,9 @@ def test_preemption_gives_the_same_outputs(kv_format, model_dir):
 
 
 @pytest.mark.parametrize("kv_format", KIVI)
-def test_blocks_per_budget_count_the_reserved_window(kv_format, model_dir):
+def test_blocks_per_budget_count_the_reserved_window(kv_format, tiny_llama_kv64):
     budget = 4 * 2**20
-    engine = make_llm(model_dir, kv_format, kv_cache_memory=budget).engine
+    engine = make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=budget).engine
     bits = BITS[kv_format]
     layout = KVCacheLayout(kv_format, engine, torch.float32)
     window_slots = MAX_SEQS * WINDOW_BLOCKS + -(-CHUNK_SIZE // BLOCK_SIZE) + 1
@@ -317,32 +309,32 @@ def test_blocks_per_budget_count_the_reserved_window(kv_format, model_dir):
     assert cache.key_params.shape == (NUM_LAYERS, num_blocks, WIDTH, 2)
     assert cache.value_params.shape == (NUM_LAYERS, num_blocks * BLOCK_SIZE, WIDTH // 32, 2)
     assert cache.window_k.shape == (NUM_LAYERS, window_slots, BLOCK_SIZE, WIDTH)
-    fp16_blocks = make_llm(model_dir, "fp16", kv_cache_memory=budget).engine.kv_manager.pool.num_blocks
+    fp16_blocks = make_llm(tiny_llama_kv64, "fp16", kv_cache_memory=budget).engine.kv_manager.pool.num_blocks
     assert num_blocks > 2 * fp16_blocks
 
     # one request of max_model_len 128 needs 8 blocks on top of the reserve
     least = layout.reserved_bytes + 8 * block_bytes
-    just_enough = make_llm(model_dir, kv_format, kv_cache_memory=least, max_model_len=128).engine
+    just_enough = make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=least, max_model_len=128).engine
     assert just_enough.kv_manager.pool.num_blocks == 8
     for short in (least - 1, layout.reserved_bytes, 8 * block_bytes):
         with pytest.raises(KvstrataError, match=rf"\({layout.reserved_bytes} reserved for KIVI's full-precision window"
                                                 rf"\).*give at least {least} bytes"):
-            make_llm(model_dir, kv_format, kv_cache_memory=short, max_model_len=128)
+            make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=short, max_model_len=128)
 
 
 # --- a saved CacheGen context ---------------------------------------------------------------------------------------
 
 
-def test_a_saved_context_resumes_on_kivi4(model_dir, emma_text, tmp_path):
+def test_a_saved_context_resumes_on_kivi4(tiny_llama_kv64, emma_text, tmp_path):
     """The decoded context is placed by `write`: the blocks outside the window are quantized at once, bit for bit as
     KIVI quantizes the decoded K/V, and only the question is prefilled."""
-    saver = make_llm(model_dir, None)
+    saver = make_llm(tiny_llama_kv64, None)
     context_ids = saver.engine.tokenize(emma_text[5000:9000])[:95]
     question = saver.engine.tokenize(" What did she say?")
     path = tmp_path / "context.kv"
     saver.save_context(context_ids, path, levels=["near-lossless"], chunk_tokens=30)  # chunks 30, 30, 30, 5
 
-    llm = make_llm(model_dir, "kivi4")
+    llm = make_llm(tiny_llama_kv64, "kivi4")
     cache = llm.engine.kv_cache
     decoded = SavedContext(llm.engine, path).preloaded()
     k_dec = torch.cat([p.k[0] for p in decoded]).reshape(len(context_ids), -1)

@@ -21,7 +21,6 @@ from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.kv.quantized_cache import QuantizedPagedKVCache
 from kvstrata.kv.sparse_pages import SparsePages
 from tests.helpers import prefill_in_chunks
-from tests.tiny_models import save_tiny_checkpoint, tiny_llama_config
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 QUANTIZED = ("int8", "int4", "oaken")
@@ -218,15 +217,8 @@ def test_sparse_pages_keep_every_tokens_bytes_and_grow_when_short():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Llama whose K/V width (4 heads x 16) is a multiple of 64, as Oaken's records need."""
-    return save_tiny_checkpoint(tiny_llama_config(num_key_value_heads=4), tmp_path_factory.mktemp("tiny-llama-kv64"),
-                                seed=6)
-
-
-@pytest.fixture(scope="module")
-def fp_engine(model_dir):
-    return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", threads=1))
+def fp_engine(tiny_llama_kv64):
+    return LLMEngine(EngineConfig(model=str(tiny_llama_kv64), kv_cache_memory="8MiB", threads=1))
 
 
 @pytest.fixture(scope="module")
@@ -244,9 +236,9 @@ def prompts():
     return [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (37, 64, 90, 21, 48)]
 
 
-def make_llm(model_dir, kv_format, calibration, **options) -> LLM:
+def make_llm(tiny_llama_kv64, kv_format, calibration, **options) -> LLM:
     options = {"kv_cache_memory": "8MiB", "threads": 1, "chunk_size": 32, **options}
-    return LLM(str(model_dir), kv_format=kv_format, oaken_calibration=str(calibration), **options)
+    return LLM(str(tiny_llama_kv64), kv_format=kv_format, oaken_calibration=str(calibration), **options)
 
 
 def bytes_per_token(engine: LLMEngine) -> float:
@@ -258,8 +250,8 @@ def bytes_per_token(engine: LLMEngine) -> float:
 
 
 @pytest.mark.parametrize("kv_format", ["fp16", *QUANTIZED])
-def test_every_format_generates_shares_prefixes_and_survives_preemption(kv_format, model_dir, calibration, prompts):
-    llm = make_llm(model_dir, kv_format, calibration)
+def test_every_format_generates_shares_prefixes_and_survives_preemption(kv_format, tiny_llama_kv64, calibration, prompts):
+    llm = make_llm(tiny_llama_kv64, kv_format, calibration)
     assert isinstance(llm.engine.kv_cache, QuantizedPagedKVCache) == (kv_format in QUANTIZED)
     prefix = prompts[2]  # 90 tokens: 5 full blocks
     first = llm.generate([prefix + [10, 11]], GREEDY)[0]
@@ -267,12 +259,12 @@ def test_every_format_generates_shares_prefixes_and_survives_preemption(kv_forma
     for out in (first, second):
         assert len(out.token_ids) == GREEDY.max_tokens and out.finish_reason == "length" and out.text
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 80)
-    unshared = make_llm(model_dir, kv_format, calibration, enable_prefix_caching=False)
+    unshared = make_llm(tiny_llama_kv64, kv_format, calibration, enable_prefix_caching=False)
     assert unshared.generate([prefix + [12]], GREEDY)[0].token_ids == second.token_ids
 
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     block_bytes = math.ceil(BLOCK_SIZE * bytes_per_token(llm.engine))
-    cramped = make_llm(model_dir, kv_format, calibration, kv_cache_memory=10 * block_bytes, max_model_len=128)
+    cramped = make_llm(tiny_llama_kv64, kv_format, calibration, kv_cache_memory=10 * block_bytes, max_model_len=128)
     assert cramped.engine.kv_manager.pool.num_blocks == 10
     outputs = cramped.generate(prompts, GREEDY)
     assert sum(s.num_preempted for s in cramped.engine.step_stats) > 0
@@ -280,12 +272,12 @@ def test_every_format_generates_shares_prefixes_and_survives_preemption(kv_forma
     assert cramped.engine.kv_manager.pool.num_used == 0
 
 
-def test_smaller_formats_get_more_blocks_from_the_same_budget(model_dir, calibration):
+def test_smaller_formats_get_more_blocks_from_the_same_budget(tiny_llama_kv64, calibration):
     budget = 4 * 2**20
     mc = None
     per_token, blocks = {}, {}
     for kv_format in ("fp32", "fp16", "bf16", *QUANTIZED):
-        engine = make_llm(model_dir, kv_format, calibration, kv_cache_memory=budget).engine
+        engine = make_llm(tiny_llama_kv64, kv_format, calibration, kv_cache_memory=budget).engine
         mc = engine.loaded.config
         per_token[kv_format] = bytes_per_token(engine)
         blocks[kv_format] = engine.kv_manager.pool.num_blocks
@@ -308,7 +300,7 @@ def test_smaller_formats_get_more_blocks_from_the_same_budget(model_dir, calibra
 
 @pytest.mark.parametrize(("kv_format", "keys"), [("int8", "pre-rope"), ("int4", "pre-rope"), ("oaken", "pre-rope"),
                                                  ("oaken", "post-rope")])
-def test_layer_0_cache_holds_exactly_the_formats_round_trip(kv_format, keys, model_dir, fp_engine, calibration,
+def test_layer_0_cache_holds_exactly_the_formats_round_trip(kv_format, keys, tiny_llama_kv64, fp_engine, calibration,
                                                             prompts):
     """Layer 0's K/V do not depend on the cache, so a quantized cache must hold exactly what its format makes of the
     full-precision K/V (here written over several prefill chunks, blocks straddling chunks)."""
@@ -317,7 +309,7 @@ def test_layer_0_cache_holds_exactly_the_formats_round_trip(kv_format, keys, mod
     _, seq = prefill_in_chunks(fp_engine, token_ids, 24)
     k_full, v_full = fp_engine.kv_cache.read(0, seq.block_table, n)
     fp_engine.kv_manager.free(seq)
-    engine = make_llm(model_dir, kv_format, calibration, oaken_keys=keys).engine
+    engine = make_llm(tiny_llama_kv64, kv_format, calibration, oaken_keys=keys).engine
     _, seq = prefill_in_chunks(engine, token_ids, 24)
     k_got, v_got = engine.kv_cache.read(0, seq.block_table, n)
     fmt = engine.kv_cache.format
@@ -332,21 +324,21 @@ def test_layer_0_cache_holds_exactly_the_formats_round_trip(kv_format, keys, mod
         assert not torch.equal(got, full)  # it was quantized
 
 
-def test_a_calibration_of_another_model_is_refused(model_dir, calibration, tmp_path, capsys):
+def test_a_calibration_of_another_model_is_refused(tiny_llama_kv64, calibration, tmp_path, capsys):
     raw = json.loads(calibration.read_text())
     raw["fingerprint"] = "0123456789abcdef"
     foreign = tmp_path / "foreign.json"
     foreign.write_text(json.dumps(raw))
     with pytest.raises(ForeignCalibrationError, match="calibrated for model 0123456789abcdef"):
-        make_llm(model_dir, "oaken", foreign)
-    args = ["generate", "Emma", "--model", str(model_dir), "--kv-cache-memory", "8MiB", "--kv-format", "oaken",
+        make_llm(tiny_llama_kv64, "oaken", foreign)
+    args = ["generate", "Emma", "--model", str(tiny_llama_kv64), "--kv-cache-memory", "8MiB", "--kv-format", "oaken",
             "--oaken-calibration", str(foreign), "--threads", "1"]
     assert main(args) == 2
     assert "error: the oaken thresholds" in capsys.readouterr().err
 
 
-def test_cli_generates_with_oaken(model_dir, calibration, capsys):
-    args = ["generate", "Emma Woodhouse", "--model", str(model_dir), "--max-tokens", "8", "--kv-cache-memory", "8MiB",
+def test_cli_generates_with_oaken(tiny_llama_kv64, calibration, capsys):
+    args = ["generate", "Emma Woodhouse", "--model", str(tiny_llama_kv64), "--max-tokens", "8", "--kv-cache-memory", "8MiB",
             "--kv-format", "oaken", "--oaken-calibration", str(calibration), "--threads", "1"]
     assert main(args) == 0
     assert capsys.readouterr().out.strip()
