@@ -9,8 +9,10 @@ Each outlier then has a sparse entry, in (block, index) order: for G <= 3 one by
 (bit 15 code high bit, bits 8..10 sparse slot, bits 0..5 index); float16 outliers append the value's 2 bytes.
 
 Decoded values and error bounds, per element, against the input x (plus float32 rounding of the shift):
-  dense group: |x - x^| <= step/2 when the side (the sign of the decoded shifted value) is recovered
-    correctly, else <= step/2 + (hi_g - lo_g) of the dense group's own boundary;
+  dense group: |x - x^| <= step/2, or <= step where nearest rounding would have crossed zero and the
+    encoder moved the code by one so that the decoder, which reads the side from the sign of the decoded
+    shifted value, recovers it; the side is lost only for x' = 0 on the low side with min = 0, an error of
+    at most (hi_g - lo_g) of the dense group's own boundary;
   5-bit sparse groups: |x - x^| <= step/2 (the side is stored as the code's high bit);
   float16 outliers: x^ = float16(x), exact up to float16 rounding.
 `step` is the float16 step of the element's (token or window, group) params.
@@ -182,6 +184,16 @@ def _params(v: torch.Tensor, bucket: torch.Tensor, size: int, config: OakenConfi
     return mn, st
 
 
+def _keep_dense_side(q, v, mn_e, st_e, dense, low) -> torch.Tensor:
+    """Move a shifted dense code by one where nearest rounding would cross zero: the decoder reads the side from
+    the sign of the decoded value, so a value rounded across zero would get the other side's threshold (an error of
+    the whole inner gap). The codes and layout are the paper's; only the encoder's rounding changes."""
+    decoded = q * st_e + mn_e
+    up = dense & ~low & (decoded < 0)  # high side, x' >= 0: the next code decodes to >= 0 (the max is >= x')
+    down = dense & low & (decoded >= 0) & (q > 0)  # low side, x' <= 0
+    return q + up.float() - down.float()
+
+
 def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, index.reshape(-1)).view(index.shape)
 
@@ -206,7 +218,10 @@ def encode_tokens(x: torch.Tensor, bounds: torch.Tensor, config: OakenConfig) ->
     # float16 outliers need no params: their values go to a spare bucket that is dropped.
     mn, st = _params(v, bucket.masked_fill(~dense, size) if fp16 else bucket, size, config)
     mn_e, st_e = _lookup(mn.float(), bucket), _lookup(st.float(), bucket)
-    q = ((v - mn_e) / torch.where(st_e > 0, st_e, 1.0)).round_().clamp_(0, LEVELS).to(torch.uint8)
+    q = ((v - mn_e) / torch.where(st_e > 0, st_e, 1.0)).round_().clamp_(0, LEVELS)
+    if prep.dense_shift is not None:
+        q = _keep_dense_side(q, v, mn_e, st_e, dense, low)
+    q = q.to(torch.uint8)
     if fp16:
         q.masked_fill_(~dense, 0)
     params = torch.stack((mn, st), -1).view(n if per_token else 1, g, 2).expand(n, g, 2)
