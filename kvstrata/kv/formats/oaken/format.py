@@ -2,9 +2,10 @@
 quantized per token (4-bit dense, 5-bit outliers) and packed into a fixed-size dense record plus
 variable-length sparse entries (papers/oaken.md §3, §6).
 
-Keys: the cache holds keys after RoPE. With `keys="pre-rope"` (the default, as the authors' code
-profiles k_proj outputs) a key is rotated back before it is quantized and rotated again after it is
-decoded, at its position; with "post-rope" the stored key is quantized as it is.
+Keys: the cache holds keys after RoPE. With `keys="post-rope"` (the default: on the default model it
+measured slightly better and costs no rotation per read; docs/BENCHMARKS.md) the stored key is
+quantized as it is; with "pre-rope" (the authors' code profiles k_proj outputs) a key is rotated back
+before it is quantized and rotated again after it is decoded, at its position.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class OakenFormat(KVFormat):
     has_sparse = True
 
     def __init__(self, num_kv_heads: int, head_dim: int, thresholds: OakenThresholds, config: OakenConfig,
-                 keys: str = "pre-rope", rotary: RotaryEmbedding | None = None):
+                 keys: str = "post-rope", rotary: RotaryEmbedding | None = None):
         super().__init__(num_kv_heads * head_dim)
         self.head_shape = (num_kv_heads, head_dim)
         self.config = config
