@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("k", "v")
-
 
 @dataclass
 class EncodedTokens:
