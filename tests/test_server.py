@@ -272,7 +272,10 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_llama):
 def test_default_model_greedy_over_http_equals_generate(kv_format):
     prompts = ["The capital of France is", "Emma Woodhouse, handsome, clever, and rich,"]
     offline = LLM(kv_cache_memory="512MiB", kv_format=kv_format)
-    expected = offline.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    # One prompt at a time, as the requests below arrive: batched matmuls round differently, and a quantized
+    # cache can turn such a difference into another code.
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    expected = [offline.generate([prompt], greedy)[0] for prompt in prompts]
     del offline
     with running_server(None, MODEL, kv_cache_memory="512MiB", kv_format=kv_format) as (url, _):
         http = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
