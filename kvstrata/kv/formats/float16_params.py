@@ -12,6 +12,14 @@ import torch
 from kvstrata.errors import KvstrataError
 
 
+def round_float16(values: torch.Tensor, toward: float) -> torch.Tensor:
+    """The float16 nearest each value on the side of `toward` (-inf: at or below, +inf: at or above);
+    values beyond float16's range become infinite."""
+    rounded = values.to(torch.float16)
+    wrong = rounded.to(values.dtype) > values if toward < 0 else rounded.to(values.dtype) < values
+    return torch.where(wrong, torch.nextafter(rounded, torch.full_like(rounded, toward)), rounded)
+
+
 def _finite(rounded: torch.Tensor, values: torch.Tensor, what: str) -> torch.Tensor:
     if not torch.isfinite(rounded).all():
         raise KvstrataError(f"a {what} of {values.abs().max().item():.4g} is outside float16's range (65504)")
@@ -20,16 +28,12 @@ def _finite(rounded: torch.Tensor, values: torch.Tensor, what: str) -> torch.Ten
 
 def float16_down(values: torch.Tensor, what: str) -> torch.Tensor:
     """The largest float16 at or below each value."""
-    rounded = values.to(torch.float16)
-    below = torch.nextafter(rounded, torch.full_like(rounded, -torch.inf))
-    return _finite(torch.where(rounded.float() > values, below, rounded), values, what)
+    return _finite(round_float16(values, -torch.inf), values, what)
 
 
 def float16_up(values: torch.Tensor, what: str) -> torch.Tensor:
     """The smallest float16 at or above each value."""
-    rounded = values.to(torch.float16)
-    above = torch.nextafter(rounded, torch.full_like(rounded, torch.inf))
-    return _finite(torch.where(rounded.float() < values, above, rounded), values, what)
+    return _finite(round_float16(values, torch.inf), values, what)
 
 
 def params_to_bytes(params: torch.Tensor) -> torch.Tensor:

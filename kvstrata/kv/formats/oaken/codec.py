@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.formats.float16_params import params_to_bytes
-from kvstrata.kv.formats.nibbles import pack_nibbles
+from kvstrata.kv.formats.float16_params import params_from_bytes, params_to_bytes, round_float16
+from kvstrata.kv.formats.nibbles import pack_nibbles, unpack_nibbles
 from kvstrata.kv.formats.oaken.groups import (
     OakenConfig,
     ShiftTables,
@@ -152,13 +152,6 @@ def _check_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _round_f16(t: torch.Tensor, toward: float) -> torch.Tensor:
-    """float16 nearest to t on the side of `toward` (-inf: round down, +inf: round up)."""
-    h = t.to(torch.float16)
-    wrong = h.to(t.dtype) > t if toward < 0 else h.to(t.dtype) < t
-    return torch.where(wrong, torch.nextafter(h, torch.full_like(h, toward)), h)
-
-
 def _params(v: torch.Tensor, bucket: torch.Tensor, size: int, config: OakenConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(min, step) float16 [size] over the values of each bucket; buckets >= size are ignored; empty ones get (0, 0).
 
@@ -170,9 +163,9 @@ def _params(v: torch.Tensor, bucket: torch.Tensor, size: int, config: OakenConfi
     lo = torch.full((size + 1,), torch.inf, device=v.device).scatter_reduce_(0, keys, vals, "amin")[:size]
     hi = torch.full((size + 1,), -torch.inf, device=v.device).scatter_reduce_(0, keys, vals, "amax")[:size]
     empty = lo > hi
-    mn = _round_f16(torch.where(empty, 0.0, lo), -torch.inf)
+    mn = round_float16(torch.where(empty, 0.0, lo), -torch.inf)
     step = (torch.where(empty, 0.0, hi).double() - mn.double()) / LEVELS
-    st = _round_f16(step, torch.inf)
+    st = round_float16(step, torch.inf)
     bad = ~(torch.isfinite(mn) & torch.isfinite(st))
     if bool(bad.any()):
         i = bad.nonzero()[0].item()
@@ -259,12 +252,6 @@ def encode_tokens(x: torch.Tensor, bounds: torch.Tensor, config: OakenConfig) ->
     return OakenEncoded(dense=record, sparse=entries.flatten(), sparse_bytes=sparse_bytes, meant=meant)
 
 
-def _float16_from_bytes(data: torch.Tensor) -> torch.Tensor:
-    """uint8 [M, 2P] -> float32 [M, P]; a fresh row-major copy, since a one-row slice keeps its parent's
-    (possibly odd) row stride and offset, which a float16 view refuses."""
-    return data.clone(memory_format=torch.contiguous_format).view(torch.float16).float()
-
-
 def decode_tokens(
     dense: torch.Tensor, sparse: torch.Tensor, bounds: torch.Tensor, config: OakenConfig, width: int
 ) -> torch.Tensor:
@@ -280,9 +267,8 @@ def decode_tokens(
     half, blocks = width // 2, width // BLOCK
     prep = _prepare(bounds, config, device)
 
-    nibbles = dense[:, :half]
-    codes = torch.stack((nibbles & 15, nibbles >> 4), -1).view(m, width)  # explicit width: m may be 0
-    params = _float16_from_bytes(dense[:, half : half + 4 * g]).view(m, g, 2)
+    codes = unpack_nibbles(dense[:, :half])
+    params = params_from_bytes(dense[:, half : half + 4 * g]).view(m, g, 2)
     counts = dense[:, half + 4 * g :]
     out = _dense_lut(params[:, dg, 0], params[:, dg, 1], prep).gather(1, codes.long())
 
@@ -299,7 +285,7 @@ def decode_tokens(
     entries = sparse.reshape(total, entry)
     flat = block * BLOCK + (entries[:, 0] & 63)
     if config.outliers == "fp16":
-        values = _float16_from_bytes(entries[:, -2:]).flatten()
+        values = params_from_bytes(entries[:, -2:]).flatten()
     else:
         key = (entries[:, 0] >> 6 if g <= 3 else entries[:, 1]).long()
         # Row of each entry's (token, group) params: the block's token base plus the entry's group.
