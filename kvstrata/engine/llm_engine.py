@@ -27,7 +27,6 @@ from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_factory import KVCacheLayout
 from kvstrata.kv.cache_manager import KVCacheManager
-from kvstrata.kv.kivi_cache import KiviPagedKVCache
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.model.fingerprint import model_fingerprint
 from kvstrata.model.loader import LoadedModel, load_model
@@ -66,8 +65,7 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching,
             on_allocate=self.kv_cache.zero_blocks, write_kv=self.kv_cache.write,
         )
-        if isinstance(self.kv_cache, KiviPagedKVCache):
-            self.kv_cache.block_pool = self.kv_manager.pool  # to take back window slots of blocks no sequence holds
+        self.kv_cache.attach_block_pool(self.kv_manager.pool)
         self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.block_size, self.device)
         self.outputs = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)

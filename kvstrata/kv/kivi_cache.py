@@ -46,7 +46,7 @@ class KiviPagedKVCache(PagedAttention):
         self.window_v = torch.zeros_like(self.window_k)
         self.free_slots = list(range(window_slots - 1, -1, -1))
         self.grown_slots = 0
-        self.block_pool: BlockPool | None = None  # the engine's pool: which blocks no sequence holds
+        self.block_pool: BlockPool | None = None  # which blocks no sequence holds (attach_block_pool)
         self._leaving: torch.Tensor | None = None  # blocks leaving the window in this step, decided at layer 0
 
     @staticmethod
@@ -73,6 +73,9 @@ class KiviPagedKVCache(PagedAttention):
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.window_k.index_fill_(1, index, 0)
         self.window_v.index_fill_(1, index, 0)
+
+    def attach_block_pool(self, pool: BlockPool) -> None:
+        self.block_pool = pool
 
     def _take_slot(self) -> int:
         if not self.free_slots:

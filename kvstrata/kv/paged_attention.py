@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch
+from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.reference_attention import causal_attention
 
 
@@ -34,6 +35,9 @@ class PagedAttention(ABC):
 
     def on_layer_input(self, layer: int, x: torch.Tensor, batch: AttentionBatch) -> None:
         pass
+
+    def attach_block_pool(self, pool: BlockPool) -> None:
+        """The engine's block pool, for storage that must know which blocks no sequence holds (KIVI)."""
 
     def attention(self, layer, q, k_new, v_new, batch: AttentionBatch) -> torch.Tensor:
         self.store_tokens(layer, batch.slot_mapping, batch.positions, k_new, v_new)
