@@ -18,7 +18,13 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.base import EncodedTokens, KVFormat
 from kvstrata.kv.formats.oaken.codec import decode_tokens, dense_bytes, encode_tokens, sparse_entry_bytes
 from kvstrata.kv.formats.oaken.groups import OakenConfig, parse_ratios
-from kvstrata.kv.formats.oaken.thresholds import OakenThresholds, default_thresholds, same_ratios
+from kvstrata.kv.formats.oaken.thresholds import (
+    DEFAULT_RATIOS,
+    OakenThresholds,
+    default_thresholds,
+    same_ratios,
+    stored_thresholds,
+)
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
 
 
@@ -76,7 +82,10 @@ def oaken_format_for(engine) -> OakenFormat:
             raise KvstrataError(f"oaken_ratios {c.oaken_ratios} differ from the ratios {thresholds.ratios} that "
                                 f"{c.oaken_calibration} was calibrated for")
     else:
-        thresholds = default_thresholds(_full_precision_twin(engine), *([ratios] if ratios else []))
+        ratios = ratios or DEFAULT_RATIOS
+        # the full-precision twin engine is built only if there is nothing stored to load
+        thresholds = (stored_thresholds(engine.model_fingerprint, ratios)
+                      or default_thresholds(_full_precision_twin(engine), ratios))
     config = OakenConfig(ratios=thresholds.ratios, group_shift=c.oaken_group_shift, outliers=c.oaken_outliers,
                          scales=c.oaken_scales)
     return OakenFormat(mc.num_kv_heads, mc.head_dim, thresholds, config, c.oaken_keys,

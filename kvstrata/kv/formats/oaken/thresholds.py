@@ -255,24 +255,35 @@ def cache_dir() -> Path:
     return base / "kvstrata" / "oaken"
 
 
-def default_thresholds(engine, ratios: tuple[float, ...] = DEFAULT_RATIOS, progress: bool = True) -> OakenThresholds:
-    """The loaded model's thresholds: the shipped file if it has these ratios, else the cached calibration, else a
-    calibration now on the packaged text (Emma), cached for the next run. Nothing is downloaded."""
-    ratios = OakenConfig(ratios=ratios).ratios
-    fingerprint = engine.model_fingerprint
+def _cached_path(fingerprint: str, ratios: tuple[float, ...]) -> Path:
+    return cache_dir() / f"{fingerprint}-{'-'.join(repr(r) for r in ratios)}.json"
+
+
+def stored_thresholds(fingerprint: str, ratios: tuple[float, ...]) -> OakenThresholds | None:
+    """The shipped file for this model if it has these ratios, else an earlier first-use calibration, else None."""
     shipped = DATA_DIR / f"{fingerprint}.json"
     if shipped.is_file():
         thresholds = OakenThresholds.load(shipped, fingerprint)
         if same_ratios(thresholds.ratios, ratios):
             return thresholds
-    cached = cache_dir() / f"{fingerprint}-{'-'.join(repr(r) for r in ratios)}.json"
+    cached = _cached_path(fingerprint, ratios)
     if cached.is_file():
         try:
             thresholds = OakenThresholds.load(cached, fingerprint)
             if same_ratios(thresholds.ratios, ratios):
                 return thresholds
         except KvstrataError as exc:  # e.g. written by an older kvstrata: a cache is rebuilt, not fatal
-            warnings.warn(f"calibrating oaken again: {exc}", stacklevel=2)
+            warnings.warn(f"calibrating oaken again: {exc}", stacklevel=3)
+    return None
+
+
+def default_thresholds(engine, ratios: tuple[float, ...] = DEFAULT_RATIOS, progress: bool = True) -> OakenThresholds:
+    """The loaded model's thresholds: the shipped file if it has these ratios, else the cached calibration, else a
+    calibration now on the packaged text (Emma), cached for the next run. Nothing is downloaded."""
+    ratios = OakenConfig(ratios=ratios).ratios
+    stored = stored_thresholds(engine.model_fingerprint, ratios)
+    if stored is not None:
+        return stored
     if engine.tokenizer is None:
         raise KvstrataError("oaken needs thresholds for this model, and a model without a tokenizer cannot be "
                             "calibrated on the packaged text; calibrate it on token ids with "
@@ -283,7 +294,7 @@ def default_thresholds(engine, ratios: tuple[float, ...] = DEFAULT_RATIOS, progr
     (thresholds,) = calibrate(engine, token_ids, [ratios], DEFAULT_WINDOWS,
                               min(DEFAULT_WINDOW_TOKENS, engine.max_model_len), progress, source=EMMA.name)
     try:
-        thresholds.save(cached)
+        thresholds.save(_cached_path(engine.model_fingerprint, ratios))
     except KvstrataError as exc:  # the thresholds are still good for this run
         warnings.warn(f"{exc}; oaken will be calibrated again next time", stacklevel=2)
     return thresholds
