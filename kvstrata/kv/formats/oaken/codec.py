@@ -9,10 +9,12 @@ Each outlier then has a sparse entry, in (block, index) order: for G <= 3 one by
 (bit 15 code high bit, bits 8..10 sparse slot, bits 0..5 index); float16 outliers append the value's 2 bytes.
 
 Decoded values and error bounds, per element, against the input x (plus float32 rounding of the shift):
-  dense group: |x - x^| <= step/2, or <= step where nearest rounding would have crossed zero and the
-    encoder moved the code by one so that the decoder, which reads the side from the sign of the decoded
-    shifted value, recovers it; the side is lost only for x' = 0 on the low side with min = 0, an error of
-    at most (hi_g - lo_g) of the dense group's own boundary;
+  dense group: |x - x^| <= step/2. A shifted dense group has no side bit: the decoder reads the side from the
+    sign of the decoded shifted value, so the encoder picks a grid with zero halfway between two codes (when
+    the token has values on both sides) and nearest rounding keeps the side; where it would still cross zero
+    (a value within float16 rounding of zero) the code moves by one, an error of at most one step; the side is
+    lost only for x' = 0 on the low side with min = 0, an error of at most (hi_g - lo_g) of the dense group's
+    own boundary;
   5-bit sparse groups: |x - x^| <= step/2 (the side is stored as the code's high bit);
   float16 outliers: x^ = float16(x), exact up to float16 rounding.
 `step` is the float16 step of the element's (token or window, group) params.
@@ -152,19 +154,27 @@ def _check_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _params(v: torch.Tensor, bucket: torch.Tensor, size: int, config: OakenConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _params(
+    v: torch.Tensor, bucket: torch.Tensor, size: int, config: OakenConfig, straddle: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(min, step) float16 [size] over the values of each bucket; buckets >= size are ignored; empty ones get (0, 0).
 
     min is rounded down and step up to float16, so the encoder quantizes with exactly the stored numbers and no
-    value needs a code above 15.
+    value needs a code above 15. Buckets marked in `straddle` (bool [size]: a shifted dense group) that hold values
+    on both sides of zero get a grid with zero halfway between two codes (see `_zero_between_codes`).
     """
     g = config.num_groups
     keys, vals = bucket.flatten(), v.flatten()
     lo = torch.full((size + 1,), torch.inf, device=v.device).scatter_reduce_(0, keys, vals, "amin")[:size]
     hi = torch.full((size + 1,), -torch.inf, device=v.device).scatter_reduce_(0, keys, vals, "amax")[:size]
     empty = lo > hi
-    mn = round_float16(torch.where(empty, 0.0, lo), -torch.inf)
-    step = (torch.where(empty, 0.0, hi).double() - mn.double()) / LEVELS
+    lo, hi = torch.where(empty, 0.0, lo).double(), torch.where(empty, 0.0, hi).double()
+    mn = round_float16(lo, -torch.inf)
+    step = (hi - mn) / LEVELS
+    if straddle is not None:
+        both_sides = straddle & (lo < 0) & (hi > 0)
+        mn_z, step_z = _zero_between_codes(lo, hi)
+        mn, step = torch.where(both_sides, mn_z, mn), torch.where(both_sides, step_z, step)
     st = round_float16(step, torch.inf)
     bad = ~(torch.isfinite(mn) & torch.isfinite(st))
     if bool(bad.any()):
@@ -175,6 +185,23 @@ def _params(v: torch.Tensor, bucket: torch.Tensor, size: int, config: OakenConfi
             f"finite range; values must stay within +-{_FP16_MAX}"
         )
     return mn, st
+
+
+def _zero_between_codes(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, step) of the finest grid over [lo, hi] (lo < 0 < hi) whose zero lies halfway between codes c and c + 1.
+
+    The decoder reads a shifted dense value's side from the sign of its decoded value. On this grid every value
+    below zero rounds to a code that decodes below zero and every value above to one above, so nearest rounding
+    keeps the side and the error stays within half a step; a plain min-max grid would have to move a code by one
+    (an error of up to a whole step) wherever rounding crosses zero. The step is at most 7.2% coarser than min-max's.
+    min = -(c + 1/2) step, so the grid covers lo when step >= -lo / (c + 1/2) and hi when step >= hi / (14.5 - c).
+    """
+    c = torch.arange(LEVELS, dtype=lo.dtype, device=lo.device)
+    steps = torch.maximum(-lo[:, None] / (c + 0.5), hi[:, None] / (LEVELS - 0.5 - c))
+    step, best = steps.min(1)
+    mn = round_float16(-(best + 0.5) * step, -torch.inf)
+    # min rounded down may leave the top short of hi: the step then grows to reach it.
+    return mn, torch.maximum(step, (hi - mn) / LEVELS)
 
 
 def _keep_dense_side(q, v, mn_e, st_e, dense, low) -> torch.Tensor:
@@ -209,7 +236,10 @@ def encode_tokens(x: torch.Tensor, bounds: torch.Tensor, config: OakenConfig) ->
     size = n * g if per_token else g
     bucket = groups + torch.arange(0, size, g, device=device)[:, None] if per_token else groups
     # float16 outliers need no params: their values go to a spare bucket that is dropped.
-    mn, st = _params(v, bucket.masked_fill(~dense, size) if fp16 else bucket, size, config)
+    straddle = None
+    if prep.dense_shift is not None:
+        straddle = torch.arange(size, device=device) % g == dg if per_token else torch.arange(g, device=device) == dg
+    mn, st = _params(v, bucket.masked_fill(~dense, size) if fp16 else bucket, size, config, straddle)
     mn_e, st_e = _lookup(mn.float(), bucket), _lookup(st.float(), bucket)
     q = ((v - mn_e) / torch.where(st_e > 0, st_e, 1.0)).round_().clamp_(0, LEVELS)
     if prep.dense_shift is not None:
