@@ -63,13 +63,18 @@ class EngineConfig:
     )
     oaken_keys: str = field(
         default="post-rope",
-        metadata=_option("oaken: quantize keys as the cache holds them (after RoPE; measured slightly better here and "
-                         "no rotation per read) or before RoPE, as the paper's code profiles them", choices=OAKEN_KEYS),
+        metadata=_option("oaken: quantize keys as the cache holds them (after RoPE; measured slightly better "
+                         "here) or before RoPE, as the paper's code profiles them", choices=OAKEN_KEYS),
     )
     oaken_ratios: str | None = field(
         default=None,
         metadata=_option("oaken: group fractions outermost first, 2 to 5 of them, e.g. 0.04,0.90,0.06 (default: "
                          "the calibration's; other ratios are calibrated on first use)"),
+    )
+    oaken_key_centering: bool = field(
+        default=True,
+        metadata=_option("oaken: subtract the model's offline mean key before quantizing keys (ours, not the "
+                         "paper's; measured better) (ablation: off)"),
     )
     oaken_group_shift: bool = field(
         default=True, metadata=_option("oaken: shift the outer and middle groups by their thresholds (ablation: off)")

@@ -16,10 +16,12 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.float16_params import params_from_bytes
 from kvstrata.kv.formats.integer import INT4_GROUP, Int4Format, Int8Format
+from kvstrata.kv.formats.oaken.codec import encode_tokens
 from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS, ForeignCalibrationError, calibrate
 from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.kv.quantized_cache import QuantizedPagedKVCache
 from kvstrata.kv.sparse_pages import SparsePages
+from kvstrata.model.rotary import apply_rope
 from tests.helpers import prefill_in_chunks
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -298,10 +300,11 @@ def test_smaller_formats_get_more_blocks_from_the_same_budget(tiny_llama_kv64, c
     assert max(per_token[f] for f in QUANTIZED) < per_token["fp16"]
 
 
-@pytest.mark.parametrize(("kv_format", "keys"), [("int8", "pre-rope"), ("int4", "pre-rope"), ("oaken", "pre-rope"),
-                                                 ("oaken", "post-rope")])
-def test_layer_0_cache_holds_exactly_the_formats_round_trip(kv_format, keys, tiny_llama_kv64, fp_engine, calibration,
-                                                            prompts):
+@pytest.mark.parametrize(("kv_format", "keys", "centering"), [
+    ("int8", "pre-rope", True), ("int4", "pre-rope", True), ("oaken", "pre-rope", True), ("oaken", "post-rope", True),
+    ("oaken", "post-rope", False)])
+def test_layer_0_cache_holds_exactly_the_formats_round_trip(kv_format, keys, centering, tiny_llama_kv64, fp_engine,
+                                                            calibration, prompts):
     """Layer 0's K/V do not depend on the cache, so a quantized cache must hold exactly what its format makes of the
     full-precision K/V (here written over several prefill chunks, blocks straddling chunks)."""
     token_ids = prompts[2] + prompts[0]
@@ -309,12 +312,12 @@ def test_layer_0_cache_holds_exactly_the_formats_round_trip(kv_format, keys, tin
     _, seq = prefill_in_chunks(fp_engine, token_ids, 24)
     k_full, v_full = fp_engine.kv_cache.read(0, seq.block_table, n)
     fp_engine.kv_manager.free(seq)
-    engine = make_llm(tiny_llama_kv64, kv_format, calibration, oaken_keys=keys).engine
+    engine = make_llm(tiny_llama_kv64, kv_format, calibration, oaken_keys=keys, oaken_key_centering=centering).engine
     _, seq = prefill_in_chunks(engine, token_ids, 24)
     k_got, v_got = engine.kv_cache.read(0, seq.block_table, n)
     fmt = engine.kv_cache.format
     if kv_format == "oaken":
-        assert (fmt.rotary is None) == (keys == "post-rope")
+        assert fmt.keys == keys and (fmt.key_mean is not None) == centering
         assert all(pages.pages_in_use() > 0 for pages in engine.kv_cache.sparse.values())
     positions = torch.arange(n)
     for kind, full, got in (("k", k_full, k_got), ("v", v_full, v_got)):
@@ -322,6 +325,38 @@ def test_layer_0_cache_holds_exactly_the_formats_round_trip(kv_format, keys, tin
         want = fmt.decode(encoded.dense, encoded.sparse, 0, kind, positions).view_as(full)
         assert torch.equal(got, want), kind
         assert not torch.equal(got, full)  # it was quantized
+
+
+@pytest.mark.parametrize("keys", ["post-rope", "pre-rope"])
+def test_oaken_quantizes_keys_minus_the_mean_key_at_their_position(keys, tiny_llama_kv64, calibration):
+    """A key is quantized as key - mean key (rotated to its position after RoPE) and decoded plus it; V is never
+    centered. (What centering buys on real keys: docs/BENCHMARKS.md.)"""
+    fmt = make_llm(tiny_llama_kv64, "oaken", calibration, oaken_keys=keys).engine.kv_cache.format
+    plain = make_llm(tiny_llama_kv64, "oaken", calibration, oaken_keys=keys,
+                     oaken_key_centering=False).engine.kv_cache.format
+    assert plain.key_mean is None
+    n, heads = 40, fmt.head_shape[0]
+    positions = torch.arange(100, 100 + n)
+    cos, sin = fmt.rotary.cos_sin(positions, torch.float32)
+    # keys as on the default model, where the mean is most of a key's energy
+    spread = float(fmt.bounds[0, "k"][0].diff()) / 4
+    gen = torch.Generator().manual_seed(0)
+    fmt.key_mean = 2 * spread * torch.randn(1, fmt.width, generator=gen)
+    pre = fmt.key_mean.view(1, heads, -1) + spread * torch.randn(n, *fmt.head_shape, generator=gen)
+    x = apply_rope(pre, cos, sin).reshape(n, -1)  # keys as the cache holds them
+    mean = fmt.key_mean[0].view(1, heads, -1)
+    rotated_mean = apply_rope(mean.expand(n, -1, -1), cos, sin).reshape(n, -1)
+    quantized = (pre - mean).reshape(n, -1) if keys == "pre-rope" else x - rotated_mean
+    encoded = fmt.encode(x, 0, "k", positions)
+    want = encode_tokens(quantized, fmt.bounds[0, "k"], fmt.config)
+    assert torch.equal(encoded.dense, want.dense) and torch.equal(encoded.sparse, want.sparse)
+    decoded = fmt.decode(encoded.dense, encoded.sparse, 0, "k", positions)
+    if keys == "pre-rope":
+        torch.testing.assert_close(decoded, apply_rope((want.meant.view(n, heads, -1) + mean), cos, sin).reshape(n, -1))
+    else:
+        torch.testing.assert_close(decoded, want.meant + rotated_mean)
+    assert not torch.equal(encoded.dense, plain.encode(x, 0, "k", positions).dense)
+    assert torch.equal(fmt.encode(x, 0, "v", positions).dense, plain.encode(x, 0, "v", positions).dense)
 
 
 def test_a_calibration_of_another_model_is_refused(tiny_llama_kv64, calibration, tmp_path, capsys):

@@ -117,6 +117,25 @@ def test_keys_without_rope_are_the_same_before_and_after(tiny_opt, emma_text):
     opt = LLMEngine(EngineConfig(model=str(tiny_opt), kv_cache_memory="8MiB", threads=1))
     (result,) = calibrate(opt, opt.tokenize(emma_text[:5000]), [DEFAULT_RATIOS], 2, 32, progress=False)
     assert torch.equal(result.k_pre_rope, result.k_post_rope)
+    assert torch.equal(result.k_pre_rope_centered, result.k_post_rope_centered)
+
+
+def test_mean_key_and_centered_thresholds(engine, token_ids, thresholds):
+    """k_mean is the mean pre-RoPE key over the calibration windows; the centered tables are the thresholds of
+    keys minus that mean (rotated to each position after RoPE)."""
+    starts = np.linspace(0, len(token_ids) - WINDOW_TOKENS, WINDOWS).astype(int).tolist()
+    cos, sin = RotaryEmbedding(engine.loaded.config).cos_sin(torch.arange(WINDOW_TOKENS), torch.float32)
+    windows = [compute_kv(engine, token_ids[s : s + WINDOW_TOKENS])[0] for s in starts]
+    pre = torch.stack([undo_rope(k, cos, sin) for k in windows])  # [windows, L, T, heads, D]
+    torch.testing.assert_close(thresholds.k_mean, pre.mean((0, 2)).flatten(1))
+    mean = thresholds.k_mean.view(3, 1, *windows[0].shape[2:])
+    for name, centered in (("k_pre_rope_centered", [k - mean for k in pre]),
+                           ("k_post_rope_centered", [k - apply_rope(mean.expand_as(k), cos, sin) for k in windows])):
+        per_window = [window_bounds(x.reshape(3, -1), [DEFAULT_RATIOS])[0] for x in centered]
+        torch.testing.assert_close(getattr(thresholds, name), strictly_ordered(torch.stack(per_window).mean(0)))
+    # most of a key is its mean here too: the centered keys' outer thresholds are narrower
+    width = thresholds.k_pre_rope[:, 0].diff(dim=-1)
+    assert (thresholds.k_pre_rope_centered[:, 0].diff(dim=-1) < width).all()
 
 
 def test_one_pass_serves_every_ratio_set(engine, token_ids, thresholds):
@@ -158,15 +177,18 @@ def test_save_load_round_trip(engine, thresholds, tmp_path):
     thresholds.save(path)
     assert [p.name for p in tmp_path.iterdir()] == ["thresholds.json"]  # no temporary file left behind
     document = json.loads(path.read_text())
-    assert (document["format"], document["version"], document["num_layers"]) == ("kvstrata-oaken-thresholds", 1, 3)
+    assert (document["format"], document["version"], document["num_layers"]) == ("kvstrata-oaken-thresholds", 2, 3)
     assert document["ratios"] == list(DEFAULT_RATIOS) and len(document["v"][0]) == 2
     loaded = OakenThresholds.load(path, engine.model_fingerprint)
     assert (loaded.fingerprint, loaded.ratios, loaded.num_windows, loaded.window_tokens, loaded.source) == (
         thresholds.fingerprint, thresholds.ratios, thresholds.num_windows, thresholds.window_tokens, thresholds.source)
-    for name in TENSOR_FIELDS:
+    for name in (*TENSOR_FIELDS, "k_mean"):
         assert torch.equal(getattr(loaded, name), getattr(thresholds, name))
     assert torch.equal(loaded.bounds(2, "k", "pre-rope"), thresholds.k_pre_rope[2])
     assert torch.equal(loaded.bounds(2, "k", "post-rope"), thresholds.k_post_rope[2])
+    assert torch.equal(loaded.bounds(1, "k", "pre-rope", centered=True), thresholds.k_pre_rope_centered[1])
+    assert torch.equal(loaded.bounds(1, "k", "post-rope", centered=True), thresholds.k_post_rope_centered[1])
+    assert torch.equal(loaded.bounds(0, "v", centered=True), thresholds.v[0])
     assert torch.equal(loaded.bounds(0, "v"), thresholds.v[0])
     for args, message in (((3, "v"), "layer 3"), ((0, "q"), "kind 'q'"), ((0, "k"), "keys None")):
         with pytest.raises(KvstrataError, match=message):
@@ -187,7 +209,7 @@ def _tie(document):
 
 CORRUPTIONS = {
     "wrong format": (lambda d: _set(d, "format", "kvstrata-cachegen-profile"), "not an oaken thresholds file"),
-    "wrong version": (lambda d: _set(d, "version", 2), "version 2"),
+    "wrong version": (lambda d: _set(d, "version", 1), "version 1; only version 2"),
     "missing field": (lambda d: d.pop("k_post_rope"), "lacks the field.*k_post_rope"),
     "bad ratios": (lambda d: _set(d, "ratios", [0.5, 0.6]), "sum to"),
     "fingerprint not text": (lambda d: _set(d, "fingerprint", 7), "must be strings"),
@@ -195,12 +217,15 @@ CORRUPTIONS = {
     "layer count": (lambda d: _set(d, "num_layers", 4), "num_layers 4"),
     "layers differ": (lambda d: _set(d, "v", d["v"][:2]), r"v has shape \[2, 2, 2\]"),
     "boundaries": (lambda d: _set(d, "v", [layer[:1] for layer in d["v"]]), r"v has shape \[3, 1, 2\]"),
-    "ragged": (lambda d: _set(d["v"], 1, [[0.0]]), r"v is not a \[layers\]"),
-    "not numbers": (lambda d: _set(d["v"][0][0], 0, {"lo": 1}), r"v is not a \[layers\]"),
+    "ragged": (lambda d: _set(d["v"], 1, [[0.0]]), "v is not a rectangular array"),
+    "not numbers": (lambda d: _set(d["v"][0][0], 0, {"lo": 1}), "v is not a rectangular array"),
     "nan": (lambda d: _set(d["v"][1][0], 0, float("nan")), r"non-finite thresholds in layer\(s\) \[1\]"),
     "infinite": (lambda d: _set(d["v"][0][0], 1, float("inf")), "non-finite"),
     "unordered": (_swap_layer_two, r"not in strict order .* layer\(s\) \[2\]"),
     "equal": (_tie, r"k_pre_rope is not in strict order .* layer\(s\) \[0\]"),
+    "no mean key": (lambda d: d.pop("k_mean"), "lacks the field.*k_mean"),
+    "mean of other layers": (lambda d: _set(d, "k_mean", d["k_mean"][:2]), r"k_mean must be .*\[3, kv width\]"),
+    "mean not finite": (lambda d: _set(d["k_mean"][1], 0, float("nan")), "k_mean has non-finite"),
 }
 
 

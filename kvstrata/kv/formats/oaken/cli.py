@@ -22,7 +22,7 @@ def add_oaken_calibrate_command(calibrate_commands) -> None:
     oaken = calibrate_commands.add_parser(
         "oaken", help="profile Oaken's group thresholds for a model",
         description="Run windows of --text through the model and average, per layer, the quantiles of K (before "
-                    "and after RoPE) and V that separate Oaken's groups.",
+                    "and after RoPE, as they are and minus the mean key) and V that separate Oaken's groups.",
     )
     oaken.add_argument("--text", type=Path, required=True, help="UTF-8 calibration text")
     oaken.add_argument("--out", type=Path, required=True, help="the thresholds file (JSON) to write")
@@ -38,7 +38,8 @@ def add_oaken_calibrate_command(calibrate_commands) -> None:
 
 def summary(thresholds: OakenThresholds) -> str:
     """The outermost boundary's thresholds, averaged over layers, for each table."""
-    tables = {"K pre-RoPE": thresholds.k_pre_rope, "K post-RoPE": thresholds.k_post_rope, "V": thresholds.v}
+    tables = {"K pre-RoPE": thresholds.k_pre_rope, "K post-RoPE": thresholds.k_post_rope,
+              "K post-RoPE centered": thresholds.k_post_rope_centered, "V": thresholds.v}
     parts = [f"{name} [{table[:, 0, 0].mean():.4g}, {table[:, 0, 1].mean():.4g}]" for name, table in tables.items()]
     return f"outer thresholds (mean of {thresholds.num_layers} layers): " + ", ".join(parts)
 

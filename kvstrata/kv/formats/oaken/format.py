@@ -3,9 +3,12 @@ quantized per token (4-bit dense, 5-bit outliers) and packed into a fixed-size d
 variable-length sparse entries (papers/oaken.md §3, §6).
 
 Keys: the cache holds keys after RoPE. With `keys="post-rope"` (the default: on the default model it
-measured slightly better and costs no rotation per read; docs/BENCHMARKS.md) the stored key is
-quantized as it is; with "pre-rope" (the authors' code profiles k_proj outputs) a key is rotated back
-before it is quantized and rotated again after it is decoded, at its position.
+measured slightly better) the stored key is quantized as it is; with "pre-rope" (the authors' code
+profiles k_proj outputs) a key is rotated back before it is quantized and rotated again after it is
+decoded, at its position. With `center_keys` (the default; ours, not the paper's) the model's mean key
+(offline, thresholds.py) is subtracted first, rotated to the key's position after RoPE, and added back
+after decoding: most of a key's range is that mean, which a per-token scale would otherwise spend its
+16 levels on.
 """
 
 from __future__ import annotations
@@ -33,13 +36,19 @@ class OakenFormat(KVFormat):
     has_sparse = True
 
     def __init__(self, num_kv_heads: int, head_dim: int, thresholds: OakenThresholds, config: OakenConfig,
-                 keys: str = "post-rope", rotary: RotaryEmbedding | None = None):
+                 keys: str = "post-rope", rotary: RotaryEmbedding | None = None, center_keys: bool = True):
         super().__init__(num_kv_heads * head_dim)
         self.head_shape = (num_kv_heads, head_dim)
         self.config = config
-        self.rotary = rotary if keys == "pre-rope" else None  # None: keys are stored as the cache holds them
+        self.keys = keys
+        self.rotary = rotary  # None: no RoPE (OPT), keys are the same before and after
+        self.key_mean = thresholds.k_mean if center_keys else None
+        if center_keys and thresholds.k_mean.shape[1] != self.width:
+            raise KvstrataError(f"the thresholds' mean key has {thresholds.k_mean.shape[1]} channels, the model's "
+                                f"keys {self.width}")
         self.bounds = {
-            (layer, kind): thresholds.bounds(layer, kind, keys) for layer in range(thresholds.num_layers) for kind in "kv"
+            (layer, kind): thresholds.bounds(layer, kind, keys, center_keys)
+            for layer in range(thresholds.num_layers) for kind in "kv"
         }
 
     @property
@@ -56,18 +65,37 @@ class OakenFormat(KVFormat):
         return self.width * sparse_entry_bytes(self.config)
 
     def encode(self, x, layer, kind, positions) -> EncodedTokens:
-        if kind == "k" and self.rotary is not None:
-            x = self._rotate(x, positions, undo_rope)
+        if kind == "k":
+            x = self._quantized_key(x, layer, positions)
         encoded = encode_tokens(x, self.bounds[layer, kind], self.config)
         return EncodedTokens(encoded.dense, encoded.sparse, encoded.sparse_bytes.long())
 
     def decode(self, dense, sparse, layer, kind, positions) -> torch.Tensor:
         x = decode_tokens(dense, sparse, self.bounds[layer, kind], self.config, self.width)
-        if kind == "k" and self.rotary is not None:
-            x = self._rotate(x, positions, apply_rope)
-        return x
+        return self._cached_key(x, layer, positions) if kind == "k" else x
+
+    def _quantized_key(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """The vector Oaken quantizes for a key as the cache holds it."""
+        if self.keys == "pre-rope":
+            x = self._rotate(x, positions, undo_rope)
+        return x if self.key_mean is None else x - self._mean_key(layer, positions)
+
+    def _cached_key(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """Inverse of `_quantized_key`."""
+        if self.key_mean is not None:
+            x = x + self._mean_key(layer, positions)
+        return self._rotate(x, positions, apply_rope) if self.keys == "pre-rope" else x
+
+    def _mean_key(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """[1, W] before RoPE, [N, W] rotated to each position after it."""
+        mean = self.key_mean[layer].to(positions.device)[None]
+        if self.keys == "pre-rope":
+            return mean
+        return self._rotate(mean.expand(len(positions), -1), positions, apply_rope)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor, rotation) -> torch.Tensor:
+        if self.rotary is None:
+            return x
         cos, sin = self.rotary.cos_sin(positions, torch.float32)
         return rotation(x.view(x.shape[0], *self.head_shape), cos, sin).reshape(x.shape[0], -1)
 
@@ -89,7 +117,7 @@ def oaken_format_for(engine) -> OakenFormat:
     config = OakenConfig(ratios=thresholds.ratios, group_shift=c.oaken_group_shift, outliers=c.oaken_outliers,
                          scales=c.oaken_scales)
     return OakenFormat(mc.num_kv_heads, mc.head_dim, thresholds, config, c.oaken_keys,
-                       getattr(engine.loaded.model, "rotary", None))
+                       getattr(engine.loaded.model, "rotary", None), c.oaken_key_centering)
 
 
 def _full_precision_twin(engine):

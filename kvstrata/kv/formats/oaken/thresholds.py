@@ -4,7 +4,12 @@ For G groups with fractions f_0 .. f_{G-1} (outermost first), boundary g sits at
 a_g = f_0 + ... + f_g: its low threshold is the a_g/2 quantile ("lower" interpolation) and its high threshold the
 1 - a_g/2 quantile ("higher") of one window's values of one layer (all tokens x all channels), K and V separately,
 averaged over the windows, as the authors' code does. Keys are profiled before RoPE (where that code hooks k_proj)
-and after it (what the paged cache holds) in the same pass, so the engine can pick either at run time.
+and after it (what the paged cache holds), so the engine can pick either at run time.
+
+Key centering (ours, not the paper's): each layer's mean key per channel before RoPE is profiled too (a first pass
+over the same windows), and the keys' thresholds are also taken on centered keys, pre-RoPE keys minus the mean or
+post-RoPE keys minus the mean rotated to the key's position. On the default model the mean is 66-86% of a pre-RoPE
+key's energy; per-token scales over centered keys are far finer (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -24,16 +29,16 @@ from tqdm import tqdm
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.oaken.groups import OakenConfig
 from kvstrata.model.config import LLAMA_FAMILY
-from kvstrata.model.rotary import RotaryEmbedding, undo_rope
+from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
 
 FORMAT = "kvstrata-oaken-thresholds"
-VERSION = 1
+VERSION = 2  # 2: key centering (k_mean and the centered key tables)
 DEFAULT_RATIOS = OakenConfig().ratios
 DEFAULT_WINDOWS = 100
 DEFAULT_WINDOW_TOKENS = 512
 KEY_POSITIONS = ("pre-rope", "post-rope")
-TENSOR_FIELDS = ("k_pre_rope", "k_post_rope", "v")
-FIELDS = ("fingerprint", "ratios", "num_windows", "window_tokens", "source", "num_layers", *TENSOR_FIELDS)
+TENSOR_FIELDS = ("k_pre_rope", "k_post_rope", "k_pre_rope_centered", "k_post_rope_centered", "v")
+FIELDS = ("fingerprint", "ratios", "num_windows", "window_tokens", "source", "num_layers", *TENSOR_FIELDS, "k_mean")
 DATA_DIR = Path(__file__).parent / "data"  # shipped files, named <fingerprint>.json
 
 
@@ -89,7 +94,10 @@ class OakenThresholds:
     source: str  # file name of the calibration text
     k_pre_rope: torch.Tensor  # float32 [layers, G-1, 2]: (lo, hi) per boundary, outermost first
     k_post_rope: torch.Tensor
+    k_pre_rope_centered: torch.Tensor  # of keys minus k_mean (rotated to their position after RoPE)
+    k_post_rope_centered: torch.Tensor
     v: torch.Tensor
+    k_mean: torch.Tensor  # float32 [layers, kv width]: each layer's mean key per channel, before RoPE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratios", OakenConfig(ratios=self.ratios).ratios)  # validated
@@ -101,19 +109,20 @@ class OakenThresholds:
                 raise KvstrataError(f"{name} {value!r} must be a positive integer")
         for name in TENSOR_FIELDS:
             _check_table(name, getattr(self, name), len(self.ratios), self.num_layers)
+        _check_mean(self.k_mean, self.num_layers)
 
     @property
     def num_layers(self) -> int:
         table = self.k_pre_rope
         return table.shape[0] if isinstance(table, torch.Tensor) and table.dim() == 3 else 0
 
-    def bounds(self, layer: int, kind: str, keys: str | None = None) -> torch.Tensor:
+    def bounds(self, layer: int, kind: str, keys: str | None = None, centered: bool = False) -> torch.Tensor:
         """float32 [G-1, 2] (lo, hi) of one layer, outermost boundary first; `keys` ("pre-rope" or "post-rope")
-        says which key thresholds, and is ignored for V."""
+        and `centered` say which key thresholds, and are ignored for V."""
         if kind == "v":
             table = self.v
         elif kind == "k" and keys in KEY_POSITIONS:
-            table = self.k_pre_rope if keys == "pre-rope" else self.k_post_rope
+            table = getattr(self, f"k_{keys.replace('-', '_')}{'_centered' if centered else ''}")
         elif kind == "k":
             raise KvstrataError(f"keys {keys!r} must be one of {', '.join(KEY_POSITIONS)}")
         else:
@@ -126,7 +135,8 @@ class OakenThresholds:
         meta = {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint, "ratios": list(self.ratios),
                 "num_windows": self.num_windows, "window_tokens": self.window_tokens, "source": self.source,
                 "num_layers": self.num_layers}
-        return {**meta, **{name: getattr(self, name).tolist() for name in TENSOR_FIELDS}}  # float32 -> exact floats
+        tensors = {name: getattr(self, name).tolist() for name in (*TENSOR_FIELDS, "k_mean")}  # float32: exact floats
+        return {**meta, **tensors}
 
     def save(self, path: str | Path) -> None:
         """Write atomically (a temporary file then os.replace), so a reader never sees half a file."""
@@ -162,7 +172,7 @@ class OakenThresholds:
             raise KvstrataError(f"{path} lacks the field(s) {', '.join(missing)}")
         try:
             thresholds = cls(raw["fingerprint"], raw["ratios"], raw["num_windows"], raw["window_tokens"],
-                             raw["source"], *(_table_from_json(name, raw[name]) for name in TENSOR_FIELDS))
+                             raw["source"], *(_table_from_json(name, raw[name]) for name in (*TENSOR_FIELDS, "k_mean")))
             if raw["num_layers"] != thresholds.num_layers:
                 raise KvstrataError(f"num_layers {raw['num_layers']!r} differs from the tables' "
                                     f"{thresholds.num_layers} layers")
@@ -180,7 +190,15 @@ def _table_from_json(name: str, value) -> torch.Tensor:
     try:
         return torch.from_numpy(np.asarray(value, dtype=np.float64)).float()
     except (TypeError, ValueError):
-        raise KvstrataError(f"{name} is not a [layers][boundaries][2] array of numbers") from None
+        raise KvstrataError(f"{name} is not a rectangular array of numbers") from None
+
+
+def _check_mean(mean, num_layers: int) -> None:
+    if not isinstance(mean, torch.Tensor) or mean.dtype != torch.float32 or mean.dim() != 2 or len(mean) != num_layers:
+        got = list(mean.shape) if isinstance(mean, torch.Tensor) else type(mean).__name__
+        raise KvstrataError(f"k_mean must be a float32 tensor [{num_layers}, kv width], got {got}")
+    if not bool(torch.isfinite(mean).all()):
+        raise KvstrataError("k_mean has non-finite values")
 
 
 def _check_table(name: str, table, num_groups: int, num_layers: int) -> None:
@@ -197,21 +215,28 @@ def _check_table(name: str, table, num_groups: int, num_layers: int) -> None:
         raise KvstrataError(f"{name} is not in strict order lo_0 < lo_1 < .. < hi_1 < hi_0 in layer(s) {bad}")
 
 
-def _pre_rope(engine, window_tokens: int):
-    """A function taking post-RoPE keys [L, T, heads, D] of positions 0..T-1 back to pre-RoPE keys (OPT has
-    learned positions and no RoPE: its keys are the same before and after)."""
-    config = engine.loaded.config
-    if config.architecture not in LLAMA_FAMILY:
-        return lambda k: k
-    cos, sin = RotaryEmbedding(config).cos_sin(torch.arange(window_tokens), torch.float32)
-    return lambda k: undo_rope(k, cos, sin)
+class _WindowRope:
+    """RoPE at a window's positions 0..T-1, for keys [L, T, heads, D] (OPT has learned positions and no RoPE: its
+    keys are the same before and after)."""
+
+    def __init__(self, engine, window_tokens: int):
+        config = engine.loaded.config
+        self.cos_sin = None
+        if config.architecture in LLAMA_FAMILY:
+            self.cos_sin = RotaryEmbedding(config).cos_sin(torch.arange(window_tokens), torch.float32)
+
+    def undo(self, k: torch.Tensor) -> torch.Tensor:
+        return k if self.cos_sin is None else undo_rope(k, *self.cos_sin)
+
+    def apply(self, k: torch.Tensor) -> torch.Tensor:
+        return k if self.cos_sin is None else apply_rope(k, *self.cos_sin)
 
 
 def calibrate(engine, token_ids: list[int], ratio_sets: list[tuple[float, ...]], windows: int = DEFAULT_WINDOWS,
               window_tokens: int = DEFAULT_WINDOW_TOKENS, progress: bool = True,
               source: str = "") -> list[OakenThresholds]:
-    """Thresholds for every ratio set from one pass of `windows` windows of `window_tokens` tokens spread evenly
-    over `token_ids` (windows may overlap when the text is short)."""
+    """Thresholds for every ratio set from `windows` windows of `window_tokens` tokens spread evenly over
+    `token_ids` (windows may overlap when the text is short): a pass for the mean key, then one for the thresholds."""
     from kvstrata.engine.direct_forward import compute_kv  # here: the engine may import this module
 
     ratio_sets = [OakenConfig(ratios=ratios).ratios for ratios in ratio_sets]
@@ -225,21 +250,34 @@ def calibrate(engine, token_ids: list[int], ratio_sets: list[tuple[float, ...]],
     if window_tokens > engine.max_model_len:
         raise KvstrataError(f"window_tokens {window_tokens} exceeds the model's max_model_len {engine.max_model_len}")
     starts = np.linspace(0, len(token_ids) - window_tokens, windows).astype(int).tolist()
-    pre_rope = _pre_rope(engine, window_tokens)
-    per_window: dict[str, list[list[torch.Tensor]]] = {name: [] for name in TENSOR_FIELDS}
-    for start in tqdm(starts, desc="calibrating oaken", disable=not progress):
-        k, v = compute_kv(engine, token_ids[start : start + window_tokens])
-        for name, x in (("k_pre_rope", pre_rope(k)), ("k_post_rope", k), ("v", v)):
-            values = x.reshape(x.shape[0], -1)
-            bad = (~torch.isfinite(values)).sum(1)
-            if bad.any():
-                raise KvstrataError(f"the model produced {int(bad.sum())} non-finite {name} values (layers "
-                                    f"{bad.nonzero().flatten().tolist()}) in the window at token {start}")
-            per_window[name].append(window_bounds(values, ratio_sets))
+    rope = _WindowRope(engine, window_tokens)
+    bar = tqdm(total=2 * len(starts), desc="calibrating oaken", disable=not progress)
+
+    def windows_kv():
+        for start in starts:
+            k, v = compute_kv(engine, token_ids[start : start + window_tokens])
+            for name, x in (("k", k), ("v", v)):
+                bad = (~torch.isfinite(x)).flatten(1).sum(1)
+                if bad.any():
+                    raise KvstrataError(f"the model produced {int(bad.sum())} non-finite {name} values (layers "
+                                        f"{bad.nonzero().flatten().tolist()}) in the window at token {start}")
+            bar.update()
+            yield k, v
+
+    with bar:
+        k_mean = torch.stack([rope.undo(k).mean(1) for k, _ in windows_kv()]).mean(0)  # [L, heads, D]
+        per_window: dict[str, list[list[torch.Tensor]]] = {name: [] for name in TENSOR_FIELDS}
+        for k, v in windows_kv():
+            pre = rope.undo(k)
+            rotated_mean = rope.apply(k_mean[:, None].expand_as(k))
+            tensors = (pre, k, pre - k_mean[:, None], k - rotated_mean, v)
+            for name, x in zip(TENSOR_FIELDS, tensors):
+                per_window[name].append(window_bounds(x.reshape(x.shape[0], -1), ratio_sets))
     return [
         OakenThresholds(
             engine.model_fingerprint, ratios, len(starts), window_tokens, source,
             *(strictly_ordered(torch.stack([w[index] for w in per_window[name]]).mean(0)) for name in TENSOR_FIELDS),
+            k_mean=k_mean.flatten(1).float(),
         )
         for index, ratios in enumerate(ratio_sets)
     ]
