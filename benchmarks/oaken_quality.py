@@ -8,8 +8,9 @@ For every format of FORMATS: perplexity of Emma (`--windows` windows of `--conte
 per value the format really keeps when it encodes the real KV of the first window's context (Oaken split into
 payload, per-token params, per-block outlier counts and the sparse page table, plus a derived figure with
 params per 16-token block). Then Oaken's ablations (group shift off, float16 outliers, window scales, keys
-post-RoPE) and the ratio grid (the paper's triples plus 2, 4 and 5 groups), all calibrated in one pass on
-Persuasion, as (bits, perplexity) points; the Pareto fronts (all points; Oaken's only; and by the decoded
+pre-RoPE, key centering off, and both: the paper's algorithm as its code profiles keys) and the ratio grid
+(the paper's triples plus 2, 4 and 5 groups), all calibrated in one pass on Persuasion, as (bits, perplexity)
+points; the Pareto fronts (all points; Oaken's only; and by the decoded
 window's relative mean squared error, K and V averaged, which is far less noisy than perplexity); the headline
 checks.
 
@@ -45,10 +46,10 @@ ABLATIONS = {
     "oaken, group shift off": {"oaken_group_shift": False},
     "oaken, fp16 outliers": {"oaken_outliers": "fp16"},
     "oaken, window scales": {"oaken_scales": "window"},
-    # Both key positions pinned: the default moved from pre- to post-RoPE after benchmarks/results/oaken_quality.json
-    # was measured, so there the `oaken` row is pre-RoPE.
     "oaken, keys pre-RoPE": {"oaken_keys": "pre-rope"},
-    "oaken, keys post-RoPE": {"oaken_keys": "post-rope"},
+    "oaken, key centering off": {"oaken_key_centering": False},
+    # the paper's algorithm as the authors' code profiles it: no centering, keys before RoPE
+    "oaken, key centering off, keys pre-RoPE": {"oaken_key_centering": False, "oaken_keys": "pre-rope"},
 }
 # The authors' swept outer/inner splits per middle share (papers/oaken.md §3.6), in percent.
 PAPER_SPLITS = {80: "10/10", 82: "6/12 8/10 10/8 12/6", 86: "4/10 6/8 8/6 10/4", 90: "2/8 3/7 4/6 5/5 6/4",
@@ -189,7 +190,7 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated kv formats")
     parser.add_argument("--context-len", type=int, default=1024)
     parser.add_argument("--score-len", type=int, default=512)
-    parser.add_argument("--windows", type=int, default=2)
+    parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--tokens-per-step", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8, help="agreement prompts")
     parser.add_argument("--prompt-len", type=int, default=256)
