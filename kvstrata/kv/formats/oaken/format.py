@@ -42,6 +42,7 @@ class OakenFormat(KVFormat):
         self.config = config
         self.keys = keys
         self.rotary = rotary  # None: no RoPE (OPT), keys are the same before and after
+        self._cos_sin_table: tuple[torch.Tensor, torch.Tensor] | None = None  # per position, grown on demand
         self.key_mean = thresholds.k_mean if center_keys else None
         if center_keys and thresholds.k_mean.shape[1] != self.width:
             raise KvstrataError(f"the thresholds' mean key has {thresholds.k_mean.shape[1]} channels, the model's "
@@ -89,15 +90,26 @@ class OakenFormat(KVFormat):
     def _mean_key(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """[1, W] before RoPE, [N, W] rotated to each position after it."""
         mean = self.key_mean[layer].to(positions.device)[None]
-        if self.keys == "pre-rope":
+        if self.keys == "pre-rope" or self.rotary is None:
             return mean
-        return self._rotate(mean.expand(len(positions), -1), positions, apply_rope)
+        # the one mean broadcast against each position's angles: no [N, W] copy of it is rotated
+        return apply_rope(mean.view(1, *self.head_shape), *self._cos_sin(positions)).reshape(len(positions), -1)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor, rotation) -> torch.Tensor:
         if self.rotary is None:
             return x
-        cos, sin = self.rotary.cos_sin(positions, torch.float32)
-        return rotation(x.view(x.shape[0], *self.head_shape), cos, sin).reshape(x.shape[0], -1)
+        return rotation(x.view(x.shape[0], *self.head_shape), *self._cos_sin(positions)).reshape(x.shape[0], -1)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin [N, 1, head_dim] at `positions`, gathered from a table: every read of the cache
+        needs them for every cached token, and the table spares the trigonometry (same values, computed once)."""
+        size = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._cos_sin_table
+        if table is None or len(table[0]) < size or table[0].device != positions.device:
+            grown = max(size, 2 * len(table[0]) if table is not None else 1024)
+            table = self._cos_sin_table = self.rotary.cos_sin(torch.arange(grown, device=positions.device),
+                                                              torch.float32)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
 def oaken_format_for(engine) -> OakenFormat:
