@@ -89,7 +89,9 @@ class OakenFormat(KVFormat):
 
     def _mean_key(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """[1, W] before RoPE, [N, W] rotated to each position after it."""
-        mean = self.key_mean[layer].to(positions.device)[None]
+        if self.key_mean.device != positions.device:
+            self.key_mean = self.key_mean.to(positions.device)
+        mean = self.key_mean[layer][None]
         if self.keys == "pre-rope" or self.rotary is None:
             return mean
         # the one mean broadcast against each position's angles: no [N, W] copy of it is rotated
