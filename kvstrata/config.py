@@ -53,6 +53,9 @@ class EngineConfig:
                          "in full precision), oaken (online-offline hybrid, ~4.8 bits) (default: the dtype)",
                          choices=KV_FORMATS),
     )
+    int4_group_size: int = field(
+        default=64, metadata=_option("int4: values per float16 (min, step) pair; smaller groups cost more bits")
+    )
     kivi_residual: int = field(
         default=128, metadata=_option("kivi: newest tokens of each sequence kept in full precision (KIVI's R)")
     )
@@ -120,7 +123,7 @@ class EngineConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual"):
+        for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size"):
             _require_positive(name, getattr(self, name))
         for name in ("max_model_len", "tile", "max_prefill_tokens", "threads"):
             if getattr(self, name) is not None:

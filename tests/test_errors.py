@@ -35,6 +35,7 @@ def test_invalid_sampling_parameters(kwargs, words):
         ({"scheduler": "fifo"}, "scheduler 'fifo' is not one of sarathi, prefill-first, static"),
         ({"device": "tpu"}, "device 'tpu'"),
         ({"chunk_size": 0}, "chunk_size must be a positive integer, got 0"),
+        ({"int4_group_size": -16}, "int4_group_size must be a positive integer, got -16"),
         ({"kv_cache_memory": "lots"}, "memory size 'lots' is not understood"),
     ],
 )

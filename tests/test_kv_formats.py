@@ -59,6 +59,7 @@ def round_trip(fmt, x: torch.Tensor):
 def test_record_bytes(width):
     assert Int8Format(width).record_bytes == width + 2
     assert Int4Format(width).record_bytes == width // 2 + 4 * math.ceil(width / INT4_GROUP)
+    assert Int4Format(width, 16).record_bytes == width // 2 + 4 * math.ceil(width / 16)
 
 
 @pytest.mark.parametrize("width", [32, 64, 96, 128])
@@ -76,15 +77,15 @@ def test_int8_decodes_within_half_a_step(width):
     assert ((y[-5:-1] - constant).abs() <= constant.abs() / 254).all()
 
 
-@pytest.mark.parametrize("width", [32, 64, 96, 128])
-def test_int4_decodes_within_half_a_step_of_each_groups_own_range(width):
-    fmt = Int4Format(width)
+@pytest.mark.parametrize(("width", "group"), [(32, 64), (64, 64), (96, 64), (128, 64), (96, 32), (128, 16), (72, 16)])
+def test_int4_decodes_within_half_a_step_of_each_groups_own_range(width, group):
+    fmt = Int4Format(width, group)
     x = sample_rows(width, seed=1)
     dense, y = round_trip(fmt, x)
     assert y.shape == x.shape and y.dtype == torch.float32
     params = params_from_bytes(dense[:, -4 * fmt.groups:]).view(-1, fmt.groups, 2)
     for g in range(fmt.groups):
-        values, got = x[:, g * INT4_GROUP : (g + 1) * INT4_GROUP], y[:, g * INT4_GROUP : (g + 1) * INT4_GROUP]
+        values, got = x[:, g * group : (g + 1) * group], y[:, g * group : (g + 1) * group]
         low, step = params[:, g, :1], params[:, g, 1:]
         spread = values.amax(dim=1, keepdim=True) - values.amin(dim=1, keepdim=True)
         absmax = values.abs().amax(dim=1, keepdim=True)
@@ -298,6 +299,10 @@ def test_smaller_formats_get_more_blocks_from_the_same_budget(tiny_llama_kv64, c
             if cost_a < cost_b:
                 assert blocks[a] > blocks[b], (a, b, per_token, blocks)
     assert max(per_token[f] for f in QUANTIZED) < per_token["fp16"]
+    # int4 with smaller groups: more (min, step) pairs per token
+    int4_16 = make_llm(tiny_llama_kv64, "int4", calibration, kv_cache_memory=budget, int4_group_size=16).engine
+    assert int4_16.kv_cache.format.group == 16
+    assert bytes_per_token(int4_16) == per_token["int4"] + 2 * mc.num_layers * 4 * (width // 16 - width // 64)
 
 
 @pytest.mark.parametrize(("kv_format", "keys", "centering"), [

@@ -23,7 +23,7 @@ def make_kv_format(name: str, engine) -> KVFormat:
     if name == "int8":
         return Int8Format(width)
     if name == "int4":
-        return Int4Format(width)
+        return Int4Format(width, engine.config.int4_group_size)
     from kvstrata.kv.formats.oaken.format import oaken_format_for
 
     return oaken_format_for(engine)

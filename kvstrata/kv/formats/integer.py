@@ -1,7 +1,9 @@
-"""Plain integer formats: int8 (symmetric, per-token absmax) and int4 (asymmetric, groups of 64 values).
+"""Plain integer formats: int8 (symmetric, per-token absmax) and int4 (asymmetric, groups of 64 values
+by default).
 
-int8 record: W codes (int8) + one float16 scale. int4 record: W / 2 bytes of nibbles + per group of
-64 values a float16 minimum and step. Error bound: half a step.
+int8 record: W codes (int8) + one float16 scale. int4 record: W / 2 bytes of nibbles + per group a
+float16 minimum and step (32 bits per group: 0.5 bits per value with groups of 64, 1 with 32, 2 with
+16). Error bound: half a step.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ class Int8Format(KVFormat):
 class Int4Format(KVFormat):
     name = "int4"
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, group: int = INT4_GROUP):
         super().__init__(width)
-        self.groups = -(-width // INT4_GROUP)
-        self.padded = self.groups * INT4_GROUP
+        self.group = group
+        self.groups = -(-width // group)
+        self.padded = self.groups * group
         self.code_bytes = -(-width // 2)  # only the real values' codes are stored, not the last group's padding
 
     @property
@@ -52,13 +55,13 @@ class Int4Format(KVFormat):
         require_finite(x)
         # a short last group is padded with copies of its last value, which widen neither its range nor its step
         padding = x[:, -1:].expand(-1, self.padded - self.width)
-        grouped = torch.cat((x, padding), dim=1).view(x.shape[0], self.groups, INT4_GROUP)
+        grouped = torch.cat((x, padding), dim=1).view(x.shape[0], self.groups, self.group)
         codes, params = quantize_asymmetric(grouped, 2, 4, "int4")
         codes = codes.view(x.shape[0], -1)[:, : 2 * self.code_bytes]
         return EncodedTokens(torch.cat((pack_nibbles(codes), params_to_bytes(params.view(x.shape[0], -1))), dim=1))
 
     def decode(self, dense, sparse, layer, kind, positions) -> torch.Tensor:
         codes = unpack_nibbles(dense[:, : self.code_bytes])
-        codes = torch.nn.functional.pad(codes, (0, self.padded - codes.shape[1])).view(-1, self.groups, INT4_GROUP)
+        codes = torch.nn.functional.pad(codes, (0, self.padded - codes.shape[1])).view(-1, self.groups, self.group)
         params = params_from_bytes(dense[:, self.code_bytes :]).view(-1, self.groups, 2)
         return dequantize_asymmetric(codes, params, 2).view(dense.shape[0], -1)[:, : self.width]
