@@ -59,10 +59,6 @@ OTHER_GROUPS = [(0.04, 0.96), (0.10, 0.90), (0.02, 0.02, 0.90, 0.06), (0.04, 0.9
                 (0.02, 0.02, 0.90, 0.03, 0.03)]
 
 
-def parse_groups(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
-
-
 def ratio_grid() -> list[tuple[float, ...]]:
     grid = []
     for middle, splits in PAPER_SPLITS.items():
@@ -220,7 +216,7 @@ def main() -> None:
     quality = Quality(args)
     rows = [{**quality.evaluate(name, {"kv_format": name}), "kind": "format"} for name in parse_formats(args.formats)]
     rows += [{**quality.evaluate(f"int4, groups of {g}", {"kv_format": "int4", "int4_group_size": g}), "kind": "format"}
-             for g in parse_groups(args.int4_groups)]
+             for g in map(int, parse_formats(args.int4_groups))]
     if not args.no_ablations:
         rows += [{**quality.evaluate(label, {"kv_format": "oaken", **o}), "kind": "ablation"}
                  for label, o in ABLATIONS.items()]

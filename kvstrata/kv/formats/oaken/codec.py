@@ -173,8 +173,7 @@ def _params(
     step = (hi - mn) / LEVELS
     if straddle is not None:
         both_sides = straddle & (lo < 0) & (hi > 0)
-        mn_z, step_z = _zero_between_codes(lo, hi)
-        mn, step = torch.where(both_sides, mn_z, mn), torch.where(both_sides, step_z, step)
+        mn[both_sides], step[both_sides] = _zero_between_codes(lo[both_sides], hi[both_sides])
     st = round_float16(step, torch.inf)
     bad = ~(torch.isfinite(mn) & torch.isfinite(st))
     if bool(bad.any()):
