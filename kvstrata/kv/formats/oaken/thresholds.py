@@ -8,8 +8,8 @@ and after it (what the paged cache holds), so the engine can pick either at run 
 
 Key centering (ours, not the paper's): each layer's mean key per channel before RoPE is profiled too (a first pass
 over the same windows), and the keys' thresholds are also taken on centered keys, pre-RoPE keys minus the mean or
-post-RoPE keys minus the mean rotated to the key's position. On the default model the mean is 66-86% of a pre-RoPE
-key's energy; per-token scales over centered keys are far finer (docs/BENCHMARKS.md).
+post-RoPE keys minus the mean rotated to the key's position. On the default model subtracting the mean removes
+65-90% of a key's mean square, so per-token scales over centered keys are far finer (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
