@@ -30,15 +30,15 @@ from kvstrata.bench.throughput import run_kvstrata
 from kvstrata.bench.workload import parse_length, sample_requests
 from kvstrata.config import EngineConfig, parse_memory_size
 from kvstrata.data import EMMA
+from kvstrata.engine.kv_setup import engine_storage_layout
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.kv.cache_factory import KVCacheLayout
 
 
 def capacity(base: EngineConfig, loaded, name: str) -> dict:
     engine, note = build_engine(base, loaded, kv_format=name)
     if engine is None:
         return {"format": name, "note": note}
-    layout = KVCacheLayout(name, engine, getattr(torch, base.dtype))
+    layout = engine_storage_layout(engine, getattr(torch, base.dtype), name)
     blocks = engine.kv_manager.pool.num_blocks
     row = {"format": name, "blocks": blocks, "tokens": blocks * base.block_size,
            "bytes_per_token": sig(layout.bytes_per_token), "reserved_bytes": getattr(layout, "reserved_bytes", 0)}
@@ -103,7 +103,7 @@ def main() -> None:
     if not args.no_throughput:
         # Requests sized so that the fp32 cache at the throughput budget holds `fp32_batch` of them at once.
         budget = parse_memory_size(args.throughput_budget)
-        fp32_tokens = budget // round(KVCacheLayout("fp32", reference, torch.float32).bytes_per_token)
+        fp32_tokens = budget // round(engine_storage_layout(reference, torch.float32, "fp32").bytes_per_token)
         request_tokens = (fp32_tokens // args.fp32_batch) // base.block_size * base.block_size
         prompt_len = request_tokens - args.output_len
         run_base = dataclasses.replace(base, kv_cache_memory=budget, max_model_len=request_tokens)

@@ -10,9 +10,9 @@ import torch
 
 from kvstrata.bench.report import sig
 from kvstrata.config import EngineConfig
+from kvstrata.engine.kv_setup import engine_storage_layout
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.cache_factory import KVCacheLayout
 from kvstrata.kv.sparse_pages import SparsePages
 
 # Every --kv-format compared; a name the engine does not (yet) know is skipped with a note.
@@ -38,10 +38,10 @@ def _values(engine: LLMEngine, tokens: int) -> int:
 
 
 def budgeted_bits(engine: LLMEngine) -> float:
-    """Bits per value the engine charges its memory budget (KVCacheLayout.bytes_per_token; for Oaken this
+    """Bits per value the engine charges its memory budget (StorageLayout.bytes_per_token; for Oaken this
     includes the sparse headroom)."""
     c = engine.config
-    layout = KVCacheLayout(c.kv_format, engine, getattr(torch, c.dtype))
+    layout = engine_storage_layout(engine, getattr(torch, c.dtype), c.kv_format)
     mc = engine.loaded.config
     return 8 * layout.bytes_per_token / (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
 
@@ -63,7 +63,7 @@ def stored_bytes(engine: LLMEngine, k: torch.Tensor, v: torch.Tensor) -> dict:
         out.update(source="measured: float storage", bytes=size, dense_bytes=size, sparse_bytes=0, relative_mse=error)
     elif fmt is None:
         bits = budgeted_bits(engine)
-        out.update(source="accounted: KVCacheLayout.bytes_per_token (not measured; excludes any full-precision "
+        out.update(source="accounted: StorageLayout.bytes_per_token (not measured; excludes any full-precision "
                           "window reserved apart)", bytes=round(bits * values / 8))
     else:
         out.update(source="measured: encoded real KV", **_encoded_bytes(fmt, k, v))

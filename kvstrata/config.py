@@ -10,11 +10,12 @@ import re
 from dataclasses import dataclass, field, fields
 
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.cache_factory import KV_FORMATS as KV_FORMAT_REGISTRY
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULERS = ("sarathi", "prefill-first", "static")
-KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "kivi4", "kivi2", "oaken")
+KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

@@ -17,8 +17,7 @@ def prefill_in_chunks(engine: LLMEngine, token_ids: list[int], chunk: int) -> tu
         while seq.num_pending_tokens:
             n = min(chunk, seq.num_pending_tokens)
             assert engine.kv_manager.grow(seq, n)
-            _, input_ids, batch = engine.runner.pack([(seq, n)])
-            hidden = engine.runner.model(input_ids, batch.positions, engine.kv_cache, batch)
+            _, hidden = engine.runner.forward([(seq, n)])
             pieces.append(engine.runner.model.compute_logits(hidden).float())
             seq.num_computed_tokens += n
     return torch.cat(pieces), seq

@@ -10,15 +10,15 @@ import torch
 from kvstrata import LLM, SamplingParams
 from kvstrata.cachegen.context import SavedContext
 from kvstrata.config import EngineConfig
+from kvstrata.engine.kv_setup import engine_storage_layout
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError
-from kvstrata.kv import paged_attention
-from kvstrata.kv.cache_factory import KVCacheLayout
+from kvstrata.kv import attention_policy
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, pack_nibbles, unpack_codes, unpack_nibbles
 from kvstrata.kv.kivi_cache import KiviPagedKVCache
-from kvstrata.kv.reference_attention import causal_attention
+from kvstrata.kv.reference_attention import attend
 from tests.helpers import prefill_in_chunks
 
 KIVI = ("kivi4", "kivi2")
@@ -147,11 +147,11 @@ def test_every_layer_attends_to_what_the_cache_holds_after_the_step(kv_format, t
     blocks leave, some of them while their last tokens are being written."""
     seen = []
 
-    def spy(q, k, v, *args):
+    def spy(q, k, v, mask):
         seen.append((k.clone(), v.clone()))
-        return causal_attention(q, k, v, *args)
+        return attend(q, k, v, mask)
 
-    monkeypatch.setattr(paged_attention, "causal_attention", spy)
+    monkeypatch.setattr(attention_policy, "attend", spy)
     engine = make_llm(tiny_llama_kv64, kv_format).engine
     cache = engine.kv_cache
     token_ids = torch.randint(3, 320, (100,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -161,15 +161,16 @@ def test_every_layer_attends_to_what_the_cache_holds_after_the_step(kv_format, t
         while seq.num_pending_tokens:
             n = min(24, seq.num_pending_tokens)
             assert engine.kv_manager.grow(seq, n)
-            _, input_ids, batch = engine.runner.pack([(seq, n)])
             seen.clear()
-            engine.runner.model(input_ids, batch.positions, cache, batch)
+            engine.runner.forward([(seq, n)])
             seq.num_computed_tokens += n
             context_len = seq.num_computed_tokens
             assert len(seen) == NUM_LAYERS
             for layer, (k, v) in enumerate(seen):
                 want_k, want_v = cache.read(layer, seq.block_table, context_len)
-                assert torch.equal(k[0], want_k) and torch.equal(v[0], want_v), (context_len, layer)
+                # the keys read are whole blocks: past the context, a block's unwritten tail (masked out)
+                assert torch.equal(k[0, :context_len], want_k) and torch.equal(v[0, :context_len], want_v), \
+                    (context_len, layer)
             quantized_blocks.append(int((cache.window_slot[seq.block_table] == -1).sum()))
     assert quantized_blocks == [0, 1, 2, 4, 4]  # after 24, 48, 72, 96 and 100 tokens
     engine.kv_manager.free(seq)
@@ -274,7 +275,7 @@ def test_preemption_gives_the_same_outputs(kv_format, tiny_llama_kv64):
     expected = [o.token_ids for o in roomy.generate(batch, GREEDY)]
     assert sum(s.num_preempted for s in roomy.engine.step_stats) == 0
 
-    layout = KVCacheLayout(kv_format, roomy.engine, torch.float32)
+    layout = engine_storage_layout(roomy.engine, torch.float32, kv_format)
     block_bytes = math.ceil(BLOCK_SIZE * layout.bytes_per_token)
     cramped = make_llm(tiny_llama_kv64, kv_format, scheduler="prefill-first", max_model_len=128,
                        kv_cache_memory=layout.reserved_bytes + 10 * block_bytes)
@@ -295,7 +296,7 @@ def test_blocks_per_budget_count_the_reserved_window(kv_format, tiny_llama_kv64)
     budget = 4 * 2**20
     engine = make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=budget).engine
     bits = BITS[kv_format]
-    layout = KVCacheLayout(kv_format, engine, torch.float32)
+    layout = engine_storage_layout(engine, torch.float32, kv_format)
     window_slots = MAX_SEQS * WINDOW_BLOCKS + -(-CHUNK_SIZE // BLOCK_SIZE) + 1
     assert layout.window_slots == window_slots == 15
     assert layout.reserved_bytes == window_slots * BLOCK_SIZE * NUM_LAYERS * 2 * WIDTH * 2  # float16 K and V

@@ -57,8 +57,7 @@ def test_packed_step_matches_separate_runs(tiny_llama):
     for seq in seqs[:2]:
         warm = seq.num_tokens - 1
         engine.kv_manager.grow(seq, warm)
-        _, ids, batch = engine.runner.pack([(seq, warm)])
-        engine.runner.model(ids, batch.positions, engine.kv_cache, batch)
+        engine.runner.forward([(seq, warm)])
         seq.num_computed_tokens = warm
     work = [(seqs[2], 40), (seqs[0], 1), (seqs[3], 17), (seqs[1], 1)]
     for seq, n in work:

@@ -37,11 +37,8 @@ class StepTimer:
 
     @torch.inference_mode()
     def _run(self, work: list[tuple[Sequence, int]]) -> None:
-        runner = self.engine.runner
-        _, input_ids, batch = runner.pack(work)
-        hidden = runner.model(input_ids, batch.positions, runner.kv, batch)
-        last_rows = [piece.rows.stop - 1 for piece in batch.sequences]
-        runner.model.compute_logits(hidden[last_rows])
+        inputs, hidden = self.engine.runner.forward(work)
+        self.engine.runner.model.compute_logits(hidden[inputs.last_rows])
 
     def time(self, work: list[tuple[Sequence, int]], repeats: int = 5) -> float:
         """Median seconds of one step running `work` (sequence, new tokens) from the sequences' states."""

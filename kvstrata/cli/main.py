@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvstrata.bench.cli import add_bench_commands, run_bench
-from kvstrata.cachegen.cli import add_calibrate_commands, add_kv_commands, run_calibrate, run_kv
+from kvstrata.cli.bench_commands import add_bench_commands, run_bench
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
+from kvstrata.cli.eval_commands import add_eval_commands, run_eval
+from kvstrata.cli.kv_commands import add_calibrate_commands, add_kv_commands, run_calibrate, run_kv
 from kvstrata.errors import KvstrataError
-from kvstrata.eval.cli import add_eval_commands, run_eval
 from kvstrata.server.serve import add_serve_arguments, run_serve
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError
+
+if TYPE_CHECKING:
+    from kvstrata.engine.llm_engine import LLMEngine
 
 
 def forward_tokens(engine: LLMEngine, seq: Sequence, num_tokens: int, logits: bool = True) -> torch.Tensor | None:
@@ -16,11 +20,9 @@ def forward_tokens(engine: LLMEngine, seq: Sequence, num_tokens: int, logits: bo
         raise KvstrataError(
             f"the KV cache budget ({engine.config.kv_cache_memory} bytes) is too small for {seq.num_tokens} tokens"
         )
-    runner = engine.runner
-    _, input_ids, batch = runner.pack([(seq, num_tokens)])
-    hidden = runner.model(input_ids, batch.positions, runner.kv, batch)
+    _, hidden = engine.runner.forward([(seq, num_tokens)])
     seq.num_computed_tokens += num_tokens
-    return runner.model.compute_logits(hidden).float() if logits else None
+    return engine.runner.model.compute_logits(hidden).float() if logits else None
 
 
 @torch.inference_mode()

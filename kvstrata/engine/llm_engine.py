@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.config import EngineConfig
+from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.engine.kv_setup import engine_storage_layout, stored_form
 from kvstrata.engine.model_runner import ModelRunner
 from kvstrata.engine.output_processor import OutputProcessor
 from kvstrata.engine.outputs import RequestOutput
@@ -25,7 +27,7 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
 from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.cache_factory import KVCacheLayout
+from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.model.fingerprint import model_fingerprint
@@ -58,16 +60,20 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model, self.device, dtype)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len()
-        layout = KVCacheLayout(config.kv_format, self, dtype)
+        layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
-        self.kv_cache = layout.build(num_blocks, self.device)
+        self.kv_cache = layout.build(num_blocks, self.device)  # the KV storage
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
-            on_allocate=self.kv_cache.zero_blocks, write_kv=self.kv_cache.write,
+            on_allocate=self.kv_cache.reset_blocks, write_kv=self.kv_cache.write,
+            namespace=f"{self.model_fingerprint}/{stored_form(config, dtype)}/".encode(),
         )
         self.kv_cache.attach_block_pool(self.kv_manager.pool)
+        self.attention = FullAttention(self.kv_cache)  # which cached tokens each layer reads
         self.scheduler = self._make_scheduler()
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.block_size, self.device)
+        self.runner = ModelRunner(self.loaded.model, self.attention, config.block_size, self.device,
+                                  max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+                                  max_num_seqs=config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)
         # The latest steps only, so a long-running server's memory stays bounded.
         self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_STATS)
@@ -121,6 +127,15 @@ class LLMEngine:
     def model_fingerprint(self) -> str:
         """Identifies the weights in files made for this model (saved contexts, profiles)."""
         return model_fingerprint(self.loaded.model, self.loaded.config)
+
+    @property
+    def model_config(self):
+        return self.loaded.config
+
+    def compute_kv(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, tokens, kv_heads, head_dim] of `token_ids` (fp32, CPU): the model's forward pass
+        as calibrations below the engine call it."""
+        return compute_kv(self, token_ids)
 
     # --- requests -----------------------------------------------------------------------------
 

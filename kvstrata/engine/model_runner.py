@@ -1,43 +1,99 @@
-"""Runs one scheduled step: packs the tokens of many sequences into one flat batch and calls the model."""
+"""Runs one scheduled step: packs the tokens of many sequences into one flat batch and calls the model.
+
+The step's metadata (positions, slots, the groups' block tables and key positions) is built once, with
+array operations, on the compute device; every layer reads it.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
+from kvstrata.engine.block_tables import BlockTables
 from kvstrata.engine.sequence import Sequence
-from kvstrata.kv.attention_batch import AttentionBatch, ScheduledTokens, build_attention_batch
-from kvstrata.kv.policy import KVPolicy
+from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, whole_block_keys
+from kvstrata.kv.attention_policy import AttentionPolicy
+from kvstrata.kv.slots import token_slots
+
+Work = list[tuple[Sequence, int]]  # (sequence, new tokens) of one step
+
+
+@dataclass
+class StepInputs:
+    ordered: Work  # decodes first
+    input_ids: torch.Tensor  # [T]
+    batch: AttentionBatch
+    last_rows: list[int]  # packed row of each sequence's last new token
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVPolicy, block_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, policy: AttentionPolicy, block_size: int, device: torch.device,
+                 max_blocks_per_seq: int, max_num_seqs: int):
         self.model = model
-        self.kv = kv
+        self.policy = policy
         self.block_size = block_size
         self.device = device
+        self.block_tables = BlockTables(max_blocks_per_seq, max_num_seqs)
 
-    def pack(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], torch.Tensor, AttentionBatch]:
-        """Order the work (decodes first), and build the token ids and attention metadata."""
-        ordered = [w for w in scheduled if w[1] == 1] + [w for w in scheduled if w[1] != 1]
+    def prepare(self, work: Work) -> StepInputs:
+        """Order the work (decodes first) and build the token ids and attention metadata."""
+        ordered = [w for w in work if w[1] == 1] + [w for w in work if w[1] != 1]
+        seqs = [seq for seq, _ in ordered]
+        counts = np.array([n for _, n in ordered], dtype=np.int64)
+        starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
         token_ids: list[int] = []
-        entries = []
-        for seq, num_tokens in ordered:
-            start = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids[start : start + num_tokens])
-            entries.append(ScheduledTokens(seq.seq_id, start, num_tokens, seq.block_table))
+        for seq, start, n in zip(seqs, starts.tolist(), counts.tolist()):
+            token_ids.extend(seq.token_ids[start : start + n])
+        ends = counts.cumsum()
+        firsts = ends - counts
+        # position of packed token t = its sequence's start + its index within the sequence's new tokens
+        positions = np.repeat(starts - firsts, counts) + np.arange(ends[-1])
+        rows = self.block_tables.rows_for(seqs)
+        to_device = lambda a: torch.from_numpy(a).to(self.device)
+        positions_t, rows_t = to_device(positions), to_device(rows)
+        tables = self.block_tables.tensor(self.device)
+        slot_mapping = token_slots(tables, to_device(np.repeat(rows, counts)), positions_t, self.block_size)
+        context_lens = to_device(starts + counts)
+        num_decodes = int((counts == 1).sum())
+        groups = []
+        if num_decodes:
+            widest = -(-int((starts[:num_decodes] + 1).max()) // self.block_size)
+            group_tables = tables[rows_t[:num_decodes], :widest]
+            groups.append(AttentionGroup(slice(0, num_decodes), positions_t[:num_decodes, None],
+                                         context_lens[:num_decodes],
+                                         whole_block_keys(group_tables, context_lens[:num_decodes], self.block_size)))
+        for i in range(num_decodes, len(ordered)):
+            blocks = -(-int(starts[i] + counts[i]) // self.block_size)
+            rows_i = slice(int(firsts[i]), int(ends[i]))
+            groups.append(AttentionGroup(rows_i, positions_t[None, rows_i], context_lens[i : i + 1],
+                                         whole_block_keys(tables[rows[i] : rows[i] + 1, :blocks],
+                                                          context_lens[i : i + 1], self.block_size)))
+        batch = AttentionBatch(positions_t, slot_mapping, groups, self.block_size)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return ordered, input_ids, build_attention_batch(entries, self.block_size, self.device)
+        return StepInputs(ordered, input_ids, batch, (ends - 1).tolist())
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+    def forward(self, work: Work) -> tuple[StepInputs, torch.Tensor]:
+        """The step's final hidden states [T, hidden], with the inputs they came from."""
+        inputs = self.prepare(work)
+        self.policy.begin_step(inputs.batch)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.batch.positions, self.policy, inputs.batch)
+        finally:
+            self.policy.end_step()
+        return inputs, hidden
+
+    @torch.inference_mode()
+    def execute(self, work: Work) -> tuple[list[Sequence], torch.Tensor]:
         """Run the step; return the sequences that reached the end of their known tokens and
         their next-token logits [n, vocab] in fp32 (the others were mid-prompt)."""
-        ordered, input_ids, batch = self.pack(scheduled)
-        hidden = self.model(input_ids, batch.positions, self.kv, batch)
+        inputs, hidden = self.forward(work)
         to_sample, rows = [], []
-        for (seq, num_tokens), piece in zip(ordered, batch.sequences):
+        for (seq, num_tokens), last_row in zip(inputs.ordered, inputs.last_rows):
             if seq.num_computed_tokens + num_tokens == seq.num_tokens:
                 to_sample.append(seq)
-                rows.append(piece.rows.stop - 1)
+                rows.append(last_row)
         logits = self.model.compute_logits(hidden[rows]).float()
         return to_sample, logits

@@ -1,49 +1,77 @@
-"""How the packed tokens of one step map onto sequences and cache slots.
+"""How the packed tokens of one step map onto sequences, cache slots and the keys they may read.
 
-The runner builds one `AttentionBatch` per step; every layer's attention reads it. Sequences that
-add exactly one token (decodes) come first in the packed order and are attended together in one
-padded call; every other sequence (a prefill chunk) is attended on its own.
+The runner builds one `AttentionBatch` per step, on the compute device; every layer reads it.
+Sequences that add exactly one token (decodes) come first in the packed order and form one
+`AttentionGroup`; every other sequence (a prefill chunk) is a group of its own. A group's
+`keys` are every cached key of its sequences once the step's tokens are written; a policy may
+read them all or pick a subset, and masks follow from the keys' positions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class ScheduledTokens:
-    """One sequence's share of a step, as the scheduler decided it."""
-
-    seq_id: int
-    start: int  # position of the first new token = tokens already in the cache
-    num_tokens: int
-    block_table: list[int]
+from kvstrata.kv.reference_attention import NO_KEY, causal_mask
+from kvstrata.kv.slots import slots_of_positions
 
 
 @dataclass
-class SequenceSlice:
-    seq_id: int
-    rows: slice  # rows of the packed batch holding this sequence's new tokens
-    context_len: int  # tokens in the cache once this step's are written
-    block_table: torch.Tensor  # [blocks] on the compute device
+class CachedKeys:
+    """Keys of n sequences as rows of cache slots with their positions ([n, Tk]; position -1: none).
+
+    `block_tables` is set when the keys are whole blocks in order (column j is block j // block_size of
+    the table, offset j % block_size): storage can then copy whole blocks instead of single slots.
+    """
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    block_tables: torch.Tensor | None = None
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def width(self) -> int:
+        return self.positions.shape[1]
+
+    def mask_for(self, group: AttentionGroup) -> torch.Tensor:
+        """The group's causal mask over these keys, made once and reused by every layer that reads them."""
+        mask = self._masks.get(id(group))
+        if mask is None:
+            mask = self._masks[id(group)] = causal_mask(group.q_positions, self.positions)
+        return mask
+
+    def take(self, columns: torch.Tensor, valid: torch.Tensor | None = None) -> CachedKeys:
+        """A subset: the keys at `columns` [n, K] of each row; where `valid` is False, a padding row."""
+        positions = self.positions.gather(1, columns)
+        if valid is not None:
+            positions = positions.masked_fill(~valid, NO_KEY)
+        return CachedKeys(positions, self.slots.gather(1, columns))
 
 
 @dataclass
-class DecodeGroup:
-    rows: slice
-    block_tables: torch.Tensor  # [n, max_blocks], padded with the row's first block (masked out)
-    context_lens: torch.Tensor  # [n]
+class AttentionGroup:
+    """Sequences attended in one call: all the step's decodes, or one prefill chunk."""
+
+    rows: slice  # rows of the packed batch holding the group's new tokens, sequence after sequence
+    q_positions: torch.Tensor  # [n, Tq] positions of the new tokens
+    context_lens: torch.Tensor  # [n] tokens in each sequence's cache once this step's are written
+    keys: CachedKeys  # every cached key, [n, Tk] with Tk >= the longest context
+
+    @property
+    def num_sequences(self) -> int:
+        return self.q_positions.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.q_positions.shape[1] == 1
 
 
 @dataclass
 class AttentionBatch:
     positions: torch.Tensor  # [T] absolute position of each packed token
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each packed token
-    sequences: list[SequenceSlice]  # in packed order
-    decode: DecodeGroup | None
-    prefills: list[SequenceSlice]
+    groups: list[AttentionGroup]  # in packed order: the decodes' group first
     block_size: int
 
     @property
@@ -51,46 +79,11 @@ class AttentionBatch:
         return self.positions.shape[0]
 
 
-def build_attention_batch(
-    scheduled: list[ScheduledTokens], block_size: int, device: torch.device
-) -> AttentionBatch:
-    """`scheduled` lists the single-token entries (decodes) first."""
-    positions, slots, sequences = [], [], []
-    row = 0
-    for s in scheduled:
-        pos = range(s.start, s.start + s.num_tokens)
-        positions.extend(pos)
-        slots.extend(s.block_table[p // block_size] * block_size + p % block_size for p in pos)
-        sequences.append(
-            SequenceSlice(
-                seq_id=s.seq_id,
-                rows=slice(row, row + s.num_tokens),
-                context_len=s.start + s.num_tokens,
-                block_table=torch.tensor(s.block_table, dtype=torch.long, device=device),
-            )
-        )
-        row += s.num_tokens
-    num_decodes = next((i for i, s in enumerate(scheduled) if s.num_tokens != 1), len(scheduled))
-    assert all(s.num_tokens != 1 for s in scheduled[num_decodes:]), "decodes must come first"
-    decodes = sequences[:num_decodes]
-    return AttentionBatch(
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        sequences=sequences,
-        decode=_decode_group(decodes, device) if decodes else None,
-        prefills=sequences[len(decodes):],
-        block_size=block_size,
-    )
-
-
-def _decode_group(decodes: list[SequenceSlice], device: torch.device) -> DecodeGroup:
-    widest = max(sl.block_table.shape[0] for sl in decodes)
-    tables = torch.empty(len(decodes), widest, dtype=torch.long, device=device)
-    for i, sl in enumerate(decodes):
-        tables[i, : sl.block_table.shape[0]] = sl.block_table
-        tables[i, sl.block_table.shape[0] :] = sl.block_table[0]
-    return DecodeGroup(
-        rows=slice(0, len(decodes)),
-        block_tables=tables,
-        context_lens=torch.tensor([sl.context_len for sl in decodes], dtype=torch.long, device=device),
-    )
+def whole_block_keys(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> CachedKeys:
+    """Every cached key of sequences whose blocks are the rows of `block_tables` [n, B] (padded rows may
+    repeat a block: positions at or beyond a row's context length are padding)."""
+    width = block_tables.shape[1] * block_size
+    positions = torch.arange(width, device=block_tables.device).expand(block_tables.shape[0], width)
+    positions = positions.masked_fill(positions >= context_lens[:, None], NO_KEY)
+    slots = slots_of_positions(block_tables, torch.arange(width, device=block_tables.device), block_size)
+    return CachedKeys(positions, slots, block_tables)

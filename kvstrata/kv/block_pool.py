@@ -8,8 +8,11 @@ recently used first, and blocks holding nothing cached are handed out before any
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kvstrata.kv.block_hash import BlockHash
+
+EvictionListener = Callable[[int, BlockHash], None]
 
 
 class BlockPool:
@@ -21,6 +24,9 @@ class BlockPool:
         # Free blocks, the next one to hand out first.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.allocations: list[int] = []  # blocks handed out for new content, until drained
+        # Told (block, its hash) when a cached block is about to be reused: its content is still intact
+        # during the call, so a lower tier can copy it.
+        self.eviction_listeners: list[EvictionListener] = []
 
     @property
     def num_free(self) -> int:
@@ -36,6 +42,8 @@ class BlockPool:
         self.allocations.append(block)
         cached = self.hash_of_block[block]
         if cached is not None:
+            for listener in self.eviction_listeners:
+                listener(block, cached)
             del self.block_of_hash[cached]
             self.hash_of_block[block] = None
         self.ref_counts[block] = 1

@@ -1,73 +1,140 @@
-"""Builds the paged KV cache for `--kv-format`: full precision in a float dtype, a per-token quantized
-format, or KIVI."""
+"""The registry of KV formats (`--kv-format`): each name gives a layout that says what a token costs the
+budget, what memory is reserved up front, and builds the storage.
+
+Formats that need something made above kv/ (Oaken's calibrated thresholds) receive it through
+`FormatOptions.oaken_format`, so kv/ never reaches into the engine.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.base import KVFormat
 from kvstrata.kv.formats.integer import Int4Format, Int8Format
 from kvstrata.kv.kivi_cache import KiviPagedKVCache
-from kvstrata.kv.paged_attention import PagedAttention
 from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.kv.quantized_cache import QuantizedPagedKVCache
-
-FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-KIVI_FORMATS = {"kivi4": 4, "kivi2": 2}
+from kvstrata.kv.storage import KVStorage
 
 
-def make_kv_format(name: str, engine) -> KVFormat:
-    """A quantized format for the engine's model (Oaken loads or makes the model's calibration)."""
-    mc = engine.loaded.config
-    width = mc.num_kv_heads * mc.head_dim
-    if name == "int8":
-        return Int8Format(width)
-    if name == "int4":
-        return Int4Format(width, engine.config.int4_group_size)
-    from kvstrata.kv.formats.oaken.format import oaken_format_for
-
-    return oaken_format_for(engine)
-
-
-class KVCacheLayout:
-    """What the cache costs (bytes per token, memory reserved up front) and how to build it, for a
-    format chosen by name."""
-
-    def __init__(self, name: str | None, engine, model_dtype: torch.dtype):
-        mc, c = engine.loaded.config, engine.config
-        self.shape = (mc.num_layers, mc.num_kv_heads, mc.head_dim)
-        self.block_size = c.block_size
-        self.kivi_bits = KIVI_FORMATS.get(name)
-        self.dtype = model_dtype if name is None else FLOAT_FORMATS.get(name)
-        self.format = None if self.dtype is not None or self.kivi_bits else make_kv_format(name, engine)
-        self.kivi_residual = c.kivi_residual
-        # KIVI's full-precision window: every running sequence's newest blocks, plus one step's prefill chunk
-        window_blocks = -(-c.kivi_residual // c.block_size) + 1
-        self.window_slots = c.max_num_seqs * window_blocks + -(-c.chunk_size // c.block_size) + 1
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
 
     @property
+    def width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class FormatOptions:
+    int4_group_size: int = 64
+    kivi_residual: int = 128
+    max_num_seqs: int = 128  # KIVI's window holds every running sequence's newest blocks ...
+    chunk_size: int = 1024  # ... plus one step's prefill chunk
+    oaken_format: Callable[[], KVFormat] | None = None  # resolves the model's calibration (engine/kv_setup.py)
+
+
+class StorageLayout(ABC):
+    def __init__(self, shape: CacheShape):
+        self.shape = shape
+
+    @property
+    @abstractmethod
     def bytes_per_token(self) -> float:
-        num_layers, heads, head_dim = self.shape
-        if self.kivi_bits:
-            return KiviPagedKVCache.bytes_per_token(self.kivi_bits, heads * head_dim, self.block_size, num_layers)
-        if self.format is None:
-            return PagedKVCache.bytes_per_token(num_layers, heads, head_dim, self.dtype)
-        return QuantizedPagedKVCache.bytes_per_token(self.format, num_layers)
+        """What one token costs the KV budget."""
 
     @property
     def reserved_bytes(self) -> int:
-        """Memory taken from the budget before blocks are counted (KIVI's full-precision window)."""
-        if not self.kivi_bits:
-            return 0
-        num_layers, heads, head_dim = self.shape
-        per_token = KiviPagedKVCache.window_bytes_per_token(heads * head_dim, num_layers)
-        return self.window_slots * self.block_size * per_token
+        """Memory taken from the budget before blocks are counted."""
+        return 0
 
-    def build(self, num_blocks: int, device: torch.device) -> PagedAttention:
-        num_layers, heads, head_dim = self.shape
-        if self.kivi_bits:
-            return KiviPagedKVCache(self.kivi_bits, self.kivi_residual, num_layers, num_blocks, self.block_size,
-                                    heads, head_dim, device, self.window_slots)
-        if self.format is None:
-            return PagedKVCache(num_layers, num_blocks, self.block_size, heads, head_dim, self.dtype, device)
-        return QuantizedPagedKVCache(self.format, num_layers, num_blocks, self.block_size, heads, head_dim, device)
+    @abstractmethod
+    def build(self, num_blocks: int, device: torch.device) -> KVStorage: ...
+
+
+class FloatLayout(StorageLayout):
+    def __init__(self, shape: CacheShape, dtype: torch.dtype):
+        super().__init__(shape)
+        self.dtype = dtype
+
+    @property
+    def bytes_per_token(self) -> float:
+        s = self.shape
+        return PagedKVCache.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+
+    def build(self, num_blocks, device) -> KVStorage:
+        s = self.shape
+        return PagedKVCache(s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim, self.dtype, device)
+
+
+class QuantizedLayout(StorageLayout):
+    def __init__(self, shape: CacheShape, kv_format: KVFormat):
+        super().__init__(shape)
+        self.format = kv_format
+
+    @property
+    def bytes_per_token(self) -> float:
+        return QuantizedPagedKVCache.bytes_per_token(self.format, self.shape.num_layers)
+
+    def build(self, num_blocks, device) -> KVStorage:
+        s = self.shape
+        return QuantizedPagedKVCache(self.format, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim,
+                                     device)
+
+
+class KiviLayout(StorageLayout):
+    def __init__(self, shape: CacheShape, bits: int, options: FormatOptions):
+        super().__init__(shape)
+        self.bits, self.residual = bits, options.kivi_residual
+        window_blocks = -(-options.kivi_residual // shape.block_size) + 1
+        self.window_slots = options.max_num_seqs * window_blocks + -(-options.chunk_size // shape.block_size) + 1
+
+    @property
+    def bytes_per_token(self) -> float:
+        s = self.shape
+        return KiviPagedKVCache.bytes_per_token(self.bits, s.width, s.block_size, s.num_layers)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """KIVI's full-precision window: every running sequence's newest blocks, plus one step's prefill chunk."""
+        s = self.shape
+        return self.window_slots * s.block_size * KiviPagedKVCache.window_bytes_per_token(s.width, s.num_layers)
+
+    def build(self, num_blocks, device) -> KVStorage:
+        s = self.shape
+        return KiviPagedKVCache(self.bits, self.residual, s.num_layers, num_blocks, s.block_size, s.num_kv_heads,
+                                s.head_dim, device, self.window_slots)
+
+
+def _oaken(shape: CacheShape, options: FormatOptions) -> StorageLayout:
+    if options.oaken_format is None:
+        raise KvstrataError("kv_format 'oaken' needs the model's calibration; build it with the engine")
+    return QuantizedLayout(shape, options.oaken_format())
+
+
+KV_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], StorageLayout]] = {
+    "fp32": lambda shape, options: FloatLayout(shape, torch.float32),
+    "fp16": lambda shape, options: FloatLayout(shape, torch.float16),
+    "bf16": lambda shape, options: FloatLayout(shape, torch.bfloat16),
+    "int8": lambda shape, options: QuantizedLayout(shape, Int8Format(shape.width)),
+    "int4": lambda shape, options: QuantizedLayout(shape, Int4Format(shape.width, options.int4_group_size)),
+    "kivi4": lambda shape, options: KiviLayout(shape, 4, options),
+    "kivi2": lambda shape, options: KiviLayout(shape, 2, options),
+    "oaken": _oaken,
+}
+FLOAT_FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def storage_layout(name: str, shape: CacheShape, options: FormatOptions) -> StorageLayout:
+    if name not in KV_FORMATS:
+        raise KvstrataError(f"kv_format {name!r} is not one of {', '.join(KV_FORMATS)}")
+    return KV_FORMATS[name](shape, options)

@@ -1,15 +1,41 @@
-"""Gives sequences their KV blocks: prefix-cache matching, growth, release."""
+"""Gives sequences their KV blocks: prefix-cache matching (the device pool first, then any prefix
+sources below it), growth, release."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from kvstrata.engine.sequence import Sequence
-from kvstrata.kv.block_hash import full_block_hashes
+from kvstrata.kv.block_hash import BlockHash, full_block_hashes
 from kvstrata.kv.block_pool import BlockPool
+from kvstrata.kv.preloaded import PreloadedKV
+
+
+class Sequence(Protocol):
+    """What the cache manager reads and writes of a request (engine/sequence.py has the whole of it)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    block_hashes: list[BlockHash]
+    num_computed_tokens: int
+    cache_salt: bytes | None
+    preloaded: list[PreloadedKV]
+    num_preloaded_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class PrefixSource(Protocol):
+    """A store below the device pool that may hold KV of full blocks by their chained hashes (a host
+    or disk tier, a remote store)."""
+
+    def lookup(self, block_hashes: list[BlockHash], first_block: int, block_size: int) -> PreloadedKV | None:
+        """KV of blocks `first_block`, `first_block` + 1, ... of the chain `block_hashes`, as many consecutive
+        ones as the source holds (starting at token first_block * block_size); None if it holds none."""
 
 
 @dataclass
@@ -34,8 +60,13 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         on_allocate: Callable[[list[int]], None] | None = None,
         write_kv: Callable[[list[int], int, torch.Tensor, torch.Tensor], None] | None = None,
+        namespace: bytes = b"",
+        prefix_sources: list[PrefixSource] | None = None,
     ):
         self.pool = BlockPool(num_blocks)
+        # Block hashes name the model and KV format too: blocks of other weights or another format never match.
+        self.namespace = namespace
+        self.prefix_sources = prefix_sources or []
         self.on_allocate = on_allocate  # told of blocks handed out for new content (the cache resets them)
         self.write_kv = write_kv  # (block_table, first token, K, V): stores given KV in a sequence's blocks
         self.block_size = block_size
@@ -50,15 +81,21 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def hash_root(self, seq: Sequence) -> bytes:
+        """Where a sequence's hash chain starts: the namespace, and the salt of KV given ready-made."""
+        return self.namespace + (seq.cache_salt or b"")
+
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks of the longest known prefix; return the tokens it covers.
 
+        Blocks the device pool lacks are asked of the prefix sources, in order; what one holds becomes
+        preloaded KV, placed by `place_preloaded` instead of being prefilled (not counted as a hit here).
         At least one token is always left to compute, since its logits give the next token.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
-        seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.cache_salt)
+        seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes, self.hash_root(seq))
         usable = (seq.num_tokens - 1) // self.block_size
         for block_hash in seq.block_hashes[:usable]:
             block = self.pool.lookup(block_hash)
@@ -67,7 +104,17 @@ class KVCacheManager:
             self.pool.share(block)
             seq.block_table.append(block)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        if len(seq.block_table) < usable and not seq.preloaded:
+            self._ask_prefix_sources(seq, usable)
         return seq.num_computed_tokens
+
+    def _ask_prefix_sources(self, seq: Sequence, usable: int) -> None:
+        first = len(seq.block_table)
+        for source in self.prefix_sources:
+            found = source.lookup(seq.block_hashes[:usable], first, self.block_size)
+            if found is not None:
+                seq.preloaded = [found.clipped(usable * self.block_size)]
+                return
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         extra = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -92,7 +139,7 @@ class KVCacheManager:
         full = seq.num_computed_tokens // self.block_size
         if full > len(seq.block_hashes):
             seq.block_hashes = full_block_hashes(
-                seq.token_ids[: full * self.block_size], self.block_size, seq.block_hashes, seq.cache_salt
+                seq.token_ids[: full * self.block_size], self.block_size, seq.block_hashes, self.hash_root(seq)
             )
         for index in range(first, full):
             self.pool.register(seq.block_table[index], seq.block_hashes[index])

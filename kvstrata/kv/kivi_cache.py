@@ -19,13 +19,14 @@ from kvstrata.kv.attention_batch import AttentionBatch
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, unpack_codes
-from kvstrata.kv.paged_attention import PagedAttention
+from kvstrata.kv.slots import block_slots
+from kvstrata.kv.storage import KVStorage
 
 VALUE_GROUP = 32  # channels sharing a value's minimum and step
 PARAM_BYTES = 4  # float16 minimum + float16 step
 
 
-class KiviPagedKVCache(PagedAttention):
+class KiviPagedKVCache(KVStorage):
     def __init__(self, bits: int, residual: int, num_layers: int, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, device: torch.device, window_slots: int):
         self.bits, self.residual = bits, residual
@@ -47,7 +48,7 @@ class KiviPagedKVCache(PagedAttention):
         self.free_slots = list(range(window_slots - 1, -1, -1))
         self.grown_slots = 0
         self.block_pool: BlockPool | None = None  # which blocks no sequence holds (attach_block_pool)
-        self._leaving: torch.Tensor | None = None  # blocks leaving the window in this step, decided at layer 0
+        self._leaving: torch.Tensor | None = None  # blocks leaving the window in this step (begin_step)
 
     @staticmethod
     def bytes_per_token(bits: int, width: int, block_size: int, num_layers: int) -> float:
@@ -63,7 +64,7 @@ class KiviPagedKVCache(PagedAttention):
 
     # --- block lifecycle ----------------------------------------------------------------------
 
-    def zero_blocks(self, blocks: list[int]) -> None:
+    def reset_blocks(self, blocks: list[int]) -> None:
         """A block handed out starts in full precision, in a cleared slot."""
         slots = []
         for block in blocks:
@@ -103,14 +104,13 @@ class KiviPagedKVCache(PagedAttention):
             self._quantize_blocks(layer, cached)
         self._release_window(torch.tensor(idle, dtype=torch.long, device=self.device))
 
-    def _blocks_leaving(self, sequences: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-        """Full-precision blocks of these (block table, context length) sequences that lie wholly
-        before the newest `residual` tokens."""
-        leaving = []
-        for table, context_len in sequences:
-            old = table[: max(context_len - self.residual, 0) // self.block_size]
-            leaving.append(old[self.window_slot[old] >= 0])
-        return torch.unique(torch.cat(leaving)) if leaving else torch.zeros(0, dtype=torch.long)
+    def _blocks_leaving(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """Full-precision blocks of the sequences whose tables are the rows of `block_tables` [n, B] (padded
+        rows may repeat blocks) that lie wholly before their newest `residual` tokens (context_lens [n])."""
+        old_blocks = (context_lens - self.residual).clamp(min=0) // self.block_size
+        columns = torch.arange(block_tables.shape[1], device=self.device)
+        old = block_tables[columns[None, :] < old_blocks[:, None]]
+        return torch.unique(old[self.window_slot[old] >= 0])
 
     def _quantize_blocks(self, layer: int, blocks: torch.Tensor) -> None:
         if not len(blocks):
@@ -118,7 +118,7 @@ class KiviPagedKVCache(PagedAttention):
         slots = self.window_slot[blocks]
         keys = self.window_k[layer, slots].float()  # [n, block_size, width]
         codes, params = quantize_asymmetric(keys, 1, self.bits, "KIVI key")
-        token_slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+        token_slots = block_slots(blocks, self.block_size)
         self.key_codes[layer, token_slots] = pack_codes(codes.reshape(-1, self.width), self.bits)
         self.key_params[layer, blocks] = params
         values = self.window_v[layer, slots].float().reshape(-1, self.width // self.value_group, self.value_group)
@@ -130,33 +130,31 @@ class KiviPagedKVCache(PagedAttention):
         self.free_slots.extend(self.window_slot[blocks].tolist())
         self.window_slot[blocks] = -1
 
-    # --- the PagedAttention storage -----------------------------------------------------------
+    # --- the KVStorage interface --------------------------------------------------------------
 
-    def attention(self, layer, q, k_new, v_new, batch: AttentionBatch) -> torch.Tensor:
-        if layer == 0:
-            self._leaving = self._blocks_leaving([(s.block_table, s.context_len) for s in batch.sequences])
-        return super().attention(layer, q, k_new, v_new, batch)
+    def begin_step(self, batch: AttentionBatch) -> None:
+        leaving = [self._blocks_leaving(g.keys.block_tables, g.context_lens) for g in batch.groups]
+        self._leaving = torch.unique(torch.cat(leaving)) if leaving else None
 
-    def store_tokens(self, layer, slots, positions, k, v) -> None:
+    def begin_write(self, block_table: torch.Tensor, context_len: int) -> None:
+        self._leaving = self._blocks_leaving(block_table, torch.tensor([context_len], device=self.device))
+
+    def end_step(self) -> None:
+        if self._leaving is not None:
+            self._release_window(self._leaving)
+            self._leaving = None
+
+    def store(self, layer, slots, positions, k, v) -> None:
         window = self.window_slot[slots // self.block_size]
         offsets = slots % self.block_size
         self.window_k[layer, window, offsets] = k.reshape(len(slots), -1).half()
         self.window_v[layer, window, offsets] = v.reshape(len(slots), -1).half()
         if self._leaving is not None:
             self._quantize_blocks(layer, self._leaving)
-            if layer == self.num_layers - 1:
-                self._release_window(self._leaving)
-                self._leaving = None
 
-    def write(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
-        self._leaving = self._blocks_leaving([(table, start + k.shape[1])])
-        super().write(block_table, start, k, v)
-
-    def load_tokens(self, layer, block_tables, num_tokens, dtype):
-        n = block_tables.shape[0]
-        offsets = torch.arange(self.block_size, device=self.device)
-        slots = (block_tables[:, :, None] * self.block_size + offsets).reshape(n, -1)[:, :num_tokens].reshape(-1)
+    def gather(self, layer, slots, positions, dtype):
+        shape = (*slots.shape, *self.kv_shape)
+        slots = slots.reshape(-1)
         blocks = slots // self.block_size
         key_params = self.key_params[layer, blocks].float()  # a key channel's params are its block's
         keys = key_params[..., 0] + unpack_codes(self.key_codes[layer, slots], self.bits).float() * key_params[..., 1]
@@ -164,13 +162,12 @@ class KiviPagedKVCache(PagedAttention):
         values = dequantize_asymmetric(codes, self.value_params[layer, slots].float(), 2).reshape(len(slots), -1)
         window = self.window_slot[blocks]
         young = window >= 0
-        if self._leaving is not None:  # quantized at this layer already; their slots are released after the last
+        if self._leaving is not None:  # quantized at this layer already; their slots are released at the step's end
             young &= ~torch.isin(blocks, self._leaving)
         young = young.nonzero().flatten()
         if len(young):
             keys[young] = self.window_k[layer, window[young], slots[young] % self.block_size].float()
             values[young] = self.window_v[layer, window[young], slots[young] % self.block_size].float()
-        shape = (n, num_tokens, *self.kv_shape)
         return keys.view(shape).to(dtype), values.view(shape).to(dtype)
 
 

@@ -1,5 +1,5 @@
-"""A paged KV cache that keeps every token in a quantized format (kv/formats): each new token is
-encoded when it is written and the blocks a step needs are decoded when attention reads them.
+"""Paged KV storage that keeps every token in a quantized format (kv/formats): each new token is
+encoded when it is written and the tokens attention reads are decoded when they are gathered.
 
 Per layer and per K/V: fixed-size records [blocks * block_size, record_bytes] (uint8), and for
 formats with outliers kept apart, sparse pages (kv/sparse_pages.py).
@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.formats.base import KVFormat
-from kvstrata.kv.paged_attention import PagedAttention
+from kvstrata.kv.slots import block_slots
 from kvstrata.kv.sparse_pages import SparsePages
+from kvstrata.kv.storage import KVStorage
 
 SPARSE_PAGE_BYTES = 256
 SPARSE_HEADROOM = 1.25  # sparse pages reserved beyond the expected outlier bytes (the pool grows if short)
 
 
-class QuantizedPagedKVCache(PagedAttention):
+class QuantizedPagedKVCache(KVStorage):
     def __init__(self, kv_format: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device):
         self.format = kv_format
@@ -42,30 +43,29 @@ class QuantizedPagedKVCache(PagedAttention):
             per_kind += kv_format.expected_sparse_bytes * SPARSE_HEADROOM + SparsePages.TABLE_BYTES
         return 2 * num_layers * per_kind
 
-    def zero_blocks(self, blocks: list[int]) -> None:
-        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        slots = (index[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+    def reset_blocks(self, blocks: list[int]) -> None:
+        slots = block_slots(torch.tensor(blocks, dtype=torch.long, device=self.device), self.block_size)
         for records in self.records.values():
             records.index_fill_(1, slots, 0)
         for pages in self.sparse.values():
             pages.release(blocks)
 
-    def store_tokens(self, layer, slots, positions, k, v) -> None:
+    def store(self, layer, slots, positions, k, v) -> None:
         for kind, x in (("k", k), ("v", v)):
             encoded = self.format.encode(x.reshape(x.shape[0], -1).float(), layer, kind, positions)
             self.records[kind][layer].index_copy_(0, slots, encoded.dense)
             if kind in self.sparse:
                 self.sparse[kind].write(layer, slots, encoded.sparse, encoded.sparse_bytes)
 
-    def load_tokens(self, layer, block_tables, num_tokens, dtype):
-        n = block_tables.shape[0]
-        offsets = torch.arange(self.block_size, device=self.device)
-        slots = (block_tables[:, :, None] * self.block_size + offsets).reshape(n, -1)[:, :num_tokens].reshape(-1)
-        positions = torch.arange(num_tokens, device=self.device).repeat(n)
+    def gather(self, layer, slots, positions, dtype):
+        """Only the real keys are decoded; padding rows come back as zeros."""
+        valid = positions >= 0
+        wanted, at = slots[valid], positions[valid]
         out = []
         for kind in ("k", "v"):
-            dense = self.records[kind][layer].index_select(0, slots)
-            sparse = self.sparse[kind].read(layer, slots) if kind in self.sparse else None
-            values = self.format.decode(dense, sparse, layer, kind, positions)
-            out.append(values.view(n, num_tokens, *self.kv_shape).to(dtype))
+            dense = self.records[kind][layer].index_select(0, wanted)
+            sparse = self.sparse[kind].read(layer, wanted) if kind in self.sparse else None
+            values = torch.zeros(*slots.shape, self.format.width, dtype=dtype, device=self.device)
+            values[valid] = self.format.decode(dense, sparse, layer, kind, at).to(dtype)
+            out.append(values.view(*slots.shape, *self.kv_shape))
         return out[0], out[1]

@@ -1,35 +1,53 @@
-"""The one exact attention function every KV policy calls on the K/V it decided to use."""
+"""The one exact attention function every attention policy calls on the K/V it decided to use.
+
+Keys carry explicit positions: a policy may hand over every cached token, a subset, a per-layer
+subset or padded rows, and the mask follows from the positions alone (position -1: no key).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+NO_KEY = -1  # the position of a padding row among the keys
 
-def causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_positions: torch.Tensor,
-    kv_lens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Scaled dot-product attention over a cached prefix plus a new chunk.
 
-    q: [n, Tq, heads, D]; k, v: [n, Tk, kv_heads, D] where key j sits at position j.
-    q_positions: [n, Tq] absolute positions of the queries. A query at position p sees the keys
-    at positions <= p, and only the first kv_lens[i] keys of sequence i (the rest is padding).
-    Grouped-query attention: heads must be a multiple of kv_heads.
-    Returns [n, Tq, heads, D].
+def causal_mask(q_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """[n, Tq, Tk] bool: a query at position p sees the keys at positions <= p (and never a padding row).
+
+    q_positions [n, Tq], key_positions [n, Tk]. Policies that attend over the same keys in every layer
+    build this once per step and pass it to `attend`.
     """
-    key_positions = torch.arange(k.shape[1], device=k.device)
-    allowed = key_positions[None, None, :] <= q_positions[:, :, None]
-    if kv_lens is not None:
-        allowed = allowed & (key_positions[None, None, :] < kv_lens[:, None, None])
+    return (key_positions[:, None, :] <= q_positions[:, :, None]) & (key_positions[:, None, :] != NO_KEY)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention of q [n, Tq, heads, D] over k, v [n, Tk, kv_heads, D] where `mask`
+    [n, Tq, Tk] allows. Grouped-query attention: heads must be a multiple of kv_heads. Every query must
+    see at least one key. Returns [n, Tq, heads, D]."""
+    if q.shape[1] == 1:
+        return _single_query(q, k, v, mask)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=allowed[:, None, :, :],
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
+
+
+def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Decode attention as two batched products: with one query per sequence, torch's CPU flash kernel
+    spends most of its time on set-up (measured: benchmarks/profile_decode.py)."""
+    n, _, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    q = q.view(n, kv_heads, group, dim)  # the query heads that share one KV head, side by side
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * dim**-0.5  # [n, kv_heads, group, Tk]
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))  # mask [n, 1, Tk] broadcast over the heads
+    out = torch.matmul(scores.softmax(-1), v.transpose(1, 2))  # [n, kv_heads, group, D]
+    return out.reshape(n, 1, heads, dim)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                     key_positions: torch.Tensor) -> torch.Tensor:
+    """`attend` with the mask made from the queries' and keys' positions ([n, Tq] and [n, Tk])."""
+    return attend(q, k, v, causal_mask(q_positions, key_positions))

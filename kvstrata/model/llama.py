@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstrata.kv.attention_batch import AttentionBatch
-from kvstrata.kv.policy import KVPolicy
+from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope
 
@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
         output_bias = config.attention_bias and config.architecture != "qwen2"
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=output_bias)
 
-    def forward(self, x, cos, sin, kv: KVPolicy, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
@@ -72,7 +72,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, cos, sin, kv: KVPolicy, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         h = self.input_layernorm(x)
         kv.on_layer_input(self.layer, h, batch)
         x = x + self.self_attn(h, cos, sin, kv, batch)
@@ -89,7 +89,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, kv: KVPolicy, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states [T, hidden] of the packed tokens."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)

@@ -8,7 +8,7 @@ from torch import nn
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_batch import AttentionBatch
-from kvstrata.kv.policy import KVPolicy
+from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.model.config import ModelConfig
 
 # OPT's learned position table starts with two rows its training never used for text.
@@ -25,7 +25,7 @@ class OPTAttention(nn.Module):
         self.qkv_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
         self.out_proj = nn.Linear(hidden, hidden, bias=bias)
 
-    def forward(self, x, kv: KVPolicy, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, x, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
         out = kv.attention(self.layer, q, k, v, batch)
@@ -44,7 +44,7 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(config.hidden_size)
         self.activation = ACTIVATIONS[config.activation]
 
-    def forward(self, x, kv: KVPolicy, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, x, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         h = self.self_attn_layer_norm(x) if self.norm_before else x
         kv.on_layer_input(self.layer, h, batch)
         x = x + self.self_attn(h, kv, batch)
@@ -71,7 +71,7 @@ class OPTForCausalLM(nn.Module):
         self.final_layer_norm = nn.LayerNorm(config.hidden_size) if config.norm_before else None
         self.lm_head = nn.Linear(embed_dim, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, kv: KVPolicy, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.project_in is not None:
             x = self.project_in(x)

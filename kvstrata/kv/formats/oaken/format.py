@@ -13,21 +13,13 @@ after decoding: most of a key's range is that mean, which a per-token scale woul
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.base import EncodedTokens, KVFormat
 from kvstrata.kv.formats.oaken.codec import decode_tokens, dense_bytes, encode_tokens, sparse_entry_bytes
-from kvstrata.kv.formats.oaken.groups import OakenConfig, parse_ratios
-from kvstrata.kv.formats.oaken.thresholds import (
-    DEFAULT_RATIOS,
-    OakenThresholds,
-    default_thresholds,
-    same_ratios,
-    stored_thresholds,
-)
+from kvstrata.kv.formats.oaken.groups import OakenConfig
+from kvstrata.kv.formats.oaken.thresholds import OakenThresholds
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
 
 
@@ -112,31 +104,3 @@ class OakenFormat(KVFormat):
             table = self._cos_sin_table = self.rotary.cos_sin(torch.arange(grown, device=positions.device),
                                                               torch.float32)
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
-
-
-def oaken_format_for(engine) -> OakenFormat:
-    """The engine's Oaken format: its calibration file, or the model's shipped or first-use calibration."""
-    c, mc = engine.config, engine.loaded.config
-    ratios = parse_ratios(c.oaken_ratios, "oaken_ratios") if c.oaken_ratios else None
-    if c.oaken_calibration:
-        thresholds = OakenThresholds.load(c.oaken_calibration, engine.model_fingerprint)
-        if ratios is not None and not same_ratios(ratios, thresholds.ratios):
-            raise KvstrataError(f"oaken_ratios {c.oaken_ratios} differ from the ratios {thresholds.ratios} that "
-                                f"{c.oaken_calibration} was calibrated for")
-    else:
-        ratios = ratios or DEFAULT_RATIOS
-        # the full-precision twin engine is built only if there is nothing stored to load
-        thresholds = (stored_thresholds(engine.model_fingerprint, ratios)
-                      or default_thresholds(_full_precision_twin(engine), ratios))
-    config = OakenConfig(ratios=thresholds.ratios, group_shift=c.oaken_group_shift, outliers=c.oaken_outliers,
-                         scales=c.oaken_scales)
-    return OakenFormat(mc.num_kv_heads, mc.head_dim, thresholds, config, c.oaken_keys,
-                       getattr(engine.loaded.model, "rotary", None), c.oaken_key_centering)
-
-
-def _full_precision_twin(engine):
-    """An engine on the same weights with a full-precision cache: what calibration runs on, since the
-    quantized cache is still being built."""
-    from kvstrata.engine.llm_engine import LLMEngine
-
-    return LLMEngine(dataclasses.replace(engine.config, kv_format=None), loaded=engine.loaded)

@@ -21,6 +21,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from tqdm import tqdm
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.oaken.groups import OakenConfig
-from kvstrata.model.config import LLAMA_FAMILY
+from kvstrata.model.config import LLAMA_FAMILY, ModelConfig
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
 
 FORMAT = "kvstrata-oaken-thresholds"
@@ -219,8 +220,7 @@ class _WindowRope:
     """RoPE at a window's positions 0..T-1, for keys [L, T, heads, D] (OPT has learned positions and no RoPE: its
     keys are the same before and after)."""
 
-    def __init__(self, engine, window_tokens: int):
-        config = engine.loaded.config
+    def __init__(self, config: ModelConfig, window_tokens: int):
         self.cos_sin = None
         if config.architecture in LLAMA_FAMILY:
             self.cos_sin = RotaryEmbedding(config).cos_sin(torch.arange(window_tokens), torch.float32)
@@ -232,13 +232,26 @@ class _WindowRope:
         return k if self.cos_sin is None else apply_rope(k, *self.cos_sin)
 
 
-def calibrate(engine, token_ids: list[int], ratio_sets: list[tuple[float, ...]], windows: int = DEFAULT_WINDOWS,
+class KVSource(Protocol):
+    """What calibration needs of a model, supplied from above kv/ (an LLMEngine is one): its forward pass
+    as `compute_kv` (K and V [layers, tokens, kv_heads, head_dim] of a token sequence), its config and
+    fingerprint, its context length and its tokenizer."""
+
+    model_config: ModelConfig
+    model_fingerprint: str
+    max_model_len: int
+    tokenizer: object | None
+
+    def compute_kv(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def tokenize(self, prompt: str) -> list[int]: ...
+
+
+def calibrate(engine: KVSource, token_ids: list[int], ratio_sets: list[tuple[float, ...]], windows: int = DEFAULT_WINDOWS,
               window_tokens: int = DEFAULT_WINDOW_TOKENS, progress: bool = True,
               source: str = "") -> list[OakenThresholds]:
     """Thresholds for every ratio set from `windows` windows of `window_tokens` tokens spread evenly over
     `token_ids` (windows may overlap when the text is short): a pass for the mean key, then one for the thresholds."""
-    from kvstrata.engine.direct_forward import compute_kv  # here: the engine may import this module
-
     ratio_sets = [OakenConfig(ratios=ratios).ratios for ratios in ratio_sets]
     if not ratio_sets:
         raise KvstrataError("oaken calibration needs at least one set of group ratios")
@@ -250,12 +263,12 @@ def calibrate(engine, token_ids: list[int], ratio_sets: list[tuple[float, ...]],
     if window_tokens > engine.max_model_len:
         raise KvstrataError(f"window_tokens {window_tokens} exceeds the model's max_model_len {engine.max_model_len}")
     starts = np.linspace(0, len(token_ids) - window_tokens, windows).astype(int).tolist()
-    rope = _WindowRope(engine, window_tokens)
+    rope = _WindowRope(engine.model_config, window_tokens)
     bar = tqdm(total=2 * len(starts), desc="calibrating oaken", disable=not progress)
 
     def windows_kv():
         for start in starts:
-            k, v = compute_kv(engine, token_ids[start : start + window_tokens])
+            k, v = engine.compute_kv(token_ids[start : start + window_tokens])
             for name, x in (("k", k), ("v", v)):
                 bad = (~torch.isfinite(x)).flatten(1).sum(1)
                 if bad.any():
@@ -315,7 +328,7 @@ def stored_thresholds(fingerprint: str, ratios: tuple[float, ...]) -> OakenThres
     return None
 
 
-def default_thresholds(engine, ratios: tuple[float, ...] = DEFAULT_RATIOS, progress: bool = True) -> OakenThresholds:
+def default_thresholds(engine: KVSource, ratios: tuple[float, ...] = DEFAULT_RATIOS, progress: bool = True) -> OakenThresholds:
     """The loaded model's thresholds: the shipped file if it has these ratios, else the cached calibration, else a
     calibration now on the packaged text (Emma), cached for the next run. Nothing is downloaded."""
     ratios = OakenConfig(ratios=ratios).ratios

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from kvstrata.cachegen.context import DEFAULT_CHUNK_TOKENS
 from kvstrata.cachegen.levels import ALL_LEVELS, CACHEGEN_LEVELS
+from kvstrata.cli.calibrate_oaken import add_oaken_calibrate_command, run_oaken_calibrate
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.formats.oaken.cli import add_oaken_calibrate_command, run_oaken_calibrate
 
 
 def add_kv_commands(commands) -> None:

@@ -1,0 +1,68 @@
+"""Builds the engine's KV storage for `--kv-format`: the format registry (kv/cache_factory.py) plus what only
+the engine can supply, Oaken's thresholds for the loaded model (shipped, cached, or calibrated now on a
+full-precision twin of the engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvstrata.errors import KvstrataError
+from kvstrata.kv.cache_factory import FLOAT_FORMAT_OF_DTYPE, CacheShape, FormatOptions, StorageLayout, storage_layout
+from kvstrata.kv.formats.oaken.format import OakenFormat
+from kvstrata.kv.formats.oaken.groups import OakenConfig, parse_ratios
+from kvstrata.kv.formats.oaken.thresholds import (
+    DEFAULT_RATIOS,
+    OakenThresholds,
+    default_thresholds,
+    same_ratios,
+    stored_thresholds,
+)
+
+
+def engine_storage_layout(engine, model_dtype: torch.dtype, kv_format: str | None = None) -> StorageLayout:
+    """The layout of `kv_format` (default: the engine's own) for the engine's model."""
+    c, mc = engine.config, engine.loaded.config
+    shape = CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, c.block_size)
+    options = FormatOptions(c.int4_group_size, c.kivi_residual, c.max_num_seqs, c.chunk_size,
+                            oaken_format=lambda: oaken_format_for(engine))
+    return storage_layout(kv_format or c.kv_format or FLOAT_FORMAT_OF_DTYPE[model_dtype], shape, options)
+
+
+def stored_form(config, model_dtype: torch.dtype) -> str:
+    """The KV format with every option that changes what a token's stored K/V hold: block hashes are
+    namespaced by it (and by the model's fingerprint), so KV of one form never stands in for another's."""
+    name = config.kv_format or FLOAT_FORMAT_OF_DTYPE[model_dtype]
+    options = {
+        "int4": (config.int4_group_size,),
+        "oaken": (config.oaken_calibration, config.oaken_ratios, config.oaken_keys, config.oaken_key_centering,
+                  config.oaken_group_shift, config.oaken_outliers, config.oaken_scales),
+    }.get(name)
+    return name if options is None else f"{name}{options}"
+
+
+def oaken_format_for(engine) -> OakenFormat:
+    """The engine's Oaken format: its calibration file, or the model's shipped or first-use calibration."""
+    c, mc = engine.config, engine.loaded.config
+    ratios = parse_ratios(c.oaken_ratios, "oaken_ratios") if c.oaken_ratios else None
+    if c.oaken_calibration:
+        thresholds = OakenThresholds.load(c.oaken_calibration, engine.model_fingerprint)
+        if ratios is not None and not same_ratios(ratios, thresholds.ratios):
+            raise KvstrataError(f"oaken_ratios {c.oaken_ratios} differ from the ratios {thresholds.ratios} that "
+                                f"{c.oaken_calibration} was calibrated for")
+    else:
+        ratios = ratios or DEFAULT_RATIOS
+        # the full-precision twin engine is built only if there is nothing stored to load
+        thresholds = (stored_thresholds(engine.model_fingerprint, ratios)
+                      or default_thresholds(_full_precision_twin(engine), ratios))
+    config = OakenConfig(ratios=thresholds.ratios, group_shift=c.oaken_group_shift, outliers=c.oaken_outliers,
+                         scales=c.oaken_scales)
+    return OakenFormat(mc.num_kv_heads, mc.head_dim, thresholds, config, c.oaken_keys,
+                       getattr(engine.loaded.model, "rotary", None), c.oaken_key_centering)
+
+
+def _full_precision_twin(engine):
+    """An engine on the same weights with a full-precision cache: what calibration runs on, since the
+    quantized cache is still being built."""
+    return type(engine)(dataclasses.replace(engine.config, kv_format=None), loaded=engine.loaded)

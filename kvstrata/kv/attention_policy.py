@@ -1,0 +1,52 @@
+"""The policy half of the KV seam: which cached tokens each layer reads (DESIGN.md).
+
+The model calls `attention(layer, q, k_new, v_new, batch)` in every layer. A policy stores the
+step's new K/V through its storage, picks the keys each group of sequences reads (`select_keys`),
+gathers them from storage and calls the one reference attention. A new policy (a token budget, a
+speculated subset, a per-layer important set) overrides `select_keys` and, where it needs the layer's
+input, `on_layer_input`; storage and the attention math stay as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
+from kvstrata.kv.reference_attention import attend
+from kvstrata.kv.storage import KVStorage
+
+
+class AttentionPolicy:
+    """Reads every cached key (full attention) unless a subclass selects fewer."""
+
+    def __init__(self, storage: KVStorage):
+        self.storage = storage
+
+    def begin_step(self, batch: AttentionBatch) -> None:
+        self.storage.begin_step(batch)
+
+    def end_step(self) -> None:
+        self.storage.end_step()
+
+    def on_layer_input(self, layer: int, x: torch.Tensor, batch: AttentionBatch) -> None:
+        """Called with a layer's input just before its attention (InfiniGen speculates here)."""
+
+    def select_keys(self, layer: int, group: AttentionGroup) -> CachedKeys:
+        """The keys `group` reads in `layer`: all of them, or a subset taken with `group.keys.take`."""
+        return group.keys
+
+    def attention(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                  batch: AttentionBatch) -> torch.Tensor:
+        """Store the step's new K/V, attend, and return the output [T, heads, head_dim]."""
+        self.storage.store(layer, batch.slot_mapping, batch.positions, k_new, v_new)
+        out = torch.empty_like(q)
+        for group in batch.groups:
+            keys = self.select_keys(layer, group)
+            k, v = self.storage.gather_keys(layer, keys, q.dtype)
+            queries = q[group.rows].view(group.num_sequences, -1, *q.shape[1:])
+            out[group.rows] = attend(queries, k, v, keys.mask_for(group)).flatten(0, 1)
+        return out
+
+
+class FullAttention(AttentionPolicy):
+    """Every cached token in every layer: the engine's default."""

@@ -1,0 +1,73 @@
+"""Where cached K/V live and in what form: the storage half of the KV seam (DESIGN.md).
+
+A storage stores the K/V of tokens at cache slots and gathers them back by slot, decoded to floats;
+it never decides which tokens attention reads (kv/attention_policy.py does). The engine tells it
+when a step begins and ends and which blocks the pool hands out for new content.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvstrata.kv.attention_batch import AttentionBatch, CachedKeys
+from kvstrata.kv.block_pool import BlockPool
+from kvstrata.kv.slots import slots_of_positions
+
+
+class KVStorage(ABC):
+    block_size: int
+    num_layers: int
+    kv_shape: tuple[int, int]  # (kv_heads, head_dim)
+    device: torch.device
+
+    @abstractmethod
+    def store(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Write K and V [n, kv_heads, head_dim] of tokens at cache slots [n] (sequence positions [n])."""
+
+    @abstractmethod
+    def gather(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [n, W, kv_heads, head_dim] of the tokens at `slots` [n, W] (sequence positions [n, W]).
+        A padding row (position -1; its slot is any valid slot) may come back holding anything finite."""
+
+    @abstractmethod
+    def reset_blocks(self, blocks: list[int]) -> None:
+        """Forget what newly allocated blocks held: a padding row read from a block's unwritten tail
+        must be finite (0 weight times NaN is NaN)."""
+
+    def gather_keys(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `keys`; storage that can copy whole blocks overrides this for keys that are whole blocks."""
+        return self.gather(layer, keys.slots, keys.positions, dtype)
+
+    def attach_block_pool(self, pool: BlockPool) -> None:
+        """The engine's block pool, for storage that must know which blocks no sequence holds (KIVI)."""
+
+    def begin_step(self, batch: AttentionBatch) -> None:
+        """A step over `batch` starts; every layer's `store` and `gather` of the step follow."""
+
+    def end_step(self) -> None:
+        """The step's last layer is done."""
+
+    def write(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V [layers, n, kv_heads, head_dim] of tokens start .. start + n of a sequence
+        (preloaded KV), as a step of its own."""
+        table = torch.tensor([block_table], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + k.shape[1], device=self.device)
+        slots = slots_of_positions(table, positions, self.block_size)[0]
+        self.begin_write(table, start + k.shape[1])
+        for layer in range(self.num_layers):
+            self.store(layer, slots, positions, k[layer].to(self.device), v[layer].to(self.device))
+        self.end_step()
+
+    def begin_write(self, block_table: torch.Tensor, context_len: int) -> None:
+        """`write` is about to store a sequence's tokens up to `context_len` (block_table [1, B])."""
+
+    def read(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [num_tokens, kv_heads, head_dim] of one sequence (decoded, fp32), for tests and tools."""
+        table = torch.tensor([block_table], dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)[None]
+        k, v = self.gather(layer, slots_of_positions(table, positions, self.block_size), positions, torch.float32)
+        return k[0], v[0]
