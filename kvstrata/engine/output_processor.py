@@ -30,7 +30,7 @@ class OutputProcessor:
         elif self._append_text(seq, token_id):
             return  # a stop string ended the text
         if seq.finish_reason is None and (
-            len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             seq.finish_reason = "length"
         detok = self._detokenizers.get(seq.seq_id)
@@ -66,9 +66,10 @@ class OutputProcessor:
         hold = 0 if finished else max((len(s) - 1 for s in seq.params.stop), default=0)
         releasable = max(len(seq.output_text) - hold, self._released_text.get(seq.seq_id, 0))
         new_text = seq.output_text[self._released_text.get(seq.seq_id, 0) : releasable]
-        new_tokens = seq.output_token_ids[self._released_tokens.get(seq.seq_id, 0) :]
+        num_output = seq.num_output_tokens
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + self._released_tokens.get(seq.seq_id, 0) :]
         self._released_text[seq.seq_id] = releasable
-        self._released_tokens[seq.seq_id] = len(seq.output_token_ids)
+        self._released_tokens[seq.seq_id] = num_output
         if finished:
             self.forget(seq)
         return RequestOutput(
@@ -76,7 +77,6 @@ class OutputProcessor:
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
             text=seq.output_text,
-            token_ids=seq.output_token_ids,
             finished=finished,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_prompt_tokens or 0,
@@ -84,12 +84,13 @@ class OutputProcessor:
                 arrival_time=seq.arrival_time,
                 first_token_time=seq.first_token_time,
                 finish_time=seq.finish_time,
-                num_output_tokens=len(seq.output_token_ids),
+                num_output_tokens=num_output,
                 num_preemptions=seq.num_preemptions,
             ),
             new_text=new_text,
             new_token_ids=new_tokens,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            all_token_ids=seq.token_ids,
+            all_logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
         )
 
     def forget(self, seq: Sequence) -> None:

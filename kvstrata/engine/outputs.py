@@ -34,15 +34,28 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """The request's state when it was built. Output tokens and logprobs are read from the request's
+    growing lists when asked for, up to the count they had then: building an output each step copies
+    nothing that grows with the output."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     text: str
-    token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort"
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
     new_text: str = ""  # streaming: text released since the previous output of this request
     new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
+    all_token_ids: list[int] = field(default_factory=list, repr=False)  # prompt then output, shared
+    all_logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)  # shared; None: not asked for
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = len(self.prompt_token_ids)
+        return self.all_token_ids[start : start + self.metrics.num_output_tokens]
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return None if self.all_logprobs is None else self.all_logprobs[: self.metrics.num_output_tokens]

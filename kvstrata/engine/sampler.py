@@ -1,4 +1,8 @@
-"""Turn next-token logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs."""
+"""Turn next-token logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Every row is filtered and drawn in batched tensor operations, and the tokens reach Python in one
+transfer at the end: no host sync per row (rows with their own seed draw from their own generator).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +12,23 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.sequence import TokenLogprobs
 
 
-def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (the order Hugging Face applies them) on one row."""
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
+def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (the order Hugging Face applies them), row by row of [rows, vocab]."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    if bool((top_k < vocab).any()):
+        largest = torch.topk(logits, int(top_k.max())).values  # [rows, largest k], descending
+        logits = logits.masked_fill(logits < largest.gather(1, top_k[:, None] - 1), float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+    if bool((top_p < 1.0).any()):
         sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        probs = sorted_logits.softmax(-1)
         # Drop a token when the ones before it already cover top_p; the first always stays.
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
-        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
     return logits
 
 
@@ -27,11 +36,19 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [rows, vocab] (fp32), plus logprobs where asked for."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            probs = filtered_logits(logits[row], p).softmax(-1)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+    tokens = logits.argmax(dim=-1)
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    if drawn:
+        probs = filtered_logits(logits[drawn], [params[row] for row in drawn]).softmax(-1)
+        unseeded = [i for i, row in enumerate(drawn) if generators[row] is None]
+        choice = torch.empty(len(drawn), dtype=torch.long, device=logits.device)
+        if unseeded:
+            choice[unseeded] = torch.multinomial(probs[unseeded], 1)[:, 0]
+        for i, row in enumerate(drawn):
+            if generators[row] is not None:
+                choice[i] = torch.multinomial(probs[i], 1, generator=generators[row])[0]
+        tokens[drawn] = choice
+    token_list = tokens.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
     if wanted:
@@ -40,8 +57,8 @@ def sample(
         for i, row in enumerate(wanted):
             top = torch.topk(log_dist[i], params[row].logprobs) if params[row].logprobs else None
             logprobs[row] = TokenLogprobs(
-                token_id=tokens[row],
-                logprob=float(log_dist[i, tokens[row]]),
+                token_id=token_list[row],
+                logprob=float(log_dist[i, token_list[row]]),
                 top={} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())),
             )
-    return tokens, logprobs
+    return token_list, logprobs

@@ -66,6 +66,10 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 

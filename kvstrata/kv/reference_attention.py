@@ -35,16 +35,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Decode attention as two batched products: with one query per sequence, torch's CPU flash kernel
-    spends most of its time on set-up (measured: benchmarks/profile_decode.py)."""
+    """Decode attention as two batched products over [kv_heads, n] (no copy of K or V when storage hands them
+    over heads-outermost); with one query per sequence, torch's CPU flash kernel spends most of its time on
+    set-up (measured: benchmarks/profile_decode.py)."""
     n, _, heads, dim = q.shape
     kv_heads = k.shape[2]
-    group = heads // kv_heads
-    q = q.view(n, kv_heads, group, dim)  # the query heads that share one KV head, side by side
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * dim**-0.5  # [n, kv_heads, group, Tk]
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))  # mask [n, 1, Tk] broadcast over the heads
-    out = torch.matmul(scores.softmax(-1), v.transpose(1, 2))  # [n, kv_heads, group, D]
-    return out.reshape(n, 1, heads, dim)
+    # the query heads that share one KV head side by side: [kv_heads, n, group, D]
+    q = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)
+    scores = torch.matmul(q, k.permute(2, 0, 3, 1)) * dim**-0.5  # [kv_heads, n, group, Tk]
+    scores = scores.masked_fill(~mask[None], float("-inf"))  # mask [n, 1, Tk] broadcast over the heads
+    out = torch.matmul(scores.softmax(-1), v.permute(2, 0, 1, 3))  # [kv_heads, n, group, D]
+    return out.transpose(0, 1).reshape(n, 1, heads, dim)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
