@@ -74,3 +74,20 @@ def test_missing_text_file_is_a_clear_error(tiny_llama, tmp_path, capsys):
     for argv in (["bench", "throughput"], ["bench", "sarathi"], ["eval", "ppl"], ["eval", "needle"]):
         assert main([*argv, "--model", str(tiny_llama), "--text", str(tmp_path / "none.txt")]) == 2
         assert "cannot read text file" in capsys.readouterr().err
+
+
+def test_lognormal_lengths_are_clipped_heavy_tailed_and_reproducible():
+    import random
+
+    from kvstrata.bench.workload import parse_length
+    from kvstrata.errors import KvstrataError
+
+    draw = parse_length("lognormal:256:1.0:32:2048", "prompt-len")
+    lengths = [draw(random.Random(seed)) for seed in range(2000)]
+    assert min(lengths) == 32 and max(lengths) == 2048  # both clips are reached
+    assert 230 <= sorted(lengths)[1000] <= 280  # the median is MEDIAN
+    assert sum(lengths) / len(lengths) > 1.3 * 256  # the tail pulls the mean above the median
+    assert lengths == [draw(random.Random(seed)) for seed in range(2000)]
+    for bad in ("lognormal:256:1.0:32", "lognormal:0:1:1:2", "lognormal:9:1:5:4", "lognormal:9:-1:1:4"):
+        with pytest.raises(KvstrataError, match="lognormal:MEDIAN:SIGMA:LOW:HIGH"):
+            parse_length(bad, "prompt-len")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from kvstrata.data import EMMA
@@ -24,7 +25,9 @@ def prompts_from_text(tokenizer, count: int, length: int, text_file: Path = EMMA
 
 
 def parse_length(spec: str, flag: str):
-    """`N` (fixed) or `uniform:LOW:HIGH` (inclusive) as a function of a random.Random."""
+    """A token count as a function of a random.Random: `N` (fixed), `uniform:LOW:HIGH` (inclusive), or
+    `lognormal:MEDIAN:SIGMA:LOW:HIGH` (a heavy tail: exp of a normal with mean ln MEDIAN and deviation SIGMA,
+    rounded and clipped to [LOW, HIGH])."""
     parts = str(spec).split(":")
     try:
         if len(parts) == 1 and int(parts[0]) > 0:
@@ -33,9 +36,13 @@ def parse_length(spec: str, flag: str):
         if len(parts) == 3 and parts[0] == "uniform" and 0 < int(parts[1]) <= int(parts[2]):
             low, high = int(parts[1]), int(parts[2])
             return lambda rng: rng.randint(low, high)
+        if len(parts) == 5 and parts[0] == "lognormal":
+            median, sigma, low, high = float(parts[1]), float(parts[2]), int(parts[3]), int(parts[4])
+            if median > 0 and sigma >= 0 and 0 < low <= high:
+                return lambda rng: min(max(round(rng.lognormvariate(math.log(median), sigma)), low), high)
     except ValueError:
         pass
-    raise KvstrataError(f"--{flag} {spec!r} is not a positive N or uniform:LOW:HIGH")
+    raise KvstrataError(f"--{flag} {spec!r} is not a positive N, uniform:LOW:HIGH or lognormal:MEDIAN:SIGMA:LOW:HIGH")
 
 
 def sample_requests(tokenizer, count: int, prompt_len, output_len, text_file: Path, seed: int):

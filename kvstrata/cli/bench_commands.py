@@ -48,8 +48,10 @@ def add_bench_commands(commands) -> None:
                     "percentiles, peak memory, and the ratios (`speedup_vs_transformers`, sarathi vs the others).",
     )
     throughput.add_argument("--requests", type=int, default=32, help="number of requests (default: 32)")
-    throughput.add_argument("--prompt-len", default="256", help="N or uniform:LOW:HIGH tokens (default: 256)")
-    throughput.add_argument("--output-len", default="128", help="N or uniform:LOW:HIGH tokens (default: 128)")
+    throughput.add_argument("--prompt-len", default="256",
+                            help="N, uniform:LOW:HIGH or lognormal:MEDIAN:SIGMA:LOW:HIGH tokens (default: 256)")
+    throughput.add_argument("--output-len", default="128",
+                            help="N, uniform:LOW:HIGH or lognormal:MEDIAN:SIGMA:LOW:HIGH tokens (default: 128)")
     throughput.add_argument("--schedulers", default="sarathi,prefill-first,static", help="comma-separated")
     throughput.add_argument("--hf-batch-size", type=int, default=None, help="transformers batch (default: all)")
     throughput.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
