@@ -31,15 +31,19 @@ def engine_storage_layout(engine, model_dtype: torch.dtype, kv_format: str | Non
 
 
 def stored_form(config, model_dtype: torch.dtype) -> str:
-    """The KV format with every option that changes what a token's stored K/V hold: block hashes are
-    namespaced by it (and by the model's fingerprint), so KV of one form never stands in for another's."""
+    """The KV format with every option that changes what a token's stored K/V hold, and the dtype they were
+    computed in: block hashes are namespaced by it (and by the model's fingerprint), so KV of one form never
+    stands in for another's."""
     name = config.kv_format or FLOAT_FORMAT_OF_DTYPE[model_dtype]
     options = {
         "int4": (config.int4_group_size,),
+        "kivi4": (config.kivi_residual,),  # which blocks hold quantized and which float16 K/V
+        "kivi2": (config.kivi_residual,),
         "oaken": (config.oaken_calibration, config.oaken_ratios, config.oaken_keys, config.oaken_key_centering,
                   config.oaken_group_shift, config.oaken_outliers, config.oaken_scales),
     }.get(name)
-    return name if options is None else f"{name}{options}"
+    computed = FLOAT_FORMAT_OF_DTYPE[model_dtype]
+    return f"{name}@{computed}" if options is None else f"{name}{options}@{computed}"
 
 
 def oaken_format_for(engine) -> OakenFormat:

@@ -64,6 +64,7 @@ class AttentionGroup:
 
     @property
     def is_decode(self) -> bool:
+        """One new token per sequence: decodes (and a prompt whose last chunk is a single token)."""
         return self.q_positions.shape[1] == 1
 
 

@@ -49,6 +49,7 @@ class KiviPagedKVCache(KVStorage):
         self.grown_slots = 0
         self.block_pool: BlockPool | None = None  # which blocks no sequence holds (attach_block_pool)
         self._leaving: torch.Tensor | None = None  # blocks leaving the window in this step (begin_step)
+        self._layers_quantized = 0  # layers whose leaving blocks are quantized already in this step
 
     @staticmethod
     def bytes_per_token(bits: int, width: int, block_size: int, num_layers: int) -> float:
@@ -140,9 +141,14 @@ class KiviPagedKVCache(KVStorage):
         self._leaving = self._blocks_leaving(block_table, torch.tensor([context_len], device=self.device))
 
     def end_step(self) -> None:
+        """Leaving blocks give up their window slots. A step that failed part-way quantizes them first in
+        the layers it did not reach: they were complete before the step, and the prefix cache may hold them."""
         if self._leaving is not None:
+            for layer in range(self._layers_quantized, self.num_layers):
+                self._quantize_blocks(layer, self._leaving)
             self._release_window(self._leaving)
             self._leaving = None
+        self._layers_quantized = 0
 
     def store(self, layer, slots, positions, k, v) -> None:
         window = self.window_slot[slots // self.block_size]
@@ -151,6 +157,7 @@ class KiviPagedKVCache(KVStorage):
         self.window_v[layer, window, offsets] = v.reshape(len(slots), -1).half()
         if self._leaving is not None:
             self._quantize_blocks(layer, self._leaving)
+            self._layers_quantized = layer + 1
 
     def gather(self, layer, slots, positions, dtype):
         shape = (*slots.shape, *self.kv_shape)

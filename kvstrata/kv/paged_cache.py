@@ -43,30 +43,33 @@ class PagedKVCache(KVStorage):
         self.k.index_fill_(2, index, 0)
         self.v.index_fill_(2, index, 0)
 
-    def _slot_view(self, cache: torch.Tensor, layer: int) -> torch.Tensor:
-        """A layer's pool as [kv_heads, slots, head_dim]."""
-        return cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1])
-
     def store(self, layer, slots, positions, k, v) -> None:
         for cache, values in ((self.k, k), (self.v, v)):
-            self._slot_view(cache, layer).index_copy_(1, slots, values.transpose(0, 1).to(cache.dtype))
+            slot_rows = cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1])  # [kv_heads, slots, head_dim]
+            slot_rows.index_copy_(1, slots, values.transpose(0, 1).to(cache.dtype))
 
     def gather(self, layer, slots, positions, dtype):
         n, width = slots.shape
-        return tuple(_heads_inside(self._slot_view(cache, layer).index_select(1, slots.reshape(-1))
-                                   .view(-1, n, width, self.kv_shape[1]).to(dtype)) for cache in (self.k, self.v))
+        return tuple(_gather_rows(cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1]), slots.reshape(-1))
+                     .view(-1, n, width, self.kv_shape[1]).to(dtype).permute(1, 2, 0, 3) for cache in (self.k, self.v))
 
     def gather_keys(self, layer, keys: CachedKeys, dtype):
         """Whole blocks are copied block by block (several times faster on CPU than slot by slot)."""
         if keys.block_tables is None:
             return super().gather_keys(layer, keys, dtype)
         n, width = keys.block_tables.shape
-        flat = keys.block_tables.reshape(-1)
-        return tuple(_heads_inside(cache[layer].index_select(1, flat).view(-1, n, width * self.block_size,
-                                                                            self.kv_shape[1]).to(dtype))
+        return tuple(_gather_rows(cache[layer], keys.block_tables.reshape(-1))
+                     .view(-1, n, width * self.block_size, self.kv_shape[1]).to(dtype).permute(1, 2, 0, 3)
                      for cache in (self.k, self.v))
 
 
-def _heads_inside(gathered: torch.Tensor) -> torch.Tensor:
-    """[kv_heads, n, tokens, head_dim] as the [n, tokens, kv_heads, head_dim] view the seam hands over."""
-    return gathered.permute(1, 2, 0, 3)
+def _gather_rows(per_head: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of every head of [kv_heads, rows, ...], as [kv_heads, len(index), ...]: one contiguous
+    index_select per head into its part of the result (on CPU several times faster than one index_select
+    along dim 1). The caller views it as [n, tokens, kv_heads, head_dim], which batched products read
+    without another copy."""
+    out = torch.empty(per_head.shape[0], len(index), *per_head.shape[2:], dtype=per_head.dtype,
+                      device=per_head.device)
+    for head in range(per_head.shape[0]):
+        torch.index_select(per_head[head], 0, index, out=out[head])
+    return out
