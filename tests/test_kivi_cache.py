@@ -343,9 +343,8 @@ def test_a_saved_context_resumes_on_kivi4(tiny_llama_kv64, emma_text, tmp_path):
     writes = []
     write = llm.engine.kv_manager.write_kv
 
-    def checked_write(block_table, start, k, v):
-        write(block_table, start, k, v)
-        end = start + k.shape[1]
+    def checked_write(block_table, kv, start, end):
+        write(block_table, kv, start, end)
         old = quantized_tokens(end) // BLOCK_SIZE
         slots = cache.window_slot[block_table[: -(-end // BLOCK_SIZE)]]
         assert (slots[:old] == -1).all() and (slots[old:] >= 0).all()

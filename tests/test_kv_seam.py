@@ -25,7 +25,7 @@ from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.cache_factory import CacheShape, FormatOptions, storage_layout
-from kvstrata.kv.preloaded import PreloadedKV
+from kvstrata.kv.preloaded import LayerwiseKV, PreloadedKV
 from kvstrata.kv.reference_attention import NO_KEY, attend, causal_attention, causal_mask
 from kvstrata.kv.storage import KVStorage
 
@@ -524,6 +524,34 @@ def test_a_prefix_source_that_holds_nothing_changes_nothing(tiny_llama, prefix_a
     assert sum(s.prefill_tokens for s in engine.step_stats) == len(prompt)
 
 
+def test_layerwise_preloaded_kv_is_loaded_one_layer_at_a_time(tiny_llama, prefix_and_kv):
+    """KV whose layers are loaded on demand is placed layer after layer, each layer loaded once, in order, and
+    generates what the same KV at hand does; a layer of the wrong shape is refused with a clear error."""
+    prefix, (k, v) = prefix_and_kv
+    prompt = prefix + random_ids(11, 10)[0]
+    engine = new_engine(tiny_llama)
+    expected = run_all(engine, [prompt], greedy(6))[0].output_token_ids
+    loaded = []
+
+    def load(layer):
+        loaded.append(layer)
+        return k[layer], v[layer]
+
+    engine = new_engine(tiny_llama)
+    lazy = LayerwiseKV(0, k.shape[1], load, tuple(k.shape[2:]))
+    engine.add_request(prompt, greedy(6), preloaded=[lazy], cache_salt=b"lazy")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert loaded == list(range(k.shape[0]))
+    assert outputs[0].token_ids == expected
+
+    engine = new_engine(tiny_llama)
+    bad = LayerwiseKV(0, k.shape[1], lambda layer: (k[layer, :, :1], v[layer, :, :1]), tuple(k.shape[2:]))
+    with pytest.raises(KvstrataError, match=r"layer 0 of preloaded KV has K"):
+        engine.kv_cache.write(list(range(4)), bad, 0, 16)
+
+
 # --- 9, 10: namespaced hashes, the format registry ---------------------------------------------------------------
 
 
@@ -587,7 +615,7 @@ def test_every_registered_format_stores_and_gathers_by_slot(name):
     gen = torch.Generator().manual_seed(14)
     k, v = torch.randn(2, 20, 2, 32, generator=gen), torch.randn(2, 20, 2, 32, generator=gen)
     table = [2, 0]  # tokens 0-15 in block 2, 16-19 in block 0
-    storage.write(table, 0, k, v)
+    storage.write(table, PreloadedKV(0, k, v), 0, 20)
     # int4: 16 steps over a group's range; KIVI: 20 tokens lie in the float16 window of 128
     tolerance = {"fp32": 0, "fp16": 2e-3, "bf16": 2e-2, "int8": 5e-2, "int4": 0.3}.get(name, 2e-3)
     for layer in range(2):

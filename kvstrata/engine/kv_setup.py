@@ -26,7 +26,7 @@ def engine_storage_layout(engine, model_dtype: torch.dtype, kv_format: str | Non
     c, mc = engine.config, engine.loaded.config
     shape = CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, c.block_size)
     options = FormatOptions(c.int4_group_size, c.kivi_residual, c.max_num_seqs, c.chunk_size,
-                            oaken_format=lambda: oaken_format_for(engine))
+                            oaken_format=lambda: oaken_format_for(engine), in_place_decode=c.paged_kernel)
     return storage_layout(kv_format or c.kv_format or FLOAT_FORMAT_OF_DTYPE[model_dtype], shape, options)
 
 

@@ -29,7 +29,7 @@ from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.cache_manager import KVCacheManager
-from kvstrata.kv.preloaded import PreloadedKV
+from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.model.fingerprint import model_fingerprint
 from kvstrata.model.loader import LoadedModel, load_model
 
@@ -166,7 +166,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
-        preloaded: list[PreloadedKV] | None = None,
+        preloaded: list[Preloaded] | None = None,
         cache_salt: bytes | None = None,
     ) -> str:
         """Queue a request; returns its id. `prompt` is text or a list of token ids.
@@ -202,15 +202,19 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _check_preloaded(self, preloaded: list[PreloadedKV], num_tokens: int) -> list[PreloadedKV]:
+    def _check_preloaded(self, preloaded: list[Preloaded], num_tokens: int) -> list[Preloaded]:
+        """Ranges in order, inside the prompt, not overlapping; KV at hand must fit the model (it moves to the
+        compute device and dtype now); layers loaded later are checked as they are loaded."""
         mc = self.loaded.config
         dtype = getattr(torch, self.config.dtype)
         preloaded = sorted(preloaded, key=lambda s: s.start)
         position = 0
         for segment in preloaded:
-            shape = (mc.num_layers, segment.k.shape[1], mc.num_kv_heads, mc.head_dim)
-            if tuple(segment.k.shape) != shape or tuple(segment.v.shape) != shape:
-                raise KvstrataError(f"preloaded KV of shape {tuple(segment.k.shape)} does not fit this model's {shape}")
+            if isinstance(segment, PreloadedKV):
+                shape = (mc.num_layers, segment.k.shape[1], mc.num_kv_heads, mc.head_dim)
+                if tuple(segment.k.shape) != shape or tuple(segment.v.shape) != shape:
+                    raise KvstrataError(f"preloaded KV of shape {tuple(segment.k.shape)} does not fit this model's "
+                                        f"{shape}")
             if segment.start < position or segment.end > num_tokens:
                 raise KvstrataError(
                     f"preloaded KV for tokens [{segment.start}, {segment.end}) overlaps another range or runs past "
@@ -218,7 +222,7 @@ class LLMEngine:
                 )
             position = segment.end
         return [PreloadedKV(s.start, s.k.to(self.device, dtype), s.v.to(self.device, dtype))
-                for s in preloaded]
+                if isinstance(s, PreloadedKV) else s for s in preloaded]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; None if it is unknown or already done."""

@@ -10,7 +10,7 @@ import torch
 
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.block_hash import BlockHash
-from kvstrata.kv.preloaded import PreloadedKV
+from kvstrata.kv.preloaded import Preloaded
 
 
 class SequenceStatus(enum.Enum):
@@ -43,7 +43,7 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_prompt_tokens: int | None = None  # prefix-cache hits at first admission
     # KV of prompt ranges given ready-made (a decoded saved context), placed instead of computed.
-    preloaded: list[PreloadedKV] = field(default_factory=list)
+    preloaded: list[Preloaded] = field(default_factory=list)
     num_preloaded_tokens: int = 0
     cache_salt: bytes | None = None  # separates prefix-cache entries built on preloaded KV
     num_preemptions: int = 0

@@ -42,6 +42,12 @@ class AttentionPolicy:
         out = torch.empty_like(q)
         for group in batch.groups:
             keys = self.select_keys(layer, group)
+            in_place = None
+            if group.is_decode and keys is group.keys:  # every cached key, whole blocks
+                in_place = self.storage.attend_in_place(layer, q[group.rows], keys, group.context_lens)
+            if in_place is not None:
+                out[group.rows] = in_place
+                continue
             k, v = self.storage.gather_keys(layer, keys, q.dtype)
             queries = q[group.rows].view(group.num_sequences, -1, *q.shape[1:])
             out[group.rows] = attend(queries, k, v, keys.mask_for(group)).flatten(0, 1)

@@ -41,6 +41,7 @@ class FormatOptions:
     max_num_seqs: int = 128  # KIVI's window holds every running sequence's newest blocks ...
     chunk_size: int = 1024  # ... plus one step's prefill chunk
     oaken_format: Callable[[], KVFormat] | None = None  # resolves the model's calibration (engine/kv_setup.py)
+    in_place_decode: bool = True  # float storage: the compiled decode-attention kernel where it applies
 
 
 class StorageLayout(ABC):
@@ -62,9 +63,10 @@ class StorageLayout(ABC):
 
 
 class FloatLayout(StorageLayout):
-    def __init__(self, shape: CacheShape, dtype: torch.dtype):
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, in_place_decode: bool = True):
         super().__init__(shape)
         self.dtype = dtype
+        self.in_place_decode = in_place_decode
 
     @property
     def bytes_per_token(self) -> float:
@@ -73,7 +75,8 @@ class FloatLayout(StorageLayout):
 
     def build(self, num_blocks, device) -> KVStorage:
         s = self.shape
-        return PagedKVCache(s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim, self.dtype, device)
+        return PagedKVCache(s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim, self.dtype, device,
+                            self.in_place_decode)
 
 
 class QuantizedLayout(StorageLayout):
@@ -122,9 +125,9 @@ def _oaken(shape: CacheShape, options: FormatOptions) -> StorageLayout:
 
 
 KV_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], StorageLayout]] = {
-    "fp32": lambda shape, options: FloatLayout(shape, torch.float32),
-    "fp16": lambda shape, options: FloatLayout(shape, torch.float16),
-    "bf16": lambda shape, options: FloatLayout(shape, torch.bfloat16),
+    "fp32": lambda shape, options: FloatLayout(shape, torch.float32, options.in_place_decode),
+    "fp16": lambda shape, options: FloatLayout(shape, torch.float16, options.in_place_decode),
+    "bf16": lambda shape, options: FloatLayout(shape, torch.bfloat16, options.in_place_decode),
     "int8": lambda shape, options: QuantizedLayout(shape, Int8Format(shape.width)),
     "int4": lambda shape, options: QuantizedLayout(shape, Int4Format(shape.width, options.int4_group_size)),
     "kivi4": lambda shape, options: KiviLayout(shape, 4, options),

@@ -7,11 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from kvstrata.kv.block_hash import BlockHash, full_block_hashes
 from kvstrata.kv.block_pool import BlockPool
-from kvstrata.kv.preloaded import PreloadedKV
+from kvstrata.kv.preloaded import Preloaded
 
 
 class Sequence(Protocol):
@@ -22,7 +20,7 @@ class Sequence(Protocol):
     block_hashes: list[BlockHash]
     num_computed_tokens: int
     cache_salt: bytes | None
-    preloaded: list[PreloadedKV]
+    preloaded: list[Preloaded]
     num_preloaded_tokens: int
 
     @property
@@ -33,7 +31,7 @@ class PrefixSource(Protocol):
     """A store below the device pool that may hold KV of full blocks by their chained hashes (a host
     or disk tier, a remote store)."""
 
-    def lookup(self, block_hashes: list[BlockHash], first_block: int, block_size: int) -> PreloadedKV | None:
+    def lookup(self, block_hashes: list[BlockHash], first_block: int, block_size: int) -> Preloaded | None:
         """KV of blocks `first_block`, `first_block` + 1, ... of the chain `block_hashes`, as many consecutive
         ones as the source holds (starting at token first_block * block_size); None if it holds none."""
 
@@ -59,7 +57,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_allocate: Callable[[list[int]], None] | None = None,
-        write_kv: Callable[[list[int], int, torch.Tensor, torch.Tensor], None] | None = None,
+        write_kv: Callable[[list[int], Preloaded, int, int], None] | None = None,
         namespace: bytes = b"",
         prefix_sources: list[PrefixSource] | None = None,
     ):
@@ -68,7 +66,7 @@ class KVCacheManager:
         self.namespace = namespace
         self.prefix_sources = prefix_sources or []
         self.on_allocate = on_allocate  # told of blocks handed out for new content (the cache resets them)
-        self.write_kv = write_kv  # (block_table, first token, K, V): stores given KV in a sequence's blocks
+        self.write_kv = write_kv  # (block_table, preloaded KV, first, end): stores given KV in a sequence's blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_stats = PrefixCacheStats()
@@ -157,9 +155,7 @@ class KVCacheManager:
                 continue
             if not self.grow(seq, end - start):
                 return False
-            offset = start - segment.start
-            self.write_kv(seq.block_table, start, segment.k[:, offset : end - segment.start],
-                          segment.v[:, offset : end - segment.start])
+            self.write_kv(seq.block_table, segment, start, end)
             seq.num_computed_tokens = end
             seq.num_preloaded_tokens += end - start
             self.commit(seq, end - start)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.attention_batch import CachedKeys
+from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.storage import KVStorage
 
 
@@ -23,6 +24,7 @@ class PagedKVCache(KVStorage):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        in_place_decode: bool = True,
     ):
         shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         # empty, not zeros: pages cost memory (and zeroing costs time) only once a block is used;
@@ -33,6 +35,9 @@ class PagedKVCache(KVStorage):
         self.num_layers = num_layers
         self.kv_shape = (num_kv_heads, head_dim)
         self.device = device
+        # fp32 on the CPU: decodes read their blocks where they lie, with the compiled kernel (if it builds)
+        self.decode_kernel = paged_decode.kernel() if in_place_decode and dtype == torch.float32 \
+            and device.type == "cpu" else None
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -52,6 +57,12 @@ class PagedKVCache(KVStorage):
         n, width = slots.shape
         return tuple(_gather_rows(cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1]), slots.reshape(-1))
                      .view(-1, n, width, self.kv_shape[1]).to(dtype).permute(1, 2, 0, 3) for cache in (self.k, self.v))
+
+    def attend_in_place(self, layer, q, keys, context_lens):
+        if self.decode_kernel is None or q.dtype != torch.float32:
+            return None
+        return self.decode_kernel.paged_decode_attention(q, self.k[layer], self.v[layer], keys.block_tables,
+                                                         context_lens, q.shape[-1] ** -0.5)
 
     def gather_keys(self, layer, keys: CachedKeys, dtype):
         """Whole blocks are copied block by block (several times faster on CPU than slot by slot)."""

@@ -13,6 +13,7 @@ import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch, CachedKeys
 from kvstrata.kv.block_pool import BlockPool
+from kvstrata.kv.preloaded import Preloaded
 from kvstrata.kv.slots import slots_of_positions
 
 
@@ -42,6 +43,13 @@ class KVStorage(ABC):
         """K and V of `keys`; storage that can copy whole blocks overrides this for keys that are whole blocks."""
         return self.gather(layer, keys.slots, keys.positions, dtype)
 
+    def attend_in_place(self, layer: int, q: torch.Tensor, keys: CachedKeys,
+                        context_lens: torch.Tensor) -> torch.Tensor | None:
+        """Decode attention of q [n, heads, head_dim] over whole-block `keys` (each sequence's first
+        context_lens tokens), read where the storage keeps them; None where this storage has no such path
+        (the policy then gathers the keys and calls the reference attention)."""
+        return None
+
     def attach_block_pool(self, pool: BlockPool) -> None:
         """The engine's block pool, for storage that must know which blocks no sequence holds (KIVI)."""
 
@@ -51,16 +59,19 @@ class KVStorage(ABC):
     def end_step(self) -> None:
         """The step's last layer is done."""
 
-    def write(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K and V [layers, n, kv_heads, head_dim] of tokens start .. start + n of a sequence
-        (preloaded KV), as a step of its own."""
+    def write(self, block_table: list[int], kv: Preloaded, first: int, end: int) -> None:
+        """Store the K and V that `kv` holds for positions first .. end of a sequence, layer after layer
+        (each layer is loaded only when it is written), as a step of its own."""
         table = torch.tensor([block_table], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + k.shape[1], device=self.device)
+        positions = torch.arange(first, end, device=self.device)
         slots = slots_of_positions(table, positions, self.block_size)[0]
-        self.begin_write(table, start + k.shape[1])
-        for layer in range(self.num_layers):
-            self.store(layer, slots, positions, k[layer].to(self.device), v[layer].to(self.device))
-        self.end_step()
+        self.begin_write(table, end)
+        try:
+            for layer in range(self.num_layers):
+                k, v = kv.layer_kv(layer, first, end)
+                self.store(layer, slots, positions, k.to(self.device), v.to(self.device))
+        finally:
+            self.end_step()
 
     def begin_write(self, block_table: torch.Tensor, context_len: int) -> None:
         """`write` is about to store a sequence's tokens up to `context_len` (block_table [1, B])."""

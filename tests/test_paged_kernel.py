@@ -1,0 +1,63 @@
+"""The compiled paged decode-attention kernel (kv/kernels/paged_decode.cpp) against the reference attention."""
+
+import pytest
+import torch
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.kv.attention_batch import whole_block_keys
+from kvstrata.kv.kernels import paged_decode
+from kvstrata.kv.reference_attention import attend
+
+KERNEL = paged_decode.kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernel could not be built")
+
+
+def random_pools(kv_heads=3, num_blocks=40, block=16, dim=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(kv_heads, num_blocks, block, dim, generator=gen),
+            torch.randn(kv_heads, num_blocks, block, dim, generator=gen))
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads", [3, 9])
+def test_kernel_equals_the_reference_attention_over_the_gathered_blocks(heads):
+    """Sequences of different lengths (one token, a block and one, full blocks) in padded tables, with MHA and GQA:
+    the kernel's output equals the reference attention over the same blocks gathered by hand."""
+    k_pool, v_pool = random_pools()
+    lens = torch.tensor([1, 17, 48, 100])
+    width = 7
+    gen = torch.Generator().manual_seed(1)
+    order = torch.randperm(40, generator=gen)
+    tables = torch.stack([order[i * width : (i + 1) * width] for i in range(4)])
+    q = torch.randn(4, heads, 64, generator=gen)
+    got = KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 64**-0.5)
+    keys = whole_block_keys(tables, lens, 16)
+    k = k_pool[:, tables].flatten(2, 3).permute(1, 2, 0, 3)  # [n, tokens, kv_heads, dim]
+    v = v_pool[:, tables].flatten(2, 3).permute(1, 2, 0, 3)
+    want = attend(q[:, None], k, v, (keys.positions != -1)[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_refuses_out_of_range_blocks_and_lengths():
+    k_pool, v_pool = random_pools()
+    q = torch.randn(1, 3, 64)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        KERNEL.paged_decode_attention(q, k_pool, v_pool, torch.tensor([[40]]), torch.tensor([5]), 0.125)
+    with pytest.raises(RuntimeError, match="context length out of range"):
+        KERNEL.paged_decode_attention(q, k_pool, v_pool, torch.tensor([[3]]), torch.tensor([17]), 0.125)
+
+
+@needs_kernel
+def test_engine_generates_the_same_with_and_without_the_kernel(tiny_llama):
+    """Greedy output of a batch of prompts of different lengths is the same on the kernel and on the torch path,
+    and the kernel is the one in use by default."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 30, 70)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with_kernel = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", threads=1)
+    assert with_kernel.engine.kv_cache.decode_kernel is KERNEL
+    without = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", threads=1, paged_kernel=False)
+    assert without.engine.kv_cache.decode_kernel is None
+    assert [o.token_ids for o in with_kernel.generate(prompts, params)] == \
+        [o.token_ids for o in without.generate(prompts, params)]
