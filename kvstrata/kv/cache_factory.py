@@ -41,7 +41,7 @@ class FormatOptions:
     max_num_seqs: int = 128  # KIVI's window holds every running sequence's newest blocks ...
     chunk_size: int = 1024  # ... plus one step's prefill chunk
     oaken_format: Callable[[], KVFormat] | None = None  # resolves the model's calibration (engine/kv_setup.py)
-    in_place_decode: bool = True  # float storage: the compiled decode-attention kernel where it applies
+    in_place_decode: bool = True  # fp32 and int8 storage: the compiled decode-attention kernel where it applies
 
 
 class StorageLayout(ABC):
@@ -80,9 +80,10 @@ class FloatLayout(StorageLayout):
 
 
 class QuantizedLayout(StorageLayout):
-    def __init__(self, shape: CacheShape, kv_format: KVFormat):
+    def __init__(self, shape: CacheShape, kv_format: KVFormat, in_place_decode: bool = True):
         super().__init__(shape)
         self.format = kv_format
+        self.in_place_decode = in_place_decode
 
     @property
     def bytes_per_token(self) -> float:
@@ -91,7 +92,7 @@ class QuantizedLayout(StorageLayout):
     def build(self, num_blocks, device) -> KVStorage:
         s = self.shape
         return QuantizedPagedKVCache(self.format, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim,
-                                     device)
+                                     device, self.in_place_decode)
 
 
 class KiviLayout(StorageLayout):
@@ -128,7 +129,7 @@ KV_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], StorageLayout]] = {
     "fp32": lambda shape, options: FloatLayout(shape, torch.float32, options.in_place_decode),
     "fp16": lambda shape, options: FloatLayout(shape, torch.float16, options.in_place_decode),
     "bf16": lambda shape, options: FloatLayout(shape, torch.bfloat16, options.in_place_decode),
-    "int8": lambda shape, options: QuantizedLayout(shape, Int8Format(shape.width)),
+    "int8": lambda shape, options: QuantizedLayout(shape, Int8Format(shape.width), options.in_place_decode),
     "int4": lambda shape, options: QuantizedLayout(shape, Int4Format(shape.width, options.int4_group_size)),
     "kivi4": lambda shape, options: KiviLayout(shape, 4, options),
     "kivi2": lambda shape, options: KiviLayout(shape, 2, options),

@@ -61,8 +61,9 @@ class PagedKVCache(KVStorage):
     def attend_in_place(self, layer, q, keys, context_lens):
         if self.decode_kernel is None or q.dtype != torch.float32:
             return None
-        return self.decode_kernel.paged_decode_attention(q, self.k[layer], self.v[layer], keys.block_tables,
-                                                         context_lens, q.shape[-1] ** -0.5)
+        with torch.profiler.record_function("kvstrata::paged_decode_attention"):  # named in profiles
+            return self.decode_kernel.paged_decode_attention(q, self.k[layer], self.v[layer], keys.block_tables,
+                                                             context_lens, q.shape[-1] ** -0.5)
 
     def gather_keys(self, layer, keys: CachedKeys, dtype):
         """Whole blocks are copied block by block (several times faster on CPU than slot by slot)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.formats.base import KVFormat
+from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.slots import block_slots
 from kvstrata.kv.sparse_pages import SparsePages
 from kvstrata.kv.storage import KVStorage
@@ -20,7 +21,7 @@ SPARSE_HEADROOM = 1.25  # sparse pages reserved beyond the expected outlier byte
 
 class QuantizedPagedKVCache(KVStorage):
     def __init__(self, kv_format: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device):
+                 head_dim: int, device: torch.device, in_place_decode: bool = True):
         self.format = kv_format
         self.block_size = block_size
         self.num_layers = num_layers
@@ -29,6 +30,10 @@ class QuantizedPagedKVCache(KVStorage):
         slots = num_blocks * block_size
         self.records = {kind: torch.zeros(num_layers, slots, kv_format.record_bytes, dtype=torch.uint8, device=device)
                         for kind in ("k", "v")}
+        # int8 on the CPU: decodes read the records where they lie, dequantizing one row at a time in the compiled
+        # kernel (if it builds); the other formats decode every gathered token first
+        self.decode_kernel = paged_decode.kernel() if in_place_decode and kv_format.name == "int8" \
+            and device.type == "cpu" else None
         self.sparse: dict[str, SparsePages] = {}
         if kv_format.has_sparse:
             pages = int(slots * kv_format.expected_sparse_bytes * SPARSE_HEADROOM / SPARSE_PAGE_BYTES) + 1
@@ -56,6 +61,14 @@ class QuantizedPagedKVCache(KVStorage):
             self.records[kind][layer].index_copy_(0, slots, encoded.dense)
             if kind in self.sparse:
                 self.sparse[kind].write(layer, slots, encoded.sparse, encoded.sparse_bytes)
+
+    def attend_in_place(self, layer, q, keys, context_lens):
+        if self.decode_kernel is None or q.dtype != torch.float32:
+            return None
+        with torch.profiler.record_function("kvstrata::paged_decode_attention_int8"):  # named in profiles
+            return self.decode_kernel.paged_decode_attention_int8(
+                q, self.records["k"][layer], self.records["v"][layer], keys.block_tables, context_lens,
+                self.block_size, self.kv_shape[0], q.shape[-1] ** -0.5)
 
     def gather(self, layer, slots, positions, dtype):
         """Only the real keys are decoded; padding rows come back as zeros."""

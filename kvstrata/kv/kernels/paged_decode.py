@@ -1,7 +1,7 @@
 """Loads the compiled paged decode-attention kernel (paged_decode.cpp), building it on first use.
 
 `kernel()` is None where it cannot be built (no C++ compiler): callers then gather the blocks and use the
-torch reference path. `python -m kvstrata.kv.kernels.paged_decode` builds it (the README's set-up does).
+torch reference path. `python -m kvstrata.kv.kernels.build` builds it (the README's set-up does).
 """
 
 from __future__ import annotations
@@ -29,8 +29,3 @@ def kernel():
                       stacklevel=2)
         return None
 
-
-if __name__ == "__main__":
-    if kernel() is None:
-        raise SystemExit("kvstrata: building the paged decode-attention kernel failed (see the warning above)")
-    print("kvstrata: paged decode-attention kernel built")

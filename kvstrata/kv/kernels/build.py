@@ -1,0 +1,8 @@
+"""`python -m kvstrata.kv.kernels.build`: build the compiled kernels now (the README's set-up runs it), and fail
+loudly if they cannot be built."""
+
+from kvstrata.kv.kernels import paged_decode
+
+if paged_decode.kernel() is None:
+    raise SystemExit("kvstrata: building the paged decode-attention kernel failed (see the warning above)")
+print("kvstrata: paged decode-attention kernel built")
