@@ -9,7 +9,7 @@ read them all or pick a subset, and masks follow from the keys' positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,29 +17,38 @@ from kvstrata.kv.reference_attention import NO_KEY, causal_mask
 from kvstrata.kv.slots import slots_of_positions
 
 
-@dataclass
 class CachedKeys:
     """Keys of n sequences as rows of cache slots with their positions ([n, Tk]; position -1: none).
 
-    `block_tables` is set when the keys are whole blocks in order (column j is block j // block_size of
-    the table, offset j % block_size): storage can then copy whole blocks instead of single slots.
+    Whole-block keys (`block_tables` [n, B]: column j is block j // block_size of the table, offset
+    j % block_size) let storage copy or read whole blocks; their slots are worked out only if something
+    asks for them (a subset, or storage that reads slot by slot).
     """
 
-    positions: torch.Tensor
-    slots: torch.Tensor
-    block_tables: torch.Tensor | None = None
-    _masks: dict = field(default_factory=dict, repr=False)
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor | None = None,
+                 block_tables: torch.Tensor | None = None, block_size: int = 0):
+        self.positions = positions
+        self.block_tables = block_tables
+        self.block_size = block_size
+        self._slots = slots
+        self._mask: tuple[AttentionGroup, torch.Tensor] | None = None
 
     @property
     def width(self) -> int:
         return self.positions.shape[1]
 
+    @property
+    def slots(self) -> torch.Tensor:
+        if self._slots is None:
+            columns = torch.arange(self.width, device=self.positions.device)
+            self._slots = slots_of_positions(self.block_tables, columns, self.block_size)
+        return self._slots
+
     def mask_for(self, group: AttentionGroup) -> torch.Tensor:
         """The group's causal mask over these keys, made once and reused by every layer that reads them."""
-        mask = self._masks.get(id(group))
-        if mask is None:
-            mask = self._masks[id(group)] = causal_mask(group.q_positions, self.positions)
-        return mask
+        if self._mask is None or self._mask[0] is not group:
+            self._mask = (group, causal_mask(group.q_positions, self.positions))
+        return self._mask[1]
 
     def take(self, columns: torch.Tensor, valid: torch.Tensor | None = None) -> CachedKeys:
         """A subset: the keys at `columns` [n, K] of each row; where `valid` is False, a padding row."""
@@ -86,5 +95,4 @@ def whole_block_keys(block_tables: torch.Tensor, context_lens: torch.Tensor, blo
     width = block_tables.shape[1] * block_size
     positions = torch.arange(width, device=block_tables.device).expand(block_tables.shape[0], width)
     positions = positions.masked_fill(positions >= context_lens[:, None], NO_KEY)
-    slots = slots_of_positions(block_tables, torch.arange(width, device=block_tables.device), block_size)
-    return CachedKeys(positions, slots, block_tables)
+    return CachedKeys(positions, block_tables=block_tables, block_size=block_size)

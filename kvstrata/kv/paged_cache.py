@@ -55,8 +55,8 @@ class PagedKVCache(KVStorage):
 
     def gather(self, layer, slots, positions, dtype):
         n, width = slots.shape
-        return tuple(_gather_rows(cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1]), slots.reshape(-1))
-                     .view(-1, n, width, self.kv_shape[1]).to(dtype).permute(1, 2, 0, 3) for cache in (self.k, self.v))
+        return tuple(_seam_layout(_gather_rows(cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1]),
+                                               slots.reshape(-1)), n, width, dtype) for cache in (self.k, self.v))
 
     def attend_in_place(self, layer, q, keys, context_lens):
         if self.decode_kernel is None or q.dtype != torch.float32:
@@ -70,18 +70,22 @@ class PagedKVCache(KVStorage):
         if keys.block_tables is None:
             return super().gather_keys(layer, keys, dtype)
         n, width = keys.block_tables.shape
-        return tuple(_gather_rows(cache[layer], keys.block_tables.reshape(-1))
-                     .view(-1, n, width * self.block_size, self.kv_shape[1]).to(dtype).permute(1, 2, 0, 3)
-                     for cache in (self.k, self.v))
+        return tuple(_seam_layout(_gather_rows(cache[layer], keys.block_tables.reshape(-1)), n,
+                                  width * self.block_size, dtype) for cache in (self.k, self.v))
 
 
 def _gather_rows(per_head: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows `index` of every head of [kv_heads, rows, ...], as [kv_heads, len(index), ...]: one contiguous
     index_select per head into its part of the result (on CPU several times faster than one index_select
-    along dim 1). The caller views it as [n, tokens, kv_heads, head_dim], which batched products read
-    without another copy."""
+    along dim 1)."""
     out = torch.empty(per_head.shape[0], len(index), *per_head.shape[2:], dtype=per_head.dtype,
                       device=per_head.device)
     for head in range(per_head.shape[0]):
         torch.index_select(per_head[head], 0, index, out=out[head])
     return out
+
+
+def _seam_layout(gathered: torch.Tensor, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered rows [kv_heads, n * width (...), head_dim] as the [n, width, kv_heads, head_dim] view the seam
+    hands over; heads stay outermost in memory, which batched products read without another copy."""
+    return gathered.view(-1, n, width, gathered.shape[-1]).to(dtype).permute(1, 2, 0, 3)

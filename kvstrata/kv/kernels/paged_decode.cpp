@@ -98,9 +98,14 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& block_tables, con
   }
 }
 
+// Shared by both storages: checks the inputs, then one work item per (sequence, KV head) over torch's threads.
 template <typename MakeRows>
-torch::Tensor run(torch::Tensor q, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                  int64_t kv_heads, double scale, MakeRows make_rows) {
+torch::Tensor run(torch::Tensor q, torch::Tensor block_tables, torch::Tensor context_lens, int64_t kv_heads,
+                  int64_t block, int64_t num_blocks, double scale, MakeRows make_rows) {
+  q = q.contiguous();
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  check_inputs(q, block_tables, context_lens, kv_heads, block, num_blocks);
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), group = heads / kv_heads;
   const int64_t width = block_tables.size(1);
   auto out = torch::empty_like(q);
@@ -126,16 +131,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                   k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() &&
                   k_pool.dim() == 4,
               "paged_decode_attention: K and V pools must be contiguous float32 [kv_heads, blocks, block, dim]");
-  q = q.contiguous();
-  block_tables = block_tables.to(torch::kInt64).contiguous();
-  context_lens = context_lens.to(torch::kInt64).contiguous();
   const int64_t kv_heads = k_pool.size(0), num_blocks = k_pool.size(1), block = k_pool.size(2);
   const int64_t dim = q.size(2);
   TORCH_CHECK(k_pool.size(3) == dim, "paged_decode_attention: head_dim of q and the pools differ");
-  check_inputs(q, block_tables, context_lens, kv_heads, block, num_blocks);
   const float* k = k_pool.data_ptr<float>();
   const float* v = v_pool.data_ptr<float>();
-  return run(q, block_tables, context_lens, kv_heads, scale, [&](const int64_t* table, int64_t h) {
+  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale, [&](const int64_t* table, int64_t h) {
     return FloatRows{k, v, table, block, dim, h * num_blocks * block};
   });
 }
@@ -147,16 +148,13 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_recor
                   k_records.is_contiguous() && v_records.is_contiguous() && k_records.sizes() == v_records.sizes() &&
                   k_records.dim() == 2,
               "paged_decode_attention_int8: K and V records must be contiguous uint8 [slots, record_bytes]");
-  q = q.contiguous();
-  block_tables = block_tables.to(torch::kInt64).contiguous();
-  context_lens = context_lens.to(torch::kInt64).contiguous();
   const int64_t dim = q.size(2), width = kv_heads * dim, record_bytes = k_records.size(1);
   TORCH_CHECK(record_bytes == width + 2, "paged_decode_attention_int8: records must hold kv_heads * dim codes and a scale");
   TORCH_CHECK(block > 0 && k_records.size(0) % block == 0, "paged_decode_attention_int8: slots must fill whole blocks");
-  check_inputs(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block);
   const uint8_t* k = k_records.data_ptr<uint8_t>();
   const uint8_t* v = v_records.data_ptr<uint8_t>();
-  return run(q, block_tables, context_lens, kv_heads, scale, [&](const int64_t* table, int64_t h) {
+  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale,
+             [&](const int64_t* table, int64_t h) {
     return Int8Rows{k, v, table, block, dim, record_bytes, width, h * dim, std::vector<float>(dim)};
   });
 }
