@@ -3,3 +3,12 @@
 
 class KvstrataError(ValueError):
     """A problem with what the user asked for; the message names the value and what is allowed."""
+
+
+class RequestFailed(Exception):
+    """One request cannot go on (its preloaded KV could not be stored, its logits are not finite) while the
+    other requests can: the engine ends it alone, with finish reason "error" and this message."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id

@@ -6,12 +6,12 @@ import socket
 import threading
 from contextlib import contextmanager
 
-import uvicorn
-
 from kvstrata.bench.serve import wait_healthy
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.server.app import build_app
+from kvstrata.server.options import ServerOptions
+from kvstrata.server.serve import make_server
 
 
 def free_port() -> int:
@@ -21,12 +21,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model: str | None, model_name: str = "test-model", max_waiting: int = 256, **options):
-    """Yields (base_url, app) while a uvicorn server runs in a background thread."""
-    engine = LLMEngine(EngineConfig(model=model, **options))
-    app = build_app(engine, model_name, max_waiting)
+def running_server(model: str | None, model_name: str = "test-model", server_options: ServerOptions | None = None,
+                   **engine_options):
+    """Yields (base_url, app) while the server runs in a background thread, with `kvstrata serve`'s settings."""
+    engine = LLMEngine(EngineConfig(model=model, **engine_options))
+    options = server_options or ServerOptions()
+    app = build_app(engine, model_name, options)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = make_server(app, "127.0.0.1", port, options, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"

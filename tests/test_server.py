@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.bench.serve import wait_healthy
+from kvstrata.server.options import ServerOptions
 from tests.server_harness import free_port, running_server
 
 MODEL = "test-model"
@@ -227,7 +228,7 @@ def _metric_line(url: str, series: str) -> float:
 
 
 def test_full_queue_answers_503_with_a_retry_hint(tiny_llama):
-    with running_server(str(tiny_llama), MODEL, max_waiting=1, kv_cache_memory="8MiB", max_model_len=256,
+    with running_server(str(tiny_llama), MODEL, ServerOptions(max_waiting=1), kv_cache_memory="8MiB", max_model_len=256,
                         max_num_seqs=1) as (url, app):
         async def burst():
             async with httpx.AsyncClient(timeout=120) as http:

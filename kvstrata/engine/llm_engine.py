@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import os
 import time
@@ -26,7 +27,7 @@ from kvstrata.engine.sampler import sample
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
 from kvstrata.engine.sequence import Sequence, SequenceStatus
-from kvstrata.errors import KvstrataError
+from kvstrata.errors import KvstrataError, RequestFailed
 from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
@@ -34,6 +35,7 @@ from kvstrata.model.fingerprint import model_fingerprint
 from kvstrata.model.loader import LoadedModel, load_model
 
 MAX_STEP_STATS = 100_000
+log = logging.getLogger("kvstrata.engine")
 
 
 @dataclass
@@ -232,6 +234,11 @@ class LLMEngine:
         seq.finish_reason = "abort"
         return self._finish(seq, time.perf_counter())
 
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """End a request with finish reason "error" and `message`; None if it is unknown or already done."""
+        seq = self._sequences.get(request_id)
+        return None if seq is None else self._fail(seq, message)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -246,37 +253,86 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the outputs of the requests that got a token or ended."""
-        plan = self.scheduler.schedule()
+        """Run one scheduled batch; return the outputs of the requests that got a token or ended.
+
+        A failure that belongs to one request (its preloaded KV cannot be stored, its logits are not finite,
+        its output cannot be processed) ends that request alone with finish reason "error". A failure of the
+        forward pass belongs to no one request: the step's requests end with "error", every other request
+        goes on (nothing of the step was committed, so their caches are as before it).
+        """
+        try:
+            plan = self.scheduler.schedule()
+        except RequestFailed as failure:  # while admitting a request; the others are scheduled next step
+            return [self._fail(self._sequences[failure.request_id], str(failure))]
         if not plan.scheduled:
             if self.scheduler.has_unfinished():  # would spin forever: a scheduler bug, not user input
                 raise RuntimeError(f"no tokens scheduled with {self.num_waiting} waiting, {self.num_running} running")
             return []
         start = time.perf_counter()
-        to_sample, logits = self.runner.execute(plan.scheduled)
+        try:
+            to_sample, logits = self.runner.execute(plan.scheduled)
+        except Exception as exc:
+            log.exception("a step's forward pass failed; ending the %d requests in it", len(plan.scheduled))
+            return [self._fail(seq, f"internal engine error: {type(exc).__name__}: {exc}") for seq, _ in plan.scheduled]
+        outputs = []
         prefill_tokens = 0
         for seq, num_tokens in plan.scheduled:
             is_decode = num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             prefill_tokens += 0 if is_decode else num_tokens
             seq.num_computed_tokens += num_tokens
             self.kv_manager.commit(seq, num_tokens)
-            if seq.preloaded and not self.kv_manager.place_preloaded(seq):
-                self.scheduler.preempt(seq)  # short of blocks for its next preloaded range
+            outputs.extend(self._place_preloaded(seq))
+        to_sample, logits, failed = self._drop_nonfinite(to_sample, logits)
+        outputs.extend(failed)
         tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
         now = time.perf_counter()
-        outputs = []
         for seq, token, token_logprobs in zip(to_sample, tokens, logprobs):
-            self.outputs.append_token(seq, token, token_logprobs, now)
-            if seq.finish_reason is not None:
-                self._sequences.pop(seq.request_id, None)
-                outputs.append(self._finish(seq, now))
-            else:
-                outputs.append(self.outputs.build_output(seq))
+            outputs.append(self._append_token(seq, token, token_logprobs, now))
         self.step_stats.append(
             StepStats(prefill_tokens, plan.num_tokens - prefill_tokens, len(plan.scheduled), len(plan.preempted),
                       now - start)
         )
         return outputs
+
+    def _place_preloaded(self, seq: Sequence) -> list[RequestOutput]:
+        """Store the preloaded range that follows the step's tokens; a failure ends `seq` alone."""
+        if not seq.preloaded:
+            return []
+        try:
+            if not self.kv_manager.place_preloaded(seq):
+                self.scheduler.preempt(seq)  # short of blocks for its next preloaded range
+        except RequestFailed as failure:
+            return [self._fail(seq, str(failure))]
+        return []
+
+    def _drop_nonfinite(self, to_sample: list[Sequence], logits: torch.Tensor):
+        """Sequences whose logits hold NaN or inf (a corrupt context) end with an error; the rest are sampled."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):
+            return to_sample, logits, []
+        keep = finite.tolist()
+        failed = [self._fail(seq, "the model's logits for this request are not finite (NaN or inf): its context "
+                                  "(a preloaded KV cache, most likely) is corrupt")
+                  for seq, ok in zip(to_sample, keep) if not ok]
+        return [seq for seq, ok in zip(to_sample, keep) if ok], logits[finite], failed
+
+    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:
+        try:
+            self.outputs.append_token(seq, token, logprobs, now)
+        except Exception as exc:  # detokenizing or matching stop strings: a fault of this request's output only
+            log.exception("request %s: its output could not be processed", seq.request_id)
+            return self._fail(seq, f"its output could not be processed: {type(exc).__name__}: {exc}")
+        if seq.finish_reason is not None:
+            self._sequences.pop(seq.request_id, None)
+            return self._finish(seq, now)
+        return self.outputs.build_output(seq)
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """End `seq` with finish reason "error"; what it wrote to the cache is never served to another request."""
+        self._sequences.pop(seq.request_id, None)
+        seq.finish_reason, seq.error = "error", message
+        self.kv_manager.discard(seq)
+        return self._finish(seq, time.perf_counter())
 
     def _finish(self, seq: Sequence, now: float) -> RequestOutput:
         self.scheduler.finish(seq)

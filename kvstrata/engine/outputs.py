@@ -43,13 +43,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
     new_text: str = ""  # streaming: text released since the previous output of this request
     new_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list, repr=False)  # prompt then output, shared
     all_logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)  # shared; None: not asked for
+    error: str | None = None  # what ended the request, when finish_reason is "error"
 
     @property
     def token_ids(self) -> list[int]:

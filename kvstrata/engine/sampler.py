@@ -2,6 +2,10 @@
 
 Every row is filtered and drawn in batched tensor operations, and the tokens reach Python in one
 transfer at the end: no host sync per row (rows with their own seed draw from their own generator).
+
+No accepted parameter can make a row's distribution NaN: temperatures below `GREEDY_BELOW_TEMPERATURE`
+sample greedily (their limit; dividing fp32 logits by them would overflow), and top-p always keeps the
+most likely token (a top_p that rounds to 0 in fp32 would otherwise drop every token).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         probs = sorted_logits.softmax(-1)
         # Drop a token when the ones before it already cover top_p; the first always stays.
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop_sorted[:, 0] = False
         logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
     return logits
 
@@ -35,7 +40,7 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """One token per row of `logits` [rows, vocab] (fp32), plus logprobs where asked for."""
+    """One token per row of `logits` [rows, vocab] (fp32, finite), plus logprobs where asked for."""
     tokens = logits.argmax(dim=-1)
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:

@@ -8,6 +8,9 @@ from kvstrata.errors import KvstrataError
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
+# Below this a temperature samples greedily, its limit (vLLM draws the same line): fp32 logits divided by
+# 1e-40 overflow to inf, and the softmax of inf is NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def _check_int(name: str, value, minimum: int, allow_none: bool = False, maximum: int | None = None) -> None:
@@ -30,7 +33,8 @@ def _check_number(name: str, value, low: float, high: float, low_inclusive: bool
 
 @dataclass
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off."""
+    """temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy; top_k 0 and top_p 1 switch those
+    filters off."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -60,4 +64,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1

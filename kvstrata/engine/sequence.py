@@ -50,6 +50,7 @@ class Sequence:
     output_text: str = ""
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why it ended, when finish_reason is "error"
     first_token_time: float | None = None
     finish_time: float | None = None
 

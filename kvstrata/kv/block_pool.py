@@ -75,3 +75,10 @@ class BlockPool:
         if self.hash_of_block[block] is None and block_hash not in self.block_of_hash:
             self.block_of_hash[block_hash] = block
             self.hash_of_block[block] = block_hash
+
+    def forget(self, block: int) -> None:
+        """Take a block out of the prefix-cache index: no later request will find its content."""
+        cached = self.hash_of_block[block]
+        if cached is not None:
+            del self.block_of_hash[cached]
+            self.hash_of_block[block] = None

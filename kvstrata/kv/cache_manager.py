@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvstrata.errors import RequestFailed
 from kvstrata.kv.block_hash import BlockHash, full_block_hashes
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.preloaded import Preloaded
@@ -15,6 +16,7 @@ from kvstrata.kv.preloaded import Preloaded
 class Sequence(Protocol):
     """What the cache manager reads and writes of a request (engine/sequence.py has the whole of it)."""
 
+    request_id: str
     token_ids: list[int]
     block_table: list[int]
     block_hashes: list[BlockHash]
@@ -155,11 +157,23 @@ class KVCacheManager:
                 continue
             if not self.grow(seq, end - start):
                 return False
-            self.write_kv(seq.block_table, segment, start, end)
+            try:
+                self.write_kv(seq.block_table, segment, start, end)
+            except Exception as exc:  # a corrupt file, a failed fetch: this request's problem alone
+                raise RequestFailed(seq.request_id, f"its preloaded KV for tokens [{start}, {end}) could not be "
+                                                    f"stored: {exc}") from exc
             seq.num_computed_tokens = end
             seq.num_preloaded_tokens += end - start
             self.commit(seq, end - start)
         return True
+
+    def discard(self, seq: Sequence) -> None:
+        """Free a failed sequence's blocks and take those only it held out of the prefix cache: what it
+        wrote may be corrupt (a bad preloaded context) and must not be served to another request."""
+        for block in seq.block_table:
+            if self.pool.ref_counts[block] == 1:
+                self.pool.forget(block)
+        self.free(seq)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`; the tail goes first, so shared heads stay cached longest."""

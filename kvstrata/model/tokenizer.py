@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import jinja2.sandbox
 import tokenizers
 
 from kvstrata.errors import KvstrataError
+
+_CONTENT_MARK = "\ue000"  # a private-use character: no chat template writes it
 
 
 def _token_text(value) -> str | None:
@@ -77,6 +80,39 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise KvstrataError(f"chat template failed on the messages: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        # The rendered template already holds any special tokens the model expects.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    @functools.cached_property
+    def special_token_texts(self) -> frozenset[str]:
+        return frozenset(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """No token covers more characters of text than its longest vocabulary entry: each character of a
+        byte-level entry stands for one byte, and a text character is at least one byte."""
+        return max(len(text) for text in self.backend.get_vocab(with_added_tokens=True))
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False) -> list[int]:
+        """The rendered template's tokens. The template's own special tokens are parsed as such; the same
+        text inside a message's content is encoded as plain text unless `special_tokens_in_content`, so a
+        user cannot forge a role boundary (transformers parses it; trusted clients may ask for that)."""
+        contents = [m["content"] for m in messages]
+        if special_tokens_in_content or not any(s in c for c in contents for s in self.special_token_texts):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        # Render with each content replaced by a marker, then encode the template's text and the contents apart.
+        marked = [{**m, "content": f"{_CONTENT_MARK}{i}{_CONTENT_MARK}"} for i, m in enumerate(messages)]
+        pieces = self.apply_chat_template(marked, add_generation_prompt).split(_CONTENT_MARK)
+        token_ids = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                token_ids += self.encode(piece, add_special_tokens=False)
+            else:
+                token_ids += self._literal_backend.encode(contents[int(piece)], add_special_tokens=False).ids
+        return token_ids
+
+    @functools.cached_property
+    def _literal_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token text as plain text (the flag is the backend's
+        own state, so the shared backend is never switched while other threads encode)."""
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend

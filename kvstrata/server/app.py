@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -12,17 +13,31 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.errors import KvstrataError
-from kvstrata.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvstrata.server.async_engine import AsyncEngine, ServerError
+from kvstrata.server.body_limit import BodyLimit
 from kvstrata.server.metrics import ServerMetrics
+from kvstrata.server.openapi import (
+    METRICS_RESPONSES,
+    ChatCompletionResponse,
+    CompletionResponse,
+    completion_responses,
+    fix_openapi,
+)
+from kvstrata.server.options import ServerOptions
 from kvstrata.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, CompletionRequest
+from kvstrata.server.request_prep import FieldError, RequestPreparer
 from kvstrata.server.responses import ResponseBuilder, error_body, sse
 
 log = logging.getLogger("kvstrata.server")
 RETRY_AFTER_SECONDS = 1
+# Pydantic types whose error only says "not this member of a union": another member's error says more.
+_TYPE_MISMATCHES = {"string_type", "int_type", "float_type", "bool_type", "list_type", "dict_type", "model_type",
+                    "model_attributes_type", "literal_error", "none_required"}
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -30,21 +45,56 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
     return JSONResponse(error_body(message, param, kind, code), status_code=status, headers=headers)
 
 
+def _server_error(exc: ServerError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if exc.status == 503 else None
+    return _error(exc.status, str(exc), kind=exc.kind, headers=headers)
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    first = errors[0]
     if first.get("type") == "json_invalid":
         return _error(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
-    location = first.get("loc", ())[1:]  # drop the leading "body"
+    # Of one field's errors (a union has one per member), the first that is not a mere type mismatch.
+    same_field = [e for e in errors if e.get("loc", ())[:2] == first.get("loc", ())[:2]]
+    chosen = next((e for e in same_field if e["type"] not in _TYPE_MISMATCHES), first)
+    message = str(chosen["ctx"]["error"]) if chosen["type"] == "value_error" else chosen["msg"]
+    location = chosen.get("loc", ())[1:]  # drop the leading "body"
     if not location:
-        return _error(400, f"request body must be a JSON object: {first['msg']}")
+        return _error(400, f"request body must be a JSON object: {message}")
     # Union members add their type's name to the location; keep field names and list indexes.
     param = ".".join(str(p) for p in location if isinstance(p, int) or p in REQUEST_FIELDS)
-    return _error(400, f"{param}: {first['msg']}", param)
+    return _error(400, f"{param}: {message}", param)
 
 
-def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 256) -> FastAPI:
+class CatchUnexpected:
+    """Turns an unexpected error into one logged traceback and a JSON 500 (Starlette's own handler would
+    log it a second time when it re-raises)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.exception("unexpected error serving %s %s", scope.get("method"), scope.get("path"))
+            if scope["type"] == "http" and not started:
+                await _error(500, f"internal error: {type(exc).__name__}", kind="internal_error")(scope, receive, send)
+
+
+def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
     metrics = ServerMetrics(model_name)
-    async_engine = AsyncEngine(engine, max_waiting, metrics)
+    async_engine = AsyncEngine(engine, options.max_waiting, metrics)
+    preparer = RequestPreparer(engine, options)
     tokenizer = engine.tokenizer
 
     @asynccontextmanager
@@ -53,8 +103,12 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 256) -> Fas
         yield
         async_engine.stop()
 
-    app = FastAPI(title="kvstrata", lifespan=lifespan)
+    # No /docs or /redoc: their pages load scripts from a CDN, which a server without internet cannot reach.
+    app = FastAPI(title="kvstrata", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
+    app.add_middleware(CatchUnexpected)
+    app.add_middleware(BodyLimit, max_bytes=options.max_request_bytes, read_timeout=options.read_timeout)
+    fix_openapi(app, model_name, engine.model_config.vocab_size, engine.max_model_len, options.max_tokens_limit)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -62,13 +116,9 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 256) -> Fas
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404 else
-                      "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error")
-        return _error(500, f"internal error: {type(exc).__name__}", kind="internal_error")
+        kinds = {404: "not_found_error", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+        return _error(exc.status_code, str(exc.detail), kind=kinds.get(exc.status_code, "invalid_request_error"),
+                      headers=exc.headers)
 
     @app.get("/health")
     async def health():
@@ -81,47 +131,45 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 256) -> Fas
             "max_model_len": engine.max_model_len,
         }]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
+    for path, endpoint in (("/health", health), ("/v1/models", models), ("/metrics", prometheus_metrics)):
+        app.add_api_route(path, endpoint, methods=["HEAD"], operation_id=f"{endpoint.__name__}_head")
+
+    @app.post("/v1/completions", responses=completion_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
-        return await _serve(body, request, chat=False)
+        return await _serve(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=completion_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _serve(body, request, chat=True)
+        return await _serve(body, request)
 
-    async def _serve(body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool):
+    async def _serve(body: CompletionRequest | ChatCompletionRequest, request: Request):
+        chat = isinstance(body, ChatCompletionRequest)
         if body.model != model_name:
             return _error(404, f"model {body.model!r} does not exist; this server has {model_name!r}", "model",
                           code="model_not_found")
         try:
-            if chat:
-                if tokenizer is None:
-                    raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
-                token_ids = tokenizer.encode_chat([m.plain() for m in body.messages])
-                max_tokens, logprobs = body.max_completion_tokens or body.max_tokens, body.requested_logprobs
-            else:
-                token_ids = engine.tokenize(body.single_prompt)
-                max_tokens, logprobs = body.max_tokens, body.logprobs
-            engine.check_prompt_length(token_ids)
-            params = body.sampling_params(max_tokens or engine.max_model_len - len(token_ids), logprobs)
+            preparer.precheck(body)
+            token_ids, params = await asyncio.to_thread(preparer.prepare, body)
             outputs = async_engine.generate(token_ids, params)
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
+        except FieldError as exc:
+            return _error(400, str(exc), exc.param)
         except KvstrataError as exc:
             return _error(400, str(exc), "messages" if chat else "prompt")
-        except QueueFullError as exc:
-            return _error(503, f"server busy: {exc}; retry later", kind="server_overloaded",
-                          headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        except EngineDeadError as exc:
-            return _error(503, str(exc), kind="server_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        except ServerError as exc:
+            return _server_error(exc)
         builder = ResponseBuilder(chat, model_name, tokenizer)
         if body.stream:
             return StreamingResponse(_stream(builder, first, outputs, body.include_usage),
                                      media_type="text/event-stream")
-        final = await _last(first, outputs, request)
+        try:
+            final = await _last(first, outputs, request)
+        except ServerError as exc:
+            return _server_error(exc)
         if final is None:
             return Response(status_code=499)  # the client left; nothing to send
         return builder.full(final)
@@ -158,8 +206,8 @@ async def _stream(builder: ResponseBuilder, first: RequestOutput, outputs: Async
             output = await anext(outputs)
         if include_usage:
             yield sse(builder.usage_chunk(output))
-    except EngineDeadError as exc:
-        yield sse(json.dumps(error_body(str(exc), kind="server_error")))
+    except ServerError as exc:
+        yield sse(json.dumps(error_body(str(exc), kind=exc.kind)))
     finally:
         await outputs.aclose()  # a disconnect lands here: the request is aborted, its blocks freed
     yield sse("[DONE]")

@@ -1,7 +1,9 @@
 """The engine stepping in one background thread while HTTP requests arrive on the event loop.
 
-The thread owns the `LLMEngine` (which is not thread-safe): requests and aborts reach it through
-a command queue, and each request's outputs come back on its own asyncio queue.
+The thread owns the `LLMEngine` (which is not thread-safe): requests, aborts and "end everything" reach
+it through a command queue, and each request's outputs come back on its own asyncio queue. Nothing a
+request does can stop the thread: a failure the engine can pin on one request ends that request alone,
+and anything else ends the requests in flight with one error while the loop goes on.
 """
 
 from __future__ import annotations
@@ -23,18 +25,41 @@ from kvstrata.server.metrics import ServerMetrics
 log = logging.getLogger("kvstrata.server")
 
 
-class QueueFullError(Exception):
+class ServerError(Exception):
+    """A request the server could not serve to its end; `status` and `kind` are what the client sees."""
+
+    status = 500
+    kind = "server_error"
+
+
+class RequestError(ServerError):
+    """The engine ended this request alone (its context is corrupt, its output could not be processed)."""
+
+
+class EngineDeadError(ServerError):
+    """The engine loop hit an internal error that it could not pin on one request."""
+
+    kind = "internal_error"
+
+
+class QueueFullError(ServerError):
     """The waiting queue is at --max-waiting: the client should retry later."""
 
+    status = 503
+    kind = "server_overloaded"
 
-class EngineDeadError(Exception):
-    """The engine loop hit an internal error; the request could not be served."""
+
+class ShuttingDownError(ServerError):
+    """The server is shutting down: the request was stopped, or never started."""
+
+    status = 503
+    kind = "server_shutting_down"
 
 
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    token_ids: list[int]
     params: SamplingParams
     arrival: float
 
@@ -42,6 +67,11 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _EndAll:
+    error: ServerError
 
 
 class AsyncEngine:
@@ -53,7 +83,8 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._admitted = 0  # requests sent to the thread and not yet finished
         self._lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # no new requests
+        self._exiting = threading.Event()  # the thread ends once its commands are applied
         self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
         self._counter = 0
 
@@ -62,22 +93,27 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop stepping; requests still in flight end with finish reason 'abort'."""
+    def end_all(self, error: ServerError) -> None:
+        """End every request in flight with `error` (the shutdown grace period is over) and take no new ones."""
         self._stopping.set()
+        self._commands.put(_EndAll(error))
+
+    def stop(self) -> None:
+        """Stop stepping; requests still in flight end with ShuttingDownError."""
+        self.end_all(ShuttingDownError("the server shut down before the request finished"))
+        self._exiting.set()
         self._thread.join()
 
     @property
     def num_in_flight(self) -> int:
         return self._admitted
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs; leaving early (a disconnect) aborts it."""
+    async def generate(self, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit a checked prompt and yield its outputs; leaving early (a disconnect) aborts it.
+
+        Raises a ServerError subclass when the request cannot be served to its end."""
         if self._stopping.is_set():
-            raise QueueFullError("the server is shutting down")
-        # Validate on the caller's side so a bad prompt is the client's 400, not the loop's problem.
-        token_ids = self.engine.tokenize(prompt)
-        self.engine.check_prompt_length(token_ids)
+            raise ShuttingDownError("the server is shutting down and takes no new requests")
         with self._lock:
             waiting = self._admitted - self.engine.num_running
             if waiting >= self.max_waiting:
@@ -93,7 +129,11 @@ class AsyncEngine:
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, Exception):
+                    finished = True
                     raise item
+                if item.finish_reason == "error":
+                    finished = True
+                    raise RequestError(f"the request failed: {item.error}")
                 finished = item.finished
                 yield item
         finally:
@@ -103,45 +143,62 @@ class AsyncEngine:
     # --- engine-thread side -------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._apply_commands(block=not self.engine.has_unfinished_requests())
-            if not self.engine.has_unfinished_requests():
-                continue
+        while not (self._exiting.is_set() and self._commands.empty()):
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # an engine bug must not take the server down with it
-                log.exception("engine step failed; failing the requests in flight")
-                self._fail_all(EngineDeadError(f"internal engine error: {exc}"))
-                continue
-            for output in outputs:
-                self.metrics.observe_output(output)
-                self._deliver(output.request_id, output)
-            self.metrics.observe_step(self.engine)
-        self._fail_all(None)
+                if self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                    self.metrics.observe_step(self.engine)  # aborts and failures change the gauges too
+                if self.engine.has_unfinished_requests():
+                    self._step()
+            except Exception:  # the loop itself must outlive any error: end what is in flight, go on
+                log.exception("engine loop error; ending the requests in flight")
+                self._end_all(EngineDeadError("internal engine error; the request was stopped"))
 
-    def _apply_commands(self, block: bool) -> None:
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # an engine bug outside any one request's part of the step
+            log.exception("engine step failed; ending the requests in flight")
+            self._end_all(EngineDeadError(f"internal engine error: {type(exc).__name__}: {exc}"))
+            return
+        for output in outputs:
+            self.metrics.observe_output(output)
+            self._deliver(output.request_id, output)
+        self.metrics.observe_step(self.engine)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply the queued commands; True if there were any."""
         try:
             command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             if isinstance(command, _Add):
-                try:
-                    self.engine.add_request(command.prompt, command.params, command.request_id, command.arrival)
-                except KvstrataError as exc:
-                    self._deliver(command.request_id, exc)
-                except Exception as exc:  # never let one request stop the loop
-                    log.exception("could not start request %s", command.request_id)
-                    self._deliver(command.request_id, EngineDeadError(f"could not start the request: {exc}"))
-            else:
+                self._add(command)
+            elif isinstance(command, _Abort):
                 output = self.engine.abort(command.request_id)
                 if output is not None:
                     self.metrics.observe_finished(output)
                     self._deliver(command.request_id, output)
+            else:
+                self._end_all(command.error)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
+
+    def _add(self, command: _Add) -> None:
+        if command.request_id not in self._streams:
+            return  # ended before it started (everything in flight was ended meanwhile)
+        if self._stopping.is_set():
+            self._deliver(command.request_id, ShuttingDownError("the server is shutting down"))
+            return
+        try:
+            self.engine.add_request(command.token_ids, command.params, command.request_id, command.arrival)
+        except KvstrataError as exc:  # the client's to fix: a 400
+            self._deliver(command.request_id, exc)
+        except Exception as exc:  # never let one request stop the loop
+            log.exception("could not start request %s", command.request_id)
+            self._deliver(command.request_id, EngineDeadError(f"could not start the request: {exc}"))
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         finished = isinstance(item, Exception) or item.finished
@@ -154,12 +211,14 @@ class AsyncEngine:
         outputs, loop = stream
         loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-    def _fail_all(self, error: Exception | None) -> None:
-        """End every request in flight: with `error`, or (at shutdown) as aborted."""
-        self._apply_commands(block=False)
+    def _end_all(self, error: ServerError) -> None:
+        """End every request in flight with `error`; each is answered even if the engine cannot end it cleanly."""
         for request_id in list(self._streams):
-            output = self.engine.abort(request_id)
-            if error is not None or output is None:
-                self._deliver(request_id, error or EngineDeadError("the server stopped"))
-            else:
-                self._deliver(request_id, output)
+            try:
+                output = self.engine.fail(request_id, str(error))
+                if output is not None:
+                    self.metrics.observe_finished(output)
+            except Exception:
+                log.exception("could not end request %s cleanly", request_id)
+            self._deliver(request_id, error)
+        self.metrics.observe_step(self.engine)

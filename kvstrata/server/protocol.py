@@ -1,15 +1,72 @@
-"""OpenAI request bodies, validated strictly: a wrong type or range is a 400 naming the field."""
+"""OpenAI request bodies, validated strictly: a wrong type or range is a 400 naming the field.
+
+Every text field must be encodable as UTF-8: JSON can carry a lone surrogate (\\ud800), a tokenizer cannot."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 
 from kvstrata.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
-Number = StrictFloat | StrictInt
-TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+MAX_STOP_STRINGS = 16
+
+
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone surrogate {text[exc.start]!r} at character {exc.start}; "
+                         "UTF-8 text cannot") from None
+    return text
+
+
+def _check_stop(value):
+    """One clear message for each way `stop` can be wrong (a union's errors would name the wrong member)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(value).__name__}")
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}")
+    if "" in value:
+        raise ValueError(f"stop strings must not be empty (entry {value.index('')} is)")
+    return value
+
+
+def _whole_number(value):
+    """JSON does not tell 1 from 1.0 (JSON Schema's "integer" takes both); a fraction or a bool stays an error."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
+def _not_supported_if_true(value: bool) -> bool:
+    if value:
+        raise ValueError("is not supported: only false")
+    return value
+
+
+def integer(**constraints):
+    """A JSON integer with `constraints` (ge=..., le=...), stated in the schema as minimum and maximum."""
+    return Annotated[StrictInt, Field(**constraints), BeforeValidator(_whole_number)]
+
+
+Number = StrictFloat  # takes ints too, not bools
+TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 
 
 class StreamOptions(BaseModel):
@@ -21,18 +78,19 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    model: Text
+    max_tokens: integer(ge=1) | None = None
     temperature: Annotated[Number, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[Number, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[StrictInt, Field(ge=-1)] = 0  # vLLM's -1 also means "off"
-    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
-    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=16)] | None = None
-    n: Literal[1] = 1
+    top_k: integer(ge=-1) = 0  # vLLM's -1 also means "off"
+    seed: integer(ge=0, le=MAX_SEED) | None = None
+    stop: Annotated[Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
+                    | None, BeforeValidator(_check_stop)] = None
+    n: integer(ge=1, le=1) = 1  # one choice per request
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Literal[0, 0.0] = 0
-    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
+    frequency_penalty: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
     ignore_eos: StrictBool = False
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -54,10 +112,12 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
-    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: Literal[False] = False
+    prompt: (Annotated[Text, Field(min_length=1)] | TokenIds
+             | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=1)])
+    max_tokens: integer(ge=1) | None = 16
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    echo: Annotated[StrictBool, AfterValidator(_not_supported_if_true),
+                    WithJsonSchema({"type": "boolean", "const": False})] = False
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -68,12 +128,12 @@ class CompletionRequest(_SamplingFields):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
-    content: StrictStr | list[TextPart]
+    content: Text | list[TextPart]
 
     def plain(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -81,16 +141,23 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # The schema says what the validator below checks, so generated clients and fuzzers know it too.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+    })
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: integer(ge=1) | None = None
+    logprobs: StrictBool = False
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs: true")
-        return self
+        return value
 
     @property
     def requested_logprobs(self) -> int | None:

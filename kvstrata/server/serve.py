@@ -3,34 +3,69 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import functools
 import logging
 import signal
+import threading
 
 import uvicorn
+from fastapi import FastAPI
 
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
+from kvstrata.server.options import DEFAULT_MAX_REQUEST_BYTES, ServerOptions
+
+# After the grace period, requests still running get their error responses; uvicorn's own cancellation
+# (a plain-text 500) comes this much later, only if a response could not be finished meanwhile.
+FINISH_RESPONSES_SECONDS = 10.0
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 exposes it)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the model file's or directory's name)")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="requests allowed to wait for a slot; beyond it the server answers 503 (default: 256)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
+                        help="seconds in-flight requests get to finish after SIGTERM; then they end with an error "
+                             "response (default: 30)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"largest request body accepted, checked before parsing; larger ones get 413 "
+                             f"(default: {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument("--max-tokens-limit", type=int, default=None,
+                        help="largest max_tokens a request may ask for (default: the model's context)")
+    parser.add_argument("--read-timeout", type=float, default=30.0,
+                        help="seconds a client gets to send a request's headers, and then its body (default: 30)")
+    parser.add_argument("--special-tokens-in-chat", action="store_true",
+                        help="parse special-token text (<|im_end|>, ...) in chat message content as special tokens; "
+                             "only for trusted clients, since it lets them forge role boundaries (default: plain text)")
     add_engine_arguments(parser)
 
 
+def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
+                         max_tokens_limit=args.max_tokens_limit, read_timeout=args.read_timeout,
+                         special_tokens_in_chat=args.special_tokens_in_chat, shutdown_grace=args.shutdown_grace)
+
+
 class GracefulServer(uvicorn.Server):
-    """On SIGTERM or SIGINT: stop accepting, give open requests the grace period, let the app's
-    shutdown abort what is left, and exit 0. (uvicorn itself re-raises the signal once shut down,
-    which makes the exit status -15 instead of the 0 a supervisor expects.)"""
+    """On SIGTERM or SIGINT: stop accepting, give open requests the grace period, then end the ones still
+    running with an error response (JSON, or a stream's error event and [DONE]), and exit 0. (uvicorn itself
+    would cut them with a plain-text 500 and re-raise the signal, making the exit status -15.)"""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace: float):
+        super().__init__(config)
+        self.app = app
+        self.grace = grace
 
     @contextlib.contextmanager
     def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
@@ -38,17 +73,34 @@ class GracefulServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    async def shutdown(self, sockets=None) -> None:
+        from kvstrata.server.async_engine import ShuttingDownError
+
+        error = ShuttingDownError(f"the server shut down before the request finished (--shutdown-grace {self.grace:g} s)")
+        timer = asyncio.get_running_loop().call_later(self.grace, self.app.state.async_engine.end_all, error)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def make_server(app: FastAPI, host: str, port: int, options: ServerOptions, log_level: str = "info") -> GracefulServer:
+    from kvstrata.server.connection_timeout import HeaderTimeoutH11Protocol
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level,
+        http=functools.partial(HeaderTimeoutH11Protocol, header_timeout=options.read_timeout),
+        timeout_graceful_shutdown=options.shutdown_grace + FINISH_RESPONSES_SECONDS,
+    )
+    return GracefulServer(config, app, options.shutdown_grace)
+
 
 def run_serve(args: argparse.Namespace) -> None:
     from kvstrata.engine.llm_engine import LLMEngine
-    from kvstrata.errors import KvstrataError
     from kvstrata.server.app import build_app
 
-    if args.max_waiting < 1:
-        raise KvstrataError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    options = server_options_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config_from_args(args))
-    app = build_app(engine, args.served_model_name or engine.loaded.name, args.max_waiting)
-    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.shutdown_grace,
-                            log_level="info")
-    GracefulServer(config).run()
+    app = build_app(engine, args.served_model_name or engine.loaded.name, options)
+    make_server(app, args.host, args.port, options).run()

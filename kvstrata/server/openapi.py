@@ -1,0 +1,127 @@
+"""The OpenAPI document says what the server answers: 400 (not FastAPI's default 422) for a bad body,
+every error status an endpoint can give, event streams and Prometheus text as what they are."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+_ERRORS = {
+    400: "The body is malformed or asks for something this server cannot do (the message names the field)",
+    404: "No model of that name is served here",
+    408: "The body did not arrive within the read timeout",
+    413: "The body is larger than --max-request-bytes",
+    500: "The request failed inside the engine (the message says why); other requests are unaffected",
+    503: "The server is overloaded or shutting down; retry after the Retry-After seconds",
+}
+# With stream: true, each server-sent event's data is a JSON chunk (or an error object), the last one [DONE].
+_STREAM = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                            "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
+
+
+def completion_responses(model: type[BaseModel]) -> dict:
+    errors = {status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}
+    return {200: {"model": model, "content": _STREAM}, **errors}
+
+
+METRICS_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                           "description": "Prometheus text exposition format"}}
+
+
+def fix_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_len: int,
+                max_tokens_limit: int | None) -> None:
+    """Replace FastAPI's generated document by the corrected one, which also states this server's own
+    limits: the one model it serves, the token ids its vocabulary has, the largest max_tokens it takes."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema["paths"].values():
+                for method, operation in path.items():
+                    operation["responses"].pop("422", None)  # validation errors are answered 400
+                    if method == "head":
+                        operation["responses"] = {"200": {"description": "The GET response's headers, no body"}}
+            components = schema["components"]["schemas"]
+            for unused in ("HTTPValidationError", "ValidationError"):
+                components.pop(unused, None)
+            # FastAPI re-reads pydantic's schemas into float-typed fields (the seed's maximum 2**63 - 1 came
+            # out as 9.223372036854776e+18); pydantic's own output is exact.
+            for model in REQUEST_MODELS:
+                generated = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(generated.pop("$defs", {}))
+                fields = generated["properties"]
+                fields["model"]["enum"] = [model_name]
+                for name in ("max_tokens", "max_completion_tokens"):
+                    if name in fields and max_tokens_limit is not None:
+                        fields[name]["anyOf"][0]["maximum"] = max_tokens_limit
+                if "prompt" in fields:
+                    token_ids = next(s for s in fields["prompt"]["anyOf"] if s.get("items", {}).get("type") == "integer")
+                    token_ids["items"]["maximum"] = vocab_size - 1
+                    token_ids["maxItems"] = max_model_len - 1
+                components[model.__name__] = generated
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -1,0 +1,30 @@
+"""What a server operator can set about the HTTP side: queue, input limits, timeouts, chat special tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.errors import KvstrataError
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    max_waiting: int = 256  # requests allowed to wait for a slot; beyond it: 503
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is refused (413) before it is parsed
+    max_tokens_limit: int | None = None  # cap on a request's max_tokens; None: the model's context
+    read_timeout: float = 30.0  # seconds a client gets to send its request's headers, and then its body
+    special_tokens_in_chat: bool = False  # parse special-token text in chat content (trusted clients only)
+    shutdown_grace: float = 30.0  # seconds in-flight requests get to finish at shutdown
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise KvstrataError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise KvstrataError(f"--max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
+        for name in ("read_timeout", "shutdown_grace"):
+            if not getattr(self, name) > 0:
+                raise KvstrataError(f"--{name.replace('_', '-')} must be a positive number of seconds, "
+                                    f"got {getattr(self, name)}")

@@ -1,0 +1,82 @@
+"""From a validated request body to checked prompt token ids and sampling parameters.
+
+Tokenizing and rendering a chat template take time in proportion to the text, so they run in a worker
+thread (the tokenizer releases the GIL while it encodes); a cheap character count on the event loop first
+turns away text that cannot fit the context whatever its tokens.
+"""
+
+from __future__ import annotations
+
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.errors import KvstrataError
+from kvstrata.server.options import ServerOptions
+from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+
+Body = CompletionRequest | ChatCompletionRequest
+
+
+class FieldError(KvstrataError):
+    """A request the server refuses (400), and the field to blame."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class RequestPreparer:
+    def __init__(self, engine: LLMEngine, options: ServerOptions):
+        self.engine = engine
+        self.options = options
+        tokenizer = engine.tokenizer
+        # More characters than this cannot fit the context, however they tokenize.
+        self.max_chars = None if tokenizer is None else engine.max_model_len * tokenizer.max_chars_per_token
+
+    def precheck(self, body: Body) -> None:
+        """On the event loop: refuse what is certainly too long without tokenizing it."""
+        chat = isinstance(body, ChatCompletionRequest)
+        param = "messages" if chat else "prompt"
+        prompt = None if chat else body.single_prompt
+        if isinstance(prompt, list):
+            if len(prompt) >= self.engine.max_model_len:
+                raise FieldError(param, f"the prompt has {len(prompt)} tokens; the context allows at most "
+                                        f"{self.engine.max_model_len - 1}")
+            return
+        chars = sum(len(m.plain()["content"]) for m in body.messages) if chat else len(prompt)
+        if self.max_chars is not None and chars > self.max_chars:
+            raise FieldError(param, f"the {param} text has {chars} characters, more than {self.max_chars} "
+                                    f"({self.engine.max_model_len} tokens of at most "
+                                    f"{self.engine.tokenizer.max_chars_per_token} characters) can fit the context")
+
+    def prepare(self, body: Body) -> tuple[list[int], SamplingParams]:
+        """In a worker thread: the prompt's token ids and the request's sampling parameters."""
+        chat = isinstance(body, ChatCompletionRequest)
+        param = "messages" if chat else "prompt"
+        try:
+            if chat:
+                token_ids = self._chat_tokens(body)
+            else:
+                token_ids = self.engine.tokenize(body.single_prompt)
+            self.engine.check_prompt_length(token_ids)
+        except FieldError:
+            raise
+        except KvstrataError as exc:
+            raise FieldError(param, str(exc)) from exc
+        asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        limit = self.options.max_tokens_limit
+        if not chat and "max_tokens" not in body.model_fields_set and limit is not None:
+            asked = min(asked, limit)  # the API's default of 16 bows to the server's limit
+        if asked is not None and limit is not None and asked > limit:
+            field = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+            raise FieldError(field, f"{field} {asked} exceeds this server's --max-tokens-limit of {limit}")
+        room = self.engine.max_model_len - len(token_ids)
+        max_tokens = asked or min(room, limit or room)
+        logprobs = body.requested_logprobs if chat else body.logprobs
+        return token_ids, body.sampling_params(max_tokens, logprobs)
+
+    def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise FieldError("messages", "this model has no tokenizer, so it cannot take chat messages")
+        return tokenizer.encode_chat([m.plain() for m in body.messages],
+                                     special_tokens_in_content=self.options.special_tokens_in_chat)

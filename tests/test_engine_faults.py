@@ -1,0 +1,120 @@
+"""One request's failure is its own: a corrupt preloaded context, a failed forward pass, parameters that
+underflow fp32 — the other requests of the step go on and their outputs stay those of a clean run."""
+
+import math
+
+import pytest
+import torch
+
+from kvstrata.config import EngineConfig
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampler import sample
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.kv.preloaded import LayerwiseKV, PreloadedKV
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+BYSTANDERS = [[5, 17, 93, 40, 2, 77], [300, 12, 44], list(range(20, 60)), [9, 9, 9, 9, 101, 250, 3]]
+CONTEXT = list(range(100, 150))  # 50 tokens: three full blocks of 16, then two
+
+
+def new_engine(model) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), kv_cache_memory="2MiB", threads=1))
+
+
+def run(engine: LLMEngine, add_poisoned=None) -> dict:
+    """Finished outputs by request id; `add_poisoned(engine)` adds the bad request among the bystanders."""
+    for i, prompt in enumerate(BYSTANDERS):
+        engine.add_request(prompt, GREEDY, request_id=f"ok{i}")
+        if i == 1 and add_poisoned is not None:
+            add_poisoned(engine)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    return finished
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_llama):
+    return {rid: out.token_ids for rid, out in run(new_engine(tiny_llama)).items()}
+
+
+@pytest.fixture(scope="module")
+def context_kv(tiny_llama):
+    return new_engine(tiny_llama).compute_kv(CONTEXT)
+
+
+def assert_bystanders_unharmed(finished: dict, clean: dict) -> None:
+    for rid, tokens in clean.items():
+        assert finished[rid].finish_reason == "length" and finished[rid].token_ids == tokens
+
+
+def test_a_preloaded_context_whose_loader_fails_ends_its_request_alone(tiny_llama, clean, context_kv):
+    k, v = context_kv
+
+    def load(layer):
+        if layer == 1:
+            raise OSError("checksum mismatch in layer 1")
+        return k[layer], v[layer]
+
+    def add(engine):
+        engine.add_request(CONTEXT + [7, 8], GREEDY, request_id="bad", cache_salt=b"file",
+                           preloaded=[LayerwiseKV(0, len(CONTEXT), load, tuple(k.shape[2:]))])
+
+    engine = new_engine(tiny_llama)
+    finished = run(engine, add)
+    assert finished["bad"].finish_reason == "error"
+    assert "preloaded KV" in finished["bad"].error and "checksum mismatch in layer 1" in finished["bad"].error
+    assert_bystanders_unharmed(finished, clean)
+    assert engine.kv_manager.pool.num_used == 0
+
+
+def test_a_nan_context_fails_its_request_and_is_never_served_again(tiny_llama, clean, context_kv):
+    k, v = context_kv
+    k = k.clone()
+    k[:, 10] = float("nan")
+
+    def add(engine):
+        engine.add_request(CONTEXT + [7, 8], GREEDY, request_id="bad", cache_salt=b"file",
+                           preloaded=[PreloadedKV(0, k, v)])
+
+    engine = new_engine(tiny_llama)
+    finished = run(engine, add)
+    assert finished["bad"].finish_reason == "error" and "not finite" in finished["bad"].error
+    assert_bystanders_unharmed(finished, clean)
+    # Its blocks left the prefix cache: the same context and salt, given good KV now, is placed afresh.
+    engine.add_request(CONTEXT + [7, 8], GREEDY, request_id="again", cache_salt=b"file",
+                       preloaded=[PreloadedKV(0, *context_kv)])
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert outputs[0].finish_reason == "length" and outputs[0].num_cached_tokens == 0
+
+
+def test_a_failed_forward_pass_ends_that_steps_requests_and_the_engine_goes_on(tiny_llama, clean):
+    engine = new_engine(tiny_llama)
+    engine.add_request([1, 2, 3], GREEDY, request_id="victim")
+    real_execute, calls = engine.runner.execute, []
+
+    def execute_failing_once(work):
+        calls.append(len(work))
+        if len(calls) == 1:
+            raise RuntimeError("simulated kernel fault")
+        return real_execute(work)
+
+    engine.runner.execute = execute_failing_once
+    failed = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in failed] == [("victim", "error")]
+    assert "simulated kernel fault" in failed[0].error and engine.kv_manager.pool.num_used == 0
+    assert_bystanders_unharmed(run(engine), clean)
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1e-320},
+    {"top_p": 1e-46}, {"top_p": 1e-320}, {"temperature": 1e300}, {"temperature": math.inf},
+])
+def test_no_accepted_sampling_parameter_makes_the_sampler_fail(params):
+    logits = torch.randn(3, 50) * 30
+    tokens, _ = sample(logits, [SamplingParams(**params)] * 3, [None] * 3)
+    assert all(0 <= t < 50 for t in tokens)
+    if params.get("temperature", 1.0) < 1e-5 or params.get("top_p", 1.0) < 1e-30:
+        assert tokens == logits.argmax(-1).tolist()  # the limit of a vanishing temperature or nucleus
