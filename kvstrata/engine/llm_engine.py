@@ -312,7 +312,7 @@ class LLMEngine:
             return to_sample, logits, []
         keep = finite.tolist()
         failed = [self._fail(seq, "the model's logits for this request are not finite (NaN or inf): its context "
-                                  "(a preloaded KV cache, most likely) is corrupt")
+                                  "(a preloaded KV cache, most likely) is corrupt", corrupt_cache=True)
                   for seq, ok in zip(to_sample, keep) if not ok]
         return [seq for seq, ok in zip(to_sample, keep) if ok], logits[finite], failed
 
@@ -327,11 +327,13 @@ class LLMEngine:
             return self._finish(seq, now)
         return self.outputs.build_output(seq)
 
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        """End `seq` with finish reason "error"; what it wrote to the cache is never served to another request."""
+    def _fail(self, seq: Sequence, message: str, corrupt_cache: bool = False) -> RequestOutput:
+        """End `seq` with finish reason "error". With `corrupt_cache`, the blocks it wrote are never served to
+        another request (otherwise its committed blocks are sound and stay in the prefix cache)."""
         self._sequences.pop(seq.request_id, None)
         seq.finish_reason, seq.error = "error", message
-        self.kv_manager.discard(seq)
+        if corrupt_cache:
+            self.kv_manager.discard(seq)
         return self._finish(seq, time.perf_counter())
 
     def _finish(self, seq: Sequence, now: float) -> RequestOutput:
