@@ -40,7 +40,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "kvstrata.cli.main", "serve", "--port", str(PORT)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_healthy(URL, timeout=300)
+        wait_healthy(URL)
         model = httpx.get(URL + "/v1/models").json()["data"][0]
         max_chars = None  # the pre-check's bound, read from its message in the second case
         cases = {}
