@@ -40,7 +40,9 @@ class LLM:
 
         With `context` (a file from `save_context`), every prompt continues that context: its chunks
         are decoded into the KV cache at `context_level` (default: the best stored) instead of being
-        prefilled, except `recompute_chunks`, which are prefilled from their tokens.
+        prefilled, except `recompute_chunks`, which are prefilled from their tokens. A prompt the engine
+        cannot finish (its context turned out corrupt) comes back with finish_reason "error" and `error`
+        saying why; the other prompts are unaffected.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

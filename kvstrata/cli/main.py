@@ -84,6 +84,8 @@ def _stream_to_terminal(llm, prompt, params, **context) -> str:
         sys.stdout.flush()
         text = output.text
     sys.stdout.write("\n")
+    if output.finish_reason == "error":
+        raise KvstrataError(f"generation failed: {output.error}")
     return text
 
 
