@@ -53,7 +53,6 @@ def _whole_number(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-Text = Annotated[StrictStr, AfterValidator(_encodable)]
 def _not_supported_if_true(value: bool) -> bool:
     if value:
         raise ValueError("is not supported: only false")
@@ -65,6 +64,7 @@ def integer(**constraints):
     return Annotated[StrictInt, Field(**constraints), BeforeValidator(_whole_number)]
 
 
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
 Number = StrictFloat  # takes ints too, not bools
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 
@@ -84,6 +84,7 @@ class _SamplingFields(BaseModel):
     top_p: Annotated[Number, Field(gt=0, le=1)] = 1.0
     top_k: integer(ge=-1) = 0  # vLLM's -1 also means "off"
     seed: integer(ge=0, le=MAX_SEED) | None = None
+    # _check_stop words the errors; the constraints inside state the same rules in the schema.
     stop: Annotated[Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
                     | None, BeforeValidator(_check_stop)] = None
     n: integer(ge=1, le=1) = 1  # one choice per request
@@ -101,7 +102,7 @@ class _SamplingFields(BaseModel):
             top_p=float(self.top_p),
             top_k=max(self.top_k, 0),
             seed=self.seed,
-            stop=[s for s in stop if s],
+            stop=stop,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )

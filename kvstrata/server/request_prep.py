@@ -58,8 +58,6 @@ class RequestPreparer:
             else:
                 token_ids = self.engine.tokenize(body.single_prompt)
             self.engine.check_prompt_length(token_ids)
-        except FieldError:
-            raise
         except KvstrataError as exc:
             raise FieldError(param, str(exc)) from exc
         asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
@@ -77,6 +75,6 @@ class RequestPreparer:
     def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
-            raise FieldError("messages", "this model has no tokenizer, so it cannot take chat messages")
+            raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
         return tokenizer.encode_chat([m.plain() for m in body.messages],
                                      special_tokens_in_content=self.options.special_tokens_in_chat)
