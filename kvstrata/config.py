@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_factory import KV_FORMATS as KV_FORMAT_REGISTRY
+from kvstrata.kv.store.forms import STORE_FORMS
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -122,15 +123,35 @@ class EngineConfig:
         default=True, metadata=_option("reuse the KV blocks of prompts that share a prefix")
     )
     threads: int | None = field(default=None, metadata=_option("CPU threads for torch (default: all cores)"))
+    kv_store: str | None = field(
+        default=None,
+        metadata=_option("tiers below the paged cache that keep prefix KV, top first, comma-separated: host:SIZE, "
+                         "disk:DIR:SIZE, redis://HOST:PORT[/DB] (e.g. host:4GiB,disk:/var/cache/kvstrata:20GiB,"
+                         "redis://127.0.0.1:6379) (default: none)"),
+    )
+    kv_store_format: str = field(
+        default="raw",
+        metadata=_option("kv store: how chunks are stored: raw (the compute dtype, exact), fp16, or a CacheGen level",
+                         choices=STORE_FORMS),
+    )
+    kv_store_chunk_tokens: int = field(
+        default=256, metadata=_option("kv store: tokens per stored chunk (a chunk is found only when all its tokens match)")
+    )
+    kv_store_timeout_ms: int = field(
+        default=1000,
+        metadata=_option("kv store: a remote tier that does not answer within this many milliseconds is skipped "
+                         "(the request is prefilled instead)"),
+    )
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
-                   ("oaken_keys", OAKEN_KEYS))
+                   ("oaken_keys", OAKEN_KEYS), ("kv_store_format", STORE_FORMS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size"):
+        for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size",
+                     "kv_store_chunk_tokens", "kv_store_timeout_ms"):
             _require_positive(name, getattr(self, name))
         for name in ("max_model_len", "tile", "max_prefill_tokens", "threads"):
             if getattr(self, name) is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -47,8 +48,9 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = self._params_per_prompt(params, len(prompts))
+        arrival = time.perf_counter()  # time to first token counts the context's decoding too
         load = ContextLoad.prepare(self.engine, context, context_level, recompute_chunks)
-        ids = [self._add(p, sp, load) for p, sp in zip(prompts, params_list)]
+        ids = [self._add(p, sp, load, arrival) for p, sp in zip(prompts, params_list)]
         return self._run_to_completion(ids, use_tqdm)
 
     def save_context(
@@ -62,11 +64,12 @@ class LLM:
         """Prefill `context` once and save its KV cache as CacheGen chunks at every level in `levels`."""
         return save_context(self.engine, self.engine.tokenize(context), path, levels, chunk_tokens, profile)
 
-    def _add(self, prompt: Prompt, params: SamplingParams, load: ContextLoad | None) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, load: ContextLoad | None, arrival: float) -> str:
         if load is None:
-            return self.engine.add_request(prompt, params)
+            return self.engine.add_request(prompt, params, arrival_time=arrival)
         token_ids = load.token_ids + self.engine.tokenize(prompt)
-        return self.engine.add_request(token_ids, params, preloaded=load.preloaded, cache_salt=load.salt)
+        return self.engine.add_request(token_ids, params, arrival_time=arrival, preloaded=load.preloaded,
+                                       cache_salt=load.salt)
 
     def chat(
         self,
@@ -92,8 +95,9 @@ class LLM:
         context_level: str | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets new tokens; the last one has finished=True."""
+        arrival = time.perf_counter()
         load = ContextLoad.prepare(self.engine, context, context_level, ())
-        request_id = self._add(prompt, params or SamplingParams(), load)
+        request_id = self._add(prompt, params or SamplingParams(), load, arrival)
         try:
             while True:
                 for output in self.engine.step():

@@ -9,13 +9,14 @@ anchors and differences have one model each.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from kvstrata.cachegen import entropy
 from kvstrata.cachegen.errors import CorruptStreamError
 from kvstrata.cachegen.levels import CodecSettings
-from kvstrata.cachegen.profile import TensorProfile
 from kvstrata.cachegen.quantize import (
     CacheGenSymbols,
     UniformSymbols,
@@ -27,6 +28,9 @@ from kvstrata.cachegen.quantize import (
     quantize_uniform,
     uniform_levels,
 )
+
+if TYPE_CHECKING:  # the profile module runs the model (calibration); the codec only calls a profile's methods
+    from kvstrata.cachegen.profile import TensorProfile
 
 MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
 

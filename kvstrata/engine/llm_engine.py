@@ -20,6 +20,7 @@ import torch
 from kvstrata.config import EngineConfig
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.engine.kv_setup import engine_storage_layout, stored_form
+from kvstrata.engine.kv_store_link import KVStoreLink, make_store
 from kvstrata.engine.model_runner import ModelRunner
 from kvstrata.engine.output_processor import OutputProcessor
 from kvstrata.engine.outputs import RequestOutput
@@ -71,6 +72,7 @@ class LLMEngine:
             namespace=f"{self.model_fingerprint}/{stored_form(config, dtype)}/".encode(),
         )
         self.kv_cache.attach_block_pool(self.kv_manager.pool)
+        self.kv_store = self._make_kv_store(dtype)  # tiers below the device pool, or None
         self.attention = FullAttention(self.kv_cache)  # which cached tokens each layer reads
         self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(self.loaded.model, self.attention, config.block_size, self.device,
@@ -106,6 +108,16 @@ class LLMEngine:
                 f"({least / 2**20:.1f} MiB) or lower --max-model-len"
             )
         return num_blocks
+
+    def _make_kv_store(self, dtype: torch.dtype) -> KVStoreLink | None:
+        c = self.config
+        if not c.kv_store:
+            return None
+        if not c.enable_prefix_caching:
+            raise KvstrataError("kv_store needs prefix caching: chunks are found by the same chained token hashes")
+        store = make_store(c.kv_store, c.kv_store_format, dtype, self.kv_manager.namespace.decode(), self.loaded.config,
+                           c.kv_store_timeout_ms / 1000)
+        return KVStoreLink(store, c.kv_store_chunk_tokens, self.kv_manager, self.kv_cache)
 
     def _make_scheduler(self) -> Scheduler:
         c = self.config
@@ -201,7 +213,8 @@ class LLMEngine:
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self._sequences[request_id] = seq
-        self.scheduler.add(seq)
+        if self.kv_store is None or not self.kv_store.begin_load(seq):
+            self.scheduler.add(seq)  # else it is scheduled when its lookup below the device pool ends
         return request_id
 
     def _check_preloaded(self, preloaded: list[Preloaded], num_tokens: int) -> list[Preloaded]:
@@ -240,7 +253,12 @@ class LLMEngine:
         return None if seq is None else self._fail(seq, message)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.num_loading > 0
+
+    @property
+    def num_loading(self) -> int:
+        """Requests whose KV is being fetched from the KV store, not yet scheduled."""
+        return 0 if self.kv_store is None else self.kv_store.num_loading
 
     @property
     def num_running(self) -> int:
@@ -260,6 +278,8 @@ class LLMEngine:
         forward pass belongs to no one request: the step's requests end with "error", every other request
         goes on (nothing of the step was committed, so their caches are as before it).
         """
+        if self.kv_store is not None:
+            self._schedule_loaded()
         try:
             plan = self.scheduler.schedule()
         except RequestFailed as failure:  # while admitting a request; the others are scheduled next step
@@ -281,6 +301,8 @@ class LLMEngine:
             prefill_tokens += 0 if is_decode else num_tokens
             seq.num_computed_tokens += num_tokens
             self.kv_manager.commit(seq, num_tokens)
+            if self.kv_store is not None and not is_decode and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.kv_store.store_prompt(seq, max(seq.num_cached_prompt_tokens or 0, seq.num_store_tokens))
             outputs.extend(self._place_preloaded(seq))
         to_sample, logits, failed = self._drop_nonfinite(to_sample, logits)
         outputs.extend(failed)
@@ -293,6 +315,15 @@ class LLMEngine:
                       now - start)
         )
         return outputs
+
+    def _schedule_loaded(self) -> None:
+        """Requests whose lookup below the device pool ended join the scheduler, with the KV it found. With
+        nothing else to run, wait a little for one rather than spin."""
+        for seq, kv in self.kv_store.take_ready(timeout=0.0 if self.scheduler.has_unfinished() else 0.05):
+            if kv is not None:
+                seq.preloaded = self._check_preloaded([kv], seq.num_tokens)
+                seq.num_store_tokens = kv.end
+            self.scheduler.add(seq)
 
     def _place_preloaded(self, seq: Sequence) -> list[RequestOutput]:
         """Store the preloaded range that follows the step's tokens; a failure ends `seq` alone."""
@@ -338,6 +369,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, now: float) -> RequestOutput:
         self.scheduler.finish(seq)
+        if self.kv_store is not None:
+            self.kv_store.forget(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_time = now
         return self.outputs.build_output(seq)

@@ -45,6 +45,7 @@ class Sequence:
     # KV of prompt ranges given ready-made (a decoded saved context), placed instead of computed.
     preloaded: list[Preloaded] = field(default_factory=list)
     num_preloaded_tokens: int = 0
+    num_store_tokens: int = 0  # prompt tokens whose KV the KV store (below the device pool) supplied
     cache_salt: bytes | None = None  # separates prefix-cache entries built on preloaded KV
     num_preemptions: int = 0
     output_text: str = ""

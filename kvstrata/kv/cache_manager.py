@@ -85,6 +85,17 @@ class KVCacheManager:
         """Where a sequence's hash chain starts: the namespace, and the salt of KV given ready-made."""
         return self.namespace + (seq.cache_salt or b"")
 
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of `seq`'s longest prefix that the device pool holds now, without taking its blocks."""
+        if not self.enable_prefix_caching:
+            return 0
+        seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes, self.hash_root(seq))
+        usable = (seq.num_tokens - 1) // self.block_size
+        held = 0
+        while held < usable and self.pool.lookup(seq.block_hashes[held]) is not None:
+            held += 1
+        return held * self.block_size
+
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks of the longest known prefix; return the tokens it covers.
 

@@ -1,0 +1,194 @@
+"""The engine's side of the KV store (kv/store/): look a new request's prompt up below the device pool in
+the background, hold the request back until its chunks are fetched and decoded, and write the chunks a
+prefill computed down to the store, also in the background.
+
+Neither direction can fail a request: a store that is unreachable, slow or holds a corrupt object only
+means that the request's tokens are prefilled from their text, and a failed write is counted and skipped.
+Chunks are keyed by the chained hash of their tokens under the engine's namespace (model fingerprint,
+device stored form) and the store's form, as the prefix cache's blocks are; requests whose KV came from a
+saved context (they carry a salt) are neither looked up nor written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvstrata.kv.block_hash import full_block_hashes
+from kvstrata.kv.preloaded import PreloadedKV
+from kvstrata.kv.slots import slots_of_positions
+from kvstrata.kv.storage import KVStorage
+from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
+from kvstrata.kv.store.forms import stored_form
+from kvstrata.kv.store.spec import parse_tiers
+from kvstrata.kv.store.tiered_store import StoreShape, TieredStore
+
+log = logging.getLogger("kvstrata.kv.store")
+MAX_PENDING_WRITE_BYTES = 512 * 2**20  # snapshots waiting to be written; beyond this, writes are skipped
+
+
+@dataclass
+class LinkStats:
+    requests_looked_up: int = 0
+    requests_loaded: int = 0  # got at least one chunk from the store
+    loaded_tokens: int = 0
+    load_failures: int = 0  # loads cut short by an unreachable tier or a corrupt object (the rest recomputed)
+    chunks_queued: int = 0
+    writes_skipped: int = 0  # chunks not written: the write backlog was full, or reading them failed
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def make_store(spec: str, form_name: str, compute_dtype: torch.dtype, namespace: str, model_config,
+               timeout: float) -> TieredStore:
+    form = stored_form(form_name, compute_dtype)
+    shape = StoreShape(f"{namespace}{form.name}", model_config.num_layers, model_config.num_kv_heads,
+                       model_config.head_dim)
+    return TieredStore(parse_tiers(spec, timeout), form, shape)
+
+
+class KVStoreLink:
+    def __init__(self, store: TieredStore, chunk_tokens: int, kv_manager, kv_cache: KVStorage):
+        self.store = store
+        self.chunk_tokens = chunk_tokens
+        self.kv_manager = kv_manager
+        self.kv_cache = kv_cache
+        self.root = store.shape.namespace.encode()
+        self.stats = LinkStats()
+        self._loads: dict[str, tuple[object, Future]] = {}
+        self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-load")
+        self._write_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-write")
+        self._pending_write_bytes = 0
+        self._lock = threading.Lock()
+
+    # --- loads --------------------------------------------------------------------------------
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def chunk_keys(self, token_ids: list[int], num_chunks: int) -> list[str]:
+        hashes = full_block_hashes(token_ids[: num_chunks * self.chunk_tokens], self.chunk_tokens, [], self.root)
+        return [h.hex() for h in hashes]
+
+    def begin_load(self, seq) -> bool:
+        """Start fetching the chunks of `seq`'s prompt that the device pool lacks; False if there is nothing to
+        look up (the caller schedules it at once)."""
+        usable = (seq.num_tokens - 1) // self.chunk_tokens  # the last token is always computed: its logits
+        if usable == 0 or seq.preloaded or seq.cache_salt is not None:
+            return False
+        first = self.kv_manager.cached_prefix_tokens(seq) // self.chunk_tokens
+        if first >= usable:
+            return False
+        keys = self.chunk_keys(seq.token_ids, usable)
+        self.stats.requests_looked_up += 1
+        self._loads[seq.request_id] = (seq, self._load_thread.submit(self._load, keys, first))
+        return True
+
+    def _load(self, keys: list[str], first: int) -> PreloadedKV | None:
+        """On the load thread: the consecutive chunks from `first` on that some tier holds, as one range."""
+        ks, vs = [], []
+        for key in keys[first:]:
+            try:
+                found = self.store.fetch(key, self.chunk_tokens)
+            except (StoreUnavailable, CorruptObject) as exc:
+                log.warning("a KV store load stopped at chunk %s, the rest is recomputed: %s", key[:16], exc)
+                self.stats.load_failures += 1
+                break
+            if found is None:
+                break
+            ks.append(found[0])
+            vs.append(found[1])
+        if not ks:
+            return None
+        return PreloadedKV(first * self.chunk_tokens, torch.cat(ks, dim=1), torch.cat(vs, dim=1))
+
+    def take_ready(self, timeout: float = 0.0) -> list[tuple[object, PreloadedKV | None]]:
+        """Sequences whose loads ended, with the KV found (None: nothing, or the load failed). Waits up to
+        `timeout` seconds for one when none has ended yet."""
+        if timeout and self._loads and not any(f.done() for _, f in self._loads.values()):
+            wait([f for _, f in self._loads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+        ready = []
+        for request_id in [r for r, (_, f) in self._loads.items() if f.done()]:
+            seq, future = self._loads.pop(request_id)
+            try:
+                kv = future.result()
+            except Exception:  # a bug below, not the request's fault: it is prefilled instead
+                log.exception("request %s: its KV store load failed; it is prefilled from its text", request_id)
+                self.stats.load_failures += 1
+                kv = None
+            if kv is not None:
+                self.stats.requests_loaded += 1
+                self.stats.loaded_tokens += kv.end - kv.start
+            ready.append((seq, kv))
+        return ready
+
+    def forget(self, request_id: str) -> None:
+        """An aborted or failed request: its load's result, when it comes, is dropped."""
+        self._loads.pop(request_id, None)
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def store_prompt(self, seq, reused_tokens: int) -> None:
+        """Queue the full chunks of `seq`'s prompt that its prefill computed (those ending after the first
+        `reused_tokens`, which came from the device pool or the store) for writing. The KV is copied now,
+        while `seq` holds its blocks; encoding and writing happen on the write thread."""
+        if seq.cache_salt is not None:
+            return
+        num_chunks = seq.num_prompt_tokens // self.chunk_tokens
+        first = reused_tokens // self.chunk_tokens
+        if first >= num_chunks:
+            return
+        keys = self.chunk_keys(seq.token_ids, num_chunks)
+        try:
+            k, v = self._read(seq.block_table, first * self.chunk_tokens, num_chunks * self.chunk_tokens)
+        except Exception:
+            log.exception("request %s: its prompt's KV could not be read for the store", seq.request_id)
+            self.stats.writes_skipped += num_chunks - first
+            return
+        size = k.numel() * k.element_size() * 2
+        with self._lock:
+            if self._pending_write_bytes + size > MAX_PENDING_WRITE_BYTES:
+                self.stats.writes_skipped += num_chunks - first
+                return
+            self._pending_write_bytes += size
+        self.stats.chunks_queued += num_chunks - first
+        self._write_thread.submit(self._write, keys[first:], k, v, size)
+
+    def _read(self, block_table: list[int], first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, end - first, kv_heads, head_dim] of one sequence's tokens, as float32 on the CPU."""
+        table = torch.tensor([block_table], dtype=torch.long, device=self.kv_cache.device)
+        positions = torch.arange(first, end, device=self.kv_cache.device)[None]
+        slots = slots_of_positions(table, positions, self.kv_cache.block_size)
+        ks, vs = [], []
+        for layer in range(self.kv_cache.num_layers):
+            k, v = self.kv_cache.gather(layer, slots, positions, torch.float32)
+            ks.append(k[0].cpu())
+            vs.append(v[0].cpu())
+        return torch.stack(ks), torch.stack(vs)
+
+    def _write(self, keys: list[str], k: torch.Tensor, v: torch.Tensor, size: int) -> None:
+        """On the write thread: each chunk to every tier that lacks it."""
+        try:
+            for index, key in enumerate(keys):
+                span = slice(index * self.chunk_tokens, (index + 1) * self.chunk_tokens)
+                self.store.put(key, k[:, span], v[:, span])
+        except Exception:
+            log.exception("writing chunks to the KV store failed; they are skipped")
+        finally:
+            with self._lock:
+                self._pending_write_bytes -= size
+
+    def flush(self) -> None:
+        """Wait until every queued write is done (tests, tools, shutdown)."""
+        self._write_thread.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._load_thread.shutdown(wait=False, cancel_futures=True)
+        self._write_thread.shutdown(wait=True)
+        self.store.close()

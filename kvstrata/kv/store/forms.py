@@ -1,0 +1,101 @@
+"""How a tier stores one layer's K or V of a chunk: raw floats (the compute dtype, exact), float16, or a
+CacheGen level (papers/cachegen.md; kvstrata/cachegen/codec.py), one layer per object so a loader can
+read a subset of layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvstrata.cachegen.codec import decode_tensor, encode_tensor
+from kvstrata.cachegen.levels import CACHEGEN_LEVELS, settings_for
+from kvstrata.cachegen.quantize import layer_bins
+from kvstrata.errors import KvstrataError
+from kvstrata.kv.store.errors import CorruptObject
+
+FLOAT_FORMS = {"raw": None, "fp16": torch.float16}  # raw: the dtype the K/V were computed in
+STORE_FORMS = (*FLOAT_FORMS, *CACHEGEN_LEVELS)
+_SECTION = struct.Struct("<HI")  # name length, data length
+
+
+class StoredForm(ABC):
+    name: str
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, kind: str, layer: int, num_layers: int) -> bytes:
+        """Bytes of x [tokens, kv_heads, head_dim], the `kind` ("k" or "v") of `layer`."""
+
+    @abstractmethod
+    def decode(self, payload: bytes, shape: tuple[int, ...], kind: str, layer: int, num_layers: int) -> torch.Tensor:
+        """x [tokens, kv_heads, head_dim] (float32) back from `encode`'s bytes; CorruptObject if they do not fit."""
+
+
+class FloatForm(StoredForm):
+    def __init__(self, name: str, dtype: torch.dtype):
+        self.name, self.dtype = name, dtype
+
+    def encode(self, x, kind, layer, num_layers):
+        return x.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def decode(self, payload, shape, kind, layer, num_layers):
+        expected = self.dtype.itemsize * _count(shape)
+        if len(payload) != expected:
+            raise CorruptObject(f"a {self.name} object of shape {shape} holds {len(payload)} bytes, expected {expected}")
+        x = torch.frombuffer(bytearray(payload), dtype=self.dtype).reshape(shape).float()
+        if not torch.isfinite(x).all():
+            raise CorruptObject(f"a {self.name} object holds NaN or inf values")
+        return x
+
+
+class CacheGenForm(StoredForm):
+    """One layer coded alone with the bin its layer third has in the level (coder models counted per object)."""
+
+    def __init__(self, level: str):
+        self.name, self.settings = level, settings_for(level)
+
+    def _layer_settings(self, layer: int, num_layers: int):
+        step = float(layer_bins(self.settings.bins, num_layers)[layer])
+        return dataclasses.replace(self.settings, bins=(step, step, step))
+
+    def encode(self, x, kind, layer, num_layers):
+        tokens, heads, dim = x.shape
+        sections = encode_tensor(x.reshape(1, tokens, heads * dim), self._layer_settings(layer, num_layers), kind)
+        return b"".join(_SECTION.pack(len(n), len(d)) + n.encode() + d for n, d in sections.items())
+
+    def decode(self, payload, shape, kind, layer, num_layers):
+        if len(shape) != 3:
+            raise CorruptObject(f"a {self.name} object has shape {shape}, expected (tokens, kv_heads, head_dim)")
+        sections, offset = {}, 0
+        while offset < len(payload):
+            if offset + _SECTION.size > len(payload):
+                raise CorruptObject(f"a {self.name} object ends inside a section header")
+            name_len, data_len = _SECTION.unpack_from(payload, offset)
+            offset += _SECTION.size
+            name = payload[offset : offset + name_len].decode("ascii", "replace")
+            sections[name] = payload[offset + name_len : offset + name_len + data_len]
+            offset += name_len + data_len
+        tokens, heads, dim = shape
+        try:
+            x = decode_tensor(sections, self._layer_settings(layer, num_layers), (1, tokens, heads * dim), kind)
+        except Exception as exc:  # the checksum held, so this is a stream of another codec version
+            raise CorruptObject(f"a {self.name} object could not be decoded: {type(exc).__name__}: {exc}") from exc
+        return x.reshape(shape)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def stored_form(name: str, compute_dtype: torch.dtype) -> StoredForm:
+    if name in FLOAT_FORMS:
+        return FloatForm(name, FLOAT_FORMS[name] or compute_dtype)
+    if name in CACHEGEN_LEVELS:
+        return CacheGenForm(name)
+    raise KvstrataError(f"kv_store_format {name!r} is not one of {', '.join(STORE_FORMS)}")

@@ -1,0 +1,66 @@
+"""One stored object: a small header that names what it holds, a checksum, then the payload.
+
+Every object is checked when read: the magic, the checksum over header and payload, and that the
+header names the chunk, the object (layer and K or V) and the namespace (model fingerprint and
+stored form) the reader asked for. A truncated, altered or foreign object raises CorruptObject and
+is never decoded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import asdict, dataclass
+
+from kvstrata.kv.store.errors import CorruptObject
+
+MAGIC = b"KVSO"
+VERSION = 1
+PREAMBLE = struct.Struct("<4sBH16s")  # magic, version, header length, blake2b-128 of header + payload
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    namespace: str  # model fingerprint, the device cache's stored form, the store's form
+    chunk: str  # the chunk's chained token hash, hex
+    name: str  # "meta", or "k.<layer>" / "v.<layer>"
+    shape: tuple[int, ...]  # of the decoded tensor ((tokens, kv_heads, head_dim)); () for "meta"
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def _digest(header: bytes, payload: bytes) -> bytes:
+    digest = hashlib.blake2b(header, digest_size=16)
+    digest.update(payload)
+    return digest.digest()
+
+
+def pack_object(header: ObjectHeader, payload: bytes) -> bytes:
+    head = header.to_bytes()
+    return PREAMBLE.pack(MAGIC, VERSION, len(head), _digest(head, payload)) + head + payload
+
+
+def unpack_object(data: bytes, namespace: str, chunk: str, name: str) -> tuple[tuple[int, ...], bytes]:
+    """The shape and payload of an object, after checking that it is whole and is the object asked for."""
+    where = f"object {name} of chunk {chunk[:16]}"
+    if len(data) < PREAMBLE.size:
+        raise CorruptObject(f"{where} is truncated: {len(data)} bytes, shorter than its preamble")
+    magic, version, head_len, digest = PREAMBLE.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptObject(f"{where} is not a kvstrata store object of version {VERSION} "
+                            f"(magic {magic!r}, version {version})")
+    head = data[PREAMBLE.size : PREAMBLE.size + head_len]
+    payload = data[PREAMBLE.size + head_len :]
+    if len(head) != head_len or _digest(head, payload) != digest:
+        raise CorruptObject(f"{where} fails its checksum: truncated or altered")
+    try:
+        fields = json.loads(head)
+        header = ObjectHeader(fields["namespace"], fields["chunk"], fields["name"], tuple(fields["shape"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptObject(f"{where} has an unreadable header: {exc}") from None
+    if (header.namespace, header.chunk, header.name) != (namespace, chunk, name):
+        raise CorruptObject(f"{where} holds {header.name} of chunk {header.chunk[:16]} in namespace "
+                            f"{header.namespace!r}, not this model and stored form's ({namespace!r})")
+    return header.shape, payload

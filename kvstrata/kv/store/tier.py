@@ -1,0 +1,71 @@
+"""What every tier of the store offers: whole chunks in, any subset of a chunk's objects out.
+
+A chunk is stored whole (all of its objects in one write), so a tier that holds a chunk holds all
+of its objects. Tiers keep bytes only; encoding, checking and decoding happen in the store above.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+Objects = dict[str, bytes]  # object name ("k.3", "v.3", ...) -> stored bytes
+# Told (chunk key, a reader of its objects) just before a tier drops a chunk to make room.
+EvictionHandler = Callable[[str, Callable[[], Objects]], None]
+
+
+@dataclass
+class TierStats:
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    chunks_written: int = 0
+    chunks_evicted: int = 0
+    fetch_seconds: float = 0.0
+    errors: int = 0  # unreachable, timed out, full, or an object that failed its check
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TierUsage:
+    chunks: int
+    bytes: int
+    capacity: int | None  # None: the tier has no budget of its own (Redis)
+
+
+class Tier(ABC):
+    name: str  # "host", "disk", "redis"
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+        self.on_evict: EvictionHandler | None = None
+
+    @abstractmethod
+    def contains(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def get(self, key: str, names: list[str]) -> Objects | None:
+        """The named objects of a chunk; None if the tier does not hold it (or lacks one of them)."""
+
+    @abstractmethod
+    def put(self, key: str, objects: Objects) -> None:
+        """Store a whole chunk, making room by dropping the least recently used chunks (told to `on_evict`)."""
+
+    @abstractmethod
+    def remove(self, key: str) -> None: ...
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    def describe(self) -> str:
+        return self.name
+
+    def close(self) -> None:
+        """Release connections and files."""

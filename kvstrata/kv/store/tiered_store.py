@@ -1,0 +1,175 @@
+"""The tiers in order, top first, with the stored form: fetch a chunk from the highest tier that holds it
+(checked, decoded, promoted to the tiers above), write a chunk to every tier (write-through, so other
+engines sharing a lower tier see it at once), and cascade a chunk a tier drops to the tier below it.
+
+Synchronous and thread-safe; engine/kv_store_link.py runs it on background threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
+from kvstrata.kv.store.forms import StoredForm
+from kvstrata.kv.store.objects import ObjectHeader, pack_object, unpack_object
+from kvstrata.kv.store.tier import Objects, Tier
+
+log = logging.getLogger("kvstrata.kv.store")
+
+
+@dataclass(frozen=True)
+class StoreShape:
+    namespace: str  # model fingerprint, device stored form and the store's form: objects of another never match
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class StoreStats:
+    decode_seconds: float = 0.0
+    encode_seconds: float = 0.0
+    corrupt_objects: int = 0  # objects that failed their check: dropped, their tokens recomputed
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class TieredStore:
+    def __init__(self, tiers: list[Tier], form: StoredForm, shape: StoreShape):
+        self.tiers = tiers
+        self.form = form
+        self.shape = shape
+        self.stats = StoreStats()
+        for below, tier in enumerate(tiers[1:], start=1):
+            tiers[below - 1].on_evict = lambda key, read, below=below: self._spill(below, key, read)
+        self.object_names = [f"{kind}.{layer}" for layer in range(shape.num_layers) for kind in "kv"]
+
+    def locate(self, key: str) -> int | None:
+        """The index of the highest tier holding chunk `key`; an unreachable tier counts as not holding it."""
+        for index, tier in enumerate(self.tiers):
+            try:
+                if tier.contains(key):
+                    return index
+            except StoreUnavailable as exc:
+                tier.stats.errors += 1
+                log.warning("%s", exc)
+        return None
+
+    def fetch(self, key: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V [layers, num_tokens, kv_heads, head_dim] (float32) of chunk `key`; None if no tier holds it.
+
+        An object that fails its check is dropped from its tier (CorruptObject is raised); an unreachable tier
+        raises StoreUnavailable. A hit is copied to the tiers above the one it came from.
+        """
+        index = self.locate(key)
+        if index is None:
+            for tier in self.tiers:
+                tier.stats.miss_tokens += num_tokens
+            return None
+        tier = self.tiers[index]
+        start = time.perf_counter()
+        try:
+            objects = tier.get(key, self.object_names)
+        except StoreUnavailable:
+            tier.stats.errors += 1
+            raise
+        except CorruptObject:
+            self._drop(tier, key)
+            raise
+        fetched = time.perf_counter()
+        tier.stats.fetch_seconds += fetched - start
+        if objects is None:  # dropped between locate and get
+            return None
+        tier.stats.bytes_read += sum(len(data) for data in objects.values())
+        try:
+            k, v = self._decode(key, objects, num_tokens)
+        except CorruptObject:
+            self._drop(tier, key)
+            raise
+        self.stats.decode_seconds += time.perf_counter() - fetched
+        tier.stats.hit_tokens += num_tokens
+        for upper in self.tiers[:index]:
+            upper.stats.miss_tokens += num_tokens
+            self._put(upper, key, objects)
+        return k, v
+
+    def _decode(self, key: str, objects: Objects, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        want = (num_tokens, self.shape.kv_heads, self.shape.head_dim)
+        layers = {"k": [], "v": []}
+        for layer in range(self.shape.num_layers):
+            for kind in "kv":
+                name = f"{kind}.{layer}"
+                shape, payload = unpack_object(objects[name], self.shape.namespace, key, name)
+                if tuple(shape) != want:
+                    raise CorruptObject(f"object {name} of chunk {key[:16]} has shape {shape}, expected {want}")
+                layers[kind].append(self.form.decode(payload, want, kind, layer, self.shape.num_layers))
+        return torch.stack(layers["k"]), torch.stack(layers["v"])
+
+    def _drop(self, tier: Tier, key: str) -> None:
+        self.stats.corrupt_objects += 1
+        tier.stats.errors += 1
+        try:
+            tier.remove(key)
+        except StoreUnavailable as exc:
+            log.warning("%s", exc)
+
+    def encode(self, key: str, k: torch.Tensor, v: torch.Tensor) -> Objects:
+        """The objects of chunk `key` from K and V [layers, tokens, kv_heads, head_dim]."""
+        start = time.perf_counter()
+        objects = {}
+        for layer in range(self.shape.num_layers):
+            for kind, x in (("k", k[layer]), ("v", v[layer])):
+                name = f"{kind}.{layer}"
+                payload = self.form.encode(x, kind, layer, self.shape.num_layers)
+                objects[name] = pack_object(ObjectHeader(self.shape.namespace, key, name, tuple(x.shape)), payload)
+        self.stats.encode_seconds += time.perf_counter() - start
+        return objects
+
+    def put(self, key: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write chunk `key` to every tier that lacks it (encoded once); a tier that fails is counted and skipped."""
+        missing = [tier for tier in self.tiers if not self._holds(tier, key)]
+        if missing:
+            objects = self.encode(key, k, v)
+            for tier in missing:
+                self._put(tier, key, objects)
+
+    def _holds(self, tier: Tier, key: str) -> bool:
+        try:
+            return tier.contains(key)
+        except StoreUnavailable:
+            tier.stats.errors += 1
+            return True  # unreachable: nothing to write to
+
+    def _put(self, tier: Tier, key: str, objects: Objects) -> None:
+        try:
+            tier.put(key, objects)
+        except StoreUnavailable as exc:
+            tier.stats.errors += 1
+            log.warning("%s", exc)
+            return
+        tier.stats.chunks_written += 1
+        tier.stats.bytes_written += sum(len(data) for data in objects.values())
+
+    def _spill(self, below: int, key: str, read) -> None:
+        """A chunk tier below - 1 drops goes down to tier `below` unless that one holds it already."""
+        tier = self.tiers[below]
+        if not self._holds(tier, key):
+            try:
+                objects = read()
+            except (OSError, CorruptObject) as exc:
+                log.warning("chunk %s could not be read to move it down: %s", key[:16], exc)
+                return
+            self._put(tier, key, objects)
+
+    def clear(self) -> None:
+        for tier in self.tiers:
+            tier.clear()
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
