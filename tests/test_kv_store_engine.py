@@ -162,3 +162,37 @@ def test_store_options_are_checked(tiny_llama):
         make_engine(tiny_llama, kv_store="host:1MiB", enable_prefix_caching=False)
     with pytest.raises(KvstrataError, match="kv_store_format 'gzip'"):
         make_engine(tiny_llama, kv_store="host:1MiB", kv_store_format="gzip")
+
+
+def test_the_server_reports_the_store_on_its_metrics(tiny_llama, tmp_path):
+    import httpx
+
+    from tests.server_harness import running_server
+
+    spec = f"disk:{tmp_path}:64MiB"
+    run_rounds(make_engine(tiny_llama, kv_store=spec), rounds=1)
+    with running_server(str(tiny_llama), kv_cache_memory="480KiB", threads=1, kv_store_chunk_tokens=CHUNK,
+                        kv_store=spec) as (base_url, _):
+        reply = httpx.post(f"{base_url}/v1/completions", json={"model": "test-model", "prompt": PROMPTS[0],
+                                                               "max_tokens": 2, "temperature": 0}, timeout=60)
+        assert reply.status_code == 200
+        metrics = httpx.get(f"{base_url}/metrics").text
+    assert f'kvstrata:kv_store_hit_tokens_total{{model_name="test-model",tier="disk"}} {199 // CHUNK * CHUNK}.0' in metrics
+    assert 'kvstrata:kv_store_errors_total{model_name="test-model",tier="disk"} 0.0' in metrics
+    assert 'kvstrata:kv_store_corrupt_objects_total{model_name="test-model"} 0.0' in metrics
+
+
+def test_the_store_command_shows_and_clears_a_store(tiny_llama, tmp_path, capsys):
+    import json
+
+    from kvstrata.cli.main import main
+
+    spec = f"disk:{tmp_path}:64MiB"
+    run_rounds(make_engine(tiny_llama, kv_store=spec), rounds=1)
+    main(["kv", "store", "stats", "--kv-store", spec, "--json"])
+    (disk,) = json.loads(capsys.readouterr().out)["tiers"]
+    assert disk["tier"] == "disk" and disk["chunks"] == len(PROMPTS) * (200 // CHUNK) and disk["bytes"] > 0
+    main(["kv", "store", "clear", "--kv-store", spec])
+    assert capsys.readouterr().out == f"cleared disk:{tmp_path}:{64 * 2**20}\n"
+    main(["kv", "store", "stats", "--kv-store", spec, "--json"])
+    assert json.loads(capsys.readouterr().out)["tiers"][0]["chunks"] == 0

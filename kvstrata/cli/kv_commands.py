@@ -1,4 +1,4 @@
-"""`kvstrata kv save | inspect` and `kvstrata calibrate cachegen`."""
+"""`kvstrata kv save | inspect | store` and `kvstrata calibrate cachegen`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from kvstrata.cachegen.context import DEFAULT_CHUNK_TOKENS
 from kvstrata.cachegen.levels import ALL_LEVELS, CACHEGEN_LEVELS
 from kvstrata.cli.calibrate_oaken import add_oaken_calibrate_command, run_oaken_calibrate
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
+from kvstrata.cli.kv_store_commands import add_kv_store_commands, run_kv_store
 from kvstrata.errors import KvstrataError
 
 
 def add_kv_commands(commands) -> None:
-    kv = commands.add_parser("kv", help="save and inspect KV caches of contexts (CacheGen)").add_subparsers(
+    kv = commands.add_parser("kv", help="save and inspect KV caches of contexts (CacheGen); inspect or clear a KV store").add_subparsers(
         dest="kv", required=True
     )
     save = kv.add_parser(
@@ -35,6 +36,7 @@ def add_kv_commands(commands) -> None:
     inspect = kv.add_parser("inspect", help="levels, sizes and bits per value of a KV file")
     inspect.add_argument("path", type=Path)
     inspect.add_argument("--json", action="store_true", help="print exactly one JSON document")
+    add_kv_store_commands(kv)
 
 
 def add_calibrate_commands(commands) -> None:
@@ -56,6 +58,8 @@ def add_calibrate_commands(commands) -> None:
 def run_kv(args: argparse.Namespace) -> None:
     if args.kv == "inspect":
         return inspect_kv_file(args.path, args.json)
+    if args.kv == "store":
+        return run_kv_store(args)
     from kvstrata.bench.workload import read_text
     from kvstrata.cachegen.profile import CodecProfile
     from kvstrata.llm import LLM

@@ -92,7 +92,7 @@ class CatchUnexpected:
 
 def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, engine)
     async_engine = AsyncEngine(engine, options.max_waiting, metrics)
     preparer = RequestPreparer(engine, options)
     tokenizer = engine.tokenizer

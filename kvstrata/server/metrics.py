@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
@@ -14,8 +15,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, engine: LLMEngine | None = None):
         self.registry = CollectorRegistry()
+        if engine is not None and engine.kv_store is not None:
+            self.registry.register(KVStoreCollector(engine, model_name))
         labels = {"model_name": model_name}
 
         def gauge(name, doc):
@@ -29,6 +32,7 @@ class ServerMetrics:
 
         self.running = gauge("kvstrata:num_requests_running", "Requests in the running batch")
         self.waiting = gauge("kvstrata:num_requests_waiting", "Requests waiting to be scheduled")
+        self.loading = gauge("kvstrata:num_requests_loading_kv", "Requests whose KV is being fetched from the KV store")
         self.kv_usage = gauge("kvstrata:kv_cache_usage_perc", "Fraction of KV blocks held by live requests")
         self.prefix_hit_rate = gauge("kvstrata:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache")
         self.prompt_tokens = counter("kvstrata:prompt_tokens", "Prompt tokens of requests that got a first token")
@@ -69,6 +73,7 @@ class ServerMetrics:
     def observe_step(self, engine: LLMEngine) -> None:
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
+        self.loading.set(engine.num_loading)
         self.kv_usage.set(engine.kv_manager.usage)
         self.prefix_hit_rate.set(engine.kv_manager.prefix_stats.hit_rate)
         if engine.step_stats:
@@ -76,3 +81,41 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# Per-tier counters of the KV store below the paged cache: (name, TierStats field, help).
+TIER_COUNTERS = (
+    ("hit_tokens", "hit_tokens", "Prompt tokens whose KV this tier supplied"),
+    ("miss_tokens", "miss_tokens", "Prompt tokens asked of this tier that it did not hold"),
+    ("read_bytes", "bytes_read", "Bytes read from this tier"),
+    ("written_bytes", "bytes_written", "Bytes written to this tier"),
+    ("fetch_seconds", "fetch_seconds", "Time spent fetching from this tier"),
+    ("errors", "errors", "Failures of this tier: unreachable, timed out, full, or an object that failed its check"),
+)
+
+
+class KVStoreCollector:
+    """Reads the engine's KV store counters when /metrics is scraped (plain numbers, safe to read from the
+    server's thread while the engine thread updates them)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.link = engine.kv_store
+        self.model_name = model_name
+
+    def collect(self):
+        for name, field, doc in TIER_COUNTERS:
+            family = CounterMetricFamily(f"kvstrata:kv_store_{name}", doc, labels=["model_name", "tier"])
+            for tier in self.link.store.tiers:
+                family.add_metric([self.model_name, tier.name], getattr(tier.stats, field))
+            yield family
+        store, link = self.link.store.stats, self.link.stats
+        for name, value, doc in (
+            ("decode_seconds", store.decode_seconds, "Time spent checking and decoding fetched chunks"),
+            ("encode_seconds", store.encode_seconds, "Time spent encoding chunks to write"),
+            ("corrupt_objects", store.corrupt_objects, "Stored chunks that failed their check (dropped, recomputed)"),
+            ("load_failures", link.load_failures, "Loads cut short by a tier failure (the rest was recomputed)"),
+            ("writes_skipped", link.writes_skipped, "Chunks not written (write backlog full or unreadable)"),
+        ):
+            family = CounterMetricFamily(f"kvstrata:kv_store_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
