@@ -59,7 +59,7 @@ def emma_text() -> str:
 @pytest.fixture
 def redis_server(tmp_path):
     """A fresh redis-server on a free loopback port, killed after the test."""
-    from tests.redis_server import RedisServer
+    from kvstrata.bench.redis_server import RedisServer
 
     server = RedisServer(tmp_path).start()
     yield server

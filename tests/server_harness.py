@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from contextlib import contextmanager
 
+from kvstrata.bench.redis_server import free_port
 from kvstrata.bench.serve import wait_healthy
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.server.app import build_app
 from kvstrata.server.options import ServerOptions
 from kvstrata.server.serve import make_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

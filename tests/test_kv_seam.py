@@ -22,7 +22,6 @@ from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError
 from kvstrata.kv import attention_policy, cache_factory
 from kvstrata.kv.attention_policy import AttentionPolicy
-from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.cache_factory import CacheShape, FormatOptions, storage_layout
 from kvstrata.kv.preloaded import LayerwiseKV, PreloadedKV
@@ -452,25 +451,7 @@ def test_eviction_listener_sees_the_evicted_prefix_intact(tiny_llama):
     assert cached_tokens == [0, 0, 16]
 
 
-# --- 8: prefix sources below the device pool ---------------------------------------------------------------------
-
-
-class FakeSource:
-    """A lower tier holding the K/V of a prompt's full blocks (computed by another engine), by their hashes."""
-
-    def __init__(self, hashes: list[bytes] | None, k: torch.Tensor | None = None, v: torch.Tensor | None = None):
-        self.hashes, self.k, self.v = hashes or [], k, v
-        self.asked: list[tuple[list[bytes], int, int]] = []
-
-    def lookup(self, block_hashes, first_block, block_size):
-        self.asked.append((list(block_hashes), first_block, block_size))
-        end = first_block
-        while end < min(len(block_hashes), len(self.hashes)) and block_hashes[end] == self.hashes[end]:
-            end += 1
-        if end == first_block:
-            return None
-        start, stop = first_block * block_size, end * block_size
-        return PreloadedKV(start=start, k=self.k[:, start:stop], v=self.v[:, start:stop])
+# --- 8: KV loaded one layer at a time -----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -478,49 +459,6 @@ def prefix_and_kv(tiny_llama):
     """A 50-token prefix (3 full blocks) and its K/V as another engine on the same weights computes them."""
     prefix = random_ids(10, 50)[0]
     return prefix, new_engine(tiny_llama).compute_kv(prefix)
-
-
-def test_a_prefix_source_fills_blocks_the_device_pool_lacks(tiny_llama, prefix_and_kv):
-    """A source asked with the prompt's chained (namespaced) hashes supplies its 3 blocks: they are placed, not
-    prefilled and not counted as device-pool hits, and greedy output is a plain engine's. Asked again for a prompt
-    whose first block the device pool has, the source is asked from block 1 on."""
-    prefix, (k, v) = prefix_and_kv
-    prompt = prefix + random_ids(11, 10)[0]  # 60 tokens: 3 blocks usable (the last token is computed)
-    expected = run_all(new_engine(tiny_llama), [prompt], greedy(6))[0].output_token_ids
-
-    engine = new_engine(tiny_llama)
-    hashes = full_block_hashes(prefix, BLOCK_SIZE, [], engine.kv_manager.namespace)
-    source = FakeSource(hashes, k, v)
-    engine.kv_manager.prefix_sources.append(source)
-    seq = run_all(engine, [prompt], greedy(6))[0]
-    assert source.asked == [(hashes, 0, BLOCK_SIZE)]
-    assert seq.block_hashes[:3] == hashes
-    assert seq.output_token_ids == expected
-    assert seq.num_cached_prompt_tokens == 0 and seq.num_preloaded_tokens == 48
-    assert sum(s.prefill_tokens for s in engine.step_stats) == len(prompt) - 48
-
-    engine = new_engine(tiny_llama)
-    run_all(engine, [prefix[:16] + random_ids(12, 8)[0]], greedy(2))  # the device pool caches block 0
-    source = FakeSource(full_block_hashes(prefix, BLOCK_SIZE, [], engine.kv_manager.namespace), k, v)
-    engine.kv_manager.prefix_sources.append(source)
-    seq = run_all(engine, [prompt], greedy(6))[0]
-    assert [(first, size) for _, first, size in source.asked] == [(1, BLOCK_SIZE)]
-    assert seq.num_cached_prompt_tokens == 16 and seq.num_preloaded_tokens == 32
-    assert seq.output_token_ids == expected
-
-
-def test_a_prefix_source_that_holds_nothing_changes_nothing(tiny_llama, prefix_and_kv):
-    """A source answering None is asked, and the prompt is prefilled and generated as without it."""
-    prefix, _ = prefix_and_kv
-    prompt = prefix + random_ids(11, 10)[0]
-    expected = run_all(new_engine(tiny_llama), [prompt], greedy(6))[0].output_token_ids
-    engine = new_engine(tiny_llama)
-    source = FakeSource(None)
-    engine.kv_manager.prefix_sources.append(source)
-    seq = run_all(engine, [prompt], greedy(6))[0]
-    assert len(source.asked) == 1
-    assert seq.output_token_ids == expected and seq.num_preloaded_tokens == 0
-    assert sum(s.prefill_tokens for s in engine.step_stats) == len(prompt)
 
 
 def test_layerwise_preloaded_kv_is_loaded_one_layer_at_a_time(tiny_llama, prefix_and_kv):

@@ -303,6 +303,8 @@ class LLMEngine:
             self.kv_manager.commit(seq, num_tokens)
             if self.kv_store is not None and not is_decode and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self.kv_store.store_prompt(seq, max(seq.num_cached_prompt_tokens or 0, seq.num_store_tokens))
+                if seq.num_store_tokens:
+                    seq.preloaded = []  # placed: free the host copy (after a preemption the prompt is prefilled)
             outputs.extend(self._place_preloaded(seq))
         to_sample, logits, failed = self._drop_nonfinite(to_sample, logits)
         outputs.extend(failed)

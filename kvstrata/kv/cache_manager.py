@@ -1,5 +1,7 @@
-"""Gives sequences their KV blocks: prefix-cache matching (the device pool first, then any prefix
-sources below it), growth, release."""
+"""Gives sequences their KV blocks: prefix-cache matching, growth, placing preloaded KV, release.
+
+The KV store below the device pool is asked by the engine, before a request is scheduled and in the
+background (engine/kv_store_link.py); what it finds arrives here as preloaded KV."""
 
 from __future__ import annotations
 
@@ -29,15 +31,6 @@ class Sequence(Protocol):
     def num_tokens(self) -> int: ...
 
 
-class PrefixSource(Protocol):
-    """A store below the device pool that may hold KV of full blocks by their chained hashes (a host
-    or disk tier, a remote store)."""
-
-    def lookup(self, block_hashes: list[BlockHash], first_block: int, block_size: int) -> Preloaded | None:
-        """KV of blocks `first_block`, `first_block` + 1, ... of the chain `block_hashes`, as many consecutive
-        ones as the source holds (starting at token first_block * block_size); None if it holds none."""
-
-
 @dataclass
 class PrefixCacheStats:
     queried_tokens: int = 0
@@ -61,12 +54,10 @@ class KVCacheManager:
         on_allocate: Callable[[list[int]], None] | None = None,
         write_kv: Callable[[list[int], Preloaded, int, int], None] | None = None,
         namespace: bytes = b"",
-        prefix_sources: list[PrefixSource] | None = None,
     ):
         self.pool = BlockPool(num_blocks)
         # Block hashes name the model and KV format too: blocks of other weights or another format never match.
         self.namespace = namespace
-        self.prefix_sources = prefix_sources or []
         self.on_allocate = on_allocate  # told of blocks handed out for new content (the cache resets them)
         self.write_kv = write_kv  # (block_table, preloaded KV, first, end): stores given KV in a sequence's blocks
         self.block_size = block_size
@@ -97,10 +88,8 @@ class KVCacheManager:
         return held * self.block_size
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Attach the cached blocks of the longest known prefix; return the tokens it covers.
+        """Attach the cached blocks of the longest prefix the device pool holds; return the tokens it covers.
 
-        Blocks the device pool lacks are asked of the prefix sources, in order; what one holds becomes
-        preloaded KV, placed by `place_preloaded` instead of being prefilled (not counted as a hit here).
         At least one token is always left to compute, since its logits give the next token.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
@@ -115,17 +104,7 @@ class KVCacheManager:
             self.pool.share(block)
             seq.block_table.append(block)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        if len(seq.block_table) < usable and not seq.preloaded:
-            self._ask_prefix_sources(seq, usable)
         return seq.num_computed_tokens
-
-    def _ask_prefix_sources(self, seq: Sequence, usable: int) -> None:
-        first = len(seq.block_table)
-        for source in self.prefix_sources:
-            found = source.lookup(seq.block_hashes[:usable], first, self.block_size)
-            if found is not None:
-                seq.preloaded = [found.clipped(usable * self.block_size)]
-                return
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         extra = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)

@@ -1,15 +1,21 @@
-"""A real redis-server on loopback for the tests that claim Redis (installed by the Makefile's set-up)."""
+"""A real redis-server on a free loopback port, for the tests and benchmarks that claim Redis (the Makefile's
+set-up installs it)."""
 
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
-from tests.server_harness import free_port
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class RedisServer:
@@ -24,7 +30,8 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
-        assert binary, "redis-server is not installed; `make test` installs it (apt-get install redis-server)"
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; `make test` installs it (apt-get install redis-server)")
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.directory)],
@@ -40,6 +47,10 @@ class RedisServer:
                 if time.monotonic() > deadline or self.process.poll() is not None:
                     raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.05)
+
+    def flush(self) -> None:
+        """Empty the server."""
+        redis.Redis(port=self.port).flushall()
 
     def stop(self) -> None:
         if self.process is not None:
