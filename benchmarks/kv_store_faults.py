@@ -127,9 +127,10 @@ def main() -> None:
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
         spec = f"disk:{disk_dir}:1GiB,{server.url}"  # the budget exceeds the filesystem: writes hit ENOSPC
+        # 100 MiB of device KV holds about 2,300 tokens: three passages; the rest is found below or recomputed.
         process = subprocess.Popen([sys.executable, "-m", "kvstrata.cli.main", "serve", "--port", str(port),
-                                    "--threads", "2", "--kv-cache-memory", "100MiB", "--kv-store", spec,
-                                    "--kv-store-timeout-ms", "500"])
+                                    "--threads", "2", "--kv-cache-memory", "100MiB", "--max-model-len", "1024",
+                                    "--kv-store", spec, "--kv-store-timeout-ms", "500", "--served-model-name", "kvstrata"])
         try:
             wait_healthy(base_url, 300)
             progress, fault_log = [0], []

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_factory import KV_FORMATS as KV_FORMAT_REGISTRY
-from kvstrata.kv.store.forms import STORE_FORMS
+from kvstrata.kv.store.forms import STORE_FORMS, parse_tier_forms
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -131,8 +131,9 @@ class EngineConfig:
     )
     kv_store_format: str = field(
         default="raw",
-        metadata=_option("kv store: how chunks are stored: raw (the compute dtype, exact), fp16, or a CacheGen level",
-                         choices=STORE_FORMS),
+        metadata=_option(f"kv store: how chunks are written: one form for every tier, or TIER=FORM pairs (e.g. "
+                         f"host=raw,redis=medium; tiers not named: raw); forms: {', '.join(STORE_FORMS)} (raw: the "
+                         f"compute dtype, exact; the others are CacheGen levels)"),
     )
     kv_store_chunk_tokens: int = field(
         default=256, metadata=_option("kv store: tokens per stored chunk (a chunk is found only when all its tokens match)")
@@ -146,10 +147,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
-                   ("oaken_keys", OAKEN_KEYS), ("kv_store_format", STORE_FORMS))
+                   ("oaken_keys", OAKEN_KEYS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        parse_tier_forms(self.kv_store_format, [])
         for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size",
                      "kv_store_chunk_tokens", "kv_store_timeout_ms"):
             _require_positive(name, getattr(self, name))

@@ -138,6 +138,14 @@ def test_a_full_disk_skips_writes_and_serving_goes_on(tiny_llama, reference, tmp
     assert engine.kv_store.store.tiers[0].stats.errors > 0 and engine.kv_store.stats.loaded_tokens == 0
 
 
+def test_an_engine_reads_chunks_another_wrote_in_another_form(tiny_llama, redis_server):
+    run_rounds(make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="medium"), rounds=1)
+    reader = make_engine(tiny_llama, kv_store=f"host:64MiB,{redis_server.url}", kv_store_format="host=raw")
+    run_rounds(reader, rounds=1)
+    assert tier_hits(reader)["redis"] == len(PROMPTS) * (199 // CHUNK) * CHUNK
+    assert reader.kv_store.store.stats.corrupt_objects == 0
+
+
 def test_lossy_forms_serve_from_the_store(tiny_llama, tmp_path):
     for form in ("fp16", "medium"):
         engine = make_engine(tiny_llama, kv_store="host:64MiB", kv_store_format=form)
@@ -162,6 +170,8 @@ def test_store_options_are_checked(tiny_llama):
         make_engine(tiny_llama, kv_store="host:1MiB", enable_prefix_caching=False)
     with pytest.raises(KvstrataError, match="kv_store_format 'gzip'"):
         make_engine(tiny_llama, kv_store="host:1MiB", kv_store_format="gzip")
+    with pytest.raises(KvstrataError, match="names the tiers \\['redis'\\]"):
+        make_engine(tiny_llama, kv_store="host:1MiB", kv_store_format="redis=medium")
 
 
 def test_the_server_reports_the_store_on_its_metrics(tiny_llama, tmp_path):

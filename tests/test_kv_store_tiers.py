@@ -10,14 +10,14 @@ import torch
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.disk_tier import DiskTier
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
-from kvstrata.kv.store.forms import stored_form
+from kvstrata.kv.store.forms import parse_tier_forms, stored_form
 from kvstrata.kv.store.host_tier import HostTier
 from kvstrata.kv.store.objects import ObjectHeader, pack_object, unpack_object
 from kvstrata.kv.store.redis_tier import RedisTier
 from kvstrata.kv.store.spec import parse_tiers
 from kvstrata.kv.store.tiered_store import StoreShape, TieredStore
 
-SHAPE = StoreShape("model-a/fp32@float32/raw", num_layers=3, kv_heads=2, head_dim=8)
+SHAPE = StoreShape("model-a/fp32@float32/", num_layers=3, kv_heads=2, head_dim=8)
 TOKENS = 32
 
 
@@ -27,16 +27,18 @@ def chunk_kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def store_over(*tiers, form="raw") -> TieredStore:
-    return TieredStore(list(tiers), stored_form(form, torch.float32), SHAPE)
+def store_over(*tiers, forms=None) -> TieredStore:
+    forms = forms or ["raw"] * len(tiers)
+    return TieredStore(list(tiers), [stored_form(form, torch.float32) for form in forms], SHAPE)
 
 
 # --- objects and forms ------------------------------------------------------------------------
 
 
 def test_an_object_is_checked_for_what_it_claims_to_be():
-    data = pack_object(ObjectHeader("ns", "c0", "k.1", (4, 2, 8)), b"payload")
-    assert unpack_object(data, "ns", "c0", "k.1") == ((4, 2, 8), b"payload")
+    header = ObjectHeader("ns", "c0", "k.1", "float16", (4, 2, 8))
+    data = pack_object(header, b"payload")
+    assert unpack_object(data, "ns", "c0", "k.1") == (header, b"payload")
     altered = bytearray(data)
     altered[-1] ^= 1
     for bad, message in ((bytes(altered), "checksum"), (data[:-3], "checksum"), (data[:10], "truncated"),
@@ -171,7 +173,7 @@ def test_a_hit_below_is_promoted_and_counted(tmp_path):
     host, disk = HostTier(10**7), DiskTier(tmp_path, 10**8)
     store = store_over(host, disk)
     k, v = chunk_kv(0)
-    disk.put("c0", store.encode("c0", k, v))
+    disk.put("c0", store.encode("c0", k, v, store.forms[1]))
     got_k, got_v = store.fetch("c0", TOKENS)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)  # raw: exact
     assert host.contains("c0")
@@ -210,8 +212,9 @@ def test_a_corrupt_object_is_dropped_from_its_tier(tmp_path):
 
 def test_objects_of_another_namespace_are_not_served(tmp_path):
     host = HostTier(10**7)
-    other = TieredStore([host], stored_form("raw", torch.float32), StoreShape("model-b/x", 3, 2, 8))
-    host.put("c0", other.encode("c0", *chunk_kv(0)))
+    raw = stored_form("raw", torch.float32)
+    other = TieredStore([host], [raw], StoreShape("model-b/x", 3, 2, 8))
+    host.put("c0", other.encode("c0", *chunk_kv(0), raw))
     with pytest.raises(CorruptObject, match="not this model"):
         store_over(host).fetch("c0", TOKENS)
 
@@ -226,6 +229,31 @@ def test_a_dead_tier_is_passed_over(redis_server, tmp_path):
     assert disk.contains("c1") and redis_tier.stats.errors >= 2
 
 
+def test_each_tier_writes_its_own_form_and_any_form_is_read(tmp_path):
+    host, disk = HostTier(10**7), DiskTier(tmp_path, 10**8)
+    store = store_over(host, disk, forms=["raw", "medium"])
+    k, v = chunk_kv(0)
+    store.put("c0", k, v)
+    assert host.get("c0", ["k.0"])["k.0"] != disk.get("c0", ["k.0"])["k.0"]
+    host.clear()
+    got_k, _ = store.fetch("c0", TOKENS)  # from disk, at medium: close, not equal
+    assert not torch.equal(got_k, k) and (got_k - k).pow(2).mean() < 0.2 * k.pow(2).mean()
+    assert torch.equal(store.fetch("c0", TOKENS)[0], got_k)  # promoted to host re-encoded raw: the same values
+    reader = store_over(HostTier(10**7), disk, forms=["raw", "raw"])  # writes raw, still reads medium objects
+    assert torch.equal(reader.fetch("c0", TOKENS)[0], got_k)
+
+
+def test_a_chunk_dropped_to_a_tier_of_another_form_is_re_encoded(tmp_path):
+    chunk_bytes = 2 * SHAPE.num_layers * TOKENS * SHAPE.kv_heads * SHAPE.head_dim * 4
+    host, disk = HostTier(int(chunk_bytes * 1.5)), DiskTier(tmp_path, 10**8)
+    store = store_over(host, disk, forms=["raw", "fp16"])
+    store.put("c0", *chunk_kv(0))
+    disk.remove("c0")
+    store.put("c1", *chunk_kv(1))  # host drops c0 (raw); it reaches the disk as fp16
+    assert disk.usage().chunks == 2 and disk.usage().bytes < 0.6 * 2 * chunk_bytes  # fp16: half, plus headers
+    assert torch.allclose(store.fetch("c0", TOKENS)[0], chunk_kv(0)[0], atol=2e-3)
+
+
 def test_store_specifications(tmp_path, redis_server):
     tiers = parse_tiers(f"host:1MiB, disk:{tmp_path}/a:b:2GiB ,{redis_server.url}")
     assert [t.name for t in tiers] == ["host", "disk", "redis"]
@@ -235,3 +263,10 @@ def test_store_specifications(tmp_path, redis_server):
                          ("host:1MiB,host:2MiB", "more than one host")):
         with pytest.raises(KvstrataError, match=message):
             parse_tiers(bad)
+    names = ["host", "disk", "redis"]
+    assert parse_tier_forms("medium", names) == ["medium"] * 3
+    assert parse_tier_forms("host=raw, redis=low", names) == ["raw", "raw", "low"]
+    for bad, message in (("zip", "not one of raw, fp16"), ("ssd=raw", "not FORM or TIER=FORM"),
+                         ("host=zip", "not one of"), ("redis=raw", "which kv_store does not have")):
+        with pytest.raises(KvstrataError, match=message):
+            parse_tier_forms(bad, names[:2])

@@ -23,7 +23,7 @@ from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.slots import slots_of_positions
 from kvstrata.kv.storage import KVStorage
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
-from kvstrata.kv.store.forms import stored_form
+from kvstrata.kv.store.forms import parse_tier_forms, stored_form
 from kvstrata.kv.store.spec import parse_tiers
 from kvstrata.kv.store.tiered_store import StoreShape, TieredStore
 
@@ -44,12 +44,12 @@ class LinkStats:
         return asdict(self)
 
 
-def make_store(spec: str, form_name: str, compute_dtype: torch.dtype, namespace: str, model_config,
+def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str, model_config,
                timeout: float) -> TieredStore:
-    form = stored_form(form_name, compute_dtype)
-    shape = StoreShape(f"{namespace}{form.name}", model_config.num_layers, model_config.num_kv_heads,
-                       model_config.head_dim)
-    return TieredStore(parse_tiers(spec, timeout), form, shape)
+    tiers = parse_tiers(spec, timeout)
+    tier_forms = [stored_form(name, compute_dtype) for name in parse_tier_forms(forms, [t.name for t in tiers])]
+    shape = StoreShape(namespace, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
+    return TieredStore(tiers, tier_forms, shape)
 
 
 class KVStoreLink:

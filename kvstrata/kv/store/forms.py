@@ -1,6 +1,9 @@
 """How a tier stores one layer's K or V of a chunk: raw floats (the compute dtype, exact), float16, or a
 CacheGen level (papers/cachegen.md; kvstrata/cachegen/codec.py), one layer per object so a loader can
 read a subset of layers.
+
+Each object names its form in its header (`StoredForm.name`: float32, float16, bfloat16 or a level), so a
+reader decodes whatever form a chunk was written in, whichever form it writes itself.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.errors import CorruptObject
 
 FLOAT_FORMS = {"raw": None, "fp16": torch.float16}  # raw: the dtype the K/V were computed in
-STORE_FORMS = (*FLOAT_FORMS, *CACHEGEN_LEVELS)
+STORE_FORMS = (*FLOAT_FORMS, *CACHEGEN_LEVELS)  # what --kv-store-format takes
+FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # as written
 _SECTION = struct.Struct("<HI")  # name length, data length
 
 
@@ -35,8 +39,8 @@ class StoredForm(ABC):
 
 
 class FloatForm(StoredForm):
-    def __init__(self, name: str, dtype: torch.dtype):
-        self.name, self.dtype = name, dtype
+    def __init__(self, dtype: torch.dtype):
+        self.name, self.dtype = str(dtype).removeprefix("torch."), dtype
 
     def encode(self, x, kind, layer, num_layers):
         return x.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
@@ -97,8 +101,39 @@ def _count(shape: tuple[int, ...]) -> int:
 
 
 def stored_form(name: str, compute_dtype: torch.dtype) -> StoredForm:
+    """The form `--kv-store-format` names (raw is the compute dtype)."""
     if name in FLOAT_FORMS:
-        return FloatForm(name, FLOAT_FORMS[name] or compute_dtype)
+        return FloatForm(FLOAT_FORMS[name] or compute_dtype)
     if name in CACHEGEN_LEVELS:
         return CacheGenForm(name)
     raise KvstrataError(f"kv_store_format {name!r} is not one of {', '.join(STORE_FORMS)}")
+
+
+def written_form(name: str) -> StoredForm:
+    """The form an object's header names; CorruptObject if no such form exists."""
+    if name in FLOAT_DTYPES:
+        return FloatForm(FLOAT_DTYPES[name])
+    if name in CACHEGEN_LEVELS:
+        return CacheGenForm(name)
+    raise CorruptObject(f"an object names the stored form {name!r}, which this version does not know")
+
+
+def parse_tier_forms(spec: str, tier_names: list[str]) -> list[str]:
+    """`--kv-store-format` per tier: one form for every tier ("raw") or TIER=FORM pairs ("host=raw,redis=medium";
+    tiers not named store raw)."""
+    parts = [part.strip() for part in str(spec).split(",")]
+    if len(parts) == 1 and "=" not in parts[0]:
+        stored_form(parts[0], torch.float32)
+        return [parts[0]] * len(tier_names)
+    chosen = {}
+    for part in parts:
+        tier, _, form = part.partition("=")
+        if not form or tier not in ("host", "disk", "redis"):
+            raise KvstrataError(f"kv_store_format part {part!r} is not FORM or TIER=FORM with TIER one of host, disk, "
+                                f"redis (e.g. host=raw,redis=medium)")
+        stored_form(form, torch.float32)
+        chosen[tier] = form
+    missing = set(chosen) - set(tier_names)
+    if tier_names and missing:
+        raise KvstrataError(f"kv_store_format names the tiers {sorted(missing)}, which kv_store does not have")
+    return [chosen.get(name, "raw") for name in tier_names]

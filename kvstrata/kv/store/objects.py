@@ -1,8 +1,8 @@
 """One stored object: a small header that names what it holds, a checksum, then the payload.
 
 Every object is checked when read: the magic, the checksum over header and payload, and that the
-header names the chunk, the object (layer and K or V) and the namespace (model fingerprint and
-stored form) the reader asked for. A truncated, altered or foreign object raises CorruptObject and
+header names the chunk, the object (layer and K or V) and the namespace (model fingerprint and the
+device cache's stored form) the reader asked for. The header also names the object's own form. A truncated, altered or foreign object raises CorruptObject and
 is never decoded.
 """
 
@@ -22,10 +22,11 @@ PREAMBLE = struct.Struct("<4sBH16s")  # magic, version, header length, blake2b-1
 
 @dataclass(frozen=True)
 class ObjectHeader:
-    namespace: str  # model fingerprint, the device cache's stored form, the store's form
+    namespace: str  # model fingerprint and the device cache's stored form
     chunk: str  # the chunk's chained token hash, hex
-    name: str  # "meta", or "k.<layer>" / "v.<layer>"
-    shape: tuple[int, ...]  # of the decoded tensor ((tokens, kv_heads, head_dim)); () for "meta"
+    name: str  # "k.<layer>" or "v.<layer>"
+    form: str  # how the payload is coded (forms.py: float32, float16, bfloat16 or a CacheGen level)
+    shape: tuple[int, ...]  # of the decoded tensor: (tokens, kv_heads, head_dim)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -42,8 +43,8 @@ def pack_object(header: ObjectHeader, payload: bytes) -> bytes:
     return PREAMBLE.pack(MAGIC, VERSION, len(head), _digest(head, payload)) + head + payload
 
 
-def unpack_object(data: bytes, namespace: str, chunk: str, name: str) -> tuple[tuple[int, ...], bytes]:
-    """The shape and payload of an object, after checking that it is whole and is the object asked for."""
+def unpack_object(data: bytes, namespace: str, chunk: str, name: str) -> tuple[ObjectHeader, bytes]:
+    """The header and payload of an object, after checking that it is whole and is the object asked for."""
     where = f"object {name} of chunk {chunk[:16]}"
     if len(data) < PREAMBLE.size:
         raise CorruptObject(f"{where} is truncated: {len(data)} bytes, shorter than its preamble")
@@ -57,10 +58,11 @@ def unpack_object(data: bytes, namespace: str, chunk: str, name: str) -> tuple[t
         raise CorruptObject(f"{where} fails its checksum: truncated or altered")
     try:
         fields = json.loads(head)
-        header = ObjectHeader(fields["namespace"], fields["chunk"], fields["name"], tuple(fields["shape"]))
+        header = ObjectHeader(fields["namespace"], fields["chunk"], fields["name"], str(fields["form"]),
+                              tuple(int(size) for size in fields["shape"]))
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptObject(f"{where} has an unreadable header: {exc}") from None
     if (header.namespace, header.chunk, header.name) != (namespace, chunk, name):
         raise CorruptObject(f"{where} holds {header.name} of chunk {header.chunk[:16]} in namespace "
                             f"{header.namespace!r}, not this model and stored form's ({namespace!r})")
-    return header.shape, payload
+    return header, payload

@@ -1,6 +1,8 @@
-"""The tiers in order, top first, with the stored form: fetch a chunk from the highest tier that holds it
-(checked, decoded, promoted to the tiers above), write a chunk to every tier (write-through, so other
-engines sharing a lower tier see it at once), and cascade a chunk a tier drops to the tier below it.
+"""The tiers in order, top first, each with the form it writes: fetch a chunk from the highest tier that holds
+it (checked, decoded, promoted to the tiers above), write a chunk to every tier (write-through, so other
+engines sharing a lower tier see it at once), and cascade a chunk a tier drops to the tier below it. A chunk
+moving between tiers of different forms is decoded and encoded again; objects are read in whatever form
+their header names.
 
 Synchronous and thread-safe; engine/kv_store_link.py runs it on background threads.
 """
@@ -14,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
-from kvstrata.kv.store.forms import StoredForm
+from kvstrata.kv.store.forms import StoredForm, written_form
 from kvstrata.kv.store.objects import ObjectHeader, pack_object, unpack_object
 from kvstrata.kv.store.tier import Objects, Tier
 
@@ -23,7 +25,7 @@ log = logging.getLogger("kvstrata.kv.store")
 
 @dataclass(frozen=True)
 class StoreShape:
-    namespace: str  # model fingerprint, device stored form and the store's form: objects of another never match
+    namespace: str  # model fingerprint and the device cache's stored form: objects of another never match
     num_layers: int
     kv_heads: int
     head_dim: int
@@ -40,9 +42,11 @@ class StoreStats:
 
 
 class TieredStore:
-    def __init__(self, tiers: list[Tier], form: StoredForm, shape: StoreShape):
+    def __init__(self, tiers: list[Tier], forms: list[StoredForm], shape: StoreShape):
+        if len(forms) != len(tiers):
+            raise ValueError(f"{len(forms)} forms for {len(tiers)} tiers")
         self.tiers = tiers
-        self.form = form
+        self.forms = forms  # what each tier writes
         self.shape = shape
         self.stats = StoreStats()
         for below, tier in enumerate(tiers[1:], start=1):
@@ -93,21 +97,26 @@ class TieredStore:
             raise
         self.stats.decode_seconds += time.perf_counter() - fetched
         tier.stats.hit_tokens += num_tokens
-        for upper in self.tiers[:index]:
+        for upper, form in zip(self.tiers[:index], self.forms):
             upper.stats.miss_tokens += num_tokens
-            self._put(upper, key, objects)
+            same_form = form.name == self.forms[index].name
+            self._put(upper, key, objects if same_form else self.encode(key, k, v, form))
         return k, v
 
-    def _decode(self, key: str, objects: Objects, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        want = (num_tokens, self.shape.kv_heads, self.shape.head_dim)
+    def _decode(self, key: str, objects: Objects, num_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V from a chunk's objects, each decoded in the form its header names (`num_tokens`: the length
+        the chunk must have; None takes it from the first object)."""
         layers = {"k": [], "v": []}
         for layer in range(self.shape.num_layers):
             for kind in "kv":
                 name = f"{kind}.{layer}"
-                shape, payload = unpack_object(objects[name], self.shape.namespace, key, name)
-                if tuple(shape) != want:
-                    raise CorruptObject(f"object {name} of chunk {key[:16]} has shape {shape}, expected {want}")
-                layers[kind].append(self.form.decode(payload, want, kind, layer, self.shape.num_layers))
+                header, payload = unpack_object(objects[name], self.shape.namespace, key, name)
+                num_tokens = header.shape[0] if num_tokens is None and header.shape else num_tokens
+                want = (num_tokens, self.shape.kv_heads, self.shape.head_dim)
+                if header.shape != want:
+                    raise CorruptObject(f"object {name} of chunk {key[:16]} has shape {header.shape}, expected {want}")
+                form = written_form(header.form)
+                layers[kind].append(form.decode(payload, want, kind, layer, self.shape.num_layers))
         return torch.stack(layers["k"]), torch.stack(layers["v"])
 
     def _drop(self, tier: Tier, key: str) -> None:
@@ -118,25 +127,28 @@ class TieredStore:
         except StoreUnavailable as exc:
             log.warning("%s", exc)
 
-    def encode(self, key: str, k: torch.Tensor, v: torch.Tensor) -> Objects:
-        """The objects of chunk `key` from K and V [layers, tokens, kv_heads, head_dim]."""
+    def encode(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm) -> Objects:
+        """The objects of chunk `key` in `form` from K and V [layers, tokens, kv_heads, head_dim]."""
         start = time.perf_counter()
         objects = {}
         for layer in range(self.shape.num_layers):
             for kind, x in (("k", k[layer]), ("v", v[layer])):
                 name = f"{kind}.{layer}"
-                payload = self.form.encode(x, kind, layer, self.shape.num_layers)
-                objects[name] = pack_object(ObjectHeader(self.shape.namespace, key, name, tuple(x.shape)), payload)
+                payload = form.encode(x, kind, layer, self.shape.num_layers)
+                header = ObjectHeader(self.shape.namespace, key, name, form.name, tuple(x.shape))
+                objects[name] = pack_object(header, payload)
         self.stats.encode_seconds += time.perf_counter() - start
         return objects
 
     def put(self, key: str, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write chunk `key` to every tier that lacks it (encoded once); a tier that fails is counted and skipped."""
-        missing = [tier for tier in self.tiers if not self._holds(tier, key)]
-        if missing:
-            objects = self.encode(key, k, v)
-            for tier in missing:
-                self._put(tier, key, objects)
+        """Write chunk `key` to every tier that lacks it (encoded once per form); a tier that fails is counted
+        and skipped."""
+        encoded: dict[str, Objects] = {}
+        for tier, form in zip(self.tiers, self.forms):
+            if not self._holds(tier, key):
+                if form.name not in encoded:
+                    encoded[form.name] = self.encode(key, k, v, form)
+                self._put(tier, key, encoded[form.name])
 
     def _holds(self, tier: Tier, key: str) -> bool:
         try:
@@ -161,6 +173,8 @@ class TieredStore:
         if not self._holds(tier, key):
             try:
                 objects = read()
+                if self.forms[below].name != self.forms[below - 1].name:
+                    objects = self.encode(key, *self._decode(key, objects, None), self.forms[below])
             except (OSError, CorruptObject) as exc:
                 log.warning("chunk %s could not be read to move it down: %s", key[:16], exc)
                 return
