@@ -55,6 +55,7 @@ def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str
 class KVStoreLink:
     def __init__(self, store: TieredStore, chunk_tokens: int, kv_manager, kv_cache: KVStorage):
         self.store = store
+        store.defer = self._defer
         self.chunk_tokens = chunk_tokens
         self.kv_manager = kv_manager
         self.kv_cache = kv_cache
@@ -183,6 +184,10 @@ class KVStoreLink:
         finally:
             with self._lock:
                 self._pending_write_bytes -= size
+
+    def _defer(self, work) -> None:
+        """Store work a load need not wait for (re-encoding a promoted chunk) goes to the write thread."""
+        self._write_thread.submit(work)
 
     def flush(self) -> None:
         """Wait until every queued write is done (tests, tools, shutdown)."""

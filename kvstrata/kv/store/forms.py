@@ -82,6 +82,8 @@ class CacheGenForm(StoredForm):
                 raise CorruptObject(f"a {self.name} object ends inside a section header")
             name_len, data_len = _SECTION.unpack_from(payload, offset)
             offset += _SECTION.size
+            if offset + name_len + data_len > len(payload):
+                raise CorruptObject(f"a {self.name} object ends inside a section")
             name = payload[offset : offset + name_len].decode("ascii", "replace")
             sections[name] = payload[offset + name_len : offset + name_len + data_len]
             offset += name_len + data_len

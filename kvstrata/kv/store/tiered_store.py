@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -42,12 +43,15 @@ class StoreStats:
 
 
 class TieredStore:
-    def __init__(self, tiers: list[Tier], forms: list[StoredForm], shape: StoreShape):
+    def __init__(self, tiers: list[Tier], forms: list[StoredForm], shape: StoreShape,
+                 defer: Callable[[Callable[[], None]], None] | None = None):
         if len(forms) != len(tiers):
             raise ValueError(f"{len(forms)} forms for {len(tiers)} tiers")
         self.tiers = tiers
         self.forms = forms  # what each tier writes
         self.shape = shape
+        # Runs work a fetch need not wait for (re-encoding a hit for a tier above of another form); default: now.
+        self.defer = defer or (lambda work: work())
         self.stats = StoreStats()
         for below, tier in enumerate(tiers[1:], start=1):
             tiers[below - 1].on_evict = lambda key, read, below=below: self._spill(below, key, read)
@@ -91,7 +95,7 @@ class TieredStore:
             return None
         tier.stats.bytes_read += sum(len(data) for data in objects.values())
         try:
-            k, v = self._decode(key, objects, num_tokens)
+            k, v, written = self._decode(key, objects, num_tokens)
         except CorruptObject:
             self._drop(tier, key)
             raise
@@ -99,14 +103,16 @@ class TieredStore:
         tier.stats.hit_tokens += num_tokens
         for upper, form in zip(self.tiers[:index], self.forms):
             upper.stats.miss_tokens += num_tokens
-            same_form = form.name == self.forms[index].name
-            self._put(upper, key, objects if same_form else self.encode(key, k, v, form))
+            if written == {form.name}:
+                self._put(upper, key, objects)
+            else:
+                self.defer(lambda upper=upper, form=form: self._put(upper, key, self.encode(key, k, v, form)))
         return k, v
 
-    def _decode(self, key: str, objects: Objects, num_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, key: str, objects: Objects, num_tokens: int | None):
         """K and V from a chunk's objects, each decoded in the form its header names (`num_tokens`: the length
-        the chunk must have; None takes it from the first object)."""
-        layers = {"k": [], "v": []}
+        the chunk must have; None takes it from the first object), and the set of forms they were in."""
+        layers, written = {"k": [], "v": []}, set()
         for layer in range(self.shape.num_layers):
             for kind in "kv":
                 name = f"{kind}.{layer}"
@@ -115,9 +121,10 @@ class TieredStore:
                 want = (num_tokens, self.shape.kv_heads, self.shape.head_dim)
                 if header.shape != want:
                     raise CorruptObject(f"object {name} of chunk {key[:16]} has shape {header.shape}, expected {want}")
+                written.add(header.form)
                 form = written_form(header.form)
                 layers[kind].append(form.decode(payload, want, kind, layer, self.shape.num_layers))
-        return torch.stack(layers["k"]), torch.stack(layers["v"])
+        return torch.stack(layers["k"]), torch.stack(layers["v"]), written
 
     def _drop(self, tier: Tier, key: str) -> None:
         self.stats.corrupt_objects += 1
@@ -173,8 +180,9 @@ class TieredStore:
         if not self._holds(tier, key):
             try:
                 objects = read()
-                if self.forms[below].name != self.forms[below - 1].name:
-                    objects = self.encode(key, *self._decode(key, objects, None), self.forms[below])
+                k, v, written = self._decode(key, objects, None)
+                if written != {self.forms[below].name}:
+                    objects = self.encode(key, k, v, self.forms[below])
             except (OSError, CorruptObject) as exc:
                 log.warning("chunk %s could not be read to move it down: %s", key[:16], exc)
                 return
