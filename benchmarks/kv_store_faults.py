@@ -99,9 +99,8 @@ def faults(progress: list[int], total: int, server: RedisServer, disk_dir: Path,
 
 def store_metrics(base_url: str) -> dict:
     text = httpx.get(f"{base_url}/metrics").text
-    found = re.findall(r'^(kvstrata:kv_store_\w+)_total\{([^}]*)\} (\S+)$', text, re.MULTILINE)
-    return {f"{name}{{{labels.split('tier=')[-1] if 'tier=' in labels else ''}}}": float(value)
-            for name, labels, value in found}
+    found = re.findall(r'^kvstrata:kv_store_(\w+)_total\{[^}]*?(?:tier="(\w+)")?\} (\S+)$', text, re.MULTILINE)
+    return {f"{name}[{tier}]" if tier else name: float(value) for name, tier, value in found}
 
 
 def main() -> None:
@@ -130,7 +129,8 @@ def main() -> None:
         # 100 MiB of device KV holds about 2,300 tokens: three passages; the rest is found below or recomputed.
         process = subprocess.Popen([sys.executable, "-m", "kvstrata.cli.main", "serve", "--port", str(port),
                                     "--threads", "2", "--kv-cache-memory", "100MiB", "--max-model-len", "1024",
-                                    "--kv-store", spec, "--kv-store-timeout-ms", "500", "--served-model-name", "kvstrata"])
+                                    "--kv-store", spec, "--kv-store-timeout-ms", "500", "--served-model-name", "kvstrata"],
+                                   stdout=sys.stderr)  # its access log must not mix with the JSON
         try:
             wait_healthy(base_url, 300)
             progress, fault_log = [0], []
