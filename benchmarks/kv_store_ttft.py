@@ -129,11 +129,13 @@ def reuse_workload(tokenizer_engine: LLMEngine, passages: int, questions: int, s
     return [contexts[p] + question_ids[q % len(QUESTIONS)] for p, q in asks]
 
 
-def run_reuse(systems: dict[str, dict], passages: int, questions: int, seed: int, budget: str) -> dict:
+def run_reuse(systems: dict[str, dict], passages: int, questions: int, seed: int, budget: str,
+              redis: RedisServer) -> dict:
     prompts = reuse_workload(engine(), passages, questions, seed)
     results = {"requests": len(prompts), "passages": passages, "questions_per_passage": questions,
                "prompt_tokens": [len(p) for p in prompts], "kv_cache_memory": budget, "systems": {}}
     for name, options in systems.items():
+        redis.flush()  # every system starts from an empty store
         run = engine(kv_cache_memory=budget, max_model_len=4200, **options)
         start = time.perf_counter()
         ttfts = [first_token(run, prompt, max_tokens=8).metrics.ttft for prompt in prompts]
@@ -173,13 +175,14 @@ def main() -> None:
             if args.part in ("reuse", "all"):
                 systems = {
                     "recompute": {},
-                    "host_raw": {"kv_store": "host:2GiB"},
-                    "disk_raw": {"kv_store": f"disk:{scratch}/disk:4GiB"},
+                    "host_fp16": {"kv_store": "host:2GiB", "kv_store_format": "fp16"},
+                    "disk_fp16": {"kv_store": f"disk:{scratch}/disk:4GiB", "kv_store_format": "fp16"},
                     "redis_raw": {"kv_store": redis.url},
+                    "redis_fp16": {"kv_store": redis.url, "kv_store_format": "fp16"},
+                    "redis_high": {"kv_store": redis.url, "kv_store_format": "high"},
                     "redis_medium": {"kv_store": redis.url, "kv_store_format": "medium"},
                 }
-                redis.flush()
-                report["reuse"] = run_reuse(systems, args.passages, args.questions, args.seed, args.budget)
+                report["reuse"] = run_reuse(systems, args.passages, args.questions, args.seed, args.budget, redis)
         finally:
             redis.stop()
     print(json.dumps(report, indent=2))

@@ -206,3 +206,15 @@ def test_the_store_command_shows_and_clears_a_store(tiny_llama, tmp_path, capsys
     assert capsys.readouterr().out == f"cleared disk:{tmp_path}:{64 * 2**20}\n"
     main(["kv", "store", "stats", "--kv-store", spec, "--json"])
     assert json.loads(capsys.readouterr().out)["tiers"][0]["chunks"] == 0
+
+
+def test_kv_from_the_store_that_does_not_fit_is_prefilled_instead(tiny_llama, reference, tmp_path):
+    import torch
+
+    from kvstrata.kv.preloaded import PreloadedKV
+
+    spec = f"disk:{tmp_path}:64MiB"
+    run_rounds(make_engine(tiny_llama, kv_store=spec), rounds=1)
+    engine = make_engine(tiny_llama, kv_store=spec)
+    engine.kv_store._load = lambda keys, first: PreloadedKV(0, torch.zeros(1, CHUNK, 2, 16), torch.zeros(1, CHUNK, 2, 16))
+    assert run_rounds(engine, rounds=1) == {r: t for r, t in reference.items() if r.startswith("0-")}

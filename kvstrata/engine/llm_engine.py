@@ -322,9 +322,12 @@ class LLMEngine:
         """Requests whose lookup below the device pool ended join the scheduler, with the KV it found. With
         nothing else to run, wait a little for one rather than spin."""
         for seq, kv in self.kv_store.take_ready(timeout=0.0 if self.scheduler.has_unfinished() else 0.05):
-            if kv is not None:
-                seq.preloaded = self._check_preloaded([kv], seq.num_tokens)
-                seq.num_store_tokens = kv.end
+            try:
+                if kv is not None:
+                    seq.preloaded = self._check_preloaded([kv], seq.num_tokens)
+                    seq.num_store_tokens = kv.end
+            except KvstrataError:  # the store checked the chunks' shapes; should it not fit, prefill instead
+                log.exception("request %s: KV from the store does not fit; it is prefilled", seq.request_id)
             self.scheduler.add(seq)
 
     def _place_preloaded(self, seq: Sequence) -> list[RequestOutput]:
