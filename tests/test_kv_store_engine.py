@@ -218,3 +218,17 @@ def test_kv_from_the_store_that_does_not_fit_is_prefilled_instead(tiny_llama, re
     engine = make_engine(tiny_llama, kv_store=spec)
     engine.kv_store._load = lambda keys, first: PreloadedKV(0, torch.zeros(1, CHUNK, 2, 16), torch.zeros(1, CHUNK, 2, 16))
     assert run_rounds(engine, rounds=1) == {r: t for r, t in reference.items() if r.startswith("0-")}
+
+
+def test_a_full_write_backlog_writes_the_chunks_that_fit(tiny_llama, tmp_path, monkeypatch):
+    from kvstrata.engine import kv_store_link
+
+    chunk_bytes = 2 * 3 * CHUNK * 2 * 16 * 4  # layers x tokens x kv heads x head dim, float32 K and V
+    monkeypatch.setattr(kv_store_link, "MAX_PENDING_WRITE_BYTES", 2 * chunk_bytes)
+    engine = make_engine(tiny_llama, kv_store=f"disk:{tmp_path}:64MiB")
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv_store.flush()
+    assert engine.kv_store.stats.chunks_queued == 2 and engine.kv_store.stats.writes_skipped == 200 // CHUNK - 2
+    assert engine.kv_store.store.tiers[0].usage().chunks == 2

@@ -141,6 +141,17 @@ def test_a_truncated_chunk_file_is_corrupt(tmp_path):
         tier.get("a", ["k.0"])
 
 
+def test_a_chunk_file_whose_index_lies_is_corrupt(tmp_path):
+    tier = DiskTier(tmp_path, capacity=10_000)
+    tier.put("a", {"k.0": b"0123456789"})
+    path = tmp_path / "a.kvc"
+    data = bytearray(path.read_bytes())
+    data[len(b"KVSC\x01") + 2 + 2 : len(b"KVSC\x01") + 2 + 10] = (2**62).to_bytes(8, "little")  # k.0's length
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptObject, match="longer than the file"):
+        tier.get("a", ["k.0"])
+
+
 def test_the_redis_tier_on_a_real_server(redis_server):
     tier = RedisTier(redis_server.url)
     tier.put("a", {"k.0": b"k0", "v.0": b"v0"})
@@ -259,6 +270,9 @@ def test_store_specifications(tmp_path, redis_server):
     tiers = parse_tiers(f"host:1MiB, disk:{tmp_path}/a:b:2GiB ,{redis_server.url}")
     assert [t.name for t in tiers] == ["host", "disk", "redis"]
     assert tiers[0].capacity == 2**20 and str(tiers[1].directory) == f"{tmp_path}/a:b" and tiers[1].capacity == 2**31
+    (tmp_path / "file").write_text("")
+    with pytest.raises(KvstrataError, match="cannot be created"):
+        parse_tiers(f"disk:{tmp_path}/file/kv:1GiB")
     for bad, message in (("", "empty"), ("host:1MiB,,", "empty part"), ("memcached://x", "is not a tier"),
                          ("host:lots", "is not a size"), ("disk:12GiB", "needs a directory"),
                          ("host:1MiB,host:2MiB", "more than one host")):

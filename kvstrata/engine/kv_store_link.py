@@ -130,8 +130,10 @@ class KVStoreLink:
         return ready
 
     def forget(self, request_id: str) -> None:
-        """An aborted or failed request: its load's result, when it comes, is dropped."""
-        self._loads.pop(request_id, None)
+        """An aborted or failed request: its load is cancelled if it has not started, or its result dropped."""
+        _, future = self._loads.pop(request_id, (None, None))
+        if future is not None:
+            future.cancel()
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -145,21 +147,25 @@ class KVStoreLink:
         first = reused_tokens // self.chunk_tokens
         if first >= num_chunks:
             return
-        keys = self.chunk_keys(seq.token_ids, num_chunks)
+        shape = self.store.shape
+        chunk_bytes = 2 * shape.num_layers * self.chunk_tokens * shape.kv_heads * shape.head_dim * 4  # float32 K, V
+        with self._lock:  # as many chunks as the backlog has room for, sized before anything is copied
+            fitting = min(num_chunks - first, (MAX_PENDING_WRITE_BYTES - self._pending_write_bytes) // chunk_bytes)
+            self._pending_write_bytes += max(fitting, 0) * chunk_bytes
+        self.stats.writes_skipped += num_chunks - first - max(fitting, 0)
+        if fitting <= 0:
+            return
+        end = first + fitting
+        size = fitting * chunk_bytes
         try:
-            k, v = self._read(seq.block_table, first * self.chunk_tokens, num_chunks * self.chunk_tokens)
+            k, v = self._read(seq.block_table, first * self.chunk_tokens, end * self.chunk_tokens)
         except Exception:
             log.exception("request %s: its prompt's KV could not be read for the store", seq.request_id)
-            self.stats.writes_skipped += num_chunks - first
+            self.stats.writes_skipped += fitting
+            self._release(size)
             return
-        size = k.numel() * k.element_size() * 2
-        with self._lock:
-            if self._pending_write_bytes + size > MAX_PENDING_WRITE_BYTES:
-                self.stats.writes_skipped += num_chunks - first
-                return
-            self._pending_write_bytes += size
-        self.stats.chunks_queued += num_chunks - first
-        self._write_thread.submit(self._write, keys[first:], k, v, size)
+        self.stats.chunks_queued += fitting
+        self._write_thread.submit(self._write, self.chunk_keys(seq.token_ids, end)[first:], k, v, size)
 
     def _read(self, block_table: list[int], first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, end - first, kv_heads, head_dim] of one sequence's tokens, as float32 on the CPU."""
@@ -182,12 +188,30 @@ class KVStoreLink:
         except Exception:
             log.exception("writing chunks to the KV store failed; they are skipped")
         finally:
-            with self._lock:
-                self._pending_write_bytes -= size
+            self._release(size)
 
-    def _defer(self, work) -> None:
-        """Store work a load need not wait for (re-encoding a promoted chunk) goes to the write thread."""
-        self._write_thread.submit(work)
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._pending_write_bytes -= size
+
+    def _defer(self, work, size: int) -> None:
+        """Store work a load need not wait for (promoting a hit to the tiers above) goes to the write thread, within
+        the same backlog as writes; beyond it, the work is dropped (the chunk stays where it was found)."""
+        with self._lock:
+            if self._pending_write_bytes + size > MAX_PENDING_WRITE_BYTES:
+                self.stats.writes_skipped += 1
+                return
+            self._pending_write_bytes += size
+
+        def run() -> None:
+            try:
+                work()
+            except Exception:
+                log.exception("promoting a chunk in the KV store failed; it stays where it was")
+            finally:
+                self._release(size)
+
+        self._write_thread.submit(run)
 
     def flush(self) -> None:
         """Wait until every queued write is done (tests, tools, shutdown)."""

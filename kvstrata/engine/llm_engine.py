@@ -326,8 +326,9 @@ class LLMEngine:
                 if kv is not None:
                     seq.preloaded = self._check_preloaded([kv], seq.num_tokens)
                     seq.num_store_tokens = kv.end
-            except KvstrataError:  # the store checked the chunks' shapes; should it not fit, prefill instead
-                log.exception("request %s: KV from the store does not fit; it is prefilled", seq.request_id)
+            except Exception:  # it does not fit, or the device is short of memory: prefill instead
+                log.exception("request %s: KV from the store could not be taken; it is prefilled", seq.request_id)
+                seq.preloaded, seq.num_store_tokens = [], 0
             self.scheduler.add(seq)
 
     def _place_preloaded(self, seq: Sequence) -> list[RequestOutput]:

@@ -62,13 +62,16 @@ class DiskTier(Tier):
             self._sizes.move_to_end(key)
         try:
             objects = read_chunk_file(self._path(key), names)
-            os.utime(self._path(key))  # recency survives a restart
         except FileNotFoundError:
             with self._lock:
                 self._sizes.pop(key, None)
             return None
         except OSError as exc:
             raise StoreUnavailable(f"disk tier: reading {self._path(key)} failed: {exc}") from None
+        try:
+            os.utime(self._path(key))  # recency survives a restart
+        except OSError:
+            pass  # a read-only directory still serves its chunks
         return objects
 
     def put(self, key: str, objects: Objects) -> None:
@@ -86,9 +89,11 @@ class DiskTier(Tier):
                 victims.append(old_key)
         for old_key in victims:
             path = self._path(old_key)
-            if self.on_evict is not None:
-                self.on_evict(old_key, lambda path=path: read_chunk_file(path, None))
-            path.unlink(missing_ok=True)
+            try:
+                if self.on_evict is not None:
+                    self.on_evict(old_key, lambda path=path: read_chunk_file(path, None))
+            finally:
+                path.unlink(missing_ok=True)
         self.stats.chunks_evicted += len(victims)
         temporary = self.directory / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
@@ -130,12 +135,15 @@ def chunk_file_bytes(objects: Objects) -> bytes:
 def read_chunk_file(path: Path, names: list[str] | None) -> Objects:
     """The named objects of a chunk file (every object with None), reading only their bytes."""
     with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
         if f.read(len(MAGIC)) != MAGIC:
             raise CorruptObject(f"{path} is not a kvstrata chunk file")
         (count,) = _COUNT.unpack(_read(f, _COUNT.size, path))
         index, offset = [], 0
         for _ in range(count):
             name_len, length = _ENTRY.unpack(_read(f, _ENTRY.size, path))
+            if offset + length > file_size:
+                raise CorruptObject(f"{path} names an object longer than the file")
             index.append((_read(f, name_len, path).decode("ascii", "replace"), offset, length))
             offset += length
         data_start = f.tell()

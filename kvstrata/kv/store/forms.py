@@ -92,6 +92,8 @@ class CacheGenForm(StoredForm):
             x = decode_tensor(sections, self._layer_settings(layer, num_layers), (1, tokens, heads * dim), kind)
         except Exception as exc:  # the checksum held, so this is a stream of another codec version
             raise CorruptObject(f"a {self.name} object could not be decoded: {type(exc).__name__}: {exc}") from exc
+        if not torch.isfinite(x).all():
+            raise CorruptObject(f"a {self.name} object decodes to NaN or inf values")
         return x.reshape(shape)
 
 

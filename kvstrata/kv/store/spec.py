@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvstrata.config import parse_memory_size
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.disk_tier import DiskTier
+from kvstrata.kv.store.errors import StoreUnavailable
 from kvstrata.kv.store.host_tier import HostTier
 from kvstrata.kv.store.redis_tier import RedisTier
 from kvstrata.kv.store.tier import Tier
@@ -38,7 +39,10 @@ def _tier(part: str, timeout: float) -> Tier:
         directory, _, size = part[len("disk:"):].rpartition(":")
         if not directory:
             raise KvstrataError(f"kv_store part {part!r} needs a directory and a size, e.g. disk:/var/cache/kvstrata:20GiB")
-        return DiskTier(directory, _size(part, size))
+        try:
+            return DiskTier(directory, _size(part, size))
+        except StoreUnavailable as exc:
+            raise KvstrataError(f"kv_store part {part!r}: {exc}") from None
     raise KvstrataError(f"kv_store part {part!r} is not a tier; use host:SIZE, disk:DIR:SIZE or redis://HOST:PORT "
                         f"(e.g. {EXAMPLE})")
 

@@ -44,14 +44,14 @@ class StoreStats:
 
 class TieredStore:
     def __init__(self, tiers: list[Tier], forms: list[StoredForm], shape: StoreShape,
-                 defer: Callable[[Callable[[], None]], None] | None = None):
+                 defer: Callable[[Callable[[], None], int], None] | None = None):
         if len(forms) != len(tiers):
             raise ValueError(f"{len(forms)} forms for {len(tiers)} tiers")
         self.tiers = tiers
         self.forms = forms  # what each tier writes
         self.shape = shape
-        # Runs work a fetch need not wait for (re-encoding a hit for a tier above of another form); default: now.
-        self.defer = defer or (lambda work: work())
+        # Runs work a fetch need not wait for (copying a hit to the tiers above; the bytes it holds); default: now.
+        self.defer = defer or (lambda work, size: work())
         self.stats = StoreStats()
         for below, tier in enumerate(tiers[1:], start=1):
             tiers[below - 1].on_evict = lambda key, read, below=below: self._spill(below, key, read)
@@ -101,13 +101,19 @@ class TieredStore:
             raise
         self.stats.decode_seconds += time.perf_counter() - fetched
         tier.stats.hit_tokens += num_tokens
-        for upper, form in zip(self.tiers[:index], self.forms):
+        for upper in self.tiers[:index]:
             upper.stats.miss_tokens += num_tokens
-            if written == {form.name}:
-                self._put(upper, key, objects)
-            else:
-                self.defer(lambda upper=upper, form=form: self._put(upper, key, self.encode(key, k, v, form)))
+        if index > 0:
+            size = sum(len(data) for data in objects.values()) + 2 * k.numel() * k.element_size()
+            self.defer(lambda: self._promote(index, key, objects, written, k, v), size)
         return k, v
+
+    def _promote(self, index: int, key: str, objects: Objects, written: set[str], k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """Copy a chunk found in tier `index` to the tiers above that lack it, re-encoded where their form differs."""
+        for upper, form in zip(self.tiers[:index], self.forms):
+            if not self._holds(upper, key):
+                self._put(upper, key, objects if written == {form.name} else self.encode(key, k, v, form))
 
     def _decode(self, key: str, objects: Objects, num_tokens: int | None):
         """K and V from a chunk's objects, each decoded in the form its header names (`num_tokens`: the length
@@ -116,6 +122,8 @@ class TieredStore:
         for layer in range(self.shape.num_layers):
             for kind in "kv":
                 name = f"{kind}.{layer}"
+                if name not in objects:
+                    raise CorruptObject(f"chunk {key[:16]} lacks its object {name}")
                 header, payload = unpack_object(objects[name], self.shape.namespace, key, name)
                 num_tokens = header.shape[0] if num_tokens is None and header.shape else num_tokens
                 want = (num_tokens, self.shape.kv_heads, self.shape.head_dim)
@@ -183,8 +191,8 @@ class TieredStore:
                 k, v, written = self._decode(key, objects, None)
                 if written != {self.forms[below].name}:
                     objects = self.encode(key, k, v, self.forms[below])
-            except (OSError, CorruptObject) as exc:
-                log.warning("chunk %s could not be read to move it down: %s", key[:16], exc)
+            except Exception:  # an unreadable or corrupt chunk is simply not moved down
+                log.exception("chunk %s could not be read to move it down", key[:16])
                 return
             self._put(tier, key, objects)
 
