@@ -5,8 +5,8 @@ prefill computed down to the store, also in the background.
 Neither direction can fail a request: a store that is unreachable, slow or holds a corrupt object only
 means that the request's tokens are prefilled from their text, and a failed write is counted and skipped.
 Chunks are keyed by the chained hash of their tokens under the engine's namespace (model fingerprint,
-device stored form) and the store's form, as the prefix cache's blocks are; requests whose KV came from a
-saved context (they carry a salt) are neither looked up nor written.
+device stored form), as the prefix cache's blocks are (each object names its own form); requests whose KV
+came from a saved context (they carry a salt) are neither looked up nor written.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import torch
 
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.preloaded import PreloadedKV
-from kvstrata.kv.slots import slots_of_positions
 from kvstrata.kv.storage import KVStorage
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
 from kvstrata.kv.store.forms import parse_tier_forms, stored_form
@@ -169,15 +168,8 @@ class KVStoreLink:
 
     def _read(self, block_table: list[int], first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, end - first, kv_heads, head_dim] of one sequence's tokens, as float32 on the CPU."""
-        table = torch.tensor([block_table], dtype=torch.long, device=self.kv_cache.device)
-        positions = torch.arange(first, end, device=self.kv_cache.device)[None]
-        slots = slots_of_positions(table, positions, self.kv_cache.block_size)
-        ks, vs = [], []
-        for layer in range(self.kv_cache.num_layers):
-            k, v = self.kv_cache.gather(layer, slots, positions, torch.float32)
-            ks.append(k[0].cpu())
-            vs.append(v[0].cpu())
-        return torch.stack(ks), torch.stack(vs)
+        layers = [self.kv_cache.read(layer, block_table, end, first) for layer in range(self.kv_cache.num_layers)]
+        return torch.stack([k.cpu() for k, _ in layers]), torch.stack([v.cpu() for _, v in layers])
 
     def _write(self, keys: list[str], k: torch.Tensor, v: torch.Tensor, size: int) -> None:
         """On the write thread: each chunk to every tier that lacks it."""

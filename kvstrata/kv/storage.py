@@ -76,9 +76,10 @@ class KVStorage(ABC):
     def begin_write(self, block_table: torch.Tensor, context_len: int) -> None:
         """`write` is about to store a sequence's tokens up to `context_len` (block_table [1, B])."""
 
-    def read(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [num_tokens, kv_heads, head_dim] of one sequence (decoded, fp32), for tests and tools."""
+    def read(self, layer: int, block_table: list[int], end: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [end - first, kv_heads, head_dim] of one sequence's positions first .. end (decoded, fp32), outside
+        a step (tools, tests, the KV store's copies)."""
         table = torch.tensor([block_table], dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)[None]
+        positions = torch.arange(first, end, device=self.device)[None]
         k, v = self.gather(layer, slots_of_positions(table, positions, self.block_size), positions, torch.float32)
         return k[0], v[0]

@@ -57,9 +57,8 @@ class FloatForm(StoredForm):
 
 class CacheGenForm(StoredForm):
     """One layer coded alone with the bin its layer third has in the level, and one coder model for its
-    anchors and one for the rest, counted per object. Per-(layer, channel) models cost more here: on the
-    default model's 256-token chunks (a throw-away probe, medium) they made objects 6% larger (count tables)
-    and decoding 2.4x slower (one coder call per channel), which time to first token pays."""
+    anchors and one for the rest, counted per object. Per-(layer, channel) models would ship one count table
+    and cost one coder call per channel in every 256-token object; decoding is on the time-to-first-token path."""
 
     def __init__(self, level: str):
         self.name, self.settings = level, dataclasses.replace(settings_for(level), models="global")
