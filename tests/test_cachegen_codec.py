@@ -40,26 +40,29 @@ def kv_tensor(layers: int = 6, tokens: int = 57, channels: int = 16, seed: int =
     return x
 
 
-def quantized(x: torch.Tensor, settings: CodecSettings, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized(x: torch.Tensor, settings: CodecSettings, kind: str,
+              importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantizer's own reconstruction (what decoding must return exactly) and each element's error bound."""
     if settings.quantizer == "uniform":
         symbols = quantize.quantize_uniform(x, settings.bits)
         bound = (symbols.scale.float() / 2)[..., None].expand_as(x)
         return quantize.dequantize_uniform(symbols), bound
     differences = settings.differences_for(kind)
-    symbols = quantize.quantize_cachegen(x, codec.layer_bins(settings.bins, x.shape[0]), differences)
+    codes = quantize.channel_codes_for(importance, x.shape[0], x.shape[2])
+    symbols = quantize.quantize_cachegen(x, codec.layer_bins(settings.bins, x.shape[0]), differences, codes)
     return (quantize.dequantize_cachegen(symbols, x.shape[1], differences),
             quantize.cachegen_error_bound(symbols, x.shape[1], differences))
 
 
-def assert_round_trip(x: torch.Tensor, settings: CodecSettings, profile: TensorProfile | None = None) -> torch.Tensor:
+def assert_round_trip(x: torch.Tensor, settings: CodecSettings, profile: TensorProfile | None = None,
+                      importance: torch.Tensor | None = None) -> torch.Tensor:
     """Coded as K and as V: encoding is deterministic, the entropy stage is lossless, and every element
     is within its bound. Returns the tensor decoded as V."""
     for kind in ("k", "v"):
-        sections = codec.encode_tensor(x, settings, kind, profile)
-        assert codec.encode_tensor(x, settings, kind, profile) == sections
+        sections = codec.encode_tensor(x, settings, kind, profile, importance)
+        assert codec.encode_tensor(x, settings, kind, profile, importance) == sections
         decoded = codec.decode_tensor(sections, settings, tuple(x.shape), kind, profile)
-        expected, bound = quantized(x, settings, kind)
+        expected, bound = quantized(x, settings, kind, importance)
         assert torch.equal(decoded, expected), "the decoded symbols differ from the encoded ones"
         error = (decoded - x).abs()
         excess = error - (bound * (1 + 1e-5) + 1e-6)  # float32 slack
@@ -75,6 +78,41 @@ def assert_round_trip(x: torch.Tensor, settings: CodecSettings, profile: TensorP
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_round_trip_within_bound(name, num_tokens):
     assert_round_trip(kv_tensor(tokens=num_tokens), SETTINGS[name])
+
+
+def channel_importance(layers: int = 6, channels: int = 16, seed: int = 5) -> torch.Tensor:
+    """Mean squares spanning six orders of magnitude, like the queries of a real model's key channels."""
+    return 10 ** (6 * torch.rand(layers, channels, generator=generator(seed)) - 3)
+
+
+@pytest.mark.parametrize("settings", [ALL_LEVELS["medium"], ALL_LEVELS["near-lossless"], CodecSettings(models="global")])
+def test_channel_weighted_round_trip_within_bound(settings):
+    x = kv_tensor()
+    sections = codec.encode_tensor(x, settings, "k", importance=channel_importance())
+    assert "channels" in sections  # the decoder reads the steps from the stream, it needs no profile
+    assert "channels" not in codec.encode_tensor(x, settings, "k")
+    assert_round_trip(x, settings, importance=channel_importance())
+
+
+def test_weighting_key_channels_by_query_size_lowers_the_score_error():
+    """The error q . (k_hat - k) that attention sees is smaller when the steps follow the queries' channel sizes
+    than with one step per layer, even at a coarser level and fewer bytes."""
+    layers, tokens, channels = 4, 400, 32
+    k = torch.randn(layers, tokens, channels, generator=generator(7)) * torch.linspace(0.2, 5, channels)
+    query_rms = 10 ** (3 * torch.rand(layers, channels, generator=generator(8)) - 1.5)
+    q = torch.randn(layers, 64, channels, generator=generator(9)) * query_rms[:, None]
+
+    def score_error_and_size(level, importance):
+        settings = ALL_LEVELS[level]
+        sections = codec.encode_tensor(k, settings, "k", importance=importance)
+        k_hat = codec.decode_tensor(sections, settings, tuple(k.shape), "k")
+        error = torch.einsum("lqc,ltc->lqt", q, k_hat - k)
+        return error.square().mean().item(), sum(len(b) for b in sections.values())
+
+    plain_error, plain_size = score_error_and_size("high", None)
+    weighted_error, weighted_size = score_error_and_size("low", query_rms.square())
+    assert weighted_size < plain_size
+    assert weighted_error < 0.5 * plain_error
 
 
 @pytest.mark.parametrize("value", [0.0, -2.75, 1000.0])
@@ -171,6 +209,7 @@ def test_profiled_models_round_trip(outlier_factor):
     x = kv_tensor(seed=4)
     x[:, :, 5] *= outlier_factor  # symbols far outside anything the profile saw must stay codable
     assert_round_trip(x, PROFILED, profile)
+    assert_round_trip(x, PROFILED, profile, importance=channel_importance())
 
 
 # --- the saved-context file -----------------------------------------------------------------

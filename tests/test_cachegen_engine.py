@@ -121,6 +121,9 @@ def test_profiled_levels_need_their_profile(llm, context_ids, emma_text, tmp_pat
     profile.save(tmp_path / "profile.npz")
     loaded = CodecProfile.load(tmp_path / "profile.npz", llm.engine.model_fingerprint)
     assert loaded.digest == profile.digest
+    config = llm.engine.loaded.config
+    assert loaded.key_importance.shape == (config.num_layers, config.num_kv_heads * config.head_dim)
+    assert (loaded.key_importance > 0).all()
     with pytest.raises(ForeignModelError):
         CodecProfile.load(tmp_path / "profile.npz", "0000000000000000")
     from kvstrata.cachegen.context import SavedContext

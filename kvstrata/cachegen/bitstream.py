@@ -23,7 +23,8 @@ from kvstrata.cachegen.levels import CodecSettings
 from kvstrata.errors import KvstrataError
 
 MAGIC = b"KVSTRATA-KV\x00"
-VERSION = 2  # 2: settings name which of K and V are coded as anchor differences
+VERSION = 3  # 2: settings name which of K and V are coded as anchor differences; 3: "channels" step codes
+READABLE_VERSIONS = (2, 3)  # a version-2 file has no "channels" section: one step per layer
 PREAMBLE = struct.Struct("<12sHI")  # magic, version, header length
 DIGEST_BYTES = 16
 MAX_HEADER = 1 << 28
@@ -116,8 +117,9 @@ class KVFile:
         magic, version, header_len = PREAMBLE.unpack_from(data)
         if magic != MAGIC:
             raise CorruptStreamError(f"{source} is not a kvstrata KV file (bad magic bytes)")
-        if version != VERSION:
-            raise CorruptStreamError(f"{source} has format version {version}; this kvstrata reads version {VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise CorruptStreamError(f"{source} has format version {version}; this kvstrata reads versions "
+                                     f"{', '.join(map(str, READABLE_VERSIONS))}")
         end = PREAMBLE.size + header_len
         if header_len > MAX_HEADER or end + DIGEST_BYTES > len(data):
             raise CorruptStreamError(f"{source} is truncated: its header claims {header_len} bytes")

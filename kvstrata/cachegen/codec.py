@@ -1,6 +1,7 @@
 """One K or V tensor of a chunk [layers, tokens, channels] to named byte sections and back.
 
-Sections: "scales" (the quantizer's scales), "models" (count tables, or symbol ranges for
+Sections: "scales" (the quantizer's scales), "channels" (CacheGen's per-channel step codes, present
+when the encoder was given channel importance), "models" (count tables, or symbol ranges for
 profiled models; absent for raw storage) and "symbols" (the range-coded or bit-packed symbols).
 Coder groups (papers/cachegen.md §2.3): with per-(layer, channel) models, each layer's anchors
 share one model and each (layer, channel) has its own for the differences; with a global model,
@@ -21,6 +22,7 @@ from kvstrata.cachegen.quantize import (
     CacheGenSymbols,
     UniformSymbols,
     anchor_positions,
+    channel_codes_for,
     dequantize_cachegen,
     dequantize_uniform,
     layer_bins,
@@ -36,9 +38,11 @@ MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
 
 
 def encode_tensor(
-    x: torch.Tensor, settings: CodecSettings, kind: str, profile: TensorProfile | None = None
+    x: torch.Tensor, settings: CodecSettings, kind: str, profile: TensorProfile | None = None,
+    importance: torch.Tensor | None = None,
 ) -> dict[str, bytes]:
-    """`kind`: "k" or "v" (the settings may code them differently)."""
+    """`kind`: "k" or "v" (the settings may code them differently). `importance` [L, C]: how much an error in
+    each channel costs (CacheGen quantizer only; see quantize.py), or None for one step per layer."""
     x = x.float().cpu()
     if not torch.isfinite(x).all():
         raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
@@ -51,11 +55,14 @@ def encode_tensor(
         groups = _uniform_groups(symbols.values, settings.models)
     else:
         differences = settings.differences_for(kind)
-        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences)
+        codes = channel_codes_for(importance, x.shape[0], x.shape[2])
+        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences, codes)
         sections = {"scales": symbols.anchor_scale.numpy().tobytes() + symbols.step.numpy().tobytes()}
+        if importance is not None:
+            sections["channels"] = codes.numpy().tobytes()
         groups = _cachegen_groups(symbols, settings.models)
     if settings.source == "profiled":
-        models = profile.models_for(groups, settings.bins, differences)
+        models = profile.models_for(groups, settings.bins, differences, symbols.channel_codes)
         sections["models"] = entropy.write_ranges(groups)
     else:
         counted = [entropy.counted_model(g) for g in groups]
@@ -78,7 +85,7 @@ def decode_tensor(
             values = unpack_bits(sections["symbols"], settings.bits, num_layers * num_tokens * channels) - qmax
             values = values.reshape(num_layers, num_tokens, channels)
         else:
-            groups = _decode_groups(sections, settings, _uniform_sizes(shape, settings.models), None, False)
+            groups = _decode_groups(sections, settings, _uniform_sizes(shape, settings.models), None, False, None)
             values = _uniform_from_groups(groups, shape, settings.models)
         if np.abs(values).max(initial=0) > qmax:
             raise CorruptStreamError(f"a decoded symbol lies outside [-{qmax}, {qmax}]")
@@ -88,17 +95,20 @@ def decode_tensor(
     anchor_bytes = 2 * num_layers * channels
     anchor_scale = torch.from_numpy(_array(scales[:anchor_bytes], np.float16, (num_layers, channels), "anchor scales"))
     step = torch.from_numpy(_array(scales[anchor_bytes:], np.float32, (num_layers,), "steps"))
+    codes = (torch.from_numpy(_array(sections["channels"], np.int8, (num_layers, channels), "channels"))
+             if "channels" in sections else channel_codes_for(None, num_layers, channels))
     sizes = _cachegen_sizes(num_layers, num_anchors, num_tokens - num_anchors, channels, settings.models)
-    groups = _decode_groups(sections, settings, sizes, profile, differences)
-    symbols = _cachegen_from_groups(groups, anchor_scale, step, num_layers, num_anchors, num_tokens, channels,
-                                    settings.models)
+    groups = _decode_groups(sections, settings, sizes, profile, differences, codes)
+    symbols = _cachegen_from_groups(groups, anchor_scale, step, codes, num_layers, num_anchors, num_tokens,
+                                    channels, settings.models)
     return dequantize_cachegen(symbols, num_tokens, differences)
 
 
-def _decode_groups(sections, settings: CodecSettings, sizes: list[int], profile, differences: bool) -> list[np.ndarray]:
+def _decode_groups(sections, settings: CodecSettings, sizes: list[int], profile, differences: bool,
+                   channel_codes) -> list[np.ndarray]:
     if settings.source == "profiled":
         ranges = entropy.read_ranges(sections["models"], len(sizes))
-        models = profile.models_for_ranges(ranges, settings.bins, differences)
+        models = profile.models_for_ranges(ranges, settings.bins, differences, channel_codes)
     else:
         models = entropy.read_count_tables(sections["models"], len(sizes), MAX_TABLE)
     return entropy.decode_groups(sections["symbols"], models, sizes)
@@ -135,7 +145,8 @@ def _cachegen_sizes(num_layers: int, num_anchors: int, num_rest: int, channels: 
     return ([num_anchors * channels] + [num_rest] * channels) * num_layers
 
 
-def _cachegen_from_groups(groups, anchor_scale, step, num_layers, num_anchors, num_tokens, channels, models):
+def _cachegen_from_groups(groups, anchor_scale, step, channel_codes, num_layers, num_anchors, num_tokens, channels,
+                          models):
     num_rest = num_tokens - num_anchors
     if models == "global":
         anchors, rest = groups[0].reshape(num_layers, num_anchors, channels), groups[1]
@@ -147,7 +158,7 @@ def _cachegen_from_groups(groups, anchor_scale, step, num_layers, num_anchors, n
     if np.abs(anchors).max(initial=0) > 127:
         raise CorruptStreamError("a decoded anchor symbol lies outside [-127, 127]")
     return CacheGenSymbols(
-        anchor_scale, step, torch.from_numpy(anchors.astype(np.int32)),
+        anchor_scale, step, channel_codes, torch.from_numpy(anchors.astype(np.int32)),
         torch.from_numpy(rest.astype(np.int32)).permute(0, 2, 1),
     )
 

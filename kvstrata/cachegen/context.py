@@ -85,10 +85,10 @@ def save_context(
     records, payloads = [], []
     for index, (first, end) in enumerate(bounds):
         for level, codec in settings.items():
-            tensors = {"k": profile.k if profile else None, "v": profile.v if profile else None}
             sections = {}
             for name, x in (("k", k), ("v", v)):
-                encoded = encode_tensor(_flat(x[:, first:end]), codec, name, tensors[name])
+                encoded = encode_tensor(_flat(x[:, first:end]), codec, name, profile and getattr(profile, name),
+                                        importance=profile.importance(name) if profile else None)
                 sections.update({f"{name}.{part}": data for part, data in encoded.items()})
             records.append(Record(index, level, codec, 0, {}, ""))
             payloads.append(sections)

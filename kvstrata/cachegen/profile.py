@@ -6,6 +6,10 @@ over the calibration windows; anchors get one histogram per layer. The same is f
 themselves (in the same unit) for tensors coded without differences. A chunk then only ships each
 group's symbol range, and the model is the profile discretized at the level's bin with a small
 floor, so symbols the profile never saw stay codable.
+
+The profile also records how much an error in each key channel costs: the mean square of the queries
+that read the channel (kvstrata/engine/query_statistics.py), which the encoder turns into per-channel
+steps (quantize.py, channel weighting).
 """
 
 from __future__ import annotations
@@ -25,16 +29,18 @@ from kvstrata.cachegen.errors import CorruptStreamError, ForeignModelError
 from kvstrata.cachegen.quantize import (
     ANCHOR_LEVELS,
     GROUP_SIZE,
+    channel_multipliers,
     differences_from_anchors,
     layer_bins,
     quantize_cachegen,
 )
 from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.engine.query_statistics import recording_queries
 from kvstrata.errors import KvstrataError
 
 PROFILE_FORMAT = "kvstrata-cachegen-profile"
 SHIPPED_PROFILES = Path(__file__).parent / "profiles"  # <model fingerprint>.npz, made by `kvstrata calibrate cachegen`
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: key importance
 FIT_NAMES = ("loc", "scale", "anchor_counts")
 FLOOR = 1e-6  # probability mass spread over every symbol of a group's range
 
@@ -51,11 +57,12 @@ class TensorProfile:
     differences: SymbolFit  # for coding as anchor differences
     direct: SymbolFit  # for coding the values themselves
 
-    def models_for(self, groups: list[np.ndarray], bins, differences: bool) -> list[SymbolModel]:
-        return self.models_for_ranges(np.array([symbol_range(g) for g in groups]), bins, differences)
+    def models_for(self, groups: list[np.ndarray], bins, differences: bool, channel_codes) -> list[SymbolModel]:
+        return self.models_for_ranges(np.array([symbol_range(g) for g in groups]), bins, differences, channel_codes)
 
-    def models_for_ranges(self, ranges: np.ndarray, bins, differences: bool) -> list[SymbolModel]:
-        """Every group's model at once (one numpy pass over all symbols: a chunk has ~11,600 groups per tensor)."""
+    def models_for_ranges(self, ranges: np.ndarray, bins, differences: bool, channel_codes) -> list[SymbolModel]:
+        """Every group's model at once (one numpy pass over all symbols: a chunk has ~11,600 groups per tensor).
+        `channel_codes` [L, C]: the stream's per-channel step codes."""
         fit = self.differences if differences else self.direct
         num_layers, channels = fit.loc.shape
         if len(ranges) != num_layers * (channels + 1):
@@ -72,8 +79,9 @@ class TensorProfile:
         totals = np.maximum(fit.anchor_counts.sum(axis=1), 1)
         mass[anchor] = fit.anchor_counts[layer[anchor], inside] / totals[layer[anchor]]
         rest, channel = layer[~anchor], slot[~anchor] - 1
-        layer_bin = layer_bins(bins, num_layers).numpy().astype(np.float64)
-        mass[~anchor] = _laplace_mass(symbols[~anchor], layer_bin[rest], fit.loc[rest, channel], fit.scale[rest, channel])
+        bin_sizes = (layer_bins(bins, num_layers)[:, None] * channel_multipliers(channel_codes)).numpy()
+        mass[~anchor] = _laplace_mass(symbols[~anchor], bin_sizes[rest, channel].astype(np.float64),
+                                      fit.loc[rest, channel], fit.scale[rest, channel])
         mass += FLOOR
         mass /= np.add.reduceat(mass, starts)[group]
         return [SymbolModel(int(lo), probabilities)
@@ -95,6 +103,7 @@ class CodecProfile:
     k: TensorProfile
     v: TensorProfile
     num_windows: int
+    key_importance: np.ndarray  # [L, C]: mean square of the queries reading each key channel
 
     @property
     def digest(self) -> str:
@@ -106,7 +115,8 @@ class CodecProfile:
                 "num_windows": self.num_windows, "group_size": GROUP_SIZE}
         arrays = {f"{kind}_{coding}_{name}": getattr(getattr(getattr(self, kind), coding), name)
                   for kind in ("k", "v") for coding in ("differences", "direct") for name in FIT_NAMES}
-        np.savez_compressed(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+        np.savez_compressed(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+                            key_importance=self.key_importance, **arrays)
         return buffer.getvalue()
 
     def save(self, path: str | Path) -> None:
@@ -130,9 +140,14 @@ class CodecProfile:
             profiles = {kind: TensorProfile(*(SymbolFit(*(arrays[f"{kind}_{coding}_{name}"] for name in FIT_NAMES))
                                               for coding in ("differences", "direct")))
                         for kind in ("k", "v")}
+            key_importance = arrays["key_importance"]
         except KeyError as exc:
             raise CorruptStreamError(f"{path} lacks the array {exc}") from None
-        return cls(fingerprint, profiles["k"], profiles["v"], int(meta["num_windows"]))
+        return cls(fingerprint, profiles["k"], profiles["v"], int(meta["num_windows"]), key_importance)
+
+    def importance(self, kind: str) -> torch.Tensor | None:
+        """The channel importance the encoder weights `kind` ("k" or "v") by; values are not weighted."""
+        return torch.from_numpy(self.key_importance) if kind == "k" else None
 
 
 class _FitBuilder:
@@ -187,11 +202,13 @@ def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, pr
         )
     starts = np.linspace(0, len(token_ids) - window_tokens, windows).astype(int)
     builders = {"k": ProfileBuilder(), "v": ProfileBuilder()}
-    for start in tqdm(starts, desc="calibrating cachegen", disable=not progress):
-        k, v = compute_kv(engine, token_ids[start : start + window_tokens])
-        for name, x in (("k", k), ("v", v)):
-            builders[name].add(x.reshape(x.shape[0], x.shape[1], -1))
-    return CodecProfile(engine.model_fingerprint, builders["k"].build(), builders["v"].build(), len(starts))
+    with recording_queries(engine) as queries:
+        for start in tqdm(starts, desc="calibrating cachegen", disable=not progress):
+            k, v = compute_kv(engine, token_ids[start : start + window_tokens])
+            for name, x in (("k", k), ("v", v)):
+                builders[name].add(x.reshape(x.shape[0], x.shape[1], -1))
+    return CodecProfile(engine.model_fingerprint, builders["k"].build(), builders["v"].build(), len(starts),
+                        queries.mean().numpy())
 
 
 def shipped_profile(fingerprint: str) -> CodecProfile | None:

@@ -8,6 +8,14 @@ uniform step per layer, step = bin x sigma, where sigma is the RMS of the layer'
 the chunk and bin comes from the quality level (coarser for deeper layer thirds). Error bounds:
 anchor_scale / 2 for anchors, step / 2 for the rest.
 
+Channel weighting: an error in key channel c moves attention scores by q_c times that error, so where
+the queries are large an error costs more. Given each channel's importance (the mean square of the
+queries that read it, profiled offline), a layer's step is spread over its channels as
+step_c = step x g_c with g_c proportional to importance_c^(-1/2), normalized to a geometric mean of 1
+(the bits stay about the same; the squared score error each channel adds is equalized, the rate-
+distortion optimum for uniform quantizers). g travels in the stream as CHANNEL_CODE_STEPS-ths of an
+octave (int8), so the decoder needs no profile.
+
 Without differences (for V by default: on the default model V is nearly independent token to token,
 so a difference has about twice a value's variance; docs/BENCHMARKS.md), tokens are quantized
 directly with the same step, and only the chunk's first token is an 8-bit anchor: a context's first
@@ -25,6 +33,7 @@ import torch
 
 GROUP_SIZE = 10
 ANCHOR_LEVELS = 127  # 8-bit symmetric
+CHANNEL_CODE_STEPS = 8  # a channel's step multiplier is 2 ** (code / CHANNEL_CODE_STEPS), code an int8
 FLOAT16_TINY = 2.0**-14
 
 
@@ -44,8 +53,29 @@ def _stored_scale(scale: torch.Tensor) -> torch.Tensor:
 class CacheGenSymbols:
     anchor_scale: torch.Tensor  # float16 [L, C]
     step: torch.Tensor  # float32 [L]
+    channel_codes: torch.Tensor  # int8 [L, C]: each channel's step is step x channel_multipliers(codes)
     anchors: torch.Tensor  # int32 [L, A, C]
     rest: torch.Tensor  # int32 [L, T - A, C]: differences (or plain values without anchors)
+
+    def channel_steps(self) -> torch.Tensor:
+        """[L, C]"""
+        return self.step[:, None] * channel_multipliers(self.channel_codes)
+
+
+def channel_codes_for(importance: torch.Tensor | None, num_layers: int, channels: int) -> torch.Tensor:
+    """int8 [L, C] step codes from each channel's importance [L, C] (None: one step for every channel)."""
+    if importance is None:
+        return torch.zeros(num_layers, channels, dtype=torch.int8)
+    if tuple(importance.shape) != (num_layers, channels):
+        raise ValueError(f"channel importance of shape {tuple(importance.shape)} does not fit {num_layers} layers "
+                         f"x {channels} channels")
+    log_g = -0.5 * importance.double().clamp_min(1e-30).log2()
+    log_g -= log_g.mean(dim=1, keepdim=True)
+    return torch.round(log_g * CHANNEL_CODE_STEPS).clamp(-127, 127).to(torch.int8)
+
+
+def channel_multipliers(codes: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(codes.float() / CHANNEL_CODE_STEPS)
 
 
 def layer_bins(bins: tuple[float, float, float], num_layers: int) -> torch.Tensor:
@@ -80,22 +110,26 @@ def differences_from_anchors(x: torch.Tensor, anchors_hat: torch.Tensor) -> torc
     return (x - _anchor_reference(anchors_hat, num_tokens))[:, _non_anchor_mask(num_tokens)]
 
 
-def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor, differences: bool = True) -> CacheGenSymbols:
-    """`bins` [L]: each layer's step in units of its anchor-difference RMS (the unit either way)."""
-    num_layers, num_tokens, _ = x.shape
+def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor, differences: bool = True,
+                      channel_codes: torch.Tensor | None = None) -> CacheGenSymbols:
+    """`bins` [L]: each layer's step in units of its anchor-difference RMS (the unit either way);
+    `channel_codes` [L, C] (channel_codes_for) spread it over the channels."""
+    num_layers, num_tokens, channels = x.shape
+    codes = channel_codes if channel_codes is not None else channel_codes_for(None, num_layers, channels)
     anchor_scale, anchor_symbols = _quantize_anchors(x[:, anchor_positions(num_tokens)])
     diffs = differences_from_anchors(x, anchor_symbols * anchor_scale.float()[:, None])
     sigma = diffs.square().mean(dim=(1, 2)).sqrt() if diffs.numel() else torch.ones(num_layers)
     step = torch.where(sigma > 0, bins * sigma, torch.ones_like(sigma)).float()
+    steps = (step[:, None] * channel_multipliers(codes))[:, None]
     if differences:
-        return CacheGenSymbols(anchor_scale, step, anchor_symbols.int(), torch.round(diffs / step[:, None, None]).int())
+        return CacheGenSymbols(anchor_scale, step, codes, anchor_symbols.int(), torch.round(diffs / steps).int())
     first_scale, first_symbols = _quantize_anchors(x[:, :1])
-    rest = torch.round(x[:, _non_anchor_mask(num_tokens, False)] / step[:, None, None])
-    return CacheGenSymbols(first_scale, step, first_symbols.int(), rest.int())
+    rest = torch.round(x[:, _non_anchor_mask(num_tokens, False)] / steps)
+    return CacheGenSymbols(first_scale, step, codes, first_symbols.int(), rest.int())
 
 
 def dequantize_cachegen(symbols: CacheGenSymbols, num_tokens: int, differences: bool = True) -> torch.Tensor:
-    step = symbols.step[:, None, None]
+    step = symbols.channel_steps()[:, None]
     anchors_hat = symbols.anchors.float() * symbols.anchor_scale.float()[:, None]
     rest = symbols.rest.float() * step
     if differences:
@@ -108,7 +142,7 @@ def dequantize_cachegen(symbols: CacheGenSymbols, num_tokens: int, differences: 
 def cachegen_error_bound(symbols: CacheGenSymbols, num_tokens: int, differences: bool = True) -> torch.Tensor:
     """The largest error each element may have [L, T, C] (exact arithmetic; float32 adds ~1e-7 relative)."""
     num_layers, _, channels = symbols.rest.shape
-    bound = (symbols.step / 2)[:, None, None].expand(num_layers, num_tokens, channels).clone()
+    bound = (symbols.channel_steps() / 2)[:, None].expand(num_layers, num_tokens, channels).clone()
     bound[:, anchor_positions(num_tokens, differences)] = (symbols.anchor_scale.float() / 2)[:, None]
     return bound
 
