@@ -10,7 +10,7 @@ import torch
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.disk_tier import DiskTier
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
-from kvstrata.kv.store.forms import parse_tier_forms, stored_form
+from kvstrata.kv.store.forms import parse_tier_forms, stored_form, written_form
 from kvstrata.kv.store.host_tier import HostTier
 from kvstrata.kv.store.objects import ObjectHeader, pack_object, unpack_object
 from kvstrata.kv.store.redis_tier import RedisTier
@@ -61,6 +61,18 @@ def test_each_stored_form_gives_back_what_it_was_given(form, tolerance, kind):
     back = codec.decode(codec.encode(x, kind, 1, 3), (TOKENS, 2, 8), kind, 1, 3)
     assert back.dtype == torch.float32 and back.shape == x.shape
     assert (back - x).pow(2).mean().sqrt() <= tolerance * x.pow(2).mean().sqrt()
+
+
+def test_weighted_keys_are_read_back_by_a_form_that_knows_no_importance():
+    """A store's CacheGen form weights key channels by the model's query sizes; the codes travel in the object,
+    so another engine (or a reader built from the header's form name) decodes it alike."""
+    x = torch.randn(TOKENS, 2, 8, generator=torch.Generator().manual_seed(1))
+    importance = 10 ** (4 * torch.rand(3, 16, generator=torch.Generator().manual_seed(2)) - 2)
+    writer = stored_form("medium", torch.float32, importance)
+    payload = writer.encode(x, "k", 1, 3)
+    assert payload != stored_form("medium", torch.float32).encode(x, "k", 1, 3)
+    back = written_form("medium").decode(payload, (TOKENS, 2, 8), "k", 1, 3)
+    assert torch.equal(back, writer.decode(payload, (TOKENS, 2, 8), "k", 1, 3))
 
 
 def test_a_payload_that_does_not_fit_its_shape_is_corrupt():

@@ -44,9 +44,11 @@ class LinkStats:
 
 
 def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str, model_config,
-               timeout: float) -> TieredStore:
+               timeout: float, key_importance: torch.Tensor | None = None) -> TieredStore:
+    """`key_importance` [layers, channels]: how CacheGen forms weight key channels (the model's profile), or None."""
     tiers = parse_tiers(spec, timeout)
-    tier_forms = [stored_form(name, compute_dtype) for name in parse_tier_forms(forms, [t.name for t in tiers])]
+    tier_forms = [stored_form(name, compute_dtype, key_importance)
+                  for name in parse_tier_forms(forms, [t.name for t in tiers])]
     shape = StoreShape(namespace, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
     return TieredStore(tiers, tier_forms, shape)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.cachegen.profile import shipped_profile
 from kvstrata.config import EngineConfig
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.engine.kv_setup import engine_storage_layout, stored_form
@@ -115,8 +116,9 @@ class LLMEngine:
             return None
         if not c.enable_prefix_caching:
             raise KvstrataError("kv_store needs prefix caching: chunks are found by the same chained token hashes")
+        profile = shipped_profile(self.model_fingerprint)  # weights CacheGen forms' key channels, when one ships
         store = make_store(c.kv_store, c.kv_store_format, dtype, self.kv_manager.namespace.decode(), self.loaded.config,
-                           c.kv_store_timeout_ms / 1000)
+                           c.kv_store_timeout_ms / 1000, profile.importance("k") if profile else None)
         return KVStoreLink(store, c.kv_store_chunk_tokens, self.kv_manager, self.kv_cache)
 
     def _make_scheduler(self) -> Scheduler:

@@ -58,10 +58,13 @@ class FloatForm(StoredForm):
 class CacheGenForm(StoredForm):
     """One layer coded alone with the bin its layer third has in the level, and one coder model for its
     anchors and one for the rest, counted per object. Per-(layer, channel) models would ship one count table
-    and cost one coder call per channel in every 256-token object; decoding is on the time-to-first-token path."""
+    and cost one coder call per channel in every 256-token object; decoding is on the time-to-first-token path.
+    Keys are weighted by channel when the model's key importance is given (the codes travel in the object, so
+    a reader needs none)."""
 
-    def __init__(self, level: str):
+    def __init__(self, level: str, key_importance: torch.Tensor | None = None):
         self.name, self.settings = level, dataclasses.replace(settings_for(level), models="global")
+        self.key_importance = key_importance  # [layers, channels]
 
     def _layer_settings(self, layer: int, num_layers: int):
         step = float(layer_bins(self.settings.bins, num_layers)[layer])
@@ -69,7 +72,9 @@ class CacheGenForm(StoredForm):
 
     def encode(self, x, kind, layer, num_layers):
         tokens, heads, dim = x.shape
-        sections = encode_tensor(x.reshape(1, tokens, heads * dim), self._layer_settings(layer, num_layers), kind)
+        importance = self.key_importance[layer : layer + 1] if kind == "k" and self.key_importance is not None else None
+        sections = encode_tensor(x.reshape(1, tokens, heads * dim), self._layer_settings(layer, num_layers), kind,
+                                 importance=importance)
         return b"".join(_SECTION.pack(len(n), len(d)) + n.encode() + d for n, d in sections.items())
 
     def decode(self, payload, shape, kind, layer, num_layers):
@@ -103,12 +108,13 @@ def _count(shape: tuple[int, ...]) -> int:
     return count
 
 
-def stored_form(name: str, compute_dtype: torch.dtype) -> StoredForm:
-    """The form `--kv-store-format` names (raw is the compute dtype)."""
+def stored_form(name: str, compute_dtype: torch.dtype, key_importance: torch.Tensor | None = None) -> StoredForm:
+    """The form `--kv-store-format` names (raw is the compute dtype); CacheGen levels weight key channels by
+    `key_importance` [layers, channels] when given."""
     if name in FLOAT_FORMS:
         return FloatForm(FLOAT_FORMS[name] or compute_dtype)
     if name in CACHEGEN_LEVELS:
-        return CacheGenForm(name)
+        return CacheGenForm(name, key_importance)
     raise KvstrataError(f"kv_store_format {name!r} is not one of {', '.join(STORE_FORMS)}")
 
 
