@@ -70,6 +70,18 @@ def test_a_restarted_engine_finds_the_disk_tier_s_chunks(tiny_llama, reference, 
     assert tier_hits(fresh) == {"disk": len(PROMPTS) * (199 // CHUNK) * CHUNK}
 
 
+def test_closing_an_engine_finishes_its_queued_writes(tiny_llama, tmp_path):
+    spec = f"disk:{tmp_path}/kv:64MiB"
+    engine = make_engine(tiny_llama, kv_store=spec)
+    for index, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2), request_id=str(index))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()  # no flush: closing waits for the write thread
+    fresh = make_engine(tiny_llama, kv_store=spec)
+    assert fresh.kv_store.store.tiers[0].usage().chunks == 3 * (199 // CHUNK)
+
+
 def test_engines_sharing_one_redis_share_chunks(tiny_llama, reference, redis_server):
     run_rounds(make_engine(tiny_llama, kv_store=redis_server.url), rounds=1)
     other = make_engine(tiny_llama, kv_store=f"host:64MiB,{redis_server.url}")

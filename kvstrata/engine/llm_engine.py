@@ -254,6 +254,12 @@ class LLMEngine:
         seq = self._sequences.get(request_id)
         return None if seq is None else self._fail(seq, message)
 
+    def close(self) -> None:
+        """Let the KV store's queued writes finish and close its connections (a server's shutdown). The engine
+        takes no requests needing the store afterwards."""
+        if self.kv_store is not None:
+            self.kv_store.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.num_loading > 0
 

@@ -102,6 +102,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         async_engine.start()
         yield
         async_engine.stop()
+        engine.close()  # after the engine thread ended: queued KV store writes finish
 
     # No /docs or /redoc: their pages load scripts from a CDN, which a server without internet cannot reach.
     app = FastAPI(title="kvstrata", lifespan=lifespan, docs_url=None, redoc_url=None)
