@@ -13,8 +13,14 @@ from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.eval.cache_scorer import CacheScorer
 from kvstrata.kv.preloaded import PreloadedKV
 
-PERSUASION = Path(__file__).parent / "data" / "persuasion.txt"
+DATA = Path(__file__).parent / "data"
+PERSUASION = DATA / "persuasion.txt"
 TEXTS = {"emma": EMMA, "persuasion": PERSUASION}
+# Beyond Austen (the level bins were first chosen on Emma and Persuasion). Channel weighting was designed
+# looking at the tuning texts; the held-out ones were first evaluated for the figures in docs/BENCHMARKS.md.
+TUNING_TEXTS = {**TEXTS, "kjv-acts": DATA / "kjv_acts.txt", "python-logging": DATA / "python_logging_cookbook.txt"}
+HELD_OUT_TEXTS = {"kjv-1samuel": DATA / "kjv_1samuel.txt", "python-tutorial": DATA / "python_tutorial.txt"}
+ALL_TEXTS = {**TUNING_TEXTS, **HELD_OUT_TEXTS}
 CONTEXT_TOKENS = 3072  # two chunks of 1,536
 SCORED_TOKENS = 512
 
@@ -23,7 +29,7 @@ class Window:
     """A context of CONTEXT_TOKENS tokens and the SCORED_TOKENS that follow it."""
 
     def __init__(self, engine, name: str, offset_chars: int = 50_000):
-        text = TEXTS[name].read_text(encoding="utf-8")[offset_chars : offset_chars + 40_000]
+        text = ALL_TEXTS[name].read_text(encoding="utf-8")[offset_chars : offset_chars + 40_000]
         self.name = name
         self.token_ids = engine.tokenize(text)[: CONTEXT_TOKENS + SCORED_TOKENS]
         self.k, self.v = compute_kv(engine, self.token_ids[:CONTEXT_TOKENS])
@@ -49,13 +55,15 @@ class Window:
         }
 
 
-def round_trip(x: torch.Tensor, settings: CodecSettings, kind: str, chunk_tokens: int = 1536, profile=None):
-    """Encode K or V (`kind`) [L, T, H, D] in independent chunks; the decoded tensor and the bytes used."""
+def round_trip(x: torch.Tensor, settings: CodecSettings, kind: str, chunk_tokens: int = 1536, profile=None,
+               importance=None):
+    """Encode K or V (`kind`) [L, T, H, D] in independent chunks; the decoded tensor and the bytes used.
+    `importance` [L, C]: channel weighting (None: one step per layer)."""
     layers, tokens = x.shape[:2]
     pieces, size = [], 0
     for start in range(0, tokens, chunk_tokens):
         chunk = x[:, start : start + chunk_tokens].reshape(layers, -1, x.shape[2] * x.shape[3])
-        sections = encode_tensor(chunk, settings, kind, profile)
+        sections = encode_tensor(chunk, settings, kind, profile, importance)
         size += sum(len(data) for data in sections.values())
         pieces.append(decode_tensor(sections, settings, tuple(chunk.shape), kind, profile))
     return torch.cat(pieces, dim=1).reshape(x.shape), size

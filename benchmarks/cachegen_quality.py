@@ -1,26 +1,33 @@
 """CacheGen size against quality on the default model (docs/BENCHMARKS.md, "CacheGen codec").
 
-    .venv/bin/python -m benchmarks.cachegen_quality > benchmarks/results/cachegen_quality.json
+    .venv/bin/python -m benchmarks.cachegen_quality --part corpora > benchmarks/results/cachegen_quality_corpora.json
+    .venv/bin/python -m benchmarks.cachegen_quality --part austen > benchmarks/results/cachegen_quality.json
 
-For 3,072-token contexts from Emma and Persuasion (two 1,536-token chunks each), every level and
-baseline: bytes per token, bits per value, perplexity of the next 512 tokens read through the decoded
-cache, and greedy agreement with the uncompressed cache. Then the paper's ablation (§7.5), offline
-profiled against per-chunk counted coder models (each text coded with a profile calibrated on the
-other novel), and the quality loss when one layer third is quantized coarsely (Insight 2).
+For 3,072-token contexts (two 1,536-token chunks each): bytes per token, bits per value, perplexity of the
+next 512 tokens read through the decoded cache, and greedy agreement with the uncompressed cache.
+
+`corpora`: six texts, four the codec's choices were made on (Emma, Persuasion, KJV Acts, the Python
+logging cookbook) and two held out (KJV 1 Samuel, the Python tutorial); every level with and without
+key-channel weighting (the shipped profile's query sizes, calibrated on Pride and Prejudice), against
+8-bit and 4-bit uniform quantization, per text.
+`austen`: Emma and Persuasion, every level and baseline without channel weighting, the paper's ablation
+(§7.5), offline profiled against per-chunk counted coder models (each text coded with a profile
+calibrated on the other novel), and the quality loss when one layer third is quantized coarsely (Insight 2).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
 
 import numpy as np
 
-from benchmarks.cachegen_common import TEXTS, Window, round_trip
+from benchmarks.cachegen_common import HELD_OUT_TEXTS, TEXTS, TUNING_TEXTS, Window, round_trip
 from kvstrata.bench.report import engine_info, machine_info, sig
 from kvstrata.cachegen.levels import ALL_LEVELS, LEVELS, CodecSettings
-from kvstrata.cachegen.profile import calibrate
+from kvstrata.cachegen.profile import calibrate, shipped_profile
 from kvstrata.llm import LLM
 
 ABLATION = {
@@ -33,11 +40,11 @@ ABLATION = {
 COARSE_THIRD = {"none": (0.5, 0.5, 0.5), "first": (3, 0.5, 0.5), "middle": (0.5, 3, 0.5), "last": (0.5, 0.5, 3)}
 
 
-def evaluate(windows: list[Window], settings: CodecSettings, profiles=None) -> dict:
+def evaluate(windows: list[Window], settings: CodecSettings, profiles=None, key_importance=None) -> dict:
     rows = []
     for window in windows:
         profile = profiles[window.name] if profiles else None
-        k, k_bytes = round_trip(window.k, settings, "k", profile=profile and profile.k)
+        k, k_bytes = round_trip(window.k, settings, "k", profile=profile and profile.k, importance=key_importance)
         v, v_bytes = round_trip(window.v, settings, "v", profile=profile and profile.v)
         rows.append({"bytes": k_bytes + v_bytes, "values": 2 * window.k.numel(), "tokens": window.k.shape[1],
                      **window.quality(k, v)})
@@ -60,9 +67,43 @@ def smallest_within_1pct(rows: dict[str, dict], eight_bit: dict) -> dict | None:
     return {"level": name, "bits_per_value": bits, "size_ratio_vs_8bit": sig(eight_bit["bits_per_value"] / bits)}
 
 
-def main() -> None:
-    llm = LLM(threads=2)
-    engine = llm.engine
+def corpora(engine) -> dict:
+    """Every level with and without key-channel weighting on the tuning and the held-out texts."""
+    importance = shipped_profile(engine.model_fingerprint).importance("k")
+    roles = {name: "tuning" for name in TUNING_TEXTS} | {name: "held-out" for name in HELD_OUT_TEXTS}
+    windows = [Window(engine, name) for name in roles]
+    exact = {w.name: sig(w.quality(w.k, w.v)["perplexity"]) for w in windows}
+    rows = {name: (ALL_LEVELS[name], None) for name in ("uniform8", "uniform4-ac")}
+    for level in LEVELS:
+        rows[level] = (LEVELS[level], None)
+        rows[f"{level}+weighted"] = (LEVELS[level], importance)
+    per_text = {}
+    for name, (settings, weights) in rows.items():
+        per_text[name] = {w.name: evaluate([w], settings, key_importance=weights) for w in windows}
+        print(name, {t: r["perplexity"] for t, r in per_text[name].items()}, file=sys.stderr, flush=True)
+    against_8bit = {
+        name: {text: {"size_ratio_vs_8bit": sig(per_text["uniform8"][text]["bits_per_value"] / row["bits_per_value"]),
+                      "perplexity_vs_8bit": sig(row["perplexity"] / per_text["uniform8"][text]["perplexity"] - 1)}
+               for text, row in texts.items()}
+        for name, texts in per_text.items()
+    }
+    return {
+        "workload": {"texts": roles, "context_tokens": windows[0].k.shape[1], "scored_tokens": 512,
+                     "chunk_tokens": 1536, "coder_models": "counted per chunk",
+                     "key_importance": "shipped profile (calibrated on Pride and Prejudice)"},
+        "uncompressed_perplexity": exact,
+        "levels": {name: {text: {k: row[k] for k in ("bits_per_value", "bytes_per_token", "perplexity", "agreement")}
+                          for text, row in texts.items()} for name, texts in per_text.items()},
+        "against_8bit": against_8bit,
+        "smallest_within_1pct_of_8bit": {
+            w.name: smallest_within_1pct({name: texts[w.name] for name, texts in per_text.items()},
+                                         per_text["uniform8"][w.name])
+            for w in windows
+        },
+    }
+
+
+def austen(engine) -> dict:
     windows = [Window(engine, name) for name in TEXTS]
     exact = {"perplexity": sig(float(np.mean([w.quality(w.k, w.v)["perplexity"] for w in windows])))}
     levels = {name: evaluate(windows, settings) for name, settings in ALL_LEVELS.items()}
@@ -83,8 +124,7 @@ def main() -> None:
         for level in LEVELS
     }
     eight_bit = levels["uniform8"]
-    report = {
-        "machine": machine_info(), "engine": engine_info(engine),
+    return {
         "workload": {"texts": list(TEXTS), "context_tokens": windows[0].k.shape[1], "scored_tokens": 512,
                      "chunk_tokens": 1536, "values_per_token": 2 * windows[0].k[:, 0].numel()},
         "uncompressed": exact, "levels": levels, "ablation": ablation, "coarse_third": sensitivity,
@@ -94,6 +134,15 @@ def main() -> None:
             for source in ("chunk", "profiled")
         },
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("corpora", "austen"), default="corpora")
+    part = parser.parse_args().part
+    engine = LLM(threads=2).engine
+    report = {"machine": machine_info(), "engine": engine_info(engine), "part": part,
+              **(corpora(engine) if part == "corpora" else austen(engine))}
     print(json.dumps(report, indent=2))
 
 
