@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, fields
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_factory import KV_FORMATS as KV_FORMAT_REGISTRY
-from kvstrata.kv.store.forms import STORE_FORMS, parse_tier_forms
+from kvstrata.kv.store.emulated_link import parse_trace
+from kvstrata.kv.store.forms import STORE_FORMS, STREAMED_LEVELS, parse_tier_forms
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -133,10 +134,30 @@ class EngineConfig:
         default="raw",
         metadata=_option(f"kv store: how chunks are written: one form for every tier, or TIER=FORM pairs (e.g. "
                          f"host=raw,redis=medium; tiers not named: raw); forms: {', '.join(STORE_FORMS)} (raw: the "
-                         f"compute dtype, exact; the others are CacheGen levels)"),
+                         f"compute dtype, exact; levels: float16 and every CacheGen level, the level of each chunk chosen "
+                         f"as it is read; the others are CacheGen levels)"),
     )
     kv_store_chunk_tokens: int = field(
         default=256, metadata=_option("kv store: tokens per stored chunk (a chunk is found only when all its tokens match)")
+    )
+    kv_store_level: str = field(
+        default="auto",
+        metadata=_option("kv store, tiers in the levels form: the level each chunk is read at; auto picks one per "
+                         "chunk (or recomputes it from text) from the throughput measured so far and --ttft-slo "
+                         "(CacheGen's adaptation), and the best level without an objective",
+                         choices=("auto", *STREAMED_LEVELS)),
+    )
+    kv_store_link_gbps: str | None = field(
+        default=None,
+        metadata=_option("kv store: emulate the link to Redis tiers with a bandwidth trace in Gbps, GBPS[:SECONDS] "
+                         "segments (e.g. 10:0.3,0.1: 10 Gbps for 0.3 s, then 0.1 Gbps); the bytes travel for real, "
+                         "then each read waits for the emulated link; the trace restarts at every load (for "
+                         "benchmarks) (default: none)"),
+    )
+    ttft_slo: float | None = field(
+        default=None,
+        metadata=_option("time-to-first-token objective in seconds, from a request's arrival: what the KV store's "
+                         "streaming aims at (default: none)"),
     )
     kv_store_timeout_ms: int = field(
         default=1000,
@@ -147,11 +168,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
-                   ("oaken_keys", OAKEN_KEYS))
+                   ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)))
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
         parse_tier_forms(self.kv_store_format, [])
+        if self.kv_store_link_gbps is not None:
+            parse_trace(self.kv_store_link_gbps)
+        if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and 0 < self.ttft_slo < 1e6):
+            raise KvstrataError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
         for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size",
                      "kv_store_chunk_tokens", "kv_store_timeout_ms"):
             _require_positive(name, getattr(self, name))

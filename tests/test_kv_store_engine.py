@@ -228,8 +228,13 @@ def test_kv_from_the_store_that_does_not_fit_is_prefilled_instead(tiny_llama, re
     spec = f"disk:{tmp_path}:64MiB"
     run_rounds(make_engine(tiny_llama, kv_store=spec), rounds=1)
     engine = make_engine(tiny_llama, kv_store=spec)
-    engine.kv_store._load = lambda keys, first: PreloadedKV(0, torch.zeros(1, CHUNK, 2, 16), torch.zeros(1, CHUNK, 2, 16))
+    engine.kv_store._load = lambda seq, keys, first: [PreloadedKV(0, torch.zeros(1, CHUNK, 2, 16),
+                                                                   torch.zeros(1, CHUNK, 2, 16))]
+    misfits = []
+    engine._check_preloaded = lambda ranges, num_tokens, check=engine._check_preloaded: (
+        misfits.extend(ranges) or check(ranges, num_tokens))
     assert run_rounds(engine, rounds=1) == {r: t for r, t in reference.items() if r.startswith("0-")}
+    assert len(misfits) == len(PROMPTS)  # every request was handed the misfit, and prefilled instead
 
 
 def test_a_full_write_backlog_writes_the_chunks_that_fit(tiny_llama, tmp_path, monkeypatch):

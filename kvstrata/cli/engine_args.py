@@ -12,6 +12,8 @@ from kvstrata.config import EngineConfig
 def _flag_type(annotation: str):
     if annotation.startswith("int"):
         return int
+    if annotation.startswith("float"):
+        return float
     return str
 
 

@@ -1,6 +1,8 @@
 """The engine's side of the KV store (kv/store/): look a new request's prompt up below the device pool in
 the background, hold the request back until its chunks are fetched and decoded, and write the chunks a
-prefill computed down to the store, also in the background.
+prefill computed down to the store, also in the background. Chunks stored at several levels are streamed:
+each one is read at the level the link allows before the time-to-first-token objective, or recomputed from
+its text (kv/store/adaptation.py), and decoding one overlaps reading the next.
 
 Neither direction can fail a request: a store that is unreachable, slow or holds a corrupt object only
 means that the request's tokens are prefilled from their text, and a failed write is counted and skipped.
@@ -11,23 +13,28 @@ came from a saved context (they carry a salt) are neither looked up nor written.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.storage import KVStorage
+from kvstrata.kv.store.adaptation import TEXT, LinkEstimate, choose_option, quality_rank
+from kvstrata.kv.store.emulated_link import EmulatedLink, parse_trace
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
 from kvstrata.kv.store.forms import parse_tier_forms, stored_form
 from kvstrata.kv.store.spec import parse_tiers
-from kvstrata.kv.store.tiered_store import StoreShape, TieredStore
+from kvstrata.kv.store.tiered_store import Fetched, Located, StoreShape, TieredStore
 
 log = logging.getLogger("kvstrata.kv.store")
 MAX_PENDING_WRITE_BYTES = 512 * 2**20  # snapshots waiting to be written; beyond this, writes are skipped
+MIN_PREFILL_SAMPLE = 64  # prefill tokens a step needs to tell the prefill speed (fewer: overhead dominates)
 
 
 @dataclass
@@ -38,15 +45,21 @@ class LinkStats:
     load_failures: int = 0  # loads cut short by an unreachable tier or a corrupt object (the rest recomputed)
     chunks_queued: int = 0
     writes_skipped: int = 0  # chunks not written: the write backlog was full, or reading them failed
+    chunks_by_option: dict[str, int] = field(default_factory=dict)  # chunks stored at several levels: as loaded
+    chunks_below_allowed: int = 0  # loaded below what the throughput that chunk's read got allowed (adaptation.py)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str, model_config,
-               timeout: float, key_importance: torch.Tensor | None = None) -> TieredStore:
-    """`key_importance` [layers, channels]: how CacheGen forms weight key channels (the model's profile), or None."""
+               timeout: float, key_importance: torch.Tensor | None = None, link_trace: str | None = None) -> TieredStore:
+    """`key_importance` [layers, channels]: how CacheGen forms weight key channels (the model's profile), or None;
+    `link_trace`: the bandwidth trace an emulated link gives the Redis tiers' reads (emulated_link.py), or None."""
     tiers = parse_tiers(spec, timeout)
+    for tier in tiers:
+        if link_trace is not None and tier.name == "redis":
+            tier.link = EmulatedLink(parse_trace(link_trace))
     tier_forms = [stored_form(name, compute_dtype, key_importance)
                   for name in parse_tier_forms(forms, [t.name for t in tiers])]
     shape = StoreShape(namespace, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
@@ -54,16 +67,21 @@ def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str
 
 
 class KVStoreLink:
-    def __init__(self, store: TieredStore, chunk_tokens: int, kv_manager, kv_cache: KVStorage):
+    def __init__(self, store: TieredStore, chunk_tokens: int, kv_manager, kv_cache: KVStorage,
+                 ttft_slo: float | None = None, level: str = "auto"):
         self.store = store
         store.defer = self._defer
         self.chunk_tokens = chunk_tokens
+        self.ttft_slo = ttft_slo  # seconds from a request's arrival to its first token: what streaming aims at
+        self.level = level  # "auto" or the level every chunk stored at several levels is read at
+        self.estimate = LinkEstimate()
         self.kv_manager = kv_manager
         self.kv_cache = kv_cache
         self.root = store.shape.namespace.encode()
         self.stats = LinkStats()
         self._loads: dict[str, tuple[object, Future]] = {}
         self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-load")
+        self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-decode")
         self._write_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-write")
         self._pending_write_bytes = 0
         self._lock = threading.Lock()
@@ -89,45 +107,145 @@ class KVStoreLink:
             return False
         keys = self.chunk_keys(seq.token_ids, usable)
         self.stats.requests_looked_up += 1
-        self._loads[seq.request_id] = (seq, self._load_thread.submit(self._load, keys, first))
+        self._loads[seq.request_id] = (seq, self._load_thread.submit(self._load, seq, keys, first))
         return True
 
-    def _load(self, keys: list[str], first: int) -> PreloadedKV | None:
-        """On the load thread: the consecutive chunks from `first` on that some tier holds, as one range."""
-        ks, vs = [], []
-        for key in keys[first:]:
+    def _load(self, seq, keys: list[str], first: int) -> list[PreloadedKV]:
+        """On the load thread: the chunks from `first` on, up to the first one no tier holds, as ranges of KV.
+        Each chunk stored at several levels is read at the level `_pick` chooses, or left to be recomputed from
+        its text; chunk i is decoded on the decode thread while chunk i + 1 is read. A chunk that turns out
+        corrupt is recomputed; an unreachable tier ends the load (the rest is recomputed)."""
+        for tier in self.store.tiers:
+            if getattr(tier, "link", None) is not None:
+                tier.link.restart()
+        found = self._find(keys[first:])
+        recomputed = seq.num_tokens - (first + len(found)) * self.chunk_tokens  # tokens prefilled whatever happens
+        decoding: dict[int, Future] = {}
+        for index, where in enumerate(found):
+            level, seconds_left = None, self._seconds_left(seq)
+            if where.level_bytes is not None:
+                level = self._pick(found[index:], recomputed, seconds_left)
+                self.stats.chunks_by_option[level] = self.stats.chunks_by_option.get(level, 0) + 1
+                if level == TEXT:
+                    recomputed += self.chunk_tokens
+                    continue
             try:
-                found = self.store.fetch(key, self.chunk_tokens)
-            except (StoreUnavailable, CorruptObject) as exc:
-                log.warning("a KV store load stopped at chunk %s, the rest is recomputed: %s", key[:16], exc)
+                fetched = self.store.read(where, level)
+            except StoreUnavailable as exc:
+                log.warning("a KV store load stopped at chunk %s, the rest is recomputed: %s", where.key[:16], exc)
                 self.stats.load_failures += 1
                 break
-            if found is None:
-                break
-            ks.append(found[0])
-            vs.append(found[1])
-        if not ks:
-            return None
-        return PreloadedKV(first * self.chunk_tokens, torch.cat(ks, dim=1), torch.cat(vs, dim=1))
+            except CorruptObject as exc:
+                log.warning("chunk %s of the KV store is corrupt and is recomputed: %s", where.key[:16], exc)
+                self.stats.load_failures += 1
+                fetched = None
+            if fetched is None:
+                recomputed += self.chunk_tokens
+                continue
+            if level is not None:
+                self._measure_read(fetched, found[index:], level, recomputed, seconds_left)
+            decoding[first + index] = self._decode_thread.submit(self._decode, fetched, level)
+        return self._ranges(decoding)
 
-    def take_ready(self, timeout: float = 0.0) -> list[tuple[object, PreloadedKV | None]]:
-        """Sequences whose loads ended, with the KV found (None: nothing, or the load failed). Waits up to
-        `timeout` seconds for one when none has ended yet."""
+    def _find(self, keys: list[str]) -> list[Located]:
+        """Where each chunk is, up to the first one no tier holds (or that cannot be looked up)."""
+        found = []
+        for key in keys:
+            try:
+                where = self.store.find(key, self.chunk_tokens)
+            except (StoreUnavailable, CorruptObject) as exc:
+                log.warning("a KV store lookup stopped at chunk %s, the rest is recomputed: %s", key[:16], exc)
+                self.stats.load_failures += 1
+                break
+            if where is None:
+                break
+            found.append(where)
+        return found
+
+    def _seconds_left(self, seq) -> float | None:
+        """Until `seq`'s time-to-first-token objective, counted from its arrival; None without one."""
+        return None if self.ttft_slo is None else self.ttft_slo - (time.perf_counter() - seq.arrival_time)
+
+    def _pick(self, remaining: list[Located], recomputed: int, seconds_left: float | None,
+              link: LinkEstimate | None = None) -> str:
+        """The level (or TEXT) of remaining[0], a chunk stored at several levels: the fixed `--kv-store-level`,
+        the best one without `--ttft-slo`, else the adaptive choice (adaptation.py) for `seconds_left`, given
+        `recomputed` tokens prefilled anyway and the link as last measured (or as `link` says)."""
+        levels = remaining[0].level_bytes
+        if self.level != "auto":
+            return self.level if self.level in levels else next(iter(levels))
+        if seconds_left is None:
+            return next(iter(levels))
+        link = link or self.estimate
+        fixed = recomputed * (link.prefill_seconds_per_token or 0.0)
+        sizes = [where.level_bytes for where in remaining if where.level_bytes is not None]
+        return choose_option(sizes, self.chunk_tokens, seconds_left, link, fixed)
+
+    def _measure_read(self, fetched: Fetched, remaining: list[Located], level: str, recomputed: int,
+                      seconds_left: float | None) -> None:
+        """The throughput the read got becomes the estimate for the next chunk. A choice below what that throughput
+        allowed (judged as `_pick` would have with it, at the same moment) is counted: the price of the estimate
+        lagging one chunk behind the link."""
+        measured = fetched.num_bytes / max(fetched.seconds, 1e-6)
+        if self.level == "auto" and seconds_left is not None:
+            hindsight = dataclasses.replace(self.estimate, bytes_per_second=measured)
+            allowed = self._pick(remaining, recomputed, seconds_left, hindsight)
+            if quality_rank(allowed) < quality_rank(level):
+                self.stats.chunks_below_allowed += 1
+        self.estimate.bytes_per_second = measured
+
+    def _decode(self, fetched: Fetched, level: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """On the decode thread: K and V of a read chunk; None if it is corrupt (it is recomputed)."""
+        start = time.perf_counter()
+        try:
+            kv = self.store.decode(fetched, self.chunk_tokens)
+        except CorruptObject as exc:
+            log.warning("chunk %s of the KV store is corrupt and is recomputed: %s", fetched.located.key[:16], exc)
+            self.stats.load_failures += 1
+            return None
+        if level is not None:
+            self.estimate.decode_seconds[level] = time.perf_counter() - start
+        return kv
+
+    def _ranges(self, decoding: dict[int, Future]) -> list[PreloadedKV]:
+        """The decoded chunks (by index) as ranges of consecutive chunks."""
+        ranges, run = [], []
+        for index in range(min(decoding, default=0), max(decoding, default=-1) + 2):
+            kv = decoding[index].result() if index in decoding else None
+            if kv is not None:
+                run.append((index, kv))
+                continue
+            if run:
+                ks, vs = zip(*(chunk for _, chunk in run))
+                ranges.append(PreloadedKV(run[0][0] * self.chunk_tokens, torch.cat(ks, dim=1), torch.cat(vs, dim=1)))
+            run = []
+        return ranges
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step that prefilled `num_tokens` took `seconds`: what recomputing a chunk from text costs."""
+        if num_tokens >= MIN_PREFILL_SAMPLE:
+            per_token = seconds / num_tokens
+            previous = self.estimate.prefill_seconds_per_token
+            self.estimate.prefill_seconds_per_token = per_token if previous is None else 0.5 * (previous + per_token)
+
+    def take_ready(self, timeout: float = 0.0) -> list[tuple[object, list[PreloadedKV]]]:
+        """Sequences whose loads ended, with the ranges of KV found (none: nothing, or the load failed). Waits up
+        to `timeout` seconds for one when none has ended yet."""
         if timeout and self._loads and not any(f.done() for _, f in self._loads.values()):
             wait([f for _, f in self._loads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
         ready = []
         for request_id in [r for r, (_, f) in self._loads.items() if f.done()]:
             seq, future = self._loads.pop(request_id)
             try:
-                kv = future.result()
+                ranges = future.result()
             except Exception:  # a bug below, not the request's fault: it is prefilled instead
                 log.exception("request %s: its KV store load failed; it is prefilled from its text", request_id)
                 self.stats.load_failures += 1
-                kv = None
-            if kv is not None:
+                ranges = []
+            if ranges:
                 self.stats.requests_loaded += 1
-                self.stats.loaded_tokens += kv.end - kv.start
-            ready.append((seq, kv))
+                self.stats.loaded_tokens += sum(kv.end - kv.start for kv in ranges)
+            ready.append((seq, ranges))
         return ready
 
     def forget(self, request_id: str) -> None:
@@ -213,5 +331,6 @@ class KVStoreLink:
 
     def close(self) -> None:
         self._load_thread.shutdown(wait=False, cancel_futures=True)
+        self._decode_thread.shutdown(wait=False, cancel_futures=True)
         self._write_thread.shutdown(wait=True)
         self.store.close()

@@ -118,8 +118,9 @@ class LLMEngine:
             raise KvstrataError("kv_store needs prefix caching: chunks are found by the same chained token hashes")
         profile = shipped_profile(self.model_fingerprint)  # weights CacheGen forms' key channels, when one ships
         store = make_store(c.kv_store, c.kv_store_format, dtype, self.kv_manager.namespace.decode(), self.loaded.config,
-                           c.kv_store_timeout_ms / 1000, profile.importance("k") if profile else None)
-        return KVStoreLink(store, c.kv_store_chunk_tokens, self.kv_manager, self.kv_cache)
+                           c.kv_store_timeout_ms / 1000, profile.importance("k") if profile else None,
+                           c.kv_store_link_gbps)
+        return KVStoreLink(store, c.kv_store_chunk_tokens, self.kv_manager, self.kv_cache, c.ttft_slo, c.kv_store_level)
 
     def _make_scheduler(self) -> Scheduler:
         c = self.config
@@ -318,6 +319,8 @@ class LLMEngine:
         outputs.extend(failed)
         tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
         now = time.perf_counter()
+        if self.kv_store is not None:
+            self.kv_store.observe_prefill(prefill_tokens, now - start)
         for seq, token, token_logprobs in zip(to_sample, tokens, logprobs):
             outputs.append(self._append_token(seq, token, token_logprobs, now))
         self.step_stats.append(
@@ -329,11 +332,11 @@ class LLMEngine:
     def _schedule_loaded(self) -> None:
         """Requests whose lookup below the device pool ended join the scheduler, with the KV it found. With
         nothing else to run, wait a little for one rather than spin."""
-        for seq, kv in self.kv_store.take_ready(timeout=0.0 if self.scheduler.has_unfinished() else 0.05):
+        for seq, ranges in self.kv_store.take_ready(timeout=0.0 if self.scheduler.has_unfinished() else 0.05):
             try:
-                if kv is not None:
-                    seq.preloaded = self._check_preloaded([kv], seq.num_tokens)
-                    seq.num_store_tokens = kv.end
+                if ranges:
+                    seq.preloaded = self._check_preloaded(ranges, seq.num_tokens)
+                    seq.num_store_tokens = ranges[-1].end
             except Exception:  # it does not fit, or the device is short of memory: prefill instead
                 log.exception("request %s: KV from the store could not be taken; it is prefilled", seq.request_id)
                 seq.preloaded, seq.num_store_tokens = [], 0

@@ -119,3 +119,12 @@ class KVStoreCollector:
             family = CounterMetricFamily(f"kvstrata:kv_store_{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        family = CounterMetricFamily("kvstrata:kv_store_streamed_chunks", "Chunks stored at several levels, by the "
+                                     "level they were read at (text: recomputed)", labels=["model_name", "level"])
+        for level, count in sorted(self.link.stats.chunks_by_option.copy().items()):  # copy: atomic
+            family.add_metric([self.model_name, level], count)
+        yield family
+        family = CounterMetricFamily("kvstrata:kv_store_chunks_below_allowed", "Streamed chunks read below the level "
+                                     "the throughput of their own read allowed", labels=["model_name"])
+        family.add_metric([self.model_name], self.link.stats.chunks_below_allowed)
+        yield family

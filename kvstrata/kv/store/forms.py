@@ -1,6 +1,7 @@
 """How a tier stores one layer's K or V of a chunk: raw floats (the compute dtype, exact), float16, or a
 CacheGen level (papers/cachegen.md; kvstrata/cachegen/codec.py), one layer per object so a loader can
-read a subset of layers.
+read a subset of layers. The `levels` form writes a chunk once in each of float16 and the CacheGen levels,
+so a loader streaming it picks the level of every chunk as the link allows (CacheGen §4).
 
 Each object names its form in its header (`StoredForm.name`: float32, float16, bfloat16 or a level), so a
 reader decodes whatever form a chunk was written in, whichever form it writes itself.
@@ -21,7 +22,9 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.errors import CorruptObject
 
 FLOAT_FORMS = {"raw": None, "fp16": torch.float16}  # raw: the dtype the K/V were computed in
-STORE_FORMS = (*FLOAT_FORMS, *CACHEGEN_LEVELS)  # what --kv-store-format takes
+LEVELS_FORM = "levels"
+STORE_FORMS = (*FLOAT_FORMS, *CACHEGEN_LEVELS, LEVELS_FORM)  # what --kv-store-format takes
+STREAMED_LEVELS = ("float16", *CACHEGEN_LEVELS)  # what the levels form writes, best quality first
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # as written
 _SECTION = struct.Struct("<HI")  # name length, data length
 
@@ -101,6 +104,17 @@ class CacheGenForm(StoredForm):
         return x.reshape(shape)
 
 
+class LeveledForm:
+    """A chunk written in every one of STREAMED_LEVELS (a tier keeps each level's objects apart and a manifest
+    of their sizes: tiered_store.py), so a loader can fetch each chunk at the level the link allows."""
+
+    name = LEVELS_FORM
+
+    def __init__(self, key_importance: torch.Tensor | None = None):
+        self.levels: list[StoredForm] = [FloatForm(torch.float16),
+                                         *(CacheGenForm(level, key_importance) for level in CACHEGEN_LEVELS)]
+
+
 def _count(shape: tuple[int, ...]) -> int:
     count = 1
     for size in shape:
@@ -108,9 +122,12 @@ def _count(shape: tuple[int, ...]) -> int:
     return count
 
 
-def stored_form(name: str, compute_dtype: torch.dtype, key_importance: torch.Tensor | None = None) -> StoredForm:
+def stored_form(name: str, compute_dtype: torch.dtype,
+                key_importance: torch.Tensor | None = None) -> StoredForm | LeveledForm:
     """The form `--kv-store-format` names (raw is the compute dtype); CacheGen levels weight key channels by
     `key_importance` [layers, channels] when given."""
+    if name == LEVELS_FORM:
+        return LeveledForm(key_importance)
     if name in FLOAT_FORMS:
         return FloatForm(FLOAT_FORMS[name] or compute_dtype)
     if name in CACHEGEN_LEVELS:

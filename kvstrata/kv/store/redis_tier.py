@@ -4,7 +4,8 @@ command and any subset of its objects is read in one.
 Redis keeps everything it is given (its own maxmemory policy, if set, decides what goes). Several
 engines may share one server: a chunk one of them wrote is a hit for the others. Every command has
 a timeout; after a failure the tier is skipped for `retry_seconds`, so a dead server costs a request
-one timeout at most, not one per chunk.
+one timeout at most, not one per chunk. An emulated link (`link`, emulated_link.py) may slow its reads
+to a bandwidth trace.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvstrata.kv.store.emulated_link import EmulatedLink
 from kvstrata.kv.store.errors import StoreUnavailable
 from kvstrata.kv.store.tier import Objects, Tier, TierUsage
 
@@ -33,6 +35,7 @@ class RedisTier(Tier):
                                             retry=Retry(NoBackoff(), 0))
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self.link: EmulatedLink | None = None
 
     def _call(self, what: str, command):
         if time.monotonic() < self._down_until:
@@ -49,6 +52,8 @@ class RedisTier(Tier):
 
     def get(self, key: str, names: list[str]) -> Objects | None:
         values = self._call("HMGET", lambda r: r.hmget(KEY_PREFIX + key, names))
+        if self.link is not None:
+            self.link.transfer(sum(len(value) for value in values if value is not None))
         if any(value is None for value in values):
             return None
         return dict(zip(names, values))

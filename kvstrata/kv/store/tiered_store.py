@@ -2,13 +2,15 @@
 it (checked, decoded, promoted to the tiers above), write a chunk to every tier (write-through, so other
 engines sharing a lower tier see it at once), and cascade a chunk a tier drops to the tier below it. A chunk
 moving between tiers of different forms is decoded and encoded again; objects are read in whatever form
-their header names.
+their header names. A tier in the levels form holds each chunk at several levels (forms.py), and a
+reader picks the level of each chunk it reads (engine/kv_store_link.py streams them).
 
 Synchronous and thread-safe; engine/kv_store_link.py runs it on background threads.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -17,11 +19,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
-from kvstrata.kv.store.forms import StoredForm, written_form
+from kvstrata.kv.store.forms import STREAMED_LEVELS, LeveledForm, StoredForm, written_form
 from kvstrata.kv.store.objects import ObjectHeader, pack_object, unpack_object
 from kvstrata.kv.store.tier import Objects, Tier
 
 log = logging.getLogger("kvstrata.kv.store")
+MANIFEST = "levels"  # the object of a chunk stored at several levels that gives each level's size in bytes
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,24 @@ class StoreShape:
     num_layers: int
     kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class Located:
+    key: str
+    tier: int  # the index of the highest tier holding the chunk
+    level_bytes: dict[str, int] | None = None  # stored at several levels: each one's size, best quality first
+
+
+@dataclass
+class Fetched:
+    located: Located
+    objects: Objects  # "k.<layer>", "v.<layer>", in one form
+    seconds: float  # the read took
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(len(data) for data in self.objects.values())
 
 
 @dataclass
@@ -43,7 +64,7 @@ class StoreStats:
 
 
 class TieredStore:
-    def __init__(self, tiers: list[Tier], forms: list[StoredForm], shape: StoreShape,
+    def __init__(self, tiers: list[Tier], forms: list[StoredForm | LeveledForm], shape: StoreShape,
                  defer: Callable[[Callable[[], None], int], None] | None = None):
         if len(forms) != len(tiers):
             raise ValueError(f"{len(forms)} forms for {len(tiers)} tiers")
@@ -68,45 +89,96 @@ class TieredStore:
                 log.warning("%s", exc)
         return None
 
-    def fetch(self, key: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K and V [layers, num_tokens, kv_heads, head_dim] (float32) of chunk `key`; None if no tier holds it.
-
-        An object that fails its check is dropped from its tier (CorruptObject is raised); an unreachable tier
-        raises StoreUnavailable. A hit is copied to the tiers above the one it came from.
-        """
+    def find(self, key: str, num_tokens: int) -> Located | None:
+        """Where chunk `key` is (and, stored at several levels, each level's size); None, counted as a miss of
+        `num_tokens` in every tier, if no tier holds it. A corrupt manifest drops the chunk (CorruptObject)."""
         index = self.locate(key)
         if index is None:
             for tier in self.tiers:
                 tier.stats.miss_tokens += num_tokens
             return None
+        if not isinstance(self.forms[index], LeveledForm):
+            return Located(key, index)
         tier = self.tiers[index]
-        start = time.perf_counter()
+        manifest = self._get(tier, key, [MANIFEST])
+        if manifest is None:  # written by an engine storing one form here: read as such
+            return Located(key, index)
         try:
-            objects = tier.get(key, self.object_names)
+            return Located(key, index, self._level_bytes(key, manifest[MANIFEST]))
+        except CorruptObject:
+            self._drop(tier, key)
+            raise
+
+    def _level_bytes(self, key: str, data: bytes) -> dict[str, int]:
+        _, payload = unpack_object(data, self.shape.namespace, key, MANIFEST)
+        try:
+            sizes = dict(json.loads(payload))
+            ordered = {level: int(sizes[level]) for level in STREAMED_LEVELS if level in sizes}
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptObject(f"the manifest of chunk {key[:16]} is unreadable: {exc}") from None
+        if not ordered or set(ordered) != set(sizes) or min(ordered.values()) <= 0:
+            raise CorruptObject(f"the manifest of chunk {key[:16]} names levels {sorted(sizes)}, expected a subset "
+                                f"of {list(STREAMED_LEVELS)} with positive sizes")
+        return ordered
+
+    def read(self, where: Located, level: str | None = None) -> Fetched | None:
+        """The objects of a located chunk (stored at several levels: at `level`, by default the best), timed;
+        None if it went away meanwhile. StoreUnavailable if its tier is unreachable; a corrupt chunk is dropped
+        (CorruptObject)."""
+        tier = self.tiers[where.tier]
+        fields = self.object_names
+        if where.level_bytes is not None:
+            level = level or next(iter(where.level_bytes))
+            if level not in where.level_bytes:
+                raise ValueError(f"chunk {where.key[:16]} is not stored at level {level!r}")
+            fields = [f"{level}/{name}" for name in self.object_names]
+        start = time.perf_counter()
+        found = self._get(tier, where.key, fields)
+        seconds = time.perf_counter() - start
+        if found is None:
+            return None
+        tier.stats.fetch_seconds += seconds
+        objects = {name: found[field] for name, field in zip(self.object_names, fields)}
+        fetched = Fetched(where, objects, seconds)
+        tier.stats.bytes_read += fetched.num_bytes
+        return fetched
+
+    def _get(self, tier: Tier, key: str, names: list[str]) -> Objects | None:
+        try:
+            return tier.get(key, names)
         except StoreUnavailable:
             tier.stats.errors += 1
             raise
         except CorruptObject:
             self._drop(tier, key)
             raise
-        fetched = time.perf_counter()
-        tier.stats.fetch_seconds += fetched - start
-        if objects is None:  # dropped between locate and get
-            return None
-        tier.stats.bytes_read += sum(len(data) for data in objects.values())
+
+    def decode(self, fetched: Fetched, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, num_tokens, kv_heads, head_dim] (float32) of a read chunk, counted as a hit and copied
+        to the tiers above the one it came from; a corrupt chunk is dropped (CorruptObject)."""
+        index, key = fetched.located.tier, fetched.located.key
+        tier = self.tiers[index]
+        start = time.perf_counter()
         try:
-            k, v, written = self._decode(key, objects, num_tokens)
+            k, v, written = self._decode(key, fetched.objects, num_tokens)
         except CorruptObject:
             self._drop(tier, key)
             raise
-        self.stats.decode_seconds += time.perf_counter() - fetched
+        self.stats.decode_seconds += time.perf_counter() - start
         tier.stats.hit_tokens += num_tokens
         for upper in self.tiers[:index]:
             upper.stats.miss_tokens += num_tokens
         if index > 0:
-            size = sum(len(data) for data in objects.values()) + 2 * k.numel() * k.element_size()
-            self.defer(lambda: self._promote(index, key, objects, written, k, v), size)
+            size = fetched.num_bytes + 2 * k.numel() * k.element_size()
+            self.defer(lambda: self._promote(index, key, fetched.objects, written, k, v), size)
         return k, v
+
+    def fetch(self, key: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V of chunk `key` from the highest tier holding it (at its best level); None if no tier holds it.
+        Raises as find, read and decode do."""
+        where = self.find(key, num_tokens)
+        fetched = where and self.read(where)
+        return None if fetched is None else self.decode(fetched, num_tokens)
 
     def _promote(self, index: int, key: str, objects: Objects, written: set[str], k: torch.Tensor,
                  v: torch.Tensor) -> None:
@@ -142,8 +214,21 @@ class TieredStore:
         except StoreUnavailable as exc:
             log.warning("%s", exc)
 
-    def encode(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm) -> Objects:
-        """The objects of chunk `key` in `form` from K and V [layers, tokens, kv_heads, head_dim]."""
+    def encode(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm | LeveledForm) -> Objects:
+        """The objects of chunk `key` in `form` from K and V [layers, tokens, kv_heads, head_dim]; in the levels
+        form, each level's objects under "<level>/<name>" and a manifest of their sizes."""
+        if not isinstance(form, LeveledForm):
+            return self._encode_form(key, k, v, form)
+        objects, sizes = {}, {}
+        for level in form.levels:
+            encoded = self._encode_form(key, k, v, level)
+            sizes[level.name] = sum(len(data) for data in encoded.values())
+            objects.update({f"{level.name}/{name}": data for name, data in encoded.items()})
+        header = ObjectHeader(self.shape.namespace, key, MANIFEST, form.name, ())
+        objects[MANIFEST] = pack_object(header, json.dumps(sizes).encode())
+        return objects
+
+    def _encode_form(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm) -> Objects:
         start = time.perf_counter()
         objects = {}
         for layer in range(self.shape.num_layers):
@@ -187,7 +272,7 @@ class TieredStore:
         tier = self.tiers[below]
         if not self._holds(tier, key):
             try:
-                objects = read()
+                objects = _best_level(read())
                 k, v, written = self._decode(key, objects, None)
                 if written != {self.forms[below].name}:
                     objects = self.encode(key, k, v, self.forms[below])
@@ -203,3 +288,11 @@ class TieredStore:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+
+
+def _best_level(objects: Objects) -> Objects:
+    """A chunk's objects under their plain names: those of its best level if it is stored at several."""
+    if MANIFEST not in objects:
+        return objects
+    level = next(level for level in STREAMED_LEVELS if f"{level}/k.0" in objects)
+    return {name.removeprefix(f"{level}/"): data for name, data in objects.items() if name.startswith(f"{level}/")}

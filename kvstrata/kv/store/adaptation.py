@@ -1,0 +1,64 @@
+"""Which level each chunk of a streamed context is loaded at, or whether its tokens are recomputed from text
+(CacheGen §4, Algorithm 1; papers/cachegen.md §3), with an explicit quality order: text (lossless), then the
+stored levels best first.
+
+For the next chunk, an option's cost is what loading every remaining chunk that way would take, at the
+throughput the last chunk read got (assumed to hold): a level costs its bytes over the throughput, or its
+decode time where decoding is slower (decoding chunk i overlaps reading chunk i + 1); text costs its tokens'
+prefill. The best option whose cost, with the tokens recomputed anyway, fits in the time left before the
+objective is chosen; if none fits, the quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstrata.kv.store.forms import STREAMED_LEVELS
+
+TEXT = "text"
+QUALITY_ORDER = (TEXT, *STREAMED_LEVELS)  # best first
+DEFAULT_LEVEL = "medium"  # the paper's choice for a first chunk when nothing is known of the link
+
+
+@dataclass
+class LinkEstimate:
+    bytes_per_second: float | None = None  # what the last chunk read got
+    decode_seconds: dict[str, float] = field(default_factory=dict)  # per chunk, by level, as last measured
+    prefill_seconds_per_token: float | None = None  # the engine's recent prefill speed
+
+
+def _chunk_seconds(option: str, level_bytes: dict[str, int], chunk_tokens: int, link: LinkEstimate) -> float | None:
+    """What loading one chunk as `option` takes; None if it cannot be told yet."""
+    if option == TEXT:
+        return None if link.prefill_seconds_per_token is None else chunk_tokens * link.prefill_seconds_per_token
+    if link.bytes_per_second is None:
+        return None
+    size = level_bytes.get(option, min(level_bytes.values()))
+    return max(size / link.bytes_per_second, link.decode_seconds.get(option, 0.0))
+
+
+def option_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int,
+                   link: LinkEstimate) -> float | None:
+    """What loading every remaining chunk (bytes of each level, per chunk) as `option` takes."""
+    costs = [_chunk_seconds(option, sizes, chunk_tokens, link) for sizes in remaining]
+    return None if any(cost is None for cost in costs) else sum(costs)
+
+
+def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_left: float, link: LinkEstimate,
+                  fixed_seconds: float = 0.0) -> str:
+    """The option for remaining[0]: text or one of its levels (keys of its sizes, best first). `seconds_left`:
+    until the objective; `fixed_seconds`: what the load takes whatever is chosen (tokens recomputed anyway)."""
+    options = [TEXT, *remaining[0]]
+    costs = {option: option_seconds(option, remaining, chunk_tokens, link) for option in options}
+    known = {option: cost for option, cost in costs.items() if cost is not None}
+    for option in options:
+        if option in known and fixed_seconds + known[option] <= seconds_left:
+            return option
+    if link.bytes_per_second is None:
+        return DEFAULT_LEVEL if DEFAULT_LEVEL in remaining[0] else next(iter(remaining[0]))
+    return min(known, key=lambda option: (known[option], QUALITY_ORDER.index(option)))
+
+
+def quality_rank(option: str) -> int:
+    """0 for text, then 1, 2, ... down the levels: lower is better."""
+    return QUALITY_ORDER.index(option)

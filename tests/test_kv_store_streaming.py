@@ -1,0 +1,250 @@
+"""Streaming stored contexts (CacheGen §4): chunks stored at several levels, the level chooser on synthetic
+throughput traces, the emulated link, and the engine loading each chunk at the level the link allows."""
+
+import pytest
+import torch
+
+from kvstrata.errors import KvstrataError
+from kvstrata.kv.store.adaptation import DEFAULT_LEVEL, TEXT, LinkEstimate, choose_option, option_seconds, quality_rank
+from kvstrata.kv.store.disk_tier import DiskTier
+from kvstrata.kv.store.emulated_link import BURST_BYTES, BYTES_PER_GBIT, EmulatedLink, Segment, parse_trace
+from kvstrata.kv.store.errors import CorruptObject
+from kvstrata.kv.store.forms import STREAMED_LEVELS, stored_form
+from kvstrata.kv.store.host_tier import HostTier
+from kvstrata.kv.store.objects import ObjectHeader, pack_object
+from kvstrata.kv.store.redis_tier import RedisTier
+from kvstrata.kv.store.tiered_store import MANIFEST, StoreShape, TieredStore
+from tests.test_kv_store_engine import CHUNK, PROMPTS, make_engine, run_rounds, tier_hits
+
+SHAPE = StoreShape("model-a/fp32@float32/", num_layers=3, kv_heads=2, head_dim=8)
+TOKENS = 32
+
+
+def chunk_kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (SHAPE.num_layers, TOKENS, SHAPE.kv_heads, SHAPE.head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def store_over(*tiers, forms) -> TieredStore:
+    return TieredStore(list(tiers), [stored_form(form, torch.float32) for form in forms], SHAPE)
+
+
+# --- chunks stored at several levels ----------------------------------------------------------
+
+
+def test_a_chunk_in_the_levels_form_is_read_at_any_level_and_only_that_level_travels(redis_server):
+    tier = RedisTier(redis_server.url)
+    store = store_over(tier, forms=["levels"])
+    k, v = chunk_kv(0)
+    store.put("c0", k, v)
+    where = store.find("c0", TOKENS)
+    assert list(where.level_bytes) == list(STREAMED_LEVELS)
+    sizes = list(where.level_bytes.values())
+    assert sizes == sorted(sizes, reverse=True)  # better levels are bigger
+    errors = []
+    for level, size in where.level_bytes.items():
+        before = tier.stats.bytes_read
+        fetched = store.read(where, level)
+        assert tier.stats.bytes_read - before == fetched.num_bytes == size
+        got_k, got_v = store.decode(fetched, TOKENS)
+        errors.append(float((got_k - k).pow(2).mean() + (got_v - v).pow(2).mean()))
+    assert errors == sorted(errors) and errors[0] < 1e-5 < errors[-1]  # float16 first, the lossiest level last
+    assert torch.allclose(store.fetch("c0", TOKENS)[0], k, atol=2e-3)  # without a choice: the best level
+
+
+def test_a_corrupt_manifest_drops_the_chunk():
+    host = HostTier(10**8)
+    store = store_over(host, forms=["levels"])
+    foreign_level = pack_object(ObjectHeader(SHAPE.namespace, "c0", MANIFEST, "levels", ()), b'{"zip": 3}')
+    for manifest, message in ((b"garbage", "truncated"), (foreign_level, "expected a subset")):
+        store.put("c0", *chunk_kv(0))
+        host._chunks["c0"][MANIFEST] = manifest
+        with pytest.raises(CorruptObject, match=message):
+            store.find("c0", TOKENS)
+        assert not host.contains("c0")
+
+
+def test_a_chunk_dropped_from_a_levels_tier_moves_down_at_its_best_level(tmp_path):
+    chunk_bytes = sum(len(data) for data in store_over(HostTier(1), forms=["levels"]).encode("c0", *chunk_kv(0),
+                                                                               stored_form("levels", torch.float32)).values())
+    host, disk = HostTier(int(1.5 * chunk_bytes)), DiskTier(tmp_path, 10**8)
+    store = store_over(host, disk, forms=["levels", "raw"])
+    store.put("c0", *chunk_kv(0))
+    disk.remove("c0")
+    store.put("c1", *chunk_kv(1))  # the host tier drops c0; the disk tier gets its float16 level as raw
+    assert not host.contains("c0") and disk.contains("c0")
+    assert torch.allclose(store.fetch("c0", TOKENS)[0], chunk_kv(0)[0], atol=2e-3)
+
+
+# --- the chooser on synthetic traces ----------------------------------------------------------
+
+# Bytes per chunk at each level, as the default model's 256-token chunks roughly are (float16 ~5.9 MB).
+SIZES = {"float16": 5_900_000, "near-lossless": 2_000_000, "high": 1_200_000, "medium": 880_000, "low": 570_000}
+MBPS = 1e6
+
+
+def stream(trace, slo: float, chunks: int = 8, decide=choose_option, prefill_per_token: float = 0.002):
+    """Simulate a load chunk by chunk over `trace` (bytes/s as a function of time): the option of each chunk, when
+    the load ended, and per chunk whether its option was below what its own throughput allowed."""
+    link = LinkEstimate(prefill_seconds_per_token=prefill_per_token)
+    now, recomputed, options, below = 0.0, 0, [], []
+    for index in range(chunks):
+        remaining = [SIZES] * (chunks - index)
+        fixed = recomputed * prefill_per_token
+        option = decide(remaining, 256, slo - now, link, fixed)
+        options.append(option)
+        if option == TEXT:
+            recomputed += 256
+            continue
+        rate = trace(now)
+        now += SIZES[option] / rate
+        allowed = choose_option(remaining, 256, slo - (now - SIZES[option] / rate),
+                                LinkEstimate(rate, {}, prefill_per_token), fixed)
+        below.append(quality_rank(allowed) < quality_rank(option))
+        link.bytes_per_second = rate
+    return options, now + recomputed * prefill_per_token, below
+
+
+def fixed(level):
+    return lambda remaining, *_: level
+
+
+def test_steady_links_get_the_best_level_that_fits_every_chunk():
+    # 8 chunks in 1 s: float16 needs 47 MB/s, medium 7 MB/s, low 4.6 MB/s; text would take 4 s.
+    for rate, expected in ((100 * MBPS, "float16"), (20 * MBPS, "near-lossless"), (8 * MBPS, "medium"),
+                           (5 * MBPS, "low")):
+        options, took, below = stream(lambda t, rate=rate: rate, slo=1.0)
+        assert options[0] == DEFAULT_LEVEL  # nothing known of the link yet
+        levels = [option for option in options[1:] if option != TEXT]  # text: the last chunks, when time is left
+        # With every chunk read, time is left over: later chunks may go at better levels, never worse.
+        assert options[1] == expected and max(map(quality_rank, levels)) == quality_rank(expected), rate
+        assert not any(below[1:])
+        assert took <= 1.0
+
+
+def test_text_is_chosen_when_recomputing_fits():
+    options, took, _ = stream(lambda t: 1 * MBPS, slo=5.0, prefill_per_token=0.0005)  # 8 x 256 tokens: 1 s
+    assert options == [TEXT] * 8 and took <= 5.0
+
+
+def test_nothing_fits_so_the_quickest_option_is_taken():
+    options, _, _ = stream(lambda t: 2 * MBPS, slo=0.5)  # low: 0.29 s a chunk, text 0.51 s
+    assert set(options[1:]) == {"low"}
+    assert choose_option([SIZES], 256, 0.1, LinkEstimate(0.1 * MBPS, {}, 1e-6)) == TEXT  # text quicker than bytes
+
+
+def test_a_slow_decoder_counts_where_it_is_slower_than_the_link():
+    link = LinkEstimate(1000 * MBPS, {"float16": 0.01, "high": 0.3})
+    assert option_seconds("float16", [SIZES] * 2, 256, link) == pytest.approx(0.02)
+    assert option_seconds("high", [SIZES] * 2, 256, link) == pytest.approx(0.6)
+    assert choose_option([SIZES] * 2, 256, 0.1, link) == "float16"
+
+
+def test_a_link_that_drops_mid_load_is_followed_one_chunk_late_and_adaptation_meets_the_objective():
+    def drop(t):
+        return 100 * MBPS if t < 0.1 else 10 * MBPS
+
+    slo = 1.0
+    options, took, below = stream(drop, slo=slo, chunks=8)
+    assert took <= slo and not any(below[1:])  # the first chunk goes at the default: nothing known of the link
+    # float16 while the link is fast; the chunk read as the link drops is float16 too (the estimate lags one chunk),
+    # then the levels that still fit.
+    assert options[1:4] == ["float16"] * 3 and options[4] == "low" and set(options[5:]) <= {"low", "medium", TEXT}
+    assert stream(drop, slo=slo, decide=fixed("float16"))[1] > slo
+
+
+# --- the emulated link ------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_traces_are_parsed_and_checked():
+    assert parse_trace("1") == [Segment(1.0, float("inf"))]
+    assert parse_trace("10:0.3, 0.1") == [Segment(10.0, 0.3), Segment(0.1, float("inf"))]
+    for bad, message in (("fast", "not GBPS"), ("0", "outside"), ("10,1", "positive duration"),
+                         ("10:-1,1", "positive duration")):
+        with pytest.raises(KvstrataError, match=message):
+            parse_trace(bad)
+
+
+def test_the_emulated_link_delivers_bytes_at_the_trace_s_rate():
+    clock = FakeClock()
+    link = EmulatedLink(parse_trace("1:1,0.1"), clock=clock, sleep=clock.sleep)
+    link.transfer(BURST_BYTES)  # a full bucket goes at once
+    assert clock.now == 0.0
+    link.transfer(int(0.5 * BYTES_PER_GBIT))  # half a second at 1 Gbps
+    assert clock.now == pytest.approx(0.5)
+    link.transfer(int(BYTES_PER_GBIT))  # 0.5 s more at 1 Gbps, then the rest at 0.1 Gbps: 5 s
+    assert clock.now == pytest.approx(6.0)
+    clock.now = 100.0
+    link.restart()
+    link.transfer(BURST_BYTES + int(0.1 * BYTES_PER_GBIT))  # the trace starts over at 1 Gbps
+    assert clock.now == pytest.approx(100.1)
+
+
+# --- the engine streaming ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """Every prompt once, without a store."""
+    return run_rounds(make_engine(tiny_llama), rounds=1)
+
+
+def test_an_engine_streams_chunks_at_the_level_it_is_told_and_outputs_stay_close(tiny_llama, reference, redis_server):
+    run_rounds(make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels"), rounds=1)
+    reader = make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels", kv_store_level="float16")
+    outputs = run_rounds(reader, rounds=1)
+    chunks = len(PROMPTS) * (199 // CHUNK)
+    assert tier_hits(reader)["redis"] == chunks * CHUNK
+    assert reader.kv_store.stats.chunks_by_option == {"float16": chunks}
+    assert outputs == reference  # float16 on this model: the same tokens
+
+
+def test_chunks_left_to_text_are_recomputed_between_loaded_ranges(tiny_llama, reference, redis_server):
+    run_rounds(make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels"), rounds=1)
+    reader = make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels", ttft_slo=10.0)
+    # Of a prompt's six chunks, the first, third and fifth (an even number of chunks left) are left to text.
+    reader.kv_store._pick = lambda remaining, *args: TEXT if len(remaining) % 2 == 0 else "float16"
+    taken = []
+    original = reader._check_preloaded
+    reader._check_preloaded = lambda ranges, n: taken.append([(r.start, r.end) for r in ranges]) or original(ranges, n)
+    assert run_rounds(reader, rounds=1) == reference
+    holes = [[(CHUNK, 2 * CHUNK), (3 * CHUNK, 4 * CHUNK), (5 * CHUNK, 6 * CHUNK)]]
+    assert [t for t in taken if t] == holes * len(PROMPTS)
+    assert reader.kv_store.stats.chunks_by_option == {TEXT: 18, "float16": 18}
+
+
+def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_server, monkeypatch):
+    from kvstrata.kv.store import emulated_link
+
+    monkeypatch.setattr(emulated_link, "BURST_BYTES", 0)  # a burst would carry a whole prompt of this tiny model
+    run_rounds(make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels"), rounds=1)
+    # 0.005 Gbps = 625 KB/s: a float16 chunk here (3 layers x 32 tokens x 2 x 2 heads x 16 x 2 bytes, 12 KB) takes
+    # 20 ms, a prompt's 6 chunks 120 ms; a 50 ms objective leaves room for the smaller levels only.
+    reader = make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels", ttft_slo=0.05,
+                         kv_store_link_gbps="0.005")
+    reader.kv_store.estimate.prefill_seconds_per_token = 1.0  # recomputing is out of the question
+    outputs = run_rounds(reader, rounds=1)
+    assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
+    chosen = reader.kv_store.stats.chunks_by_option
+    assert sum(chosen.values()) == len(PROMPTS) * (199 // CHUNK) and "float16" not in chosen
+
+
+def test_streaming_options_are_checked(tiny_llama):
+    with pytest.raises(KvstrataError, match="kv_store_level 'best'"):
+        make_engine(tiny_llama, kv_store="host:1MiB", kv_store_level="best")
+    with pytest.raises(KvstrataError, match="kv_store_link_gbps part 'fast'"):
+        make_engine(tiny_llama, kv_store="host:1MiB", kv_store_link_gbps="fast")
+    with pytest.raises(KvstrataError, match="ttft_slo must be a positive"):
+        make_engine(tiny_llama, kv_store="host:1MiB", ttft_slo=-1.0)
