@@ -139,6 +139,7 @@ def test_a_slow_decoder_counts_where_it_is_slower_than_the_link():
     assert option_seconds("float16", [SIZES] * 2, 256, link) == pytest.approx(0.02)
     assert option_seconds("high", [SIZES] * 2, 256, link) == pytest.approx(0.6)
     assert choose_option([SIZES] * 2, 256, 0.1, link) == "float16"
+    assert option_seconds("low", [SIZES], 256, link) == pytest.approx(0.3)  # not measured: as slow as "high"
 
 
 def test_a_link_that_drops_mid_load_is_followed_one_chunk_late_and_adaptation_meets_the_objective():
@@ -180,16 +181,21 @@ def test_traces_are_parsed_and_checked():
 def test_the_emulated_link_delivers_bytes_at_the_trace_s_rate():
     clock = FakeClock()
     link = EmulatedLink(parse_trace("1:1,0.1"), clock=clock, sleep=clock.sleep)
-    link.transfer(BURST_BYTES)  # a full bucket goes at once
+    link.transfer(BURST_BYTES, link.now())  # a full bucket goes at once
     assert clock.now == 0.0
-    link.transfer(int(0.5 * BYTES_PER_GBIT))  # half a second at 1 Gbps
+    link.transfer(int(0.5 * BYTES_PER_GBIT), link.now())  # half a second at 1 Gbps
     assert clock.now == pytest.approx(0.5)
-    link.transfer(int(BYTES_PER_GBIT))  # 0.5 s more at 1 Gbps, then the rest at 0.1 Gbps: 5 s
+    link.transfer(int(BYTES_PER_GBIT), link.now())  # 0.5 s more at 1 Gbps, then the rest at 0.1 Gbps: 5 s
     assert clock.now == pytest.approx(6.0)
     clock.now = 100.0
     link.restart()
-    link.transfer(BURST_BYTES + int(0.1 * BYTES_PER_GBIT))  # the trace starts over at 1 Gbps
+    began = link.now()
+    clock.now += 0.06  # the bytes took 60 ms to arrive on loopback: the link's 100 ms include them
+    link.transfer(BURST_BYTES + int(0.1 * BYTES_PER_GBIT), began)  # the trace starts over at 1 Gbps
     assert clock.now == pytest.approx(100.1)
+    clock.now += 0.5  # a read slower than the link on its own is not slowed further
+    link.transfer(int(0.1 * BYTES_PER_GBIT), clock.now - 0.5)
+    assert clock.now == pytest.approx(100.6)
 
 
 # --- the engine streaming ---------------------------------------------------------------------

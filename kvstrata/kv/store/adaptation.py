@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvstrata.cachegen.levels import CACHEGEN_LEVELS
 from kvstrata.kv.store.forms import STREAMED_LEVELS
 
 TEXT = "text"
@@ -34,7 +35,17 @@ def _chunk_seconds(option: str, level_bytes: dict[str, int], chunk_tokens: int, 
     if link.bytes_per_second is None:
         return None
     size = level_bytes.get(option, min(level_bytes.values()))
-    return max(size / link.bytes_per_second, link.decode_seconds.get(option, 0.0))
+    return max(size / link.bytes_per_second, _decode_seconds(option, link))
+
+
+def _decode_seconds(level: str, link: LinkEstimate) -> float:
+    """A level's decode time per chunk as last measured; not yet measured, that of the slowest measured level of
+    the same codec (CacheGen levels all decode every symbol, so their times are alike), else nothing."""
+    if level in link.decode_seconds:
+        return link.decode_seconds[level]
+    same_codec = [seconds for other, seconds in link.decode_seconds.items()
+                  if (other in CACHEGEN_LEVELS) == (level in CACHEGEN_LEVELS)]
+    return max(same_codec, default=0.0)
 
 
 def option_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int,

@@ -63,11 +63,15 @@ class EmulatedLink:
             self._tokens = BURST_BYTES  # bytes the link may send before it must wait
             self._updated = 0.0  # trace time of the last update
 
-    def transfer(self, num_bytes: int) -> None:
-        """Wait until the link would have delivered `num_bytes` more (reads queue behind each other)."""
+    def now(self) -> float:
+        return self._clock()
+
+    def transfer(self, num_bytes: int, began: float) -> None:
+        """Wait until the link would have delivered `num_bytes` more, asked for at `began` (a `now()`): a read's own
+        time on loopback counts, and reads queue behind each other."""
         with self._lock:
             now = self._clock() - self._origin
-            start = max(now, self._updated)
+            start = max(began - self._origin, self._updated)
             self._tokens = min(BURST_BYTES, self._tokens + self._bytes_between(self._updated, start)) - num_bytes
             self._updated = start if self._tokens >= 0 else self._time_to_send(start, -self._tokens)
             self._tokens = max(self._tokens, 0)

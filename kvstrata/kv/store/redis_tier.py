@@ -51,9 +51,10 @@ class RedisTier(Tier):
         return bool(self._call("EXISTS", lambda r: r.exists(KEY_PREFIX + key)))
 
     def get(self, key: str, names: list[str]) -> Objects | None:
+        began = self.link.now() if self.link is not None else 0.0
         values = self._call("HMGET", lambda r: r.hmget(KEY_PREFIX + key, names))
         if self.link is not None:
-            self.link.transfer(sum(len(value) for value in values if value is not None))
+            self.link.transfer(sum(len(value) for value in values if value is not None), began)
         if any(value is None for value in values):
             return None
         return dict(zip(names, values))

@@ -1,0 +1,153 @@
+"""Streaming stored contexts over an emulated link (docs/BENCHMARKS.md, "Streaming with adaptation").
+
+    python -m benchmarks.kv_store_stream > benchmarks/results/kv_store_stream.json
+
+Contexts of 4,000 tokens (Emma, Persuasion, the Python tutorial, KJV Acts), plus a question each, are written
+to a real Redis server (loopback, started here) in the `levels` form by one engine. Fresh engines then ask
+them again, one request at a time, with the Redis link emulated by a token bucket over each bandwidth trace
+(`--kv-store-link-gbps`: the bytes travel for real, then each read waits for the emulated link; the trace
+restarts at every load). Per trace, every fixed level (float16 is the raw float16 baseline) runs once, and
+adaptation (`--kv-store-level auto --ttft-slo S`) once per objective; recompute (no store) is measured once,
+since no link is involved. Reported: TTFT of every request (from its arrival: lookup, fetch, decode and the
+prefill of what was not loaded), the share of requests over each objective, the chunks per level and, for
+adaptation, the chunks read below the level the throughput of their own read allowed.
+
+Each engine first loads one context that is not scored, so that its estimates of prefill speed, throughput
+and decode time start from a measurement, as they would in a server that has been running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from kvstrata.bench.redis_server import RedisServer
+from kvstrata.bench.report import machine_info
+from kvstrata.config import EngineConfig
+from kvstrata.data import EMMA
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.kv.store.adaptation import quality_rank
+from kvstrata.kv.store.forms import STREAMED_LEVELS
+
+DATA = Path(__file__).parent / "data"
+TEXTS = {"emma": EMMA, "persuasion": DATA / "persuasion.txt", "python_tutorial": DATA / "python_tutorial.txt",
+         "kjv_acts": DATA / "kjv_acts.txt"}
+CONTEXT_TOKENS = 4000
+QUESTION = "\n\nQuestion: What is the passage above about?\nAnswer:"
+TRACES = {"steady_0.1gbps": "0.1", "steady_1gbps": "1", "steady_10gbps": "10", "drop_10_to_0.1gbps": "10:0.02,0.1"}
+
+
+def engine(**options) -> LLMEngine:
+    return LLMEngine(EngineConfig(threads=2, **options))
+
+
+def ttft(engine: LLMEngine, token_ids: list[int]) -> float:
+    """One request alone, one token; its time to first token from arrival."""
+    engine.add_request(token_ids, SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                if output.error:
+                    raise RuntimeError(output.error)
+                return output.metrics.ttft
+    raise RuntimeError("the request did not finish")
+
+
+def prompts(tokenizer: LLMEngine, per_text: int) -> list[list[int]]:
+    """`per_text` contexts from each text (apart), each with the question; the first one is the warm-up."""
+    question = tokenizer.tokenize(QUESTION)
+    result = []
+    for path in TEXTS.values():
+        text = path.read_text(encoding="utf-8")
+        for index in range(per_text):
+            start = 20_000 + index * (len(text) - 100_000) // per_text
+            result.append(tokenizer.tokenize(text[start : start + 40_000])[:CONTEXT_TOKENS] + question)
+    return result
+
+
+def run_reader(redis: RedisServer, trace: str, asked: list[list[int]], warm_up: list[int], **options) -> dict:
+    reader = engine(kv_store=redis.url, kv_store_format="levels", kv_store_link_gbps=trace, **options)
+    ttft(reader, warm_up)
+    link = reader.kv_store
+    before = dict(link.stats.chunks_by_option), link.stats.chunks_below_allowed
+    times = [ttft(reader, prompt) for prompt in asked]
+    chunks = {level: count - before[0].get(level, 0) for level, count in link.stats.chunks_by_option.items()}
+    chunks = {level: count for level, count in chunks.items() if count}
+    total = sum(chunks.values())
+    row = {"ttft_s": times, "chunks_by_option": chunks,
+           "mean_quality_rank": sum(quality_rank(o) * n for o, n in chunks.items()) / max(total, 1),
+           "chunks_below_allowed": link.stats.chunks_below_allowed - before[1],
+           "last_throughput_mbps": (link.estimate.bytes_per_second or 0) * 8 / 1e6}
+    reader.close()
+    return row
+
+
+def miss_share(times: list[float], slo: float) -> float:
+    return sum(t > slo for t in times) / len(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--slos", default="2.5,3.5", help="time-to-first-token objectives, seconds")
+    parser.add_argument("--per-text", type=int, default=2, help="contexts per text")
+    parser.add_argument("--traces", default=",".join(TRACES), help=f"of {', '.join(TRACES)}")
+    args = parser.parse_args()
+    slos = [float(s) for s in args.slos.split(",")]
+    traces = {name: TRACES[name] for name in args.traces.split(",")}
+    with tempfile.TemporaryDirectory() as scratch:
+        redis = RedisServer(Path(scratch)).start()
+        try:
+            writer = engine(kv_store=redis.url, kv_store_format="levels")
+            all_prompts = prompts(writer, args.per_text)
+            warm_up, asked = all_prompts[0], all_prompts[1:]
+            for prompt in all_prompts:
+                ttft(writer, prompt)
+            writer.close()  # waits for its writes
+            plain = engine()  # recompute, timed without the writer's encoding beside it
+            ttft(plain, warm_up)
+            recompute = [ttft(plain, prompt) for prompt in asked]
+            report = {"machine": machine_info(), "link": "emulated: token bucket over each trace, bytes over loopback",
+                      "context_tokens": CONTEXT_TOKENS, "requests_per_run": len(asked), "slos_s": slos,
+                      "recompute": {"ttft_s": recompute, "miss_share": {str(s): miss_share(recompute, s) for s in slos}},
+                      "traces": {}}
+            for name, trace in traces.items():
+                runs = {}
+                for level in STREAMED_LEVELS:
+                    runs[level] = run_reader(redis, trace, asked, warm_up, kv_store_level=level)
+                    runs[level]["miss_share"] = {str(s): miss_share(runs[level]["ttft_s"], s) for s in slos}
+                    print(name, level, json.dumps(runs[level]), file=sys.stderr, flush=True)
+                for slo in slos:
+                    row = run_reader(redis, trace, asked, warm_up, ttft_slo=slo)
+                    row["miss_share"] = {str(slo): miss_share(row["ttft_s"], slo)}
+                    runs[f"adaptive@{slo}s"] = row
+                    print(name, slo, json.dumps(row), file=sys.stderr, flush=True)
+                report["traces"][name] = {"trace_gbps": trace, "runs": runs}
+            report["summary"] = summary(report, slos)
+        finally:
+            redis.stop()
+    print(json.dumps(report, indent=2))
+
+
+def summary(report: dict, slos: list[float]) -> dict:
+    """Per objective: the share of all requests (every trace) over it, per policy."""
+    result = {}
+    for slo in slos:
+        key = str(slo)
+        policies = {level: [] for level in STREAMED_LEVELS}
+        policies["adaptive"] = []
+        for trace in report["traces"].values():
+            for level in STREAMED_LEVELS:
+                policies[level].append(trace["runs"][level]["miss_share"][key])
+            policies["adaptive"].append(trace["runs"][f"adaptive@{slo}s"]["miss_share"][key])
+        row = {policy: sum(shares) / len(shares) for policy, shares in policies.items()}
+        row["recompute"] = report["recompute"]["miss_share"][key]
+        result[key] = row
+    return result
+
+
+if __name__ == "__main__":
+    main()
