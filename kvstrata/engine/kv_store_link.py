@@ -25,7 +25,7 @@ import torch
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.storage import KVStorage
-from kvstrata.kv.store.adaptation import TEXT, LinkEstimate, choose_option, quality_rank
+from kvstrata.kv.store.adaptation import TEXT, LinkEstimate, choose_option, decode_seconds, quality_rank
 from kvstrata.kv.store.emulated_link import EmulatedLink, parse_trace
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
 from kvstrata.kv.store.forms import parse_tier_forms, stored_form
@@ -121,10 +121,13 @@ class KVStoreLink:
         found = self._find(keys[first:])
         recomputed = seq.num_tokens - (first + len(found)) * self.chunk_tokens  # tokens prefilled whatever happens
         decoding: dict[int, Future] = {}
+        levels: dict[int, str | None] = {}  # of the chunks read
         for index, where in enumerate(found):
             level, seconds_left = None, self._seconds_left(seq)
             if where.level_bytes is not None:
-                level = self._pick(found[index:], recomputed, seconds_left)
+                backlog = sum(decode_seconds(levels[i], self.estimate) for i, f in decoding.items()
+                              if not f.done() and levels[i] is not None)
+                level = self._pick(found[index:], recomputed, seconds_left, backlog)
                 self.stats.chunks_by_option[level] = self.stats.chunks_by_option.get(level, 0) + 1
                 if level == TEXT:
                     recomputed += self.chunk_tokens
@@ -143,8 +146,9 @@ class KVStoreLink:
                 recomputed += self.chunk_tokens
                 continue
             if level is not None:
-                self._measure_read(fetched, found[index:], level, recomputed, seconds_left)
+                self._measure_read(fetched, found[index:], level, recomputed, seconds_left, backlog)
             decoding[first + index] = self._decode_thread.submit(self._decode, fetched, level)
+            levels[first + index] = level
         return self._ranges(decoding)
 
     def _find(self, keys: list[str]) -> list[Located]:
@@ -166,11 +170,12 @@ class KVStoreLink:
         """Until `seq`'s time-to-first-token objective, counted from its arrival; None without one."""
         return None if self.ttft_slo is None else self.ttft_slo - (time.perf_counter() - seq.arrival_time)
 
-    def _pick(self, remaining: list[Located], recomputed: int, seconds_left: float | None,
+    def _pick(self, remaining: list[Located], recomputed: int, seconds_left: float | None, backlog: float = 0.0,
               link: LinkEstimate | None = None) -> str:
         """The level (or TEXT) of remaining[0], a chunk stored at several levels: the fixed `--kv-store-level`,
         the best one without `--ttft-slo`, else the adaptive choice (adaptation.py) for `seconds_left`, given
-        `recomputed` tokens prefilled anyway and the link as last measured (or as `link` says)."""
+        `recomputed` tokens prefilled anyway, `backlog` seconds of decoding queued and the link as last measured
+        (or as `link` says)."""
         levels = remaining[0].level_bytes
         if self.level != "auto":
             return self.level if self.level in levels else next(iter(levels))
@@ -179,17 +184,17 @@ class KVStoreLink:
         link = link or self.estimate
         fixed = recomputed * (link.prefill_seconds_per_token or 0.0)
         sizes = [where.level_bytes for where in remaining if where.level_bytes is not None]
-        return choose_option(sizes, self.chunk_tokens, seconds_left, link, fixed)
+        return choose_option(sizes, self.chunk_tokens, seconds_left, link, fixed, backlog)
 
     def _measure_read(self, fetched: Fetched, remaining: list[Located], level: str, recomputed: int,
-                      seconds_left: float | None) -> None:
+                      seconds_left: float | None, backlog: float) -> None:
         """The throughput the read got becomes the estimate for the next chunk. A choice below what that throughput
         allowed (judged as `_pick` would have with it, at the same moment) is counted: the price of the estimate
         lagging one chunk behind the link."""
         measured = fetched.num_bytes / max(fetched.seconds, 1e-6)
         if self.level == "auto" and seconds_left is not None:
             hindsight = dataclasses.replace(self.estimate, bytes_per_second=measured)
-            allowed = self._pick(remaining, recomputed, seconds_left, hindsight)
+            allowed = self._pick(remaining, recomputed, seconds_left, backlog, hindsight)
             if quality_rank(allowed) < quality_rank(level):
                 self.stats.chunks_below_allowed += 1
         self.estimate.bytes_per_second = measured

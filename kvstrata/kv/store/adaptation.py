@@ -3,9 +3,10 @@
 stored levels best first.
 
 For the next chunk, an option's cost is what loading every remaining chunk that way would take, at the
-throughput the last chunk read got (assumed to hold): a level costs its bytes over the throughput, or its
-decode time where decoding is slower (decoding chunk i overlaps reading chunk i + 1); text costs its tokens'
-prefill. The best option whose cost, with the tokens recomputed anyway, fits in the time left before the
+throughput the last chunk read got (assumed to hold). Reading and decoding are two resources working side by
+side (chunk i is decoded while chunk i + 1 is read), so a level costs the longer of its reads (bytes over the
+throughput) and its decodes (after those of chunks already read); text costs its tokens' prefill, after the
+load. The best option whose cost, with the tokens recomputed anyway, fits in the time left before the
 objective is chosen; if none fits, the quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
 """
 
@@ -28,17 +29,7 @@ class LinkEstimate:
     prefill_seconds_per_token: float | None = None  # the engine's recent prefill speed
 
 
-def _chunk_seconds(option: str, level_bytes: dict[str, int], chunk_tokens: int, link: LinkEstimate) -> float | None:
-    """What loading one chunk as `option` takes; None if it cannot be told yet."""
-    if option == TEXT:
-        return None if link.prefill_seconds_per_token is None else chunk_tokens * link.prefill_seconds_per_token
-    if link.bytes_per_second is None:
-        return None
-    size = level_bytes.get(option, min(level_bytes.values()))
-    return max(size / link.bytes_per_second, _decode_seconds(option, link))
-
-
-def _decode_seconds(level: str, link: LinkEstimate) -> float:
+def decode_seconds(level: str, link: LinkEstimate) -> float:
     """A level's decode time per chunk as last measured; not yet measured, that of the slowest measured level of
     the same codec (CacheGen levels all decode every symbol, so their times are alike), else nothing."""
     if level in link.decode_seconds:
@@ -48,19 +39,27 @@ def _decode_seconds(level: str, link: LinkEstimate) -> float:
     return max(same_codec, default=0.0)
 
 
-def option_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int,
-                   link: LinkEstimate) -> float | None:
-    """What loading every remaining chunk (bytes of each level, per chunk) as `option` takes."""
-    costs = [_chunk_seconds(option, sizes, chunk_tokens, link) for sizes in remaining]
-    return None if any(cost is None for cost in costs) else sum(costs)
+def option_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
+                   decode_backlog: float = 0.0) -> float | None:
+    """What loading every remaining chunk (bytes of each level, per chunk) as `option` takes, the decodes of
+    chunks already read taking `decode_backlog` more; None if it cannot be told yet."""
+    if option == TEXT:
+        if link.prefill_seconds_per_token is None:
+            return None
+        return decode_backlog + len(remaining) * chunk_tokens * link.prefill_seconds_per_token
+    if link.bytes_per_second is None:
+        return None
+    reads = sum(sizes.get(option, min(sizes.values())) for sizes in remaining) / link.bytes_per_second
+    return max(reads, decode_backlog + len(remaining) * decode_seconds(option, link))
 
 
 def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_left: float, link: LinkEstimate,
-                  fixed_seconds: float = 0.0) -> str:
+                  fixed_seconds: float = 0.0, decode_backlog: float = 0.0) -> str:
     """The option for remaining[0]: text or one of its levels (keys of its sizes, best first). `seconds_left`:
-    until the objective; `fixed_seconds`: what the load takes whatever is chosen (tokens recomputed anyway)."""
+    until the objective; `fixed_seconds`: what the load takes whatever is chosen (tokens recomputed anyway);
+    `decode_backlog`: decoding the chunks already read."""
     options = [TEXT, *remaining[0]]
-    costs = {option: option_seconds(option, remaining, chunk_tokens, link) for option in options}
+    costs = {option: option_seconds(option, remaining, chunk_tokens, link, decode_backlog) for option in options}
     known = {option: cost for option, cost in costs.items() if cost is not None}
     for option in options:
         if option in known and fixed_seconds + known[option] <= seconds_left:
