@@ -245,6 +245,7 @@ def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_ser
     assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
     chosen = reader.kv_store.stats.chunks_by_option
     assert sum(chosen.values()) == len(PROMPTS) * (199 // CHUNK) and "float16" not in chosen
+    assert reader.kv_store.estimate.after_load_seconds > 0  # measured from the loads that ended
 
 
 def test_streaming_options_are_checked(tiny_llama):

@@ -149,7 +149,11 @@ class KVStoreLink:
                 self._measure_read(fetched, found[index:], level, recomputed, seconds_left, backlog)
             decoding[first + index] = self._decode_thread.submit(self._decode, fetched, level)
             levels[first + index] = level
-        return self._ranges(decoding)
+        ranges = self._ranges(decoding)
+        if ranges:
+            loaded = sum(kv.end - kv.start for kv in ranges)
+            seq.store_load_end = (time.perf_counter(), seq.num_tokens - first * self.chunk_tokens - loaded)
+        return ranges
 
     def _find(self, keys: list[str]) -> list[Located]:
         """Where each chunk is, up to the first one no tier holds (or that cannot be looked up)."""
@@ -182,7 +186,7 @@ class KVStoreLink:
         if seconds_left is None:
             return next(iter(levels))
         link = link or self.estimate
-        fixed = recomputed * (link.prefill_seconds_per_token or 0.0)
+        fixed = link.after_load_seconds + recomputed * (link.prefill_seconds_per_token or 0.0)
         sizes = [where.level_bytes for where in remaining if where.level_bytes is not None]
         return choose_option(sizes, self.chunk_tokens, seconds_left, link, fixed, backlog)
 
@@ -232,6 +236,13 @@ class KVStoreLink:
             per_token = seconds / num_tokens
             previous = self.estimate.prefill_seconds_per_token
             self.estimate.prefill_seconds_per_token = per_token if previous is None else 0.5 * (previous + per_token)
+
+    def observe_after_load(self, seconds: float, recomputed: int) -> None:
+        """A request's first token came `seconds` after its load ended, `recomputed` of its tokens prefilled then:
+        what follows every load besides prefill (placing the KV, scheduling, sampling)."""
+        overhead = max(seconds - recomputed * (self.estimate.prefill_seconds_per_token or 0.0), 0.0)
+        previous = self.estimate.after_load_seconds
+        self.estimate.after_load_seconds = overhead if previous == 0.0 else 0.5 * (previous + overhead)
 
     def take_ready(self, timeout: float = 0.0) -> list[tuple[object, list[PreloadedKV]]]:
         """Sequences whose loads ended, with the ranges of KV found (none: nothing, or the load failed). Waits up

@@ -46,6 +46,7 @@ class Sequence:
     preloaded: list[Preloaded] = field(default_factory=list)
     num_preloaded_tokens: int = 0
     num_store_tokens: int = 0  # prompt tokens whose KV the KV store (below the device pool) supplied
+    store_load_end: tuple[float, int] | None = None  # when its store load ended, tokens it left to prefill
     cache_salt: bytes | None = None  # separates prefix-cache entries built on preloaded KV
     num_preemptions: int = 0
     output_text: str = ""

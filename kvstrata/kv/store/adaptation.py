@@ -27,6 +27,7 @@ class LinkEstimate:
     bytes_per_second: float | None = None  # what the last chunk read got
     decode_seconds: dict[str, float] = field(default_factory=dict)  # per chunk, by level, as last measured
     prefill_seconds_per_token: float | None = None  # the engine's recent prefill speed
+    after_load_seconds: float = 0.0  # from a load's end to the first token, prefill aside (placing the KV, ...)
 
 
 def decode_seconds(level: str, link: LinkEstimate) -> float:
