@@ -245,7 +245,11 @@ def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_ser
     assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
     chosen = reader.kv_store.stats.chunks_by_option
     assert sum(chosen.values()) == len(PROMPTS) * (199 // CHUNK) and "float16" not in chosen
-    assert reader.kv_store.estimate.after_load_seconds > 0  # measured from the loads that ended
+    # What followed each load besides its prefill (estimated at 1 s a token here, so nothing is left of it).
+    assert reader.kv_store.estimate.after_load_seconds == 0.0
+    reader.kv_store.estimate.prefill_seconds_per_token = 0.001
+    reader.kv_store.observe_after_load(0.5, 100)
+    assert reader.kv_store.estimate.after_load_seconds == pytest.approx(0.4)
 
 
 def test_streaming_options_are_checked(tiny_llama):
