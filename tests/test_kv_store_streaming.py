@@ -13,22 +13,9 @@ from kvstrata.kv.store.forms import STREAMED_LEVELS, stored_form
 from kvstrata.kv.store.host_tier import HostTier
 from kvstrata.kv.store.objects import ObjectHeader, pack_object
 from kvstrata.kv.store.redis_tier import RedisTier
-from kvstrata.kv.store.tiered_store import MANIFEST, StoreShape, TieredStore
+from kvstrata.kv.store.tiered_store import MANIFEST
 from tests.test_kv_store_engine import CHUNK, PROMPTS, make_engine, run_rounds, tier_hits
-
-SHAPE = StoreShape("model-a/fp32@float32/", num_layers=3, kv_heads=2, head_dim=8)
-TOKENS = 32
-
-
-def chunk_kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    shape = (SHAPE.num_layers, TOKENS, SHAPE.kv_heads, SHAPE.head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-
-
-def store_over(*tiers, forms) -> TieredStore:
-    return TieredStore(list(tiers), [stored_form(form, torch.float32) for form in forms], SHAPE)
-
+from tests.test_kv_store_tiers import SHAPE, TOKENS, chunk_kv, store_over
 
 # --- chunks stored at several levels ----------------------------------------------------------
 
