@@ -115,9 +115,7 @@ class KVStoreLink:
         Each chunk stored at several levels is read at the level `_pick` chooses, or left to be recomputed from
         its text; chunk i is decoded on the decode thread while chunk i + 1 is read. A chunk that turns out
         corrupt is recomputed; an unreachable tier ends the load (the rest is recomputed)."""
-        for tier in self.store.tiers:
-            if getattr(tier, "link", None) is not None:
-                tier.link.restart()
+        self.store.begin_load()
         found = self._find(keys[first:])
         recomputed = seq.num_tokens - (first + len(found)) * self.chunk_tokens  # tokens prefilled whatever happens
         decoding: dict[int, Future] = {}

@@ -47,6 +47,10 @@ class RedisTier(Tier):
                 self._down_until = time.monotonic() + self.retry_seconds
             raise StoreUnavailable(f"redis tier {self.url}: {what} failed: {type(exc).__name__}: {exc}") from None
 
+    def begin_load(self) -> None:
+        if self.link is not None:
+            self.link.restart()
+
     def contains(self, key: str) -> bool:
         return bool(self._call("EXISTS", lambda r: r.exists(KEY_PREFIX + key)))
 

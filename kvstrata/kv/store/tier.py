@@ -67,5 +67,8 @@ class Tier(ABC):
     def describe(self) -> str:
         return self.name
 
+    def begin_load(self) -> None:
+        """A load of consecutive chunks starts; nothing to do for most tiers."""
+
     def close(self) -> None:
         """Release connections and files."""

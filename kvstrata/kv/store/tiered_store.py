@@ -27,6 +27,11 @@ log = logging.getLogger("kvstrata.kv.store")
 MANIFEST = "levels"  # the object of a chunk stored at several levels that gives each level's size in bytes
 
 
+def level_field(level: str, name: str) -> str:
+    """Where a chunk stored at several levels keeps object `name` of `level`."""
+    return f"{level}/{name}"
+
+
 @dataclass(frozen=True)
 class StoreShape:
     namespace: str  # model fingerprint and the device cache's stored form: objects of another never match
@@ -131,7 +136,7 @@ class TieredStore:
             level = level or next(iter(where.level_bytes))
             if level not in where.level_bytes:
                 raise ValueError(f"chunk {where.key[:16]} is not stored at level {level!r}")
-            fields = [f"{level}/{name}" for name in self.object_names]
+            fields = [level_field(level, name) for name in self.object_names]
         start = time.perf_counter()
         found = self._get(tier, where.key, fields)
         seconds = time.perf_counter() - start
@@ -223,7 +228,7 @@ class TieredStore:
         for level in form.levels:
             encoded = self._encode_form(key, k, v, level)
             sizes[level.name] = sum(len(data) for data in encoded.values())
-            objects.update({f"{level.name}/{name}": data for name, data in encoded.items()})
+            objects.update({level_field(level.name, name): data for name, data in encoded.items()})
         header = ObjectHeader(self.shape.namespace, key, MANIFEST, form.name, ())
         objects[MANIFEST] = pack_object(header, json.dumps(sizes).encode())
         return objects
@@ -281,6 +286,11 @@ class TieredStore:
                 return
             self._put(tier, key, objects)
 
+    def begin_load(self) -> None:
+        """A load starts (tiers behind an emulated link restart its trace)."""
+        for tier in self.tiers:
+            tier.begin_load()
+
     def clear(self) -> None:
         for tier in self.tiers:
             tier.clear()
@@ -294,5 +304,6 @@ def _best_level(objects: Objects) -> Objects:
     """A chunk's objects under their plain names: those of its best level if it is stored at several."""
     if MANIFEST not in objects:
         return objects
-    level = next(level for level in STREAMED_LEVELS if f"{level}/k.0" in objects)
-    return {name.removeprefix(f"{level}/"): data for name, data in objects.items() if name.startswith(f"{level}/")}
+    level = next(level for level in STREAMED_LEVELS if level_field(level, "k.0") in objects)
+    prefix = level_field(level, "")
+    return {name.removeprefix(prefix): data for name, data in objects.items() if name.startswith(prefix)}
