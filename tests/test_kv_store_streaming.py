@@ -12,6 +12,7 @@ from kvstrata.kv.store.errors import CorruptObject
 from kvstrata.kv.store.forms import STREAMED_LEVELS, stored_form
 from kvstrata.kv.store.host_tier import HostTier
 from kvstrata.kv.store.objects import ObjectHeader, pack_object
+from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.kv.store.redis_tier import RedisTier
 from kvstrata.kv.store.tiered_store import MANIFEST
 from tests.test_kv_store_engine import CHUNK, PROMPTS, make_engine, run_rounds, tier_hits
@@ -74,7 +75,7 @@ MBPS = 1e6
 def stream(trace, slo: float, chunks: int = 8, decide=choose_option, prefill_per_token: float = 0.002):
     """Simulate a load chunk by chunk over `trace` (bytes/s as a function of time): the option of each chunk, when
     the load ended, and per chunk whether its option was below what its own throughput allowed."""
-    link = LinkEstimate(prefill_seconds_per_token=prefill_per_token)
+    link = LinkEstimate(prefill=PrefillSpeed(per_token=prefill_per_token))
     now, recomputed, options, below = 0.0, 0, [], []
     for index in range(chunks):
         remaining = [SIZES] * (chunks - index)
@@ -87,7 +88,7 @@ def stream(trace, slo: float, chunks: int = 8, decide=choose_option, prefill_per
         rate = trace(now)
         now += SIZES[option] / rate
         allowed = choose_option(remaining, 256, slo - (now - SIZES[option] / rate),
-                                LinkEstimate(rate, {}, prefill_per_token), fixed)
+                                LinkEstimate(rate, {}, PrefillSpeed(per_token=prefill_per_token)), fixed)
         below.append(quality_rank(allowed) < quality_rank(option))
         link.bytes_per_second = rate
     return options, now + recomputed * prefill_per_token, below
@@ -118,7 +119,7 @@ def test_text_is_chosen_when_recomputing_fits():
 def test_nothing_fits_so_the_quickest_option_is_taken():
     options, _, _ = stream(lambda t: 2 * MBPS, slo=0.5)  # low: 0.29 s a chunk, text 0.51 s
     assert set(options[1:]) == {"low"}
-    assert choose_option([SIZES], 256, 0.1, LinkEstimate(0.1 * MBPS, {}, 1e-6)) == TEXT  # text quicker than bytes
+    assert choose_option([SIZES], 256, 0.1, LinkEstimate(0.1 * MBPS, {}, PrefillSpeed(per_token=1e-6))) == TEXT  # text quicker than bytes
 
 
 def test_a_slow_decoder_counts_where_it_is_slower_than_the_link():
@@ -227,16 +228,57 @@ def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_ser
     # 20 ms, a prompt's 6 chunks 120 ms; a 50 ms objective leaves room for the smaller levels only.
     reader = make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels", ttft_slo=0.05,
                          kv_store_link_gbps="0.005")
-    reader.kv_store.estimate.prefill_seconds_per_token = 1.0  # recomputing is out of the question
+    reader.kv_store.estimate.prefill = PrefillSpeed(per_token=1.0)  # recomputing is out of the question
+    reader.kv_store.observe_prefill = lambda work, seconds: None  # and stays so
     outputs = run_rounds(reader, rounds=1)
     assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
     chosen = reader.kv_store.stats.chunks_by_option
     assert sum(chosen.values()) == len(PROMPTS) * (199 // CHUNK) and "float16" not in chosen
     # What followed each load besides its prefill (estimated at 1 s a token here, so nothing is left of it).
     assert reader.kv_store.estimate.after_load_seconds == 0.0
-    reader.kv_store.estimate.prefill_seconds_per_token = 0.001
-    reader.kv_store.observe_after_load(0.5, 100)
+    reader.kv_store.estimate.prefill = PrefillSpeed(per_token=0.001)
+    reader.kv_store.observe_after_load(0.5, PrefillWork(tokens=100, pairs=5000))
     assert reader.kv_store.estimate.after_load_seconds == pytest.approx(0.4)
+
+
+def test_a_load_probes_the_link_before_choosing_its_first_chunk(tiny_llama, redis_server):
+    run_rounds(make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels"), rounds=1)
+    reader = make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels", ttft_slo=10.0,
+                         kv_store_link_gbps="10")
+    reader.kv_store.estimate.bytes_per_second = 1.0  # as a load over a dead-slow link left it
+    reads = []
+    original = reader.kv_store.store.read
+    reader.kv_store.store.read = lambda where, level=None, layers=None: reads.append((level, layers)) or original(
+        where, level, layers)
+    run_rounds(reader, rounds=1)
+    chunks = len(PROMPTS) * (199 // CHUNK)
+    # Without the probe, the first chunk of each load would go at the quickest level for 1 byte/s.
+    assert reader.kv_store.stats.chunks_by_option == {"float16": chunks}
+    assert reader.kv_store.stats.chunks_below_allowed == 0
+    # Each load: its first chunk's first two layers at float16 (the probe), then that chunk's last layer.
+    probes = [read for read in reads if read[1] == range(2)]
+    assert probes == [("float16", range(2))] * len(PROMPTS)
+    assert reads.count(("float16", range(2, 3))) == len(PROMPTS)
+    assert tier_hits(reader)["redis"] == chunks * CHUNK
+
+
+def test_prefill_speed_tells_tokens_from_attention_pairs():
+    assert PrefillWork.span(0, 3) == PrefillWork(3, 1 + 2 + 3)
+    assert PrefillWork.span(100, 2) == PrefillWork(2, 101 + 102)
+    # Steps alike (one context length): one scale, split as the prior says (a pair costs a tenth of a token).
+    alike = PrefillSpeed(pair_cost_ratio=0.1)
+    assert alike.seconds(PrefillWork(100, 0)) is None
+    for _ in range(3):
+        alike.observe(PrefillWork(100, 1000), 0.2)  # 100 + 0.1 * 1000 = 200 units in 0.2 s
+    assert (alike.per_token, alike.per_pair) == (pytest.approx(1e-3), pytest.approx(1e-4))
+    alike.observe(PrefillWork(10, 10), 5.0)  # too few tokens to tell anything
+    assert alike.per_token == pytest.approx(1e-3)
+    # Steps at different context lengths: both rates from the measurements, whatever the prior.
+    spread = PrefillSpeed(pair_cost_ratio=0.1)
+    for tokens, pairs in ((256, 256 * 129), (256, 256 * 3000), (512, 512 * 1000)):
+        spread.observe(PrefillWork(tokens, pairs), tokens * 2e-3 + pairs * 1e-6)
+    assert (spread.per_token, spread.per_pair) == (pytest.approx(2e-3), pytest.approx(1e-6))
+    assert spread.seconds(PrefillWork.span(3000, 256)) > spread.seconds(PrefillWork.span(0, 256))
 
 
 def test_streaming_options_are_checked(tiny_llama):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -29,12 +30,13 @@ from kvstrata.kv.store.adaptation import TEXT, LinkEstimate, choose_option, deco
 from kvstrata.kv.store.emulated_link import EmulatedLink, parse_trace
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
 from kvstrata.kv.store.forms import parse_tier_forms, stored_form
+from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.kv.store.spec import parse_tiers
 from kvstrata.kv.store.tiered_store import Fetched, Located, StoreShape, TieredStore
 
 log = logging.getLogger("kvstrata.kv.store")
 MAX_PENDING_WRITE_BYTES = 512 * 2**20  # snapshots waiting to be written; beyond this, writes are skipped
-MIN_PREFILL_SAMPLE = 64  # prefill tokens a step needs to tell the prefill speed (fewer: overhead dominates)
+PROBE_BYTES = 256 * 2**10  # a load's first read, at the best level, that tells the link before any choice
 
 
 @dataclass
@@ -68,13 +70,13 @@ def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str
 
 class KVStoreLink:
     def __init__(self, store: TieredStore, chunk_tokens: int, kv_manager, kv_cache: KVStorage,
-                 ttft_slo: float | None = None, level: str = "auto"):
+                 prefill: PrefillSpeed | None = None, ttft_slo: float | None = None, level: str = "auto"):
         self.store = store
         store.defer = self._defer
         self.chunk_tokens = chunk_tokens
         self.ttft_slo = ttft_slo  # seconds from a request's arrival to its first token: what streaming aims at
         self.level = level  # "auto" or the level every chunk stored at several levels is read at
-        self.estimate = LinkEstimate()
+        self.estimate = LinkEstimate(prefill=prefill or PrefillSpeed())
         self.kv_manager = kv_manager
         self.kv_cache = kv_cache
         self.root = store.shape.namespace.encode()
@@ -117,21 +119,25 @@ class KVStoreLink:
         corrupt is recomputed; an unreachable tier ends the load (the rest is recomputed)."""
         self.store.begin_load()
         found = self._find(keys[first:])
-        recomputed = seq.num_tokens - (first + len(found)) * self.chunk_tokens  # tokens prefilled whatever happens
+        loads_end = (first + len(found)) * self.chunk_tokens
+        recomputed = PrefillWork.span(loads_end, seq.num_tokens - loads_end)  # prefilled whatever happens
         decoding: dict[int, Future] = {}
         levels: dict[int, str | None] = {}  # of the chunks read
         for index, where in enumerate(found):
+            chunk = first + index
             level, seconds_left = None, self._seconds_left(seq)
+            probe = self._probe(where) if index == 0 and self._adapts(where) else None
             if where.level_bytes is not None:
                 backlog = sum(decode_seconds(levels[i], self.estimate) for i, f in decoding.items()
                               if not f.done() and levels[i] is not None)
-                level = self._pick(found[index:], recomputed, seconds_left, backlog)
+                level = self._pick(found[index:], chunk, recomputed, seconds_left, backlog)
                 self.stats.chunks_by_option[level] = self.stats.chunks_by_option.get(level, 0) + 1
                 if level == TEXT:
-                    recomputed += self.chunk_tokens
+                    recomputed += PrefillWork.span(chunk * self.chunk_tokens, self.chunk_tokens)
                     continue
+            rest = None if probe is None else range(len(probe.objects) // 2, self.store.shape.num_layers)
             try:
-                fetched = self.store.read(where, level)
+                fetched = self.store.read(where, level, rest)
             except StoreUnavailable as exc:
                 log.warning("a KV store load stopped at chunk %s, the rest is recomputed: %s", where.key[:16], exc)
                 self.stats.load_failures += 1
@@ -141,16 +147,17 @@ class KVStoreLink:
                 self.stats.load_failures += 1
                 fetched = None
             if fetched is None:
-                recomputed += self.chunk_tokens
+                recomputed += PrefillWork.span(chunk * self.chunk_tokens, self.chunk_tokens)
                 continue
             if level is not None:
-                self._measure_read(fetched, found[index:], level, recomputed, seconds_left, backlog)
-            decoding[first + index] = self._decode_thread.submit(self._decode, fetched, level)
-            levels[first + index] = level
+                self._measure_read(fetched, found[index:], chunk, level, recomputed, seconds_left, backlog)
+            whole = fetched if probe is None else probe.joined(fetched)
+            decoding[chunk] = self._decode_thread.submit(self._decode, whole, level)
+            levels[chunk] = level
         ranges = self._ranges(decoding)
         if ranges:
-            loaded = sum(kv.end - kv.start for kv in ranges)
-            seq.store_load_end = (time.perf_counter(), seq.num_tokens - first * self.chunk_tokens - loaded)
+            seq.store_load_end = (time.perf_counter(), self._recomputed(ranges, first * self.chunk_tokens,
+                                                                         seq.num_tokens))
         return ranges
 
     def _find(self, keys: list[str]) -> list[Located]:
@@ -172,31 +179,59 @@ class KVStoreLink:
         """Until `seq`'s time-to-first-token objective, counted from its arrival; None without one."""
         return None if self.ttft_slo is None else self.ttft_slo - (time.perf_counter() - seq.arrival_time)
 
-    def _pick(self, remaining: list[Located], recomputed: int, seconds_left: float | None, backlog: float = 0.0,
-              link: LinkEstimate | None = None) -> str:
-        """The level (or TEXT) of remaining[0], a chunk stored at several levels: the fixed `--kv-store-level`,
-        the best one without `--ttft-slo`, else the adaptive choice (adaptation.py) for `seconds_left`, given
-        `recomputed` tokens prefilled anyway, `backlog` seconds of decoding queued and the link as last measured
-        (or as `link` says)."""
+    def _adapts(self, where: Located) -> bool:
+        """Whether the level of this chunk is chosen from the link as measured (stored at several levels, no
+        fixed level, an objective to meet)."""
+        return where.level_bytes is not None and self.level == "auto" and self.ttft_slo is not None
+
+    def _probe(self, where: Located) -> Fetched | None:
+        """The first layers of a load's first chunk (about PROBE_BYTES) at its best level, read before its level
+        is chosen: the throughput they got is the estimate for that choice, rather than the link as the
+        previous load left it. None if the read failed (the chunk's own read meets the failure again)."""
+        best = next(iter(where.level_bytes))
+        per_layer = where.level_bytes[best] / self.store.shape.num_layers
+        layers = min(math.ceil(PROBE_BYTES / per_layer), self.store.shape.num_layers - 1)
+        try:
+            probe = self.store.read(where, best, range(layers))
+        except (StoreUnavailable, CorruptObject):
+            return None
+        if probe is not None:
+            self.estimate.bytes_per_second = probe.num_bytes / max(probe.seconds, 1e-6)
+        return probe
+
+    def _recomputed(self, ranges: list[PreloadedKV], start: int, end: int) -> PrefillWork:
+        """The prefill left between token `start` and `end` around the loaded `ranges`."""
+        work, position = PrefillWork(), start
+        for kv in ranges:
+            work += PrefillWork.span(position, kv.start - position)
+            position = kv.end
+        return work + PrefillWork.span(position, end - position)
+
+    def _pick(self, remaining: list[Located], chunk: int, recomputed: PrefillWork, seconds_left: float | None,
+              backlog: float = 0.0, link: LinkEstimate | None = None) -> str:
+        """The level (or TEXT) of remaining[0], chunk number `chunk`, stored at several levels: the fixed
+        `--kv-store-level`, the best one without `--ttft-slo`, else the adaptive choice (adaptation.py) for
+        `seconds_left`, given the prefill `recomputed` anyway, `backlog` seconds of decoding queued and the link
+        as last measured (or as `link` says)."""
         levels = remaining[0].level_bytes
         if self.level != "auto":
             return self.level if self.level in levels else next(iter(levels))
         if seconds_left is None:
             return next(iter(levels))
         link = link or self.estimate
-        fixed = link.after_load_seconds + recomputed * (link.prefill_seconds_per_token or 0.0)
+        fixed = link.after_load_seconds + (link.prefill.seconds(recomputed) or 0.0)
         sizes = [where.level_bytes for where in remaining if where.level_bytes is not None]
-        return choose_option(sizes, self.chunk_tokens, seconds_left, link, fixed, backlog)
+        return choose_option(sizes, self.chunk_tokens, seconds_left, link, fixed, backlog, chunk * self.chunk_tokens)
 
-    def _measure_read(self, fetched: Fetched, remaining: list[Located], level: str, recomputed: int,
-                      seconds_left: float | None, backlog: float) -> None:
+    def _measure_read(self, fetched: Fetched, remaining: list[Located], chunk: int, level: str,
+                      recomputed: PrefillWork, seconds_left: float | None, backlog: float) -> None:
         """The throughput the read got becomes the estimate for the next chunk. A choice below what that throughput
         allowed (judged as `_pick` would have with it, at the same moment) is counted: the price of the estimate
         lagging one chunk behind the link."""
         measured = fetched.num_bytes / max(fetched.seconds, 1e-6)
         if self.level == "auto" and seconds_left is not None:
             hindsight = dataclasses.replace(self.estimate, bytes_per_second=measured)
-            allowed = self._pick(remaining, recomputed, seconds_left, backlog, hindsight)
+            allowed = self._pick(remaining, chunk, recomputed, seconds_left, backlog, hindsight)
             if quality_rank(allowed) < quality_rank(level):
                 self.stats.chunks_below_allowed += 1
         self.estimate.bytes_per_second = measured
@@ -228,17 +263,14 @@ class KVStoreLink:
             run = []
         return ranges
 
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A step that prefilled `num_tokens` took `seconds`: what recomputing a chunk from text costs."""
-        if num_tokens >= MIN_PREFILL_SAMPLE:
-            per_token = seconds / num_tokens
-            previous = self.estimate.prefill_seconds_per_token
-            self.estimate.prefill_seconds_per_token = per_token if previous is None else 0.5 * (previous + per_token)
+    def observe_prefill(self, work: PrefillWork, seconds: float) -> None:
+        """A step that prefilled `work` took `seconds`: what recomputing a chunk from text costs."""
+        self.estimate.prefill.observe(work, seconds)
 
-    def observe_after_load(self, seconds: float, recomputed: int) -> None:
-        """A request's first token came `seconds` after its load ended, `recomputed` of its tokens prefilled then:
-        what follows every load besides prefill (placing the KV, scheduling, sampling)."""
-        overhead = max(seconds - recomputed * (self.estimate.prefill_seconds_per_token or 0.0), 0.0)
+    def observe_after_load(self, seconds: float, recomputed: PrefillWork) -> None:
+        """A request's first token came `seconds` after its load ended, `recomputed` prefilled then: what follows
+        every load besides prefill (placing the KV, scheduling, sampling)."""
+        overhead = max(seconds - (self.estimate.prefill.seconds(recomputed) or 0.0), 0.0)
         previous = self.estimate.after_load_seconds
         self.estimate.after_load_seconds = overhead if previous == 0.0 else 0.5 * (previous + overhead)
 

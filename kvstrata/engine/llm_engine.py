@@ -33,6 +33,7 @@ from kvstrata.errors import KvstrataError, RequestFailed
 from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
+from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.model.fingerprint import model_fingerprint
 from kvstrata.model.loader import LoadedModel, load_model
 
@@ -120,7 +121,11 @@ class LLMEngine:
         store = make_store(c.kv_store, c.kv_store_format, dtype, self.kv_manager.namespace.decode(), self.loaded.config,
                            c.kv_store_timeout_ms / 1000, profile.importance("k") if profile else None,
                            c.kv_store_link_gbps)
-        return KVStoreLink(store, c.kv_store_chunk_tokens, self.kv_manager, self.kv_cache, c.ttft_slo, c.kv_store_level)
+        mc = self.loaded.config
+        layer_weights = sum(p.numel() for p in self.loaded.model.layers.parameters() if p.dim() == 2)
+        prefill = PrefillSpeed.for_model(mc.num_layers, mc.num_heads, mc.head_dim, layer_weights)
+        return KVStoreLink(store, c.kv_store_chunk_tokens, self.kv_manager, self.kv_cache, prefill, c.ttft_slo,
+                           c.kv_store_level)
 
     def _make_scheduler(self) -> Scheduler:
         c = self.config
@@ -304,10 +309,12 @@ class LLMEngine:
             log.exception("a step's forward pass failed; ending the %d requests in it", len(plan.scheduled))
             return [self._fail(seq, f"internal engine error: {type(exc).__name__}: {exc}") for seq, _ in plan.scheduled]
         outputs = []
-        prefill_tokens = 0
+        prefill_tokens, prefill_work = 0, PrefillWork()
         for seq, num_tokens in plan.scheduled:
             is_decode = num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-            prefill_tokens += 0 if is_decode else num_tokens
+            if not is_decode:
+                prefill_tokens += num_tokens
+                prefill_work += PrefillWork.span(seq.num_computed_tokens, num_tokens)
             seq.num_computed_tokens += num_tokens
             self.kv_manager.commit(seq, num_tokens)
             if self.kv_store is not None and not is_decode and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -320,7 +327,7 @@ class LLMEngine:
         tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
         now = time.perf_counter()
         if self.kv_store is not None:
-            self.kv_store.observe_prefill(prefill_tokens, now - start)
+            self.kv_store.observe_prefill(prefill_work, now - start)
         for seq, token, token_logprobs in zip(to_sample, tokens, logprobs):
             outputs.append(self._append_token(seq, token, token_logprobs, now))
         self.step_stats.append(

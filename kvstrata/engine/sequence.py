@@ -11,6 +11,7 @@ import torch
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.block_hash import BlockHash
 from kvstrata.kv.preloaded import Preloaded
+from kvstrata.kv.store.prefill_speed import PrefillWork
 
 
 class SequenceStatus(enum.Enum):
@@ -46,7 +47,7 @@ class Sequence:
     preloaded: list[Preloaded] = field(default_factory=list)
     num_preloaded_tokens: int = 0
     num_store_tokens: int = 0  # prompt tokens whose KV the KV store (below the device pool) supplied
-    store_load_end: tuple[float, int] | None = None  # when its store load ended, tokens it left to prefill
+    store_load_end: tuple[float, PrefillWork] | None = None  # when its store load ended, the prefill it left
     cache_salt: bytes | None = None  # separates prefix-cache entries built on preloaded KV
     num_preemptions: int = 0
     output_text: str = ""

@@ -6,8 +6,10 @@ For the next chunk, an option's cost is what loading every remaining chunk that 
 throughput the last chunk read got (assumed to hold). Reading and decoding are two resources working side by
 side (chunk i is decoded while chunk i + 1 is read), so a level costs the longer of its reads (bytes over the
 throughput) and its decodes (after those of chunks already read); text costs its tokens' prefill, after the
-load. The best option whose cost, with the tokens recomputed anyway, fits in the time left before the
-objective is chosen; if none fits, the quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
+load, at their place in the context (prefill_speed.py). The best option whose cost, with the tokens recomputed
+anyway, fits in the time left before the objective less a margin (PLAN_MARGIN: the estimates err, and a plan
+that uses every second it believes it has lands just past the objective) is chosen; if none fits, the
+quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ from dataclasses import dataclass, field
 
 from kvstrata.cachegen.levels import CACHEGEN_LEVELS
 from kvstrata.kv.store.forms import STREAMED_LEVELS
+from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 
 TEXT = "text"
 QUALITY_ORDER = (TEXT, *STREAMED_LEVELS)  # best first
 DEFAULT_LEVEL = "medium"  # the paper's choice for a first chunk when nothing is known of the link
+PLAN_MARGIN = 0.1  # of the time left, kept free when planning
 
 
 @dataclass
 class LinkEstimate:
     bytes_per_second: float | None = None  # what the last chunk read got
     decode_seconds: dict[str, float] = field(default_factory=dict)  # per chunk, by level, as last measured
-    prefill_seconds_per_token: float | None = None  # the engine's recent prefill speed
+    prefill: PrefillSpeed = field(default_factory=PrefillSpeed)  # the engine's recent prefill speed
     after_load_seconds: float = 0.0  # from a load's end to the first token, prefill aside (placing the KV, ...)
 
 
@@ -41,13 +45,13 @@ def decode_seconds(level: str, link: LinkEstimate) -> float:
 
 
 def option_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
-                   decode_backlog: float = 0.0) -> float | None:
-    """What loading every remaining chunk (bytes of each level, per chunk) as `option` takes, the decodes of
-    chunks already read taking `decode_backlog` more; None if it cannot be told yet."""
+                   decode_backlog: float = 0.0, first_token: int = 0) -> float | None:
+    """What loading every remaining chunk (bytes of each level, per chunk; the first one starts at token
+    `first_token`) as `option` takes, the decodes of chunks already read taking `decode_backlog` more; None if
+    it cannot be told yet."""
     if option == TEXT:
-        if link.prefill_seconds_per_token is None:
-            return None
-        return decode_backlog + len(remaining) * chunk_tokens * link.prefill_seconds_per_token
+        prefill = link.prefill.seconds(PrefillWork.span(first_token, len(remaining) * chunk_tokens))
+        return None if prefill is None else decode_backlog + prefill
     if link.bytes_per_second is None:
         return None
     reads = sum(sizes.get(option, min(sizes.values())) for sizes in remaining) / link.bytes_per_second
@@ -55,15 +59,17 @@ def option_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: i
 
 
 def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_left: float, link: LinkEstimate,
-                  fixed_seconds: float = 0.0, decode_backlog: float = 0.0) -> str:
-    """The option for remaining[0]: text or one of its levels (keys of its sizes, best first). `seconds_left`:
-    until the objective; `fixed_seconds`: what the load takes whatever is chosen (tokens recomputed anyway);
-    `decode_backlog`: decoding the chunks already read."""
+                  fixed_seconds: float = 0.0, decode_backlog: float = 0.0, first_token: int = 0) -> str:
+    """The option for remaining[0] (which starts at token `first_token`): text or one of its levels (keys of its
+    sizes, best first). `seconds_left`: until the objective; `fixed_seconds`: what the load takes whatever is
+    chosen (tokens recomputed anyway); `decode_backlog`: decoding the chunks already read."""
     options = [TEXT, *remaining[0]]
-    costs = {option: option_seconds(option, remaining, chunk_tokens, link, decode_backlog) for option in options}
+    costs = {option: option_seconds(option, remaining, chunk_tokens, link, decode_backlog, first_token)
+             for option in options}
     known = {option: cost for option, cost in costs.items() if cost is not None}
+    budget = seconds_left * (1 - PLAN_MARGIN)
     for option in options:
-        if option in known and fixed_seconds + known[option] <= seconds_left:
+        if option in known and fixed_seconds + known[option] <= budget:
             return option
     if link.bytes_per_second is None:
         return DEFAULT_LEVEL if DEFAULT_LEVEL in remaining[0] else next(iter(remaining[0]))

@@ -57,6 +57,10 @@ class Fetched:
     def num_bytes(self) -> int:
         return sum(len(data) for data in self.objects.values())
 
+    def joined(self, rest: Fetched) -> Fetched:
+        """This read's objects and those of `rest`, a later read of the same chunk's other layers."""
+        return Fetched(self.located, {**self.objects, **rest.objects}, self.seconds + rest.seconds)
+
 
 @dataclass
 class StoreStats:
@@ -126,24 +130,25 @@ class TieredStore:
                                 f"of {list(STREAMED_LEVELS)} with positive sizes")
         return ordered
 
-    def read(self, where: Located, level: str | None = None) -> Fetched | None:
-        """The objects of a located chunk (stored at several levels: at `level`, by default the best), timed;
-        None if it went away meanwhile. StoreUnavailable if its tier is unreachable; a corrupt chunk is dropped
-        (CorruptObject)."""
+    def read(self, where: Located, level: str | None = None, layers: range | None = None) -> Fetched | None:
+        """The objects of a located chunk (stored at several levels: at `level`, by default the best; only those
+        of `layers`, by default all), timed; None if it went away meanwhile. StoreUnavailable if its tier is
+        unreachable; a corrupt chunk is dropped (CorruptObject)."""
         tier = self.tiers[where.tier]
-        fields = self.object_names
+        names = self.object_names if layers is None else [f"{kind}.{layer}" for layer in layers for kind in "kv"]
+        fields = names
         if where.level_bytes is not None:
             level = level or next(iter(where.level_bytes))
             if level not in where.level_bytes:
                 raise ValueError(f"chunk {where.key[:16]} is not stored at level {level!r}")
-            fields = [level_field(level, name) for name in self.object_names]
+            fields = [level_field(level, name) for name in names]
         start = time.perf_counter()
         found = self._get(tier, where.key, fields)
         seconds = time.perf_counter() - start
         if found is None:
             return None
         tier.stats.fetch_seconds += seconds
-        objects = {name: found[field] for name, field in zip(self.object_names, fields)}
+        objects = {name: found[field] for name, field in zip(names, fields)}
         fetched = Fetched(where, objects, seconds)
         tier.stats.bytes_read += fetched.num_bytes
         return fetched
