@@ -4,12 +4,12 @@ stored levels best first.
 
 For the next chunk, an option's cost is what loading every remaining chunk that way would take, at the
 throughput the last chunk read got (assumed to hold). Reading and decoding are two resources working side by
-side (chunk i is decoded while chunk i + 1 is read), so a level costs the longer of its reads (bytes over the
-throughput) and its decodes (after those of chunks already read); text costs its tokens' prefill, after the
-load, at their place in the context (prefill_speed.py). The best option whose cost, with the tokens recomputed
-anyway, fits in the time left before the objective less a margin (PLAN_MARGIN: the estimates err, and a plan
-that uses every second it believes it has lands just past the objective) is chosen; if none fits, the
-quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
+side (chunk i is decoded while chunk i + 1 is read), so the load is simulated chunk by chunk (plan_seconds);
+text costs its tokens' prefill, after the load, at their place in the context (prefill_speed.py). The best
+option whose cost, with the tokens recomputed anyway, fits in the time left before the objective less a margin
+(PLAN_MARGIN: the estimates err, and a plan that uses every second it believes it has lands just past the
+objective) is chosen; if none fits, the quickest, looking one chunk ahead (quickest_option). Before any
+throughput is known, a level is DEFAULT_LEVEL.
 """
 
 from __future__ import annotations
@@ -44,18 +44,29 @@ def decode_seconds(level: str, link: LinkEstimate) -> float:
     return max(same_codec, default=0.0)
 
 
+def plan_seconds(plan: list[str], remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
+                 decode_backlog: float = 0.0, first_token: int = 0) -> float | None:
+    """What loading the remaining chunks (bytes of each level, per chunk; the first one starts at token
+    `first_token`) with options `plan` (one per chunk) takes: chunks are read one after another, each decoded
+    once read and once the decodes before it are done (those of chunks already read take `decode_backlog`),
+    and chunks left to text are prefilled after the load. None if it cannot be told yet."""
+    read_end, decode_end, text = 0.0, decode_backlog, PrefillWork()
+    for index, (option, sizes) in enumerate(zip(plan, remaining)):
+        if option == TEXT:
+            text += PrefillWork.span(first_token + index * chunk_tokens, chunk_tokens)
+            continue
+        if link.bytes_per_second is None:
+            return None
+        read_end += sizes.get(option, min(sizes.values())) / link.bytes_per_second
+        decode_end = max(decode_end, read_end) + decode_seconds(option, link)
+    prefill = link.prefill.seconds(text) if text.tokens else 0.0
+    return None if prefill is None else decode_end + prefill
+
+
 def option_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
                    decode_backlog: float = 0.0, first_token: int = 0) -> float | None:
-    """What loading every remaining chunk (bytes of each level, per chunk; the first one starts at token
-    `first_token`) as `option` takes, the decodes of chunks already read taking `decode_backlog` more; None if
-    it cannot be told yet."""
-    if option == TEXT:
-        prefill = link.prefill.seconds(PrefillWork.span(first_token, len(remaining) * chunk_tokens))
-        return None if prefill is None else decode_backlog + prefill
-    if link.bytes_per_second is None:
-        return None
-    reads = sum(sizes.get(option, min(sizes.values())) for sizes in remaining) / link.bytes_per_second
-    return max(reads, decode_backlog + len(remaining) * decode_seconds(option, link))
+    """What loading every remaining chunk as `option` takes (plan_seconds)."""
+    return plan_seconds([option] * len(remaining), remaining, chunk_tokens, link, decode_backlog, first_token)
 
 
 def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_left: float, link: LinkEstimate,
@@ -64,16 +75,31 @@ def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_le
     sizes, best first). `seconds_left`: until the objective; `fixed_seconds`: what the load takes whatever is
     chosen (tokens recomputed anyway); `decode_backlog`: decoding the chunks already read."""
     options = [TEXT, *remaining[0]]
-    costs = {option: option_seconds(option, remaining, chunk_tokens, link, decode_backlog, first_token)
-             for option in options}
-    known = {option: cost for option, cost in costs.items() if cost is not None}
     budget = seconds_left * (1 - PLAN_MARGIN)
     for option in options:
-        if option in known and fixed_seconds + known[option] <= budget:
+        cost = option_seconds(option, remaining, chunk_tokens, link, decode_backlog, first_token)
+        if cost is not None and fixed_seconds + cost <= budget:
             return option
     if link.bytes_per_second is None:
         return DEFAULT_LEVEL if DEFAULT_LEVEL in remaining[0] else next(iter(remaining[0]))
-    return min(known, key=lambda option: (known[option], QUALITY_ORDER.index(option)))
+    return quickest_option(remaining, chunk_tokens, link, decode_backlog, first_token)
+
+
+def quickest_option(remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
+                    decode_backlog: float = 0.0, first_token: int = 0) -> str:
+    """The option for remaining[0] after which the load can end soonest, the rest going at whichever one option
+    is then quickest. Looking one chunk ahead mixes levels where that is quicker than any one level: when
+    decoding lags behind reading, a chunk read at float16 while the decoder catches up costs little."""
+    options = [TEXT, *remaining[0]]
+    best: dict[str, float] = {}
+    for option in options:
+        costs = [plan_seconds([option] + [rest] * (len(remaining) - 1), remaining, chunk_tokens, link,
+                              decode_backlog, first_token) for rest in options]
+        known = [cost for cost in costs if cost is not None]
+        if known:
+            best[option] = min(known)
+    # Of equal costs (levels alike in decoding, the slowest part), the fewer bytes: their reads take CPU too.
+    return min(best, key=lambda option: (best[option], -QUALITY_ORDER.index(option)))
 
 
 def quality_rank(option: str) -> int:

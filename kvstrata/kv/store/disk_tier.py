@@ -36,6 +36,7 @@ class DiskTier(Tier):
         except OSError as exc:
             raise StoreUnavailable(f"the disk tier's directory {self.directory} cannot be created: {exc}") from None
         self._sizes: OrderedDict[str, int] = self._scan()
+        self._used = sum(self._sizes.values())  # kept with _sizes, so a write need not add up the index
 
     def _scan(self) -> OrderedDict[str, int]:
         """The chunks already in the directory, least recently used first; leftovers of interrupted writes go."""
@@ -63,8 +64,7 @@ class DiskTier(Tier):
         try:
             objects = read_chunk_file(self._path(key), names)
         except FileNotFoundError:
-            with self._lock:
-                self._sizes.pop(key, None)
+            self._forget(key)
             return None
         except OSError as exc:
             raise StoreUnavailable(f"disk tier: reading {self._path(key)} failed: {exc}") from None
@@ -82,10 +82,9 @@ class DiskTier(Tier):
             if key in self._sizes:
                 return
             victims = []
-            used = sum(self._sizes.values())
-            while used + len(data) > self.capacity and self._sizes:
+            while self._used + len(data) > self.capacity and self._sizes:
                 old_key, old_size = self._sizes.popitem(last=False)
-                used -= old_size
+                self._used -= old_size
                 victims.append(old_key)
         for old_key in victims:
             path = self._path(old_key)
@@ -104,23 +103,29 @@ class DiskTier(Tier):
             temporary.unlink(missing_ok=True)
             raise StoreUnavailable(f"disk tier: writing {self._path(key)} failed: {exc}") from None
         with self._lock:
-            self._sizes[key] = len(data)
+            if key not in self._sizes:
+                self._sizes[key] = len(data)
+                self._used += len(data)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._used -= self._sizes.pop(key, 0)
 
     def remove(self, key: str) -> None:
-        with self._lock:
-            self._sizes.pop(key, None)
+        self._forget(key)
         self._path(key).unlink(missing_ok=True)
 
     def clear(self) -> None:
         with self._lock:
             keys = list(self._sizes)
             self._sizes.clear()
+            self._used = 0
         for key in keys:
             self._path(key).unlink(missing_ok=True)
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(len(self._sizes), sum(self._sizes.values()), self.capacity)
+            return TierUsage(len(self._sizes), self._used, self.capacity)
 
     def describe(self) -> str:
         return f"disk:{self.directory}:{self.capacity}"
