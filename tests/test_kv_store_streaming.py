@@ -12,7 +12,6 @@ from kvstrata.kv.store.adaptation import (
     choose_option,
     option_seconds,
     quality_rank,
-    quickest_option,
 )
 from kvstrata.kv.store.disk_tier import DiskTier
 from kvstrata.kv.store.emulated_link import BURST_BYTES, BYTES_PER_GBIT, EmulatedLink, Segment, parse_trace
@@ -137,15 +136,6 @@ def test_a_slow_decoder_counts_where_it_is_slower_than_the_link():
     assert option_seconds("high", [SIZES] * 2, 256, link) == pytest.approx(0.0012 + 0.6)
     assert choose_option([SIZES] * 2, 256, 0.1, link) == "float16"
     assert option_seconds("low", [SIZES], 256, link) == pytest.approx(0.00057 + 0.3)  # not measured: as "high"
-
-
-def test_when_nothing_fits_a_float16_chunk_is_read_while_the_decoder_catches_up():
-    # 0.1 Gbps, CacheGen levels 170 ms a chunk to decode: reading float16 (472 ms) is quicker than decoding a
-    # level only while the decodes already queued take longer than that read.
-    link = LinkEstimate(12.5 * MBPS, {"float16": 0.04, "low": 0.17}, PrefillSpeed(per_token=0.01))
-    assert quickest_option([SIZES] * 10, 256, link, decode_backlog=0.6) == "float16"
-    assert quickest_option([SIZES] * 10, 256, link, decode_backlog=0.0) == "low"
-    assert choose_option([SIZES] * 10, 256, 1.0, link, decode_backlog=0.6) == "float16"  # nothing fits in 1 s
 
 
 def test_a_link_that_drops_mid_load_is_followed_one_chunk_late_and_adaptation_meets_the_objective():

@@ -125,8 +125,8 @@ class KVStoreLink:
         levels: dict[int, str | None] = {}  # of the chunks read
         for index, where in enumerate(found):
             chunk = first + index
-            level, seconds_left = None, self._seconds_left(seq)
             probe = self._probe(where) if index == 0 and self._adapts(where) else None
+            level, seconds_left = None, self._seconds_left(seq)
             if where.level_bytes is not None:
                 backlog = sum(decode_seconds(levels[i], self.estimate) for i, f in decoding.items()
                               if not f.done() and levels[i] is not None)

@@ -8,8 +8,7 @@ side (chunk i is decoded while chunk i + 1 is read), so the load is simulated ch
 text costs its tokens' prefill, after the load, at their place in the context (prefill_speed.py). The best
 option whose cost, with the tokens recomputed anyway, fits in the time left before the objective less a margin
 (PLAN_MARGIN: the estimates err, and a plan that uses every second it believes it has lands just past the
-objective) is chosen; if none fits, the quickest, looking one chunk ahead (quickest_option). Before any
-throughput is known, a level is DEFAULT_LEVEL.
+objective) is chosen; if none fits, the quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
 """
 
 from __future__ import annotations
@@ -76,30 +75,18 @@ def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_le
     chosen (tokens recomputed anyway); `decode_backlog`: decoding the chunks already read."""
     options = [TEXT, *remaining[0]]
     budget = seconds_left * (1 - PLAN_MARGIN)
+    costs = {option: option_seconds(option, remaining, chunk_tokens, link, decode_backlog, first_token)
+             for option in options}
     for option in options:
-        cost = option_seconds(option, remaining, chunk_tokens, link, decode_backlog, first_token)
-        if cost is not None and fixed_seconds + cost <= budget:
+        if costs[option] is not None and fixed_seconds + costs[option] <= budget:
             return option
     if link.bytes_per_second is None:
         return DEFAULT_LEVEL if DEFAULT_LEVEL in remaining[0] else next(iter(remaining[0]))
-    return quickest_option(remaining, chunk_tokens, link, decode_backlog, first_token)
-
-
-def quickest_option(remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
-                    decode_backlog: float = 0.0, first_token: int = 0) -> str:
-    """The option for remaining[0] after which the load can end soonest, the rest going at whichever one option
-    is then quickest. Looking one chunk ahead mixes levels where that is quicker than any one level: when
-    decoding lags behind reading, a chunk read at float16 while the decoder catches up costs little."""
-    options = [TEXT, *remaining[0]]
-    best: dict[str, float] = {}
-    for option in options:
-        costs = [plan_seconds([option] + [rest] * (len(remaining) - 1), remaining, chunk_tokens, link,
-                              decode_backlog, first_token) for rest in options]
-        known = [cost for cost in costs if cost is not None]
-        if known:
-            best[option] = min(known)
-    # Of equal costs (levels alike in decoding, the slowest part), the fewer bytes: their reads take CPU too.
-    return min(best, key=lambda option: (best[option], -QUALITY_ORDER.index(option)))
+    # Of equal costs (levels alike in decoding, the slowest part), the fewer bytes: on this machine their reads
+    # take CPU from the decoder too. (Mixing levels when nothing fits, a float16 read while the decoder catches
+    # up, was tried at commit f191030: at 0.1 Gbps its loads came out slower than fixed "low".)
+    known = {option: cost for option, cost in costs.items() if cost is not None}
+    return min(known, key=lambda option: (known[option], -QUALITY_ORDER.index(option)))
 
 
 def quality_rank(option: str) -> int:
