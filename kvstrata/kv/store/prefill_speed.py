@@ -1,11 +1,11 @@
 """How long the engine takes to prefill tokens: what recomputing a chunk from its text costs (adaptation.py).
 
 A prefill's time grows with its tokens (the weights' matrix products) and with the (query, key) pairs its
-attention reads, so tokens late in a long context cost more than early ones: prefilling the last 200 tokens of
-a 4,000-token context costs several times more per token than prefilling the whole context. Both rates are
-fitted by least squares to the engine's recent prefill steps. While those steps are too alike to tell the two
-apart (all at one context length, say), one scale is fitted and split between them as the model's arithmetic
-splits its work (multiply-adds per token in the weights, per pair in attention).
+attention reads, so tokens late in a long context cost more than early ones, and one average per token
+understates what recomputing a chunk near the end of a long context costs. Both rates are fitted by least
+squares to the engine's recent prefill steps. While those steps are too alike to tell the two apart (all at
+one context length, say), one scale is fitted and split between them as the model's arithmetic splits its work
+(multiply-adds per token in the weights, per pair in attention).
 """
 
 from __future__ import annotations
