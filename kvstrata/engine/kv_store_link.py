@@ -140,11 +140,11 @@ class KVStoreLink:
                 fetched = self.store.read(where, level, rest)
             except StoreUnavailable as exc:
                 log.warning("a KV store load stopped at chunk %s, the rest is recomputed: %s", where.key[:16], exc)
-                self.stats.load_failures += 1
+                self._count_load_failure()
                 break
             except CorruptObject as exc:
                 log.warning("chunk %s of the KV store is corrupt and is recomputed: %s", where.key[:16], exc)
-                self.stats.load_failures += 1
+                self._count_load_failure()
                 fetched = None
             if fetched is None:
                 recomputed += PrefillWork.span(chunk * self.chunk_tokens, self.chunk_tokens)
@@ -160,6 +160,11 @@ class KVStoreLink:
                                                                          seq.num_tokens))
         return ranges
 
+    def _count_load_failure(self) -> None:
+        """Counted from the load, decode and engine threads alike."""
+        with self._lock:
+            self.stats.load_failures += 1
+
     def _find(self, keys: list[str]) -> list[Located]:
         """Where each chunk is, up to the first one no tier holds (or that cannot be looked up)."""
         found = []
@@ -168,7 +173,7 @@ class KVStoreLink:
                 where = self.store.find(key, self.chunk_tokens)
             except (StoreUnavailable, CorruptObject) as exc:
                 log.warning("a KV store lookup stopped at chunk %s, the rest is recomputed: %s", key[:16], exc)
-                self.stats.load_failures += 1
+                self._count_load_failure()
                 break
             if where is None:
                 break
@@ -243,7 +248,7 @@ class KVStoreLink:
             kv = self.store.decode(fetched, self.chunk_tokens)
         except CorruptObject as exc:
             log.warning("chunk %s of the KV store is corrupt and is recomputed: %s", fetched.located.key[:16], exc)
-            self.stats.load_failures += 1
+            self._count_load_failure()
             return None
         if level is not None:
             self.estimate.decode_seconds[level] = time.perf_counter() - start
@@ -286,7 +291,7 @@ class KVStoreLink:
                 ranges = future.result()
             except Exception:  # a bug below, not the request's fault: it is prefilled instead
                 log.exception("request %s: its KV store load failed; it is prefilled from its text", request_id)
-                self.stats.load_failures += 1
+                self._count_load_failure()
                 ranges = []
             if ranges:
                 self.stats.requests_loaded += 1
@@ -317,7 +322,7 @@ class KVStoreLink:
         with self._lock:  # as many chunks as the backlog has room for, sized before anything is copied
             fitting = min(num_chunks - first, (MAX_PENDING_WRITE_BYTES - self._pending_write_bytes) // chunk_bytes)
             self._pending_write_bytes += max(fitting, 0) * chunk_bytes
-        self.stats.writes_skipped += num_chunks - first - max(fitting, 0)
+            self.stats.writes_skipped += num_chunks - first - max(fitting, 0)
         if fitting <= 0:
             return
         end = first + fitting
@@ -326,7 +331,8 @@ class KVStoreLink:
             k, v = self._read(seq.block_table, first * self.chunk_tokens, end * self.chunk_tokens)
         except Exception:
             log.exception("request %s: its prompt's KV could not be read for the store", seq.request_id)
-            self.stats.writes_skipped += fitting
+            with self._lock:
+                self.stats.writes_skipped += fitting
             self._release(size)
             return
         self.stats.chunks_queued += fitting
