@@ -133,7 +133,7 @@ class KVStoreLink:
                 level = self._pick(found[index:], chunk, recomputed, seconds_left, backlog)
                 self.stats.chunks_by_option[level] = self.stats.chunks_by_option.get(level, 0) + 1
                 if level == TEXT:
-                    recomputed += PrefillWork.span(chunk * self.chunk_tokens, self.chunk_tokens)
+                    recomputed += self._chunk_prefill(chunk)
                     continue
             rest = None if probe is None else range(len(probe.objects) // 2, self.store.shape.num_layers)
             try:
@@ -147,7 +147,7 @@ class KVStoreLink:
                 self._count_load_failure()
                 fetched = None
             if fetched is None:
-                recomputed += PrefillWork.span(chunk * self.chunk_tokens, self.chunk_tokens)
+                recomputed += self._chunk_prefill(chunk)
                 continue
             if level is not None:
                 self._measure_read(fetched, found[index:], chunk, level, recomputed, seconds_left, backlog)
@@ -203,6 +203,10 @@ class KVStoreLink:
         if probe is not None:
             self.estimate.bytes_per_second = probe.num_bytes / max(probe.seconds, 1e-6)
         return probe
+
+    def _chunk_prefill(self, chunk: int) -> PrefillWork:
+        """Recomputing chunk number `chunk` from its text."""
+        return PrefillWork.span(chunk * self.chunk_tokens, self.chunk_tokens)
 
     def _recomputed(self, ranges: list[PreloadedKV], start: int, end: int) -> PrefillWork:
         """The prefill left between token `start` and `end` around the loaded `ranges`."""
