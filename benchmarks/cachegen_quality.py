@@ -6,10 +6,10 @@
 For 3,072-token contexts (two 1,536-token chunks each): bytes per token, bits per value, perplexity of the
 next 512 tokens read through the decoded cache, and greedy agreement with the uncompressed cache.
 
-`corpora`: six texts, four the codec's choices were made on (Emma, Persuasion, KJV Acts, the Python
-logging cookbook) and two held out (KJV 1 Samuel, the Python tutorial); every level with and without
-key-channel weighting (the shipped profile's query sizes, calibrated on Pride and Prejudice), against
-8-bit and 4-bit uniform quantization, per text.
+`corpora`: seven texts, five the codec's choices were made on (Emma, Persuasion, KJV Acts, the Python
+logging cookbook, Python's argparse module) and two held out (KJV 1 Samuel, the Python tutorial); every
+level with its steps by layer third and from the shipped profile's sensitivity (calibrated on Pride and
+Prejudice), against 8-bit and 4-bit uniform quantization, per text.
 `austen`: Emma and Persuasion, every level and baseline without channel weighting, the paper's ablation
 (§7.5), offline profiled against per-chunk counted coder models (each text coded with a profile
 calibrated on the other novel), and the quality loss when one layer third is quantized coarsely (Insight 2).
@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks.cachegen_common import HELD_OUT_TEXTS, TEXTS, TUNING_TEXTS, Window, round_trip
 from kvstrata.bench.report import engine_info, machine_info, sig
-from kvstrata.cachegen.levels import ALL_LEVELS, LEVELS, CodecSettings
+from kvstrata.cachegen.levels import ALL_LEVELS, LEVELS, SENSITIVITY_LEVELS, CodecSettings
 from kvstrata.cachegen.profile import calibrate, shipped_profile
 from kvstrata.llm import LLM
 
@@ -40,11 +40,12 @@ ABLATION = {
 COARSE_THIRD = {"none": (0.5, 0.5, 0.5), "first": (3, 0.5, 0.5), "middle": (0.5, 3, 0.5), "last": (0.5, 0.5, 3)}
 
 
-def evaluate(windows: list[Window], settings: CodecSettings, profiles=None, key_importance=None) -> dict:
+def evaluate(windows: list[Window], settings: CodecSettings, profiles=None) -> dict:
+    """`profiles`: each window's CodecProfile by text name, for profiled models or sensitivity steps."""
     rows = []
     for window in windows:
         profile = profiles[window.name] if profiles else None
-        k, k_bytes = round_trip(window.k, settings, "k", profile=profile and profile.k, importance=key_importance)
+        k, k_bytes = round_trip(window.k, settings, "k", profile=profile and profile.k)
         v, v_bytes = round_trip(window.v, settings, "v", profile=profile and profile.v)
         rows.append({"bytes": k_bytes + v_bytes, "values": 2 * window.k.numel(), "tokens": window.k.shape[1],
                      **window.quality(k, v)})
@@ -54,6 +55,7 @@ def evaluate(windows: list[Window], settings: CodecSettings, profiles=None, key_
         "bytes_per_token": sig(size / sum(r["tokens"] for r in rows)),
         "perplexity": sig(float(np.mean([r["perplexity"] for r in rows]))),
         "agreement": sig(float(np.mean([r["agreement"] for r in rows]))),
+        "kl": sig(float(np.mean([r["kl"] for r in rows]))),
         "per_text": {w.name: {k: sig(v) for k, v in r.items()} for w, r in zip(windows, rows)},
     }
 
@@ -68,18 +70,18 @@ def smallest_within_1pct(rows: dict[str, dict], eight_bit: dict) -> dict | None:
 
 
 def corpora(engine) -> dict:
-    """Every level with and without key-channel weighting on the tuning and the held-out texts."""
-    importance = shipped_profile(engine.model_fingerprint).importance("k")
+    """Every level with steps by layer third and from sensitivity on the tuning and the held-out texts."""
+    shipped = shipped_profile(engine.model_fingerprint)
     roles = {name: "tuning" for name in TUNING_TEXTS} | {name: "held-out" for name in HELD_OUT_TEXTS}
     windows = [Window(engine, name) for name in roles]
     exact = {w.name: sig(w.quality(w.k, w.v)["perplexity"]) for w in windows}
-    rows = {name: (ALL_LEVELS[name], None) for name in ("uniform8", "uniform4-ac")}
+    rows = {name: ALL_LEVELS[name] for name in ("uniform8", "uniform4-ac")}
     for level in LEVELS:
-        rows[level] = (LEVELS[level], None)
-        rows[f"{level}+weighted"] = (LEVELS[level], importance)
+        rows[level] = LEVELS[level]
+        rows[f"{level}+sensitivity"] = SENSITIVITY_LEVELS[level]
     per_text = {}
-    for name, (settings, weights) in rows.items():
-        per_text[name] = {w.name: evaluate([w], settings, key_importance=weights) for w in windows}
+    for name, settings in rows.items():
+        per_text[name] = {w.name: evaluate([w], settings, {w.name: shipped}) for w in windows}
         print(name, {t: r["perplexity"] for t, r in per_text[name].items()}, file=sys.stderr, flush=True)
     against_8bit = {
         name: {text: {"size_ratio_vs_8bit": sig(per_text["uniform8"][text]["bits_per_value"] / row["bits_per_value"]),
@@ -90,9 +92,9 @@ def corpora(engine) -> dict:
     return {
         "workload": {"texts": roles, "context_tokens": windows[0].k.shape[1], "scored_tokens": 512,
                      "chunk_tokens": 1536, "coder_models": "counted per chunk",
-                     "key_importance": "shipped profile (calibrated on Pride and Prejudice)"},
+                     "sensitivity": "shipped profile (calibrated on Pride and Prejudice)"},
         "uncompressed_perplexity": exact,
-        "levels": {name: {text: {k: row[k] for k in ("bits_per_value", "bytes_per_token", "perplexity", "agreement")}
+        "levels": {name: {text: {k: row[k] for k in ("bits_per_value", "bytes_per_token", "perplexity", "agreement", "kl")}
                           for text, row in texts.items()} for name, texts in per_text.items()},
         "against_8bit": against_8bit,
         "smallest_within_1pct_of_8bit": {

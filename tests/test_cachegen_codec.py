@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -12,7 +13,7 @@ import torch
 from kvstrata.cachegen import codec, quantize
 from kvstrata.cachegen.bitstream import KVFile, KVFileHeader, ModelShape, Record, write_kv_file
 from kvstrata.cachegen.errors import CorruptStreamError, ForeignModelError
-from kvstrata.cachegen.levels import ALL_LEVELS, CodecSettings
+from kvstrata.cachegen.levels import ALL_LEVELS, SENSITIVITY_LEVELS, CodecSettings
 from kvstrata.cachegen.profile import ProfileBuilder, TensorProfile
 from kvstrata.errors import KvstrataError
 
@@ -41,28 +42,27 @@ def kv_tensor(layers: int = 6, tokens: int = 57, channels: int = 16, seed: int =
 
 
 def quantized(x: torch.Tensor, settings: CodecSettings, kind: str,
-              importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              profile: TensorProfile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantizer's own reconstruction (what decoding must return exactly) and each element's error bound."""
     if settings.quantizer == "uniform":
         symbols = quantize.quantize_uniform(x, settings.bits)
         bound = (symbols.scale.float() / 2)[..., None].expand_as(x)
         return quantize.dequantize_uniform(symbols), bound
     differences = settings.differences_for(kind)
-    codes = quantize.channel_codes_for(importance, x.shape[0], x.shape[2])
-    symbols = quantize.quantize_cachegen(x, codec.layer_bins(settings.bins, x.shape[0]), differences, codes)
+    steps = profile.steps(settings.bins[0]) if settings.allocation == "sensitivity" else None
+    symbols = quantize.quantize_cachegen(x, codec.layer_bins(settings.bins, x.shape[0]), differences, steps)
     return (quantize.dequantize_cachegen(symbols, x.shape[1], differences),
             quantize.cachegen_error_bound(symbols, x.shape[1], differences))
 
 
-def assert_round_trip(x: torch.Tensor, settings: CodecSettings, profile: TensorProfile | None = None,
-                      importance: torch.Tensor | None = None) -> torch.Tensor:
+def assert_round_trip(x: torch.Tensor, settings: CodecSettings, profile: TensorProfile | None = None) -> torch.Tensor:
     """Coded as K and as V: encoding is deterministic, the entropy stage is lossless, and every element
     is within its bound. Returns the tensor decoded as V."""
     for kind in ("k", "v"):
-        sections = codec.encode_tensor(x, settings, kind, profile, importance)
-        assert codec.encode_tensor(x, settings, kind, profile, importance) == sections
+        sections = codec.encode_tensor(x, settings, kind, profile)
+        assert codec.encode_tensor(x, settings, kind, profile) == sections
         decoded = codec.decode_tensor(sections, settings, tuple(x.shape), kind, profile)
-        expected, bound = quantized(x, settings, kind, importance)
+        expected, bound = quantized(x, settings, kind, profile)
         assert torch.equal(decoded, expected), "the decoded symbols differ from the encoded ones"
         error = (decoded - x).abs()
         excess = error - (bound * (1 + 1e-5) + 1e-6)  # float32 slack
@@ -80,37 +80,51 @@ def test_round_trip_within_bound(name, num_tokens):
     assert_round_trip(kv_tensor(tokens=num_tokens), SETTINGS[name])
 
 
-def channel_importance(layers: int = 6, channels: int = 16, seed: int = 5) -> torch.Tensor:
-    """Mean squares spanning six orders of magnitude, like the queries of a real model's key channels."""
+def sensitivity(layers: int = 6, channels: int = 16, seed: int = 5) -> torch.Tensor:
+    """Mean squared gradients spanning six orders of magnitude, like a real model's K and V."""
     return 10 ** (6 * torch.rand(layers, channels, generator=generator(seed)) - 3)
 
 
-@pytest.mark.parametrize("settings", [ALL_LEVELS["medium"], ALL_LEVELS["near-lossless"], CodecSettings(models="global")])
-def test_channel_weighted_round_trip_within_bound(settings):
+def test_steps_from_sensitivity_follow_its_inverse_square_root():
+    """s[l, c] = scale / sqrt(F[l, c]), up to the codes' rounding (1/16 of an octave)."""
+    weights = sensitivity()
+    steps, codes = quantize.steps_from_sensitivity(weights, 0.3)
+    channel_steps = steps[:, None] * quantize.channel_multipliers(codes)
+    ratio = channel_steps / (0.3 / weights.sqrt())
+    assert ratio.log2().abs().max() <= 1 / (2 * quantize.CHANNEL_CODE_STEPS) + 1e-6
+
+
+@pytest.mark.parametrize("settings", [SENSITIVITY_LEVELS["medium"], SENSITIVITY_LEVELS["near-lossless"],
+                                      dataclasses.replace(SENSITIVITY_LEVELS["low"], models="global"),
+                                      dataclasses.replace(SENSITIVITY_LEVELS["medium"], differences="k")])
+def test_sensitivity_steps_round_trip_within_bound_and_travel_in_the_stream(settings):
     x = kv_tensor()
-    sections = codec.encode_tensor(x, settings, "k", importance=channel_importance())
-    assert "channels" in sections  # the decoder reads the steps from the stream, it needs no profile
-    assert "channels" not in codec.encode_tensor(x, settings, "k")
-    assert_round_trip(x, settings, importance=channel_importance())
+    profile = build_profile([kv_tensor(seed=1)])
+    sections = codec.encode_tensor(x, settings, "k", profile)
+    assert "channels" in sections and "channels" not in codec.encode_tensor(x, ALL_LEVELS["medium"], "k")
+    # Models counted per chunk: the decoder reads the steps from the stream and needs no profile.
+    assert torch.equal(codec.decode_tensor(sections, settings, tuple(x.shape), "k"),
+                       quantized(x, settings, "k", profile)[0])
+    assert_round_trip(x, settings, profile)
+    with pytest.raises(ValueError, match="profile"):
+        codec.encode_tensor(x, settings, "k")
 
 
-def test_weighting_key_channels_by_query_size_lowers_the_score_error():
-    """The error q . (k_hat - k) that attention sees is smaller when the steps follow the queries' channel sizes
-    than with one step per layer, even at a coarser level and fewer bytes."""
+def test_steps_from_sensitivity_lower_the_weighted_error_at_fewer_bytes():
+    """The loss an error causes, sum F (x_hat - x)^2, is smaller with steps from the sensitivity than with one
+    step per layer, even at a coarser level and fewer bytes."""
     layers, tokens, channels = 4, 400, 32
-    k = torch.randn(layers, tokens, channels, generator=generator(7)) * torch.linspace(0.2, 5, channels)
-    query_rms = 10 ** (3 * torch.rand(layers, channels, generator=generator(8)) - 1.5)
-    q = torch.randn(layers, 64, channels, generator=generator(9)) * query_rms[:, None]
+    x = torch.randn(layers, tokens, channels, generator=generator(7)) * torch.linspace(0.2, 5, channels)
+    weights = sensitivity(layers, channels, seed=8)
+    profile = build_profile([x], weights)
 
-    def score_error_and_size(level, importance):
-        settings = ALL_LEVELS[level]
-        sections = codec.encode_tensor(k, settings, "k", importance=importance)
-        k_hat = codec.decode_tensor(sections, settings, tuple(k.shape), "k")
-        error = torch.einsum("lqc,ltc->lqt", q, k_hat - k)
-        return error.square().mean().item(), sum(len(b) for b in sections.values())
+    def weighted_error_and_size(settings):
+        sections = codec.encode_tensor(x, settings, "v", profile)
+        x_hat = codec.decode_tensor(sections, settings, tuple(x.shape), "v")
+        return (weights[:, None] * (x_hat - x).square()).mean().item(), sum(len(b) for b in sections.values())
 
-    plain_error, plain_size = score_error_and_size("high", None)
-    weighted_error, weighted_size = score_error_and_size("low", query_rms.square())
+    plain_error, plain_size = weighted_error_and_size(ALL_LEVELS["high"])
+    weighted_error, weighted_size = weighted_error_and_size(SENSITIVITY_LEVELS["low"])
     assert weighted_size < plain_size
     assert weighted_error < 0.5 * plain_error
 
@@ -196,11 +210,12 @@ def test_invalid_settings_name_the_value(kwargs, words):
 # --- profiled models ------------------------------------------------------------------------
 
 
-def build_profile(tensors) -> TensorProfile:
+def build_profile(tensors, weights: torch.Tensor | None = None) -> TensorProfile:
     builder = ProfileBuilder()
     for x in tensors:
         builder.add(x)
-    return builder.build()
+    layers, _, channels = x.shape
+    return builder.build((weights if weights is not None else sensitivity(layers, channels)).numpy())
 
 
 @pytest.mark.parametrize("outlier_factor", [1.0, 100.0])
@@ -209,7 +224,7 @@ def test_profiled_models_round_trip(outlier_factor):
     x = kv_tensor(seed=4)
     x[:, :, 5] *= outlier_factor  # symbols far outside anything the profile saw must stay codable
     assert_round_trip(x, PROFILED, profile)
-    assert_round_trip(x, PROFILED, profile, importance=channel_importance())
+    assert_round_trip(x, dataclasses.replace(SENSITIVITY_LEVELS["medium"], source="profiled"), profile)
 
 
 # --- the saved-context file -----------------------------------------------------------------

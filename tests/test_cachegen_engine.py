@@ -1,11 +1,13 @@
 """Saved contexts in the engine: decoded chunks replace the context's prefill, text chunks are recomputed."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.cachegen.codec import decode_tensor, encode_tensor
 from kvstrata.cachegen.context import SavedContext
 from kvstrata.cachegen.errors import ForeignModelError
 from kvstrata.cachegen.profile import CodecProfile, calibrate
@@ -117,29 +119,30 @@ def test_bad_load_requests_name_the_problem(llm, context_ids, tmp_path):
 
 def test_profiled_levels_need_their_profile(llm, context_ids, emma_text, tmp_path):
     token_ids = llm.engine.tokenize(emma_text[:20000])
-    profile = calibrate(llm.engine, token_ids, windows=3, window_tokens=64, progress=False)
+    profile = calibrate(llm.engine, token_ids, windows=3, window_tokens=64, progress=False, sensitivity_windows=2,
+                        sensitivity_context=48, sensitivity_scored=16)
     profile.save(tmp_path / "profile.npz")
     loaded = CodecProfile.load(tmp_path / "profile.npz", llm.engine.model_fingerprint)
     assert loaded.digest == profile.digest
     config = llm.engine.loaded.config
-    assert loaded.key_importance.shape == (config.num_layers, config.num_kv_heads * config.head_dim)
-    assert (loaded.key_importance > 0).all()
+    for kind in (loaded.k, loaded.v):
+        assert kind.sensitivity.shape == (config.num_layers, config.num_kv_heads * config.head_dim)
+        assert (kind.sensitivity > 0).all() and kind.sigma.shape == (config.num_layers,) and (kind.sigma > 0).all()
     with pytest.raises(ForeignModelError):
         CodecProfile.load(tmp_path / "profile.npz", "0000000000000000")
-    from kvstrata.cachegen.context import SavedContext
-    from kvstrata.cachegen.levels import ALL_LEVELS, CodecSettings
-
-    ALL_LEVELS["test-profiled"] = CodecSettings(source="profiled", bins=ALL_LEVELS["high"].bins)
-    try:
-        llm.save_context(context_ids, tmp_path / "p.kv", levels=["test-profiled", "high"], profile=profile)
-        with pytest.raises(KvstrataError, match="profile"):
-            SavedContext(llm.engine, tmp_path / "p.kv")
-        saved = SavedContext(llm.engine, tmp_path / "p.kv", profile=loaded)
-        # Same quantizer, different lossless coder models: the decoded tensors are identical.
-        for profiled, counted in zip(saved.decode_chunk(0, "test-profiled"), saved.decode_chunk(0, "high")):
-            assert torch.equal(profiled, counted)
-    finally:
-        del ALL_LEVELS["test-profiled"]
+    llm.save_context(context_ids, tmp_path / "p.kv", levels=["high"], chunk_tokens=50, profile=profile)
+    with pytest.raises(KvstrataError, match="profile"):
+        SavedContext(llm.engine, tmp_path / "p.kv")
+    saved = SavedContext(llm.engine, tmp_path / "p.kv", profile=loaded)
+    settings = saved.file.record(0, "high").settings
+    assert (settings.allocation, settings.source) == ("sensitivity", "profiled")
+    # The same quantizer with models counted per chunk: the profiled coder is lossless, the tensors identical.
+    counted = dataclasses.replace(settings, source="chunk")
+    for kind, exact, decoded in zip(("k", "v"), compute_kv(llm.engine, context_ids[:50]), saved.decode_chunk(0)):
+        flat = exact.reshape(exact.shape[0], exact.shape[1], -1)
+        sections = encode_tensor(flat, counted, kind, getattr(loaded, kind))
+        expected = decode_tensor(sections, counted, tuple(flat.shape), kind)
+        assert torch.equal(decoded, expected.reshape(decoded.shape))
 
 
 def test_cli_save_inspect_generate(tiny_llama, tmp_path, capsys, emma_text):

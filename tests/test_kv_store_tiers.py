@@ -3,10 +3,12 @@
 import errno
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvstrata.cachegen.profile import ProfileBuilder
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.disk_tier import DiskTier
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
@@ -63,15 +65,20 @@ def test_each_stored_form_gives_back_what_it_was_given(form, tolerance, kind):
     assert (back - x).pow(2).mean().sqrt() <= tolerance * x.pow(2).mean().sqrt()
 
 
-def test_weighted_keys_are_read_back_by_a_form_that_knows_no_importance():
-    """A store's CacheGen form weights key channels by the model's query sizes; the codes travel in the object,
-    so another engine (or a reader built from the header's form name) decodes it alike."""
+def test_sensitivity_steps_are_read_back_by_a_form_that_knows_no_profile():
+    """With the model's profile, a store's CacheGen form sets its steps from the sensitivity; the steps travel
+    in the object, so another engine (or a reader built from the header's form name) decodes it alike."""
     x = torch.randn(TOKENS, 2, 8, generator=torch.Generator().manual_seed(1))
-    importance = 10 ** (4 * torch.rand(3, 16, generator=torch.Generator().manual_seed(2)) - 2)
-    writer = stored_form("medium", torch.float32, importance)
+    builder = ProfileBuilder()
+    builder.add(torch.randn(3, 64, 16, generator=torch.Generator().manual_seed(3)))
+    weights = 10 ** (4 * torch.rand(3, 16, generator=torch.Generator().manual_seed(2)) - 2)
+    tensor_profile = builder.build(weights.numpy())
+    profile = SimpleNamespace(k=tensor_profile, v=tensor_profile)
+    writer = stored_form("medium", torch.float32, profile)
     payload = writer.encode(x, "k", 1, 3)
     assert payload != stored_form("medium", torch.float32).encode(x, "k", 1, 3)
-    back = written_form("medium").decode(payload, (TOKENS, 2, 8), "k", 1, 3)
+    back = written_form("medium", profiled=True).decode(payload, (TOKENS, 2, 8), "k", 1, 3)
+    assert not torch.equal(back, written_form("medium").decode(payload, (TOKENS, 2, 8), "k", 1, 3))
     assert torch.equal(back, writer.decode(payload, (TOKENS, 2, 8), "k", 1, 3))
 
 

@@ -1,7 +1,7 @@
 """One K or V tensor of a chunk [layers, tokens, channels] to named byte sections and back.
 
 Sections: "scales" (the quantizer's scales), "channels" (CacheGen's per-channel step codes, present
-when the encoder was given channel importance), "models" (count tables, or symbol ranges for
+when the steps come from sensitivity), "models" (count tables, or symbol ranges for
 profiled models; absent for raw storage) and "symbols" (the range-coded or bit-packed symbols).
 Coder groups (papers/cachegen.md §2.3): with per-(layer, channel) models, each layer's anchors
 share one model and each (layer, channel) has its own for the differences; with a global model,
@@ -22,7 +22,6 @@ from kvstrata.cachegen.quantize import (
     CacheGenSymbols,
     UniformSymbols,
     anchor_positions,
-    channel_codes_for,
     dequantize_cachegen,
     dequantize_uniform,
     layer_bins,
@@ -39,10 +38,11 @@ MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
 
 def encode_tensor(
     x: torch.Tensor, settings: CodecSettings, kind: str, profile: TensorProfile | None = None,
-    importance: torch.Tensor | None = None,
+    steps: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, bytes]:
-    """`kind`: "k" or "v" (the settings may code them differently). `importance` [L, C]: how much an error in
-    each channel costs (CacheGen quantizer only; see quantize.py), or None for one step per layer."""
+    """`kind`: "k" or "v" (the settings may code them differently). `profile`: the model's profile of this
+    tensor, needed by profiled coder models and by allocation "sensitivity", whose steps it gives unless
+    `steps` (layer steps [L] and channel codes [L, C], for a slice of the layers) are given."""
     x = x.float().cpu()
     if not torch.isfinite(x).all():
         raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
@@ -55,14 +55,19 @@ def encode_tensor(
         groups = _uniform_groups(symbols.values, settings.models)
     else:
         differences = settings.differences_for(kind)
-        codes = channel_codes_for(importance, x.shape[0], x.shape[2])
-        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences, codes)
+        if settings.allocation == "sensitivity":
+            if steps is None and profile is None:
+                raise ValueError("allocation 'sensitivity' needs the model's profile (kvstrata calibrate cachegen)")
+            if steps is None:
+                steps = profile.steps(settings.bins[0])
+        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences, steps)
         sections = {"scales": symbols.anchor_scale.numpy().tobytes() + symbols.step.numpy().tobytes()}
-        if importance is not None:
-            sections["channels"] = codes.numpy().tobytes()
+        if steps is not None:
+            sections["channels"] = symbols.channel_codes.numpy().tobytes()
         groups = _cachegen_groups(symbols, settings.models)
     if settings.source == "profiled":
-        models = profile.models_for(groups, settings.bins, differences, symbols.channel_codes)
+        models = profile.models_for(groups, _unit_bins(settings, symbols.step, profile), differences,
+                                    symbols.channel_codes)
         sections["models"] = entropy.write_ranges(groups)
     else:
         counted = [entropy.counted_model(g) for g in groups]
@@ -96,19 +101,29 @@ def decode_tensor(
     anchor_scale = torch.from_numpy(_array(scales[:anchor_bytes], np.float16, (num_layers, channels), "anchor scales"))
     step = torch.from_numpy(_array(scales[anchor_bytes:], np.float32, (num_layers,), "steps"))
     codes = (torch.from_numpy(_array(sections["channels"], np.int8, (num_layers, channels), "channels"))
-             if "channels" in sections else channel_codes_for(None, num_layers, channels))
+             if "channels" in sections else torch.zeros(num_layers, channels, dtype=torch.int8))
+    if settings.source == "profiled" and num_layers != len(profile.sigma):
+        raise CorruptStreamError(f"a stream of {num_layers} layers does not fit a profile of {len(profile.sigma)}")
     sizes = _cachegen_sizes(num_layers, num_anchors, num_tokens - num_anchors, channels, settings.models)
-    groups = _decode_groups(sections, settings, sizes, profile, differences, codes)
+    groups = _decode_groups(sections, settings, sizes, profile, differences, codes, step)
     symbols = _cachegen_from_groups(groups, anchor_scale, step, codes, num_layers, num_anchors, num_tokens,
                                     channels, settings.models)
     return dequantize_cachegen(symbols, num_tokens, differences)
 
 
+def _unit_bins(settings: CodecSettings, steps: torch.Tensor, profile: TensorProfile) -> torch.Tensor:
+    """Each layer's step in units of its RMS, as the profiled coder models need it: the level's bins, or the
+    sensitivity steps over the profiled RMS (the decoder knows the steps, not the chunk's RMS)."""
+    if settings.allocation == "sensitivity":
+        return profile.unit_bins(steps)
+    return layer_bins(settings.bins, len(steps))
+
+
 def _decode_groups(sections, settings: CodecSettings, sizes: list[int], profile, differences: bool,
-                   channel_codes) -> list[np.ndarray]:
+                   channel_codes, steps=None) -> list[np.ndarray]:
     if settings.source == "profiled":
         ranges = entropy.read_ranges(sections["models"], len(sizes))
-        models = profile.models_for_ranges(ranges, settings.bins, differences, channel_codes)
+        models = profile.models_for_ranges(ranges, _unit_bins(settings, steps, profile), differences, channel_codes)
     else:
         models = entropy.read_count_tables(sections["models"], len(sizes), MAX_TABLE)
     return entropy.decode_groups(sections["symbols"], models, sizes)

@@ -46,7 +46,10 @@ def chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk_tokens, num_tokens)) for start in range(0, num_tokens, chunk_tokens)]
 
 
-def _with_best_models(settings: CodecSettings, profile: CodecProfile | None) -> CodecSettings:
+def _best_settings(level: str, profile: CodecProfile | None) -> CodecSettings:
+    """With the model's profile, a CacheGen level's steps come from its sensitivity and its coder models
+    from its fits (both measured better: docs/BENCHMARKS.md, "CacheGen codec")."""
+    settings = settings_for(level, profiled=profile is not None)
     if profile is None or settings.quantizer != "cachegen" or settings.models != "layer-channel":
         return settings
     return dataclasses.replace(settings, source="profiled")
@@ -73,7 +76,7 @@ def save_context(
     profiled coder models (measured smaller) when a profile is given or ships for the model, and
     models counted per chunk otherwise."""
     profile = profile or shipped_profile(engine.model_fingerprint)
-    settings = {level: _with_best_models(settings_for(level), profile) for level in levels}
+    settings = {level: _best_settings(level, profile) for level in levels}
     if not settings:
         raise KvstrataError("give at least one level to save")
     if any(s.source == "profiled" for s in settings.values()) and profile is None:
@@ -87,8 +90,7 @@ def save_context(
         for level, codec in settings.items():
             sections = {}
             for name, x in (("k", k), ("v", v)):
-                encoded = encode_tensor(_flat(x[:, first:end]), codec, name, profile and getattr(profile, name),
-                                        importance=profile.importance(name) if profile else None)
+                encoded = encode_tensor(_flat(x[:, first:end]), codec, name, profile and getattr(profile, name))
                 sections.update({f"{name}.{part}": data for part, data in encoded.items()})
             records.append(Record(index, level, codec, 0, {}, ""))
             payloads.append(sections)

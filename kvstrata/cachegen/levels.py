@@ -5,6 +5,11 @@ anchor-difference RMS (papers/cachegen.md §2.2: coarser with depth). The paper'
 uses bins 0.5 / 1 / 1.5; the others scale that shape. K is coded as differences from its group's
 anchor and V directly (measured on the default model: docs/BENCHMARKS.md, "CacheGen codec"). Uniform levels are the FlexGen-style
 baselines, bit-packed ("raw") or through the same entropy coder ("-ac").
+
+Where the model has a profile (profile.py), a level's steps come from the profiled sensitivity instead
+(quantize.py, "Steps from sensitivity"): SENSITIVITY_LEVELS, one bin each, the geometric mean of the
+steps in units of the calibration text's RMS, K and V coded directly. Chosen on the tuning texts of
+docs/BENCHMARKS.md ("Beyond Austen").
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ QUANTIZERS = ("cachegen", "uniform")
 MODELS = ("layer-channel", "global", "raw")
 DIFFERENCES = ("kv", "k", "none")
 SOURCES = ("chunk", "profiled")
+ALLOCATIONS = ("thirds", "sensitivity")
 
 
 @dataclass(frozen=True)
@@ -27,18 +33,25 @@ class CodecSettings:
     bits: int = 8  # uniform: bits per value
     models: str = "layer-channel"  # one coder model per (layer, channel), one for everything, or no coder
     source: str = "chunk"  # models counted per chunk (shipped in the stream) or profiled offline
+    allocation: str = "thirds"  # cachegen: steps by layer third (bins) or from the profiled sensitivity
 
     def __post_init__(self) -> None:
         _require(self.quantizer in QUANTIZERS, f"quantizer {self.quantizer!r} is not one of {QUANTIZERS}")
         _require(self.differences in DIFFERENCES, f"differences {self.differences!r} is not one of {DIFFERENCES}")
         _require(self.models in MODELS, f"models {self.models!r} is not one of {MODELS}")
         _require(self.source in SOURCES, f"source {self.source!r} is not one of {SOURCES}")
+        _require(self.allocation in ALLOCATIONS, f"allocation {self.allocation!r} is not one of {ALLOCATIONS}")
         _require(
             len(self.bins) == 3 and all(isinstance(b, (int, float)) and 0 < b < 1e6 for b in self.bins),
             f"bins must be three positive numbers, got {self.bins!r}",
         )
         _require(isinstance(self.bits, int) and 2 <= self.bits <= 8, f"bits must be in [2, 8], got {self.bits!r}")
         _require(self.models != "raw" or self.quantizer == "uniform", "only the uniform quantizer stores raw symbols")
+        _require(
+            self.allocation == "thirds" or (self.quantizer == "cachegen" and len(set(self.bins)) == 1),
+            f"allocation 'sensitivity' needs the cachegen quantizer and one bin; got quantizer {self.quantizer!r}, "
+            f"bins {self.bins!r}",
+        )
         _require(
             self.source == "chunk" or (self.quantizer == "cachegen" and self.models == "layer-channel"),
             f"source 'profiled' needs the cachegen quantizer and per-(layer, channel) models; got "
@@ -54,6 +67,8 @@ class CodecSettings:
 
     @classmethod
     def from_json(cls, data) -> CodecSettings:
+        if isinstance(data, dict) and "allocation" not in data:  # written before version 4: steps by layer third
+            data = {**data, "allocation": "thirds"}
         if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
             raise KvstrataError(f"codec settings {data!r:.200} do not have the fields {sorted(cls.__dataclass_fields__)}")
         return cls(**{**data, "bins": tuple(data["bins"]) if isinstance(data["bins"], list) else data["bins"]})
@@ -72,6 +87,11 @@ LEVELS: dict[str, CodecSettings] = {
     "low": CodecSettings(bins=(1.0, 2.0, 3.0)),
 }
 CACHEGEN_LEVELS = tuple(LEVELS)
+# The same names where the model has a profile: the same 1 : 5 : 10 : 20 spacing.
+SENSITIVITY_LEVELS: dict[str, CodecSettings] = {
+    name: CodecSettings(bins=(b, b, b), differences="none", allocation="sensitivity")
+    for name, b in (("near-lossless", 0.075), ("high", 0.375), ("medium", 0.75), ("low", 1.5))
+}
 BASELINES: dict[str, CodecSettings] = {
     f"uniform{bits}{suffix}": CodecSettings(quantizer="uniform", bits=bits, models=models)
     for bits in (8, 4, 3)
@@ -80,7 +100,8 @@ BASELINES: dict[str, CodecSettings] = {
 ALL_LEVELS = {**LEVELS, **BASELINES}
 
 
-def settings_for(level: str) -> CodecSettings:
+def settings_for(level: str, profiled: bool = False) -> CodecSettings:
+    """A level's settings; with `profiled` (the model has a profile), a CacheGen level's sensitivity form."""
     if level not in ALL_LEVELS:
         raise KvstrataError(f"level {level!r} is not one of {', '.join(ALL_LEVELS)}")
-    return ALL_LEVELS[level]
+    return SENSITIVITY_LEVELS[level] if profiled and level in SENSITIVITY_LEVELS else ALL_LEVELS[level]

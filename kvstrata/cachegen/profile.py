@@ -7,9 +7,9 @@ themselves (in the same unit) for tensors coded without differences. A chunk the
 group's symbol range, and the model is the profile discretized at the level's bin with a small
 floor, so symbols the profile never saw stay codable.
 
-The profile also records how much an error in each key channel costs: the mean square of the queries
-that read the channel (kvstrata/engine/query_statistics.py), which the encoder turns into per-channel
-steps (quantize.py, channel weighting).
+The profile also records, per (layer, channel) of K and of V, how much an error costs the tokens that
+read the cache (sensitivity.py) and each layer's mean RMS; the sensitivity levels set their steps from
+them (quantize.py, "Steps from sensitivity").
 """
 
 from __future__ import annotations
@@ -31,17 +31,18 @@ from kvstrata.cachegen.quantize import (
     GROUP_SIZE,
     channel_multipliers,
     differences_from_anchors,
-    layer_bins,
     quantize_cachegen,
+    steps_from_sensitivity,
 )
+from kvstrata.cachegen.sensitivity import measure_sensitivity
 from kvstrata.engine.direct_forward import compute_kv
-from kvstrata.engine.query_statistics import recording_queries
 from kvstrata.errors import KvstrataError
 
 PROFILE_FORMAT = "kvstrata-cachegen-profile"
 SHIPPED_PROFILES = Path(__file__).parent / "profiles"  # <model fingerprint>.npz, made by `kvstrata calibrate cachegen`
-PROFILE_VERSION = 3  # 3: key importance
+PROFILE_VERSION = 4  # 3: key importance; 4: sensitivity of K and V and each layer's RMS instead
 FIT_NAMES = ("loc", "scale", "anchor_counts")
+TENSOR_NAMES = ("sigma", "sensitivity")
 FLOOR = 1e-6  # probability mass spread over every symbol of a group's range
 
 
@@ -56,13 +57,25 @@ class SymbolFit:
 class TensorProfile:
     differences: SymbolFit  # for coding as anchor differences
     direct: SymbolFit  # for coding the values themselves
+    sigma: np.ndarray  # [L]: each layer's anchor-difference RMS, the unit of the fits and of bins
+    sensitivity: np.ndarray  # [L, C]: mean squared loss gradient per cached value (sensitivity.py)
+
+    def steps(self, bin_size: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer steps [L] and channel codes [L, C] from the sensitivity, scaled so that the steps' geometric
+        mean in units of each layer's RMS is `bin_size`."""
+        unit = np.exp2(np.mean(np.log2(self.sigma)[:, None] + 0.5 * np.log2(np.maximum(self.sensitivity, 1e-30))))
+        return steps_from_sensitivity(torch.from_numpy(self.sensitivity), bin_size * float(unit))
+
+    def unit_bins(self, steps: torch.Tensor) -> torch.Tensor:
+        """Absolute layer steps [L] in units of the profiled RMS (the bins of the profiled models)."""
+        return steps / torch.from_numpy(self.sigma)
 
     def models_for(self, groups: list[np.ndarray], bins, differences: bool, channel_codes) -> list[SymbolModel]:
         return self.models_for_ranges(np.array([symbol_range(g) for g in groups]), bins, differences, channel_codes)
 
     def models_for_ranges(self, ranges: np.ndarray, bins, differences: bool, channel_codes) -> list[SymbolModel]:
         """Every group's model at once (one numpy pass over all symbols: a chunk has ~11,600 groups per tensor).
-        `channel_codes` [L, C]: the stream's per-channel step codes."""
+        `bins` [L]: each layer's step in RMS units; `channel_codes` [L, C]: the stream's per-channel step codes."""
         fit = self.differences if differences else self.direct
         num_layers, channels = fit.loc.shape
         if len(ranges) != num_layers * (channels + 1):
@@ -79,7 +92,7 @@ class TensorProfile:
         totals = np.maximum(fit.anchor_counts.sum(axis=1), 1)
         mass[anchor] = fit.anchor_counts[layer[anchor], inside] / totals[layer[anchor]]
         rest, channel = layer[~anchor], slot[~anchor] - 1
-        bin_sizes = (layer_bins(bins, num_layers)[:, None] * channel_multipliers(channel_codes)).numpy()
+        bin_sizes = (bins[:, None] * channel_multipliers(channel_codes)).numpy()
         mass[~anchor] = _laplace_mass(symbols[~anchor], bin_sizes[rest, channel].astype(np.float64),
                                       fit.loc[rest, channel], fit.scale[rest, channel])
         mass += FLOOR
@@ -103,7 +116,6 @@ class CodecProfile:
     k: TensorProfile
     v: TensorProfile
     num_windows: int
-    key_importance: np.ndarray  # [L, C]: mean square of the queries reading each key channel
 
     @property
     def digest(self) -> str:
@@ -115,8 +127,8 @@ class CodecProfile:
                 "num_windows": self.num_windows, "group_size": GROUP_SIZE}
         arrays = {f"{kind}_{coding}_{name}": getattr(getattr(getattr(self, kind), coding), name)
                   for kind in ("k", "v") for coding in ("differences", "direct") for name in FIT_NAMES}
-        np.savez_compressed(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                            key_importance=self.key_importance, **arrays)
+        arrays.update({f"{kind}_{name}": getattr(getattr(self, kind), name) for kind in ("k", "v") for name in TENSOR_NAMES})
+        np.savez_compressed(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
         return buffer.getvalue()
 
     def save(self, path: str | Path) -> None:
@@ -138,16 +150,12 @@ class CodecProfile:
             )
         try:
             profiles = {kind: TensorProfile(*(SymbolFit(*(arrays[f"{kind}_{coding}_{name}"] for name in FIT_NAMES))
-                                              for coding in ("differences", "direct")))
+                                              for coding in ("differences", "direct")),
+                                            *(arrays[f"{kind}_{name}"] for name in TENSOR_NAMES))
                         for kind in ("k", "v")}
-            key_importance = arrays["key_importance"]
         except KeyError as exc:
             raise CorruptStreamError(f"{path} lacks the array {exc}") from None
-        return cls(fingerprint, profiles["k"], profiles["v"], int(meta["num_windows"]), key_importance)
-
-    def importance(self, kind: str) -> torch.Tensor | None:
-        """The channel importance the encoder weights `kind` ("k" or "v") by; values are not weighted."""
-        return torch.from_numpy(self.key_importance) if kind == "k" else None
+        return cls(fingerprint, profiles["k"], profiles["v"], int(meta["num_windows"]))
 
 
 class _FitBuilder:
@@ -176,6 +184,7 @@ class ProfileBuilder:
 
     def __init__(self):
         self.fits = {True: _FitBuilder(), False: _FitBuilder()}  # keyed by `differences`
+        self.sigmas = []
 
     def add(self, x: torch.Tensor) -> None:
         x = x.float()
@@ -185,16 +194,21 @@ class ProfileBuilder:
             if differences:
                 anchors_hat = symbols.anchors.float() * symbols.anchor_scale.float()[:, None]
                 values = differences_from_anchors(x, anchors_hat)
+                self.sigmas.append(symbols.step)
             else:
                 values = x[:, 1:]
             fit.add(values / symbols.step[:, None, None], symbols.anchors)
 
-    def build(self) -> TensorProfile:
-        return TensorProfile(self.fits[True].build(), self.fits[False].build())
+    def build(self, sensitivity: np.ndarray) -> TensorProfile:
+        sigma = torch.stack(self.sigmas).mean(0).numpy().astype(np.float32)
+        return TensorProfile(self.fits[True].build(), self.fits[False].build(), sigma, sensitivity.astype(np.float32))
 
 
-def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, progress: bool = True) -> CodecProfile:
-    """Profile the coder models over `windows` windows of `window_tokens` tokens spread over `token_ids`."""
+def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, progress: bool = True,
+              sensitivity_windows: int = 16, sensitivity_context: int = 1024, sensitivity_scored: int = 256
+              ) -> CodecProfile:
+    """Profile the coder models over `windows` windows of `window_tokens` tokens spread over `token_ids`, and
+    the sensitivity over `sensitivity_windows` windows of a context and the tokens scored after it."""
     if windows < 1 or window_tokens < 2 * GROUP_SIZE or len(token_ids) < window_tokens:
         raise KvstrataError(
             f"calibration needs at least one window of at least {2 * GROUP_SIZE} tokens from a text that long; got "
@@ -202,13 +216,14 @@ def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, pr
         )
     starts = np.linspace(0, len(token_ids) - window_tokens, windows).astype(int)
     builders = {"k": ProfileBuilder(), "v": ProfileBuilder()}
-    with recording_queries(engine) as queries:
-        for start in tqdm(starts, desc="calibrating cachegen", disable=not progress):
-            k, v = compute_kv(engine, token_ids[start : start + window_tokens])
-            for name, x in (("k", k), ("v", v)):
-                builders[name].add(x.reshape(x.shape[0], x.shape[1], -1))
-    return CodecProfile(engine.model_fingerprint, builders["k"].build(), builders["v"].build(), len(starts),
-                        queries.mean().numpy())
+    for start in tqdm(starts, desc="calibrating cachegen", disable=not progress):
+        k, v = compute_kv(engine, token_ids[start : start + window_tokens])
+        for name, x in (("k", k), ("v", v)):
+            builders[name].add(x.reshape(x.shape[0], x.shape[1], -1))
+    sensitivity_k, sensitivity_v = measure_sensitivity(engine, token_ids, sensitivity_windows, sensitivity_context,
+                                                       sensitivity_scored)
+    return CodecProfile(engine.model_fingerprint, builders["k"].build(sensitivity_k),
+                        builders["v"].build(sensitivity_v), len(starts))
 
 
 def shipped_profile(fingerprint: str) -> CodecProfile | None:

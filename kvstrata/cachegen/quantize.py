@@ -8,13 +8,13 @@ uniform step per layer, step = bin x sigma, where sigma is the RMS of the layer'
 the chunk and bin comes from the quality level (coarser for deeper layer thirds). Error bounds:
 anchor_scale / 2 for anchors, step / 2 for the rest.
 
-Channel weighting: an error in key channel c moves attention scores by q_c times that error, so where
-the queries are large an error costs more. Given each channel's importance (the mean square of the
-queries that read it, profiled offline), a layer's step is spread over its channels as
-step_c = step x g_c with g_c proportional to importance_c^(-1/2), normalized to a geometric mean of 1
-(the bits stay about the same; the squared score error each channel adds is equalized, the rate-
-distortion optimum for uniform quantizers). g travels in the stream as CHANNEL_CODE_STEPS-ths of an
-octave (int8), so the decoder needs no profile.
+Steps from sensitivity: an error e in channel (l, c) costs about F[l, c] e^2 (F: the mean squared gradient
+of the later tokens' loss, profiled offline: sensitivity.py), and a uniform quantizer of step s adds s^2 / 12
+of squared error at about -log2(s) bits. Equal marginal returns give s[l, c] = scale / sqrt(F[l, c]) for
+every layer and channel at once: the rate-distortion optimum for uniform quantizers. The steps are absolute,
+so a level holds its error on any text and its size follows the text. A layer's step is the geometric mean
+of its channels' steps, and each channel's ratio to it travels in the stream as CHANNEL_CODE_STEPS-ths of
+an octave (int8), so the decoder needs no profile.
 
 Without differences (for V by default: on the default model V is nearly independent token to token,
 so a difference has about twice a value's variance; docs/BENCHMARKS.md), tokens are quantized
@@ -27,6 +27,7 @@ absmax over channels / (2^(b-1) - 1). Error bound: scale / 2.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,16 +63,12 @@ class CacheGenSymbols:
         return self.step[:, None] * channel_multipliers(self.channel_codes)
 
 
-def channel_codes_for(importance: torch.Tensor | None, num_layers: int, channels: int) -> torch.Tensor:
-    """int8 [L, C] step codes from each channel's importance [L, C] (None: one step for every channel)."""
-    if importance is None:
-        return torch.zeros(num_layers, channels, dtype=torch.int8)
-    if tuple(importance.shape) != (num_layers, channels):
-        raise ValueError(f"channel importance of shape {tuple(importance.shape)} does not fit {num_layers} layers "
-                         f"x {channels} channels")
-    log_g = -0.5 * importance.double().clamp_min(1e-30).log2()
-    log_g -= log_g.mean(dim=1, keepdim=True)
-    return torch.round(log_g * CHANNEL_CODE_STEPS).clamp(-127, 127).to(torch.int8)
+def steps_from_sensitivity(sensitivity: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each layer's step [L] and its channels' step codes [L, C] for steps scale / sqrt(sensitivity [L, C])."""
+    log_steps = math.log2(scale) - 0.5 * sensitivity.double().clamp_min(1e-30).log2()
+    layer = log_steps.mean(dim=1)
+    codes = torch.round((log_steps - layer[:, None]) * CHANNEL_CODE_STEPS).clamp(-127, 127).to(torch.int8)
+    return torch.exp2(layer).float(), codes
 
 
 def channel_multipliers(codes: torch.Tensor) -> torch.Tensor:
@@ -110,22 +107,30 @@ def differences_from_anchors(x: torch.Tensor, anchors_hat: torch.Tensor) -> torc
     return (x - _anchor_reference(anchors_hat, num_tokens))[:, _non_anchor_mask(num_tokens)]
 
 
-def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor, differences: bool = True,
-                      channel_codes: torch.Tensor | None = None) -> CacheGenSymbols:
-    """`bins` [L]: each layer's step in units of its anchor-difference RMS (the unit either way);
-    `channel_codes` [L, C] (channel_codes_for) spread it over the channels."""
+def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor | None, differences: bool = True,
+                      steps: tuple[torch.Tensor, torch.Tensor] | None = None) -> CacheGenSymbols:
+    """`bins` [L]: each layer's step in units of its anchor-difference RMS, one step for all its channels;
+    or `steps`: absolute layer steps [L] and channel codes [L, C] (steps_from_sensitivity)."""
     num_layers, num_tokens, channels = x.shape
-    codes = channel_codes if channel_codes is not None else channel_codes_for(None, num_layers, channels)
     anchor_scale, anchor_symbols = _quantize_anchors(x[:, anchor_positions(num_tokens)])
     diffs = differences_from_anchors(x, anchor_symbols * anchor_scale.float()[:, None])
-    sigma = diffs.square().mean(dim=(1, 2)).sqrt() if diffs.numel() else torch.ones(num_layers)
-    step = torch.where(sigma > 0, bins * sigma, torch.ones_like(sigma)).float()
-    steps = (step[:, None] * channel_multipliers(codes))[:, None]
+    if steps is None:
+        sigma = layer_rms(diffs)
+        step = torch.where(sigma > 0, bins * sigma, torch.ones_like(sigma)).float()
+        codes = torch.zeros(num_layers, channels, dtype=torch.int8)
+    else:
+        step, codes = steps
+    channel_steps = (step[:, None] * channel_multipliers(codes))[:, None]
     if differences:
-        return CacheGenSymbols(anchor_scale, step, codes, anchor_symbols.int(), torch.round(diffs / steps).int())
+        return CacheGenSymbols(anchor_scale, step, codes, anchor_symbols.int(), torch.round(diffs / channel_steps).int())
     first_scale, first_symbols = _quantize_anchors(x[:, :1])
-    rest = torch.round(x[:, _non_anchor_mask(num_tokens, False)] / steps)
+    rest = torch.round(x[:, _non_anchor_mask(num_tokens, False)] / channel_steps)
     return CacheGenSymbols(first_scale, step, codes, first_symbols.int(), rest.int())
+
+
+def layer_rms(diffs: torch.Tensor) -> torch.Tensor:
+    """Each layer's RMS [L] of anchor differences [L, T', C] (the unit of `bins`; 1 where there are none)."""
+    return diffs.square().mean(dim=(1, 2)).sqrt() if diffs.numel() else torch.ones(diffs.shape[0])
 
 
 def dequantize_cachegen(symbols: CacheGenSymbols, num_tokens: int, differences: bool = True) -> torch.Tensor:

@@ -45,12 +45,15 @@ def add_calibrate_commands(commands) -> None:
     )
     cachegen = calibrate.add_parser(
         "cachegen", help="profile CacheGen's coder models for a model",
-        description="Run windows of --text through the model and fit each (layer, channel)'s anchor differences.",
+        description="Run windows of --text through the model, fit each (layer, channel)'s anchor differences and "
+                    "measure how much an error in each costs the tokens after it.",
     )
     cachegen.add_argument("--text", type=Path, required=True, help="UTF-8 calibration text")
     cachegen.add_argument("--out", type=Path, required=True, help="the profile file to write")
     cachegen.add_argument("--windows", type=int, default=100, help="windows of text (default: 100)")
     cachegen.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
+    cachegen.add_argument("--sensitivity-windows", type=int, default=16,
+                          help="windows of 1,024 context and 256 scored tokens for the sensitivity (default: 16)")
     add_engine_arguments(cachegen)
     add_oaken_calibrate_command(calibrate)
 
@@ -115,6 +118,7 @@ def run_calibrate(args: argparse.Namespace) -> None:
     engine = LLMEngine(engine_config_from_args(args))
     if engine.tokenizer is None:
         raise KvstrataError("calibration needs a model with a tokenizer")
-    profile = calibrate(engine, engine.tokenize(read_text(args.text)), args.windows, args.window_tokens)
+    profile = calibrate(engine, engine.tokenize(read_text(args.text)), args.windows, args.window_tokens,
+                        sensitivity_windows=args.sensitivity_windows)
     profile.save(args.out)
     print(f"wrote the CacheGen profile of model {profile.fingerprint} ({profile.num_windows} windows) to {args.out}")

@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from kvstrata.kv.store.forms import parse_tier_forms, stored_form
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.kv.store.spec import parse_tiers
 from kvstrata.kv.store.tiered_store import Fetched, Located, StoreShape, TieredStore
+
+if TYPE_CHECKING:
+    from kvstrata.cachegen.profile import CodecProfile
 
 log = logging.getLogger("kvstrata.kv.store")
 MAX_PENDING_WRITE_BYTES = 512 * 2**20  # snapshots waiting to be written; beyond this, writes are skipped
@@ -55,17 +59,17 @@ class LinkStats:
 
 
 def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str, model_config,
-               timeout: float, key_importance: torch.Tensor | None = None, link_trace: str | None = None) -> TieredStore:
-    """`key_importance` [layers, channels]: how CacheGen forms weight key channels (the model's profile), or None;
+               timeout: float, profile: CodecProfile | None = None, link_trace: str | None = None) -> TieredStore:
+    """`profile`: the model's CacheGen profile (the CacheGen forms' steps come from its sensitivity), or None;
     `link_trace`: the bandwidth trace an emulated link gives the Redis tiers' reads (emulated_link.py), or None."""
     tiers = parse_tiers(spec, timeout)
     for tier in tiers:
         if link_trace is not None and tier.name == "redis":
             tier.link = EmulatedLink(parse_trace(link_trace))
-    tier_forms = [stored_form(name, compute_dtype, key_importance)
+    tier_forms = [stored_form(name, compute_dtype, profile)
                   for name in parse_tier_forms(forms, [t.name for t in tiers])]
     shape = StoreShape(namespace, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
-    return TieredStore(tiers, tier_forms, shape)
+    return TieredStore(tiers, tier_forms, shape, profiled=profile is not None)
 
 
 class KVStoreLink:

@@ -117,10 +117,9 @@ class LLMEngine:
             return None
         if not c.enable_prefix_caching:
             raise KvstrataError("kv_store needs prefix caching: chunks are found by the same chained token hashes")
-        profile = shipped_profile(self.model_fingerprint)  # weights CacheGen forms' key channels, when one ships
+        profile = shipped_profile(self.model_fingerprint)  # sets CacheGen forms' steps, when one ships
         store = make_store(c.kv_store, c.kv_store_format, dtype, self.kv_manager.namespace.decode(), self.loaded.config,
-                           c.kv_store_timeout_ms / 1000, profile.importance("k") if profile else None,
-                           c.kv_store_link_gbps)
+                           c.kv_store_timeout_ms / 1000, profile, c.kv_store_link_gbps)
         mc = self.loaded.config
         layer_weights = sum(p.numel() for p in self.loaded.model.layers.parameters() if p.dim() == 2)
         prefill = PrefillSpeed.for_model(mc.num_layers, mc.num_heads, mc.head_dim, layer_weights)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from kvstrata.cachegen.levels import CACHEGEN_LEVELS, settings_for
 from kvstrata.cachegen.quantize import layer_bins
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.errors import CorruptObject
+
+if TYPE_CHECKING:  # the profile module calibrates by running the model; a form only reads a profile's steps
+    from kvstrata.cachegen.profile import CodecProfile
 
 FLOAT_FORMS = {"raw": None, "fp16": torch.float16}  # raw: the dtype the K/V were computed in
 LEVELS_FORM = "levels"
@@ -59,15 +63,20 @@ class FloatForm(StoredForm):
 
 
 class CacheGenForm(StoredForm):
-    """One layer coded alone with the bin its layer third has in the level, and one coder model for its
-    anchors and one for the rest, counted per object. Per-(layer, channel) models would ship one count table
-    and cost one coder call per channel in every 256-token object; decoding is on the time-to-first-token path.
-    Keys are weighted by channel when the model's key importance is given (the codes travel in the object, so
-    a reader needs none)."""
+    """One layer coded alone, and one coder model for its anchors and one for the rest, counted per object.
+    Per-(layer, channel) models would ship one count table and cost one coder call per channel in every
+    256-token object; decoding is on the time-to-first-token path. With the model's profile, the layer's
+    steps come from its sensitivity (the steps travel in the object, so a reader needs no profile); without
+    one, the level's bin for the layer's third."""
 
-    def __init__(self, level: str, key_importance: torch.Tensor | None = None):
-        self.name, self.settings = level, dataclasses.replace(settings_for(level), models="global")
-        self.key_importance = key_importance  # [layers, channels]
+    def __init__(self, level: str, profile: CodecProfile | None = None, profiled: bool = False):
+        """`profile`: the model's, to write with steps from its sensitivity; `profiled` alone: to read what such a
+        writer wrote (K is then coded directly)."""
+        self.name = level
+        profiled = profiled or profile is not None
+        self.settings = dataclasses.replace(settings_for(level, profiled=profiled), models="global")
+        self.steps = ({kind: getattr(profile, kind).steps(self.settings.bins[0]) for kind in ("k", "v")}
+                      if profile is not None else None)
 
     def _layer_settings(self, layer: int, num_layers: int):
         step = float(layer_bins(self.settings.bins, num_layers)[layer])
@@ -75,9 +84,9 @@ class CacheGenForm(StoredForm):
 
     def encode(self, x, kind, layer, num_layers):
         tokens, heads, dim = x.shape
-        importance = self.key_importance[layer : layer + 1] if kind == "k" and self.key_importance is not None else None
+        steps = tuple(part[layer : layer + 1] for part in self.steps[kind]) if self.steps else None
         sections = encode_tensor(x.reshape(1, tokens, heads * dim), self._layer_settings(layer, num_layers), kind,
-                                 importance=importance)
+                                 steps=steps)
         return b"".join(_SECTION.pack(len(n), len(d)) + n.encode() + d for n, d in sections.items())
 
     def decode(self, payload, shape, kind, layer, num_layers):
@@ -110,9 +119,9 @@ class LeveledForm:
 
     name = LEVELS_FORM
 
-    def __init__(self, key_importance: torch.Tensor | None = None):
+    def __init__(self, profile: CodecProfile | None = None):
         self.levels: list[StoredForm] = [FloatForm(torch.float16),
-                                         *(CacheGenForm(level, key_importance) for level in CACHEGEN_LEVELS)]
+                                         *(CacheGenForm(level, profile) for level in CACHEGEN_LEVELS)]
 
 
 def _count(shape: tuple[int, ...]) -> int:
@@ -123,24 +132,25 @@ def _count(shape: tuple[int, ...]) -> int:
 
 
 def stored_form(name: str, compute_dtype: torch.dtype,
-                key_importance: torch.Tensor | None = None) -> StoredForm | LeveledForm:
+                profile: CodecProfile | None = None) -> StoredForm | LeveledForm:
     """The form `--kv-store-format` names (raw is the compute dtype); CacheGen levels weight key channels by
-    `key_importance` [layers, channels] when given."""
+    the model's profile when given."""
     if name == LEVELS_FORM:
-        return LeveledForm(key_importance)
+        return LeveledForm(profile)
     if name in FLOAT_FORMS:
         return FloatForm(FLOAT_FORMS[name] or compute_dtype)
     if name in CACHEGEN_LEVELS:
-        return CacheGenForm(name, key_importance)
+        return CacheGenForm(name, profile)
     raise KvstrataError(f"kv_store_format {name!r} is not one of {', '.join(STORE_FORMS)}")
 
 
-def written_form(name: str) -> StoredForm:
-    """The form an object's header names; CorruptObject if no such form exists."""
+def written_form(name: str, profiled: bool = False) -> StoredForm:
+    """The form an object's header names, as an engine whose model has a profile (`profiled`) or none writes it;
+    CorruptObject if no such form exists."""
     if name in FLOAT_DTYPES:
         return FloatForm(FLOAT_DTYPES[name])
     if name in CACHEGEN_LEVELS:
-        return CacheGenForm(name)
+        return CacheGenForm(name, profiled=profiled)
     raise CorruptObject(f"an object names the stored form {name!r}, which this version does not know")
 
 

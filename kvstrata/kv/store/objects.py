@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from kvstrata.kv.store.errors import CorruptObject
 
 MAGIC = b"KVSO"
-VERSION = 2  # 2: CacheGen objects may carry per-channel step codes
+VERSION = 3  # 2: CacheGen objects may carry per-channel step codes; 3: K coded directly, steps from sensitivity
 PREAMBLE = struct.Struct("<4sBH16s")  # magic, version, header length, blake2b-128 of header + payload
 
 

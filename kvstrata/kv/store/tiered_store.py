@@ -74,12 +74,15 @@ class StoreStats:
 
 class TieredStore:
     def __init__(self, tiers: list[Tier], forms: list[StoredForm | LeveledForm], shape: StoreShape,
-                 defer: Callable[[Callable[[], None], int], None] | None = None):
+                 defer: Callable[[Callable[[], None], int], None] | None = None, profiled: bool = False):
+        """`profiled`: the model has a CacheGen profile, so CacheGen objects were written with its steps (every engine
+        of one model and kvstrata version agrees; the objects' version says which)."""
         if len(forms) != len(tiers):
             raise ValueError(f"{len(forms)} forms for {len(tiers)} tiers")
         self.tiers = tiers
         self.forms = forms  # what each tier writes
         self.shape = shape
+        self.profiled = profiled
         # Runs work a fetch need not wait for (copying a hit to the tiers above; the bytes it holds); default: now.
         self.defer = defer or (lambda work, size: work())
         self.stats = StoreStats()
@@ -212,7 +215,7 @@ class TieredStore:
                 if header.shape != want:
                     raise CorruptObject(f"object {name} of chunk {key[:16]} has shape {header.shape}, expected {want}")
                 written.add(header.form)
-                form = written_form(header.form)
+                form = written_form(header.form, self.profiled)
                 layers[kind].append(form.decode(payload, want, kind, layer, self.shape.num_layers))
         return torch.stack(layers["k"]), torch.stack(layers["v"]), written
 
