@@ -1,6 +1,6 @@
 """CacheGen size against quality on the default model (docs/BENCHMARKS.md, "CacheGen codec").
 
-    .venv/bin/python -m benchmarks.cachegen_quality --part corpora > benchmarks/results/cachegen_quality_corpora.json
+    .venv/bin/python -m benchmarks.cachegen_quality --part corpora [--levels medium,high] > benchmarks/results/cachegen_quality_corpora.json
     .venv/bin/python -m benchmarks.cachegen_quality --part austen > benchmarks/results/cachegen_quality.json
 
 For 3,072-token contexts (two 1,536-token chunks each): bytes per token, bits per value, perplexity of the
@@ -69,14 +69,14 @@ def smallest_within_1pct(rows: dict[str, dict], eight_bit: dict) -> dict | None:
     return {"level": name, "bits_per_value": bits, "size_ratio_vs_8bit": sig(eight_bit["bits_per_value"] / bits)}
 
 
-def corpora(engine) -> dict:
-    """Every level with steps by layer third and from sensitivity on the tuning and the held-out texts."""
+def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS)) -> dict:
+    """`levels` with steps by layer third and from sensitivity on the tuning and the held-out texts."""
     shipped = shipped_profile(engine.model_fingerprint)
     roles = {name: "tuning" for name in TUNING_TEXTS} | {name: "held-out" for name in HELD_OUT_TEXTS}
     windows = [Window(engine, name) for name in roles]
     exact = {w.name: sig(w.quality(w.k, w.v)["perplexity"]) for w in windows}
     rows = {name: ALL_LEVELS[name] for name in ("uniform8", "uniform4-ac")}
-    for level in LEVELS:
+    for level in levels:
         rows[level] = LEVELS[level]
         rows[f"{level}+sensitivity"] = SENSITIVITY_LEVELS[level]
     per_text = {}
@@ -141,10 +141,14 @@ def austen(engine) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("corpora", "austen"), default="corpora")
-    part = parser.parse_args().part
+    parser.add_argument("--levels", default=",".join(LEVELS), help="corpora: the CacheGen levels (default: all)")
+    args = parser.parse_args()
+    levels = tuple(level.strip() for level in args.levels.split(",") if level.strip())
+    if any(level not in LEVELS for level in levels):
+        parser.error(f"--levels {args.levels!r}: each must be one of {', '.join(LEVELS)}")
     engine = LLM(threads=2).engine
-    report = {"machine": machine_info(), "engine": engine_info(engine), "part": part,
-              **(corpora(engine) if part == "corpora" else austen(engine))}
+    report = {"machine": machine_info(), "engine": engine_info(engine), "part": args.part,
+              **(corpora(engine, levels) if args.part == "corpora" else austen(engine))}
     print(json.dumps(report, indent=2))
 
 
