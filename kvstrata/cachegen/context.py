@@ -72,9 +72,9 @@ def save_context(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     profile: CodecProfile | None = None,
 ) -> SaveReport:
-    """Prefill `token_ids` once and write every chunk at every level in `levels`. CacheGen levels use
-    profiled coder models (measured smaller) when a profile is given or ships for the model, and
-    models counted per chunk otherwise."""
+    """Prefill `token_ids` once and write every chunk at every level in `levels`. When a profile is given or
+    ships for the model, CacheGen levels take their steps from its sensitivity and use its profiled coder
+    models; otherwise the levels' layer-third steps and models counted per chunk."""
     profile = profile or shipped_profile(engine.model_fingerprint)
     settings = {level: _best_settings(level, profile) for level in levels}
     if not settings:

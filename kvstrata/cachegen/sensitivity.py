@@ -46,8 +46,9 @@ class _AttendOverLeaves(AttentionPolicy):
         context = self.context_k[layer].shape[0]
         k = torch.cat((self.context_k[layer], k_new))
         v = torch.cat((self.context_v[layer], v_new))
-        q_positions = torch.arange(context, context + q.shape[0])[None]
-        return causal_attention(q[None], k[None], v[None], q_positions, torch.arange(k.shape[0])[None])[0]
+        q_positions = torch.arange(context, context + q.shape[0], device=q.device)[None]
+        key_positions = torch.arange(k.shape[0], device=q.device)[None]
+        return causal_attention(q[None], k[None], v[None], q_positions, key_positions)[0]
 
 
 def context_gradients(engine: LLMEngine, token_ids: list[int], context_tokens: int
@@ -59,24 +60,25 @@ def context_gradients(engine: LLMEngine, token_ids: list[int], context_tokens: i
                             f"{len(token_ids)}")
     k, v = compute_kv(engine, token_ids[:context_tokens])
     model = engine.runner.model
-    dtype = next(model.parameters()).dtype
-    leaves = [x[layer].to(dtype).clone().requires_grad_() for x in (k, v) for layer in range(x.shape[0])]
+    weight = next(model.parameters())
+    leaves = [x[layer].to(weight.device, weight.dtype).clone().requires_grad_()
+              for x in (k, v) for layer in range(x.shape[0])]
     num_layers = k.shape[0]
-    scored = torch.tensor(token_ids[context_tokens:])
-    frozen = [p for p in model.parameters() if p.requires_grad]
-    for p in frozen:  # gradients for the cache only
+    scored = torch.tensor(token_ids[context_tokens:], device=weight.device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:  # gradients for the cache only
         p.requires_grad_(False)
     try:
         with torch.enable_grad():
             policy = _AttendOverLeaves(leaves[:num_layers], leaves[num_layers:])
-            hidden = model(scored, torch.arange(context_tokens, len(token_ids)), policy, None)
+            hidden = model(scored, torch.arange(context_tokens, len(token_ids), device=weight.device), policy, None)
             logits = model.compute_logits(hidden).float()
             loss = torch.nn.functional.cross_entropy(logits[:-1], scored[1:], reduction="sum")
             grads = torch.autograd.grad(loss, leaves)
     finally:
-        for p in frozen:
+        for p in trainable:
             p.requires_grad_(True)
-    return torch.stack(grads[:num_layers]).float(), torch.stack(grads[num_layers:]).float()
+    return torch.stack(grads[:num_layers]).float().cpu(), torch.stack(grads[num_layers:]).float().cpu()
 
 
 def measure_sensitivity(engine: LLMEngine, token_ids: list[int], windows: int, context_tokens: int = 1024,
