@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean redis-server
+.PHONY: demo test lint clean redis-server llama-cpp
 
 $(STAMP): pyproject.toml Makefile kvstrata/kv/kernels/paged_decode.cpp
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ redis-server:
 	@command -v redis-server >/dev/null || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+# The optional llama.cpp baseline of `kvstrata bench decode` (compiles llama.cpp: minutes).
+llama-cpp: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[llama-cpp]"
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvstrata tests

@@ -13,6 +13,7 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_factory import KV_FORMATS as KV_FORMAT_REGISTRY
 from kvstrata.kv.store.emulated_link import parse_trace
 from kvstrata.kv.store.forms import STORE_FORMS, STREAMED_LEVELS, parse_tier_forms
+from kvstrata.model.weight_format import WEIGHT_FORMATS
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,6 +47,13 @@ class EngineConfig:
     )
     device: str = field(default="cpu", metadata=_option("compute device", choices=DEVICES))
     dtype: str = field(default="float32", metadata=_option("weights and activations dtype", choices=DTYPES))
+    weights: str = field(
+        default="auto",
+        metadata=_option("form of the linear layers' weights: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks as int4 "
+                         "kernels on the CPU (exact up to bfloat16 scales; activations enter the kernel in "
+                         "bfloat16), else the dtype; fp32/bf16/fp16 dequantize; int8 (per row) and int4 (groups "
+                         "of 32) quantize at load where the checkpoint is not already so", choices=WEIGHT_FORMATS),
+    )
     kv_cache_memory: int | str = field(
         default="2GiB", metadata=_option("memory for the paged KV cache, e.g. 2GiB or 512MiB")
     )

@@ -18,7 +18,7 @@ def test_default_model_converts_once_then_loads_from_cache(monkeypatch):
         raise AssertionError("converted again")
 
     monkeypatch.setattr(loader, "convert_gguf", no_conversion)
-    loaded = loader.load_model(None, torch.device("cpu"), torch.float32)
+    loaded = loader.load_model(None, torch.device("cpu"), torch.float32, "fp32")
     assert loaded.checkpoint_dir == first
     assert loaded.config.num_layers == 30 and loaded.config.num_kv_heads == 3 and loaded.config.head_dim == 64
     assert loaded.model.lm_head.weight is loaded.model.embed_tokens.weight  # tied, stored once

@@ -41,7 +41,7 @@ def hf_tokenizer():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_memory="512MiB")
+    return LLM(kv_cache_memory="512MiB", weights="fp32")  # parity with transformers runs in fp32
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_greedy_continuation_matches_transformers(llm, hf_model, emma_512):
 @pytest.mark.parametrize("scheduler", ["sarathi", "prefill-first", "static"])
 def test_concurrent_greedy_matches_transformers_under_every_scheduler(scheduler, hf_model, llm):
     prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
-    engine = LLM(kv_cache_memory="512MiB", scheduler=scheduler, chunk_size=64)
+    engine = LLM(kv_cache_memory="512MiB", scheduler=scheduler, chunk_size=64, weights="fp32")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = engine.generate(prompts, params)
     assert max(s.num_seqs for s in engine.engine.step_stats) > 1  # the prompts really ran together
@@ -91,7 +91,7 @@ def test_preemption_keeps_greedy_output(llm):
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
     # 36 blocks of 16 tokens: enough for one 512-token request, not for all eight at once.
-    cramped = LLM(kv_cache_memory=36 * 16 * 46080, max_model_len=512)
+    cramped = LLM(kv_cache_memory=36 * 16 * 46080, max_model_len=512, weights="fp32")
     outputs = cramped.generate(prompts, params)
     assert sum(s.num_preempted for s in cramped.engine.step_stats) > 0
     assert [o.token_ids for o in outputs] == expected

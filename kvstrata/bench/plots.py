@@ -20,7 +20,7 @@ def save_figure(figure, path: Path) -> None:
 def roofline(report: dict, path: Path) -> None:
     """Achieved GFLOP/s against arithmetic intensity, under this machine's roof."""
     peak, bandwidth = report["gemm_gflops"], report["read_bandwidth_gbs"]
-    weights = report["weight_bytes"]
+    weights = report["decode_read_bytes"]
     decode, prefill = report["flops_per_token_decode"], report["flops_per_token_prefill"]
     prompt_len = report["workload"]["prompt_len"]
     # x: FLOPs per weight byte of one step; y: achieved FLOP rate.

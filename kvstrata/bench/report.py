@@ -26,7 +26,8 @@ def machine_info() -> dict:
 
 def engine_info(engine: LLMEngine) -> dict:
     """The model and every engine option of a run."""
-    return {"model": engine.loaded.name, "config": dataclasses.asdict(engine.config)}
+    return {"model": engine.loaded.name, "config": dataclasses.asdict(engine.config),
+            "weights": engine.loaded.weights_summary()}
 
 
 def sig(value: float, digits: int = 4) -> float:

@@ -1,7 +1,7 @@
 """`kvstrata bench roofline`: the engine against this machine's limits on the default model.
 
-Limits: a batch-1 decode step must stream every weight byte once, so it takes at least
-weight_bytes / bandwidth; a token needs about 2 FLOPs per weight it multiplies (plus attention),
+Limits: a batch-1 decode step must stream every weight byte once, in the form --weights gives
+them, so it takes at least decode_read_bytes / bandwidth; a token needs about 2 FLOPs per weight it multiplies (plus attention),
 so tokens/s is at most GEMM rate / FLOPs per token. The engine's measured decode step and prefill
 rate are reported as fractions of those limits (`decode_fraction`, `prefill_fraction`).
 """
@@ -16,20 +16,37 @@ import torch
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.model.config import ModelConfig
+from kvstrata.model.quantized_linear import QuantizedEmbedding
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter (a tied embedding counts once)."""
-    seen = {id(p): p for p in model.parameters()}
-    return sum(p.numel() * p.element_size() for p in seen.values())
+def _distinct_bytes(tensors) -> int:
+    seen = {id(t): t for t in tensors if t is not None}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the weights occupy, in the form --weights gave them (a tied embedding counts once)."""
+    return _distinct_bytes([*model.parameters(), *model.buffers()])
+
+
+def decode_read_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes a batch-1 decode step reads: all of them, except that an embedding stored apart
+    from the LM head (a quantized one) is read one row per token."""
+    skipped = {id(t) for m in model.modules() if isinstance(m, QuantizedEmbedding) for t in m.buffers()}
+    return _distinct_bytes([t for t in [*model.parameters(), *model.buffers()] if id(t) not in skipped])
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every linear layer, whatever form its weight takes (all have in_features and out_features)."""
+    return [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
 
 
 def flops_per_token(model: torch.nn.Module, config: ModelConfig, context_len: int, with_logits: bool) -> float:
     """2 FLOPs per multiplied weight plus attention's two products over `context_len` keys in every
     layer. The embedding lookup multiplies nothing; the LM head counts only `with_logits` (a prompt
     token mid-prefill needs no logits, and the engine computes none)."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and (with_logits or m is not model.lm_head)]
-    matmul_weights = sum(m.weight.numel() for m in linears)
+    linears = [m for m in _linears(model) if with_logits or m is not model.lm_head]
+    matmul_weights = sum(m.in_features * m.out_features for m in linears)
     attention = 2 * 2 * context_len * config.num_heads * config.head_dim * config.num_layers
     return 2 * matmul_weights + attention
 
@@ -39,7 +56,8 @@ def workload_flops(model: torch.nn.Module, config: ModelConfig, requests: int, p
     layers (at the mean context), logits only for each sampled token."""
     tokens = prompt_len + output_len
     per_token = flops_per_token(model, config, tokens // 2, with_logits=False)
-    return requests * (tokens * per_token + 2 * model.lm_head.weight.numel() * output_len)
+    head = model.lm_head.in_features * model.lm_head.out_features
+    return requests * (tokens * per_token + 2 * head * output_len)
 
 
 def measure_decode_step(engine: LLMEngine, prompt: list[int], steps: int) -> float:

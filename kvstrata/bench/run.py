@@ -5,15 +5,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import torch
+
 from kvstrata.bench import plots, sarathi
+from kvstrata.bench.decode import (
+    agreement,
+    kvstrata_decode,
+    llama_cpp_decode,
+    package_version,
+    resolve_model_file,
+    transformers_decode,
+)
 from kvstrata.bench.machine_limits import gemm_gflops, gemv_bandwidth_gbs, read_bandwidth_gbs
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.roofline import (
+    decode_read_bytes,
     flops_per_token,
     measure_concurrent_rate,
     measure_decode_step,
     measure_prefill_rate,
-    weight_bytes,
+    resident_weight_bytes,
     workload_flops,
 )
 from kvstrata.bench.throughput import run_kvstrata, run_transformers
@@ -30,7 +41,7 @@ def run_roofline(args: argparse.Namespace) -> None:
     model, config = engine.loaded.model, engine.loaded.config
     gflops, bandwidth = gemm_gflops(engine.device), read_bandwidth_gbs(engine.device)
     gemv_bandwidth = gemv_bandwidth_gbs(engine.device)
-    params_bytes = weight_bytes(model)
+    params_bytes = decode_read_bytes(model)
 
     decode_prompt = prompts_from_text(engine.tokenizer, 1, args.decode_context, args.text)[0]
     decode_step = measure_decode_step(engine, decode_prompt, args.decode_steps)
@@ -53,7 +64,8 @@ def run_roofline(args: argparse.Namespace) -> None:
         "gemm_gflops": sig(gflops),
         "read_bandwidth_gbs": sig(bandwidth),
         "gemv_bandwidth_gbs": sig(gemv_bandwidth),
-        "weight_bytes": params_bytes,
+        "decode_read_bytes": params_bytes,
+        "resident_weight_bytes": resident_weight_bytes(model),
         "flops_per_token_decode": round(decode_flops),
         "flops_per_token_prefill": round(prefill_flops),
         "decode_step_limit_ms": sig(decode_limit * 1000),
@@ -78,6 +90,37 @@ def run_roofline(args: argparse.Namespace) -> None:
         })
     if args.plot:
         plots.roofline(report, args.plot)
+    emit(report, args.json)
+
+
+def run_decode(args: argparse.Namespace) -> None:
+    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_prefix_caching=False))
+    gguf_path = resolve_model_file(engine.config.model)
+    prompt = prompts_from_text(engine.tokenizer, 1, args.context, args.text)[0]
+    seconds, tokens = kvstrata_decode(engine, prompt, args.steps)
+    report = {
+        "benchmark": "decode",
+        "machine": machine_info(),
+        **engine_info(engine),
+        "workload": {"context": args.context, "steps": args.steps, "text": str(args.text), "threads": torch.get_num_threads()},
+        "decode_read_bytes": decode_read_bytes(engine.loaded.model),
+        "resident_weight_bytes": resident_weight_bytes(engine.loaded.model),
+        "kvstrata_tokens_per_s": sig(1 / seconds),
+    }
+    baselines = {}
+    if not args.no_llama_cpp:
+        baselines["llama_cpp"] = llama_cpp_decode(gguf_path, prompt, args.steps, torch.get_num_threads())
+        report["llama_cpp_version"] = package_version("llama-cpp-python")
+    if not args.no_transformers:
+        baselines["transformers"] = transformers_decode(gguf_path, prompt, args.steps)
+    for name, result in baselines.items():
+        if result is None:
+            report[f"{name}_tokens_per_s"] = None  # not installed
+            continue
+        theirs, their_tokens = result
+        report[f"{name}_tokens_per_s"] = sig(1 / theirs)
+        report[f"ratio_to_{name}"] = sig(theirs / seconds)
+        report[f"greedy_agreement_with_{name}"] = sig(agreement(tokens, their_tokens))
     emit(report, args.json)
 
 

@@ -40,6 +40,21 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(roofline)
     add_engine_arguments(roofline)
 
+    decode = bench.add_parser(
+        "decode", help="batch-1 decode tokens/s against llama.cpp and transformers on the same GGUF file",
+        description="Greedy decoding after one prompt of --context tokens, --steps tokens: kvstrata (with the "
+                    "engine options given, e.g. --weights), llama.cpp through llama-cpp-python when it is "
+                    "installed (same GGUF file, as many threads as torch), and transformers (the GGUF dequantized "
+                    "to fp32). Reports each one's tokens/s (1 / median step), the ratios, how long the greedy "
+                    "tokens agree, and the weight bytes a decode step reads.",
+    )
+    decode.add_argument("--context", type=int, default=128, help="prompt tokens before decoding (default: 128)")
+    decode.add_argument("--steps", type=int, default=128, help="decode steps timed (default: 128)")
+    decode.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    decode.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    _add_output_flags(decode)
+    add_engine_arguments(decode)
+
     throughput = bench.add_parser(
         "throughput", help="offline workload: each scheduler against transformers generate",
         description="N requests arrive at once (prompts cut from --text, greedy, fixed seed). kvstrata runs them "
@@ -83,8 +98,9 @@ def add_bench_commands(commands) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from kvstrata.bench.run import run_roofline, run_sarathi, run_throughput
+    from kvstrata.bench.run import run_decode, run_roofline, run_sarathi, run_throughput
     from kvstrata.bench.serve import run_bench_serve
 
-    commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi}
+    commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi,
+                "decode": run_decode}
     commands[args.bench](args)

@@ -6,7 +6,6 @@ wraps them for offline use.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
@@ -34,7 +33,6 @@ from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
-from kvstrata.model.fingerprint import model_fingerprint
 from kvstrata.model.loader import LoadedModel, load_model
 
 MAX_STEP_STATS = 100_000
@@ -62,7 +60,7 @@ class LLMEngine:
         torch.set_num_threads(config.threads or os.cpu_count() or 1)
         self.device = _device(config.device)
         dtype = getattr(torch, config.dtype)
-        self.loaded = loaded or load_model(config.model, self.device, dtype)
+        self.loaded = loaded or load_model(config.model, self.device, dtype, config.weights)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)
@@ -71,7 +69,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             on_allocate=self.kv_cache.reset_blocks, write_kv=self.kv_cache.write,
-            namespace=f"{self.model_fingerprint}/{stored_form(config, dtype)}/".encode(),
+            namespace=f"{self.model_fingerprint}/{self._weights_tag()}/{stored_form(config, dtype)}/".encode(),
         )
         self.kv_cache.attach_block_pool(self.kv_manager.pool)
         self.kv_store = self._make_kv_store(dtype)  # tiers below the device pool, or None
@@ -144,10 +142,15 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    @functools.cached_property
+    @property
     def model_fingerprint(self) -> str:
-        """Identifies the weights in files made for this model (saved contexts, profiles)."""
-        return model_fingerprint(self.loaded.model, self.loaded.config)
+        """Identifies the checkpoint in files made for this model (saved contexts, profiles), whatever
+        form --weights gives its weights (a profile made in one form serves the others)."""
+        return self.loaded.fingerprint
+
+    def _weights_tag(self) -> str:
+        """The forms the linear layers run in: KV computed under one is not reused under another."""
+        return "+".join(self.loaded.weights_summary()).replace(" ", "-")
 
     @property
     def model_config(self):

@@ -1,8 +1,10 @@
 """Convert a GGUF file into a Hugging Face style checkpoint directory.
 
-Tensors are dequantized to fp32 with the `gguf` package and renamed; llama.cpp stores q and k
-projections with rows interleaved for its RoPE kernel, which is undone here. The tokenizer is
-rebuilt from the GGUF metadata by transformers' converter and saved as tokenizer.json.
+Q4_0, Q4_1 and Q8_0 tensors keep their codes and per-block scales (`GroupQuantized`, stored as
+NAME.codes / NAME.scales / NAME.offsets); other quantized types are dequantized to fp32 with the
+`gguf` package and named in config.json (`kvstrata_dequantized_gguf_types`). Tensors are renamed;
+llama.cpp stores q and k projections with rows interleaved for its RoPE kernel, which is undone
+here. The tokenizer is rebuilt from the GGUF metadata by transformers' converter.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from kvstrata.errors import KvstrataError
+from kvstrata.model.group_quantized import GroupQuantized, from_gguf_blocks
+from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
+
+KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read into GroupQuantized without loss
 
 LAYER_TENSORS = {
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -39,9 +44,10 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _undo_rope_interleave(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def _undo_rope_interleave(weight: torch.Tensor | GroupQuantized, num_heads: int):
     rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    order = torch.arange(rows).view(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
+    return weight.permute_rows(order) if isinstance(weight, GroupQuantized) else weight[order].contiguous()
 
 
 def gguf_llama_config(reader, has_output_weight: bool) -> dict:
@@ -70,24 +76,36 @@ def gguf_llama_config(reader, has_output_weight: bool) -> dict:
     }
 
 
-def gguf_llama_state_dict(reader, config: dict) -> dict[str, torch.Tensor]:
+def _read_tensor(tensor) -> torch.Tensor | GroupQuantized:
     from gguf.quants import dequantize
 
+    if tensor.tensor_type.name in KEPT_GGUF_TYPES:
+        return from_gguf_blocks(tensor.data, tensor.tensor_type.name)
+    values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    return torch.from_numpy(np.require(values, requirements=["C", "W"]))
+
+
+def gguf_llama_state_dict(reader, config: dict) -> dict[str, torch.Tensor | GroupQuantized]:
     heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
     state = {}
     for tensor in reader.tensors:
-        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         name = tensor.name
         if name in GLOBAL_TENSORS:
-            state[GLOBAL_TENSORS[name]] = torch.from_numpy(np.require(values, requirements=["C", "W"]))
+            state[GLOBAL_TENSORS[name]] = _read_tensor(tensor)
             continue
         _, layer, short = name.split(".", 2)
         if short not in LAYER_TENSORS:
             raise KvstrataError(f"unexpected tensor {name!r} in GGUF file")
+        values = _read_tensor(tensor)
         if short in heads:
             values = _undo_rope_interleave(values, heads[short])
-        state[f"model.layers.{layer}.{LAYER_TENSORS[short]}"] = torch.from_numpy(np.require(values, requirements=["C", "W"]))
+        state[f"model.layers.{layer}.{LAYER_TENSORS[short]}"] = values
     return state
+
+
+def dequantized_types(reader) -> list[str]:
+    """GGUF tensor types this converter turns into fp32 (no kernel keeps them quantized)."""
+    return sorted({t.tensor_type.name for t in reader.tensors} - set(KEPT_GGUF_TYPES) - {"F32", "F16", "BF16"})
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -100,9 +118,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise KvstrataError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     names = {t.name for t in reader.tensors}
     config = gguf_llama_config(reader, "output.weight" in names)
+    config["kvstrata_dequantized_gguf_types"] = dequantized_types(reader)
     state = gguf_llama_state_dict(reader, config)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out_dir / "model.safetensors"))
+    save_checkpoint_tensors(state, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))

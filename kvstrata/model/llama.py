@@ -13,6 +13,7 @@ from torch import nn
 from kvstrata.kv.attention_batch import AttentionBatch
 from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.model.config import ModelConfig
+from kvstrata.model.group_quantized import cat_rows
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope
 
 
@@ -101,8 +102,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     @staticmethod
-    def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-        """Rename a Hugging Face checkpoint's tensors and fuse q/k/v and gate/up."""
+    def state_dict_from_hf(hf: dict, config: ModelConfig) -> dict:
+        """Rename a Hugging Face checkpoint's tensors and fuse q/k/v and gate/up (quantized ones stay quantized)."""
         out = {
             "embed_tokens.weight": hf["model.embed_tokens.weight"],
             "norm.weight": hf["model.norm.weight"],
@@ -113,17 +114,13 @@ class LlamaForCausalLM(nn.Module):
         for i in range(config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
-            out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
-                [hf[attn + f"{p}_proj.weight"] for p in "qkv"]
-            )
+            out[dst + "self_attn.qkv_proj.weight"] = cat_rows([hf[attn + f"{p}_proj.weight"] for p in "qkv"])
             if config.attention_bias:
                 out[dst + "self_attn.qkv_proj.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
             out[dst + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
             if attn + "o_proj.bias" in hf:
                 out[dst + "self_attn.o_proj.bias"] = hf[attn + "o_proj.bias"]
-            out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-                [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
-            )
+            out[dst + "mlp.gate_up_proj.weight"] = cat_rows([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
             out[dst + "mlp.down_proj.weight"] = hf[src + "mlp.down_proj.weight"]
             out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
             out[dst + "post_attention_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]

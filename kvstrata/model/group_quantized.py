@@ -1,0 +1,93 @@
+"""A weight matrix kept as it is shipped: integer codes with one scale (and offset) per group of columns.
+
+GGUF's Q4_0, Q4_1 and Q8_0 blocks are all of this shape, 32 values a block, so they are read into
+`GroupQuantized` without loss: value = code * scale + offset (offset absent for symmetric codes).
+The loader keeps this form until it knows which kernel will run the weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class GroupQuantized:
+    codes: torch.Tensor  # [N, K]: uint8 in [0, 2**bits) (asymmetric) or int8 (symmetric)
+    scales: torch.Tensor  # [N, K / group_size] float32
+    offsets: torch.Tensor | None  # [N, K / group_size] float32, or None for symmetric codes
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rows, cols = self.codes.shape
+        grouped = self.codes.view(rows, cols // self.group_size, self.group_size).float()
+        values = grouped * self.scales.unsqueeze(-1)
+        if self.offsets is not None:
+            values = values + self.offsets.unsqueeze(-1)
+        return values.view(rows, cols).to(dtype)
+
+    def sample(self, count: int) -> torch.Tensor:
+        """The first and last `count` values of the flattened dequantized matrix (rows decoded on demand)."""
+        rows_needed = -(-count // self.codes.shape[1])
+        head = self.select_rows(slice(0, rows_needed)).dequantize().reshape(-1)[:count]
+        tail = self.select_rows(slice(-rows_needed, None)).dequantize().reshape(-1)[-count:]
+        return torch.cat([head, tail])
+
+    def select_rows(self, index) -> GroupQuantized:
+        offsets = None if self.offsets is None else self.offsets[index]
+        return GroupQuantized(self.codes[index], self.scales[index], offsets, self.bits, self.group_size)
+
+    def permute_rows(self, order: torch.Tensor) -> GroupQuantized:
+        return self.select_rows(order)
+
+
+def cat_rows(parts: list) -> torch.Tensor | GroupQuantized:
+    """Stack matrices along their output rows (fusing q/k/v or gate/up). Quantized parts stay
+    quantized when they share their layout; any mix falls back to float32."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    first = parts[0]
+    same = all(isinstance(p, GroupQuantized) and (p.bits, p.group_size, p.offsets is None)
+               == (first.bits, first.group_size, first.offsets is None) for p in parts)
+    if not same:
+        return torch.cat([p.dequantize() if isinstance(p, GroupQuantized) else p.float() for p in parts])
+    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
+    return GroupQuantized(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), offsets,
+                          first.bits, first.group_size)
+
+
+# GGUF block layouts (ggml): Q4_0 = fp16 d + 16 bytes of nibbles, value d * (q - 8); Q4_1 = fp16 d,
+# fp16 m + 16 bytes, value d * q + m; Q8_0 = fp16 d + 32 int8, value d * q. In a 4-bit block, byte j
+# holds value j in its low nibble and value j + 16 in its high nibble.
+GGUF_BLOCK = 32
+
+
+def _nibbles(block_bytes: np.ndarray) -> np.ndarray:
+    low, high = block_bytes & 0x0F, block_bytes >> 4
+    return np.concatenate([low, high], axis=-1)
+
+
+def from_gguf_blocks(raw: np.ndarray, type_name: str) -> GroupQuantized:
+    """Read a GGUF tensor's raw rows ([N, row bytes] uint8) of type Q4_0, Q4_1 or Q8_0."""
+    header = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[type_name]
+    payload = 32 if type_name == "Q8_0" else 16
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, header + payload)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q8_0":
+        codes = blocks[..., header:].copy().view(np.int8).reshape(rows, -1)
+        return GroupQuantized(torch.from_numpy(codes), torch.from_numpy(d), None, 8, GGUF_BLOCK)
+    codes = _nibbles(blocks[..., header:]).reshape(rows, -1)
+    if type_name == "Q4_1":
+        offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:  # Q4_0: d * (q - 8) = d * q - 8 d
+        offsets = -8.0 * d
+    return GroupQuantized(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d),
+                          torch.from_numpy(offsets), 4, GGUF_BLOCK)

@@ -1,0 +1,161 @@
+"""--weights: GGUF blocks read exactly, int4/int8 kernels against dequantized references, and a
+group-quantized checkpoint loaded in every weight format."""
+
+import json
+import logging
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.errors import KvstrataError
+from kvstrata.model.group_quantized import from_gguf_blocks
+from kvstrata.model.loader import load_model
+from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
+from kvstrata.model.quantized_linear import Int4Linear, Int8Linear, group_quantize
+from kvstrata.model.weight_format import check_weight_format
+from tests.helpers import prefill_in_chunks
+
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+# The kernels take bfloat16 activations and bfloat16 (scale, zero) pairs: about 3 significant
+# digits, so a product's error is a few parts in a thousand of its size.
+KERNEL_RELATIVE_ERROR = 1e-2
+
+
+def _gguf_quantized(weight: torch.Tensor, type_name: str):
+    raw = quantize(weight.numpy(), gguf.GGMLQuantizationType[type_name])
+    return raw, from_gguf_blocks(raw, type_name)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_blocks_are_read_exactly(type_name):
+    weight = torch.randn(48, 96) * 0.05
+    raw, read = _gguf_quantized(weight, type_name)
+    want = dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    assert np.array_equal(read.dequantize().numpy(), want)
+    assert read.group_size == 32 and read.bits == (8 if type_name == "Q8_0" else 4)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_int4_kernel_matches_the_dequantized_weight(type_name):
+    torch.manual_seed(0)
+    _, read = _gguf_quantized(torch.randn(80, 128) * 0.05, type_name)
+    bias = torch.randn(80) * 0.01
+    linear = Int4Linear(read, bias)
+    assert linear.planes == (2 if type_name == "Q8_0" else 1)  # Q8_0 runs as two exact int4 planes
+    x = torch.randn(5, 128)
+    want = F.linear(x, read.dequantize(), bias)
+    assert _relative_error(linear(x), want) < KERNEL_RELATIVE_ERROR
+    assert linear(x.view(5, 1, 128)).shape == (5, 1, 80)
+
+
+def test_q8_as_two_planes_is_far_closer_than_requantizing_to_four_bits():
+    torch.manual_seed(1)
+    _, read = _gguf_quantized(torch.randn(64, 256) * 0.05, "Q8_0")
+    x = torch.randn(8, 256)
+    want = F.linear(x, read.dequantize())
+    planes = _relative_error(Int4Linear(read, None)(x), want)
+    four_bit = _relative_error(Int4Linear(group_quantize(read.dequantize(), 4, 32), None)(x), want)
+    assert planes < four_bit / 5
+
+
+def test_group_quantize_rounds_within_half_a_step():
+    weight = torch.randn(16, 64)
+    quantized = group_quantize(weight, 4, 32)
+    error = (quantized.dequantize() - weight).abs().view(16, 2, 32)
+    assert (error <= quantized.scales.unsqueeze(-1) / 2 + 1e-6).all()
+
+
+def test_int8_linear_matches_its_per_row_reference():
+    torch.manual_seed(2)
+    weight, bias = torch.randn(40, 96) * 0.05, torch.randn(40) * 0.01
+    linear = Int8Linear(weight, bias)
+    x = torch.randn(3, 96)
+    reference = linear.codes.float() * linear.scales.float()[:, None]
+    assert _relative_error(linear(x), F.linear(x, reference, bias)) < KERNEL_RELATIVE_ERROR
+    assert _relative_error(linear(x), F.linear(x, weight, bias)) < 2 * KERNEL_RELATIVE_ERROR
+
+
+def test_unknown_or_unsupported_weight_formats_are_refused():
+    with pytest.raises(KvstrataError, match="int3.*auto, fp32, bf16, fp16, int8, int4"):
+        check_weight_format("int3", torch.device("cpu"))
+    with pytest.raises(KvstrataError, match="--weights int4 runs on torch's CPU kernels only"):
+        check_weight_format("int4", torch.device("cuda"))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_style(tiny_llama, tmp_path_factory):
+    """The tiny Llama with its linear layers as Q4_1 blocks and its embeddings as Q8_0, as a GGUF
+    checkpoint converts."""
+    directory = tmp_path_factory.mktemp("tiny-gguf-style")
+    for file in tiny_llama.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, directory / file.name)
+    state = {}
+    for name, tensor in load_file(str(tiny_llama / "model.safetensors")).items():
+        if tensor.dim() == 2:
+            kind = "Q8_0" if "embed" in name or "lm_head" in name else "Q4_1"
+            state[name] = _gguf_quantized(tensor, kind)[1]
+        else:
+            state[name] = tensor
+    save_checkpoint_tensors(state, directory / "model.safetensors")
+    return directory
+
+
+def test_auto_keeps_gguf_blocks_as_int4_kernels(tiny_gguf_style):
+    auto = load_model(str(tiny_gguf_style), torch.device("cpu"), torch.float32, "auto")
+    assert auto.weights_summary() == {"int4": 12, "int8 as two int4 planes": 1}
+    fp32 = load_model(str(tiny_gguf_style), torch.device("cpu"), torch.float32, "fp32")
+    assert fp32.weights_summary() == {"float32": 13}
+    assert auto.fingerprint == fp32.fingerprint  # one checkpoint, one fingerprint, whatever the form
+
+
+def _logits(directory, weights: str) -> torch.Tensor:
+    engine = LLM(str(directory), weights=weights, kv_cache_memory="8MiB").engine
+    return prefill_in_chunks(engine, list(range(3, 67)), chunk=24)[0]
+
+
+# Relative logit error against the fp32-dequantized weights: auto and bf16 keep the checkpoint's
+# values (bf16 rounding only); int4 re-quantizes the Q8_0 head to 4 bits and int8 every layer per row.
+@pytest.mark.parametrize(("weights", "bound", "agreement"),
+                         [("auto", 0.02, 0.95), ("bf16", 0.02, 0.95), ("int8", 0.05, 0.9), ("int4", 0.15, 0.75)])
+def test_every_weight_format_stays_near_the_fp32_logits(tiny_gguf_style, weights, bound, agreement):
+    want = _logits(tiny_gguf_style, "fp32")
+    got = _logits(tiny_gguf_style, weights)
+    assert _relative_error(got, want) < bound
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= agreement
+
+
+def test_kernel_weights_generate_greedily_like_fp32(tiny_gguf_style):
+    prompts = [[5, 6, 7, 8], [40, 41, 42]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = {w: [o.token_ids for o in LLM(str(tiny_gguf_style), weights=w, kv_cache_memory="8MiB").generate(prompts, params)]
+            for w in ("fp32", "auto")}
+    assert runs["auto"] == runs["fp32"]
+
+
+def test_prefix_cache_keys_name_the_weight_form(tiny_gguf_style):
+    auto = LLM(str(tiny_gguf_style), weights="auto", kv_cache_memory="8MiB").engine.kv_manager.namespace
+    fp32 = LLM(str(tiny_gguf_style), weights="fp32", kv_cache_memory="8MiB").engine.kv_manager.namespace
+    assert auto != fp32 and b"int4" in auto
+
+
+def test_gguf_types_without_a_kernel_are_named_when_loading(tiny_llama, tmp_path, caplog):
+    directory = tmp_path / "k-quants"
+    shutil.copytree(tiny_llama, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "kvstrata_dequantized_gguf_types": ["Q6_K"]}))
+    with caplog.at_level(logging.WARNING, logger="kvstrata.model"):
+        loaded = load_model(str(directory), torch.device("cpu"), torch.float32, "auto")
+    assert "Q6_K have no kernel here" in caplog.text
+    assert loaded.weights_summary() == {"float32": 13}
