@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvstrata.bench.report import machine_info
 from kvstrata.bench.step_timer import StepTimer
+from kvstrata.bench.transformers_model import transformers_model
 from kvstrata.bench.workload import prompts_from_text
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
@@ -44,9 +45,7 @@ def kvstrata_step(engine: LLMEngine, prompts: list[list[int]], context: int) -> 
 
 @torch.inference_mode()
 def transformers_step(engine: LLMEngine, prompts: list[list[int]], context: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(engine.loaded.checkpoint_dir), dtype=torch.float32).eval()
+    model = transformers_model(engine.loaded.source)
     ids = torch.tensor([p[:context] for p in prompts])
     cache = model(ids, use_cache=True).past_key_values
     step_ids = torch.tensor([[p[context]] for p in prompts])

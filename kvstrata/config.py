@@ -54,6 +54,12 @@ class EngineConfig:
                          "bfloat16), else the dtype; fp32/bf16/fp16 dequantize; int8 (per row) and int4 (groups "
                          "of 32) quantize at load where the checkpoint is not already so", choices=WEIGHT_FORMATS),
     )
+    compile: bool = field(
+        default=False,
+        metadata=_option("compile every layer's dense parts (norms, projections, RoPE, MLP) with torch.compile; "
+                         "attention stays eager. Llama-family models. The first steps pay the compile (about 25 s "
+                         "on 2 CPU cores), later runs reuse torch's on-disk cache"),
+    )
     kv_cache_memory: int | str = field(
         default="2GiB", metadata=_option("memory for the paged KV cache, e.g. 2GiB or 512MiB")
     )

@@ -29,6 +29,34 @@ def test_roofline(tiny_llama, tmp_path, capsys):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_roofline_counts_the_bytes_the_weight_form_reads(tiny_llama, capsys):
+    argv = ["bench", "roofline", "--model", str(tiny_llama), *TINY, "--prompt-len", "16", "--decode-context", "8",
+            "--decode-steps", "2", "--concurrent", "0", "--json"]
+    fp32 = run_json(capsys, *argv, "--weights", "fp32")
+    int4 = run_json(capsys, *argv, "--weights", "int4")
+    assert int4["weights"] == {"int4": 13} and fp32["weights"] == {"float32": 13}
+    # 4-bit codes plus a bfloat16 (scale, zero) per 32 values: 0.625 of a byte per weight, against 4.
+    assert int4["decode_read_bytes"] < 0.4 * fp32["decode_read_bytes"]
+    assert int4["flops_per_token_decode"] == fp32["flops_per_token_decode"]
+
+
+@pytest.mark.real_model
+def test_decode_against_the_baselines_on_the_default_gguf(capsys):
+    report = run_json(capsys, "bench", "decode", "--context", "32", "--steps", "4", "--no-llama-cpp", "--json",
+                      "--kv-cache-memory", "64MiB", "--max-model-len", "512")
+    assert report["weights"] == {"int4": 120, "int8 as two int4 planes": 1}
+    assert report["kvstrata_tokens_per_s"] > 0 and report["transformers_tokens_per_s"] > 0
+    assert report["ratio_to_transformers"] == pytest.approx(
+        report["kvstrata_tokens_per_s"] / report["transformers_tokens_per_s"], rel=0.01)
+    assert 0 <= report["greedy_agreement_with_transformers"] <= 1
+    assert report["resident_weight_bytes"] < 0.3 * 538_060_032  # the fp32-dequantized model's bytes
+
+
+def test_decode_needs_a_gguf_file(tiny_llama, capsys):
+    assert main(["bench", "decode", "--model", str(tiny_llama), *TINY, "--steps", "2"]) == 2
+    assert "is not a .gguf file" in capsys.readouterr().err
+
+
 def test_throughput(tiny_llama, tmp_path, capsys):
     plot = tmp_path / "throughput.png"
     report = run_json(capsys, "bench", "throughput", "--model", str(tiny_llama), *TINY, "--requests", "5",

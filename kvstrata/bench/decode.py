@@ -16,18 +16,17 @@ from pathlib import Path
 
 import torch
 
+from kvstrata.bench.transformers_model import transformers_model
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
-from kvstrata.model.loader import default_model_path
 
 
-def resolve_model_file(model: str | None) -> Path:
-    """The GGUF file all three read: --model, or the default model's."""
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if path.suffix != ".gguf":
-        raise KvstrataError(f"bench decode compares engines on one GGUF file; --model {model!r} is not a .gguf file")
-    return path
+def gguf_file(source: Path) -> Path:
+    """The GGUF file all three read (the engine's --model)."""
+    if source.suffix != ".gguf":
+        raise KvstrataError(f"bench decode compares engines on one GGUF file; --model {str(source)!r} is not a .gguf file")
+    return source
 
 
 def package_version(name: str) -> str | None:
@@ -68,10 +67,7 @@ def llama_cpp_decode(gguf_path: Path, prompt: list[int], steps: int, threads: in
 
 def transformers_decode(gguf_path: Path, prompt: list[int], steps: int) -> tuple[float, list[int]]:
     """The same for transformers: its model in fp32 and its own KV cache, one token per forward call."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 dtype=torch.float32).eval()
+    model = transformers_model(gguf_path)
     with torch.inference_mode():
         out = model(torch.tensor([prompt]), use_cache=True)
         token = out.logits[0, -1].argmax()

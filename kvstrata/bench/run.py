@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 
 import torch
 
 from kvstrata.bench import plots, sarathi
 from kvstrata.bench.decode import (
     agreement,
+    gguf_file,
     kvstrata_decode,
     llama_cpp_decode,
     package_version,
-    resolve_model_file,
     transformers_decode,
 )
 from kvstrata.bench.machine_limits import gemm_gflops, gemv_bandwidth_gbs, read_bandwidth_gbs
@@ -95,8 +96,11 @@ def run_roofline(args: argparse.Namespace) -> None:
 
 def run_decode(args: argparse.Namespace) -> None:
     engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_prefix_caching=False))
-    gguf_path = resolve_model_file(engine.config.model)
+    gguf_path = gguf_file(engine.loaded.source)
     prompt = prompts_from_text(engine.tokenizer, 1, args.context, args.text)[0]
+    warmup_start = time.perf_counter()  # a short run first: under --compile it pays the compile
+    kvstrata_decode(engine, prompt, 8)
+    warmup = time.perf_counter() - warmup_start
     seconds, tokens = kvstrata_decode(engine, prompt, args.steps)
     report = {
         "benchmark": "decode",
@@ -105,6 +109,7 @@ def run_decode(args: argparse.Namespace) -> None:
         "workload": {"context": args.context, "steps": args.steps, "text": str(args.text), "threads": torch.get_num_threads()},
         "decode_read_bytes": decode_read_bytes(engine.loaded.model),
         "resident_weight_bytes": resident_weight_bytes(engine.loaded.model),
+        "kvstrata_warmup_s": sig(warmup),
         "kvstrata_tokens_per_s": sig(1 / seconds),
     }
     baselines = {}

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from kvstrata.bench.memory import peak_rss
 from kvstrata.bench.stats import summarize
+from kvstrata.bench.transformers_model import transformers_model
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
@@ -64,9 +65,9 @@ def run_kvstrata(config: EngineConfig, loaded: LoadedModel, requests: Requests) 
 
 def run_transformers(loaded: LoadedModel, requests: Requests, batch_size: int) -> dict:
     """`generate` on the same weights, greedy, in left-padded batches of `batch_size` (in arrival order)."""
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor, LogitsProcessorList
 
-    model = AutoModelForCausalLM.from_pretrained(str(loaded.checkpoint_dir), dtype=torch.float32).eval()
+    model = transformers_model(loaded.source)
     pad = loaded.config.eos_token_id if isinstance(loaded.config.eos_token_id, int) else 0
 
     class StepClock(LogitsProcessor):

@@ -61,6 +61,8 @@ class LLMEngine:
         self.device = _device(config.device)
         dtype = getattr(torch, config.dtype)
         self.loaded = loaded or load_model(config.model, self.device, dtype, config.weights)
+        if config.compile:
+            self._compile_model()
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)
@@ -141,6 +143,12 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    def _compile_model(self) -> None:
+        model = self.loaded.model
+        if not hasattr(model, "compile_dense_parts"):
+            raise KvstrataError(f"--compile supports Llama-family models, not {self.loaded.config.architecture}")
+        model.compile_dense_parts()
 
     @property
     def model_fingerprint(self) -> str:

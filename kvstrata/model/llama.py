@@ -6,6 +6,8 @@ KV policy, which knows which tokens belong to which sequence.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +32,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v and output projections; the attention itself runs through the KV policy."""
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -41,15 +45,6 @@ class LlamaAttention(nn.Module):
         # Llama's attention_bias covers the output projection too; Qwen2's does not.
         output_bias = config.attention_bias and config.architecture != "qwen2"
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=output_bias)
-
-    def forward(self, x, cos, sin, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = kv.attention(self.layer, q, k, v, batch)
-        return self.o_proj(out.reshape(tokens, -1))
 
 
 class LlamaMLP(nn.Module):
@@ -64,6 +59,23 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def before_attention(layer: LlamaDecoderLayer, x, cos, sin):
+    """The layer's normed input and its q, k (rotated) and v: the dense work up to attention."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    tokens = h.shape[0]
+    q, k, v = attn.qkv_proj(h).split(attn.split_sizes, dim=-1)
+    q = apply_rope(q.view(tokens, attn.num_heads, attn.head_dim), cos, sin)
+    k = apply_rope(k.view(tokens, attn.num_kv_heads, attn.head_dim), cos, sin)
+    return h, q, k, v.view(tokens, attn.num_kv_heads, attn.head_dim)
+
+
+def after_attention(layer: LlamaDecoderLayer, x, attended):
+    """Output projection, residual, MLP and residual: the dense work after attention."""
+    x = x + layer.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -72,12 +84,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config)
+        # The dense parts, replaced by compiled versions under --compile; attention stays eager.
+        self.dense_parts = (before_attention, after_attention)
 
     def forward(self, x, cos, sin, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        before, after = self.dense_parts
+        h, q, k, v = before(self, x, cos, sin)
         kv.on_layer_input(self.layer, h, batch)
-        x = x + self.self_attn(h, cos, sin, kv, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return after(self, x, kv.attention(self.layer, q, k, v, batch))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -100,6 +114,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def compile_dense_parts(self) -> None:
+        """Compile every layer's dense parts (one graph shared by all layers; torch makes the token
+        count dynamic at the first new shape, so batches of any size reuse it)."""
+        compiled = (CompiledOrEager(before_attention), CompiledOrEager(after_attention))
+        for layer in self.layers:
+            layer.dense_parts = compiled
 
     @staticmethod
     def state_dict_from_hf(hf: dict, config: ModelConfig) -> dict:
@@ -125,3 +146,20 @@ class LlamaForCausalLM(nn.Module):
             out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
             out[dst + "post_attention_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
         return out
+
+
+class CompiledOrEager:
+    """`fn` through torch.compile, or eager (with one warning) where the compiler cannot build it,
+    e.g. a machine without a C++ compiler."""
+
+    def __init__(self, fn):
+        self.eager, self.compiled = fn, torch.compile(fn)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except torch._dynamo.exc.BackendCompilerFailed as exc:
+                warnings.warn(f"torch.compile failed ({exc}); running {self.eager.__name__} eager", stacklevel=2)
+                self.compiled = None
+        return self.eager(*args)

@@ -46,6 +46,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     checkpoint_dir: Path
     name: str
+    source: Path  # what the user named: a GGUF file (converted into checkpoint_dir) or checkpoint_dir itself
     fingerprint: str  # of the checkpoint's weights, whatever form --weights gives them
     weight_kinds: dict[str, str]  # module name -> the form its weight runs in, for every linear layer
 
@@ -96,9 +97,14 @@ def converted_checkpoint(gguf_path: Path) -> Path:
     return target
 
 
+def model_source(model: str | None) -> Path:
+    """The file or directory a model argument names; None means the default model's GGUF file."""
+    return default_model_path() if model is None else Path(model).expanduser()
+
+
 def resolve_checkpoint(model: str | None) -> tuple[Path, str]:
     """(checkpoint directory, display name) for a model argument; None means the default model."""
-    path = default_model_path() if model is None else Path(model).expanduser()
+    path = model_source(model)
     if not path.exists():
         raise KvstrataError(f"model path {str(path)!r} does not exist; give a .gguf file or a checkpoint directory")
     if path.is_file():
@@ -195,5 +201,6 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, weig
     if config.tie_word_embeddings and not built.keys() & {"lm_head", "embed_tokens"}:
         network.lm_head.weight = network.embed_tokens.weight
     kinds = {n: module_kind(network.get_submodule(n), dtype) for n in linear_names}
-    return LoadedModel(network, config, Tokenizer.from_directory(checkpoint), checkpoint, name, fingerprint, kinds)
+    return LoadedModel(network, config, Tokenizer.from_directory(checkpoint), checkpoint, name, model_source(model),
+                       fingerprint, kinds)
 

@@ -70,9 +70,10 @@ class Int4Linear(nn.Module):
         out = None
         for index in range(self.planes):
             plane = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat, getattr(self, f"packed{index}"), self.group_size, getattr(self, f"scale_zero{index}"))
-            out = plane.float() if out is None else out + plane.float()
-        out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+                flat, getattr(self, f"packed{index}"), self.group_size, getattr(self, f"scale_zero{index}")
+            ).to(x.dtype)
+            out = plane if out is None else out + plane
+        out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
 
