@@ -1,6 +1,7 @@
-"""Where a batch-32 decode step spends its time: kvstrata's paged cache against transformers.
+"""Where a decode step spends its time: kvstrata's paged cache against transformers.
 
     .venv/bin/python -m benchmarks.profile_decode --batch 32 --context 320
+    .venv/bin/python -m benchmarks.profile_decode --batch 1 --context 128 --weights auto
 
 Both run the default model's decode step for `batch` sequences at `context` tokens of context,
 under torch.profiler; prints one JSON document with the step time and the top operators of each.
@@ -70,8 +71,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=320)
+    parser.add_argument("--weights", default="fp32", help="kvstrata's --weights (default: fp32, transformers' form)")
+    parser.add_argument("--compile", action="store_true", help="kvstrata's --compile")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(enable_prefix_caching=False, weights=args.weights, compile=args.compile))
     prompts = prompts_from_text(engine.tokenizer, args.batch, args.context + 1)
     print(json.dumps({
         "benchmark": "profile_decode",

@@ -47,7 +47,7 @@ def _field(reader, key: str, default=None):
 def _undo_rope_interleave(weight: torch.Tensor | GroupQuantized, num_heads: int):
     rows = weight.shape[0]
     order = torch.arange(rows).view(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
-    return weight.permute_rows(order) if isinstance(weight, GroupQuantized) else weight[order].contiguous()
+    return weight.select_rows(order) if isinstance(weight, GroupQuantized) else weight[order].contiguous()
 
 
 def gguf_llama_config(reader, has_output_weight: bool) -> dict:

@@ -44,9 +44,6 @@ class GroupQuantized:
         offsets = None if self.offsets is None else self.offsets[index]
         return GroupQuantized(self.codes[index], self.scales[index], offsets, self.bits, self.group_size)
 
-    def permute_rows(self, order: torch.Tensor) -> GroupQuantized:
-        return self.select_rows(order)
-
 
 def cat_rows(parts: list) -> torch.Tensor | GroupQuantized:
     """Stack matrices along their output rows (fusing q/k/v or gate/up). Quantized parts stay

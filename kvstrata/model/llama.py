@@ -26,9 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Normalized in float32 whatever the dtype (one fused op), scaled in the dtype, as transformers does.
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class LlamaAttention(nn.Module):

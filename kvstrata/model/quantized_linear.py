@@ -53,8 +53,9 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
-        self.planes = len(_int4_planes(weight))
-        for index, (codes, scale_zero) in enumerate(_int4_planes(weight)):
+        planes = _int4_planes(weight)
+        self.planes = len(planes)
+        for index, (codes, scale_zero) in enumerate(planes):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
             # The kernel wants (scale, zero) as [K / group, N, 2].
             self.register_buffer(f"packed{index}", packed)

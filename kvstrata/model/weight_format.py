@@ -38,7 +38,7 @@ def _exact_int4(weight) -> bool:
             and ((weight.bits == 4 and weight.offsets is not None) or (weight.bits == 8 and weight.offsets is None)))
 
 
-def _dense(weight) -> torch.Tensor:
+def dense_weight(weight) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, GroupQuantized) else weight
 
 
@@ -51,12 +51,12 @@ def build_linear(weight, bias, weights: str, device: torch.device, dtype: torch.
         return None
     if weights == "int4":
         exact = _exact_int4(weight) and weight.bits == 4
-        return Int4Linear(weight if exact else group_quantize(_dense(weight), 4, INT4_GROUP_SIZE), bias)
+        return Int4Linear(weight if exact else group_quantize(dense_weight(weight), 4, INT4_GROUP_SIZE), bias)
     if weights == "int8":
-        return Int8Linear(_dense(weight), bias)
+        return Int8Linear(dense_weight(weight), bias)
     if FLOAT_FORMATS[weights] == dtype:
         return None
-    return CastLinear(_dense(weight).to(FLOAT_FORMATS[weights]), bias).to(device)
+    return CastLinear(dense_weight(weight).to(FLOAT_FORMATS[weights]), bias).to(device)
 
 
 def build_embedding(weight, weights: str, device: torch.device, dtype: torch.dtype) -> nn.Module | None:
