@@ -30,7 +30,12 @@ def top_ops(prof, steps: int, rows: int = 8) -> list[dict]:
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     return [{"op": e.key, "ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 2),
-             "share": round(e.self_cpu_time_total / total, 3)} for e in events]
+             "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": round(e.count / steps)}
+            for e in events]
+
+
+def op_calls_per_step(prof, steps: int) -> int:
+    return round(sum(e.count for e in prof.key_averages()) / steps)
 
 
 def kvstrata_step(engine: LLMEngine, prompts: list[list[int]], context: int) -> dict:
@@ -41,7 +46,8 @@ def kvstrata_step(engine: LLMEngine, prompts: list[list[int]], context: int) -> 
         for _ in range(STEPS):
             timer._run(work)
     timer.release()
-    return {"step_ms": round(seconds * 1000, 1), "top_ops": top_ops(prof, STEPS)}
+    return {"step_ms": round(seconds * 1000, 1), "op_calls_per_step": op_calls_per_step(prof, STEPS),
+            "top_ops": top_ops(prof, STEPS)}
 
 
 @torch.inference_mode()
@@ -63,7 +69,7 @@ def transformers_step(engine: LLMEngine, prompts: list[list[int]], context: int)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(STEPS):
             step()
-    return {"step_ms": round(sorted(times[1:])[STEPS // 2] * 1000, 1),
+    return {"step_ms": round(sorted(times[1:])[STEPS // 2] * 1000, 1), "op_calls_per_step": op_calls_per_step(prof, STEPS),
             "top_ops": top_ops(prof, STEPS)}
 
 

@@ -159,3 +159,13 @@ def test_gguf_types_without_a_kernel_are_named_when_loading(tiny_llama, tmp_path
         loaded = load_model(str(directory), torch.device("cpu"), torch.float32, "auto")
     assert "Q6_K have no kernel here" in caplog.text
     assert loaded.weights_summary() == {"float32": 13}
+
+
+def test_the_converter_names_the_gguf_types_it_dequantizes():
+    from types import SimpleNamespace
+
+    from kvstrata.model.gguf_convert import dequantized_types
+
+    tensor = lambda kind: SimpleNamespace(tensor_type=SimpleNamespace(name=kind))
+    reader = SimpleNamespace(tensors=[tensor(k) for k in ("Q4_1", "F32", "Q6_K", "Q8_0", "Q4_K", "Q6_K", "F16")])
+    assert dequantized_types(reader) == ["Q4_K", "Q6_K"]
