@@ -169,3 +169,11 @@ def test_the_converter_names_the_gguf_types_it_dequantizes():
     tensor = lambda kind: SimpleNamespace(tensor_type=SimpleNamespace(name=kind))
     reader = SimpleNamespace(tensors=[tensor(k) for k in ("Q4_1", "F32", "Q6_K", "Q8_0", "Q4_K", "Q6_K", "F16")])
     assert dequantized_types(reader) == ["Q4_K", "Q6_K"]
+
+
+def test_sensitivity_needs_float_weights_and_says_so(tiny_gguf_style):
+    from kvstrata.cachegen.sensitivity import context_gradients
+
+    engine = LLM(str(tiny_gguf_style), weights="auto", kv_cache_memory="8MiB").engine
+    with pytest.raises(KvstrataError, match="sensitivity needs float weights"):
+        context_gradients(engine, list(range(3, 40)), 30)

@@ -58,8 +58,11 @@ def context_gradients(engine: LLMEngine, token_ids: list[int], context_tokens: i
     if not 0 < context_tokens < len(token_ids) - 1:
         raise KvstrataError(f"context_tokens must leave at least two scored tokens; got {context_tokens} of "
                             f"{len(token_ids)}")
-    k, v = compute_kv(engine, token_ids[:context_tokens])
     model = engine.runner.model
+    if any(getattr(m, "kind", "").startswith("int") for m in model.modules()):
+        raise KvstrataError("sensitivity needs float weights (e.g. --weights fp32): torch's int4/int8 kernels have "
+                            "no gradient; the profile is keyed by the checkpoint, so it serves every weight form")
+    k, v = compute_kv(engine, token_ids[:context_tokens])
     weight = next(model.parameters())
     leaves = [x[layer].to(weight.device, weight.dtype).clone().requires_grad_()
               for x in (k, v) for layer in range(x.shape[0])]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,7 +47,9 @@ def add_calibrate_commands(commands) -> None:
     cachegen = calibrate.add_parser(
         "cachegen", help="profile CacheGen's coder models for a model",
         description="Run windows of --text through the model, fit each (layer, channel)'s anchor differences and "
-                    "measure how much an error in each costs the tokens after it.",
+                    "measure how much an error in each costs the tokens after it. Runs the model with fp32 weights "
+                    "unless a float --weights is given (the measure takes gradients, which the int4/int8 kernels lack); "
+                    "the profile is keyed by the checkpoint, so it serves every weight form.",
     )
     cachegen.add_argument("--text", type=Path, required=True, help="UTF-8 calibration text")
     cachegen.add_argument("--out", type=Path, required=True, help="the profile file to write")
@@ -114,8 +117,12 @@ def run_calibrate(args: argparse.Namespace) -> None:
     from kvstrata.bench.workload import read_text
     from kvstrata.cachegen.profile import calibrate
     from kvstrata.engine.llm_engine import LLMEngine
+    from kvstrata.model.weight_format import FLOAT_FORMATS
 
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if config.weights not in FLOAT_FORMATS:  # the sensitivity's gradients need float weights
+        config = dataclasses.replace(config, weights="fp32")
+    engine = LLMEngine(config)
     if engine.tokenizer is None:
         raise KvstrataError("calibration needs a model with a tokenizer")
     profile = calibrate(engine, engine.tokenize(read_text(args.text)), args.windows, args.window_tokens,
