@@ -57,8 +57,9 @@ class EngineConfig:
     compile: bool = field(
         default=False,
         metadata=_option("compile every layer's dense parts (norms, projections, RoPE, MLP) with torch.compile; "
-                         "attention stays eager. Llama-family models. The first steps pay the compile (about 25 s "
-                         "on 2 CPU cores), later runs reuse torch's on-disk cache"),
+                         "attention stays eager. Llama-family models. The first steps pay the compile (22 s on 2 CPU "
+                         "cores with an empty cache, 2.6 s when torch's on-disk cache holds it: `kvstrata bench "
+                         "decode --compile`, kvstrata_warmup_s)"),
     )
     kv_cache_memory: int | str = field(
         default="2GiB", metadata=_option("memory for the paged KV cache, e.g. 2GiB or 512MiB")

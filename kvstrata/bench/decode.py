@@ -1,4 +1,4 @@
-"""`kvstrata bench decode`: batch-1 decode speed against llama.cpp and transformers on the same GGUF file.
+"""The baselines of `kvstrata bench decode` (llama.cpp, transformers) on the GGUF file the engine reads.
 
 Each runs greedy decoding after the same prompt; a step's time is the time from one new token to
 the next, and the reported rate is 1 / the median step. llama.cpp runs through llama-cpp-python
@@ -17,8 +17,6 @@ from pathlib import Path
 import torch
 
 from kvstrata.bench.transformers_model import transformers_model
-from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
 
 
@@ -36,20 +34,9 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def kvstrata_decode(engine: LLMEngine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
-    """(median seconds per decode step, the greedy tokens) of one request."""
-    engine.step_stats.clear()
-    request = engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            tokens = list(output.token_ids)
-    engine.abort(request)
-    return statistics.median(s.seconds for s in engine.step_stats if s.prefill_tokens == 0), tokens
-
-
 def llama_cpp_decode(gguf_path: Path, prompt: list[int], steps: int, threads: int) -> tuple[float, list[int]] | None:
-    """The same for llama.cpp, or None when llama-cpp-python is not installed."""
+    """(median seconds per decode step, the greedy tokens) of llama.cpp, or None when llama-cpp-python is
+    not installed."""
     try:
         from llama_cpp import Llama
     except ImportError:

@@ -60,14 +60,16 @@ def workload_flops(model: torch.nn.Module, config: ModelConfig, requests: int, p
     return requests * (tokens * per_token + 2 * head * output_len)
 
 
-def measure_decode_step(engine: LLMEngine, prompt: list[int], steps: int) -> float:
-    """Median seconds of a batch-1 decode step after `prompt`."""
+def measure_decode_step(engine: LLMEngine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
+    """(median seconds of a batch-1 decode step after `prompt`, the greedy tokens of the request)."""
     engine.step_stats.clear()
     request = engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
     while engine.has_unfinished_requests():
-        engine.step()
+        for output in engine.step():
+            tokens = list(output.token_ids)
     engine.abort(request)
-    return statistics.median(s.seconds for s in engine.step_stats if s.prefill_tokens == 0)
+    return statistics.median(s.seconds for s in engine.step_stats if s.prefill_tokens == 0), tokens
 
 
 def measure_prefill_rate(engine: LLMEngine, prompts: list[list[int]]) -> float:

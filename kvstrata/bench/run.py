@@ -12,7 +12,6 @@ from kvstrata.bench import plots, sarathi
 from kvstrata.bench.decode import (
     agreement,
     gguf_file,
-    kvstrata_decode,
     llama_cpp_decode,
     package_version,
     transformers_decode,
@@ -45,7 +44,7 @@ def run_roofline(args: argparse.Namespace) -> None:
     params_bytes = decode_read_bytes(model)
 
     decode_prompt = prompts_from_text(engine.tokenizer, 1, args.decode_context, args.text)[0]
-    decode_step = measure_decode_step(engine, decode_prompt, args.decode_steps)
+    decode_step, _ = measure_decode_step(engine, decode_prompt, args.decode_steps)
     decode_limit = params_bytes / (bandwidth * 1e9)
     decode_flops = flops_per_token(model, config, args.decode_context, with_logits=True)
 
@@ -99,9 +98,9 @@ def run_decode(args: argparse.Namespace) -> None:
     gguf_path = gguf_file(engine.loaded.source)
     prompt = prompts_from_text(engine.tokenizer, 1, args.context, args.text)[0]
     warmup_start = time.perf_counter()  # a short run first: under --compile it pays the compile
-    kvstrata_decode(engine, prompt, 8)
+    measure_decode_step(engine, prompt, 8)
     warmup = time.perf_counter() - warmup_start
-    seconds, tokens = kvstrata_decode(engine, prompt, args.steps)
+    seconds, tokens = measure_decode_step(engine, prompt, args.steps)
     report = {
         "benchmark": "decode",
         "machine": machine_info(),

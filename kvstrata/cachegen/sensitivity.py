@@ -24,6 +24,7 @@ from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.kv.reference_attention import causal_attention
+from kvstrata.model.quantized_linear import KERNEL_LINEARS
 
 if TYPE_CHECKING:
     from kvstrata.engine.llm_engine import LLMEngine
@@ -59,7 +60,7 @@ def context_gradients(engine: LLMEngine, token_ids: list[int], context_tokens: i
         raise KvstrataError(f"context_tokens must leave at least two scored tokens; got {context_tokens} of "
                             f"{len(token_ids)}")
     model = engine.runner.model
-    if any(getattr(m, "kind", "").startswith("int") for m in model.modules()):
+    if any(isinstance(m, KERNEL_LINEARS) for m in model.modules()):
         raise KvstrataError("sensitivity needs float weights (e.g. --weights fp32): torch's int4/int8 kernels have "
                             "no gradient; the profile is keyed by the checkpoint, so it serves every weight form")
     k, v = compute_kv(engine, token_ids[:context_tokens])

@@ -57,7 +57,7 @@ class LoadedModel:
     weight_kinds: dict[str, str]  # module name -> the form its weight runs in, for every linear layer
 
     def weights_summary(self) -> dict[str, int]:
-        """How many linear layers run in each form, e.g. {"int4": 210, "float32": 0}."""
+        """How many linear layers run in each form, e.g. {"int4": 120, "int8 as two int4 planes": 1}."""
         counts: dict[str, int] = {}
         for kind in self.weight_kinds.values():
             counts[kind] = counts.get(kind, 0) + 1

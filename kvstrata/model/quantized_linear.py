@@ -2,7 +2,7 @@
 
 `Int4Linear` calls `_weight_int4pack_mm_for_cpu` (groups of columns, value (q - 8) * scale + zero);
 `Int8Linear` calls `_weight_int8pack_mm` (one scale per output row). Both kernels are fast on
-bfloat16 activations only (measured here: float32 activations run the int4 kernel ~20x slower), so
+bfloat16 activations only (with float32 ones the int4 kernel is many times slower on this CPU), so
 activations are cast to bfloat16 for the product and back afterwards; scales are bfloat16 too.
 """
 
@@ -18,7 +18,9 @@ KERNEL_DTYPE = torch.bfloat16
 
 
 def group_quantize(weight: torch.Tensor, bits: int, group_size: int) -> GroupQuantized:
-    """Asymmetric min/max codes in [0, 2**bits) per group of `group_size` columns."""
+    """Asymmetric min/max codes in [0, 2**bits) per group of `group_size` columns. Unlike the KV formats'
+    quantizer (kv/formats/asymmetric.py), the (min, step) pairs stay float32: the kernel rounds them once,
+    to bfloat16, and a float16 rounding before it measurably moved the int4 head's perplexity."""
     rows, cols = weight.shape
     if cols % group_size:
         raise ValueError(f"{cols} input features are not a multiple of the group size {group_size}")
@@ -55,11 +57,12 @@ class Int4Linear(nn.Module):
         self.group_size = weight.group_size
         planes = _int4_planes(weight)
         self.planes = len(planes)
-        for index, (codes, scale_zero) in enumerate(planes):
+        self.buffer_names = [(f"packed{index}", f"scale_zero{index}") for index in range(self.planes)]
+        for (packed_name, scale_zero_name), (codes, scale_zero) in zip(self.buffer_names, planes):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
             # The kernel wants (scale, zero) as [K / group, N, 2].
-            self.register_buffer(f"packed{index}", packed)
-            self.register_buffer(f"scale_zero{index}", scale_zero.transpose(0, 1).contiguous().to(KERNEL_DTYPE))
+            self.register_buffer(packed_name, packed)
+            self.register_buffer(scale_zero_name, scale_zero.transpose(0, 1).contiguous().to(KERNEL_DTYPE))
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     @property
@@ -69,9 +72,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
         out = None
-        for index in range(self.planes):
+        for packed_name, scale_zero_name in self.buffer_names:
             plane = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat, getattr(self, f"packed{index}"), self.group_size, getattr(self, f"scale_zero{index}")
+                flat, getattr(self, packed_name), self.group_size, getattr(self, scale_zero_name)
             ).to(x.dtype)
             out = plane if out is None else out + plane
         out = out.view(*x.shape[:-1], self.out_features)
@@ -113,6 +116,9 @@ class CastLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+KERNEL_LINEARS = (Int4Linear, Int8Linear)  # weights only torch's integer kernels read (no gradient)
 
 
 class QuantizedEmbedding(nn.Module):

@@ -133,8 +133,8 @@ def _count(shape: tuple[int, ...]) -> int:
 
 def stored_form(name: str, compute_dtype: torch.dtype,
                 profile: CodecProfile | None = None) -> StoredForm | LeveledForm:
-    """The form `--kv-store-format` names (raw is the compute dtype); CacheGen levels weight key channels by
-    the model's profile when given."""
+    """The form `--kv-store-format` names (raw is the compute dtype); CacheGen levels take their steps from
+    the model's profile's sensitivity when given."""
     if name == LEVELS_FORM:
         return LeveledForm(profile)
     if name in FLOAT_FORMS:
