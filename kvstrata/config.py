@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_factory import KV_FORMATS as KV_FORMAT_REGISTRY
+from kvstrata.kv.offload.infinigen import InfiniGenSettings
+from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.store.emulated_link import parse_trace
 from kvstrata.kv.store.forms import STORE_FORMS, STREAMED_LEVELS, parse_tier_forms
 from kvstrata.model.weight_format import WEIGHT_FORMATS
@@ -20,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULERS = ("sarathi", "prefill-first", "static")
 KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
+KV_OFFLOADS = ("none", "full", "infinigen")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -114,6 +117,44 @@ class EngineConfig:
                          "compiled kernel (measured faster on CPU); off: gather (and decode) the blocks, then torch's "
                          "batched products"),
     )
+    kv_offload: str = field(
+        default="none",
+        metadata=_option("where the KV cache lives: none (on the compute device), full (a host pool; each layer's "
+                         "whole KV copied to the device before its attention, FlexGen-style), infinigen (a host pool; "
+                         "each layer's decode fetches only the tokens speculated at the previous layer's input)",
+                         choices=KV_OFFLOADS),
+    )
+    kv_link: str = field(
+        default="pcie3",
+        metadata=_option("kv offload: the link model that turns bytes copied from the host pool into a modeled "
+                         "transfer time, reported beside measured times: pcie3, pcie4, pcie5 (nominal x16 "
+                         "bandwidths) or a bandwidth in GB/s"),
+    )
+    infinigen_alpha: float = field(
+        default=5.0,
+        metadata=_option("infinigen: keep tokens whose speculated logit is above the head's maximum minus alpha "
+                         "(the paper: 5 for Llama-2, 4 for OPT; inf keeps every token up to the cap)"),
+    )
+    infinigen_partial_ratio: float = field(
+        default=0.3, metadata=_option("infinigen: share of each head's skewed channels in the partial keys")
+    )
+    infinigen_max_fraction: float = field(
+        default=0.2, metadata=_option("infinigen: most of a sequence's cached tokens one layer fetches")
+    )
+    infinigen_full_layers: int = field(
+        default=2, metadata=_option("infinigen: the first layers read their whole KV (speculation needs the "
+                                    "outlier channels that appear in layer 0)")
+    )
+    infinigen_calibration: str | None = field(
+        default=None,
+        metadata=_option("infinigen: skew file from `kvstrata calibrate infinigen` (default: the model's shipped "
+                         "skew, or one calibrated on first use)"),
+    )
+    infinigen_diagnostics: bool = field(
+        default=False,
+        metadata=_option("infinigen: also compute full attention each decode and report the share of the attention "
+                         "mass the fetched tokens hold (slow; for measurements)"),
+    )
     block_size: int = field(default=16, metadata=_option("tokens per KV cache block"))
     max_model_len: int | None = field(
         default=None, metadata=_option("longest sequence (prompt + output) in tokens (default: the model's context)")
@@ -183,13 +224,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
-                   ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)))
+                   ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
+                   ("kv_offload", KV_OFFLOADS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
         parse_tier_forms(self.kv_store_format, [])
         if self.kv_store_link_gbps is not None:
             parse_trace(self.kv_store_link_gbps)
+        parse_link(self.kv_link)
+        self.infinigen_settings()  # validates the infinigen options
         if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and 0 < self.ttft_slo < 1e6):
             raise KvstrataError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
         for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size",
@@ -198,6 +242,11 @@ class EngineConfig:
         for name in ("max_model_len", "tile", "max_prefill_tokens", "threads"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
+
+    def infinigen_settings(self) -> InfiniGenSettings:
+        return InfiniGenSettings(float(self.infinigen_alpha), float(self.infinigen_partial_ratio),
+                                 float(self.infinigen_max_fraction), self.infinigen_full_layers,
+                                 self.infinigen_diagnostics)
 
     @classmethod
     def field_names(cls) -> list[str]:

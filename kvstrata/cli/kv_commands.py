@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvstrata.cachegen.context import DEFAULT_CHUNK_TOKENS
 from kvstrata.cachegen.levels import ALL_LEVELS, CACHEGEN_LEVELS
+from kvstrata.cli.calibrate_infinigen import add_infinigen_calibrate_command, run_infinigen_calibrate
 from kvstrata.cli.calibrate_oaken import add_oaken_calibrate_command, run_oaken_calibrate
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.cli.kv_store_commands import add_kv_store_commands, run_kv_store
@@ -59,6 +60,7 @@ def add_calibrate_commands(commands) -> None:
                           help="windows of 1,024 context and 256 scored tokens for the sensitivity (default: 16)")
     add_engine_arguments(cachegen)
     add_oaken_calibrate_command(calibrate)
+    add_infinigen_calibrate_command(calibrate)
 
 
 def run_kv(args: argparse.Namespace) -> None:
@@ -114,6 +116,8 @@ def inspect_kv_file(path: Path, as_json: bool) -> None:
 def run_calibrate(args: argparse.Namespace) -> None:
     if args.calibrate == "oaken":
         return run_oaken_calibrate(args)
+    if args.calibrate == "infinigen":
+        return run_infinigen_calibrate(args)
     from kvstrata.bench.workload import read_text
     from kvstrata.cachegen.profile import calibrate
     from kvstrata.engine.llm_engine import LLMEngine

@@ -19,6 +19,7 @@ import torch
 from kvstrata.cachegen.profile import shipped_profile
 from kvstrata.config import EngineConfig
 from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.engine.kv_offload_setup import attention_policy
 from kvstrata.engine.kv_setup import engine_storage_layout, stored_form
 from kvstrata.engine.kv_store_link import KVStoreLink, make_store
 from kvstrata.engine.model_runner import ModelRunner
@@ -29,7 +30,6 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
 from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.errors import KvstrataError, RequestFailed
-from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
@@ -67,15 +67,17 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
-        self.kv_cache = layout.build(num_blocks, self.device)  # the KV storage
+        # the KV storage: on the compute device, or under --kv-offload a pool in host memory
+        self.kv_cache = layout.build(num_blocks, self.device if config.kv_offload == "none" else torch.device("cpu"))
+        # which cached tokens each layer reads, and (offload) what is copied to the device for it
+        self.attention = attention_policy(self, layout, num_blocks * config.block_size)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
-            on_allocate=self.kv_cache.reset_blocks, write_kv=self.kv_cache.write,
+            on_allocate=self.kv_cache.reset_blocks, write_kv=self.attention.write,
             namespace=f"{self.model_fingerprint}/{self._weights_tag()}/{stored_form(config, dtype)}/".encode(),
         )
         self.kv_cache.attach_block_pool(self.kv_manager.pool)
         self.kv_store = self._make_kv_store(dtype)  # tiers below the device pool, or None
-        self.attention = FullAttention(self.kv_cache)  # which cached tokens each layer reads
         self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(self.loaded.model, self.attention, config.block_size, self.device,
                                   max_blocks_per_seq=-(-self.max_model_len // config.block_size),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
+from kvstrata.kv.preloaded import Preloaded
 from kvstrata.kv.reference_attention import attend
 from kvstrata.kv.storage import KVStorage
 
@@ -29,7 +30,12 @@ class AttentionPolicy:
         self.storage.end_step()
 
     def on_layer_input(self, layer: int, x: torch.Tensor, batch: AttentionBatch) -> None:
-        """Called with a layer's input just before its attention (InfiniGen speculates here)."""
+        """Called with a layer's input x [T, hidden] (the residual stream, before the layer's norm) just before its
+        attention: InfiniGen speculates the next layer here."""
+
+    def write(self, block_table: list[int], kv: Preloaded, first: int, end: int) -> None:
+        """Place ready-made KV of one sequence's positions first .. end (see `KVStorage.write`)."""
+        self.storage.write(block_table, kv, first, end)
 
     def select_keys(self, layer: int, group: AttentionGroup) -> CachedKeys:
         """The keys `group` reads in `layer`: all of them, or a subset taken with `group.keys.take`."""

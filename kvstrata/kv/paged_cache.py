@@ -58,6 +58,18 @@ class PagedKVCache(KVStorage):
         return tuple(_seam_layout(_gather_rows(cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1]),
                                                slots.reshape(-1)), n, width, dtype) for cache in (self.k, self.v))
 
+    def gather_per_head(self, layer, slots, positions, dtype):
+        """One index_select per head over that head's own rows: only the selected tokens are read."""
+        kv_heads, n, width = slots.shape
+        out = []
+        for cache in (self.k, self.v):
+            rows = cache[layer].view(kv_heads, -1, self.kv_shape[1])
+            gathered = torch.empty(kv_heads, n * width, self.kv_shape[1], dtype=cache.dtype, device=cache.device)
+            for head in range(kv_heads):
+                torch.index_select(rows[head], 0, slots[head].reshape(-1), out=gathered[head])
+            out.append(gathered.view(kv_heads, n, width, -1).to(dtype))
+        return tuple(out)
+
     def attend_in_place(self, layer, q, keys, context_lens):
         if self.decode_kernel is None or q.dtype != torch.float32:
             return None

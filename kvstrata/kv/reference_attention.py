@@ -38,13 +38,19 @@ def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     """Decode attention as two batched products over [kv_heads, n] (no copy of K or V when storage hands them
     over heads-outermost); with one query per sequence, torch's CPU flash kernel spends most of its time on
     set-up (measured: benchmarks/profile_decode.py)."""
+    return attend_per_kv_head(q, k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), mask[None])
+
+
+def attend_per_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Decode attention of q [n, 1, heads, D] where each KV head reads keys of its own: k, v [kv_heads, n, Tk, D]
+    (row j of head h is that head's j-th key) and mask [kv_heads or 1, n, 1, Tk]. Returns [n, 1, heads, D]."""
     n, _, heads, dim = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[0]
     # the query heads that share one KV head side by side: [kv_heads, n, group, D]
     q = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)
-    scores = torch.matmul(q, k.permute(2, 0, 3, 1)) * dim**-0.5  # [kv_heads, n, group, Tk]
-    scores = scores.masked_fill(~mask[None], float("-inf"))  # mask [n, 1, Tk] broadcast over the heads
-    out = torch.matmul(scores.softmax(-1), v.permute(2, 0, 1, 3))  # [kv_heads, n, group, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * dim**-0.5  # [kv_heads, n, group, Tk]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v)  # [kv_heads, n, group, D]
     return out.transpose(0, 1).reshape(n, 1, heads, dim)
 
 

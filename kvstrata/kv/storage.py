@@ -43,6 +43,14 @@ class KVStorage(ABC):
         """K and V of `keys`; storage that can copy whole blocks overrides this for keys that are whole blocks."""
         return self.gather(layer, keys.slots, keys.positions, dtype)
 
+    def gather_per_head(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [kv_heads, n, W, head_dim] where each KV head reads tokens of its own: `slots` and `positions`
+        [kv_heads, n, W] (a speculated subset per head). This default decodes every head of each head's tokens
+        and keeps its own; storage that can read one head alone overrides it."""
+        per_head = [self.gather(layer, slots[h], positions[h], dtype) for h in range(self.kv_shape[0])]
+        return tuple(torch.stack([kv[which][:, :, h] for h, kv in enumerate(per_head)]) for which in (0, 1))
+
     def attend_in_place(self, layer: int, q: torch.Tensor, keys: CachedKeys,
                         context_lens: torch.Tensor) -> torch.Tensor | None:
         """Decode attention of q [n, heads, head_dim] over whole-block `keys` (each sequence's first

@@ -60,14 +60,14 @@ class LlamaMLP(nn.Module):
 
 
 def before_attention(layer: LlamaDecoderLayer, x, cos, sin):
-    """The layer's normed input and its q, k (rotated) and v: the dense work up to attention."""
+    """The layer's q, k (rotated) and v [tokens, heads, head_dim]: the dense work up to attention."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     tokens = h.shape[0]
     q, k, v = attn.qkv_proj(h).split(attn.split_sizes, dim=-1)
     q = apply_rope(q.view(tokens, attn.num_heads, attn.head_dim), cos, sin)
     k = apply_rope(k.view(tokens, attn.num_kv_heads, attn.head_dim), cos, sin)
-    return h, q, k, v.view(tokens, attn.num_kv_heads, attn.head_dim)
+    return q, k, v.view(tokens, attn.num_kv_heads, attn.head_dim)
 
 
 def after_attention(layer: LlamaDecoderLayer, x, attended):
@@ -89,8 +89,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         before, after = self.dense_parts
-        h, q, k, v = before(self, x, cos, sin)
-        kv.on_layer_input(self.layer, h, batch)
+        q, k, v = before(self, x, cos, sin)
+        kv.on_layer_input(self.layer, x, batch)
         return after(self, x, kv.attention(self.layer, q, k, v, batch))
 
 
@@ -114,6 +114,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def layer_queries(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s queries [T, heads, head_dim] (after RoPE) of a residual stream x [T, hidden], e.g. an
+        earlier layer's input (InfiniGen's speculation)."""
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        return self.layers[layer].dense_parts[0](self.layers[layer], x, cos, sin)[0]
 
     def compile_dense_parts(self) -> None:
         """Compile every layer's dense parts (one graph shared by all layers; torch makes the token

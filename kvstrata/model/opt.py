@@ -46,7 +46,7 @@ class OPTDecoderLayer(nn.Module):
 
     def forward(self, x, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         h = self.self_attn_layer_norm(x) if self.norm_before else x
-        kv.on_layer_input(self.layer, h, batch)
+        kv.on_layer_input(self.layer, x, batch)
         x = x + self.self_attn(h, kv, batch)
         if not self.norm_before:
             x = self.self_attn_layer_norm(x)
@@ -86,6 +86,14 @@ class OPTForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def layer_queries(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s queries [T, heads, head_dim] of a residual stream x [T, hidden], e.g. an earlier
+        layer's input (InfiniGen's speculation; OPT has no RoPE, so `positions` are not needed)."""
+        target = self.layers[layer]
+        h = target.self_attn_layer_norm(x) if target.norm_before else x
+        attn = target.self_attn
+        return attn.qkv_proj(h)[:, : attn.num_heads * attn.head_dim].view(x.shape[0], attn.num_heads, attn.head_dim)
 
     @staticmethod
     def state_dict_from_hf(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

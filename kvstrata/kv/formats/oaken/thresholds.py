@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from kvstrata.errors import KvstrataError
+from kvstrata.files import calibration_dir, write_atomically
 from kvstrata.kv.formats.oaken.groups import OakenConfig
 from kvstrata.model.config import LLAMA_FAMILY, ModelConfig
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
@@ -141,18 +140,9 @@ class OakenThresholds:
 
     def save(self, path: str | Path) -> None:
         """Write atomically (a temporary file then os.replace), so a reader never sees half a file."""
-        path = Path(path)
         text = json.dumps(self.to_json(), indent=1, allow_nan=False)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as file:
-                    file.write(text)
-                os.replace(temp, path)
-            except BaseException:
-                Path(temp).unlink(missing_ok=True)
-                raise
+            write_atomically(path, text.encode("utf-8"))
         except OSError as exc:
             raise KvstrataError(f"cannot write the oaken thresholds to {path}: {exc}") from None
 
@@ -297,13 +287,8 @@ def calibrate(engine: KVSource, token_ids: list[int], ratio_sets: list[tuple[flo
 
 
 def cache_dir() -> Path:
-    """Where thresholds calibrated on first use are kept: $KVSTRATA_CACHE_DIR (as for converted models), else
-    $XDG_CACHE_HOME/kvstrata, else ~/.cache/kvstrata; then oaken/."""
-    if os.environ.get("KVSTRATA_CACHE_DIR"):
-        return Path(os.environ["KVSTRATA_CACHE_DIR"]) / "oaken"
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"  # XDG: a relative path is ignored
-    return base / "kvstrata" / "oaken"
+    """Where thresholds calibrated on first use are kept."""
+    return calibration_dir("oaken")
 
 
 def _cached_path(fingerprint: str, ratios: tuple[float, ...]) -> Path:

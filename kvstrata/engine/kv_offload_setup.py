@@ -1,0 +1,100 @@
+"""Builds the engine's attention policy for `--kv-offload`, with what only the engine can supply: InfiniGen's
+skew for the loaded model (a named file, the shipped one, a cached one, or calibrated now on a twin engine whose
+KV stays on the device) and the model's queries of an earlier layer's input."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.errors import KvstrataError
+from kvstrata.kv.attention_policy import AttentionPolicy, FullAttention
+from kvstrata.kv.cache_factory import StorageLayout
+from kvstrata.kv.offload.full_offload import FullOffload
+from kvstrata.kv.offload.infinigen import InfiniGenAttention
+from kvstrata.kv.offload.link import parse_link
+from kvstrata.kv.offload.skew import InfiniGenSkew, cached_skew_path, shipped_or_cached_skew, skew_from_windows
+from kvstrata.kv.offload.transfers import OffloadStats
+
+DEFAULT_WINDOWS = 4
+DEFAULT_WINDOW_TOKENS = 1024
+
+
+def attention_policy(engine, layout: StorageLayout, num_slots: int) -> AttentionPolicy:
+    c, mc = engine.config, engine.loaded.config
+    if c.kv_offload == "none":
+        return FullAttention(engine.kv_cache)
+    stats = OffloadStats(mc.num_layers, parse_link(c.kv_link))
+    row_bytes = layout.bytes_per_token / (mc.num_layers * mc.num_kv_heads)
+    if c.kv_offload == "full":
+        return FullOffload(engine.kv_cache, engine.device, row_bytes, stats)
+    return InfiniGenAttention(engine.kv_cache, engine.device, row_bytes, stats, infinigen_skew_for(engine),
+                              engine.loaded.model.layer_queries, c.infinigen_settings(), num_slots)
+
+
+def infinigen_skew_for(engine) -> InfiniGenSkew:
+    """The named skew file, else the model's shipped or cached skew, else one calibrated now on the packaged text
+    (Emma) and cached for the next run."""
+    if engine.config.infinigen_calibration:
+        return InfiniGenSkew.load(engine.config.infinigen_calibration, engine.model_fingerprint)
+    skew = shipped_or_cached_skew(engine.model_fingerprint)
+    if skew is not None:
+        return skew
+    if engine.tokenizer is None:
+        raise KvstrataError("infinigen needs a skew for this model, and a model without a tokenizer cannot be "
+                            "calibrated on the packaged text; calibrate it on token ids with "
+                            "kvstrata.engine.kv_offload_setup.calibrate_skew and pass --infinigen-calibration")
+    from kvstrata.data import EMMA
+
+    twin = type(engine)(dataclasses.replace(engine.config, kv_offload="none"), loaded=engine.loaded)
+    skew = calibrate_skew(twin, twin.tokenize(EMMA.read_text(encoding="utf-8")), source=EMMA.name)
+    try:
+        skew.save(cached_skew_path(engine.model_fingerprint))
+    except KvstrataError as exc:  # the skew is still good for this run
+        warnings.warn(f"{exc}; the infinigen skew will be calibrated again next time", stacklevel=2)
+    return skew
+
+
+def calibrate_skew(engine, token_ids: list[int], windows: int = DEFAULT_WINDOWS,
+                   window_tokens: int = DEFAULT_WINDOW_TOKENS, progress: bool = True, source: str = "") -> InfiniGenSkew:
+    """The skew of `windows` windows of `window_tokens` tokens spread evenly over `token_ids` (an engine whose KV
+    stays on the device)."""
+    window_tokens = min(window_tokens, engine.max_model_len)
+    if windows < 1 or len(token_ids) < window_tokens:
+        raise KvstrataError(f"infinigen calibration needs at least one window of {window_tokens} tokens; got "
+                            f"{windows} windows from {len(token_ids)} tokens")
+    starts = np.linspace(0, len(token_ids) - window_tokens, windows).astype(int).tolist()
+    captured = [queries_and_keys(engine, token_ids[s : s + window_tokens])
+                for s in tqdm(starts, desc="calibrating infinigen", disable=not progress)]
+    return skew_from_windows(captured, engine.model_fingerprint, window_tokens, source)
+
+
+class _QueryRecorder(FullAttention):
+    """Full attention that keeps every layer's queries (after RoPE) as they pass."""
+
+    def __init__(self, storage, num_layers: int):
+        super().__init__(storage)
+        self.queries: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def attention(self, layer, q, k_new, v_new, batch):
+        self.queries[layer].append(q.float().cpu())
+        return super().attention(layer, q, k_new, v_new, batch)
+
+
+def queries_and_keys(engine, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Post-RoPE queries [layers, T, heads, D] and keys [layers, T, kv_heads, D] of a prefill of `token_ids`."""
+    if engine.config.kv_offload != "none":
+        raise KvstrataError("queries and keys are captured on an engine whose KV stays on the device")
+    runner = engine.runner
+    recorder = _QueryRecorder(engine.kv_cache, engine.loaded.config.num_layers)
+    runner.policy, kept = recorder, runner.policy
+    try:
+        k, _ = compute_kv(engine, token_ids)
+    finally:
+        runner.policy = kept
+    return torch.stack([torch.cat(chunks) for chunks in recorder.queries]), k

@@ -1,0 +1,74 @@
+"""`--kv-offload full`: FlexGen-style offload, the baseline InfiniGen beats (papers/infinigen.md §1).
+
+Every layer's KV lives in the host pool (the engine's storage, allocated on the host in any `--kv-format`);
+the step's new K/V are written there, and before each layer's attention the K/V it reads are gathered in the
+pool and copied to the compute device. On a CPU-only machine host and device are both main memory, but the
+working copy is still a separate allocation and every byte of it is copied and counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
+from kvstrata.kv.attention_policy import AttentionPolicy
+from kvstrata.kv.offload.transfers import OffloadStats
+from kvstrata.kv.reference_attention import attend
+from kvstrata.kv.storage import KVStorage
+
+
+class FullOffload(AttentionPolicy):
+    def __init__(self, storage: KVStorage, device: torch.device, row_bytes: float, stats: OffloadStats):
+        """row_bytes: what one token of one KV head of one layer (K and V) takes in the host pool's format."""
+        super().__init__(storage)
+        self.device = device
+        self.row_bytes = row_bytes
+        self.stats = stats
+
+    def attention(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                  batch: AttentionBatch) -> torch.Tensor:
+        host = self.storage.device
+        self.storage.store(layer, batch.slot_mapping.to(host), batch.positions.to(host), k_new.to(host),
+                           v_new.to(host))
+        self.stats.written_bytes[layer] += k_new.nbytes + v_new.nbytes
+        self.after_store(layer, batch, k_new)
+        out = torch.empty_like(q)
+        for group in batch.groups:
+            out[group.rows] = self.attend_group(layer, q[group.rows], k_new[group.rows], v_new[group.rows], group)
+        return out
+
+    def after_store(self, layer: int, batch: AttentionBatch, k_new: torch.Tensor) -> None:
+        """The step's new keys of `layer` are in the pool (InfiniGen keeps their partial keys on the device)."""
+
+    def attend_group(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     group: AttentionGroup) -> torch.Tensor:
+        keys = self.select_keys(layer, group)
+        k, v = self.fetch(layer, keys, q.dtype)
+        if group.is_decode:
+            rows = int((keys.positions >= 0).sum()) * self.storage.kv_shape[0]
+            self.stats.decode_rows(layer, fetched=rows, cached=rows)
+        queries = q.view(group.num_sequences, -1, *q.shape[1:])
+        return attend(queries, k, v, keys.mask_for(group)).flatten(0, 1)
+
+    def fetch(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather `keys` in the host pool and copy them to the device ([n, Tk, kv_heads, D] each)."""
+        k, v = self.storage.gather_keys(layer, on_device(keys, self.storage.device), dtype)
+        rows = keys.positions.numel() * k.shape[2]
+        self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
+        return to_compute_device(k, self.device), to_compute_device(v, self.device)
+
+
+def on_device(keys: CachedKeys, device: torch.device) -> CachedKeys:
+    """`keys` with its index tensors on `device` (the host pool's), the same object where they already are."""
+    if keys.positions.device == device:
+        return keys
+    if keys.block_tables is not None:
+        return CachedKeys(keys.positions.to(device), block_tables=keys.block_tables.to(device),
+                          block_size=keys.block_size)
+    return CachedKeys(keys.positions.to(device), keys.slots.to(device))
+
+
+def to_compute_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of `x` on the compute device: the host-to-device transfer (a separate allocation even where both are
+    main memory; strides kept, so heads-outermost gathers stay that way)."""
+    return x.to(device, non_blocking=True) if x.device != device else x.clone()

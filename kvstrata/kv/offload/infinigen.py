@@ -1,0 +1,162 @@
+"""`--kv-offload infinigen` (papers/infinigen.md §2): the full KV in the host pool; each layer's decode reads
+only the tokens speculated one layer ahead.
+
+The compute device keeps, per layer, the partial (skewed) key of every cached token: K̃ = K·A restricted to
+the skew's heaviest columns (kv/offload/skew.py), written whenever K is. At layer i−1's input the policy asks
+the model for layer i's queries of that input (`layer_queries`, supplied from above kv/), turns them with the
+same partial A, scores them against layer i's partial keys, picks tokens (kv/offload/speculation.py), gathers
+those rows per KV head in the host pool and copies them to the device. Layer i then attends exactly over them
+plus the step's new token. Layers below `full_layers` and every prefill chunk read their full KV, as `full`
+does. Nothing is evicted: every token stays in the host pool and may be picked again later.
+
+On a CUDA device the fetch would be issued on a side stream during layer i−1; here it runs in line (no GPU
+has been available to build and check that ordering).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.errors import KvstrataError
+from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup
+from kvstrata.kv.offload.full_offload import FullOffload, on_device, to_compute_device
+from kvstrata.kv.offload.skew import InfiniGenSkew
+from kvstrata.kv.offload.speculation import Selection, select_tokens
+from kvstrata.kv.offload.transfers import OffloadStats
+from kvstrata.kv.preloaded import Preloaded
+from kvstrata.kv.reference_attention import NO_KEY, attend_per_kv_head
+from kvstrata.kv.slots import slots_of_positions
+from kvstrata.kv.storage import KVStorage
+
+# (layer i, the input x [T, hidden] of layer i-1, positions [T]) -> layer i's queries [T, heads, D] after RoPE
+LayerQueries = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class InfiniGenSettings:
+    alpha: float = 5.0  # keep tokens whose speculated logit is above max - alpha (the paper: 5 for Llama-2)
+    partial_ratio: float = 0.3  # share of each head's skewed channels kept in the partial keys
+    max_fraction: float = 0.2  # at most this share of a sequence's cached tokens per layer
+    full_layers: int = 2  # layers 0 .. full_layers-1 read their full KV (the authors' code: 2)
+    diagnostics: bool = False  # also compute full attention and count the mass the fetched tokens hold
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 0:
+            raise KvstrataError(f"infinigen_alpha {self.alpha!r} must be positive (inf keeps every token)")
+        if not 0 < self.partial_ratio <= 1:
+            raise KvstrataError(f"infinigen_partial_ratio {self.partial_ratio!r} must be in (0, 1]")
+        if not 0 < self.max_fraction <= 1:
+            raise KvstrataError(f"infinigen_max_fraction {self.max_fraction!r} must be in (0, 1]")
+        if not isinstance(self.full_layers, int) or self.full_layers < 1:
+            raise KvstrataError(f"infinigen_full_layers {self.full_layers!r} must be at least 1 (layer 0 has no "
+                                "layer before it to speculate from)")
+
+
+@dataclass
+class Fetched:
+    """What the previous layer's input fetched for one decode group: K and V [kv_heads, n, K, D] on the
+    device, the keys' positions [kv_heads, n, K] (-1: padding) and the selection they came from."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    selection: Selection
+
+
+class InfiniGenAttention(FullOffload):
+    def __init__(self, storage: KVStorage, device: torch.device, row_bytes: float, stats: OffloadStats,
+                 skew: InfiniGenSkew, layer_queries: LayerQueries, settings: InfiniGenSettings, num_slots: int):
+        super().__init__(storage, device, row_bytes, stats)
+        if skew.rotation.shape[:3] != (storage.num_layers, *storage.kv_shape):
+            raise KvstrataError(f"the infinigen skew has shape {list(skew.rotation.shape[:3])} (layers, KV heads, "
+                                f"head dim); the model's cache has {[storage.num_layers, *storage.kv_shape]}")
+        self.settings = settings
+        self.layer_queries = layer_queries
+        self.partial_rotation = skew.partial_rotation(settings.partial_ratio).to(device)  # [L, G, D, r]
+        layers, kv_heads, _, partial = self.partial_rotation.shape
+        self.partial_keys = torch.zeros(layers, kv_heads, num_slots, partial, device=device)
+        self._fetched: dict[int, dict[int, Fetched]] = {}  # layer -> id of a decode group of the step -> its fetch
+
+    def begin_step(self, batch: AttentionBatch) -> None:
+        super().begin_step(batch)
+        self._fetched.clear()
+
+    def after_store(self, layer: int, batch: AttentionBatch, k_new: torch.Tensor) -> None:
+        self._store_partial_keys(layer, batch.slot_mapping, k_new)
+
+    def _store_partial_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        partial = torch.einsum("tgd,gdr->gtr", k.to(self.device, torch.float32), self.partial_rotation[layer])
+        self.partial_keys[layer].index_copy_(1, slots.to(self.device), partial)
+
+    def write(self, block_table: list[int], kv: Preloaded, first: int, end: int) -> None:
+        """Preloaded KV goes to the host pool; its partial keys, made from what the pool holds, to the device."""
+        super().write(block_table, kv, first, end)
+        slots = slots_of_positions(torch.tensor([block_table]), torch.arange(first, end), self.storage.block_size)[0]
+        for layer in range(self.storage.num_layers):
+            self._store_partial_keys(layer, slots, self.storage.read(layer, block_table, end, first)[0])
+
+    def on_layer_input(self, layer: int, x: torch.Tensor, batch: AttentionBatch) -> None:
+        target = layer + 1
+        if target < self.settings.full_layers or target >= self.storage.num_layers:
+            return
+        self._fetched[target] = {id(group): self._speculate(target, x[group.rows], group)
+                                 for group in batch.groups if group.is_decode}
+
+    def _speculate(self, layer: int, x: torch.Tensor, group: AttentionGroup) -> Fetched:
+        q_positions = group.q_positions[:, 0]
+        q = self.layer_queries(layer, x, q_positions).float()  # [n, heads, D]
+        n, heads, dim = q.shape
+        kv_heads = self.partial_rotation.shape[1]
+        grouped = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [G, n, group, D]
+        q_partial = grouped @ self.partial_rotation[layer][:, None]  # [G, n, group, r]
+        keys = group.keys
+        slots = keys.slots
+        k_partial = self.partial_keys[layer][:, slots]  # [G, n, Tk, r]
+        scores = q_partial @ k_partial.transpose(-1, -2) * dim**-0.5
+        cached = (keys.positions >= 0) & (keys.positions < q_positions[:, None])  # before this step's token
+        selection = select_tokens(scores, cached, self.settings.alpha, self.settings.max_fraction)
+        chosen_slots = slots[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
+        positions = keys.positions[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
+        positions = positions.masked_fill(~selection.valid, NO_KEY)
+        host = self.storage.device
+        k, v = self.storage.gather_per_head(layer, chosen_slots.to(host), positions.to(host), x.dtype)
+        rows = int(selection.valid.sum())
+        self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
+        self.stats.decode_rows(layer, fetched=rows, cached=int((keys.positions >= 0).sum()) * kv_heads)
+        self.stats.selected_per_head[layer] += int(selection.per_query_head.sum())
+        self.stats.decodes[layer] += n
+        return Fetched(to_compute_device(k, self.device), to_compute_device(v, self.device), positions, selection)
+
+    def attend_group(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     group: AttentionGroup) -> torch.Tensor:
+        fetched = self._fetched.get(layer, {}).get(id(group))
+        if fetched is None:
+            return super().attend_group(layer, q, k_new, v_new, group)
+        # the fetched tokens plus the step's own, which is on the device already: [G, n, K + 1, D]
+        k = torch.cat((fetched.k, k_new.transpose(0, 1)[:, :, None].to(fetched.k.dtype)), dim=2)
+        v = torch.cat((fetched.v, v_new.transpose(0, 1)[:, :, None].to(fetched.v.dtype)), dim=2)
+        mask = torch.cat((fetched.positions >= 0, torch.ones_like(fetched.positions[..., :1], dtype=torch.bool)), -1)
+        queries = q.view(group.num_sequences, 1, *q.shape[1:])
+        if self.settings.diagnostics:
+            self._count_recall(layer, queries, group, fetched.selection)
+        return attend_per_kv_head(queries, k, v, mask[:, :, None]).flatten(0, 1)
+
+    def _count_recall(self, layer: int, queries: torch.Tensor, group: AttentionGroup, selection: Selection) -> None:
+        """Diagnostics: the share of each query head's true attention mass (over every cached key) that falls on
+        the tokens its KV head fetched plus the step's own token. The full keys are read without being counted."""
+        k, _ = self.storage.gather_keys(layer, on_device(group.keys, self.storage.device), queries.dtype)
+        n, _, heads, dim = queries.shape
+        kv_heads = k.shape[2]
+        grouped = queries[:, 0].view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1).float()
+        scores = grouped @ k.permute(2, 0, 3, 1).to(self.device).float() * dim**-0.5  # [G, n, group, Tk]
+        mask = group.keys.mask_for(group)  # [n, 1, Tk]
+        probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
+        chosen = torch.zeros(kv_heads, n, scores.shape[-1], device=scores.device)
+        chosen.scatter_(-1, selection.columns, selection.valid.float())
+        own = group.keys.positions == group.q_positions  # the step's token
+        chosen = torch.maximum(chosen, own[None].float())
+        self.stats.recall_mass += float((probs * chosen[:, :, None]).sum())
+        self.stats.recall_heads += kv_heads * n * probs.shape[2]
