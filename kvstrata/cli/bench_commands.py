@@ -95,12 +95,32 @@ def add_bench_commands(commands) -> None:
     sarathi.add_argument("--overhead-chunks", default="64,128,256,512,1024", help="chunk_overhead chunk sizes")
     _add_output_flags(sarathi)
     add_engine_arguments(sarathi)
+    _add_infinigen_commands(bench)
+
+
+def _add_infinigen_commands(bench) -> None:
+    analysis = bench.add_parser(
+        "infinigen-analysis", help="InfiniGen's analyses: layer similarity, skew, speculation recall",
+        description="One prefill of --context tokens of --text, captured layer by layer: the cosine similarity of "
+                    "each layer's input with the previous layer's input, attention output and FFN output (the "
+                    "paper's Table 1); the share of column energy in the top partial-ratio channels before and after "
+                    "the skew; and for --num-queries positions in the second half, per layer, the share of the true "
+                    "attention mass held by the tokens speculated one layer ahead (with the engine's --infinigen-* "
+                    "settings), with and without the skew and against an oracle speculating from the layer's own "
+                    "input (Fig. 13).",
+    )
+    analysis.add_argument("--context", type=int, default=2048, help="tokens of text (default: 2048)")
+    analysis.add_argument("--skip-tokens", type=int, default=0, help="tokens of the text skipped first (default: 0)")
+    analysis.add_argument("--num-queries", type=int, default=64, help="query positions scored (default: 64)")
+    _add_output_flags(analysis)
+    add_engine_arguments(analysis)
 
 
 def run_bench(args: argparse.Namespace) -> None:
+    from kvstrata.bench.infinigen_analysis import run_infinigen_analysis
     from kvstrata.bench.run import run_decode, run_roofline, run_sarathi, run_throughput
     from kvstrata.bench.serve import run_bench_serve
 
     commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi,
-                "decode": run_decode}
+                "decode": run_decode, "infinigen-analysis": run_infinigen_analysis}
     commands[args.bench](args)

@@ -8,10 +8,9 @@ import dataclasses
 import warnings
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
-from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.engine.layer_capture import capture_layers
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_policy import AttentionPolicy, FullAttention
 from kvstrata.kv.cache_factory import StorageLayout
@@ -69,32 +68,7 @@ def calibrate_skew(engine, token_ids: list[int], windows: int = DEFAULT_WINDOWS,
         raise KvstrataError(f"infinigen calibration needs at least one window of {window_tokens} tokens; got "
                             f"{windows} windows from {len(token_ids)} tokens")
     starts = np.linspace(0, len(token_ids) - window_tokens, windows).astype(int).tolist()
-    captured = [queries_and_keys(engine, token_ids[s : s + window_tokens])
+    captured = [capture_layers(engine, token_ids[s : s + window_tokens])
                 for s in tqdm(starts, desc="calibrating infinigen", disable=not progress)]
+    captured = [(window["q"], window["k"]) for window in captured]
     return skew_from_windows(captured, engine.model_fingerprint, window_tokens, source)
-
-
-class _QueryRecorder(FullAttention):
-    """Full attention that keeps every layer's queries (after RoPE) as they pass."""
-
-    def __init__(self, storage, num_layers: int):
-        super().__init__(storage)
-        self.queries: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-
-    def attention(self, layer, q, k_new, v_new, batch):
-        self.queries[layer].append(q.float().cpu())
-        return super().attention(layer, q, k_new, v_new, batch)
-
-
-def queries_and_keys(engine, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Post-RoPE queries [layers, T, heads, D] and keys [layers, T, kv_heads, D] of a prefill of `token_ids`."""
-    if engine.config.kv_offload != "none":
-        raise KvstrataError("queries and keys are captured on an engine whose KV stays on the device")
-    runner = engine.runner
-    recorder = _QueryRecorder(engine.kv_cache, engine.loaded.config.num_layers)
-    runner.policy, kept = recorder, runner.policy
-    try:
-        k, _ = compute_kv(engine, token_ids)
-    finally:
-        runner.policy = kept
-    return torch.stack([torch.cat(chunks) for chunks in recorder.queries]), k

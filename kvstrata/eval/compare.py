@@ -19,6 +19,11 @@ def _convert(name: str, text: str, annotation) -> object:
         if text.lower() not in ("true", "false"):
             raise KvstrataError(f"--compare: {name} takes true or false, got {text!r}")
         return text.lower() == "true"
+    if annotation is float:
+        try:
+            return float(text)
+        except ValueError as exc:
+            raise KvstrataError(f"--compare: {name} takes a number, got {text!r}") from exc
     wants_int = annotation is int or (int in typing.get_args(annotation) and name != "kv_cache_memory")
     if wants_int:
         try:

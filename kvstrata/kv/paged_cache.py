@@ -67,7 +67,7 @@ class PagedKVCache(KVStorage):
             gathered = torch.empty(kv_heads, n * width, self.kv_shape[1], dtype=cache.dtype, device=cache.device)
             for head in range(kv_heads):
                 torch.index_select(rows[head], 0, slots[head].reshape(-1), out=gathered[head])
-            out.append(gathered.view(kv_heads, n, width, -1).to(dtype))
+            out.append(gathered.view(kv_heads, n, width, self.kv_shape[1]).to(dtype))
         return tuple(out)
 
     def attend_in_place(self, layer, q, keys, context_lens):

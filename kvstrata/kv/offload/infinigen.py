@@ -138,7 +138,8 @@ class InfiniGenAttention(FullOffload):
         # the fetched tokens plus the step's own, which is on the device already: [G, n, K + 1, D]
         k = torch.cat((fetched.k, k_new.transpose(0, 1)[:, :, None].to(fetched.k.dtype)), dim=2)
         v = torch.cat((fetched.v, v_new.transpose(0, 1)[:, :, None].to(fetched.v.dtype)), dim=2)
-        mask = torch.cat((fetched.positions >= 0, torch.ones_like(fetched.positions[..., :1], dtype=torch.bool)), -1)
+        own = torch.ones(*fetched.positions.shape[:2], 1, dtype=torch.bool, device=fetched.positions.device)
+        mask = torch.cat((fetched.positions >= 0, own), -1)
         queries = q.view(group.num_sequences, 1, *q.shape[1:])
         if self.settings.diagnostics:
             self._count_recall(layer, queries, group, fetched.selection)

@@ -20,6 +20,7 @@ import io
 import json
 import math
 import warnings
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,7 @@ class InfiniGenSkew:
             with np.load(path, allow_pickle=False) as data:
                 meta = json.loads(bytes(data["meta"]).decode())
                 arrays = {name: torch.from_numpy(data[name].copy()) for name in ("rotation", "column_weights")}
-        except (OSError, ValueError, KeyError, EOFError) as exc:  # ValueError covers bad zip members and JSON
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # ValueError: bad JSON
             raise KvstrataError(f"{path} is not a readable infinigen skew file: {exc}") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise KvstrataError(f"{path} is not an infinigen skew file (format {FORMAT!r})")

@@ -1,0 +1,221 @@
+"""KV offload (`--kv-offload full|infinigen`): the skew is exact, selecting everything reproduces `none`, the
+selection rule on hand-made scores, byte counters against the bytes copied, skew files refused when foreign or
+corrupt, the CLI and the server."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.cli.main import main
+from kvstrata.config import EngineConfig
+from kvstrata.engine.kv_offload_setup import calibrate_skew
+from kvstrata.engine.layer_capture import capture_layers
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.errors import KvstrataError
+from kvstrata.kv.offload import full_offload, infinigen
+from kvstrata.kv.offload.link import parse_link
+from kvstrata.kv.offload.skew import ForeignSkewError, InfiniGenSkew
+from kvstrata.kv.offload.speculation import select_tokens
+from kvstrata.kv.preloaded import PreloadedKV
+from tests.server_harness import running_server
+
+EVERYTHING = {"infinigen_alpha": math.inf, "infinigen_max_fraction": 1.0, "infinigen_full_layers": 1}
+
+
+def engine_for(model, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), **{"kv_cache_memory": "4MiB", "threads": 1, **options}))
+
+
+def random_prompts(seed: int, *lengths: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 320, (n,), generator=gen).tolist() for n in lengths]
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 10) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [engine._sequences[engine.add_request(p, params)] for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [seq.token_ids[len(p):] for seq, p in zip(seqs, prompts)]
+
+
+@pytest.fixture(scope="module")
+def skew_files(tiny_llama, tiny_opt, tmp_path_factory):
+    """Each tiny model's skew, calibrated on random token ids (the real calibration's code path)."""
+    directory = tmp_path_factory.mktemp("skews")
+    paths = {}
+    for name, model in (("llama", tiny_llama), ("opt", tiny_opt)):
+        engine = engine_for(model)
+        skew = calibrate_skew(engine, random_prompts(9, 600)[0], windows=2, window_tokens=200, progress=False)
+        paths[name] = directory / f"{name}.npz"
+        skew.save(paths[name])
+    return paths
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_the_skew_leaves_every_attention_logit_unchanged(name, tiny_llama, tiny_opt, skew_files):
+    """Q̃K̃ᵀ = QKᵀ per (layer, KV head) on text the skew was not calibrated on: grouped-query (the tiny Llama, RoPE,
+    4 query heads over 2 KV heads) and multi-head (the tiny OPT); and the rotation does concentrate the queries."""
+    model = {"llama": tiny_llama, "opt": tiny_opt}[name]
+    engine = engine_for(model)
+    skew = InfiniGenSkew.load(skew_files[name], engine.model_fingerprint)
+    captured = capture_layers(engine, random_prompts(3, 150)[0])
+    q, k = captured["q"], captured["k"]
+    layers, tokens, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    for layer in range(layers):
+        for head in range(heads):
+            a = skew.rotation[layer, head // (heads // kv_heads)].double()
+            qh, kh = q[layer, :, head].double(), k[layer, :, head // (heads // kv_heads)].double()
+            logits = qh @ kh.T  # float tolerance: A is stored in float32, orthogonal to ~1e-7
+            torch.testing.assert_close((qh @ a) @ (kh @ a).T, logits, rtol=0, atol=1e-6 * float(logits.abs().max()))
+    grouped = q.view(layers, tokens, kv_heads, -1, dim).transpose(1, 2).reshape(layers, kv_heads, -1, dim)
+    skewed = grouped @ skew.rotation
+    first = lambda x: x[..., : dim // 4].square().sum() / x.square().sum()
+    assert first(skewed) > first(grouped)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_selecting_every_token_gives_the_greedy_output_of_no_offload(name, tiny_llama, tiny_opt, skew_files):
+    """alpha = inf with no cap: infinigen attends over every cached token, so its greedy tokens are `none`'s, with
+    prompts that share a prefix (prefix caching) and a cache small enough to preempt; `full` too."""
+    model = {"llama": tiny_llama, "opt": tiny_opt}[name]
+    shared = random_prompts(4, 48)[0]
+    prompts = [shared + p for p in random_prompts(5, 30, 70, 5)] + random_prompts(6, 90)
+    want = generate(engine_for(model), prompts, 16)
+    assert generate(engine_for(model, kv_offload="full"), prompts, 16) == want
+    engine = engine_for(model, kv_offload="infinigen", infinigen_calibration=str(skew_files[name]), **EVERYTHING)
+    assert generate(engine, prompts, 16) == want
+    summary = engine.attention.stats.summary()
+    assert summary["decode_fraction_fetched"] > 0.9  # all but each step's own token, which is on the device
+    kv_heads, dim = engine.kv_cache.kv_shape
+    token_bytes = 2 * engine.kv_cache.num_layers * kv_heads * dim * 4
+    tight = engine_for(model, kv_offload="infinigen", infinigen_calibration=str(skew_files[name]), max_model_len=200,
+                       kv_cache_memory=14 * 16 * token_bytes, **EVERYTHING)  # 14 blocks: fewer than the prompts need
+    assert generate(tight, prompts, 16) == want
+    assert sum(s.num_preempted for s in tight.step_stats) > 0
+
+
+def test_default_speculation_fetches_a_capped_subset(tiny_llama, skew_files):
+    engine = engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]),
+                        infinigen_full_layers=1, infinigen_alpha=1.0, infinigen_diagnostics=True)
+    generate(engine, random_prompts(7, 200, 120), 12)
+    stats = engine.attention.stats
+    assert stats.decode_fetched_rows[0] == stats.decode_cached_rows[0]  # layer 0 reads everything
+    assert 0 < stats.decode_fetched_rows[1:].sum() < 0.6 * stats.decode_cached_rows[1:].sum()
+    assert stats.selected_per_head[1:].sum() <= 0.2 * stats.decode_cached_rows[1:].sum() / 2  # 2 KV heads
+    assert 0 < stats.summary()["recall_of_attention_mass"] < 1
+
+
+def test_select_tokens_on_hand_made_scores():
+    """One sequence, one KV head shared by two query heads, six cached tokens of seven."""
+    scores = torch.tensor([[[[9.0, 8.5, 1.0, 0.0, 8.8, 2.0, 100.0],    # head 0: 3 tokens within alpha = 1
+                             [0.0, 1.0, 5.0, 4.5, 0.0, 4.2, 100.0]]]])  # head 1: 3 tokens within 1
+    cached = torch.tensor([[True, True, True, True, True, True, False]])  # the last key is this step's own
+    selection = select_tokens(scores, cached, alpha=1.0, max_fraction=1.0)
+    assert selection.per_query_head.tolist() == [3]
+    chosen = set(selection.columns[0, 0][selection.valid[0, 0]].tolist())
+    assert chosen == {0, 1, 4} | {2, 3, 5}  # the union of both heads' top 3; never the uncached key
+    capped = select_tokens(scores, cached, alpha=1.0, max_fraction=0.34)  # floor(0.34 * 6) = 2 per head
+    assert capped.per_query_head.tolist() == [2]
+    assert set(capped.columns[0, 0][capped.valid[0, 0]].tolist()) == {0, 4, 2, 3}
+    everything = select_tokens(scores, cached, alpha=math.inf, max_fraction=1.0)
+    assert set(everything.columns[0, 0][everything.valid[0, 0]].tolist()) == set(range(6))
+    # heads with different counts share their floored mean: with alpha 0.3 head 0 has 2 tokens, head 1 one
+    mean = select_tokens(scores, cached, alpha=0.3, max_fraction=1.0)
+    assert mean.per_query_head.tolist() == [1]
+    assert set(mean.columns[0, 0][mean.valid[0, 0]].tolist()) == {0, 2}
+
+
+@pytest.mark.parametrize("mode", ["full", "infinigen"])
+def test_byte_counters_equal_the_bytes_copied(mode, tiny_llama, skew_files, monkeypatch):
+    copied = []
+
+    def counting_copy(x, device):
+        copied.append(x.nbytes)
+        return x.clone()
+
+    monkeypatch.setattr(full_offload, "to_compute_device", counting_copy)
+    monkeypatch.setattr(infinigen, "to_compute_device", counting_copy)
+    engine = engine_for(tiny_llama, kv_offload=mode, infinigen_calibration=str(skew_files["llama"]),
+                        infinigen_full_layers=1, infinigen_alpha=2.0, kv_link="2")
+    generate(engine, random_prompts(8, 100, 40), 8)
+    stats = engine.attention.stats
+    assert sum(copied) == stats.copied_bytes.sum() > 0
+    assert stats.stored_form_bytes.sum() <= stats.copied_bytes.sum()  # padding rows are copied, not counted
+    link = parse_link("2")  # 2 GB/s
+    modeled = stats.stored_form_bytes.sum() / link.bytes_per_second
+    assert stats.modeled_transfer_s.sum() == pytest.approx(modeled + stats.transfers * link.latency_s)
+
+
+def test_preloaded_kv_gets_its_partial_keys(tiny_llama, skew_files):
+    """KV placed without a forward pass (a saved context, a lower tier's chunk) has partial keys on the device."""
+    engine = engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]))
+    policy = engine.attention
+    kv_heads, dim = engine.kv_cache.kv_shape
+    k = torch.randn(3, 40, kv_heads, dim)
+    blocks = [engine.kv_manager.pool.allocate() for _ in range(3)]
+    policy.write(blocks, PreloadedKV(0, k, torch.randn_like(k)), 0, 40)
+    slots = torch.tensor([blocks[p // 16] * 16 + p % 16 for p in range(40)])
+    for layer in range(3):
+        want = torch.einsum("tgd,gdr->gtr", k[layer], policy.partial_rotation[layer])
+        torch.testing.assert_close(policy.partial_keys[layer][:, slots], want, rtol=1e-5, atol=1e-5)
+
+
+def test_skew_files_are_versioned_and_refused_when_foreign_or_corrupt(tiny_llama, skew_files, tmp_path):
+    engine = engine_for(tiny_llama)
+    skew = InfiniGenSkew.load(skew_files["llama"], engine.model_fingerprint)
+    with pytest.raises(ForeignSkewError, match="calibrated for model"):
+        InfiniGenSkew.load(skew_files["llama"], "0123456789abcdef")
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes(skew_files["llama"].read_bytes()[:300])
+    with pytest.raises(KvstrataError, match="not a readable infinigen skew"):
+        InfiniGenSkew.load(truncated, engine.model_fingerprint)
+    with pytest.raises(KvstrataError, match="not orthogonal"):
+        InfiniGenSkew(skew.fingerprint, skew.rotation * 1.01, skew.column_weights, 1, 1, "")
+    newer = tmp_path / "newer.npz"
+    data = dict(np.load(skew_files["llama"]))
+    data["meta"] = np.frombuffer(bytes(data["meta"]).replace(b'"version": 1', b'"version": 99'), dtype=np.uint8)
+    np.savez(newer, **data)
+    with pytest.raises(KvstrataError, match="version 99"):
+        InfiniGenSkew.load(newer, engine.model_fingerprint)
+    with pytest.raises(KvstrataError, match="calibrated for model"):
+        engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["opt"]))
+
+
+@pytest.mark.parametrize("option, value", [("kv_offload", "disk"), ("kv_link", "pcie9"), ("infinigen_alpha", 0.0),
+                                           ("infinigen_max_fraction", 1.5), ("infinigen_full_layers", 0),
+                                           ("infinigen_partial_ratio", 0.0)])
+def test_bad_offload_options_are_refused_by_name(option, value):
+    with pytest.raises(KvstrataError, match=option):
+        EngineConfig(**{option: value})
+
+
+def test_generate_and_calibrate_from_the_command_line(tiny_llama, tmp_path, capsys):
+    skew = tmp_path / "skew.npz"
+    text = tmp_path / "text.txt"
+    text.write_text("Emma Woodhouse, handsome, clever, and rich, with a comfortable home. " * 60)
+    assert main(["calibrate", "infinigen", "--text", str(text), "--out", str(skew), "--windows", "2",
+                 "--window-tokens", "128", "--model", str(tiny_llama), "--kv-cache-memory", "8MiB"]) == 0
+    assert "wrote the infinigen skew" in capsys.readouterr().out
+    assert main(["generate", "Emma", "--model", str(tiny_llama), "--max-tokens", "8", "--kv-cache-memory", "8MiB",
+                 "--kv-offload", "infinigen", "--infinigen-calibration", str(skew)]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_the_server_runs_with_infinigen(tiny_llama, skew_files):
+    with running_server(str(tiny_llama), "test-model", kv_cache_memory="8MiB", max_model_len=256,
+                        kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]),
+                        **EVERYTHING) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(model="test-model", prompt="Emma Woodhouse, handsome", max_tokens=8,
+                                          temperature=0)
+    plain = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256)
+    expected = plain.generate(["Emma Woodhouse, handsome"], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert reply.choices[0].text == expected.text
