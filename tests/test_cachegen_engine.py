@@ -130,6 +130,10 @@ def test_profiled_levels_need_their_profile(llm, context_ids, emma_text, tmp_pat
         assert (kind.sensitivity > 0).all() and kind.sigma.shape == (config.num_layers,) and (kind.sigma > 0).all()
     with pytest.raises(ForeignModelError):
         CodecProfile.load(tmp_path / "profile.npz", "0000000000000000")
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes((tmp_path / "profile.npz").read_bytes()[:500])
+    with pytest.raises(KvstrataError, match="not a CacheGen profile"):
+        CodecProfile.load(truncated, llm.engine.model_fingerprint)
     llm.save_context(context_ids, tmp_path / "p.kv", levels=["high"], chunk_tokens=50, profile=profile)
     with pytest.raises(KvstrataError, match="profile"):
         SavedContext(llm.engine, tmp_path / "p.kv")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +141,7 @@ class CodecProfile:
             with np.load(path) as data:
                 meta = json.loads(bytes(data["meta"]).decode())
                 arrays = {name: data[name] for name in data.files if name != "meta"}
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:  # ValueError covers bad JSON
             raise CorruptStreamError(f"{path} is not a CacheGen profile: {exc}") from None
         if meta.get("format") != PROFILE_FORMAT or meta.get("version") != PROFILE_VERSION:
             raise CorruptStreamError(f"{path} is not a version-{PROFILE_VERSION} CacheGen profile")
