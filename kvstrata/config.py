@@ -22,7 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULERS = ("sarathi", "prefill-first", "static")
 KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
-KV_OFFLOADS = ("none", "full", "infinigen")
+KV_OFFLOADS = ("none", "full", "infinigen", "h2o")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -121,7 +121,9 @@ class EngineConfig:
         default="none",
         metadata=_option("where the KV cache lives: none (on the compute device), full (a host pool; each layer's "
                          "whole KV copied to the device before its attention, FlexGen-style), infinigen (a host pool; "
-                         "each layer's decode fetches only the tokens speculated at the previous layer's input)",
+                         "each layer's decode fetches only the tokens speculated at the previous layer's input), h2o "
+                         "(the cache stays on the device; each decode evicts tokens for good beyond --h2o-budget: the "
+                         "quality baseline at a given amount of KV; no prefix caching)",
                          choices=KV_OFFLOADS),
     )
     kv_link: str = field(
@@ -144,6 +146,11 @@ class EngineConfig:
     infinigen_full_layers: int = field(
         default=2, metadata=_option("infinigen: the first layers read their whole KV (speculation needs the "
                                     "outlier channels that appear in layer 0)")
+    )
+    h2o_budget: float = field(
+        default=0.2,
+        metadata=_option("h2o: share of a sequence's tokens each layer's KV heads keep (half heavy hitters by "
+                         "accumulated attention, half the most recent)"),
     )
     infinigen_calibration: str | None = field(
         default=None,
@@ -234,6 +241,8 @@ class EngineConfig:
             parse_trace(self.kv_store_link_gbps)
         parse_link(self.kv_link)
         self.infinigen_settings()  # validates the infinigen options
+        if not (isinstance(self.h2o_budget, (int, float)) and 0 < self.h2o_budget <= 1):
+            raise KvstrataError(f"h2o_budget {self.h2o_budget!r} must be in (0, 1]")
         if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and 0 < self.ttft_slo < 1e6):
             raise KvstrataError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
         for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size",

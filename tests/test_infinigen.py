@@ -219,3 +219,27 @@ def test_the_server_runs_with_infinigen(tiny_llama, skew_files):
     plain = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256)
     expected = plain.generate(["Emma Woodhouse, handsome"], SamplingParams(max_tokens=8, temperature=0))[0]
     assert reply.choices[0].text == expected.text
+
+
+def test_h2o_evicts_for_good_at_its_budget(tiny_llama):
+    """After every decode each KV head of each layer keeps at most the budget of a sequence's tokens, evicted tokens
+    never come back, and a budget of every token is full attention (the greedy output of `none`)."""
+    prompts = random_prompts(11, 120, 60)
+    want = generate(engine_for(tiny_llama), prompts, 12)
+    assert generate(engine_for(tiny_llama, kv_offload="h2o", h2o_budget=1.0), prompts, 12) == want
+    engine = engine_for(tiny_llama, kv_offload="h2o", h2o_budget=0.25)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    seq = engine._sequences[engine.add_request(prompts[0], params)]
+    before = engine.attention.evicted.clone()
+    decodes = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        evicted = engine.attention.evicted.clone()
+        assert (before <= evicted).all()  # never revived
+        before = evicted
+        if engine.has_unfinished_requests() and seq.num_computed_tokens > len(prompts[0]):
+            decodes += 1
+            slots = [seq.block_table[p // 16] * 16 + p % 16 for p in range(seq.num_computed_tokens)]
+            live = (~evicted[:, :, slots]).sum(-1)  # [layers, kv heads]
+            assert (live == int(0.25 * seq.num_computed_tokens)).all()
+    assert decodes > 5

@@ -15,6 +15,7 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_policy import AttentionPolicy, FullAttention
 from kvstrata.kv.cache_factory import StorageLayout
 from kvstrata.kv.offload.full_offload import FullOffload
+from kvstrata.kv.offload.h2o import H2OAttention
 from kvstrata.kv.offload.infinigen import InfiniGenAttention
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.offload.skew import InfiniGenSkew, cached_skew_path, shipped_or_cached_skew, skew_from_windows
@@ -32,6 +33,8 @@ def attention_policy(engine, layout: StorageLayout, num_slots: int) -> Attention
     row_bytes = layout.bytes_per_token / (mc.num_layers * mc.num_kv_heads)
     if c.kv_offload == "full":
         return FullOffload(engine.kv_cache, engine.device, row_bytes, stats)
+    if c.kv_offload == "h2o":
+        return H2OAttention(engine.kv_cache, c.h2o_budget, num_slots, stats)
     return InfiniGenAttention(engine.kv_cache, engine.device, row_bytes, stats, infinigen_skew_for(engine),
                               engine.loaded.model.layer_queries, c.infinigen_settings(), num_slots)
 

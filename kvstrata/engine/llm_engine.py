@@ -67,13 +67,15 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
-        # the KV storage: on the compute device, or under --kv-offload a pool in host memory
-        self.kv_cache = layout.build(num_blocks, self.device if config.kv_offload == "none" else torch.device("cpu"))
+        # the KV storage: on the compute device, or a pool in host memory under --kv-offload full|infinigen
+        in_host_pool = config.kv_offload in ("full", "infinigen")
+        self.kv_cache = layout.build(num_blocks, torch.device("cpu") if in_host_pool else self.device)
         # which cached tokens each layer reads, and (offload) what is copied to the device for it
         self.attention = attention_policy(self, layout, num_blocks * config.block_size)
+        # H2O's eviction state is per cache slot: its blocks cannot be shared between sequences
         self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching,
-            on_allocate=self.kv_cache.reset_blocks, write_kv=self.attention.write,
+            num_blocks, config.block_size, config.enable_prefix_caching and config.kv_offload != "h2o",
+            on_allocate=self.attention.reset_blocks, write_kv=self.attention.write,
             namespace=f"{self.model_fingerprint}/{self._weights_tag()}/{stored_form(config, dtype)}/".encode(),
         )
         self.kv_cache.attach_block_pool(self.kv_manager.pool)

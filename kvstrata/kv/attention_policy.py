@@ -33,6 +33,10 @@ class AttentionPolicy:
         """Called with a layer's input x [T, hidden] (the residual stream, before the layer's norm) just before its
         attention: InfiniGen speculates the next layer here."""
 
+    def reset_blocks(self, blocks: list[int]) -> None:
+        """Blocks the pool hands out for new content (a policy with per-slot state clears it too)."""
+        self.storage.reset_blocks(blocks)
+
     def write(self, block_table: list[int], kv: Preloaded, first: int, end: int) -> None:
         """Place ready-made KV of one sequence's positions first .. end (see `KVStorage.write`)."""
         self.storage.write(block_table, kv, first, end)

@@ -41,17 +41,23 @@ def _single_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return attend_per_kv_head(q, k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), mask[None])
 
 
-def attend_per_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Decode attention of q [n, 1, heads, D] where each KV head reads keys of its own: k, v [kv_heads, n, Tk, D]
-    (row j of head h is that head's j-th key) and mask [kv_heads or 1, n, 1, Tk]. Returns [n, 1, heads, D]."""
-    n, _, heads, dim = q.shape
+def attend_per_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       with_weights: bool = False):
+    """Attention of q [n, Tq, heads, D] where each KV head reads keys of its own: k, v [kv_heads, n, Tk, D] (row j
+    of head h is that head's j-th key) and mask [kv_heads or 1, n, Tq, Tk]. Returns [n, Tq, heads, D], and with
+    `with_weights` also the softmax weights [kv_heads, n, Tq, group, Tk] (H2O accumulates them)."""
+    n, num_q, heads, dim = q.shape
     kv_heads = k.shape[0]
-    # the query heads that share one KV head side by side: [kv_heads, n, group, D]
-    q = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * dim**-0.5  # [kv_heads, n, group, Tk]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(scores.softmax(-1), v)  # [kv_heads, n, group, D]
-    return out.transpose(0, 1).reshape(n, 1, heads, dim)
+    group = heads // kv_heads
+    # the query heads that share one KV head side by side: [kv_heads, n, Tq * group, D]
+    q = q.view(n, num_q, kv_heads, group, dim).permute(2, 0, 1, 3, 4).reshape(kv_heads, n, num_q * group, dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * dim**-0.5  # [kv_heads, n, Tq * group, Tk]
+    if num_q > 1:
+        mask = mask[:, :, :, None, :].expand(-1, -1, -1, group, -1).reshape(mask.shape[0], n, num_q * group, -1)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    out = torch.matmul(weights, v).view(kv_heads, n, num_q, group, dim).permute(1, 2, 0, 3, 4)
+    out = out.reshape(n, num_q, heads, dim)
+    return (out, weights.view(kv_heads, n, num_q, group, -1)) if with_weights else out
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
