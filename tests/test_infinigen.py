@@ -18,7 +18,7 @@ from kvstrata.engine.kv_offload_setup import calibrate_skew
 from kvstrata.engine.layer_capture import capture_layers
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.offload import full_offload, infinigen
+from kvstrata.kv.offload import transfers
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.offload.skew import ForeignSkewError, InfiniGenSkew
 from kvstrata.kv.offload.speculation import select_tokens
@@ -136,13 +136,13 @@ def test_select_tokens_on_hand_made_scores():
 @pytest.mark.parametrize("mode", ["full", "infinigen"])
 def test_byte_counters_equal_the_bytes_copied(mode, tiny_llama, skew_files, monkeypatch):
     copied = []
+    copy = transfers.WorkingBuffers.copy
 
-    def counting_copy(x, device):
+    def counting_copy(buffers, name, x):
         copied.append(x.nbytes)
-        return x.clone()
+        return copy(buffers, name, x)
 
-    monkeypatch.setattr(full_offload, "to_compute_device", counting_copy)
-    monkeypatch.setattr(infinigen, "to_compute_device", counting_copy)
+    monkeypatch.setattr(transfers.WorkingBuffers, "copy", counting_copy)
     engine = engine_for(tiny_llama, kv_offload=mode, infinigen_calibration=str(skew_files["llama"]),
                         infinigen_full_layers=1, infinigen_alpha=2.0, kv_link="2")
     generate(engine, random_prompts(8, 100, 40), 8)

@@ -115,12 +115,29 @@ def _add_infinigen_commands(bench) -> None:
     _add_output_flags(analysis)
     add_engine_arguments(analysis)
 
+    offload = bench.add_parser(
+        "offload", help="decode speed with the KV in a host pool: full vs infinigen vs none",
+        description="For each --contexts length one prefill of --text gives real K/V; each of --batches sequences "
+                    "starts from it as preloaded KV and decodes --steps tokens under --kv-offload none, full and "
+                    "infinigen (the other engine options as given). Reports measured tokens/s (median step), the "
+                    "fraction of the KV fetched, bytes moved, and the step modeled over PCIe 3 and 4 (measured copy "
+                    "time replaced by the link model's).",
+    )
+    offload.add_argument("--contexts", default="512,1024,2048,4096,8192", help="context lengths (comma-separated)")
+    offload.add_argument("--batches", default="1,4,8,16", help="batch sizes (comma-separated)")
+    offload.add_argument("--steps", type=int, default=8, help="decode steps timed per run (default: 8)")
+    offload.add_argument("--skip-tokens", type=int, default=0, help="tokens of the text skipped first (default: 0)")
+    _add_output_flags(offload)
+    add_engine_arguments(offload)
+
 
 def run_bench(args: argparse.Namespace) -> None:
     from kvstrata.bench.infinigen_analysis import run_infinigen_analysis
+    from kvstrata.bench.offload import run_offload
     from kvstrata.bench.run import run_decode, run_roofline, run_sarathi, run_throughput
     from kvstrata.bench.serve import run_bench_serve
 
     commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi,
-                "decode": run_decode, "infinigen-analysis": run_infinigen_analysis}
+                "decode": run_decode, "infinigen-analysis": run_infinigen_analysis,
+                "offload": run_offload}
     commands[args.bench](args)

@@ -42,6 +42,12 @@ def _report(evaluation: str, headline: str, workload: dict, results: list[dict])
     }
 
 
+def kv_reads(engine: LLMEngine) -> dict:
+    """What the KV policy read over the evaluation (--kv-offload full|infinigen|h2o): fractions fetched, bytes."""
+    stats = getattr(engine.attention, "stats", None)
+    return {"kv_reads": stats.summary()} if stats is not None else {}
+
+
 def run_perplexity(args: argparse.Namespace, base: EngineConfig) -> None:
     _check_positive(args, "context_len", "score_len", "windows", "tokens_per_step")
     text = read_text(args.text)
@@ -51,7 +57,7 @@ def run_perplexity(args: argparse.Namespace, base: EngineConfig) -> None:
         figures = evaluate_perplexity(
             engine, engine.tokenize(text), args.context_len, args.score_len, args.windows, args.tokens_per_step
         )
-        results.append({"label": label, **engine_info(engine), **figures})
+        results.append({"label": label, **engine_info(engine), **figures, **kv_reads(engine)})
     workload = {"text": str(args.text), "context_len": args.context_len, "score_len": args.score_len,
                 "windows": args.windows, "tokens_per_step": args.tokens_per_step}
     if args.plot:
@@ -70,7 +76,7 @@ def run_agreement(args: argparse.Namespace, base: EngineConfig) -> None:
     for label, config in configurations(base, args.compare):
         engine = LLMEngine(config)
         figures = compare_distributions(reference, continuation_log_probs(engine, prompts, tokens), tokens)
-        results.append({"label": label, **engine_info(engine), **figures})
+        results.append({"label": label, **engine_info(engine), **figures, **kv_reads(engine)})
     workload = {"text": str(args.text), "prompts": args.prompts, "prompt_len": args.prompt_len,
                 "gen_len": args.gen_len, "reference_config": dataclasses.asdict(base)}
     if args.plot:
@@ -89,7 +95,7 @@ def run_needle(args: argparse.Namespace, base: EngineConfig) -> None:
     for label, config in configurations(base, args.compare):
         engine = LLMEngine(config)
         figures = evaluate_needle(engine, text, lengths, depths, args.trials, args.seed)
-        results.append({"label": label, **engine_info(engine), **figures})
+        results.append({"label": label, **engine_info(engine), **figures, **kv_reads(engine)})
     workload = {"text": str(args.text), "lengths": lengths, "depths": depths, "trials": args.trials,
                 "seed": args.seed}
     if args.plot:

@@ -12,7 +12,7 @@ import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
 from kvstrata.kv.attention_policy import AttentionPolicy
-from kvstrata.kv.offload.transfers import OffloadStats
+from kvstrata.kv.offload.transfers import OffloadStats, WorkingBuffers
 from kvstrata.kv.reference_attention import attend
 from kvstrata.kv.storage import KVStorage
 
@@ -24,6 +24,7 @@ class FullOffload(AttentionPolicy):
         self.device = device
         self.row_bytes = row_bytes
         self.stats = stats
+        self.buffers = WorkingBuffers(device)  # where fetched K/V land on the device
 
     def attention(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   batch: AttentionBatch) -> torch.Tensor:
@@ -55,7 +56,7 @@ class FullOffload(AttentionPolicy):
         k, v = self.storage.gather_keys(layer, on_device(keys, self.storage.device), dtype)
         rows = keys.positions.numel() * k.shape[2]
         self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
-        return to_compute_device(k, self.device), to_compute_device(v, self.device)
+        return self.stats.copy_to(self.buffers, ("k", "v"), k, v)
 
 
 def on_device(keys: CachedKeys, device: torch.device) -> CachedKeys:
@@ -66,9 +67,3 @@ def on_device(keys: CachedKeys, device: torch.device) -> CachedKeys:
         return CachedKeys(keys.positions.to(device), block_tables=keys.block_tables.to(device),
                           block_size=keys.block_size)
     return CachedKeys(keys.positions.to(device), keys.slots.to(device))
-
-
-def to_compute_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of `x` on the compute device: the host-to-device transfer (a separate allocation even where both are
-    main memory; strides kept, so heads-outermost gathers stay that way)."""
-    return x.to(device, non_blocking=True) if x.device != device else x.clone()

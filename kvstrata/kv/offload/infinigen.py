@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup
-from kvstrata.kv.offload.full_offload import FullOffload, on_device, to_compute_device
+from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
+from kvstrata.kv.offload.full_offload import FullOffload, on_device
 from kvstrata.kv.offload.skew import InfiniGenSkew
 from kvstrata.kv.offload.speculation import Selection, select_tokens
 from kvstrata.kv.offload.transfers import OffloadStats
@@ -57,8 +57,9 @@ class InfiniGenSettings:
 
 @dataclass
 class Fetched:
-    """What the previous layer's input fetched for one decode group: K and V [kv_heads, n, K, D] on the
-    device, the keys' positions [kv_heads, n, K] (-1: padding) and the selection they came from."""
+    """What the previous layer's input fetched for one decode group: K and V [kv_heads, n, K + 1, D] on the
+    device, the keys' positions [kv_heads, n, K + 1] (-1: padding) and the selection they came from. The last row
+    is the step's own token, filled in at attention."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -114,13 +115,17 @@ class InfiniGenAttention(FullOffload):
         q_partial = grouped @ self.partial_rotation[layer][:, None]  # [G, n, group, r]
         keys = group.keys
         slots = keys.slots
-        k_partial = self.partial_keys[layer][:, slots]  # [G, n, Tk, r]
+        k_partial = self._partial_keys_of(layer, keys)  # [G, n, Tk, r]
         scores = q_partial @ k_partial.transpose(-1, -2) * dim**-0.5
         cached = (keys.positions >= 0) & (keys.positions < q_positions[:, None])  # before this step's token
         selection = select_tokens(scores, cached, self.settings.alpha, self.settings.max_fraction)
         chosen_slots = slots[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
         positions = keys.positions[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
         positions = positions.masked_fill(~selection.valid, NO_KEY)
+        # one more row per (head, sequence) for the step's own token, written at attention (no concatenation)
+        chosen_slots = torch.cat((chosen_slots, chosen_slots[..., :1] if chosen_slots.shape[-1] else
+                                  slots[None, :, :1].expand(kv_heads, -1, -1)), dim=-1)
+        positions = torch.cat((positions, q_positions[None, :, None].expand(kv_heads, -1, -1)), dim=-1)
         host = self.storage.device
         k, v = self.storage.gather_per_head(layer, chosen_slots.to(host), positions.to(host), x.dtype)
         rows = int(selection.valid.sum())
@@ -128,18 +133,33 @@ class InfiniGenAttention(FullOffload):
         self.stats.decode_rows(layer, fetched=rows, cached=int((keys.positions >= 0).sum()) * kv_heads)
         self.stats.selected_per_head[layer] += int(selection.per_query_head.sum())
         self.stats.decodes[layer] += n
-        return Fetched(to_compute_device(k, self.device), to_compute_device(v, self.device), positions, selection)
+        # two buffers in turn: layer i's fetch must outlive layer i+1's, made before layer i attends
+        names = (f"speculated{layer % 2}.k", f"speculated{layer % 2}.v")
+        return Fetched(*self.stats.copy_to(self.buffers, names, k, v), positions, selection)
+
+    def _partial_keys_of(self, layer: int, keys: CachedKeys) -> torch.Tensor:
+        """The partial keys [G, n, Tk, r] of `keys`: whole blocks copied block by block where the keys are whole
+        blocks (several times faster on CPU than slot by slot)."""
+        partial = self.partial_keys[layer]  # [G, slots, r]
+        if keys.block_tables is None:
+            return partial[:, keys.slots]
+        blocks = keys.block_tables.reshape(-1)
+        by_block = partial.view(partial.shape[0], -1, self.storage.block_size * partial.shape[-1])
+        out = torch.empty(partial.shape[0], len(blocks), by_block.shape[-1], device=partial.device)
+        for head in range(partial.shape[0]):
+            torch.index_select(by_block[head], 0, blocks, out=out[head])
+        return out.view(partial.shape[0], *keys.positions.shape, partial.shape[-1])
 
     def attend_group(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      group: AttentionGroup) -> torch.Tensor:
         fetched = self._fetched.get(layer, {}).get(id(group))
         if fetched is None:
             return super().attend_group(layer, q, k_new, v_new, group)
-        # the fetched tokens plus the step's own, which is on the device already: [G, n, K + 1, D]
-        k = torch.cat((fetched.k, k_new.transpose(0, 1)[:, :, None].to(fetched.k.dtype)), dim=2)
-        v = torch.cat((fetched.v, v_new.transpose(0, 1)[:, :, None].to(fetched.v.dtype)), dim=2)
-        own = torch.ones(*fetched.positions.shape[:2], 1, dtype=torch.bool, device=fetched.positions.device)
-        mask = torch.cat((fetched.positions >= 0, own), -1)
+        # the fetched tokens plus, in the last row, the step's own, which is on the device already
+        k, v = fetched.k, fetched.v
+        k[:, :, -1] = k_new.transpose(0, 1)
+        v[:, :, -1] = v_new.transpose(0, 1)
+        mask = fetched.positions >= 0
         queries = q.view(group.num_sequences, 1, *q.shape[1:])
         if self.settings.diagnostics:
             self._count_recall(layer, queries, group, fetched.selection)

@@ -12,7 +12,7 @@ import torch
 
 @dataclass
 class Selection:
-    columns: torch.Tensor  # long [kv_heads, n, K]: columns of the group's keys each KV head reads
+    columns: torch.Tensor  # long [kv_heads, n, K]: columns of the group's keys each KV head reads, ascending
     valid: torch.Tensor  # bool [kv_heads, n, K]: False marks padding (heads that chose fewer than K)
     per_query_head: torch.Tensor  # long [n]: tokens each query head of a sequence chose
 
@@ -38,6 +38,13 @@ def select_tokens(scores: torch.Tensor, cached: torch.Tensor, alpha: float, max_
     chosen = torch.zeros(kv_heads, n, width, device=scores.device).scatter_reduce_(
         -1, top_columns.flatten(2), keep[None, :, None].expand_as(top_columns).flatten(2).float(), "amax")
     fetched = chosen.sum(-1).long()  # [kv_heads, n]
-    columns = chosen.topk(int(fetched.max()), dim=-1).indices  # the chosen columns first (value 1)
-    valid = torch.arange(columns.shape[-1], device=scores.device) < fetched[..., None]
+    # the chosen columns packed to the front in ascending order (the host pool is then read front to back): each
+    # chosen column goes to its rank among the chosen, the others to a spare last column that is dropped
+    widest = int(fetched.max())
+    picked = chosen.bool()
+    target = torch.where(picked, picked.cumsum(-1) - 1, widest)
+    everything = torch.arange(width, device=scores.device).expand_as(target)
+    columns = torch.zeros(kv_heads, n, widest + 1, dtype=torch.long, device=scores.device)
+    columns = columns.scatter_(-1, target, everything)[..., :widest]
+    valid = torch.arange(widest, device=scores.device) < fetched[..., None]
     return Selection(columns, valid, per_head)

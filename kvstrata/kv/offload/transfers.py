@@ -8,7 +8,10 @@ the cached KV a layer fetched is `decode_fetched_rows / decode_cached_rows`.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import torch
 
 from kvstrata.kv.offload.link import LinkModel
 
@@ -25,6 +28,7 @@ class OffloadStats:
         self.decodes = np.zeros(num_layers, dtype=np.int64)  # decode (sequence, layer) selections counted above
         self.modeled_transfer_s = np.zeros(num_layers)  # the link model's time of every copy, per layer
         self.transfers = 0
+        self.copy_seconds = 0.0  # measured: time spent copying fetched K/V to the device
         self.recall_mass = 0.0  # diagnostics: attention mass of the fetched keys, summed over query heads
         self.recall_heads = 0
 
@@ -33,6 +37,13 @@ class OffloadStats:
         self.stored_form_bytes[layer] += stored_form_bytes
         self.modeled_transfer_s[layer] += self.link.seconds(stored_form_bytes)
         self.transfers += 1
+
+    def copy_to(self, buffers: WorkingBuffers, names: tuple[str, ...], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tensors copied into the named device buffers, the time it took counted."""
+        start = time.perf_counter()
+        copies = tuple(buffers.copy(name, x) for name, x in zip(names, tensors))
+        self.copy_seconds += time.perf_counter() - start
+        return copies
 
     def decode_rows(self, layer: int, fetched: int, cached: int) -> None:
         self.decode_fetched_rows[layer] += fetched
@@ -47,9 +58,42 @@ class OffloadStats:
             "stored_form_bytes": int(self.stored_form_bytes.sum()),
             "written_bytes": int(self.written_bytes.sum()),
             "modeled_transfer_s": float(self.modeled_transfer_s.sum()),
+            "copy_seconds": self.copy_seconds,
             "decode_fraction_fetched": float(self.decode_fetched_rows.sum() / max(cached.sum(), 1)),
             "decode_fraction_fetched_per_layer": [round(float(f), 4) for f in fraction],
             "tokens_per_query_head": (float(self.selected_per_head.sum() / self.decodes.sum())
                                       if self.decodes.sum() else None),
             "recall_of_attention_mass": self.recall_mass / self.recall_heads if self.recall_heads else None,
         }
+
+
+class WorkingBuffers:
+    """Device memory kept from step to step for the K/V copied out of the host pool, one buffer per name (FlexGen
+    keeps such buffers too): a copy lands in memory already mapped, never in a fresh allocation."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def copy(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """A copy of `x` in buffer `name` with x's shape and strides (heads-outermost gathers stay that way); valid
+        until the buffer is used again."""
+        if not _dense(x):
+            return x.to(self.device, copy=True)
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < x.numel() or flat.dtype != x.dtype:
+            flat = self._flat[name] = torch.empty(int(1.25 * x.numel()), dtype=x.dtype, device=self.device)
+        out = flat.as_strided(x.shape, x.stride())
+        out.copy_(x, non_blocking=True)
+        return out
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether x's elements fill exactly x.numel() places in some order of its dimensions (a permuted contiguous
+    tensor), so the same strides fit a buffer of that size."""
+    expected = 1
+    for dim in sorted(range(x.dim()), key=x.stride):
+        if x.shape[dim] != 1 and x.stride(dim) != expected:
+            return False
+        expected *= x.shape[dim]
+    return True
