@@ -23,6 +23,7 @@ SCHEDULERS = ("sarathi", "prefill-first", "static")
 KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
 KV_OFFLOADS = ("none", "full", "infinigen", "h2o")
+HOST_EVICTIONS = ("counter", "lru", "fifo")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -147,6 +148,16 @@ class EngineConfig:
         default=2, metadata=_option("infinigen: the first layers read their whole KV (speculation needs the "
                                     "outlier channels that appear in layer 0)")
     )
+    kv_host_memory: int | str | None = field(
+        default=None,
+        metadata=_option("infinigen: cap on the host pool, e.g. 1GiB; beyond it --kv-host-eviction gives tokens up "
+                         "for good, per layer (default: no cap, nothing is ever given up)"),
+    )
+    kv_host_eviction: str = field(
+        default="counter",
+        metadata=_option("infinigen, capped host pool: which tokens to give up: counter (fewest fetches among the "
+                         "older half; the paper's), lru or fifo", choices=HOST_EVICTIONS),
+    )
     h2o_budget: float = field(
         default=0.2,
         metadata=_option("h2o: share of a sequence's tokens each layer's KV heads keep (half heavy hitters by "
@@ -232,7 +243,7 @@ class EngineConfig:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
                    ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
-                   ("kv_offload", KV_OFFLOADS))
+                   ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS))
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
@@ -241,6 +252,11 @@ class EngineConfig:
             parse_trace(self.kv_store_link_gbps)
         parse_link(self.kv_link)
         self.infinigen_settings()  # validates the infinigen options
+        if self.kv_host_memory is not None:
+            self.kv_host_memory = parse_memory_size(self.kv_host_memory)
+            if self.kv_offload != "infinigen":
+                raise KvstrataError(f"kv_host_memory caps InfiniGen's host pool; it needs kv_offload infinigen, not "
+                                    f"{self.kv_offload!r}")
         if not (isinstance(self.h2o_budget, (int, float)) and 0 < self.h2o_budget <= 1):
             raise KvstrataError(f"h2o_budget {self.h2o_budget!r} must be in (0, 1]")
         if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and 0 < self.ttft_slo < 1e6):

@@ -18,7 +18,9 @@ from kvstrata.engine.kv_offload_setup import calibrate_skew
 from kvstrata.engine.layer_capture import capture_layers
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.offload import transfers
+from kvstrata.kv.offload.host_pool import COUNTER_LIMIT, EVICTION_POLICIES, HostPoolCap
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.offload.skew import ForeignSkewError, InfiniGenSkew
 from kvstrata.kv.offload.speculation import select_tokens
@@ -243,3 +245,62 @@ def test_h2o_evicts_for_good_at_its_budget(tiny_llama):
             live = (~evicted[:, :, slots]).sum(-1)  # [layers, kv heads]
             assert (live == int(0.25 * seq.num_computed_tokens)).all()
     assert decodes > 5
+
+
+def policy(name: str):
+    return EVICTION_POLICIES[name](num_layers=1, num_slots=8, device=torch.device("cpu"))
+
+
+def test_fifo_lru_and_counter_pick_their_victims_on_hand_made_traces():
+    live = torch.tensor([True] * 6 + [False] * 2)
+    written = torch.arange(6)
+    fifo, lru, counter = policy("fifo"), policy("lru"), policy("counter")
+    for p in (fifo, lru, counter):
+        p.written(0, written)
+    assert set(fifo.victims(0, live, 2).tolist()) == {0, 1}  # the oldest
+    lru.fetched(0, torch.tensor([0, 1]))
+    assert set(lru.victims(0, live, 2).tolist()) == {2, 3}  # 0 and 1 were used since
+    for slots in ([0], [0], [0], [1], [1], [2], [4], [4], [4], [4]):
+        counter.fetched(0, torch.tensor(slots))
+    # the older half is {0, 1, 2}; among them the fewest fetches: 2 (once), then 1 (twice); never 3 or 5
+    assert counter.victims(0, live, 1).tolist() == [2]
+    assert set(counter.victims(0, live, 2).tolist()) == {1, 2}
+    for _ in range(COUNTER_LIMIT):
+        counter.fetched(0, torch.tensor([3]))
+    assert counter.counters[0, 3] == COUNTER_LIMIT // 2 and counter.counters[0, 0] == 1  # every counter halved
+
+
+def test_a_capped_pool_gives_up_tokens_for_good_and_its_blocks_leave_the_prefix_index():
+    pool = BlockPool(2)
+    blocks = [pool.allocate(), pool.allocate()]
+    pool.register(blocks[0], b"first")
+    cap = HostPoolCap(capacity=5, policy="fifo", num_layers=1, num_slots=8, block_size=4, device=torch.device("cpu"))
+    cap.attach_block_pool(pool)
+    cap.begin_step()
+    cap.stored(0, torch.tensor([4 * blocks[0] + i for i in range(4)]))
+    assert not cap.dead.any()
+    cap.stored(0, torch.tensor([4 * blocks[1], 4 * blocks[1] + 1]))
+    assert cap.dead[0].nonzero().flatten().tolist() == [4 * blocks[0]] and cap.evictions == 1
+    assert pool.lookup(b"first") is None  # no longer whole: no later request may reuse it
+    cap.reset_blocks([blocks[0]])
+    assert not cap.dead.any() and int(cap.live.sum()) == 2
+
+
+@pytest.mark.parametrize("eviction", ["counter", "lru", "fifo"])
+def test_infinigen_under_a_host_memory_cap(eviction, tiny_llama, skew_files):
+    """A cap that holds everything changes nothing; a smaller one keeps at most its tokens readable per layer."""
+    prompts = random_prompts(12, 150, 90)
+    want = generate(engine_for(tiny_llama), prompts, 12)
+    roomy = engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]),
+                       kv_host_memory="4MiB", kv_host_eviction=eviction, **EVERYTHING)
+    assert generate(roomy, prompts, 12) == want and roomy.attention.cap.evictions == 0
+    tight = engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]),
+                       kv_host_memory=200 * 768, kv_host_eviction=eviction, **EVERYTHING)  # 200 tokens of 768 bytes
+    outputs = generate(tight, prompts, 12)
+    assert all(len(o) == 12 for o in outputs) and tight.attention.cap.evictions > 0
+    assert (tight.attention.cap.live.sum(-1) <= 200).all()
+
+
+def test_kv_host_memory_needs_infinigen():
+    with pytest.raises(KvstrataError, match="kv_host_memory caps InfiniGen"):
+        EngineConfig(kv_host_memory="1GiB", kv_offload="full")

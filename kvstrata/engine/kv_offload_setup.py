@@ -16,6 +16,7 @@ from kvstrata.kv.attention_policy import AttentionPolicy, FullAttention
 from kvstrata.kv.cache_factory import StorageLayout
 from kvstrata.kv.offload.full_offload import FullOffload
 from kvstrata.kv.offload.h2o import H2OAttention
+from kvstrata.kv.offload.host_pool import HostPoolCap
 from kvstrata.kv.offload.infinigen import InfiniGenAttention
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.offload.skew import InfiniGenSkew, cached_skew_path, shipped_or_cached_skew, skew_from_windows
@@ -35,8 +36,12 @@ def attention_policy(engine, layout: StorageLayout, num_slots: int) -> Attention
         return FullOffload(engine.kv_cache, engine.device, row_bytes, stats)
     if c.kv_offload == "h2o":
         return H2OAttention(engine.kv_cache, c.h2o_budget, num_slots, stats)
+    cap = None
+    if c.kv_host_memory is not None:
+        cap = HostPoolCap(int(c.kv_host_memory // layout.bytes_per_token), c.kv_host_eviction, mc.num_layers,
+                          num_slots, c.block_size, engine.kv_cache.device)
     return InfiniGenAttention(engine.kv_cache, engine.device, row_bytes, stats, infinigen_skew_for(engine),
-                              engine.loaded.model.layer_queries, c.infinigen_settings(), num_slots)
+                              engine.loaded.model.layer_queries, c.infinigen_settings(), num_slots, cap)
 
 
 def infinigen_skew_for(engine) -> InfiniGenSkew:

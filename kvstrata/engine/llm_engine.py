@@ -78,7 +78,7 @@ class LLMEngine:
             on_allocate=self.attention.reset_blocks, write_kv=self.attention.write,
             namespace=f"{self.model_fingerprint}/{self._weights_tag()}/{stored_form(config, dtype)}/".encode(),
         )
-        self.kv_cache.attach_block_pool(self.kv_manager.pool)
+        self.attention.attach_block_pool(self.kv_manager.pool)
         self.kv_store = self._make_kv_store(dtype)  # tiers below the device pool, or None
         self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(self.loaded.model, self.attention, config.block_size, self.device,

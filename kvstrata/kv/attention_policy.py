@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
+from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.preloaded import Preloaded
 from kvstrata.kv.reference_attention import attend
 from kvstrata.kv.storage import KVStorage
@@ -32,6 +33,10 @@ class AttentionPolicy:
     def on_layer_input(self, layer: int, x: torch.Tensor, batch: AttentionBatch) -> None:
         """Called with a layer's input x [T, hidden] (the residual stream, before the layer's norm) just before its
         attention: InfiniGen speculates the next layer here."""
+
+    def attach_block_pool(self, pool: BlockPool) -> None:
+        """The engine's block pool (see `KVStorage.attach_block_pool`)."""
+        self.storage.attach_block_pool(pool)
 
     def reset_blocks(self, blocks: list[int]) -> None:
         """Blocks the pool hands out for new content (a policy with per-slot state clears it too)."""

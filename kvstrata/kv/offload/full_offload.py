@@ -49,7 +49,13 @@ class FullOffload(AttentionPolicy):
             rows = int((keys.positions >= 0).sum()) * self.storage.kv_shape[0]
             self.stats.decode_rows(layer, fetched=rows, cached=rows)
         queries = q.view(group.num_sequences, -1, *q.shape[1:])
-        return attend(queries, k, v, keys.mask_for(group)).flatten(0, 1)
+        mask = keys.mask_for(group)
+        readable = self.readable(layer, keys)
+        return attend(queries, k, v, mask if readable is None else mask & readable[:, None]).flatten(0, 1)
+
+    def readable(self, layer: int, keys: CachedKeys) -> torch.Tensor | None:
+        """Which of `keys` [n, Tk] this layer may still read (None: all; InfiniGen's capped pool gives some up)."""
+        return None
 
     def fetch(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather `keys` in the host pool and copy them to the device ([n, Tk, kv_heads, D] each)."""

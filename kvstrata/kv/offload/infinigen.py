@@ -22,7 +22,9 @@ import torch
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
+from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.offload.full_offload import FullOffload, on_device
+from kvstrata.kv.offload.host_pool import HostPoolCap
 from kvstrata.kv.offload.skew import InfiniGenSkew
 from kvstrata.kv.offload.speculation import Selection, select_tokens
 from kvstrata.kv.offload.transfers import OffloadStats
@@ -69,8 +71,10 @@ class Fetched:
 
 class InfiniGenAttention(FullOffload):
     def __init__(self, storage: KVStorage, device: torch.device, row_bytes: float, stats: OffloadStats,
-                 skew: InfiniGenSkew, layer_queries: LayerQueries, settings: InfiniGenSettings, num_slots: int):
+                 skew: InfiniGenSkew, layer_queries: LayerQueries, settings: InfiniGenSettings, num_slots: int,
+                 cap: HostPoolCap | None = None):
         super().__init__(storage, device, row_bytes, stats)
+        self.cap = cap  # --kv-host-memory: what the host pool may hold
         if skew.rotation.shape[:3] != (storage.num_layers, *storage.kv_shape):
             raise KvstrataError(f"the infinigen skew has shape {list(skew.rotation.shape[:3])} (layers, KV heads, "
                                 f"head dim); the model's cache has {[storage.num_layers, *storage.kv_shape]}")
@@ -84,9 +88,29 @@ class InfiniGenAttention(FullOffload):
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
         self._fetched.clear()
+        if self.cap is not None:
+            self.cap.begin_step()
+
+    def attach_block_pool(self, pool: BlockPool) -> None:
+        super().attach_block_pool(pool)
+        if self.cap is not None:
+            self.cap.attach_block_pool(pool)
+
+    def reset_blocks(self, blocks: list[int]) -> None:
+        super().reset_blocks(blocks)
+        if self.cap is not None:
+            self.cap.reset_blocks(blocks)
 
     def after_store(self, layer: int, batch: AttentionBatch, k_new: torch.Tensor) -> None:
         self._store_partial_keys(layer, batch.slot_mapping, k_new)
+        if self.cap is not None:
+            self.cap.stored(layer, batch.slot_mapping.to(self.storage.device))
+
+    def readable(self, layer: int, keys: CachedKeys) -> torch.Tensor | None:
+        if self.cap is None:
+            return None
+        self.cap.fetched(layer, keys.slots[keys.positions >= 0].unique().to(self.storage.device))
+        return ~self.cap.dead[layer][keys.slots.to(self.storage.device)].to(self.device)
 
     def _store_partial_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
         partial = torch.einsum("tgd,gdr->gtr", k.to(self.device, torch.float32), self.partial_rotation[layer])
@@ -118,6 +142,8 @@ class InfiniGenAttention(FullOffload):
         k_partial = self._partial_keys_of(layer, keys)  # [G, n, Tk, r]
         scores = q_partial @ k_partial.transpose(-1, -2) * dim**-0.5
         cached = (keys.positions >= 0) & (keys.positions < q_positions[:, None])  # before this step's token
+        if self.cap is not None:  # tokens the capped pool gave up are not there to fetch
+            cached &= ~self.cap.dead[layer][slots.to(self.storage.device)].to(self.device)
         selection = select_tokens(scores, cached, self.settings.alpha, self.settings.max_fraction)
         chosen_slots = slots[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
         positions = keys.positions[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
@@ -128,6 +154,8 @@ class InfiniGenAttention(FullOffload):
         positions = torch.cat((positions, q_positions[None, :, None].expand(kv_heads, -1, -1)), dim=-1)
         host = self.storage.device
         k, v = self.storage.gather_per_head(layer, chosen_slots.to(host), positions.to(host), x.dtype)
+        if self.cap is not None:
+            self.cap.fetched(layer, chosen_slots[..., :-1][selection.valid].unique().to(host))
         rows = int(selection.valid.sum())
         self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
         self.stats.decode_rows(layer, fetched=rows, cached=int((keys.positions >= 0).sum()) * kv_heads)
