@@ -55,7 +55,7 @@ class PagedKVCache(KVStorage):
 
     def gather(self, layer, slots, positions, dtype):
         n, width = slots.shape
-        return tuple(_seam_layout(_gather_rows(cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1]),
+        return tuple(_seam_layout(gather_rows_per_head(cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1]),
                                                slots.reshape(-1)), n, width, dtype) for cache in (self.k, self.v))
 
     def gather_per_head(self, layer, slots, positions, dtype):
@@ -82,11 +82,11 @@ class PagedKVCache(KVStorage):
         if keys.block_tables is None:
             return super().gather_keys(layer, keys, dtype)
         n, width = keys.block_tables.shape
-        return tuple(_seam_layout(_gather_rows(cache[layer], keys.block_tables.reshape(-1)), n,
+        return tuple(_seam_layout(gather_rows_per_head(cache[layer], keys.block_tables.reshape(-1)), n,
                                   width * self.block_size, dtype) for cache in (self.k, self.v))
 
 
-def _gather_rows(per_head: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_rows_per_head(per_head: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows `index` of every head of [kv_heads, rows, ...], as [kv_heads, len(index), ...]: one contiguous
     index_select per head into its part of the result (on CPU several times faster than one index_select
     along dim 1)."""

@@ -28,6 +28,7 @@ from kvstrata.kv.offload.host_pool import HostPoolCap
 from kvstrata.kv.offload.skew import InfiniGenSkew
 from kvstrata.kv.offload.speculation import Selection, select_tokens
 from kvstrata.kv.offload.transfers import OffloadStats
+from kvstrata.kv.paged_cache import gather_rows_per_head
 from kvstrata.kv.preloaded import Preloaded
 from kvstrata.kv.reference_attention import NO_KEY, attend_per_kv_head
 from kvstrata.kv.slots import slots_of_positions
@@ -106,10 +107,15 @@ class InfiniGenAttention(FullOffload):
         if self.cap is not None:
             self.cap.stored(layer, batch.slot_mapping.to(self.storage.device))
 
+    def fetch(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = super().fetch(layer, keys, dtype)
+        if self.cap is not None:
+            self.cap.fetched(layer, keys.slots[keys.positions >= 0].unique().to(self.storage.device))
+        return k, v
+
     def readable(self, layer: int, keys: CachedKeys) -> torch.Tensor | None:
         if self.cap is None:
             return None
-        self.cap.fetched(layer, keys.slots[keys.positions >= 0].unique().to(self.storage.device))
         return ~self.cap.dead[layer][keys.slots.to(self.storage.device)].to(self.device)
 
     def _store_partial_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
@@ -171,11 +177,8 @@ class InfiniGenAttention(FullOffload):
         partial = self.partial_keys[layer]  # [G, slots, r]
         if keys.block_tables is None:
             return partial[:, keys.slots]
-        blocks = keys.block_tables.reshape(-1)
         by_block = partial.view(partial.shape[0], -1, self.storage.block_size * partial.shape[-1])
-        out = torch.empty(partial.shape[0], len(blocks), by_block.shape[-1], device=partial.device)
-        for head in range(partial.shape[0]):
-            torch.index_select(by_block[head], 0, blocks, out=out[head])
+        out = gather_rows_per_head(by_block, keys.block_tables.reshape(-1))
         return out.view(partial.shape[0], *keys.positions.shape, partial.shape[-1])
 
     def attend_group(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
