@@ -304,3 +304,16 @@ def test_infinigen_under_a_host_memory_cap(eviction, tiny_llama, skew_files):
 def test_kv_host_memory_needs_infinigen():
     with pytest.raises(KvstrataError, match="kv_host_memory caps InfiniGen"):
         EngineConfig(kv_host_memory="1GiB", kv_offload="full")
+
+
+def test_the_chosen_mask_ignores_padding_entries():
+    """A sequence that chose fewer tokens than another is padded with repeats of a column: the mask of what it reads
+    holds its own choice only (a padding entry written after a real one must not clear it)."""
+    scores = torch.tensor([[[[9.0, 8.9, 8.8, 8.7, 0.0, 0.0]],     # sequence 0: four tokens within alpha
+                            [[0.0, 9.0, 0.0, 0.0, 0.0, 0.0]]]])  # sequence 1: one token
+    cached = torch.ones(2, 6, dtype=torch.bool)
+    selection = select_tokens(scores, cached, alpha=1.0, max_fraction=1.0)
+    assert selection.valid.sum(-1).tolist() == [[4, 1]]
+    assert selection.chosen(6).tolist() == [[[1, 1, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0]]]
+    scores[0, 1, 0] = torch.tensor([9.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # now the one token is column 0, as padding is
+    assert select_tokens(scores, cached, 1.0, 1.0).chosen(6)[0, 1].tolist() == [1, 0, 0, 0, 0, 0]

@@ -206,8 +206,7 @@ class InfiniGenAttention(FullOffload):
         scores = grouped @ k.permute(2, 0, 3, 1).to(self.device).float() * dim**-0.5  # [G, n, group, Tk]
         mask = group.keys.mask_for(group)  # [n, 1, Tk]
         probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
-        chosen = torch.zeros(kv_heads, n, scores.shape[-1], device=scores.device)
-        chosen.scatter_(-1, selection.columns, selection.valid.float())
+        chosen = selection.chosen(scores.shape[-1])
         own = group.keys.positions == group.q_positions  # the step's token
         chosen = torch.maximum(chosen, own[None].float())
         self.stats.recall_mass += float((probs * chosen[:, :, None]).sum())

@@ -16,6 +16,11 @@ class Selection:
     valid: torch.Tensor  # bool [kv_heads, n, K]: False marks padding (heads that chose fewer than K)
     per_query_head: torch.Tensor  # long [n]: tokens each query head of a sequence chose
 
+    def chosen(self, width: int) -> torch.Tensor:
+        """float [kv_heads, n, width]: 1 at the columns each KV head reads (padding entries may repeat a column)."""
+        mask = torch.zeros(*self.columns.shape[:2], width, device=self.columns.device)
+        return mask.scatter_reduce_(-1, self.columns, self.valid.float(), "amax")
+
 
 def select_tokens(scores: torch.Tensor, cached: torch.Tensor, alpha: float, max_fraction: float) -> Selection:
     """scores [kv_heads, n, group, Tk]: speculated logits of each query head (grouped by KV head) against the
