@@ -317,3 +317,16 @@ def test_the_chosen_mask_ignores_padding_entries():
     assert selection.chosen(6).tolist() == [[[1, 1, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0]]]
     scores[0, 1, 0] = torch.tensor([9.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # now the one token is column 0, as padding is
     assert select_tokens(scores, cached, 1.0, 1.0).chosen(6)[0, 1].tolist() == [1, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "fp16"])
+def test_infinigen_over_a_quantized_host_pool(kv_format, tiny_llama, skew_files):
+    """Any --kv-format can be the host pool: selecting everything gives that format's greedy output without offload,
+    and the bytes counted in stored form are the format's (fewer than the float32 rows copied)."""
+    prompts = random_prompts(13, 120, 60)
+    want = generate(engine_for(tiny_llama, kv_format=kv_format), prompts, 10)
+    engine = engine_for(tiny_llama, kv_format=kv_format, kv_offload="infinigen",
+                        infinigen_calibration=str(skew_files["llama"]), **EVERYTHING)
+    assert generate(engine, prompts, 10) == want
+    stats = engine.attention.stats
+    assert 0 < stats.stored_form_bytes.sum() < stats.copied_bytes.sum()
