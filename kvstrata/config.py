@@ -163,6 +163,11 @@ class EngineConfig:
         metadata=_option("h2o: share of a sequence's tokens each layer's KV heads keep (half heavy hitters by "
                          "accumulated attention, half the most recent)"),
     )
+    infinigen_recent: int = field(
+        default=0,
+        metadata=_option("infinigen: the newest cached tokens every speculated layer also fetches, beside the "
+                         "speculated ones (ours, not the paper's)"),
+    )
     infinigen_calibration: str | None = field(
         default=None,
         metadata=_option("infinigen: skew file from `kvstrata calibrate infinigen` (default: the model's shipped "
@@ -269,9 +274,9 @@ class EngineConfig:
                 _require_positive(name, getattr(self, name))
 
     def infinigen_settings(self) -> InfiniGenSettings:
-        return InfiniGenSettings(float(self.infinigen_alpha), float(self.infinigen_partial_ratio),
-                                 float(self.infinigen_max_fraction), self.infinigen_full_layers,
-                                 self.infinigen_diagnostics)
+        return InfiniGenSettings(alpha=float(self.infinigen_alpha), partial_ratio=float(self.infinigen_partial_ratio),
+                                 max_fraction=float(self.infinigen_max_fraction), full_layers=self.infinigen_full_layers,
+                                 recent=self.infinigen_recent, diagnostics=self.infinigen_diagnostics)
 
     @classmethod
     def field_names(cls) -> list[str]:

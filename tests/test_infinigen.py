@@ -330,3 +330,11 @@ def test_infinigen_over_a_quantized_host_pool(kv_format, tiny_llama, skew_files)
     assert generate(engine, prompts, 10) == want
     stats = engine.attention.stats
     assert 0 < stats.stored_form_bytes.sum() < stats.copied_bytes.sum()
+
+
+def test_the_recent_window_is_always_read():
+    scores = torch.tensor([[[[9.0, 0.0, 0.0, 0.0, 0.0, 0.0]]]])
+    cached = torch.tensor([[True, True, True, True, True, False]])
+    recent = torch.tensor([[False, False, False, True, True, True]])  # the last is this step's own, not cached
+    selection = select_tokens(scores, cached, alpha=1.0, max_fraction=1.0, always=recent)
+    assert selection.chosen(6).tolist() == [[[1, 0, 0, 1, 1, 0]]]

@@ -112,7 +112,8 @@ def _layer_recall(true_q, spec_q, k, rotation, weights, settings: InfiniGenSetti
     spec_scores = (grouped(spec_q) @ partial[:, None]) @ (keys @ partial).transpose(-1, -2)[:, None] * dim**-0.5
     key_positions = torch.arange(k.shape[0])
     cached = key_positions[None] < positions[:, None]  # [P, T]: the keys before each query
-    selection = select_tokens(spec_scores, cached, settings.alpha, settings.max_fraction)
+    recent = key_positions[None] >= (positions - settings.recent)[:, None] if settings.recent else None
+    selection = select_tokens(spec_scores, cached, settings.alpha, settings.max_fraction, recent)
     chosen = selection.chosen(k.shape[0])
     chosen[:, torch.arange(len(positions)), positions] = 1  # the query's own token is always attended
     true_scores = grouped(true_q) @ keys.transpose(-1, -2)[:, None] * dim**-0.5  # [G, P, group, T]

@@ -44,6 +44,7 @@ class InfiniGenSettings:
     partial_ratio: float = 0.3  # share of each head's skewed channels kept in the partial keys
     max_fraction: float = 0.2  # at most this share of a sequence's cached tokens per layer
     full_layers: int = 2  # layers 0 .. full_layers-1 read their full KV (the authors' code: 2)
+    recent: int = 0  # the newest cached tokens every speculated layer also reads (ours; the paper: none)
     diagnostics: bool = False  # also compute full attention and count the mass the fetched tokens hold
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class InfiniGenSettings:
             raise KvstrataError(f"infinigen_partial_ratio {self.partial_ratio!r} must be in (0, 1]")
         if not 0 < self.max_fraction <= 1:
             raise KvstrataError(f"infinigen_max_fraction {self.max_fraction!r} must be in (0, 1]")
+        if not isinstance(self.recent, int) or self.recent < 0:
+            raise KvstrataError(f"infinigen_recent {self.recent!r} must be a whole number of tokens, 0 or more")
         if not isinstance(self.full_layers, int) or self.full_layers < 1:
             raise KvstrataError(f"infinigen_full_layers {self.full_layers!r} must be at least 1 (layer 0 has no "
                                 "layer before it to speculate from)")
@@ -150,7 +153,8 @@ class InfiniGenAttention(FullOffload):
         cached = (keys.positions >= 0) & (keys.positions < q_positions[:, None])  # before this step's token
         if self.cap is not None:  # tokens the capped pool gave up are not there to fetch
             cached &= ~self.cap.dead[layer][slots.to(self.storage.device)].to(self.device)
-        selection = select_tokens(scores, cached, self.settings.alpha, self.settings.max_fraction)
+        recent = keys.positions >= (q_positions - self.settings.recent)[:, None] if self.settings.recent else None
+        selection = select_tokens(scores, cached, self.settings.alpha, self.settings.max_fraction, recent)
         chosen_slots = slots[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
         positions = keys.positions[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
         positions = positions.masked_fill(~selection.valid, NO_KEY)

@@ -22,10 +22,11 @@ class Selection:
         return mask.scatter_reduce_(-1, self.columns, self.valid.float(), "amax")
 
 
-def select_tokens(scores: torch.Tensor, cached: torch.Tensor, alpha: float, max_fraction: float) -> Selection:
+def select_tokens(scores: torch.Tensor, cached: torch.Tensor, alpha: float, max_fraction: float,
+                  always: torch.Tensor | None = None) -> Selection:
     """scores [kv_heads, n, group, Tk]: speculated logits of each query head (grouped by KV head) against the
-    keys of n sequences; cached [n, Tk]: the keys that may be chosen. At least one token is chosen wherever one
-    is cached."""
+    keys of n sequences; cached [n, Tk]: the keys that may be chosen; always [n, Tk]: keys every KV head reads
+    besides (the recent window). At least one token is chosen wherever one is cached."""
     kv_heads, n, _, width = scores.shape
     scores = scores.masked_fill(~cached[None, :, None], float("-inf"))
     top = scores.amax(-1, keepdim=True)
@@ -34,14 +35,15 @@ def select_tokens(scores: torch.Tensor, cached: torch.Tensor, alpha: float, max_
     cap = (max_fraction * num_cached).floor().long().clamp(min=1)
     per_head = torch.minimum(counts.float().mean(dim=(0, 2)).floor().long(), cap).clamp(min=1)
     per_head = torch.minimum(per_head, num_cached)
-    most = int(per_head.max()) if n else 0
-    if most == 0:
-        empty = torch.zeros(kv_heads, n, 0, dtype=torch.long, device=scores.device)
-        return Selection(empty, empty.bool(), per_head)
-    top_columns = scores.topk(most, dim=-1).indices  # [kv_heads, n, group, most]
-    keep = torch.arange(most, device=scores.device) < per_head[:, None]  # [n, most]
-    chosen = torch.zeros(kv_heads, n, width, device=scores.device).scatter_reduce_(
-        -1, top_columns.flatten(2), keep[None, :, None].expand_as(top_columns).flatten(2).float(), "amax")
+    most = int(per_head.max())
+    chosen = torch.zeros(kv_heads, n, width, device=scores.device)
+    if always is not None:
+        chosen += (always & cached)[None]
+    if most > 0:
+        top_columns = scores.topk(most, dim=-1).indices  # [kv_heads, n, group, most]
+        keep = torch.arange(most, device=scores.device) < per_head[:, None]  # [n, most]
+        chosen.scatter_reduce_(-1, top_columns.flatten(2), keep[None, :, None].expand_as(top_columns).flatten(2).float(),
+                               "amax")
     fetched = chosen.sum(-1).long()  # [kv_heads, n]
     # the chosen columns packed to the front in ascending order (the host pool is then read front to back): each
     # chosen column goes to its rank among the chosen, the others to a spare last column that is dropped
