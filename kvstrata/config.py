@@ -164,9 +164,10 @@ class EngineConfig:
                          "accumulated attention, half the most recent)"),
     )
     infinigen_recent: int = field(
-        default=0,
+        default=32,
         metadata=_option("infinigen: the newest cached tokens every speculated layer also fetches, beside the "
-                         "speculated ones (ours, not the paper's)"),
+                         "speculated ones (ours, not the paper's; 0 is the paper's algorithm; 32 measured best on Emma: "
+                         "docs/BENCHMARKS.md)"),
     )
     infinigen_calibration: str | None = field(
         default=None,

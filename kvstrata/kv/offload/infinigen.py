@@ -44,7 +44,7 @@ class InfiniGenSettings:
     partial_ratio: float = 0.3  # share of each head's skewed channels kept in the partial keys
     max_fraction: float = 0.2  # at most this share of a sequence's cached tokens per layer
     full_layers: int = 2  # layers 0 .. full_layers-1 read their full KV (the authors' code: 2)
-    recent: int = 0  # the newest cached tokens every speculated layer also reads (ours; the paper: none)
+    recent: int = 32  # the newest cached tokens every speculated layer also reads (ours; the paper: 0)
     diagnostics: bool = False  # also compute full attention and count the mass the fetched tokens hold
 
     def __post_init__(self) -> None:
