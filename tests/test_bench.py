@@ -119,3 +119,28 @@ def test_lognormal_lengths_are_clipped_heavy_tailed_and_reproducible():
     for bad in ("lognormal:256:1.0:32", "lognormal:0:1:1:2", "lognormal:9:1:5:4", "lognormal:9:-1:1:4"):
         with pytest.raises(KvstrataError, match="lognormal:MEDIAN:SIGMA:LOW:HIGH"):
             parse_length(bad, "prompt-len")
+
+
+def test_offload_speed_grid(tiny_llama, capsys):
+    """none vs full vs infinigen per (context, batch): the fraction fetched, bytes moved and modeled steps add up."""
+    report = run_json(capsys, "bench", "offload", "--model", str(tiny_llama), *TINY, "--contexts", "64,128",
+                      "--batches", "2", "--steps", "3", "--infinigen-full-layers", "1", "--json")
+    assert [(row["context"], row["batch"]) for row in report["rows"]] == [(64, 2), (128, 2)]
+    for row in report["rows"]:
+        assert row["full"]["fraction_fetched"] == 1.0 and 0 < row["infinigen"]["fraction_fetched"] < 1
+        assert row["infinigen"]["stored_form_bytes_per_step"] < row["full"]["stored_form_bytes_per_step"]
+        assert row["infinigen_vs_full"] == pytest.approx(
+            row["infinigen"]["tokens_per_s"] / row["full"]["tokens_per_s"], rel=0.01)
+        assert row["modeled_pcie3_infinigen_vs_full"] > 0
+    assert set(report["infinigen_faster_than_none_from_context"]) == {"2"}
+
+
+def test_infinigen_analysis(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "infinigen-analysis", "--model", str(tiny_llama), *TINY, "--context", "200",
+                      "--num-queries", "8", "--infinigen-full-layers", "1", "--json")
+    assert [row["layer"] for row in report["layer_similarity"]] == [1, 2]
+    speculation = report["speculation"]
+    for name in ("skew", "no_skew", "skew_per_prompt", "oracle"):
+        assert all(0 < r <= 1 for r in speculation[f"{name}_recall"])
+    needed = report["share_of_keys_needed"]
+    assert all(a <= b <= c for a, b, c in zip(needed["mass_0.9"], needed["mass_0.95"], needed["mass_0.99"]))

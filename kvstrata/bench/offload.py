@@ -24,6 +24,7 @@ import torch
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.errors import KvstrataError
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.preloaded import PreloadedKV
 
@@ -74,6 +75,11 @@ def run_offload_grid(config, loaded, text_ids: list[int], contexts: list[int], b
     """One row per (context, batch): each mode's measurement and the ratios between them."""
     base = dataclasses.replace(config, enable_prefix_caching=False, kv_offload="none")
     reference = LLMEngine(base, loaded=loaded)
+    longest = reference.max_model_len - steps - 1  # a prompt, then steps + 1 generated tokens
+    if max(contexts) > longest or min(contexts) < 2 or len(text_ids) < max(contexts):
+        raise KvstrataError(f"contexts must be 2 to {min(longest, len(text_ids))} tokens (max_model_len "
+                            f"{reference.max_model_len} less {steps + 1} generated tokens, and the text's length); "
+                            f"got {contexts}")
     per_token = 2 * reference.kv_cache.num_layers * int(torch.tensor(reference.kv_cache.kv_shape).prod()) * 4
     rows = []
     for context in contexts:

@@ -123,7 +123,8 @@ def _add_infinigen_commands(bench) -> None:
                     "fraction of the KV fetched, bytes moved, and the step modeled over PCIe 3 and 4 (measured copy "
                     "time replaced by the link model's).",
     )
-    offload.add_argument("--contexts", default="512,1024,2048,4096,8192", help="context lengths (comma-separated)")
+    offload.add_argument("--contexts", default="512,1024,2048,4096,7936",
+                         help="context lengths, comma-separated; each plus --steps + 1 within max_model_len")
     offload.add_argument("--batches", default="1,4,8,16", help="batch sizes (comma-separated)")
     offload.add_argument("--steps", type=int, default=8, help="decode steps timed per run (default: 8)")
     offload.add_argument("--skip-tokens", type=int, default=0, help="tokens of the text skipped first (default: 0)")
