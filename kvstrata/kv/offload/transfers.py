@@ -3,7 +3,8 @@
 `copied_bytes` are the bytes of the tensors actually copied to the device (decoded K/V, padding rows of whole
 blocks included); `stored_form_bytes` are what the same rows occupy in the host pool's format, what a device-
 side decoder would move. Decode reads are also counted in rows (one token of one KV head): the fraction of
-the cached KV a layer fetched is `decode_fetched_rows / decode_cached_rows`.
+the cached KV a layer fetched is `decode_fetched_rows / decode_cached_rows` (under h2o, which moves nothing, the rows
+its decodes attended).
 """
 
 from __future__ import annotations
