@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.profile_decode --batch 32 --context 320
     .venv/bin/python -m benchmarks.profile_decode --batch 1 --context 128 --weights auto
+    .venv/bin/python -m benchmarks.profile_decode --batch 8 --context 4096 --weights auto --kv-offload infinigen --no-transformers
 
 Both run the default model's decode step for `batch` sequences at `context` tokens of context,
 under torch.profiler; prints one JSON document with the step time and the top operators of each.
@@ -79,17 +80,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=320)
     parser.add_argument("--weights", default="fp32", help="kvstrata's --weights (default: fp32, transformers' form)")
     parser.add_argument("--compile", action="store_true", help="kvstrata's --compile")
+    parser.add_argument("--kv-offload", default="none", help="kvstrata's --kv-offload (default: none)")
+    parser.add_argument("--no-transformers", action="store_true", help="profile kvstrata alone")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(enable_prefix_caching=False, weights=args.weights, compile=args.compile))
+    engine = LLMEngine(EngineConfig(enable_prefix_caching=False, weights=args.weights, compile=args.compile,
+                                    kv_offload=args.kv_offload))
     prompts = prompts_from_text(engine.tokenizer, args.batch, args.context + 1)
-    print(json.dumps({
-        "benchmark": "profile_decode",
-        "machine": machine_info(),
-        "model": engine.loaded.name,
-        "workload": vars(args),
-        "kvstrata": kvstrata_step(engine, prompts, args.context),
-        "transformers": transformers_step(engine, prompts, args.context),
-    }, indent=2))
+    report = {"benchmark": "profile_decode", "machine": machine_info(), "model": engine.loaded.name,
+              "workload": vars(args), "kvstrata": kvstrata_step(engine, prompts, args.context)}
+    if not args.no_transformers:
+        report["transformers"] = transformers_step(engine, prompts, args.context)
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
