@@ -21,6 +21,7 @@ from kvstrata.kv.attention_batch import AttentionGroup
 from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.kv.offload.transfers import OffloadStats
 from kvstrata.kv.reference_attention import attend_per_kv_head
+from kvstrata.kv.slots import block_slots
 from kvstrata.kv.storage import KVStorage
 
 PREFILL_QUERY_SLICE = 256  # prefill queries whose attention weights are materialized at once
@@ -39,8 +40,7 @@ class H2OAttention(AttentionPolicy):
 
     def reset_blocks(self, blocks: list[int]) -> None:
         super().reset_blocks(blocks)
-        size = self.storage.block_size
-        slots = (torch.tensor(blocks, device=self.received.device)[:, None] * size + torch.arange(size)).flatten()
+        slots = block_slots(torch.tensor(blocks, device=self.received.device), self.storage.block_size)
         self.received[:, :, slots] = 0
         self.evicted[:, :, slots] = False
 

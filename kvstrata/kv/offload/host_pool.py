@@ -21,6 +21,7 @@ import torch
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.block_pool import BlockPool
+from kvstrata.kv.slots import block_slots
 
 COUNTER_LIMIT = 255  # an 8-bit counter
 
@@ -126,7 +127,7 @@ class HostPoolCap:
         self._holding = None
 
     def reset_blocks(self, blocks: list[int]) -> None:
-        slots = self._slots_of_blocks(torch.tensor(blocks, device=self.live.device))
+        slots = block_slots(torch.tensor(blocks, device=self.live.device), self.block_size)
         self.live[:, slots] = False
         self.dead[:, slots] = False
 
@@ -159,6 +160,3 @@ class HostPoolCap:
                                        device=self.live.device)
             self._holding = holding.repeat_interleave(self.block_size)
         return self._holding
-
-    def _slots_of_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=blocks.device)).flatten()
