@@ -22,6 +22,10 @@ CACHE_CALLS = {
     "decode": [("kvstrata.kv.formats.integer", "Int8Format.decode"), ("kvstrata.kv.formats.integer", "Int4Format.decode"),
                ("kvstrata.kv.formats.oaken.format", "OakenFormat.decode")],
     "attention math": [("kvstrata.kv.attention_policy", "attend")],
+    # decodes read where the blocks lie (kv/kernels): decoding and attention math in one call
+    "in-place decode attention": [("kvstrata.kv.paged_cache", "PagedKVCache.attend_in_place"),
+                                  ("kvstrata.kv.quantized_cache", "QuantizedPagedKVCache.attend_in_place"),
+                                  ("kvstrata.kv.kivi_cache", "KiviPagedKVCache.attend_in_place")],
 }
 
 

@@ -114,9 +114,9 @@ class EngineConfig:
     )
     paged_kernel: bool = field(
         default=True,
-        metadata=_option("decode attention over an fp32 or int8 cache reads the blocks where they lie, with the "
-                         "compiled kernel (measured faster on CPU); off: gather (and decode) the blocks, then torch's "
-                         "batched products"),
+        metadata=_option("decode attention on the CPU reads the cache's blocks where they lie, in every --kv-format, "
+                         "with the compiled kernels (measured faster); off: gather (and decode) the blocks, then "
+                         "torch's batched products"),
     )
     kv_offload: str = field(
         default="none",

@@ -56,6 +56,27 @@ def emma_text() -> str:
     return EMMA.read_text()
 
 
+FOUR_GROUPS = (0.02, 0.03, 0.87, 0.08)  # more than 3 groups: Oaken's two-byte sparse entries
+
+
+@pytest.fixture(scope="session")
+def oaken_calibrations(tiny_llama_kv64, emma_text, tmp_path_factory) -> dict[tuple[float, ...], Path]:
+    """Oaken thresholds of the tiny model for the default ratios and for FOUR_GROUPS, calibrated on Emma: a file each."""
+    from kvstrata.config import EngineConfig
+    from kvstrata.engine.llm_engine import LLMEngine
+    from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS, calibrate
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_kv64), kv_cache_memory="8MiB", threads=1))
+    token_ids = engine.tokenize(emma_text[:6000])
+    ratio_sets = [DEFAULT_RATIOS, FOUR_GROUPS]
+    files = {}
+    for ratios, thresholds in zip(ratio_sets, calibrate(engine, token_ids, ratio_sets, 3, 48, progress=False,
+                                                        source="emma.txt")):
+        files[ratios] = tmp_path_factory.mktemp("oaken") / "thresholds.json"
+        thresholds.save(files[ratios])
+    return files
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     """A fresh redis-server on a free loopback port, killed after the test."""

@@ -9,9 +9,10 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.sequence import Sequence
 
 
-def prefill_in_chunks(engine: LLMEngine, token_ids: list[int], chunk: int) -> tuple[torch.Tensor, Sequence]:
+def prefill_in_chunks(engine: LLMEngine, token_ids: list[int], chunk: int,
+                      seq_id: int = 10**6) -> tuple[torch.Tensor, Sequence]:
     """Logits at every position [T, vocab] from prefilling `token_ids` `chunk` tokens per step."""
-    seq = Sequence(seq_id=10**6, request_id="probe", prompt=None, prompt_token_ids=token_ids, params=SamplingParams())
+    seq = Sequence(seq_id=seq_id, request_id=f"probe-{seq_id}", prompt=None, prompt_token_ids=token_ids, params=SamplingParams())
     pieces = []
     with torch.inference_mode():
         while seq.num_pending_tokens:

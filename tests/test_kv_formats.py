@@ -17,7 +17,7 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.float16_params import params_from_bytes
 from kvstrata.kv.formats.integer import INT4_GROUP, Int4Format, Int8Format
 from kvstrata.kv.formats.oaken.codec import encode_tokens
-from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS, ForeignCalibrationError, calibrate
+from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS, ForeignCalibrationError
 from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.kv.quantized_cache import QuantizedPagedKVCache
 from kvstrata.kv.sparse_pages import SparsePages
@@ -225,12 +225,8 @@ def fp_engine(tiny_llama_kv64):
 
 
 @pytest.fixture(scope="module")
-def calibration(fp_engine, emma_text, tmp_path_factory):
-    token_ids = fp_engine.tokenize(emma_text[:6000])
-    (thresholds,) = calibrate(fp_engine, token_ids, [DEFAULT_RATIOS], 3, 48, progress=False, source="emma.txt")
-    path = tmp_path_factory.mktemp("oaken") / "thresholds.json"
-    thresholds.save(path)
-    return path
+def calibration(oaken_calibrations):
+    return oaken_calibrations[DEFAULT_RATIOS]
 
 
 @pytest.fixture(scope="module")

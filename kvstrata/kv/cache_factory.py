@@ -41,7 +41,7 @@ class FormatOptions:
     max_num_seqs: int = 128  # KIVI's window holds every running sequence's newest blocks ...
     chunk_size: int = 1024  # ... plus one step's prefill chunk
     oaken_format: Callable[[], KVFormat] | None = None  # resolves the model's calibration (engine/kv_setup.py)
-    in_place_decode: bool = True  # fp32 and int8 storage: the compiled decode-attention kernel where it applies
+    in_place_decode: bool = True  # decodes on the CPU: the compiled decode-attention kernels where they build
 
 
 class StorageLayout(ABC):
@@ -99,6 +99,7 @@ class KiviLayout(StorageLayout):
     def __init__(self, shape: CacheShape, bits: int, options: FormatOptions):
         super().__init__(shape)
         self.bits, self.residual = bits, options.kivi_residual
+        self.in_place_decode = options.in_place_decode
         window_blocks = -(-options.kivi_residual // shape.block_size) + 1
         self.window_slots = options.max_num_seqs * window_blocks + -(-options.chunk_size // shape.block_size) + 1
 
@@ -116,13 +117,13 @@ class KiviLayout(StorageLayout):
     def build(self, num_blocks, device) -> KVStorage:
         s = self.shape
         return KiviPagedKVCache(self.bits, self.residual, s.num_layers, num_blocks, s.block_size, s.num_kv_heads,
-                                s.head_dim, device, self.window_slots)
+                                s.head_dim, device, self.window_slots, self.in_place_decode)
 
 
 def _oaken(shape: CacheShape, options: FormatOptions) -> StorageLayout:
     if options.oaken_format is None:
         raise KvstrataError("kv_format 'oaken' needs the model's calibration; build it with the engine")
-    return QuantizedLayout(shape, options.oaken_format())
+    return QuantizedLayout(shape, options.oaken_format(), options.in_place_decode)
 
 
 KV_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], StorageLayout]] = {
@@ -130,7 +131,8 @@ KV_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], StorageLayout]] = {
     "fp16": lambda shape, options: FloatLayout(shape, torch.float16, options.in_place_decode),
     "bf16": lambda shape, options: FloatLayout(shape, torch.bfloat16, options.in_place_decode),
     "int8": lambda shape, options: QuantizedLayout(shape, Int8Format(shape.width), options.in_place_decode),
-    "int4": lambda shape, options: QuantizedLayout(shape, Int4Format(shape.width, options.int4_group_size)),
+    "int4": lambda shape, options: QuantizedLayout(shape, Int4Format(shape.width, options.int4_group_size),
+                                                   options.in_place_decode),
     "kivi4": lambda shape, options: KiviLayout(shape, 4, options),
     "kivi2": lambda shape, options: KiviLayout(shape, 2, options),
     "oaken": _oaken,

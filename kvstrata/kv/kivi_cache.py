@@ -19,6 +19,7 @@ from kvstrata.kv.attention_batch import AttentionBatch
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, unpack_codes
+from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.slots import block_slots
 from kvstrata.kv.storage import KVStorage
 
@@ -28,7 +29,8 @@ PARAM_BYTES = 4  # float16 minimum + float16 step
 
 class KiviPagedKVCache(KVStorage):
     def __init__(self, bits: int, residual: int, num_layers: int, num_blocks: int, block_size: int,
-                 num_kv_heads: int, head_dim: int, device: torch.device, window_slots: int):
+                 num_kv_heads: int, head_dim: int, device: torch.device, window_slots: int,
+                 in_place_decode: bool = True):
         self.bits, self.residual = bits, residual
         self.block_size, self.num_layers, self.device = block_size, num_layers, device
         self.kv_shape = (num_kv_heads, head_dim)
@@ -50,6 +52,8 @@ class KiviPagedKVCache(KVStorage):
         self.block_pool: BlockPool | None = None  # which blocks no sequence holds (attach_block_pool)
         self._leaving: torch.Tensor | None = None  # blocks leaving the window in this step (begin_step)
         self._layers_quantized = 0  # layers whose leaving blocks are quantized already in this step
+        # on the CPU, decodes read blocks and window where they lie, with the compiled kernel (if it builds)
+        self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
 
     @staticmethod
     def bytes_per_token(bits: int, width: int, block_size: int, num_layers: int) -> float:
@@ -158,6 +162,18 @@ class KiviPagedKVCache(KVStorage):
         if self._leaving is not None:
             self._quantize_blocks(layer, self._leaving)
             self._layers_quantized = layer + 1
+
+    def attend_in_place(self, layer, q, keys, context_lens):
+        if self.decode_kernel is None or q.dtype != torch.float32:
+            return None
+        window = self.window_slot
+        if self._leaving is not None:  # quantized at this layer already (see `gather`)
+            window = window.index_fill(0, self._leaving, -1)
+        with torch.profiler.record_function("kvstrata::paged_decode_attention_kivi"):  # named in profiles
+            return self.decode_kernel.paged_decode_attention_kivi(
+                q, [self.key_codes[layer], self.key_params[layer], self.window_k[layer]],
+                [self.value_codes[layer], self.value_params[layer], self.window_v[layer]], window,
+                keys.block_tables, context_lens, self.bits, self.kv_shape[0], q.shape[-1] ** -0.5)
 
     def gather(self, layer, slots, positions, dtype):
         shape = (*slots.shape, *self.kv_shape)

@@ -35,9 +35,8 @@ class PagedKVCache(KVStorage):
         self.num_layers = num_layers
         self.kv_shape = (num_kv_heads, head_dim)
         self.device = device
-        # fp32 on the CPU: decodes read their blocks where they lie, with the compiled kernel (if it builds)
-        self.decode_kernel = paged_decode.kernel() if in_place_decode and dtype == torch.float32 \
-            and device.type == "cpu" else None
+        # on the CPU, decodes read their blocks where they lie, with the compiled kernel (if it builds)
+        self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

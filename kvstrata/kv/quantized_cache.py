@@ -30,10 +30,9 @@ class QuantizedPagedKVCache(KVStorage):
         slots = num_blocks * block_size
         self.records = {kind: torch.zeros(num_layers, slots, kv_format.record_bytes, dtype=torch.uint8, device=device)
                         for kind in ("k", "v")}
-        # int8 on the CPU: decodes read the records where they lie, dequantizing one row at a time in the compiled
-        # kernel (if it builds); the other formats decode every gathered token first
-        self.decode_kernel = paged_decode.kernel() if in_place_decode and kv_format.name == "int8" \
-            and device.type == "cpu" else None
+        # on the CPU, decodes read the records where they lie, dequantizing one row at a time in the compiled
+        # kernel (if it builds and the format has a reader); elsewhere every gathered token is decoded first
+        self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
         self.sparse: dict[str, SparsePages] = {}
         if kv_format.has_sparse:
             pages = int(slots * kv_format.expected_sparse_bytes * SPARSE_HEADROOM / SPARSE_PAGE_BYTES) + 1
@@ -65,10 +64,10 @@ class QuantizedPagedKVCache(KVStorage):
     def attend_in_place(self, layer, q, keys, context_lens):
         if self.decode_kernel is None or q.dtype != torch.float32:
             return None
-        with torch.profiler.record_function("kvstrata::paged_decode_attention_int8"):  # named in profiles
-            return self.decode_kernel.paged_decode_attention_int8(
-                q, self.records["k"][layer], self.records["v"][layer], keys.block_tables, context_lens,
-                self.block_size, self.kv_shape[0], q.shape[-1] ** -0.5)
+        with torch.profiler.record_function(f"kvstrata::paged_decode_attention_{self.format.name}"):  # in profiles
+            return self.format.attend_in_place(
+                self.decode_kernel, layer, q, {kind: records[layer] for kind, records in self.records.items()},
+                self.sparse, keys.block_tables, context_lens, self.block_size)
 
     def gather(self, layer, slots, positions, dtype):
         """Only the real keys are decoded; padding rows come back as zeros."""

@@ -63,6 +63,10 @@ class SparsePages:
         if data.numel():
             self.data[layer, self._physical(layer, blocks, offsets, counts)] = data
 
+    def layer_tensors(self, layer: int) -> list[torch.Tensor]:
+        """One layer's pages as the compiled readers take them: data, block -> pages, token offsets, token counts."""
+        return [self.data[layer], self.block_pages[layer], self.token_offset[layer], self.token_count[layer]]
+
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The bytes of the tokens at `slots`, token after token."""
         counts = self.token_count[layer, slots].long()

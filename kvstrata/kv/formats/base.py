@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.kv.sparse_pages import SparsePages
+
 
 @dataclass
 class EncodedTokens:
@@ -50,3 +52,11 @@ class KVFormat(ABC):
         self, dense: torch.Tensor, sparse: torch.Tensor | None, layer: int, kind: str, positions: torch.Tensor
     ) -> torch.Tensor:
         """float32 [M, width] from M records (and exactly their sparse bytes, in order)."""
+
+    def attend_in_place(self, kernel, layer: int, q: torch.Tensor, records: dict[str, torch.Tensor],
+                        sparse: dict[str, SparsePages], block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, block_size: int) -> torch.Tensor | None:
+        """Decode attention of q [n, heads, head_dim] (float32) over each sequence's first context_lens tokens, read
+        by the compiled `kernel` from this layer's records (`records[kind]` uint8 [slots, record_bytes]) and the cache's
+        sparse pages (`sparse[kind]`) where they lie; None where the format has no such reader."""
+        return None

@@ -119,6 +119,15 @@ def _prepare(bounds: torch.Tensor, config: OakenConfig, device: torch.device) ->
     return _prepared_for(config, tuple(bounds.shape), tuple(bounds.detach().flatten().tolist()), device)
 
 
+def reader_tables(bounds: torch.Tensor, config: OakenConfig, device: torch.device) -> tuple[list[torch.Tensor],
+                                                                                            list[float]]:
+    """What the compiled reader (kv/kernels/oaken_rows.cpp) needs beyond the records: the entry-key tables (group,
+    sign, threshold) and the dense group's shift (shifted, lo, hi)."""
+    prep = _prepare(bounds, config, device)
+    shift = [0.0, 0.0, 0.0] if prep.dense_shift is None else [1.0, *(float(t) for t in prep.dense_shift)]
+    return [prep.key_group, prep.key_sign, prep.key_threshold], shift
+
+
 def _dense_lut(mn: torch.Tensor, st: torch.Tensor, prep: _Prepared) -> torch.Tensor:
     """[M, 16] decoded dense value of each code per token; the side is recovered from the shifted value's sign.
 

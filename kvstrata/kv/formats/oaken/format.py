@@ -17,7 +17,13 @@ import torch
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.base import EncodedTokens, KVFormat
-from kvstrata.kv.formats.oaken.codec import decode_tokens, dense_bytes, encode_tokens, sparse_entry_bytes
+from kvstrata.kv.formats.oaken.codec import (
+    decode_tokens,
+    dense_bytes,
+    encode_tokens,
+    reader_tables,
+    sparse_entry_bytes,
+)
 from kvstrata.kv.formats.oaken.groups import OakenConfig
 from kvstrata.kv.formats.oaken.thresholds import OakenThresholds
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
@@ -35,6 +41,7 @@ class OakenFormat(KVFormat):
         self.keys = keys
         self.rotary = rotary  # None: no RoPE (OPT), keys are the same before and after
         self._cos_sin_table: tuple[torch.Tensor, torch.Tensor] | None = None  # per position, grown on demand
+        self._reader_tables: dict[tuple[int, str], tuple[list[torch.Tensor], list[float]]] = {}  # per (layer, kind)
         self.key_mean = thresholds.k_mean if center_keys else None
         if center_keys and thresholds.k_mean.shape[1] != self.width:
             raise KvstrataError(f"the thresholds' mean key has {thresholds.k_mean.shape[1]} channels, the model's "
@@ -67,6 +74,32 @@ class OakenFormat(KVFormat):
         x = decode_tokens(dense, sparse, self.bounds[layer, kind], self.config, self.width)
         return self._cached_key(x, layer, positions) if kind == "k" else x
 
+    def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size):
+        """The compiled reader decodes each row as `decode` does, keys put back as `_cached_key` puts them."""
+        device = q.device
+        tables, shifts = {}, {}
+        for kind in "kv":
+            if (layer, kind) not in self._reader_tables:
+                self._reader_tables[layer, kind] = reader_tables(self.bounds[layer, kind], self.config, device)
+            tables[kind], shifts[kind] = self._reader_tables[layer, kind]
+        rotary = self.rotary is not None
+        add_mean = 0 if self.key_mean is None else 2 if rotary and self.keys == "post-rope" else 1
+        rotate_key = rotary and self.keys == "pre-rope"
+        empty = torch.empty(0, device=device)
+        cos = sin = empty
+        if add_mean == 2 or rotate_key:
+            cos, sin = (t.view(t.shape[0], -1) for t in self._cos_sin_up_to(int(context_lens.max()), device))
+        if self.key_mean is not None and self.key_mean.device != device:
+            self.key_mean = self.key_mean.to(device)
+        page_bytes = sparse["k"].page_bytes
+        layout = [self.config.num_groups, self.config.dense_group, sparse_entry_bytes(self.config),
+                  int(self.config.outliers == "fp16"), page_bytes, add_mean, int(rotate_key)]
+        return kernel.paged_decode_attention_oaken(
+            q, [records["k"], *sparse["k"].layer_tensors(layer), *tables["k"]],
+            [records["v"], *sparse["v"].layer_tensors(layer), *tables["v"]], shifts["k"], shifts["v"], layout,
+            self.key_mean[layer] if self.key_mean is not None else empty, cos, sin, block_tables, context_lens,
+            block_size, self.head_shape[0], q.shape[-1] ** -0.5)
+
     def _quantized_key(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """The vector Oaken quantizes for a key as the cache holds it."""
         if self.keys == "pre-rope":
@@ -98,9 +131,13 @@ class OakenFormat(KVFormat):
         """RoPE's cos and sin [N, 1, head_dim] at `positions`, gathered from a table: every read of the cache
         needs them for every cached token, and the table spares the trigonometry (same values, computed once)."""
         size = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = self._cos_sin_up_to(size, positions.device)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _cos_sin_up_to(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table of cos and sin [P, 1, head_dim] for positions 0 .. P-1, P >= size."""
         table = self._cos_sin_table
-        if table is None or len(table[0]) < size or table[0].device != positions.device:
+        if table is None or len(table[0]) < size or table[0].device != device:
             grown = max(size, 2 * len(table[0]) if table is not None else 1024)
-            table = self._cos_sin_table = self.rotary.cos_sin(torch.arange(grown, device=positions.device),
-                                                              torch.float32)
-        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+            table = self._cos_sin_table = self.rotary.cos_sin(torch.arange(grown, device=device), torch.float32)
+        return table

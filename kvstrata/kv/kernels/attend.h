@@ -1,0 +1,164 @@
+// Decode attention read in place from the paged KV cache, shared by every storage's reader: one query token per
+// sequence attends over the first context_lens[s] tokens of sequence s (token t at position t), found block by
+// block through its block table. Each storage supplies a `Rows` reader that hands back one KV head's K or V row
+// of a token as float32, decoding it into a small buffer where the storage keeps another form; nothing else is
+// copied (the torch path gathers, and for quantized storage decodes, every block first).
+//
+// q [n, heads, dim] float32; block_tables [n, width] int64; context_lens [n] int64. Query head h reads KV head
+// h / (heads / kv_heads).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace kvstrata {
+
+// Conversions the readers spend their time in, with F16C and AVX2 (built with -mf16c -mavx2).
+
+// A float16 stored at any byte address (records pack them at odd offsets).
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return _cvtsh_ss(bits);
+}
+
+// n float16 values (at any address) widened into out.
+inline void widen_halves(const void* halves, int64_t n, float* out) {
+  const uint8_t* p = static_cast<const uint8_t*>(halves);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
+  }
+  for (; i < n; ++i) out[i] = half_at(p + 2 * i);
+}
+
+// 2 * n_bytes 4-bit codes (value 2j in the low nibble of byte j, 2j + 1 in the high one) as low + code * step.
+inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out) {
+  const __m256 lows = _mm256_set1_ps(low), steps = _mm256_set1_ps(step);
+  const __m128i mask = _mm_set1_epi8(15);
+  int64_t j = 0;
+  for (; j + 8 <= n_bytes; j += 8) {  // 8 bytes: 16 codes in order
+    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + j));
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+    const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+    const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+    _mm256_storeu_ps(out + 2 * j, _mm256_fmadd_ps(first, steps, lows));
+    _mm256_storeu_ps(out + 2 * j + 8, _mm256_fmadd_ps(second, steps, lows));
+  }
+  for (; j < n_bytes; ++j) {
+    out[2 * j] = low + static_cast<float>(bytes[j] & 15) * step;
+    out[2 * j + 1] = low + static_cast<float>(bytes[j] >> 4) * step;
+  }
+}
+
+// The slot of a sequence's token t: block table entry t / block, offset t % block.
+inline int64_t slot_of(const int64_t* table, int64_t block, int64_t t) { return table[t / block] * block + t % block; }
+
+// One KV head of one sequence: its `group` query heads attend over its first `len` tokens.
+template <typename Rows>
+void attend_head(Rows& rows, const float* queries, float* outputs, int64_t len, int64_t group, int64_t dim,
+                 float scale, std::vector<float>& scores, std::vector<float>& totals) {
+  scores.assign(group * len, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* __restrict key = rows.key(t);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* __restrict query = queries + g * dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+      scores[g * len + t] = dot * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores.data() + g * len;
+    const float peak = *std::max_element(row, row + len);
+    float total = 0.0f;
+    for (int64_t t = 0; t < len; ++t) total += (row[t] = std::exp(row[t] - peak));
+    totals[g] = total;
+  }
+  std::fill(outputs, outputs + group * dim, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* __restrict value = rows.value(t);
+    for (int64_t g = 0; g < group; ++g) {
+      const float weight = scores[g * len + t] / totals[g];
+      float* __restrict o = outputs + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] += weight * value[d];
+    }
+  }
+}
+
+// Checks shared by every storage; bad input must raise here, not inside the parallel region.
+inline void check_inputs(const at::Tensor& q, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         int64_t kv_heads, int64_t block, int64_t num_blocks) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "paged_decode_attention: q must be float32 [n, heads, dim]");
+  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, "paged_decode_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+              "paged_decode_attention: one block table and one context length per query");
+  const int64_t width = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < q.size(0); ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= width * block, "paged_decode_attention: context length out of range");
+    for (int64_t b = 0; b < (lens[s] + block - 1) / block; ++b) {
+      TORCH_CHECK(tables[s * width + b] >= 0 && tables[s * width + b] < num_blocks,
+                  "paged_decode_attention: block id out of range");
+    }
+  }
+}
+
+// Checks the inputs, then one work item per (sequence, KV head) over torch's threads; make_rows(table, head)
+// builds the reader of one sequence's KV head.
+template <typename MakeRows>
+at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t block,
+               int64_t num_blocks, double scale, MakeRows make_rows) {
+  q = q.contiguous();
+  block_tables = block_tables.to(at::kLong).contiguous();
+  context_lens = context_lens.to(at::kLong).contiguous();
+  check_inputs(q, block_tables, context_lens, kv_heads, block, num_blocks);
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), group = heads / kv_heads;
+  const int64_t width = block_tables.size(1);
+  auto out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, totals(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      auto rows = make_rows(tables + s * width, h);
+      attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, lens[s], group,
+                  dim, static_cast<float>(scale), scores, totals);
+    }
+  });
+  return out;
+}
+
+// The storages' entry points (one file each), bound in paged_decode.cpp.
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
+                                  at::Tensor context_lens, double scale);
+at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
+                                       at::Tensor block_tables, at::Tensor context_lens, int64_t block,
+                                       int64_t kv_heads, double scale);
+at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
+                                       at::Tensor block_tables, at::Tensor context_lens, int64_t block,
+                                       int64_t kv_heads, int64_t group_size, double scale);
+at::Tensor paged_decode_attention_kivi(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                                       at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
+                                       int64_t bits, int64_t kv_heads, double scale);
+at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                                        std::vector<double> key_shift, std::vector<double> value_shift,
+                                        std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos,
+                                        at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
+                                        int64_t block, int64_t kv_heads, double scale);
+
+}  // namespace kvstrata

@@ -1,0 +1,94 @@
+// Per-token integer records [slots, record_bytes] (kv/formats/integer.py), decoded one KV head's row at a time:
+//   int8: kv_heads * dim codes, then the token's float16 scale: value = code * scale;
+//   int4: ceil(width / 2) bytes of nibbles (value i in byte i / 2, the low nibble for even i), then per group
+//         of `group_size` values a float16 (minimum, step): value = minimum + code * step.
+#include "attend.h"
+
+namespace kvstrata {
+
+// What both readers share: the K and V records of one KV head (its values start at head_offset in a token).
+struct RecordRows {
+  const uint8_t* k;
+  const uint8_t* v;
+  const int64_t* table;
+  int64_t block, dim, record_bytes, head_offset;
+  std::vector<float> buffer;
+  const uint8_t* record(const uint8_t* records, int64_t t) const {
+    return records + slot_of(table, block, t) * record_bytes;
+  }
+};
+
+struct Int8Rows : RecordRows {
+  int64_t width;  // codes per record; the scale follows them
+  const float* decode(const uint8_t* records, int64_t t) {
+    const uint8_t* rec = record(records, t);
+    const float scale = half_at(rec + width);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(rec) + head_offset;
+    for (int64_t d = 0; d < dim; ++d) buffer[d] = static_cast<float>(codes[d]) * scale;
+    return buffer.data();
+  }
+  const float* key(int64_t t) { return decode(k, t); }
+  const float* value(int64_t t) { return decode(v, t); }
+};
+
+struct Int4Rows : RecordRows {
+  int64_t code_bytes, group_size;  // the groups' (minimum, step) pairs follow the codes
+  const float* decode(const uint8_t* records, int64_t t) {
+    const uint8_t* rec = record(records, t);
+    for (int64_t d = 0; d < dim;) {  // group after group of the head's values
+      const int64_t group = (head_offset + d) / group_size;
+      const int64_t end = std::min(dim, (group + 1) * group_size - head_offset);
+      const float low = half_at(rec + code_bytes + 4 * group), step = half_at(rec + code_bytes + 4 * group + 2);
+      if ((head_offset + d) % 2 == 0 && (end - d) % 2 == 0) {  // whole bytes
+        widen_nibbles(rec + (head_offset + d) / 2, (end - d) / 2, low, step, buffer.data() + d);
+        d = end;
+      }
+      for (; d < end; ++d) {
+        const int64_t i = head_offset + d;
+        buffer[d] = low + static_cast<float>((rec[i / 2] >> (4 * (i % 2))) & 15) * step;
+      }
+    }
+    return buffer.data();
+  }
+  const float* key(int64_t t) { return decode(k, t); }
+  const float* value(int64_t t) { return decode(v, t); }
+};
+
+static void check_records(const at::Tensor& k, const at::Tensor& v, int64_t block, int64_t record_bytes,
+                          const char* what) {
+  TORCH_CHECK(k.scalar_type() == at::kByte && v.scalar_type() == at::kByte && k.is_contiguous() &&
+                  v.is_contiguous() && k.sizes() == v.sizes() && k.dim() == 2,
+              what, ": K and V records must be contiguous uint8 [slots, record_bytes]");
+  TORCH_CHECK(k.size(1) == record_bytes, what, ": records of ", k.size(1), " bytes, the format's are ", record_bytes);
+  TORCH_CHECK(block > 0 && k.size(0) % block == 0, what, ": slots must fill whole blocks");
+}
+
+at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
+                                       at::Tensor block_tables, at::Tensor context_lens, int64_t block,
+                                       int64_t kv_heads, double scale) {
+  const int64_t dim = q.size(2), width = kv_heads * dim, record_bytes = width + 2;
+  check_records(k_records, v_records, block, record_bytes, "paged_decode_attention_int8");
+  const uint8_t* k = k_records.data_ptr<uint8_t>();
+  const uint8_t* v = v_records.data_ptr<uint8_t>();
+  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale,
+             [&](const int64_t* table, int64_t h) {
+    return Int8Rows{{k, v, table, block, dim, record_bytes, h * dim, std::vector<float>(dim)}, width};
+  });
+}
+
+at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
+                                       at::Tensor block_tables, at::Tensor context_lens, int64_t block,
+                                       int64_t kv_heads, int64_t group_size, double scale) {
+  TORCH_CHECK(group_size > 0, "paged_decode_attention_int4: group size must be positive");
+  const int64_t dim = q.size(2), width = kv_heads * dim, code_bytes = (width + 1) / 2;
+  const int64_t record_bytes = code_bytes + 4 * ((width + group_size - 1) / group_size);
+  check_records(k_records, v_records, block, record_bytes, "paged_decode_attention_int4");
+  const uint8_t* k = k_records.data_ptr<uint8_t>();
+  const uint8_t* v = v_records.data_ptr<uint8_t>();
+  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale,
+             [&](const int64_t* table, int64_t h) {
+    return Int4Rows{{k, v, table, block, dim, record_bytes, h * dim, std::vector<float>(dim)}, code_bytes, group_size};
+  });
+}
+
+}  // namespace kvstrata

@@ -1,0 +1,129 @@
+// KIVI's blocks (kv/kivi_cache.py), one layer: keys quantized per channel over a block, values per token in
+// groups of channels, `bits` (2 or 4) per code packed little end first (value i in byte i / (8 / bits), at bit
+// bits * (i % (8 / bits))); blocks still in the full-precision window read their float16 rows instead.
+//   keys:   [key_codes uint8 [slots, width * bits / 8], key_params float16 [blocks, width, 2] (minimum, step)]
+//   values: [value_codes uint8 [slots, width * bits / 8], value_params float16 [slots, width / group, 2]]
+//   window: [window_k, window_v] float16 [window_slots, block, width]; window_slot int64 [blocks], -1: quantized.
+#include "attend.h"
+
+namespace kvstrata {
+
+template <int Bits>
+struct KiviRows {
+  static constexpr int64_t kPerByte = 8 / Bits, kMask = (1 << Bits) - 1;
+  const uint8_t* key_codes;
+  const at::Half* key_params;
+  const uint8_t* value_codes;
+  const at::Half* value_params;
+  const at::Half* window_k;
+  const at::Half* window_v;
+  const int64_t* window_slot;
+  const int64_t* table;
+  int64_t block, dim, width, value_group, head_offset;
+  std::vector<float> buffer, codes, params;
+  int64_t params_block = -1;  // the block whose key params `params` holds: 16 tokens share them
+
+  // The head's codes of one token, as floats.
+  void unpack(const uint8_t* token_codes) {
+    if (head_offset % kPerByte == 0 && dim % kPerByte == 0) {  // whole bytes
+      const uint8_t* bytes = token_codes + head_offset / kPerByte;
+      if constexpr (Bits == 4) {
+        widen_nibbles(bytes, dim / 2, 0.0f, 1.0f, codes.data());
+      } else {
+        for (int64_t j = 0; j < dim / kPerByte; ++j) {
+          for (int64_t i = 0; i < kPerByte; ++i) codes[j * kPerByte + i] = static_cast<float>((bytes[j] >> (Bits * i)) & kMask);
+        }
+      }
+      return;
+    }
+    for (int64_t d = 0; d < dim; ++d) {
+      const int64_t c = head_offset + d;
+      codes[d] = static_cast<float>((token_codes[c / kPerByte] >> (Bits * (c % kPerByte))) & kMask);
+    }
+  }
+  // The row where the block is still in the window, else nullptr.
+  const float* from_window(const at::Half* window, int64_t t) {
+    const int64_t w = window_slot[table[t / block]];
+    if (w < 0) return nullptr;
+    widen_halves(window + (w * block + t % block) * width + head_offset, dim, buffer.data());
+    return buffer.data();
+  }
+  const float* key(int64_t t) {
+    if (const float* row = from_window(window_k, t)) return row;
+    const int64_t block_id = table[t / block];
+    if (block_id != params_block) {  // (minimum, step) per channel of the head
+      widen_halves(key_params + (block_id * width + head_offset) * 2, 2 * dim, params.data());
+      params_block = block_id;
+    }
+    unpack(key_codes + slot_of(table, block, t) * (width * Bits / 8));
+    for (int64_t d = 0; d < dim; ++d) buffer[d] = params[2 * d] + codes[d] * params[2 * d + 1];
+    return buffer.data();
+  }
+  const float* value(int64_t t) {
+    if (const float* row = from_window(window_v, t)) return row;
+    const int64_t slot = slot_of(table, block, t);
+    unpack(value_codes + slot * (width * Bits / 8));
+    const at::Half* token_params = value_params + slot * (width / value_group) * 2;
+    for (int64_t d = 0; d < dim;) {  // group after group of the head's channels
+      const int64_t g = (head_offset + d) / value_group, end = std::min(dim, (g + 1) * value_group - head_offset);
+      const float low = static_cast<float>(token_params[2 * g]), step = static_cast<float>(token_params[2 * g + 1]);
+      for (; d < end; ++d) buffer[d] = low + codes[d] * step;
+    }
+    return buffer.data();
+  }
+};
+
+template <int Bits>
+at::Tensor attend_kivi(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                       const at::Tensor& window_slot, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       int64_t block, int64_t kv_heads, int64_t value_group, double scale) {
+  const int64_t dim = q.size(2), width = kv_heads * dim, num_blocks = keys[1].size(0);
+  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale, [&](const int64_t* table, int64_t h) {
+    return KiviRows<Bits>{keys[0].data_ptr<uint8_t>(), keys[1].data_ptr<at::Half>(), values[0].data_ptr<uint8_t>(),
+                          values[1].data_ptr<at::Half>(), keys[2].data_ptr<at::Half>(), values[2].data_ptr<at::Half>(),
+                          window_slot.data_ptr<int64_t>(), table, block, dim, width, value_group, h * dim,
+                          std::vector<float>(dim), std::vector<float>(dim), std::vector<float>(2 * dim)};
+  });
+}
+
+at::Tensor paged_decode_attention_kivi(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                                       at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
+                                       int64_t bits, int64_t kv_heads, double scale) {
+  TORCH_CHECK(keys.size() == 3 && values.size() == 3,
+              "paged_decode_attention_kivi: keys and values are [codes, params, window] each");
+  TORCH_CHECK(bits == 2 || bits == 4, "paged_decode_attention_kivi: bits must be 2 or 4, got ", bits);
+  const int64_t dim = q.size(2), width = kv_heads * dim;
+  const at::Tensor &key_codes = keys[0], &key_params = keys[1], &window_k = keys[2];
+  const at::Tensor &value_codes = values[0], &value_params = values[1], &window_v = values[2];
+  for (const at::Tensor& t : {key_codes, key_params, window_k, value_codes, value_params, window_v, window_slot}) {
+    TORCH_CHECK(t.is_contiguous(), "paged_decode_attention_kivi: every tensor must be contiguous");
+  }
+  TORCH_CHECK(key_codes.scalar_type() == at::kByte && value_codes.scalar_type() == at::kByte &&
+                  key_codes.sizes() == value_codes.sizes() && key_codes.dim() == 2 &&
+                  key_codes.size(1) == width * bits / 8,
+              "paged_decode_attention_kivi: codes must be uint8 [slots, width * bits / 8]");
+  const int64_t num_blocks = key_params.size(0), block = key_codes.size(0) / num_blocks;
+  TORCH_CHECK(key_params.scalar_type() == at::kHalf && key_params.dim() == 3 && key_params.size(1) == width &&
+                  key_params.size(2) == 2 && block * num_blocks == key_codes.size(0),
+              "paged_decode_attention_kivi: key params must be float16 [blocks, width, 2] over whole blocks of codes");
+  TORCH_CHECK(value_params.scalar_type() == at::kHalf && value_params.dim() == 3 &&
+                  value_params.size(0) == key_codes.size(0) && value_params.size(2) == 2 &&
+                  value_params.size(1) > 0 && width % value_params.size(1) == 0,
+              "paged_decode_attention_kivi: value params must be float16 [slots, groups, 2]");
+  TORCH_CHECK(window_k.scalar_type() == at::kHalf && window_k.sizes() == window_v.sizes() && window_k.dim() == 3 &&
+                  window_k.size(1) == block && window_k.size(2) == width,
+              "paged_decode_attention_kivi: the window must be float16 [window_slots, block, width]");
+  TORCH_CHECK(window_slot.scalar_type() == at::kLong && window_slot.numel() == num_blocks,
+              "paged_decode_attention_kivi: one int64 window slot per block");
+  const int64_t* slots = window_slot.data_ptr<int64_t>();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    TORCH_CHECK(slots[b] < window_k.size(0), "paged_decode_attention_kivi: window slot out of range");
+  }
+  const int64_t value_group = width / value_params.size(1);
+  return bits == 2 ? attend_kivi<2>(q, keys, values, window_slot, block_tables, context_lens, block, kv_heads,
+                                    value_group, scale)
+                   : attend_kivi<4>(q, keys, values, window_slot, block_tables, context_lens, block, kv_heads,
+                                    value_group, scale);
+}
+
+}  // namespace kvstrata

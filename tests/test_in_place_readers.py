@@ -1,0 +1,73 @@
+"""Every KV format's compiled in-place reader (kv/kernels) against the torch path on the same cache: the storage's
+decode attention read where the blocks lie equals the reference attention over the K/V the storage gathers and
+decodes, for sequences of mixed lengths over real cache contents (prefilled by the tiny model)."""
+
+import pytest
+import torch
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.kv.attention_batch import whole_block_keys
+from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
+from kvstrata.kv.kernels import paged_decode
+from kvstrata.kv.reference_attention import attend
+from tests.conftest import FOUR_GROUPS
+from tests.helpers import prefill_in_chunks
+
+KERNEL = paged_decode.kernel()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernels could not be built")
+
+CASES = {
+    "fp32": ("fp32", {}), "fp16": ("fp16", {}), "bf16": ("bf16", {}), "int8": ("int8", {}),
+    "int4": ("int4", {}), "int4-group16": ("int4", {"int4_group_size": 16}),
+    # a residual of 32 leaves each sequence's older blocks quantized and its newest in the float16 window
+    "kivi4": ("kivi4", {"kivi_residual": 32}), "kivi2": ("kivi2", {"kivi_residual": 32}),
+    "oaken": ("oaken", {}), "oaken-pre-rope": ("oaken", {"oaken_keys": "pre-rope"}),
+    "oaken-uncentered": ("oaken", {"oaken_key_centering": False}),
+    "oaken-fp16-outliers": ("oaken", {"oaken_outliers": "fp16"}),
+    "oaken-unshifted": ("oaken", {"oaken_group_shift": False}),
+    "oaken-4-groups": ("oaken", {"oaken_ratios": ",".join(map(str, FOUR_GROUPS))}),
+}
+
+
+def build(tiny_llama_kv64, oaken_calibrations, case: str, **options) -> LLM:
+    kv_format, extra = CASES[case]
+    ratios = FOUR_GROUPS if "oaken_ratios" in extra else DEFAULT_RATIOS
+    return LLM(str(tiny_llama_kv64), kv_format=kv_format, kv_cache_memory="8MiB", threads=1, chunk_size=32,
+               oaken_calibration=str(oaken_calibrations[ratios]), **extra, **options)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_in_place_reader_equals_the_torch_path(case, tiny_llama_kv64, oaken_calibrations):
+    engine = build(tiny_llama_kv64, oaken_calibrations, case).engine
+    storage = engine.kv_cache
+    assert storage.decode_kernel is KERNEL
+    gen = torch.Generator().manual_seed(4)
+    lens = [1, 20, 75, 150]
+    seqs = [prefill_in_chunks(engine, torch.randint(3, 320, (n,), generator=gen).tolist(), 32, seq_id=i)[1]
+            for i, n in enumerate(lens)]
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+    context_lens = torch.tensor(lens)
+    keys = whole_block_keys(tables, context_lens, storage.block_size)
+    config = engine.loaded.config
+    for layer in (0, config.num_layers - 1):
+        q = torch.randn(len(lens), config.num_heads, config.head_dim, generator=gen) * 2
+        got = storage.attend_in_place(layer, q, keys, context_lens)
+        k, v = storage.gather_keys(layer, keys, torch.float32)
+        want = attend(q[:, None], k, v, (keys.positions != -1)[:, None])[:, 0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp16", "int8", "int4", "kivi2", "oaken"])
+def test_engine_generates_the_same_with_and_without_the_reader(case, tiny_llama_kv64, oaken_calibrations):
+    """Greedy output of prompts of different lengths, decoded over many steps (KIVI's blocks leave its window on
+    the way), is the same on the compiled reader and on the torch path."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 30, 70)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with_reader = build(tiny_llama_kv64, oaken_calibrations, case)
+    assert with_reader.engine.kv_cache.decode_kernel is KERNEL
+    without = build(tiny_llama_kv64, oaken_calibrations, case, paged_kernel=False)
+    assert without.engine.kv_cache.decode_kernel is None
+    assert [o.token_ids for o in with_reader.generate(prompts, params)] == \
+        [o.token_ids for o in without.generate(prompts, params)]
