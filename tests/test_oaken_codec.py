@@ -13,6 +13,7 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.oaken import codec
 from kvstrata.kv.formats.oaken.codec import decode_tokens, dense_bytes, encode_tokens, sparse_entry_bytes
 from kvstrata.kv.formats.oaken.groups import OakenConfig, assign_groups
+from kvstrata.kv.kernels import paged_decode
 
 RATIOS = [
     (0.5, 0.5),
@@ -422,3 +423,37 @@ def test_encoding_uses_no_sort_or_topk(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     enc = encode_tokens(x, b, OakenConfig())
     assert torch.equal(decode_tokens(enc.dense, enc.sparse, b, OakenConfig(), 192), enc.meant)
+
+
+TOKEN_CONFIGS = [c for c in CONFIGS if c.scales == "token"]
+
+
+@pytest.mark.skipif(paged_decode.kernel() is None, reason="no C++ compiler: the compiled encoder could not be built")
+@pytest.mark.parametrize("config", TOKEN_CONFIGS, ids=_id)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_compiled_encoder_writes_the_same_bytes(config, width):
+    """The compiled encoder (kv/kernels/oaken_encode.cpp) writes exactly encode_tokens' bytes, values on thresholds,
+    constant tokens, tokens on one side of zero and tiny values (float16 subnormal parameters) included."""
+    seeds = range(3)
+    for seed in seeds:
+        x, b = sample(config, width, seed, tokens=40)
+        x[1] = 0.75  # one constant value: a zero step
+        x[2] = x[2].abs() + 0.01  # every value on the high side
+        x[3] *= 1e-6  # parameters among float16's subnormals
+        got = codec.encode_tokens_compiled(x, b, config)
+        want = encode_tokens(x, b, config)
+        assert got is not None
+        assert torch.equal(got[0], want.dense)
+        assert torch.equal(got[1], want.sparse)
+        assert torch.equal(got[2], want.sparse_bytes.long())
+
+
+@pytest.mark.skipif(paged_decode.kernel() is None, reason="no C++ compiler: the compiled encoder could not be built")
+def test_compiled_encoder_leaves_out_of_range_values_to_the_clear_error():
+    config = OakenConfig(outliers="fp16")
+    x = torch.full((2, 64), 1e6)  # outliers kept as float16 cannot hold it
+    assert codec.encode_tokens_compiled(x, DEFAULT_BOUNDS, config) is None
+    with pytest.raises(KvstrataError, match="outside"):
+        encode_tokens(x, DEFAULT_BOUNDS, config)
+    assert codec.encode_tokens_compiled(x[:, :64] * 0, DEFAULT_BOUNDS, config) is not None
+    assert codec.encode_tokens_compiled(x * 0, DEFAULT_BOUNDS, OakenConfig(scales="window")) is None  # not its job

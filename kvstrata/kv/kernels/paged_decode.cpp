@@ -71,4 +71,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention read in place from KIVI's quantized blocks and its float16 window");
   m.def("paged_decode_attention_oaken", &kvstrata::paged_decode_attention_oaken,
         "decode attention read in place from Oaken's dense records and sparse pages");
+  m.def("oaken_encode", &kvstrata::oaken_encode, "Oaken's per-token encoder, the bytes of codec.encode_tokens");
 }

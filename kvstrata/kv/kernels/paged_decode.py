@@ -17,7 +17,8 @@ from pathlib import Path
 NAME = "kvstrata_paged_decode"
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a build that was killed
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_decode.cpp", "integer_rows.cpp", "kivi_rows.cpp", "oaken_rows.cpp")]
+SOURCES = [HERE / name for name in ("paged_decode.cpp", "integer_rows.cpp", "kivi_rows.cpp", "oaken_rows.cpp",
+                                         "oaken_encode.cpp")]
 HEADER = HERE / "attend.h"
 # -fopenmp: at::parallel_for spreads the sequences over torch's threads, and the dot products and updates over head_dim are vectorized as their pragmas allow (a float
 # sum may be reassociated there); AVX2, FMA and F16C: every x86-64 server CPU of the last decade has them.

@@ -21,6 +21,7 @@ from kvstrata.kv.formats.oaken.codec import (
     decode_tokens,
     dense_bytes,
     encode_tokens,
+    encode_tokens_compiled,
     reader_tables,
     sparse_entry_bytes,
 )
@@ -67,6 +68,9 @@ class OakenFormat(KVFormat):
     def encode(self, x, layer, kind, positions) -> EncodedTokens:
         if kind == "k":
             x = self._quantized_key(x, layer, positions)
+        compiled = encode_tokens_compiled(x, self.bounds[layer, kind], self.config)
+        if compiled is not None:
+            return EncodedTokens(*compiled)
         encoded = encode_tokens(x, self.bounds[layer, kind], self.config)
         return EncodedTokens(encoded.dense, encoded.sparse, encoded.sparse_bytes.long())
 

@@ -1,0 +1,160 @@
+// Oaken's per-token encoder (kv/formats/oaken/codec.py, encode_tokens with scales per token), token after token,
+// producing the same bytes: the engine calls it for every layer's K and V of every step, where the torch version's
+// ~250 small operations cost about a millisecond per call. Every rounding is the torch version's: float32 for the
+// values and codes, float64 for the groups' parameters, float16 minimums rounded down and steps up, round half to
+// even; products are kept apart from the sums that follow them (no fused multiply-add, which rounds once).
+//
+// x float32 [N, W]; bounds float32 [G-1, 2] (validated); shift_lo / shift_hi float32 [G] (zero where a group is not
+// shifted); slot_of_group uint8 [G]; layout [G, dense group, dense group shifted, float16 outliers].
+// Returns (dense uint8 [N, record], sparse uint8 [S], sparse_bytes int64 [N]), or three empty tensors where a
+// parameter or a float16 outlier leaves float16's finite range (the torch version then raises the clear error).
+#include "attend.h"
+
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+namespace kvstrata {
+
+constexpr int64_t kLevels = 15;  // the largest 4-bit code
+constexpr int64_t kIndexValues = 64;  // values addressed by one 6-bit index
+
+// a * b rounded on its own, as torch's separate multiply does (the empty asm keeps the compiler from fusing it
+// into the addition that follows).
+inline float product(float a, float b) {
+  float p = a * b;
+  asm volatile("" : "+x"(p));
+  return p;
+}
+
+// The float16 (as bits) nearest `v` on the side of `up` (at or above) or not (at or below); round_float16 in
+// float16_params.py.
+inline uint16_t half_toward(double v, bool up) {
+  uint16_t bits = c10::Half(static_cast<float>(v)).x;
+  const double h = static_cast<double>(static_cast<float>(c10::Half(bits, c10::Half::from_bits())));
+  if (up ? h < v : h > v) {  // one step toward the side: magnitude grows away from zero, shrinks toward it
+    if ((bits & 0x7fff) == 0) return up ? 0x0001 : 0x8001;
+    const bool negative = bits & 0x8000;
+    bits = negative == up ? bits - 1 : bits + 1;
+  }
+  return bits;
+}
+
+inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+inline bool half_finite(uint16_t bits) { return (bits & 0x7c00) != 0x7c00; }
+
+// _zero_between_codes: the finest grid over [lo, hi] (lo < 0 < hi) with zero halfway between two codes.
+inline std::pair<uint16_t, double> zero_between_codes(double lo, double hi) {
+  double step = std::numeric_limits<double>::infinity();
+  int64_t best = 0;
+  for (int64_t c = 0; c < kLevels; ++c) {
+    const double s = std::max(-lo / (c + 0.5), hi / (kLevels - 0.5 - c));
+    if (s < step) step = s, best = c;
+  }
+  const uint16_t mn = half_toward(-(best + 0.5) * step, false);
+  return {mn, std::max(step, (hi - static_cast<double>(half_value(mn))) / kLevels)};
+}
+
+std::vector<at::Tensor> oaken_encode(at::Tensor x, at::Tensor bounds, at::Tensor shift_lo, at::Tensor shift_hi,
+                                     at::Tensor slot_of_group, std::vector<int64_t> layout) {
+  TORCH_CHECK(layout.size() == 4, "oaken_encode: layout is [groups, dense group, dense shifted, float16 outliers]");
+  const int64_t groups = layout[0], dense_group = layout[1];
+  const bool dense_shifted = layout[2] != 0, fp16 = layout[3] != 0;
+  x = x.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % kIndexValues == 0,
+              "oaken_encode: x must be float32 [tokens, a multiple of 64]");
+  TORCH_CHECK(groups >= 2 && groups <= 5 && dense_group >= 0 && dense_group < groups &&
+                  bounds.scalar_type() == at::kFloat && bounds.is_contiguous() && bounds.numel() == 2 * (groups - 1) &&
+                  shift_lo.numel() == groups && shift_hi.numel() == groups && slot_of_group.numel() == groups,
+              "oaken_encode: tables do not match the group count");
+  const int64_t n = x.size(0), width = x.size(1), blocks = width / kIndexValues;
+  const int64_t record = width / 2 + 4 * groups + blocks;
+  const int64_t entry_bytes = (groups <= 3 ? 1 : 2) + (fp16 ? 2 : 0);
+  const float* xs_in = x.data_ptr<float>();
+  const float* b = bounds.data_ptr<float>();
+  const float* lo_shift = shift_lo.contiguous().data_ptr<float>();
+  const float* hi_shift = shift_hi.contiguous().data_ptr<float>();
+  const uint8_t* slots = slot_of_group.contiguous().data_ptr<uint8_t>();
+
+  auto dense = at::zeros({n, record}, at::kByte);
+  auto sparse_bytes = at::zeros({n}, at::kLong);
+  std::vector<uint8_t> sparse;
+  sparse.reserve(n * width / 8 * entry_bytes);
+  std::vector<int64_t> group(width);
+  std::vector<uint8_t> low(width), codes(width);
+  std::vector<float> v(width);
+  std::vector<uint16_t> mn(groups), st(groups);
+  std::vector<float> mn_f(groups), st_f(groups);
+  uint8_t* out = dense.data_ptr<uint8_t>();
+  int64_t* token_bytes = sparse_bytes.data_ptr<int64_t>();
+  const auto failed = [] { return std::vector<at::Tensor>{at::empty({0}), at::empty({0}), at::empty({0})}; };
+
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xt = xs_in + t * width;
+    std::vector<double> lo(groups, std::numeric_limits<double>::infinity()), hi(groups, -lo[0]);
+    for (int64_t i = 0; i < width; ++i) {  // group, side, shifted value, and each group's range
+      int64_t g = 0;
+      for (int64_t k = 0; k < groups - 1; ++k) g += xt[i] > b[2 * k] && xt[i] < b[2 * k + 1];
+      group[i] = g;
+      low[i] = xt[i] < hi_shift[g];
+      const float shifted = xt[i] - (low[i] ? lo_shift[g] : hi_shift[g]);
+      v[i] = g == dense_group ? shifted : std::fabs(shifted);
+      if (fp16 && g != dense_group) continue;  // float16 outliers need no params
+      lo[g] = std::min(lo[g], static_cast<double>(v[i]));
+      hi[g] = std::max(hi[g], static_cast<double>(v[i]));
+    }
+    for (int64_t g = 0; g < groups; ++g) {  // _params
+      if (lo[g] > hi[g]) lo[g] = hi[g] = 0.0;  // an empty group
+      mn[g] = half_toward(lo[g], false);
+      double step = (hi[g] - static_cast<double>(half_value(mn[g]))) / kLevels;
+      if (dense_shifted && g == dense_group && lo[g] < 0 && hi[g] > 0) {
+        std::tie(mn[g], step) = zero_between_codes(lo[g], hi[g]);
+      }
+      st[g] = half_toward(step, true);
+      if (!half_finite(mn[g]) || !half_finite(st[g])) return failed();
+      mn_f[g] = half_value(mn[g]);
+      st_f[g] = half_value(st[g]);
+    }
+    uint8_t* rec = out + t * record;
+    uint8_t* counts = rec + width / 2 + 4 * groups;
+    const size_t first_entry = sparse.size();
+    for (int64_t i = 0; i < width; ++i) {
+      const int64_t g = group[i];
+      const bool is_dense = g == dense_group;
+      float q = std::nearbyint((v[i] - mn_f[g]) / (st_f[g] > 0 ? st_f[g] : 1.0f));
+      q = std::min(std::max(q, 0.0f), static_cast<float>(kLevels));
+      if (dense_shifted && is_dense) {  // _keep_dense_side
+        const float decoded = product(q, st_f[g]) + mn_f[g];
+        if (!low[i] && decoded < 0) q += 1;
+        else if (low[i] && decoded >= 0 && q > 0) q -= 1;
+      }
+      codes[i] = is_dense || !fp16 ? static_cast<uint8_t>(q) : 0;
+      rec[i / 2] |= codes[i] << (4 * (i % 2));
+      if (is_dense) continue;
+      counts[i / kIndexValues] += 1;
+      const uint8_t index = i % kIndexValues, high_bit = fp16 ? 0 : low[i];
+      if (groups <= 3) {
+        sparse.push_back(index | (slots[g] << 6) | (high_bit << 7));
+      } else {
+        sparse.push_back(index);
+        sparse.push_back(slots[g] | (high_bit << 7));
+      }
+      if (fp16) {
+        const uint16_t half = c10::Half(xt[i]).x;
+        if (!half_finite(half)) return failed();
+        sparse.push_back(half & 0xff);
+        sparse.push_back(half >> 8);
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {  // (min, step) float16 little-endian, group 0 first
+      std::memcpy(rec + width / 2 + 4 * g, &mn[g], 2);
+      std::memcpy(rec + width / 2 + 4 * g + 2, &st[g], 2);
+    }
+    token_bytes[t] = static_cast<int64_t>(sparse.size() - first_entry);
+  }
+  auto sparse_out = at::empty({static_cast<int64_t>(sparse.size())}, at::kByte);
+  std::memcpy(sparse_out.data_ptr<uint8_t>(), sparse.data(), sparse.size());
+  return {dense, sparse_out, sparse_bytes};
+}
+
+}  // namespace kvstrata
