@@ -95,14 +95,18 @@ struct OakenRows {
     return buffer.data();
   }
 
-  // RoPE at position t on [dim] values (halves layout: value d pairs with d + dim / 2), into `out`.
-  void rope(const float* x, int64_t t, float* out) const {
+  // RoPE at position t of [dim] values (halves layout: value d pairs with d + dim / 2), added to `out` (the rotated
+  // mean key) or written to it (a key quantized before RoPE).
+  template <bool Add>
+  void rope(const float* __restrict x, int64_t t, float* __restrict out) const {
     const int64_t half = dim / 2;
-    const float* c = cos + t * dim;
-    const float* s = sin + t * dim;
+    const float* __restrict c = cos + t * dim;
+    const float* __restrict s = sin + t * dim;
+#pragma omp simd
     for (int64_t d = 0; d < half; ++d) {
-      out[d] = x[d] * c[d] - x[d + half] * s[d];
-      out[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half];
+      const float first = x[d] * c[d] - x[d + half] * s[d], second = x[d + half] * c[d + half] + x[d] * s[d + half];
+      out[d] = Add ? out[d] + first : first;
+      out[d + half] = Add ? out[d + half] + second : second;
     }
   }
 
@@ -112,11 +116,10 @@ struct OakenRows {
     if (add_mean == 1) {
       for (int64_t d = 0; d < dim; ++d) buffer[d] += m[d];
     } else if (add_mean == 2) {
-      rope(m, t, rotated.data());
-      for (int64_t d = 0; d < dim; ++d) buffer[d] += rotated[d];
+      rope<true>(m, t, buffer.data());
     }
     if (!rotate_key) return buffer.data();
-    rope(buffer.data(), t, rotated.data());
+    rope<false>(buffer.data(), t, rotated.data());
     return rotated.data();
   }
   const float* value(int64_t t) { return decode(v, t); }
