@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.kv.kernels import paged_decode
+
 
 class SparsePages:
     TABLE_BYTES = 6  # per token slot: int32 offset + int16 count
@@ -29,6 +31,9 @@ class SparsePages:
         self.token_count = torch.zeros(num_layers, num_blocks * block_size, dtype=torch.int16, device=device)
         self.free_pages = [list(range(self.num_pages - 1, -1, -1)) for _ in range(num_layers)]
         self.grown_pages = 0
+        # on the CPU, writes go through the compiled writer (if it builds): the same result, without the dozens of
+        # small operations per layer and step
+        self.compiled = paged_decode.kernel() if device.type == "cpu" else None
 
     def pages_in_use(self) -> int:
         return sum(self.num_pages - len(free) for free in self.free_pages)
@@ -46,6 +51,9 @@ class SparsePages:
     def write(self, layer: int, slots: torch.Tensor, data: torch.Tensor, counts: torch.Tensor) -> None:
         """Append each token's `counts[i]` bytes (taken in order from `data`) to its block's pages.
         Tokens of one block arrive in slot order within a call, as a sequence's tokens do."""
+        if self.compiled is not None:
+            self._write_compiled(layer, slots, data, counts)
+            return
         blocks = slots // self.block_size
         ends = counts.cumsum(0)
         starts = ends - counts
@@ -53,7 +61,7 @@ class SparsePages:
         run_first = run_lengths.cumsum(0) - run_lengths
         run_bytes = ends[run_first + run_lengths - 1] - starts[run_first]
         base = self.block_fill[layer, run_blocks]
-        self._ensure_pages(layer, run_blocks, base + run_bytes)
+        self._ensure_pages(layer, run_blocks, -(-(base + run_bytes) // self.page_bytes))
         self.block_fill[layer, run_blocks] = base + run_bytes
         # offset of each token in its block = the block's fill before the call + bytes of earlier tokens of the run
         run_of_token = torch.repeat_interleave(torch.arange(len(run_blocks), device=slots.device), run_lengths)
@@ -62,6 +70,19 @@ class SparsePages:
         self.token_count[layer, slots] = counts.to(torch.int16)
         if data.numel():
             self.data[layer, self._physical(layer, blocks, offsets, counts)] = data
+
+    def _write_compiled(self, layer: int, slots: torch.Tensor, data: torch.Tensor, counts: torch.Tensor) -> None:
+        """`write` by kv/kernels/sparse_write.cpp; blocks short of pages get them here, then it writes."""
+        def attempt() -> torch.Tensor:
+            return self.compiled.sparse_write(*self.layer_tensors(layer)[:2], self.block_fill[layer],
+                                              *self.layer_tensors(layer)[2:], slots.contiguous(), data.contiguous(),
+                                              counts.long().contiguous(), self.block_size, self.page_bytes)
+
+        short = attempt()
+        if len(short):
+            self._ensure_pages(layer, short[:, 0], short[:, 1])
+            short = attempt()  # the pool may have grown: attempt() takes its tensors anew
+        assert not len(short), "sparse pages were allocated but still fall short"
 
     def layer_tensors(self, layer: int) -> list[torch.Tensor]:
         """One layer's pages as the compiled readers take them: data, block -> pages, token offsets, token counts."""
@@ -80,8 +101,8 @@ class SparsePages:
         pages = self.block_pages[layer, blocks[token], logical // self.page_bytes]
         return pages * self.page_bytes + logical % self.page_bytes
 
-    def _ensure_pages(self, layer: int, blocks: torch.Tensor, fills: torch.Tensor) -> None:
-        needed = -(-fills // self.page_bytes)
+    def _ensure_pages(self, layer: int, blocks: torch.Tensor, needed: torch.Tensor) -> None:
+        """Blocks own at least `needed` pages each."""
         owned = (self.block_pages[layer, blocks] >= 0).sum(dim=1)
         for block, have, need in zip(blocks.tolist(), owned.tolist(), needed.tolist()):
             for page_index in range(have, need):

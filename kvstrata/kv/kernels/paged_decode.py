@@ -18,7 +18,7 @@ NAME = "kvstrata_paged_decode"
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a build that was killed
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("paged_decode.cpp", "integer_rows.cpp", "kivi_rows.cpp", "oaken_rows.cpp",
-                                         "oaken_encode.cpp")]
+                                         "oaken_encode.cpp", "sparse_write.cpp")]
 HEADER = HERE / "attend.h"
 # -fopenmp: at::parallel_for spreads the sequences over torch's threads, and the dot products and updates over head_dim are vectorized as their pragmas allow (a float
 # sum may be reassociated there); AVX2, FMA and F16C: every x86-64 server CPU of the last decade has them.
