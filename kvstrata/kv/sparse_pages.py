@@ -74,9 +74,10 @@ class SparsePages:
     def _write_compiled(self, layer: int, slots: torch.Tensor, data: torch.Tensor, counts: torch.Tensor) -> None:
         """`write` by kv/kernels/sparse_write.cpp; blocks short of pages get them here, then it writes."""
         def attempt() -> torch.Tensor:
-            return self.compiled.sparse_write(*self.layer_tensors(layer)[:2], self.block_fill[layer],
-                                              *self.layer_tensors(layer)[2:], slots.contiguous(), data.contiguous(),
-                                              counts.long().contiguous(), self.block_size, self.page_bytes)
+            return self.compiled.sparse_write(self.data[layer], self.block_pages[layer], self.block_fill[layer],
+                                              self.token_offset[layer], self.token_count[layer], slots.contiguous(),
+                                              data.contiguous(), counts.long().contiguous(), self.block_size,
+                                              self.page_bytes)
 
         short = attempt()
         if len(short):

@@ -4,5 +4,5 @@ loudly if they cannot be built."""
 from kvstrata.kv.kernels import paged_decode
 
 if paged_decode.kernel() is None:
-    raise SystemExit("kvstrata: building the paged decode-attention kernel failed (see the warning above)")
-print("kvstrata: paged decode-attention kernel built")
+    raise SystemExit("kvstrata: building the compiled KV kernels failed (see the warning above)")
+print("kvstrata: compiled KV kernels built")

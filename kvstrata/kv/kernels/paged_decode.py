@@ -1,8 +1,9 @@
-"""Loads the compiled paged decode-attention kernels (attend.h and one reader per storage), building them on first
-use.
+"""Loads the compiled CPU kernels of kv/, building them on first use: decode attention read where the cache lies
+(attend.h and one reader per storage), Oaken's encoder and the sparse-page writer.
 
-`kernel()` is None where they cannot be built (no C++ compiler): callers then gather the blocks and use the
-torch reference path. `python -m kvstrata.kv.kernels.build` builds them (the README's set-up does).
+`kernel()` is None where they cannot be built (no C++ compiler): callers then take the torch path (gather and
+decode the blocks, then the reference attention; the torch encoder and writer). `python -m kvstrata.kv.kernels.build`
+builds them (the README's set-up does).
 """
 
 from __future__ import annotations
@@ -54,6 +55,6 @@ def kernel():
                     extra_cflags=[*FLAGS, _header_flag()], verbose=False)
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as exc:  # no compiler, no headers:
         # the engine still runs, on the slower path
-        warnings.warn(f"the compiled paged decode attention could not be built ({exc}); using the torch path",
+        warnings.warn(f"the compiled KV kernels could not be built ({exc}); using the torch path",
                       stacklevel=2)
         return None
