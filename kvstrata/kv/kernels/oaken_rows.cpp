@@ -46,8 +46,9 @@ struct OakenRows {
   // The `n` bytes of a token's sparse entries from logical offset `begin` within its block's pages: a pointer into
   // the page where they lie in one, else a copy into `scratch` (entries may straddle a page boundary).
   const uint8_t* sparse_bytes(const OakenSide& side, int64_t block_id, int64_t begin, int64_t n) {
+    if (n == 0) return nullptr;  // a block without outliers may own no page
     const int64_t* pages = side.block_pages + block_id * side.pages_per_block;
-    if (n == 0 || begin / page_bytes == (begin + n - 1) / page_bytes) {
+    if (begin / page_bytes == (begin + n - 1) / page_bytes) {
       return side.sparse + pages[begin / page_bytes] * page_bytes + begin % page_bytes;
     }
     scratch.resize(n);
