@@ -51,6 +51,9 @@ class KiviPagedKVCache(KVStorage):
         self.grown_slots = 0
         self.block_pool: BlockPool | None = None  # which blocks no sequence holds (attach_block_pool)
         self._leaving: torch.Tensor | None = None  # blocks leaving the window in this step (begin_step)
+        # each block's window slot as this step's reads see it: leaving blocks are quantized in a layer before
+        # that layer reads them (store comes first), so they read as quantized; their slots go at the step's end
+        self._read_window = self.window_slot
         self._layers_quantized = 0  # layers whose leaving blocks are quantized already in this step
         # on the CPU, decodes read blocks and window where they lie, with the compiled kernel (if it builds)
         self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
@@ -139,10 +142,14 @@ class KiviPagedKVCache(KVStorage):
 
     def begin_step(self, batch: AttentionBatch) -> None:
         leaving = [self._blocks_leaving(g.keys.block_tables, g.context_lens) for g in batch.groups]
-        self._leaving = torch.unique(torch.cat(leaving)) if leaving else None
+        self._set_leaving(torch.unique(torch.cat(leaving)) if leaving else None)
 
     def begin_write(self, block_table: torch.Tensor, context_len: int) -> None:
-        self._leaving = self._blocks_leaving(block_table, torch.tensor([context_len], device=self.device))
+        self._set_leaving(self._blocks_leaving(block_table, torch.tensor([context_len], device=self.device)))
+
+    def _set_leaving(self, leaving: torch.Tensor | None) -> None:
+        self._leaving = leaving
+        self._read_window = self.window_slot if leaving is None else self.window_slot.index_fill(0, leaving, -1)
 
     def end_step(self) -> None:
         """Leaving blocks give up their window slots. A step that failed part-way quantizes them first in
@@ -151,7 +158,7 @@ class KiviPagedKVCache(KVStorage):
             for layer in range(self._layers_quantized, self.num_layers):
                 self._quantize_blocks(layer, self._leaving)
             self._release_window(self._leaving)
-            self._leaving = None
+            self._set_leaving(None)
         self._layers_quantized = 0
 
     def store(self, layer, slots, positions, k, v) -> None:
@@ -166,13 +173,10 @@ class KiviPagedKVCache(KVStorage):
     def attend_in_place(self, layer, q, keys, context_lens):
         if self.decode_kernel is None or q.dtype != torch.float32:
             return None
-        window = self.window_slot
-        if self._leaving is not None:  # quantized at this layer already (see `gather`)
-            window = window.index_fill(0, self._leaving, -1)
         with torch.profiler.record_function("kvstrata::paged_decode_attention_kivi"):  # named in profiles
             return self.decode_kernel.paged_decode_attention_kivi(
                 q, [self.key_codes[layer], self.key_params[layer], self.window_k[layer]],
-                [self.value_codes[layer], self.value_params[layer], self.window_v[layer]], window,
+                [self.value_codes[layer], self.value_params[layer], self.window_v[layer]], self._read_window,
                 keys.block_tables, context_lens, self.bits, self.kv_shape[0], q.shape[-1] ** -0.5)
 
     def gather(self, layer, slots, positions, dtype):
@@ -183,11 +187,8 @@ class KiviPagedKVCache(KVStorage):
         keys = key_params[..., 0] + unpack_codes(self.key_codes[layer, slots], self.bits).float() * key_params[..., 1]
         codes = unpack_codes(self.value_codes[layer, slots], self.bits).view(len(slots), -1, self.value_group)
         values = dequantize_asymmetric(codes, self.value_params[layer, slots].float(), 2).reshape(len(slots), -1)
-        window = self.window_slot[blocks]
-        young = window >= 0
-        if self._leaving is not None:  # quantized at this layer already; their slots are released at the step's end
-            young &= ~torch.isin(blocks, self._leaving)
-        young = young.nonzero().flatten()
+        window = self._read_window[blocks]
+        young = (window >= 0).nonzero().flatten()
         if len(young):
             keys[young] = self.window_k[layer, window[young], slots[young] % self.block_size].float()
             values[young] = self.window_v[layer, window[young], slots[young] % self.block_size].float()

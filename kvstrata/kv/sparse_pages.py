@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.kernels import paged_decode
+from kvstrata.kv.slots import block_slots
 
 
 class SparsePages:
@@ -45,8 +46,7 @@ class SparsePages:
             free.extend(owned[owned >= 0].tolist())
         self.block_pages[:, index] = -1
         self.block_fill[:, index] = 0
-        slots = (index[:, None] * self.block_size + torch.arange(self.block_size, device=index.device)).flatten()
-        self.token_count[:, slots] = 0
+        self.token_count[:, block_slots(index, self.block_size)] = 0
 
     def write(self, layer: int, slots: torch.Tensor, data: torch.Tensor, counts: torch.Tensor) -> None:
         """Append each token's `counts[i]` bytes (taken in order from `data`) to its block's pages.

@@ -85,13 +85,15 @@ std::vector<at::Tensor> oaken_encode(at::Tensor x, at::Tensor bounds, at::Tensor
   std::vector<float> v(width);
   std::vector<uint16_t> mn(groups), st(groups);
   std::vector<float> mn_f(groups), st_f(groups);
+  std::vector<double> lo(groups), hi(groups);
   uint8_t* out = dense.data_ptr<uint8_t>();
   int64_t* token_bytes = sparse_bytes.data_ptr<int64_t>();
   const auto failed = [] { return std::vector<at::Tensor>{at::empty({0}), at::empty({0}), at::empty({0})}; };
 
   for (int64_t t = 0; t < n; ++t) {
     const float* xt = xs_in + t * width;
-    std::vector<double> lo(groups, std::numeric_limits<double>::infinity()), hi(groups, -lo[0]);
+    std::fill(lo.begin(), lo.end(), std::numeric_limits<double>::infinity());
+    std::fill(hi.begin(), hi.end(), -std::numeric_limits<double>::infinity());
     for (int64_t i = 0; i < width; ++i) {  // group, side, shifted value, and each group's range
       int64_t g = 0;
       for (int64_t k = 0; k < groups - 1; ++k) g += xt[i] > b[2 * k] && xt[i] < b[2 * k + 1];

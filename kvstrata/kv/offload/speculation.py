@@ -35,7 +35,7 @@ def select_tokens(scores: torch.Tensor, cached: torch.Tensor, alpha: float, max_
     cap = (max_fraction * num_cached).floor().long().clamp(min=1)
     per_head = torch.minimum(counts.float().mean(dim=(0, 2)).floor().long(), cap).clamp(min=1)
     per_head = torch.minimum(per_head, num_cached)
-    most = int(per_head.max())
+    most = int(per_head.max()) if n else 0
     chosen = torch.zeros(kv_heads, n, width, device=scores.device)
     if always is not None:
         chosen += (always & cached)[None]

@@ -93,15 +93,13 @@ class OakenFormat(KVFormat):
         cos = sin = empty
         if add_mean == 2 or rotate_key:
             cos, sin = (t.view(t.shape[0], -1) for t in self._cos_sin_up_to(int(context_lens.max()), device))
-        if self.key_mean is not None and self.key_mean.device != device:
-            self.key_mean = self.key_mean.to(device)
         page_bytes = sparse["k"].page_bytes
         layout = [self.config.num_groups, self.config.dense_group, sparse_entry_bytes(self.config),
                   int(self.config.outliers == "fp16"), page_bytes, add_mean, int(rotate_key)]
         return kernel.paged_decode_attention_oaken(
             q, [records["k"], *sparse["k"].layer_tensors(layer), *tables["k"]],
             [records["v"], *sparse["v"].layer_tensors(layer), *tables["v"]], shifts["k"], shifts["v"], layout,
-            self.key_mean[layer] if self.key_mean is not None else empty, cos, sin, block_tables, context_lens,
+            self._key_mean_on(device)[layer] if self.key_mean is not None else empty, cos, sin, block_tables, context_lens,
             block_size, self.head_shape[0], q.shape[-1] ** -0.5)
 
     def _quantized_key(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
@@ -118,13 +116,17 @@ class OakenFormat(KVFormat):
 
     def _mean_key(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """[1, W] before RoPE, [N, W] rotated to each position after it."""
-        if self.key_mean.device != positions.device:
-            self.key_mean = self.key_mean.to(positions.device)
-        mean = self.key_mean[layer][None]
+        mean = self._key_mean_on(positions.device)[layer][None]
         if self.keys == "pre-rope" or self.rotary is None:
             return mean
         # the one mean broadcast against each position's angles: no [N, W] copy of it is rotated
         return apply_rope(mean.view(1, *self.head_shape), *self._cos_sin(positions)).reshape(len(positions), -1)
+
+    def _key_mean_on(self, device: torch.device) -> torch.Tensor:
+        """The mean keys [layers, width], moved to `device` once."""
+        if self.key_mean.device != device:
+            self.key_mean = self.key_mean.to(device)
+        return self.key_mean
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor, rotation) -> torch.Tensor:
         if self.rotary is None:
