@@ -1,0 +1,34 @@
+"""The engine on a CUDA GPU, where the KV formats run their torch paths (the compiled in-place readers are
+CPU-only): fp32 KV gives transformers' logits, and every format generates on the GPU what it generates on the
+CPU, over batched prompts of mixed lengths with a shared prefix (prefix caching) and KIVI blocks leaving their
+window. Skipped where torch sees no CUDA GPU, as on CI; run them on a GPU machine."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvstrata import SamplingParams
+from tests.format_cases import CASES, build
+from tests.helpers import hf_logits, prefill_in_chunks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
+
+
+def test_fp32_kv_on_cuda_gives_transformers_logits(tiny_llama_kv64, oaken_calibrations):
+    engine = build(tiny_llama_kv64, oaken_calibrations, "fp32", device="cuda").engine
+    ids = torch.randint(3, 320, (97,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours, _ = prefill_in_chunks(engine, ids, chunk=32)
+    reference = hf_logits(AutoModelForCausalLM.from_pretrained(str(tiny_llama_kv64)), ids)
+    torch.testing.assert_close(ours.cpu(), reference, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_format_generates_on_cuda_what_it_generates_on_cpu(case, tiny_llama_kv64, oaken_calibrations):
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 30, 70)]
+    prompts.append(prompts[2][:64] + prompts[0])  # shares the third prompt's first 64 tokens
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    on_cuda = build(tiny_llama_kv64, oaken_calibrations, case, device="cuda")
+    on_cpu = build(tiny_llama_kv64, oaken_calibrations, case)
+    assert [o.token_ids for o in on_cuda.generate(prompts, params)] == \
+        [o.token_ids for o in on_cpu.generate(prompts, params)]
