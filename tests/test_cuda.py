@@ -32,3 +32,28 @@ def test_each_format_generates_on_cuda_what_it_generates_on_cpu(case, tiny_llama
     on_cpu = build(tiny_llama_kv64, oaken_calibrations, case)
     assert [o.token_ids for o in on_cuda.generate(prompts, params)] == \
         [o.token_ids for o in on_cpu.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp16", "bf16", "int8", "int4", "kivi4", "kivi2"])
+def test_the_layer_loop_never_waits_for_the_gpu(case, tiny_llama_kv64, oaken_calibrations, monkeypatch):
+    """Every layer's store, gather and attention is queued without the host waiting for the GPU (torch raises
+    on any synchronizing call inside the model's forward), over prefill chunks, decodes and KIVI blocks leaving
+    their window. Oaken is not among them: its sparse pages are allocated by the host."""
+    llm = build(tiny_llama_kv64, oaken_calibrations, case, device="cuda")
+    model = llm.engine.runner.model
+    eager_forward = model.forward
+
+    def strict_forward(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return eager_forward(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (7, 45, 90)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], params)  # first calls may move constants to the GPU once
+    monkeypatch.setattr(model, "forward", strict_forward)
+    outputs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outputs] == [40, 40, 40]

@@ -17,8 +17,9 @@ BYSTANDERS = [[5, 17, 93, 40, 2, 77], [300, 12, 44], list(range(20, 60)), [9, 9,
 CONTEXT = list(range(100, 150))  # 50 tokens: three full blocks of 16, then two
 
 
-def new_engine(model) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), kv_cache_memory="2MiB", threads=1))
+def new_engine(model, kv_format: str = "fp32") -> LLMEngine:
+    memory = "8MiB" if kv_format.startswith("kivi") else "2MiB"  # KIVI also reserves its float16 windows
+    return LLMEngine(EngineConfig(model=str(model), kv_cache_memory=memory, threads=1, kv_format=kv_format))
 
 
 def run(engine: LLMEngine, add_poisoned=None) -> dict:
@@ -68,7 +69,11 @@ def test_a_preloaded_context_whose_loader_fails_ends_its_request_alone(tiny_llam
     assert engine.kv_manager.pool.num_used == 0
 
 
-def test_a_nan_context_fails_its_request_and_is_never_served_again(tiny_llama, clean, context_kv):
+@pytest.mark.parametrize("kv_format", ["fp32", "int8", "int4", "kivi4"])
+def test_a_nan_context_fails_its_request_and_is_never_served_again(tiny_llama, clean, context_kv, kv_format):
+    """A quantized cache stores NaN as NaN too (no host check per layer): the request fails alone."""
+    if kv_format != "fp32":
+        clean = {rid: out.token_ids for rid, out in run(new_engine(tiny_llama, kv_format)).items()}
     k, v = context_kv
     k = k.clone()
     k[:, 10] = float("nan")
@@ -77,7 +82,7 @@ def test_a_nan_context_fails_its_request_and_is_never_served_again(tiny_llama, c
         engine.add_request(CONTEXT + [7, 8], GREEDY, request_id="bad", cache_salt=b"file",
                            preloaded=[PreloadedKV(0, k, v)])
 
-    engine = new_engine(tiny_llama)
+    engine = new_engine(tiny_llama, kv_format)
     finished = run(engine, add)
     assert finished["bad"].finish_reason == "error" and "not finite" in finished["bad"].error
     assert_bystanders_unharmed(finished, clean)

@@ -92,10 +92,10 @@ def kivi_of(k: torch.Tensor, v: torch.Tensor, bits: int, num_quantized: int) -> 
     want_k, want_v = k.clone(), v.clone()
     if num_quantized:
         blocks = k[:num_quantized].reshape(-1, BLOCK_SIZE, width)
-        codes, params = quantize_asymmetric(blocks, 1, bits, "key")
+        codes, params = quantize_asymmetric(blocks, 1, bits)
         want_k[:num_quantized] = dequantize_asymmetric(codes, params.float(), 1).reshape(num_quantized, width)
         groups = v[:num_quantized].reshape(num_quantized, width // 32, 32)
-        codes, params = quantize_asymmetric(groups, 2, bits, "value")
+        codes, params = quantize_asymmetric(groups, 2, bits)
         want_v[:num_quantized] = dequantize_asymmetric(codes, params.float(), 2).reshape(num_quantized, width)
     return want_k, want_v
 

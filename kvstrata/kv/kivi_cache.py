@@ -125,12 +125,12 @@ class KiviPagedKVCache(KVStorage):
             return
         slots = self.window_slot[blocks]
         keys = self.window_k[layer, slots].float()  # [n, block_size, width]
-        codes, params = quantize_asymmetric(keys, 1, self.bits, "KIVI key")
+        codes, params = quantize_asymmetric(keys, 1, self.bits)
         token_slots = block_slots(blocks, self.block_size)
         self.key_codes[layer, token_slots] = pack_codes(codes.reshape(-1, self.width), self.bits)
         self.key_params[layer, blocks] = params
         values = self.window_v[layer, slots].float().reshape(-1, self.width // self.value_group, self.value_group)
-        codes, params = quantize_asymmetric(values, 2, self.bits, "KIVI value")
+        codes, params = quantize_asymmetric(values, 2, self.bits)
         self.value_codes[layer, token_slots] = pack_codes(codes.reshape(-1, self.width), self.bits)
         self.value_params[layer, token_slots] = params
 
@@ -187,11 +187,12 @@ class KiviPagedKVCache(KVStorage):
         keys = key_params[..., 0] + unpack_codes(self.key_codes[layer, slots], self.bits).float() * key_params[..., 1]
         codes = unpack_codes(self.value_codes[layer, slots], self.bits).view(len(slots), -1, self.value_group)
         values = dequantize_asymmetric(codes, self.value_params[layer, slots].float(), 2).reshape(len(slots), -1)
+        # tokens in the float16 window are read from it; every row reads both, so nothing waits for a count
         window = self._read_window[blocks]
-        young = (window >= 0).nonzero().flatten()
-        if len(young):
-            keys[young] = self.window_k[layer, window[young], slots[young] % self.block_size].float()
-            values[young] = self.window_v[layer, window[young], slots[young] % self.block_size].float()
+        young = (window >= 0)[:, None]
+        offsets = slots % self.block_size
+        keys = torch.where(young, self.window_k[layer, window.clamp(min=0), offsets].float(), keys)
+        values = torch.where(young, self.window_v[layer, window.clamp(min=0), offsets].float(), values)
         return keys.view(shape).to(dtype), values.view(shape).to(dtype)
 
 

@@ -70,14 +70,15 @@ class QuantizedPagedKVCache(KVStorage):
                 self.sparse, keys.block_tables, context_lens, self.block_size)
 
     def gather(self, layer, slots, positions, dtype):
-        """Only the real keys are decoded; padding rows come back as zeros."""
-        valid = positions >= 0
-        wanted, at = slots[valid], positions[valid]
+        """Padding rows (position -1) come back as zeros. Every row is decoded, padding at slot 0 and
+        position 0, rather than picking out the real rows: that would wait for the device to count them."""
+        valid = (positions >= 0).reshape(-1, 1)
+        wanted = torch.where(valid[:, 0], slots.reshape(-1), 0)
+        at = positions.reshape(-1).clamp(min=0)
         out = []
         for kind in ("k", "v"):
             dense = self.records[kind][layer].index_select(0, wanted)
             sparse = self.sparse[kind].read(layer, wanted) if kind in self.sparse else None
-            values = torch.zeros(*slots.shape, self.format.width, dtype=dtype, device=self.device)
-            values[valid] = self.format.decode(dense, sparse, layer, kind, at).to(dtype)
+            values = torch.where(valid, self.format.decode(dense, sparse, layer, kind, at), 0).to(dtype)
             out.append(values.view(*slots.shape, *self.kv_shape))
         return out[0], out[1]

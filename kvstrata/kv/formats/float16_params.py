@@ -3,13 +3,18 @@
 The encoder quantizes with the float16-rounded parameters, so the decoder, which only has the
 bytes, multiplies by exactly the same numbers. Minimums round down and steps round up, so no value
 falls outside the code range.
+
+A parameter that float16 cannot hold (its values are NaN, infinite or beyond ±65504) is stored as NaN:
+its tokens decode to NaN, attention over them gives NaN logits, and the engine ends that request alone
+("not finite"), as it does for a float cache holding such values. Nothing is checked on the host, so
+storing a layer never waits for the device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvstrata.errors import KvstrataError
+FLOAT16_MAX = 65504.0
 
 
 def round_float16(values: torch.Tensor, toward: float) -> torch.Tensor:
@@ -20,20 +25,18 @@ def round_float16(values: torch.Tensor, toward: float) -> torch.Tensor:
     return torch.where(wrong, torch.nextafter(rounded, torch.full_like(rounded, toward)), rounded)
 
 
-def _finite(rounded: torch.Tensor, values: torch.Tensor, what: str) -> torch.Tensor:
-    if not torch.isfinite(rounded).all():
-        raise KvstrataError(f"a {what} of {values.abs().max().item():.4g} is outside float16's range (65504)")
-    return rounded
+def _nan_beyond_range(rounded: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return torch.where(values.abs() <= FLOAT16_MAX, rounded, torch.nan)  # NaN compares false: NaN too
 
 
-def float16_down(values: torch.Tensor, what: str) -> torch.Tensor:
-    """The largest float16 at or below each value."""
-    return _finite(round_float16(values, -torch.inf), values, what)
+def float16_down(values: torch.Tensor) -> torch.Tensor:
+    """The largest float16 at or below each value; NaN where float16 cannot hold it."""
+    return _nan_beyond_range(round_float16(values, -torch.inf), values)
 
 
-def float16_up(values: torch.Tensor, what: str) -> torch.Tensor:
-    """The smallest float16 at or above each value."""
-    return _finite(round_float16(values, torch.inf), values, what)
+def float16_up(values: torch.Tensor) -> torch.Tensor:
+    """The smallest float16 at or above each value; NaN where float16 cannot hold it."""
+    return _nan_beyond_range(round_float16(values, torch.inf), values)
 
 
 def params_to_bytes(params: torch.Tensor) -> torch.Tensor:
@@ -45,10 +48,3 @@ def params_from_bytes(data: torch.Tensor) -> torch.Tensor:
     """uint8 [M, 2P] -> float32 [M, P]. A fresh copy: a slice of a record may start at an odd byte,
     which a float16 view cannot."""
     return data.clone(memory_format=torch.contiguous_format).view(torch.float16).float()
-
-
-def require_finite(x: torch.Tensor) -> None:
-    bad = ~torch.isfinite(x)
-    if bad.any():
-        tokens = bad.any(dim=-1).nonzero().flatten().tolist()
-        raise KvstrataError(f"KV values of tokens {tokens[:8]} are NaN or infinite; a quantized cache cannot store them")

@@ -12,7 +12,7 @@ import torch
 
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.base import EncodedTokens, KVFormat
-from kvstrata.kv.formats.float16_params import float16_up, params_from_bytes, params_to_bytes, require_finite
+from kvstrata.kv.formats.float16_params import float16_up, params_from_bytes, params_to_bytes
 from kvstrata.kv.formats.nibbles import pack_nibbles, unpack_nibbles
 
 INT4_GROUP = 64
@@ -26,8 +26,7 @@ class Int8Format(KVFormat):
         return self.width + 2
 
     def encode(self, x, layer, kind, positions) -> EncodedTokens:
-        require_finite(x)
-        scale = float16_up(x.abs().amax(dim=1, keepdim=True) / 127, "int8 scale")
+        scale = float16_up(x.abs().amax(dim=1, keepdim=True) / 127)  # NaN for a token float16 cannot scale
         safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
         codes = torch.round(x / safe).clamp(-127, 127).to(torch.int8)
         return EncodedTokens(torch.cat((codes.view(torch.uint8), params_to_bytes(scale)), dim=1))
@@ -56,11 +55,10 @@ class Int4Format(KVFormat):
         return self.code_bytes + 4 * self.groups
 
     def encode(self, x, layer, kind, positions) -> EncodedTokens:
-        require_finite(x)
         # a short last group is padded with copies of its last value, which widen neither its range nor its step
         padding = x[:, -1:].expand(-1, self.padded - self.width)
         grouped = torch.cat((x, padding), dim=1).view(x.shape[0], self.groups, self.group)
-        codes, params = quantize_asymmetric(grouped, 2, 4, "int4")
+        codes, params = quantize_asymmetric(grouped, 2, 4)
         codes = codes.view(x.shape[0], -1)[:, : 2 * self.code_bytes]
         return EncodedTokens(torch.cat((pack_nibbles(codes), params_to_bytes(params.view(x.shape[0], -1))), dim=1))
 
