@@ -39,6 +39,8 @@ class StepTimer:
     def _run(self, work: list[tuple[Sequence, int]]) -> None:
         inputs, hidden = self.engine.runner.forward(work)
         self.engine.runner.model.compute_logits(hidden[inputs.last_rows])
+        if hidden.is_cuda:  # a step is done when its logits are (an engine step reads them to sample)
+            torch.cuda.synchronize()
 
     def time(self, work: list[tuple[Sequence, int]], repeats: int = 5) -> float:
         """Median seconds of one step running `work` (sequence, new tokens) from the sequences' states."""
