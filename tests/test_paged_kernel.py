@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from kvstrata import compiled_extension
 from kvstrata.kv.attention_batch import whole_block_keys
 from kvstrata.kv.formats.integer import Int8Format
 from kvstrata.kv.kernels import paged_decode
@@ -78,11 +79,11 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_recent_one_kept(tmp_path
     """torch waits forever on a build's lock file; one far older than a build takes must not hang every start."""
     lock = tmp_path / "lock"
     lock.touch()
-    paged_decode.clear_stale_lock(tmp_path)
+    compiled_extension.clear_stale_lock(tmp_path)
     assert lock.exists()  # a build may be running now
-    old = time.time() - paged_decode.STALE_LOCK_S - 1
+    old = time.time() - compiled_extension.STALE_LOCK_S - 1
     os.utime(lock, (old, old))
     with pytest.warns(UserWarning, match="did not finish"):
-        paged_decode.clear_stale_lock(tmp_path)
+        compiled_extension.clear_stale_lock(tmp_path)
     assert not lock.exists()
-    paged_decode.clear_stale_lock(tmp_path)  # nothing there: nothing to do
+    compiled_extension.clear_stale_lock(tmp_path)  # nothing there: nothing to do

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
+from kvstrata.model import int4_dense
 from kvstrata.model.group_quantized import from_gguf_blocks
 from kvstrata.model.loader import load_model
 from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
@@ -57,6 +58,41 @@ def test_int4_kernel_matches_the_dequantized_weight(type_name):
     want = F.linear(x, read.dequantize(), bias)
     assert _relative_error(linear(x), want) < KERNEL_RELATIVE_ERROR
     assert linear(x.view(5, 1, 128)).shape == (5, 1, 80)
+
+
+needs_widening_kernel = pytest.mark.skipif(int4_dense.kernel() is None, reason="no C++ compiler")
+
+
+@needs_widening_kernel
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_widened_weights_are_the_int4_kernels_own(type_name):
+    """The dense path multiplies exactly the weights the kernel multiplies, rounded to bfloat16 (read back from
+    the kernel through the identity), for torch's packing as this torch lays it out."""
+    torch.manual_seed(3)
+    _, read = _gguf_quantized(torch.randn(192, 128) * 0.05, type_name)
+    linear = Int4Linear(read, None)
+    assert linear.dense_when_many_rows and int4_dense._layout_matches(int4_dense.kernel())
+    kernels_own = linear._kernel_product(torch.eye(128, dtype=torch.bfloat16), torch.bfloat16).t()
+    assert torch.equal(int4_dense.dense_weight(linear.packed0, linear.scale_zero0, linear.group_size), kernels_own)
+
+
+@pytest.mark.skipif(not int4_dense.available(), reason="no bfloat16 dot products on this CPU: products keep the kernel")
+def test_many_rows_take_the_dense_path_and_few_the_kernel(monkeypatch):
+    torch.manual_seed(4)
+    _, read = _gguf_quantized(torch.randn(128, 96) * 0.05, "Q4_1")
+    bias = torch.randn(128) * 0.01
+    linear = Int4Linear(read, bias)
+    many = torch.randn(int4_dense.DENSE_FROM_ROWS, 96)
+    dense = linear(many)
+    assert _relative_error(dense, F.linear(many, read.dequantize(), bias)) < KERNEL_RELATIVE_ERROR
+    assert _relative_error(dense, linear._kernel_product(many.bfloat16(), torch.float32) + bias) < 5e-3
+
+    def refuse(*args):
+        raise AssertionError("a product of few rows widened the weights")
+
+    monkeypatch.setattr(int4_dense, "dense_weight", refuse)
+    few = many[: int4_dense.DENSE_FROM_ROWS - 1]
+    assert _relative_error(linear(few), F.linear(few, read.dequantize(), bias)) < KERNEL_RELATIVE_ERROR
 
 
 def test_q8_as_two_planes_is_far_closer_than_requantizing_to_four_bits():

@@ -1,0 +1,59 @@
+"""Builds and loads the project's C++ kernels through torch's extension mechanism (g++, cached per source and flag
+set), and `python -m kvstrata.compiled_extension` builds them all now (the README's set-up runs it).
+
+Two extensions: the KV kernels (kv/kernels/: decode attention read where the cache lies, Oaken's encoder, the
+sparse-page writer) and the int4 weights' widening to bfloat16 for prefill-sized products (model/kernels/). A
+loader returns None where its extension cannot be built (no compiler): callers then take their torch path.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a build that was killed
+# -fopenmp: at::parallel_for spreads work over torch's threads; AVX2, FMA and F16C: every x86-64 server CPU of the
+# last decade has them.
+FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+
+
+def clear_stale_lock(build_directory: Path) -> None:
+    """torch waits forever on the lock file of a build that was killed part-way, so every later start would hang:
+    a lock far older than a build takes is removed, with a warning."""
+    lock = build_directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(f"removing {lock}, left {age:.0f} s ago by a kernel build that did not finish", stacklevel=2)
+        lock.unlink(missing_ok=True)
+
+
+def load_extension(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), what: str = "kernels"):
+    """The compiled module, or None (with a warning naming `what`) where it cannot be built."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        clear_stale_lock(Path(_get_build_directory(name, False)))
+        return load(name=name, sources=[str(s) for s in sources], extra_cflags=[*FLAGS, *extra_flags], verbose=False)
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as exc:  # no compiler, no headers
+        warnings.warn(f"the compiled {what} could not be built ({exc}); using the torch path", stacklevel=3)
+        return None
+
+
+def main() -> None:
+    from kvstrata.kv.kernels import paged_decode
+    from kvstrata.model import int4_dense
+
+    failed = [what for what, kernel in (("KV kernels", paged_decode.kernel), ("int4 widening", int4_dense.kernel))
+              if kernel() is None]
+    if failed:
+        raise SystemExit(f"kvstrata: building the compiled {', '.join(failed)} failed (see the warnings above)")
+    print("kvstrata: compiled kernels built")
+
+
+if __name__ == "__main__":
+    main()
