@@ -1,4 +1,4 @@
-"""This machine's fp32 GEMM rate and memory bandwidth, measured with torch."""
+"""This machine's GEMM rates and memory bandwidth, measured with torch."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ def _best_seconds(fn, repeats: int) -> float:
     return min(times)
 
 
-def gemm_gflops(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
-    """fp32 matrix-multiply rate on square matrices of `size`."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+def gemm_gflops(device: torch.device, size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Matrix-multiply rate in `dtype` on square matrices of `size`."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
 
     def run():
         torch.mm(a, b)

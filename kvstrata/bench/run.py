@@ -33,13 +33,18 @@ from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.config import SCHEDULERS, EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
+from kvstrata.model import int4_dense
 
 
 def run_roofline(args: argparse.Namespace) -> None:
     # No prefix caching: the prompts below overlap, and a hit would flatter the prefill rate.
     engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_prefix_caching=False))
     model, config = engine.loaded.model, engine.loaded.config
-    gflops, bandwidth = gemm_gflops(engine.device), read_bandwidth_gbs(engine.device)
+    gemm_rates = {"fp32": gemm_gflops(engine.device)}
+    if any(getattr(m, "dense_when_many_rows", False) for m in model.modules()) and int4_dense.available():
+        gemm_rates["bf16"] = gemm_gflops(engine.device, dtype=torch.bfloat16)  # prefill-sized int4 products
+    gflops = max(gemm_rates.values())  # the limit: the fastest GEMM the engine's products may run on
+    bandwidth = read_bandwidth_gbs(engine.device)
     gemv_bandwidth = gemv_bandwidth_gbs(engine.device)
     params_bytes = decode_read_bytes(model)
 
@@ -62,6 +67,7 @@ def run_roofline(args: argparse.Namespace) -> None:
                      "concurrent_prompt_len": args.concurrent_prompt_len,
                      "concurrent_output_len": args.concurrent_output_len, "text": str(args.text)},
         "gemm_gflops": sig(gflops),
+        "gemm_gflops_by_dtype": {name: sig(rate) for name, rate in gemm_rates.items()},
         "read_bandwidth_gbs": sig(bandwidth),
         "gemv_bandwidth_gbs": sig(gemv_bandwidth),
         "decode_read_bytes": params_bytes,
