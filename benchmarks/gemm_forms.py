@@ -1,12 +1,14 @@
 """Which GEMM wins at which batch: the default model's linear layers (`--weights auto`: GGUF blocks on torch's
-packed int4 kernel) against the same weights as dense float32 and dense bfloat16 matrices.
+packed int4 kernel) against the same weights as dense float32 and dense bfloat16 matrices, and against the
+engine's path for many rows (model/int4_dense.py: the int4 weights widened to bfloat16 for each call, then a
+dense bfloat16 product; only where that path is available).
 
     .venv/bin/python -m benchmarks.gemm_forms
 
-For each number of rows M (1: a batch-1 decode; 32: 32 concurrent decodes; 256 and 1,024: prefill chunks) it
+For each number of rows M (1: a batch-1 decode; 32: 32 concurrent decodes; 128 to 1,024: prefill chunks) it
 times one pass of M rows through every layer's projections (the LM head apart: it runs only for sampled rows),
 median of `--repeats`, and prints milliseconds per pass and the rate in GFLOP/s for each form. The dense
-matrices are the int4 kernel's own weights read back (the kernel applied to the identity), so all three
+matrices are the int4 kernel's own weights read back (the kernel applied to the identity), so all forms
 multiply the same numbers up to bfloat16 rounding. Issue 17 asks to pick the fastest kernel per shape.
 """
 
@@ -22,6 +24,7 @@ import torch
 from kvstrata.bench.report import machine_info, sig
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.model import int4_dense
 from kvstrata.model.quantized_linear import Int4Linear
 
 
@@ -42,7 +45,7 @@ def as_bf16(inputs: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="1,32,256,1024")
+    parser.add_argument("--rows", default="1,32,128,256,1024")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -58,6 +61,10 @@ def main() -> None:
             "fp32 dense": lambda xs: [xs[w.shape[1]] @ w.t() for w in dense],
             "bf16 dense": lambda xs: [xb[w.shape[1]] @ w.t() for xb in [as_bf16(xs)] for w in dense_bf16],
         }
+        if int4_dense.available():
+            forms["int4 widened per call"] = lambda xs: [
+                xb[layer.in_features] @ int4_dense.dense_weight(layer.packed0, layer.scale_zero0, layer.group_size).t()
+                for xb in [as_bf16(xs)] for layer in layers]
         rows = []
         for m in map(int, args.rows.split(",")):
             inputs = {layer.in_features: torch.randn(m, layer.in_features) for layer in layers}

@@ -1,11 +1,11 @@
 """Products of many rows over int4 weights as dense bfloat16 GEMMs.
 
 torch's packed int4 kernel reads a quarter of the bytes, which wins for a decode step's few rows; for a
-prefill chunk it multiplies at ~145 GFLOP/s on this project's CPU, where oneDNN's bfloat16 GEMM (on a CPU with
-bfloat16 dot products, AVX512-BF16 or AMX) reaches ~375 (`python -m benchmarks.gemm_forms`). From
-`DENSE_FROM_ROWS` rows a layer's weights are widened to bfloat16 for the call (model/kernels/int4_dense.cpp,
-~40 ms for all of the default model's layers per step) into a scratch buffer per weight shape, and multiplied
-densely: the same weights as the kernel's, rounded to bfloat16, and no resident copy.
+prefill chunk oneDNN's bfloat16 GEMM (on a CPU with bfloat16 dot products, AVX512-BF16 or AMX) multiplies
+1.5-2.6x faster (`python -m benchmarks.gemm_forms`). From `DENSE_FROM_ROWS` rows a layer's weights are
+widened to bfloat16 for the call (model/kernels/int4_dense.cpp; 42-76 ms for all of the default model's
+layers) into a scratch buffer per weight shape, and multiplied densely: the same weights as the kernel's,
+rounded to bfloat16, and no resident copy.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from kvstrata.compiled_extension import load_extension
 
-# from here the GEMM's gain pays for widening the weights (benchmarks/gemm_forms.py: 1.2x at 128 rows, 1.6x at
-# 256, 1.9x at 1,024 with the widening included; at 32 rows widening costs more than it saves)
+# from here the GEMM's gain pays for widening the weights (benchmarks/gemm_forms.py, widening included: 1.1x at
+# 128 rows, 1.3-1.4x at 256 and 1,024; at 32 rows widening costs more than it saves)
 DENSE_FROM_ROWS = 128
 PACKED_ROWS = 64  # the packing interleaves blocks of 64 output rows (kernels/int4_dense.cpp)
 TILE_COLUMNS = 32  # the widening kernel's tile: a group must span whole tiles
