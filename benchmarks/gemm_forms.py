@@ -56,15 +56,23 @@ def main() -> None:
         dense = [layer(torch.eye(layer.in_features)).t().contiguous() for layer in layers]  # W [out, in]
         dense_bf16 = [w.bfloat16() for w in dense]
         weights = sum(w.numel() for w in dense)
+
+        def bf16_dense(xs):
+            xs = as_bf16(xs)
+            return [xs[w.shape[1]] @ w.t() for w in dense_bf16]
+
+        def widened_per_call(xs):
+            xs = as_bf16(xs)
+            return [xs[layer.in_features] @ int4_dense.dense_weight(layer.packed0, layer.scale_zero0,
+                                                                    layer.group_size).t() for layer in layers]
+
         forms = {
             "int4 kernel": lambda xs: [layer(xs[layer.in_features]) for layer in layers],
             "fp32 dense": lambda xs: [xs[w.shape[1]] @ w.t() for w in dense],
-            "bf16 dense": lambda xs: [xb[w.shape[1]] @ w.t() for xb in [as_bf16(xs)] for w in dense_bf16],
+            "bf16 dense": bf16_dense,
         }
         if int4_dense.available():
-            forms["int4 widened per call"] = lambda xs: [
-                xb[layer.in_features] @ int4_dense.dense_weight(layer.packed0, layer.scale_zero0, layer.group_size).t()
-                for xb in [as_bf16(xs)] for layer in layers]
+            forms["int4 widened per call"] = widened_per_call
         rows = []
         for m in map(int, args.rows.split(",")):
             inputs = {layer.in_features: torch.randn(m, layer.in_features) for layer in layers}

@@ -116,10 +116,10 @@ def main() -> None:
     args = parser.parse_args()
     base = EngineConfig(enable_prefix_caching=False, weights=args.weights, compile=args.compile,
                         kv_offload=args.kv_offload, device=args.device)
-    engine = None
-    steps = []
+    loaded, steps = None, []
     for kv_format in args.kv_format.split(","):
-        engine = LLMEngine(dataclasses.replace(base, kv_format=kv_format), loaded=engine and engine.loaded)
+        engine = LLMEngine(dataclasses.replace(base, kv_format=kv_format), loaded=loaded)  # the weights load once
+        loaded = engine.loaded
         prompts = prompts_from_text(engine.tokenizer, args.batch, args.context + 1)
         steps.append(kvstrata_step(engine, prompts, args.context))
     report = {"benchmark": "profile_decode", "machine": machine_info(), "model": engine.loaded.name,

@@ -34,6 +34,7 @@ from kvstrata.config import SCHEDULERS, EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
 from kvstrata.model import int4_dense
+from kvstrata.model.quantized_linear import Int4Linear
 
 
 def run_roofline(args: argparse.Namespace) -> None:
@@ -41,7 +42,7 @@ def run_roofline(args: argparse.Namespace) -> None:
     engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_prefix_caching=False))
     model, config = engine.loaded.model, engine.loaded.config
     gemm_rates = {"fp32": gemm_gflops(engine.device)}
-    if any(getattr(m, "dense_when_many_rows", False) for m in model.modules()) and int4_dense.available():
+    if int4_dense.available() and any(isinstance(m, Int4Linear) and m.dense_when_many_rows for m in model.modules()):
         gemm_rates["bf16"] = gemm_gflops(engine.device, dtype=torch.bfloat16)  # prefill-sized int4 products
     gflops = max(gemm_rates.values())  # the limit: the fastest GEMM the engine's products may run on
     bandwidth = read_bandwidth_gbs(engine.device)
