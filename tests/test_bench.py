@@ -135,6 +135,25 @@ def test_offload_speed_grid(tiny_llama, capsys):
     assert set(report["infinigen_faster_than_none_from_context"]) == {"2"}
 
 
+def test_impress_analysis(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "impress-analysis", "--model", str(tiny_llama), *TINY, "--prefix", "120",
+                      "--questions", "2", "--quote-tokens", "8", "--ratios", "0.1,0.5,1", "--quality-windows", "2",
+                      "--prompt-tokens", "8", "--scored-tokens", "16", "--json")
+    assert report["probe_heads"] == 2  # the tiny model's 4 query heads share 2 KV heads
+    low, half, everything = report["by_ratio"]
+    assert len(low["probe_jaccard"]) == 3 and low["random_jaccard"] < half["random_jaccard"]
+    assert everything["probe_jaccard_mean"] == 1.0 and everything["shared_set_mass_mean"] == pytest.approx(1.0)
+    for row in (low, half):
+        assert all(0 <= j <= 1 for j in row["all_heads_jaccard"])
+        assert all(s <= o + 1e-6 for s, o in zip(row["shared_set_mass"], row["own_set_mass"]))  # own top set is best
+    quality = report["quality"]
+    assert quality["full"]["perplexity_vs_full"] == 0.0 and quality["full"]["agreement"] == 1.0
+    # r = 1 reads everything and changes nothing
+    for method in ("impress", "h2o-keys"):
+        assert quality[f"{method} r=1.0"]["agreement"] == 1.0
+        assert quality[f"{method} r=1.0"]["perplexity_vs_full"] == pytest.approx(0.0, abs=1e-4)
+
+
 def test_infinigen_analysis(tiny_llama, capsys):
     report = run_json(capsys, "bench", "infinigen-analysis", "--model", str(tiny_llama), *TINY, "--context", "200",
                       "--num-queries", "8", "--infinigen-full-layers", "1", "--json")

@@ -22,34 +22,11 @@ import torch
 
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.attention_policy import AttentionPolicy
-from kvstrata.kv.reference_attention import causal_attention
+from kvstrata.kv.context_attention import AttendOverContext
 from kvstrata.model.quantized_linear import KERNEL_LINEARS
 
 if TYPE_CHECKING:
     from kvstrata.engine.llm_engine import LLMEngine
-
-
-class _AttendOverLeaves(AttentionPolicy):
-    """New tokens attend over a fixed context's K/V (one [T, kv_heads, D] pair per layer) and themselves."""
-
-    def __init__(self, context_k: list[torch.Tensor], context_v: list[torch.Tensor]):
-        super().__init__(storage=None)
-        self.context_k, self.context_v = context_k, context_v
-
-    def begin_step(self, batch) -> None:
-        pass
-
-    def end_step(self) -> None:
-        pass
-
-    def attention(self, layer, q, k_new, v_new, batch):
-        context = self.context_k[layer].shape[0]
-        k = torch.cat((self.context_k[layer], k_new))
-        v = torch.cat((self.context_v[layer], v_new))
-        q_positions = torch.arange(context, context + q.shape[0], device=q.device)[None]
-        key_positions = torch.arange(k.shape[0], device=q.device)[None]
-        return causal_attention(q[None], k[None], v[None], q_positions, key_positions)[0]
 
 
 def context_gradients(engine: LLMEngine, token_ids: list[int], context_tokens: int
@@ -74,7 +51,7 @@ def context_gradients(engine: LLMEngine, token_ids: list[int], context_tokens: i
         p.requires_grad_(False)
     try:
         with torch.enable_grad():
-            policy = _AttendOverLeaves(leaves[:num_layers], leaves[num_layers:])
+            policy = AttendOverContext(leaves[:num_layers], leaves[num_layers:])
             hidden = model(scored, torch.arange(context_tokens, len(token_ids), device=weight.device), policy, None)
             logits = model.compute_logits(hidden).float()
             loss = torch.nn.functional.cross_entropy(logits[:-1], scored[1:], reduction="sum")

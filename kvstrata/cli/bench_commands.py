@@ -96,6 +96,7 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(sarathi)
     add_engine_arguments(sarathi)
     _add_infinigen_commands(bench)
+    _add_impress_commands(bench)
 
 
 def _add_infinigen_commands(bench) -> None:
@@ -132,7 +133,35 @@ def _add_infinigen_commands(bench) -> None:
     add_engine_arguments(offload)
 
 
+def _add_impress_commands(bench) -> None:
+    analysis = bench.add_parser(
+        "impress-analysis", help="IMPRESS's observations: heads' agreement on important prefix tokens, fallbacks",
+        description="A prefix of --prefix tokens of --text followed, one at a time, by --questions questions (a "
+                    "passage of --quote-tokens tokens quoted from after the prefix, inside a fixed instruction), "
+                    "each prefilled and captured layer by layer. Per layer and --ratios r: the mean pairwise "
+                    "Jaccard similarity of the probe heads' (the query heads of KV head 0) and of all heads' top "
+                    "r*n prefix tokens by H2O score, against the random value r/(2-r) (the paper's O1/O2); the "
+                    "share of layers falling back to a full read per alpha and per number of probe heads; and the "
+                    "share of each head's prefix attention mass the probes' shared set holds. Then, over "
+                    "--quality-windows windows of a prefix and the text after it, what reading only the chosen "
+                    "tokens costs: the first --prompt-tokens new tokens choose each layer's prefix tokens (IMPRESS "
+                    "at alpha 0.6 with the vote rule, and keys-only H2O) and the perplexity of the --scored-tokens "
+                    "after them is compared with reading the whole prefix.",
+    )
+    analysis.add_argument("--prefix", type=int, default=2048, help="prefix tokens (default: 2048)")
+    analysis.add_argument("--questions", type=int, default=8, help="questions per prefix (default: 8)")
+    analysis.add_argument("--quote-tokens", type=int, default=48, help="tokens quoted per question (default: 48)")
+    analysis.add_argument("--ratios", default="0.05,0.1,0.25,0.5", help="important-token ratios (comma-separated)")
+    analysis.add_argument("--skip-tokens", type=int, default=0, help="tokens of the text skipped first (default: 0)")
+    analysis.add_argument("--quality-windows", type=int, default=4, help="windows of the quality part (0: skip it)")
+    analysis.add_argument("--prompt-tokens", type=int, default=64, help="new tokens that choose (default: 64)")
+    analysis.add_argument("--scored-tokens", type=int, default=512, help="tokens scored after them (default: 512)")
+    _add_output_flags(analysis)
+    add_engine_arguments(analysis)
+
+
 def run_bench(args: argparse.Namespace) -> None:
+    from kvstrata.bench.impress_analysis import run_impress_analysis
     from kvstrata.bench.infinigen_analysis import run_infinigen_analysis
     from kvstrata.bench.offload import run_offload
     from kvstrata.bench.run import run_decode, run_roofline, run_sarathi, run_throughput
@@ -140,5 +169,5 @@ def run_bench(args: argparse.Namespace) -> None:
 
     commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi,
                 "decode": run_decode, "infinigen-analysis": run_infinigen_analysis,
-                "offload": run_offload}
+                "offload": run_offload, "impress-analysis": run_impress_analysis}
     commands[args.bench](args)

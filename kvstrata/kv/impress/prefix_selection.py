@@ -1,0 +1,71 @@
+"""Per-layer choice of the prefix tokens a request's new tokens read, as a `ContextSelector` for
+`AttendOverContext`: IMPRESS (the probe heads' check, then one shared set or the whole prefix) or the keys-only
+H2O baseline (every head scores with all of the layer's keys; the summed scores' top set, never a fallback)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.errors import KvstrataError
+from kvstrata.kv.impress.important_tokens import (
+    ALPHA,
+    LayerSelection,
+    head_scores,
+    important_count,
+    select_layer_tokens,
+)
+
+PREFIX_LOADING = ("impress", "h2o-keys")
+PROBE_HEADS = 3  # the paper's number: one head may be biased, two cannot outvote each other
+
+
+def probe_heads(heads: int, kv_heads: int) -> int:
+    """How many query heads (0 .. n-1) probe: with grouped KV heads, those of KV head 0 (their keys are one KV
+    head's, read once); with one KV head per query head, the paper's three."""
+    return heads // kv_heads if kv_heads < heads else min(PROBE_HEADS, heads)
+
+
+class PrefixSelector:
+    """Chooses from the first `selection_rows` new tokens (the request's prompt; later rows are its continuation,
+    which reads what the prompt chose). Every layer's decision is kept in `decisions`."""
+
+    def __init__(self, context_k: list[torch.Tensor], method: str, ratio: float, selection_rows: int,
+                 alpha: float = ALPHA, rule: str = "vote"):
+        if method not in PREFIX_LOADING:
+            raise KvstrataError(f"prefix loading {method!r} is not one of {', '.join(PREFIX_LOADING)}")
+        if selection_rows < 1:
+            raise KvstrataError(f"the selection needs at least one new token, got {selection_rows}")
+        important_count(ratio, 1)  # checks the ratio
+        self.context_k, self.method, self.ratio, self.alpha, self.rule = context_k, method, ratio, alpha, rule
+        self.selection_rows = selection_rows
+        self.decisions: dict[int, LayerSelection] = {}
+
+    def __call__(self, layer: int, q: torch.Tensor, k_new: torch.Tensor) -> torch.Tensor:
+        rows = slice(0, self.selection_rows)
+        if self.method == "impress":
+            probes = probe_heads(q.shape[1], k_new.shape[1])
+            scores = head_scores(q[rows], self.context_k[layer], k_new[rows], probes)
+            decision = select_layer_tokens(scores, self.ratio, self.alpha, self.rule)
+        else:
+            scores = head_scores(q[rows], self.context_k[layer], k_new[rows], q.shape[1]).sum(0)
+            chosen = torch.zeros(len(scores), dtype=torch.bool)
+            chosen[scores.topk(important_count(self.ratio, len(scores))).indices] = True
+            decision = LayerSelection(chosen, jaccard=1.0, threshold=0.0, fallback=False)
+        self.decisions[layer] = decision
+        return decision.tokens.to(q.device)
+
+    def read_share(self, heads: int, kv_heads: int) -> float:
+        """The share of the prefix's K and V bytes the decisions read (derived from them, nothing is loaded here):
+        IMPRESS reads its probe heads' keys, then K and V of the chosen tokens (or all of them); keys-only H2O
+        reads every key, then the chosen tokens' values."""
+        group = heads // kv_heads
+        probe_kv_heads = len({h // group for h in range(probe_heads(heads, kv_heads))})
+        probe = probe_kv_heads / (2 * kv_heads)
+        shares = []
+        for decision in self.decisions.values():
+            chosen = float(decision.tokens.float().mean())
+            if self.method == "impress":
+                shares.append(1.0 if decision.fallback else probe + chosen * (1 - probe))
+            else:
+                shares.append(0.5 + 0.5 * chosen)
+        return sum(shares) / len(shares)
