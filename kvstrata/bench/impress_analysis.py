@@ -15,6 +15,8 @@ read of the prefix (the same forward, every prefix token read).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvstrata.engine.direct_forward import compute_kv
@@ -33,6 +35,7 @@ from kvstrata.kv.impress.prefix_selection import PREFIX_LOADING, PrefixSelector,
 QUESTION_HEAD = "\n\nQuestion: Which part of the text above is closest to this passage?\n\""
 QUESTION_TAIL = "\"\nAnswer:"
 ALPHAS = (0.4, 0.5, 0.6, 0.8, 1.0)
+FIRST_SCORED = 64  # the continuation's first tokens, nearest the prompt that chose, are also scored apart
 
 
 def ratio_observations(scores: list[torch.Tensor], ratio: float, probes: int, max_probes: int) -> dict:
@@ -103,8 +106,8 @@ def analyze(engine, text_ids: list[int], prefix: int, questions: int, quote_toke
 @torch.inference_mode()
 def selection_quality(engine, text_ids: list[int], windows: int, prefix: int, prompt_tokens: int,
                       scored_tokens: int, ratios: tuple[float, ...]) -> dict:
-    """Per method and ratio, over `windows` windows spread over the text: perplexity against the full read's,
-    greedy agreement with it, the share of layers falling back and the share of prefix bytes read (derived)."""
+    """Per method and ratio, over `windows` windows spread over the text: perplexity against the full read's (of
+    all scored tokens and of the first FIRST_SCORED), greedy agreement with it, the share of layers falling back and the share of prefix bytes read (derived)."""
     config, model = engine.loaded.config, engine.runner.model
     span = prefix + prompt_tokens + scored_tokens
     if windows < 1 or len(text_ids) < span:
@@ -123,8 +126,10 @@ def selection_quality(engine, text_ids: list[int], windows: int, prefix: int, pr
                     _continuation_log_probs(model, k, v, new, prefix, prompt_tokens, selector), selector)
         for name, (logp, selector) in rows.items():
             row = sums.setdefault(name, {})
+            losses = -logp.gather(1, targets[:, None])
             measures = {
-                "nll": float(-logp.gather(1, targets[:, None]).mean()),
+                "nll": float(losses.mean()),
+                "nll_first": float(losses[:FIRST_SCORED].mean()),
                 "agreement": float((logp.argmax(-1) == full.argmax(-1)).float().mean()),
                 "fallback_share": 0.0 if selector is None else
                 sum(d.fallback for d in selector.decisions.values()) / len(selector.decisions),
@@ -133,9 +138,10 @@ def selection_quality(engine, text_ids: list[int], windows: int, prefix: int, pr
             }
             for key, value in measures.items():
                 row[key] = row.get(key, 0.0) + value / windows
-    full_nll = sums["full"]["nll"]
-    return {name: {"perplexity": round(float(torch.tensor(row["nll"]).exp()), 4),
-                   "perplexity_vs_full": round(float(torch.tensor(row["nll"] - full_nll).exp()) - 1, 4),
+    full = sums["full"]
+    return {name: {"perplexity": round(math.exp(row["nll"]), 4),
+                   "perplexity_vs_full": round(math.exp(row["nll"] - full["nll"]) - 1, 4),
+                   f"perplexity_vs_full_first_{FIRST_SCORED}": round(math.exp(row["nll_first"] - full["nll_first"]) - 1, 4),
                    **{key: round(row[key], 4) for key in ("agreement", "fallback_share", "read_share_derived")}}
             for name, row in sums.items()}
 
