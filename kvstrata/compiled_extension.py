@@ -1,9 +1,10 @@
 """Builds and loads the project's C++ kernels through torch's extension mechanism (g++, cached per source and flag
 set), and `python -m kvstrata.compiled_extension` builds them all now (the README's set-up runs it).
 
-Two extensions: the KV kernels (kv/kernels/: decode attention read where the cache lies, Oaken's encoder, the
-sparse-page writer) and the int4 weights' widening to bfloat16 for prefill-sized products (model/kernels/). A
-loader returns None where its extension cannot be built (no compiler): callers then take their torch path.
+Three extensions: the KV kernels (kv/kernels/: decode attention read where the cache lies, Oaken's encoder, the
+sparse-page writer), the int4 weights' widening to bfloat16 for prefill-sized products (model/kernels/) and
+CacheGen's rANS coder (cachegen/kernels/). A loader returns None where its extension cannot be built (no
+compiler): callers then take their torch path (the coder: constriction's).
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ def load_extension(name: str, sources: list[Path], extra_flags: tuple[str, ...] 
 
 
 def main() -> None:
+    from kvstrata.cachegen import entropy
     from kvstrata.kv.kernels import paged_decode
     from kvstrata.model import int4_dense
 
-    failed = [what for what, kernel in (("KV kernels", paged_decode.kernel), ("int4 widening", int4_dense.kernel))
-              if kernel() is None]
+    kernels = (("KV kernels", paged_decode.kernel), ("int4 widening", int4_dense.kernel),
+               ("rANS coder", entropy.compiled_coder))
+    failed = [what for what, kernel in kernels if kernel() is None]
     if failed:
         raise SystemExit(f"kvstrata: building the compiled {', '.join(failed)} failed (see the warnings above)")
     print("kvstrata: compiled kernels built")

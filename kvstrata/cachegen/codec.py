@@ -2,7 +2,8 @@
 
 Sections: "scales" (the quantizer's scales), "channels" (CacheGen's per-channel step codes, present
 when the steps come from sensitivity), "models" (count tables, or symbol ranges for
-profiled models; absent for raw storage) and "symbols" (the range-coded or bit-packed symbols).
+profiled models; absent for raw storage) and the symbols: "rans" or "symbols" as coded by one of the two
+range coders (entropy.py), or "symbols" bit-packed for raw storage.
 Coder groups (papers/cachegen.md §2.3): with per-(layer, channel) models, each layer's anchors
 share one model and each (layer, channel) has its own for the differences; with a global model,
 anchors and differences have one model each.
@@ -73,7 +74,8 @@ def encode_tensor(
         counted = [entropy.counted_model(g) for g in groups]
         models = [m for m, _ in counted]
         sections["models"] = entropy.write_count_tables([c for _, c in counted], [m.lo for m in models])
-    sections["symbols"] = entropy.encode_groups(groups, models)
+    coder_section, symbols = entropy.encode_groups(groups, models)
+    sections[coder_section] = symbols
     return sections
 
 
@@ -90,8 +92,8 @@ def decode_tensor(
             values = unpack_bits(sections["symbols"], settings.bits, num_layers * num_tokens * channels) - qmax
             values = values.reshape(num_layers, num_tokens, channels)
         else:
-            groups = _decode_groups(sections, settings, _uniform_sizes(shape, settings.models), None, False, None)
-            values = _uniform_from_groups(groups, shape, settings.models)
+            flat = _decode_symbols(sections, settings, _uniform_sizes(shape, settings.models), None, False, None)
+            values = flat.reshape(num_layers, channels, num_tokens).transpose(0, 2, 1)
         if np.abs(values).max(initial=0) > qmax:
             raise CorruptStreamError(f"a decoded symbol lies outside [-{qmax}, {qmax}]")
         return dequantize_uniform(UniformSymbols(scale, torch.from_numpy(values.astype(np.int32))))
@@ -105,9 +107,9 @@ def decode_tensor(
     if settings.source == "profiled" and num_layers != len(profile.sigma):
         raise CorruptStreamError(f"a stream of {num_layers} layers does not fit a profile of {len(profile.sigma)}")
     sizes = _cachegen_sizes(num_layers, num_anchors, num_tokens - num_anchors, channels, settings.models)
-    groups = _decode_groups(sections, settings, sizes, profile, differences, codes, step)
-    symbols = _cachegen_from_groups(groups, anchor_scale, step, codes, num_layers, num_anchors, num_tokens,
-                                    channels, settings.models)
+    flat = _decode_symbols(sections, settings, sizes, profile, differences, codes, step)
+    symbols = _cachegen_from_symbols(flat, anchor_scale, step, codes, num_layers, num_anchors, num_tokens,
+                                     channels, settings.models)
     return dequantize_cachegen(symbols, num_tokens, differences)
 
 
@@ -119,14 +121,15 @@ def _unit_bins(settings: CodecSettings, steps: torch.Tensor, profile: TensorProf
     return layer_bins(settings.bins, len(steps))
 
 
-def _decode_groups(sections, settings: CodecSettings, sizes: list[int], profile, differences: bool,
-                   channel_codes, steps=None) -> list[np.ndarray]:
+def _decode_symbols(sections, settings: CodecSettings, sizes: list[int], profile, differences: bool,
+                    channel_codes, steps=None) -> np.ndarray:
+    """Every coder group's symbols, concatenated in group order."""
     if settings.source == "profiled":
         ranges = entropy.read_ranges(sections["models"], len(sizes))
         models = profile.models_for_ranges(ranges, _unit_bins(settings, steps, profile), differences, channel_codes)
     else:
         models = entropy.read_count_tables(sections["models"], len(sizes), MAX_TABLE)
-    return entropy.decode_groups(sections["symbols"], models, sizes)
+    return entropy.decode_symbols(sections, models, sizes)
 
 
 def _array(data: bytes, dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
@@ -160,16 +163,19 @@ def _cachegen_sizes(num_layers: int, num_anchors: int, num_rest: int, channels: 
     return ([num_anchors * channels] + [num_rest] * channels) * num_layers
 
 
-def _cachegen_from_groups(groups, anchor_scale, step, channel_codes, num_layers, num_anchors, num_tokens, channels,
-                          models):
+def _cachegen_from_symbols(flat, anchor_scale, step, channel_codes, num_layers, num_anchors, num_tokens, channels,
+                           models):
+    """The symbols of _cachegen_groups' groups (concatenated) back in place: with a global model, all anchors then
+    all differences; per (layer, channel), each layer's anchors then its channels' differences."""
     num_rest = num_tokens - num_anchors
+    anchor_count = num_anchors * channels
     if models == "global":
-        anchors, rest = groups[0].reshape(num_layers, num_anchors, channels), groups[1]
-        rest = rest.reshape(num_layers, channels, num_rest)
+        anchors = flat[: num_layers * anchor_count].reshape(num_layers, num_anchors, channels)
+        rest = flat[num_layers * anchor_count :].reshape(num_layers, channels, num_rest)
     else:
-        per_layer = channels + 1
-        anchors = np.stack([groups[i * per_layer].reshape(num_anchors, channels) for i in range(num_layers)])
-        rest = np.stack([np.stack(groups[i * per_layer + 1 : (i + 1) * per_layer]) for i in range(num_layers)])
+        per_layer = flat.reshape(num_layers, anchor_count + channels * num_rest)
+        anchors = per_layer[:, :anchor_count].reshape(num_layers, num_anchors, channels)
+        rest = per_layer[:, anchor_count:].reshape(num_layers, channels, num_rest)
     if np.abs(anchors).max(initial=0) > 127:
         raise CorruptStreamError("a decoded anchor symbol lies outside [-127, 127]")
     return CacheGenSymbols(
@@ -186,12 +192,6 @@ def _uniform_groups(values: torch.Tensor, models: str) -> list[np.ndarray]:
 def _uniform_sizes(shape: tuple[int, int, int], models: str) -> list[int]:
     num_layers, num_tokens, channels = shape
     return [num_layers * num_tokens * channels] if models == "global" else [num_tokens] * (num_layers * channels)
-
-
-def _uniform_from_groups(groups: list[np.ndarray], shape: tuple[int, int, int], models: str) -> np.ndarray:
-    num_layers, num_tokens, channels = shape
-    per_channel = np.concatenate(groups).reshape(num_layers, channels, num_tokens)
-    return per_channel.transpose(0, 2, 1)
 
 
 # --- raw storage ------------------------------------------------------------------------------
