@@ -249,3 +249,14 @@ def test_a_full_write_backlog_writes_the_chunks_that_fit(tiny_llama, tmp_path, m
     engine.kv_store.flush()
     assert engine.kv_store.stats.chunks_queued == 2 and engine.kv_store.stats.writes_skipped == 200 // CHUNK - 2
     assert engine.kv_store.store.tiers[0].usage().chunks == 2
+
+
+def test_a_store_under_int4_weights_costs_prefill_like_float_weights(tiny_llama):
+    """The link's prefill model counts the weights a token is multiplied by; int4 weights are packed buffers, not
+    parameters, and were once counted as none (a division by zero at start-up with the default weights)."""
+    ratios = {}
+    for weights in ("fp32", "int4"):
+        engine = make_engine(tiny_llama, weights=weights, kv_store="host:8MiB")
+        ratios[weights] = engine.kv_store.estimate.prefill.pair_cost_ratio
+        engine.kv_store.close()
+    assert ratios["int4"] == ratios["fp32"] > 0

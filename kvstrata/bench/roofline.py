@@ -17,6 +17,7 @@ import torch
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.model.config import ModelConfig
+from kvstrata.model.linear_layers import linear_layers
 from kvstrata.model.quantized_linear import QuantizedEmbedding
 
 
@@ -37,16 +38,11 @@ def decode_read_bytes(model: torch.nn.Module) -> int:
     return _distinct_bytes([t for t in [*model.parameters(), *model.buffers()] if id(t) not in skipped])
 
 
-def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every linear layer, whatever form its weight takes (all have in_features and out_features)."""
-    return [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
-
-
 def flops_per_token(model: torch.nn.Module, config: ModelConfig, context_len: int, with_logits: bool) -> float:
     """2 FLOPs per multiplied weight plus attention's two products over `context_len` keys in every
     layer. The embedding lookup multiplies nothing; the LM head counts only `with_logits` (a prompt
     token mid-prefill needs no logits, and the engine computes none)."""
-    linears = [m for m in _linears(model) if with_logits or m is not model.lm_head]
+    linears = [m for m in linear_layers(model) if with_logits or m is not model.lm_head]
     matmul_weights = sum(m.in_features * m.out_features for m in linears)
     attention = 2 * 2 * context_len * config.num_heads * config.head_dim * config.num_layers
     return 2 * matmul_weights + attention

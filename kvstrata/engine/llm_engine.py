@@ -33,6 +33,7 @@ from kvstrata.errors import KvstrataError, RequestFailed
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
+from kvstrata.model.linear_layers import multiplied_weights
 from kvstrata.model.loader import LoadedModel, load_model
 
 MAX_STEP_STATS = 100_000
@@ -125,7 +126,7 @@ class LLMEngine:
         store = make_store(c.kv_store, c.kv_store_format, dtype, self.kv_manager.namespace.decode(), self.loaded.config,
                            c.kv_store_timeout_ms / 1000, profile, c.kv_store_link_gbps)
         mc = self.loaded.config
-        layer_weights = sum(p.numel() for p in self.loaded.model.layers.parameters() if p.dim() == 2)
+        layer_weights = multiplied_weights(self.loaded.model.layers)  # counted by shape: int4 weights are buffers
         prefill = PrefillSpeed.for_model(mc.num_layers, mc.num_heads, mc.head_dim, layer_weights)
         return KVStoreLink(store, c.kv_store_chunk_tokens, self.kv_manager, self.kv_cache, prefill, c.ttft_slo,
                            c.kv_store_level)
