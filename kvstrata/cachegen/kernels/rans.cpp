@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace kvstrata {
@@ -24,7 +25,7 @@ constexpr uint64_t kLow = uint64_t{1} << 31;  // the state stays in [kLow, kLow 
 
 struct Model {
   std::vector<uint32_t> start;  // n + 1 cumulative frequencies
-  std::vector<uint32_t> lookup;  // slot >> shift -> the first symbol whose range may hold the slot
+  std::vector<uint32_t> lookup;  // slot >> shift -> the symbol holding the bucket's first slot
   int shift = 0;
 
   uint32_t frequency(int64_t symbol) const { return start[symbol + 1] - start[symbol]; }
@@ -148,7 +149,10 @@ torch::Tensor rans_decode(torch::Tensor words, torch::Tensor sizes, torch::Tenso
         for (int64_t i = 0; i < size[g]; ++i) {
           const uint32_t slot = static_cast<uint32_t>(state & (kTotal - 1));
           uint32_t s = model.lookup[slot >> model.shift];
-          while (model.start[s + 1] <= slot) ++s;
+          if (model.start[s + 1] <= slot) {  // the bucket holds several symbols (wide models): search the rest
+            s = static_cast<uint32_t>(std::upper_bound(model.start.begin() + s + 1, model.start.end(), slot) -
+                                      model.start.begin() - 1);
+          }
           state = model.frequency(s) * (state >> kPrecision) + slot - model.start[s];
           if (state < kLow) {
             if (next >= num_words) {
