@@ -20,6 +20,7 @@ import math
 import torch
 
 from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.errors import KvstrataError
 from kvstrata.kv.context_attention import AttendOverContext
 from kvstrata.kv.impress.important_tokens import (
     agreement_threshold,
@@ -88,7 +89,7 @@ def analyze(engine, text_ids: list[int], prefix: int, questions: int, quote_toke
     probes = probe_heads(config.num_heads, config.num_kv_heads)
     spare = len(text_ids) - prefix - quote_tokens
     if spare < questions:
-        raise ValueError(f"the text holds {len(text_ids)} tokens: too few for a prefix of {prefix} and "
+        raise KvstrataError(f"the text holds {len(text_ids)} tokens: too few for a prefix of {prefix} and "
                          f"{questions} quotes of {quote_tokens} after it")
     per_question = []
     for i in range(questions):
@@ -107,11 +108,12 @@ def analyze(engine, text_ids: list[int], prefix: int, questions: int, quote_toke
 def selection_quality(engine, text_ids: list[int], windows: int, prefix: int, prompt_tokens: int,
                       scored_tokens: int, ratios: tuple[float, ...]) -> dict:
     """Per method and ratio, over `windows` windows spread over the text: perplexity against the full read's (of
-    all scored tokens and of the first FIRST_SCORED), greedy agreement with it, the share of layers falling back and the share of prefix bytes read (derived)."""
+    all scored tokens and of the first FIRST_SCORED), greedy agreement with it, the share of layers falling back
+    and the share of the prefix's bytes read (derived)."""
     config, model = engine.loaded.config, engine.runner.model
     span = prefix + prompt_tokens + scored_tokens
     if windows < 1 or len(text_ids) < span:
-        raise ValueError(f"the text holds {len(text_ids)} tokens: too few for one window of {span}")
+        raise KvstrataError(f"the text holds {len(text_ids)} tokens: too few for one window of {span}")
     sums: dict[str, dict[str, float]] = {}
     for start in torch.linspace(0, len(text_ids) - span, windows).long().tolist():
         k, v = (list(x.to(engine.device)) for x in compute_kv(engine, text_ids[start : start + prefix]))
@@ -139,9 +141,9 @@ def selection_quality(engine, text_ids: list[int], windows: int, prefix: int, pr
             for key, value in measures.items():
                 row[key] = row.get(key, 0.0) + value / windows
     full = sums["full"]
-    return {name: {"perplexity": round(math.exp(row["nll"]), 4),
-                   "perplexity_vs_full": round(math.exp(row["nll"] - full["nll"]) - 1, 4),
-                   f"perplexity_vs_full_first_{FIRST_SCORED}": round(math.exp(row["nll_first"] - full["nll_first"]) - 1, 4),
+    change = lambda row, key: round(math.exp(row[key] - full[key]) - 1, 4)
+    return {name: {"perplexity": round(math.exp(row["nll"]), 4), "perplexity_vs_full": change(row, "nll"),
+                   f"perplexity_vs_full_first_{FIRST_SCORED}": change(row, "nll_first"),
                    **{key: round(row[key], 4) for key in ("agreement", "fallback_share", "read_share_derived")}}
             for name, row in sums.items()}
 

@@ -5,7 +5,8 @@ range [lo, lo + len(probabilities)). A model is either counted from the group it
 of counts travels in the stream) or given from an offline profile (only its range travels).
 
 Two coders, named by the section that holds their output: "rans", the compiled coder
-(kernels/rans.cpp: about 5x faster, and it runs without the GIL), written wherever it builds; and
+(kernels/rans.cpp: one call per tensor, without the GIL; a chunk decodes 1.6-1.9x faster end to end,
+docs/BENCHMARKS.md), written wherever it builds; and
 "symbols", constriction's ANS coder, written where no compiler is at hand and read in streams written
 before the compiled coder existed.
 """
@@ -82,8 +83,9 @@ def decode_symbols(sections: dict[str, bytes], models: list[SymbolModel], sizes:
 
 def _layout(models: list[SymbolModel], sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group sizes, model lengths and every model's probabilities concatenated, as the compiled coder takes them."""
-    return (torch.tensor(sizes, dtype=torch.int64), torch.tensor([len(m.probabilities) for m in models], dtype=torch.int64),
-            torch.from_numpy(np.concatenate([m.probabilities for m in models] or [np.zeros(0)]).astype(np.float64)))
+    lengths = torch.tensor([len(m.probabilities) for m in models], dtype=torch.int64)
+    probabilities = np.concatenate([m.probabilities for m in models] or [np.zeros(0)]).astype(np.float64)
+    return torch.tensor(sizes, dtype=torch.int64), lengths, torch.from_numpy(probabilities)
 
 
 def _compiled_decode(data: bytes, models: list[SymbolModel], sizes: list[int]) -> np.ndarray:

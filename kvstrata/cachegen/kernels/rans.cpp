@@ -1,6 +1,6 @@
 // rANS coding of groups of integer symbols, each group with its own static model (entropy.py): the compiled
-// coder of CacheGen's streams, about 5x faster than constriction's and run without the GIL, so decoding can
-// overlap other Python work.
+// coder of CacheGen's streams. Every group of a tensor is coded in one call, without the GIL, where
+// constriction's coder took one Python call (and model) per group.
 //
 // A model is a probability vector over symbols 0 .. n-1; both sides quantize it to integer frequencies that sum
 // to 2^24, every symbol at least 1 (frequencies()), with the same double arithmetic, so encoder and decoder
