@@ -148,8 +148,10 @@ def test_impress_analysis(tiny_llama, capsys):
         assert all(s <= o + 1e-6 for s, o in zip(row["shared_set_mass"], row["own_set_mass"]))  # own top set is best
     quality = report["quality"]
     assert quality["full"]["perplexity_vs_full"] == 0.0 and quality["full"]["agreement"] == 1.0
+    # the union of the probe heads' sets reads at least as much as their vote
+    assert quality["impress-union r=0.1"]["read_share_derived"] >= quality["impress-vote r=0.1"]["read_share_derived"]
     # r = 1 reads everything and changes nothing
-    for method in ("impress", "h2o-keys"):
+    for method in ("impress-vote", "impress-union", "h2o-keys"):
         assert quality[f"{method} r=1.0"]["agreement"] == 1.0
         assert quality[f"{method} r=1.0"]["perplexity_vs_full"] == pytest.approx(0.0, abs=1e-4)
 

@@ -140,6 +140,8 @@ def test_read_share_counts_probe_keys_and_the_chosen_tokens():
     assert h2o.read_share(9, 3) == pytest.approx(0.5 + 0.5 * 0.25)
     with pytest.raises(KvstrataError, match="prefix loading 'lru' is not one of impress, h2o-keys"):
         PrefixSelector([], "lru", 0.25, 1)
+    with pytest.raises(KvstrataError, match="shared-set rule 'majority' is not one of vote, union, first"):
+        PrefixSelector([], "impress", 0.25, 1, rule="majority")
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from kvstrata.kv.impress.important_tokens import (
     shared_set,
     top_sets,
 )
-from kvstrata.kv.impress.prefix_selection import PREFIX_LOADING, PrefixSelector, probe_heads
+from kvstrata.kv.impress.prefix_selection import PrefixSelector, probe_heads
 
 QUESTION_HEAD = "\n\nQuestion: Which part of the text above is closest to this passage?\n\""
 QUESTION_TAIL = "\"\nAnswer:"
@@ -106,8 +106,9 @@ def analyze(engine, text_ids: list[int], prefix: int, questions: int, quote_toke
 
 @torch.inference_mode()
 def selection_quality(engine, text_ids: list[int], windows: int, prefix: int, prompt_tokens: int,
-                      scored_tokens: int, ratios: tuple[float, ...]) -> dict:
-    """Per method and ratio, over `windows` windows spread over the text: perplexity against the full read's (of
+                      scored_tokens: int, ratios: tuple[float, ...], rules: tuple[str, ...] = ("vote",)) -> dict:
+    """Per method (IMPRESS with each of `rules` for its shared set, keys-only H2O) and ratio, over `windows` windows
+    spread over the text: perplexity against the full read's (of
     all scored tokens and of the first FIRST_SCORED), greedy agreement with it, the share of layers falling back
     and the share of the prefix's bytes read (derived)."""
     config, model = engine.loaded.config, engine.runner.model
@@ -121,10 +122,11 @@ def selection_quality(engine, text_ids: list[int], windows: int, prefix: int, pr
         full = _continuation_log_probs(model, k, v, new, prefix, prompt_tokens, None)
         targets = torch.tensor(new[prompt_tokens:])
         rows = {"full": (full, None)}
-        for method in PREFIX_LOADING:
+        choices = [("impress", rule, f"impress-{rule}") for rule in rules] + [("h2o-keys", "vote", "h2o-keys")]
+        for method, rule, name in choices:
             for ratio in ratios:
-                selector = PrefixSelector(k, method, ratio, prompt_tokens)
-                rows[f"{method} r={ratio}"] = (
+                selector = PrefixSelector(k, method, ratio, prompt_tokens, rule=rule)
+                rows[f"{name} r={ratio}"] = (
                     _continuation_log_probs(model, k, v, new, prefix, prompt_tokens, selector), selector)
         for name, (logp, selector) in rows.items():
             row = sums.setdefault(name, {})
@@ -184,12 +186,13 @@ def run_impress_analysis(args) -> None:
     ratios = tuple(float(r) for r in args.ratios.split(","))
     result = analyze(engine, text_ids, args.prefix, args.questions, args.quote_tokens, ratios)
     if args.quality_windows:
+        rules = tuple(rule.strip() for rule in args.rules.split(","))
         result["quality"] = selection_quality(engine, text_ids, args.quality_windows, args.prefix, args.prompt_tokens,
-                                              args.scored_tokens, ratios)
+                                              args.scored_tokens, ratios, rules)
     emit({"benchmark": "impress-analysis", "machine": machine_info(), **engine_info(engine),
           "workload": {"text": args.text.name, "skip_tokens": args.skip_tokens, "prefix": args.prefix,
                        "questions": args.questions, "quote_tokens": args.quote_tokens,
                        "question_template": QUESTION_HEAD + "<quote>" + QUESTION_TAIL,
                        "quality_windows": args.quality_windows, "prompt_tokens": args.prompt_tokens,
-                       "scored_tokens": args.scored_tokens},
+                       "scored_tokens": args.scored_tokens, "rules": args.rules},
           **result}, args.json)

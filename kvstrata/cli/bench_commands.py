@@ -145,7 +145,7 @@ def _add_impress_commands(bench) -> None:
                     "share of each head's prefix attention mass the probes' shared set holds. Then, over "
                     "--quality-windows windows of a prefix and the text after it, what reading only the chosen "
                     "tokens costs: the first --prompt-tokens new tokens choose each layer's prefix tokens (IMPRESS "
-                    "at alpha 0.6 with the vote rule, and keys-only H2O) and the perplexity of the --scored-tokens "
+                    "at alpha 0.6 with each of --rules, and keys-only H2O) and the perplexity of the --scored-tokens "
                     "after them is compared with reading the whole prefix.",
     )
     analysis.add_argument("--prefix", type=int, default=2048, help="prefix tokens (default: 2048)")
@@ -156,6 +156,8 @@ def _add_impress_commands(bench) -> None:
     analysis.add_argument("--quality-windows", type=int, default=4, help="windows of the quality part (0: skip it)")
     analysis.add_argument("--prompt-tokens", type=int, default=64, help="new tokens that choose (default: 64)")
     analysis.add_argument("--scored-tokens", type=int, default=512, help="tokens scored after them (default: 512)")
+    analysis.add_argument("--rules", default="vote,union",
+                          help="IMPRESS's shared-set rules in the quality part: vote, union, first (comma-separated)")
     _add_output_flags(analysis)
     add_engine_arguments(analysis)
 
