@@ -86,3 +86,10 @@ def test_without_a_compiler_streams_fall_back_to_constriction(monkeypatch, level
     # either stream decodes to the same tensor
     assert codec.decode_tensor(fallback, ALL_LEVELS[level], tuple(x.shape), "k").equal(
         codec.decode_tensor(compiled, ALL_LEVELS[level], tuple(x.shape), "k"))
+
+
+def test_models_the_coder_cannot_hold_are_a_corrupt_stream():
+    """A corrupt stream's symbol ranges can describe a model wider than 2^23 symbols; the coder's refusal surfaces
+    as CorruptStreamError, which readers turn into a recompute."""
+    with pytest.raises(CorruptStreamError, match="1 to 2\\^23 symbols"):
+        entropy.decode_symbols({COMPILED_SECTION: b"\x00" * 8}, [SymbolModel(0, np.full(1 << 24, 2.0**-24))], [1])

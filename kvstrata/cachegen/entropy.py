@@ -98,7 +98,7 @@ def _compiled_decode(data: bytes, models: list[SymbolModel], sizes: list[int]) -
     words = torch.from_numpy(np.frombuffer(data, dtype="<u4").astype(np.uint32).view(np.int32))
     try:
         symbols = coder.rans_decode(words, *_layout(models, sizes)).numpy()
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:  # a stream that does not decode, or models it cannot hold
         raise CorruptStreamError(str(exc).splitlines()[0]) from None
     return symbols + np.repeat(np.array([m.lo for m in models], dtype=np.int32), sizes)
 
