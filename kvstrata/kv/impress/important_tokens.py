@@ -74,6 +74,11 @@ def agreement_threshold(share: float, alpha: float = ALPHA) -> float:
     return random_jaccard(share) ** alpha
 
 
+def check_rule(rule: str) -> None:
+    if rule not in SHARED_SET_RULES:
+        raise KvstrataError(f"shared-set rule {rule!r} is not one of {', '.join(SHARED_SET_RULES)}")
+
+
 def shared_set(scores: torch.Tensor, sets: torch.Tensor, count: int, rule: str = "vote") -> torch.Tensor:
     """One important set [n] for every head of the layer from the probe heads' sets [probes, n]. "vote": the
     tokens most probe heads chose, ranked by the number of votes and then by the summed probe scores, `count` of
@@ -82,8 +87,7 @@ def shared_set(scores: torch.Tensor, sets: torch.Tensor, count: int, rule: str =
         return sets.any(0)
     if rule == "first":
         return sets[0].clone()
-    if rule != "vote":
-        raise KvstrataError(f"shared-set rule {rule!r} is not one of {', '.join(SHARED_SET_RULES)}")
+    check_rule(rule)
     votes = sets.sum(0).double()
     summed = scores.sum(0).double()
     rank = votes + summed / (summed.max() + 1) * 0.5  # summed scores only break ties between equal votes

@@ -9,8 +9,8 @@ import torch
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.impress.important_tokens import (
     ALPHA,
-    SHARED_SET_RULES,
     LayerSelection,
+    check_rule,
     head_scores,
     important_count,
     select_layer_tokens,
@@ -34,8 +34,7 @@ class PrefixSelector:
                  alpha: float = ALPHA, rule: str = "vote"):
         if method not in PREFIX_LOADING:
             raise KvstrataError(f"prefix loading {method!r} is not one of {', '.join(PREFIX_LOADING)}")
-        if rule not in SHARED_SET_RULES:
-            raise KvstrataError(f"shared-set rule {rule!r} is not one of {', '.join(SHARED_SET_RULES)}")
+        check_rule(rule)
         if selection_rows < 1:
             raise KvstrataError(f"the selection needs at least one new token, got {selection_rows}")
         important_count(ratio, 1)  # checks the ratio
