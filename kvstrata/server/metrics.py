@@ -17,6 +17,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 class ServerMetrics:
     def __init__(self, model_name: str, engine: LLMEngine | None = None):
         self.registry = CollectorRegistry()
+        if engine is not None:
+            self.registry.register(PrefixCacheCollector(engine, model_name))
         if engine is not None and engine.kv_store is not None:
             self.registry.register(KVStoreCollector(engine, model_name))
         labels = {"model_name": model_name}
@@ -81,6 +83,24 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCollector:
+    """Prompt tokens looked up in the device pool's prefix cache and found there, as counters (vLLM's
+    names): unlike the hit-rate gauge, these add up across replicas and over any time window."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.stats = engine.kv_manager.prefix_stats
+        self.model_name = model_name
+
+    def collect(self):
+        for name, value, doc in (
+            ("queries", self.stats.queried_tokens, "Prompt tokens looked up in the prefix cache"),
+            ("hits", self.stats.hit_tokens, "Prompt tokens found in the prefix cache"),
+        ):
+            family = CounterMetricFamily(f"kvstrata:prefix_cache_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 # Per-tier counters of the KV store below the paged cache: (name, TierStats field, help).

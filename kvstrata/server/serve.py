@@ -14,6 +14,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
+from kvstrata.cluster.routing import POLICIES
+from kvstrata.errors import KvstrataError
 from kvstrata.server.options import DEFAULT_MAX_REQUEST_BYTES, ServerOptions
 
 # After the grace period, requests still running get their error responses; uvicorn's own cancellation
@@ -42,7 +44,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--special-tokens-in-chat", action="store_true",
                         help="parse special-token text (<|im_end|>, ...) in chat message content as special tokens; "
                              "only for trusted clients, since it lets them forge role boundaries (default: plain text)")
+    cluster = parser.add_argument_group("replicas (Ray Serve; pip install 'kvstrata[cluster]')")
+    cluster.add_argument("--replicas", type=int, default=None,
+                         help="run this many engine replicas on Ray Serve behind one endpoint (default: one process, "
+                              "no Ray)")
+    cluster.add_argument("--ray-address", default=None,
+                         help="with --replicas: join this Ray cluster (e.g. auto, or ray://HEAD:10001) instead of "
+                              "starting a local one")
+    cluster.add_argument("--routing", default="prefix", choices=POLICIES,
+                         help="with --replicas: how a request picks its replica (default: prefix)")
+    cluster.add_argument("--routing-prefix-tokens", type=int, default=256,
+                         help="with --replicas --routing prefix: prompt tokens the routing key covers (default: 256)")
     add_engine_arguments(parser)
+
+
+def _check_cluster_flags(args: argparse.Namespace) -> None:
+    if args.replicas is None:
+        for flag, value, default in (("--ray-address", args.ray_address, None), ("--routing", args.routing, "prefix"),
+                                     ("--routing-prefix-tokens", args.routing_prefix_tokens, 256)):
+            if value != default:
+                raise KvstrataError(f"{flag} applies to replicated serving only; add --replicas N")
+        return
+    if args.replicas < 1:
+        raise KvstrataError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.routing_prefix_tokens < 1:
+        raise KvstrataError(f"--routing-prefix-tokens must be at least 1, got {args.routing_prefix_tokens}")
 
 
 def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
@@ -99,7 +125,13 @@ def run_serve(args: argparse.Namespace) -> None:
     from kvstrata.engine.llm_engine import LLMEngine
     from kvstrata.server.app import build_app
 
+    _check_cluster_flags(args)
     options = server_options_from_args(args)
+    if args.replicas is not None:
+        from kvstrata.cluster.launch import run_replicated
+
+        run_replicated(args, engine_config_from_args(args), options)
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config_from_args(args))
     app = build_app(engine, args.served_model_name or engine.loaded.name, options)

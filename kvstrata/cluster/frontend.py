@@ -1,0 +1,215 @@
+"""The cluster's one endpoint: picks a replica for each request, forwards it, and survives a replica's loss.
+
+Requests reach this Ray Serve deployment as plain HTTP; it reads only what routing needs (the prompt's
+first tokens) and forwards the request unchanged to the chosen replica, whose app validates and
+answers it exactly as a single server would. If that replica dies before the client has received
+anything, the request goes to the next replica in the policy's order; a stream that already sent
+tokens ends with an error event instead (a second replica would restart the text from its beginning).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvstrata.cluster.asgi_call import ResponseStart
+from kvstrata.cluster.metrics_merge import merge_replica_metrics
+from kvstrata.cluster.routing import make_routing, routing_key
+from kvstrata.errors import KvstrataError
+from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.server.responses import error_body, sse
+
+log = logging.getLogger("kvstrata.cluster")
+COMPLETION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+PROBE_SECONDS = 1.0  # how often a replica marked down is asked whether it is back
+PROBE_TIMEOUT_SECONDS = 5.0
+METRICS_TIMEOUT_SECONDS = 5.0
+REPLICA_HEADER = "x-kvstrata-replica"  # which replica answered: for operators and tests
+
+
+@dataclass(frozen=True)
+class FrontOptions:
+    checkpoint: str  # the converted model directory: its tokenizer computes routing keys
+    model_name: str
+    routing: str
+    block_size: int
+    routing_prefix_tokens: int  # how much of the prompt the routing key covers
+    max_request_bytes: int
+
+
+class ReplicaFailed(Exception):
+    """The replica died or became unreachable before the client received anything."""
+
+
+def _replica_failures() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import RayError
+
+    return (RayError,)
+
+
+class Frontend:
+    def __init__(self, options: FrontOptions, *replicas):
+        self.options = options
+        self.replicas = replicas
+        self.tokenizer = Tokenizer.from_directory(Path(options.checkpoint))
+        self.routing = make_routing(options.routing, len(replicas))
+        self.loads = [0] * len(replicas)  # requests in flight on each replica, from this front
+        self.up = [True] * len(replicas)
+        self.fingerprint: str | None = None  # of the model every replica must serve: set by check_replicas
+        self._probes: dict[int, asyncio.Task] = {}
+        self.registry = CollectorRegistry()
+        self.routed = Counter("kvstrata:router_requests", "Requests sent to each replica (retries included)",
+                              ["replica", "routing"], registry=self.registry)
+        self.retries = Counter("kvstrata:router_retries", "Requests sent again after their replica failed",
+                               registry=self.registry)
+        self.replica_up = Gauge("kvstrata:replica_up", "1 while the front sends a replica requests",
+                                ["replica"], registry=self.registry)
+        for i in range(len(replicas)):
+            self.replica_up.labels(replica=str(i)).set(1)
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if path == "/metrics" and request.method in ("GET", "HEAD"):
+            return await self._metrics()
+        if path == "/health" and request.method in ("GET", "HEAD"):
+            live = sum(self.up)
+            return JSONResponse({"status": "ok" if live else "no replica up", "replicas_up": live},
+                                status_code=200 if live else 503)
+        body = await request.body()
+        if len(body) > self.options.max_request_bytes:
+            return JSONResponse(error_body(f"the request body has {len(body)} bytes, more than the "
+                                           f"{self.options.max_request_bytes} allowed", kind="request_too_large"),
+                                status_code=413)
+        key, streaming = None, False
+        if request.method == "POST" and path in COMPLETION_PATHS:
+            key, streaming = await asyncio.to_thread(self._route_on, COMPLETION_PATHS[path], body)
+        headers = [(k, v) for k, v in request.headers.items() if k not in ("host", "content-length")]
+        headers.append(("content-length", str(len(body))))
+        call = (request.method, path, request.url.query, headers, body)
+        order = self.routing.order(key, self.loads, self.up)
+        for attempt, index in enumerate(order):
+            if attempt:
+                self.retries.inc()
+            try:
+                return await self._send(index, call, streaming)
+            except ReplicaFailed as exc:
+                log.warning("replica %d failed a request (%s); %s", index, exc,
+                            "trying the next" if attempt + 1 < len(order) else "none left")
+        return JSONResponse(error_body("no replica could serve the request; retry later", kind="server_overloaded"),
+                            status_code=503, headers={"Retry-After": "1"})
+
+    def _route_on(self, schema, body: bytes) -> tuple[bytes | None, bool]:
+        """(routing key, streamed?) of a completion request; no key for a body its replica will refuse."""
+        try:
+            parsed = schema.model_validate_json(body)
+            if isinstance(parsed, ChatCompletionRequest):
+                token_ids = self.tokenizer.encode_chat([m.plain() for m in parsed.messages])
+            else:
+                prompt = parsed.single_prompt
+                token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        except (ValidationError, KvstrataError, ValueError):
+            return None, False
+        key = routing_key(token_ids, self.options.block_size, self.options.routing_prefix_tokens)
+        return key, bool(parsed.stream)
+
+    async def _send(self, index: int, call: tuple, streaming: bool) -> Response:
+        """One replica's answer. Raises ReplicaFailed while the client has received nothing yet."""
+        self.routed.labels(replica=str(index), routing=self.options.routing).inc()
+        self.loads[index] += 1
+        messages = self.replicas[index].forward.options(stream=True).remote(*call)
+        committed = False
+        try:
+            try:
+                start = await anext(messages)
+                assert isinstance(start, ResponseStart)
+                first = await anext(messages, b"")
+                if not streaming:
+                    body = first + b"".join([chunk async for chunk in messages])
+            except _replica_failures() as exc:
+                self._mark_down(index)
+                raise ReplicaFailed(type(exc).__name__) from exc
+            headers = {k: v for k, v in start.headers if k != "content-length"}
+            headers[REPLICA_HEADER] = str(index)
+            if not streaming:
+                return Response(body, status_code=start.status, headers=headers)
+            committed = True
+            return StreamingResponse(self._relay(index, first, messages), status_code=start.status,
+                                     headers=headers)
+        finally:
+            if not committed:
+                self.loads[index] -= 1
+
+    async def _relay(self, index: int, first: bytes, messages) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            async for chunk in messages:
+                yield chunk
+        except _replica_failures() as exc:
+            self._mark_down(index)
+            message = f"replica {index} failed mid-stream ({type(exc).__name__}); the text so far is incomplete"
+            yield sse(json.dumps(error_body(message, kind="server_error"))).encode()
+            yield sse("[DONE]").encode()
+        finally:
+            self.loads[index] -= 1
+
+    def _mark_down(self, index: int) -> None:
+        self.up[index] = False
+        self.replica_up.labels(replica=str(index)).set(0)
+        if index not in self._probes or self._probes[index].done():
+            self._probes[index] = asyncio.create_task(self._probe_until_back(index))
+
+    async def _probe_until_back(self, index: int) -> None:
+        """Ray Serve restarts a dead replica; it gets requests again once it answers with the right model."""
+        while True:
+            await asyncio.sleep(PROBE_SECONDS)
+            try:
+                identity = await asyncio.wait_for(self.replicas[index].identity.remote(), PROBE_TIMEOUT_SECONDS)
+            except (TimeoutError, *_replica_failures()):
+                continue
+            if identity["fingerprint"] != self.fingerprint:
+                log.error("replica %d came back serving model %s, not %s: kept out", index, identity["fingerprint"],
+                          self.fingerprint)
+                continue
+            self.up[index] = True
+            self.replica_up.labels(replica=str(index)).set(1)
+            log.info("replica %d is back", index)
+            return
+
+    async def check_replicas(self) -> str:
+        """Called once at deployment: every replica must serve the same model; a replica that restarts must
+        come back with it."""
+        identities = await asyncio.gather(*(replica.identity.remote() for replica in self.replicas))
+        fingerprints = {identity["fingerprint"] for identity in identities}
+        if len(fingerprints) != 1:
+            raise KvstrataError(f"the replicas serve different models: {sorted(fingerprints)}")
+        self.fingerprint = fingerprints.pop()
+        return self.fingerprint
+
+    async def _metrics(self) -> Response:
+        async def page(index: int) -> tuple[int, str | None]:
+            try:
+                call = ("GET", "/metrics", "", [], b"")
+                messages = self.replicas[index].forward.options(stream=True).remote(*call)
+                parts = await asyncio.wait_for(_collect(messages), METRICS_TIMEOUT_SECONDS)
+                return index, b"".join(parts[1:]).decode()
+            except (TimeoutError, *_replica_failures()):
+                return index, None
+
+        pages = await asyncio.gather(*(page(i) for i, up in enumerate(self.up) if up))
+        text = merge_replica_metrics({i: p for i, p in pages if p is not None}, own=self.registry)
+        return Response(text, media_type="text/plain; version=0.0.4")
+
+
+async def _collect(messages) -> list:
+    return [message async for message in messages]

@@ -1,0 +1,92 @@
+"""`kvstrata serve --replicas N`: N engine replicas and the front that routes to them, on Ray Serve.
+
+Each replica is a deployment of its own (one Ray actor), so the front can choose the replica for every
+request; Ray Serve restarts a replica whose process died. Ray is an optional extra: `pip install
+kvstrata[cluster]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+from kvstrata.cluster.frontend import Frontend, FrontOptions
+from kvstrata.cluster.replica import EngineReplica, replica_config
+from kvstrata.config import EngineConfig
+from kvstrata.errors import KvstrataError
+from kvstrata.server.options import ServerOptions
+
+APP_NAME = "kvstrata"
+HEALTH_CHECK_SECONDS = 2.0  # how soon Ray Serve notices a replica that stopped answering
+REPLICA_START_SECONDS = 600.0  # a replica converts and loads its model before it is healthy
+
+
+def _ray():
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise KvstrataError("--replicas needs Ray Serve: pip install 'kvstrata[cluster]'") from None
+    return ray, serve
+
+
+def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing: str, host: str, port: int,
+           model_name: str | None = None, ray_address: str | None = None,
+           routing_prefix_tokens: int = 256) -> str:
+    """Start (or join, with `ray_address`) Ray, run the replicas and the front; returns the endpoint's URL."""
+    from kvstrata.model.loader import resolve_checkpoint
+
+    if replicas < 1:
+        raise KvstrataError(f"--replicas must be at least 1, got {replicas}")
+    ray, serve = _ray()
+    checkpoint, name = resolve_checkpoint(config.model)  # converts a GGUF file once, here, for every replica
+    model_name = model_name or name
+    if not ray.is_initialized():
+        env = {k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_")}
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env} if env else None)
+    serve.start(http_options={"host": host, "port": port})
+    # Ray Serve's default of 5 requests per replica would queue requests the engine could batch.
+    most_in_flight = options.max_waiting + config.max_num_seqs
+    bound = [
+        serve.deployment(EngineReplica, name=f"kvstrata-replica-{i}", num_replicas=1,
+                         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=most_in_flight,
+                         health_check_period_s=HEALTH_CHECK_SECONDS, graceful_shutdown_timeout_s=options.shutdown_grace)
+        .bind(replica_config(config, i, replicas), model_name, options)
+        for i in range(replicas)
+    ]
+    front = FrontOptions(checkpoint=str(checkpoint), model_name=model_name, routing=routing,
+                         block_size=config.block_size, routing_prefix_tokens=routing_prefix_tokens,
+                         max_request_bytes=options.max_request_bytes)
+    app = serve.deployment(Frontend, name="kvstrata-front", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                           max_ongoing_requests=replicas * most_in_flight).bind(front, *bound)
+    handle = serve.run(app, name=APP_NAME, route_prefix="/")
+    try:
+        handle.check_replicas.remote().result()
+    except Exception as exc:
+        serve.delete(APP_NAME)
+        raise KvstrataError(f"the replicas could not be checked: {exc}") from exc
+    return f"http://{host}:{port}"
+
+
+def undeploy(stop_ray: bool) -> None:
+    ray, serve = _ray()
+    serve.delete(APP_NAME)
+    if stop_ray:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run_replicated(args: argparse.Namespace, config: EngineConfig, options: ServerOptions) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    url = deploy(config, options, args.replicas, args.routing, args.host, args.port, args.served_model_name,
+                 args.ray_address, args.routing_prefix_tokens)
+    logging.getLogger("kvstrata.cluster").info("%d replicas behind %s (routing: %s)", args.replicas, url, args.routing)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    undeploy(stop_ray=args.ray_address is None)  # an existing cluster keeps running

@@ -1,0 +1,59 @@
+"""One engine replica: the single-server app, run in-process, answering the requests the front forwards."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from kvstrata.cluster.asgi_call import ResponseStart, call_app
+from kvstrata.config import EngineConfig
+from kvstrata.server.options import ServerOptions
+
+
+def per_replica_store(spec: str | None, index: int) -> str | None:
+    """The replica's `--kv-store`: the same host and Redis tiers, but a disk tier in a directory of its
+    own (a disk tier's index lives in one process; two writing one directory would evict each other's
+    files unseen). Redis is the tier replicas share."""
+    if spec is None:
+        return None
+    parts = []
+    for part in spec.split(","):
+        part = part.strip()
+        if part.startswith("disk:"):
+            directory, _, size = part[len("disk:"):].rpartition(":")
+            part = f"disk:{os.path.join(directory, f'replica-{index}')}:{size}"
+        parts.append(part)
+    return ",".join(parts)
+
+
+def replica_config(config: EngineConfig, index: int, num_replicas: int) -> EngineConfig:
+    """Replicas on one machine split its cores unless --threads says otherwise."""
+    threads = config.threads or max(1, (os.cpu_count() or 1) // num_replicas)
+    return replace(config, threads=threads, kv_store=per_replica_store(config.kv_store, index))
+
+
+class EngineReplica:
+    """A Ray Serve deployment of one engine and its OpenAI-compatible app."""
+
+    def __init__(self, config: EngineConfig, model_name: str, options: ServerOptions):
+        from kvstrata.engine.llm_engine import LLMEngine
+        from kvstrata.server.app import build_app
+
+        self.engine = LLMEngine(config)
+        self.app = build_app(self.engine, model_name, options)
+        self.model_name = model_name
+        self.app.state.async_engine.start()  # what the app's lifespan does under uvicorn
+
+    async def forward(self, method: str, path: str, query: str, headers: list[tuple[str, str]],
+                      body: bytes) -> AsyncIterator[ResponseStart | bytes]:
+        async for message in call_app(self.app, method, path, query, headers, body):
+            yield message
+
+    def identity(self) -> dict:
+        """What the front checks before sending a replica requests: the model it serves."""
+        return {"model": self.model_name, "fingerprint": self.engine.model_fingerprint, "pid": os.getpid()}
+
+    def __del__(self):  # Ray Serve's shutdown hook: requests in flight end with an error; store writes finish
+        self.app.state.async_engine.stop()
+        self.engine.close()

@@ -1,0 +1,103 @@
+"""Routing policies, the merged metrics page and per-replica settings: no Ray needed."""
+
+import pytest
+
+from kvstrata.cluster.metrics_merge import merge_replica_metrics
+from kvstrata.cluster.replica import per_replica_store, replica_config
+from kvstrata.cluster.routing import PrefixRouting, make_routing, routing_key
+from kvstrata.config import EngineConfig
+from kvstrata.errors import KvstrataError
+from kvstrata.server.metrics import ServerMetrics
+
+
+def keys(count: int) -> list[bytes]:
+    return [routing_key([i] * 40, 16, 256) for i in range(count)]
+
+
+def test_routing_key_covers_only_the_first_tokens():
+    shared = list(range(300))
+    assert routing_key(shared + [1, 2], 16, 256) == routing_key(shared + [7], 16, 256)
+    assert routing_key([5] + shared, 16, 256) != routing_key(shared, 16, 256)
+    # A prompt shorter than one block still gets a key of its own.
+    assert routing_key([1, 2], 16, 256) != routing_key([1, 3], 16, 256)
+
+
+def test_prefix_routing_is_sticky_and_spreads_distinct_prefixes():
+    routing = PrefixRouting(4)
+    idle, up = [0] * 4, [True] * 4
+    chosen = [routing.order(key, idle, up)[0] for key in keys(200)]
+    assert chosen == [routing.order(key, idle, up)[0] for key in keys(200)]
+    shares = [chosen.count(r) / len(chosen) for r in range(4)]
+    assert min(shares) > 0.12, shares  # 64 points per replica keep the ring even
+
+
+def test_prefix_routing_moves_only_the_lost_replicas_keys():
+    routing = PrefixRouting(4)
+    idle = [0] * 4
+    before = [routing.order(key, idle, [True] * 4)[0] for key in keys(200)]
+    after = [routing.order(key, idle, [True, False, True, True])[0] for key in keys(200)]
+    assert all(b == a for b, a in zip(before, after) if b != 1)
+    assert 1 not in after
+
+
+def test_bounded_load_diverts_from_a_hot_replica():
+    routing = PrefixRouting(2, load_factor=1.25)
+    key = keys(1)[0]
+    home = routing.order(key, [0, 0], [True, True])[0]
+    loads = [0, 0]
+    loads[home] = 10
+    assert routing.order(key, loads, [True, True])[0] != home
+    loads[home] = 1  # within 1.25x the mean: stays home
+    assert routing.order(key, loads, [True, True])[0] == home
+
+
+def test_round_robin_and_least_loaded():
+    rr = make_routing("round-robin", 3)
+    assert [rr.order(None, [0] * 3, [True] * 3)[0] for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    least = make_routing("least-loaded", 3)
+    assert least.order(None, [4, 1, 2], [True] * 3) == [1, 2, 0]
+    assert least.order(None, [4, 1, 2], [True, False, True]) == [2, 0, 1]  # a replica that is down comes last
+
+
+def test_bad_policy_and_sizes_are_refused():
+    with pytest.raises(KvstrataError, match="'sticky' is not one of prefix, round-robin, least-loaded"):
+        make_routing("sticky", 2)
+    with pytest.raises(KvstrataError, match="at least one replica"):
+        make_routing("prefix", 0)
+
+
+def test_merged_metrics_label_each_replica_and_add_them_up():
+    pages = {}
+    for replica, (tokens, usage) in enumerate([(5, 0.2), (7, 0.4)]):
+        metrics = ServerMetrics("m")
+        metrics.generation_tokens.inc(tokens)
+        metrics.kv_usage.set(usage)
+        metrics.ttft.observe(0.3 * (replica + 1))
+        pages[replica] = metrics.render().decode()
+    text = merge_replica_metrics(pages).decode()
+    assert 'kvstrata:generation_tokens_total{model_name="m",replica="1"} 7.0' in text
+    assert 'kvstrata:generation_tokens_total{model_name="m"} 12.0' in text
+    assert 'kvstrata:kv_cache_usage_perc{model_name="m"} 0.3' in text  # a fraction: the mean
+    assert 'kvstrata:time_to_first_token_seconds_count{model_name="m"} 2.0' in text
+    assert text.count("# TYPE kvstrata:generation_tokens_total counter") == 1
+
+
+def test_replicas_get_their_own_disk_directory_and_a_share_of_the_cores():
+    spec = "host:1GiB,disk:/var/cache/kvstrata:20GiB,redis://127.0.0.1:6379"
+    assert per_replica_store(spec, 1) == "host:1GiB,disk:/var/cache/kvstrata/replica-1:20GiB,redis://127.0.0.1:6379"
+    assert per_replica_store(None, 0) is None
+    config = replica_config(EngineConfig(model="m", kv_store=spec), 0, 2)
+    assert config.threads >= 1 and config.kv_store.count("replica-0") == 1
+    assert replica_config(EngineConfig(model="m", threads=3), 0, 2).threads == 3
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--routing", "round-robin"], "--routing applies to replicated serving only; add --replicas N"),
+    (["--ray-address", "auto"], "--ray-address applies to replicated serving only"),
+    (["--replicas", "0"], "--replicas must be at least 1, got 0"),
+])
+def test_serve_refuses_cluster_flags_that_do_not_fit(flags, message, capsys):
+    from kvstrata.cli.main import main
+
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,155 @@
+"""Replicated serving on a local Ray instance with a real redis-server: routing, the shared Redis tier,
+a replica killed mid-request, and the official OpenAI client against the one endpoint."""
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import ray  # the cluster extra: `make test` installs it, so these tests run on every fresh machine
+from ray import serve
+
+from kvstrata.cluster.frontend import REPLICA_HEADER
+from kvstrata.cluster.launch import APP_NAME, deploy, undeploy
+from kvstrata.config import EngineConfig
+from kvstrata.server.options import ServerOptions
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    from kvstrata.bench.redis_server import RedisServer
+
+    redis = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    config = EngineConfig(model=str(tiny_llama), kv_store=f"host:64MiB,{redis.url}", kv_store_chunk_tokens=64)
+    url = deploy(config, ServerOptions(), replicas=2, routing="prefix", host="127.0.0.1", port=free_port(),
+                 model_name=MODEL, routing_prefix_tokens=64)
+    yield url
+    undeploy(stop_ray=True)
+    redis.stop()
+
+
+def replica(index: int):
+    return serve.get_deployment_handle(f"kvstrata-replica-{index}", APP_NAME)
+
+
+def complete(url: str, prompt: str, max_tokens: int = 8, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def metric(url: str, name: str, replica_index: int | None = None, **labels: str) -> float:
+    """The value of one series on the cluster's /metrics: a replica's, or (no index) the cluster's total."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {**labels, **({} if replica_index is None else {"replica": str(replica_index)})}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in wanted.items()) and \
+                    (replica_index is not None or "replica" not in sample.labels):
+                return sample.value
+    raise AssertionError(f"{name} {wanted} is not on /metrics")
+
+
+def documents(count: int) -> list[str]:
+    words = ["river", "stone", "lamp", "garden", "winter", "letter", "harbour", "violin", "meadow", "clock"]
+    return [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(60)) for i in range(count)]
+
+
+def wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_the_same_prefix_meets_the_same_replica_and_distinct_prefixes_spread(cluster):
+    homes = []
+    for document in documents(8):
+        first = complete(cluster, document + " Question one?")
+        second = complete(cluster, document + " And a different question two?")
+        assert first.status_code == second.status_code == 200
+        assert first.headers[REPLICA_HEADER] == second.headers[REPLICA_HEADER]
+        homes.append(first.headers[REPLICA_HEADER])
+    assert set(homes) == {"0", "1"}
+    assert metric(cluster, "kvstrata:prefix_cache_hits_total") > 0  # the second questions reused the first's blocks
+
+
+def test_a_prefix_computed_on_one_replica_is_a_store_hit_on_the_other(cluster):
+    prompt = documents(9)[-1] + " What happened next?"
+    answer = complete(cluster, prompt)
+    home = int(answer.headers[REPLICA_HEADER])
+    other = 1 - home
+    wait_until(lambda: metric(cluster, "kvstrata:kv_store_written_bytes_total", home, tier="redis") > 0, 30, "the store write")
+    hits_before = metric(cluster, "kvstrata:kv_store_hit_tokens_total", other, tier="redis")
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+    messages = list(replica(other).forward.options(stream=True).remote(
+        "POST", "/v1/completions", "", headers, body.encode()))
+    assert messages[0].status == 200
+    direct = json.loads(b"".join(messages[1:]))
+    assert direct["choices"][0]["text"] == answer.json()["choices"][0]["text"]
+    assert metric(cluster, "kvstrata:kv_store_hit_tokens_total", other, tier="redis") > hits_before
+
+
+def test_the_openai_client_works_unchanged(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert completion.usage.completion_tokens == 5
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=5, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, stream=True) if chunk.choices)
+    assert streamed == completion.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="temperature"):  # the replica's own validation, passed on
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=-1)
+
+
+def _kill_when_running(url: str, index: int) -> None:
+    wait_until(lambda: metric(url, "kvstrata:num_requests_running", index) >= 1, 30, "the request to start")
+    os.kill(replica(index).identity.remote().result()["pid"], signal.SIGKILL)
+
+
+def test_killing_a_replica_loses_no_request_and_ray_restarts_it(cluster):
+    prompt = documents(10)[-1] + " Tell the whole story."
+    expected = complete(cluster, prompt, max_tokens=250)
+    home = int(expected.headers[REPLICA_HEADER])
+
+    # A stream that already sent tokens ends with a clear error event.
+    killer = threading.Thread(target=_kill_when_running, args=(cluster, home))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=120) as response:
+        killer.start()
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    killer.join()
+    assert lines[-1] == "data: [DONE]"
+    assert "failed mid-stream" in json.loads(lines[-2][6:])["error"]["message"]
+    wait_until(lambda: httpx.get(cluster + "/health").json()["replicas_up"] == 2, 120, "the replica's restart")
+
+    # A non-streaming request is answered by the other replica, exactly as the first would have.
+    home = int(complete(cluster, prompt, max_tokens=2).headers[REPLICA_HEADER])
+    killer = threading.Thread(target=_kill_when_running, args=(cluster, home))
+    killer.start()
+    answer = complete(cluster, prompt, max_tokens=250)
+    killer.join()
+    assert answer.status_code == 200
+    assert answer.headers[REPLICA_HEADER] != str(home)
+    assert answer.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
+    assert metric(cluster, "kvstrata:router_retries_total") >= 1
