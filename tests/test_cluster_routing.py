@@ -4,22 +4,38 @@ import pytest
 
 from kvstrata.cluster.metrics_merge import merge_replica_metrics
 from kvstrata.cluster.replica import per_replica_store, replica_config
-from kvstrata.cluster.routing import PrefixRouting, make_routing, routing_key
+from kvstrata.cluster.routing import PrefixRouting, make_routing, prompt_blocks
 from kvstrata.config import EngineConfig
 from kvstrata.errors import KvstrataError
 from kvstrata.server.metrics import ServerMetrics
 
 
-def keys(count: int) -> list[bytes]:
-    return [routing_key([i] * 40, 16, 256) for i in range(count)]
+def keys(count: int) -> list[list[bytes]]:
+    return [prompt_blocks([i] * 40, 16) for i in range(count)]
 
 
-def test_routing_key_covers_only_the_first_tokens():
+def test_unseen_prompts_hash_only_their_first_tokens():
+    routing, idle, up = PrefixRouting(8, key_tokens=256), [0] * 8, [True] * 8
     shared = list(range(300))
-    assert routing_key(shared + [1, 2], 16, 256) == routing_key(shared + [7], 16, 256)
-    assert routing_key([5] + shared, 16, 256) != routing_key(shared, 16, 256)
-    # A prompt shorter than one block still gets a key of its own.
-    assert routing_key([1, 2], 16, 256) != routing_key([1, 3], 16, 256)
+    homes = {routing.order(prompt_blocks(shared + list(range(1000, 1000 + n)), 16), idle, up)[0] for n in range(20)}
+    assert len(homes) == 1  # questions on one 300-token document: one replica
+    # A prompt shorter than one block still has a key of its own.
+    assert prompt_blocks([1, 2], 16) != prompt_blocks([1, 3], 16)
+
+
+def test_a_conversation_follows_the_replica_that_served_its_last_turn():
+    routing, idle, up = PrefixRouting(8), [0] * 8, [True] * 8
+    turn = list(range(40))  # shorter than the 256-token key: each turn alone would hash differently
+    first = routing.order(prompt_blocks(turn, 16), idle, up)[0]
+    routing.served(prompt_blocks(turn, 16), first)
+    for step in range(10):
+        turn = turn + list(range(100 * step, 100 * step + 30))
+        assert routing.order(prompt_blocks(turn, 16), idle, up)[0] == first
+        routing.served(prompt_blocks(turn, 16), first)
+    # a hot replica is passed over, even for a remembered prefix
+    loads = idle.copy()
+    loads[first] = 5
+    assert routing.order(prompt_blocks(turn, 16), loads, up)[0] != first
 
 
 def test_prefix_routing_is_sticky_and_spreads_distinct_prefixes():
@@ -101,3 +117,17 @@ def test_serve_refuses_cluster_flags_that_do_not_fit(flags, message, capsys):
 
     assert main(["serve", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_remembered_prefixes_are_bounded():
+    routing = PrefixRouting(2, memory_blocks=4)
+    routing.served(prompt_blocks(list(range(160)), 16), 1)  # ten blocks: the oldest six are forgotten
+    assert len(routing._memory) == 4
+
+
+def test_a_failed_replica_is_forgotten():
+    routing = PrefixRouting(4)
+    routing.served(prompt_blocks(list(range(64)), 16), 2)
+    routing.served(prompt_blocks(list(range(100, 164)), 16), 1)
+    routing.forget(2)  # it comes back with an empty cache
+    assert set(routing._memory.values()) == {1}

@@ -37,6 +37,11 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="closed loop: keep sending for this many seconds instead of --num-prompts requests")
     parser.add_argument("--prompt-len", type=int, default=256, help="approximate prompt tokens (default: 256)")
     parser.add_argument("--output-len", type=int, default=128, help="tokens to generate per request (default: 128)")
+    parser.add_argument("--shared-prefixes", type=int, default=0,
+                        help="draw every prompt's start from this many shared passages (documents asked several "
+                             "questions): prompt = one of them + a passage of --prompt-len tokens (default: 0, none)")
+    parser.add_argument("--shared-prefix-len", type=int, default=1024,
+                        help="approximate tokens of each shared passage (default: 1024)")
     parser.add_argument("--text", type=Path, default=EMMA, help="UTF-8 text the prompts are cut from")
     parser.add_argument("--goodput", default=None,
                         help="latency objectives in ms for goodput, e.g. ttft:2000,tpot:300,e2el:60000")
@@ -76,13 +81,58 @@ def wait_healthy(base_url: str, seconds: float = 120) -> None:
     raise KvstrataError(f"no healthy server at {base_url} after {seconds:.0f} s")
 
 
-def make_prompts(text: str, count: int, prompt_len: int, seed: int) -> list[str]:
-    """`count` passages of about `prompt_len` tokens from random places in `text`."""
-    width = prompt_len * CHARS_PER_TOKEN
-    if len(text) < 2 * width:
-        raise KvstrataError(f"the text has {len(text)} characters, too few for prompts of {prompt_len} tokens")
+def make_prompts(text: str, count: int, prompt_len: int, seed: int, shared_prefixes: int = 0,
+                 shared_prefix_len: int = 0) -> list[str]:
+    """`count` passages of about `prompt_len` tokens from random places in `text`; with `shared_prefixes`,
+    each comes after one of that many shared passages of about `shared_prefix_len` tokens, drawn at random."""
     rng = random.Random(seed)
+    passages = _passages(text, count, prompt_len, rng)
+    if not shared_prefixes:
+        return passages
+    documents = _passages(text, shared_prefixes, shared_prefix_len, rng)
+    return [f"{rng.choice(documents)}\n\n{passage}" for passage in passages]
+
+
+def _passages(text: str, count: int, tokens: int, rng: random.Random) -> list[str]:
+    width = tokens * CHARS_PER_TOKEN
+    if len(text) < 2 * width:
+        raise KvstrataError(f"the text has {len(text)} characters, too few for passages of {tokens} tokens")
     return [text[start : start + width] for start in (rng.randrange(len(text) - width) for _ in range(count))]
+
+
+def scrape_cache_counters(base_url: str) -> dict[str, float]:
+    """The server's prefix-cache and KV-store token counters (a cluster's totals, not its per-replica
+    series); empty for a server that has none."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        page = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30).text
+        families = list(text_string_to_metric_families(page))
+    except (httpx.HTTPError, ValueError):
+        return {}
+    counters = {}
+    for family in families:
+        for sample in family.samples:
+            if "replica" in sample.labels:
+                continue
+            if sample.name in ("kvstrata:prefix_cache_queries_total", "kvstrata:prefix_cache_hits_total"):
+                counters[sample.name.split(":")[1].removesuffix("_total")] = sample.value
+            elif sample.name == "kvstrata:kv_store_hit_tokens_total":
+                counters[f"kv_store_hit_tokens_{sample.labels['tier']}"] = sample.value
+    return counters
+
+
+def cache_report(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the run itself did to the caches: differences of the counters scraped around it."""
+    if not after:
+        return {}
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    queried = delta.get("prefix_cache_queries", 0.0)
+    report = {"prefix_cache_queried_tokens": int(queried),
+              "prefix_cache_hit_rate": round(delta.get("prefix_cache_hits", 0.0) / queried, 4) if queried else None}
+    report.update({name: int(value) for name, value in delta.items() if name.startswith("kv_store_hit_tokens_")})
+    return report
 
 
 def parse_goodput(spec: str | None) -> dict[str, float]:
@@ -245,7 +295,12 @@ def benchmark_server(args: argparse.Namespace) -> tuple[dict, list[RequestResult
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise KvstrataError(f"cannot reach a server at {args.base_url}: {exc}") from exc
     count = args.num_prompts if args.duration is None else max(args.num_prompts, args.concurrency)
-    prompts = make_prompts(read_text(args.text), count, args.prompt_len, args.seed)
+    if args.shared_prefixes < 0 or args.shared_prefix_len < 1:
+        raise KvstrataError(f"--shared-prefixes must be at least 0 and --shared-prefix-len at least 1, got "
+                            f"{args.shared_prefixes} and {args.shared_prefix_len}")
+    prompts = make_prompts(read_text(args.text), count, args.prompt_len, args.seed, args.shared_prefixes,
+                           args.shared_prefix_len)
+    counters = scrape_cache_counters(args.base_url)
     with tqdm(total=None if args.duration else len(prompts), desc="requests") as progress:  # on stderr
         results, duration = asyncio.run(_run_load(args, model, prompts, progress))
     report = {
@@ -256,10 +311,12 @@ def benchmark_server(args: argparse.Namespace) -> tuple[dict, list[RequestResult
         "workload": {
             "endpoint": args.endpoint, "num_prompts": len(results), "request_rate": str(args.request_rate),
             "concurrency": args.concurrency, "duration_s": args.duration, "prompt_len": args.prompt_len,
+            "shared_prefixes": args.shared_prefixes, "shared_prefix_len": args.shared_prefix_len,
             "output_len": args.output_len, "text": str(args.text), "seed": args.seed, "goodput_ms":
             {k: v * 1000 for k, v in goodput.items()},
         },
         **summarize_results(results, duration, goodput),
+        **cache_report(counters, scrape_cache_counters(args.base_url)),
     }
     return report, results
 

@@ -16,14 +16,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvstrata.cluster.asgi_call import ResponseStart
 from kvstrata.cluster.metrics_merge import merge_replica_metrics
-from kvstrata.cluster.routing import make_routing, routing_key
+from kvstrata.cluster.routing import make_routing, prompt_blocks
 from kvstrata.errors import KvstrataError
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -35,6 +35,7 @@ PROBE_SECONDS = 1.0  # how often a replica marked down is asked whether it is ba
 PROBE_TIMEOUT_SECONDS = 5.0
 METRICS_TIMEOUT_SECONDS = 5.0
 REPLICA_HEADER = "x-kvstrata-replica"  # which replica answered: for operators and tests
+disable_created_metrics()  # as the single server does: the *_created series only add noise for scrapers
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class FrontOptions:
     model_name: str
     routing: str
     block_size: int
-    routing_prefix_tokens: int  # how much of the prompt the routing key covers
+    routing_prefix_tokens: int  # how much of a prompt never seen before its consistent-hashing key covers
     max_request_bytes: int
 
 
@@ -62,7 +63,8 @@ class Frontend:
         self.options = options
         self.replicas = replicas
         self.tokenizer = Tokenizer.from_directory(Path(options.checkpoint))
-        self.routing = make_routing(options.routing, len(replicas))
+        self.routing = make_routing(options.routing, len(replicas), options.block_size,
+                                    options.routing_prefix_tokens)
         self.loads = [0] * len(replicas)  # requests in flight on each replica, from this front
         self.up = [True] * len(replicas)
         self.fingerprint: str | None = None  # of the model every replica must serve: set by check_replicas
@@ -90,26 +92,29 @@ class Frontend:
             return JSONResponse(error_body(f"the request body has {len(body)} bytes, more than the "
                                            f"{self.options.max_request_bytes} allowed", kind="request_too_large"),
                                 status_code=413)
-        key, streaming = None, False
+        blocks, streaming = None, False
         if request.method == "POST" and path in COMPLETION_PATHS:
-            key, streaming = await asyncio.to_thread(self._route_on, COMPLETION_PATHS[path], body)
+            blocks, streaming = await asyncio.to_thread(self._route_on, COMPLETION_PATHS[path], body)
         headers = [(k, v) for k, v in request.headers.items() if k not in ("host", "content-length")]
         headers.append(("content-length", str(len(body))))
         call = (request.method, path, request.url.query, headers, body)
-        order = self.routing.order(key, self.loads, self.up)
+        order = self.routing.order(blocks, self.loads, self.up)
         for attempt, index in enumerate(order):
             if attempt:
                 self.retries.inc()
             try:
-                return await self._send(index, call, streaming)
+                response = await self._send(index, call, streaming)
+                self.routing.served(blocks, index)
+                return response
             except ReplicaFailed as exc:
                 log.warning("replica %d failed a request (%s); %s", index, exc,
                             "trying the next" if attempt + 1 < len(order) else "none left")
         return JSONResponse(error_body("no replica could serve the request; retry later", kind="server_overloaded"),
                             status_code=503, headers={"Retry-After": "1"})
 
-    def _route_on(self, schema, body: bytes) -> tuple[bytes | None, bool]:
-        """(routing key, streamed?) of a completion request; no key for a body its replica will refuse."""
+    def _route_on(self, schema, body: bytes) -> tuple[list[bytes] | None, bool]:
+        """(the prompt's block hashes, streamed?) of a completion request; no hashes for a body its replica
+        will refuse."""
         try:
             parsed = schema.model_validate_json(body)
             if isinstance(parsed, ChatCompletionRequest):
@@ -119,8 +124,7 @@ class Frontend:
                 token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         except (ValidationError, KvstrataError, ValueError):
             return None, False
-        key = routing_key(token_ids, self.options.block_size, self.options.routing_prefix_tokens)
-        return key, bool(parsed.stream)
+        return prompt_blocks(token_ids, self.options.block_size), bool(parsed.stream)
 
     async def _send(self, index: int, call: tuple, streaming: bool) -> Response:
         """One replica's answer. Raises ReplicaFailed while the client has received nothing yet."""
@@ -165,6 +169,7 @@ class Frontend:
 
     def _mark_down(self, index: int) -> None:
         self.up[index] = False
+        self.routing.forget(index)
         self.replica_up.labels(replica=str(index)).set(0)
         if index not in self._probes or self._probes[index].done():
             self._probes[index] = asyncio.create_task(self._probe_until_back(index))

@@ -11,7 +11,6 @@ import argparse
 import logging
 import os
 import signal
-import threading
 
 from kvstrata.cluster.frontend import Frontend, FrontOptions
 from kvstrata.cluster.replica import EngineReplica, replica_config
@@ -82,11 +81,12 @@ def undeploy(stop_ray: bool) -> None:
 
 def run_replicated(args: argparse.Namespace, config: EngineConfig, options: ServerOptions) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Ray's core installs a handler that dumps and kills the process on SIGTERM; with the signals blocked
+    # here, before Ray starts its threads (they inherit the mask), they wait for sigwait below instead.
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     url = deploy(config, options, args.replicas, args.routing, args.host, args.port, args.served_model_name,
                  args.ray_address, args.routing_prefix_tokens)
     logging.getLogger("kvstrata.cluster").info("%d replicas behind %s (routing: %s)", args.replicas, url, args.routing)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    signal.sigwait(stop_signals)
     undeploy(stop_ray=args.ray_address is None)  # an existing cluster keeps running
