@@ -4,7 +4,6 @@ a replica killed mid-request, and the official OpenAI client against the one end
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -13,6 +12,7 @@ import pytest
 import ray  # the cluster extra: `make test` installs it, so these tests run on every fresh machine
 from ray import serve
 
+from kvstrata.bench.redis_server import RedisServer, free_port
 from kvstrata.cluster.frontend import REPLICA_HEADER
 from kvstrata.cluster.launch import APP_NAME, deploy, undeploy
 from kvstrata.config import EngineConfig
@@ -21,32 +21,29 @@ from kvstrata.server.options import ServerOptions
 MODEL = "tiny"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory):
-    from kvstrata.bench.redis_server import RedisServer
-
-    redis = RedisServer(tmp_path_factory.mktemp("redis")).start()
+def cluster(tiny_llama, redis):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = EngineConfig(model=str(tiny_llama), kv_store=f"host:64MiB,{redis.url}", kv_store_chunk_tokens=64)
     url = deploy(config, ServerOptions(), replicas=2, routing="prefix", host="127.0.0.1", port=free_port(),
                  model_name=MODEL, routing_prefix_tokens=64)
     yield url
     undeploy(stop_ray=True)
-    redis.stop()
 
 
 def replica(index: int):
     return serve.get_deployment_handle(f"kvstrata-replica-{index}", APP_NAME)
 
 
-def complete(url: str, prompt: str, max_tokens: int = 8, **extra) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+def complete(url: str, prompt: str, max_tokens: int = 8) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     return httpx.post(url + "/v1/completions", json=body, timeout=120)
 
 
@@ -153,3 +150,12 @@ def test_killing_a_replica_loses_no_request_and_ray_restarts_it(cluster):
     assert answer.headers[REPLICA_HEADER] != str(home)
     assert answer.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
     assert metric(cluster, "kvstrata:router_retries_total") >= 1
+
+
+def test_losing_the_shared_redis_degrades_to_recompute(cluster, redis):
+    prompt = documents(11)[-1] + " One more question?"
+    failures_before = metric(cluster, "kvstrata:kv_store_errors_total", tier="redis")
+    redis.stop()  # the last test of the module: the others need Redis
+    answer = complete(cluster, prompt)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
+    assert metric(cluster, "kvstrata:kv_store_errors_total", tier="redis") > failures_before

@@ -20,7 +20,6 @@ from kvstrata.server.options import ServerOptions
 
 APP_NAME = "kvstrata"
 HEALTH_CHECK_SECONDS = 2.0  # how soon Ray Serve notices a replica that stopped answering
-REPLICA_START_SECONDS = 600.0  # a replica converts and loads its model before it is healthy
 
 
 def _ray():
@@ -35,7 +34,8 @@ def _ray():
 def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing: str, host: str, port: int,
            model_name: str | None = None, ray_address: str | None = None,
            routing_prefix_tokens: int = 256) -> str:
-    """Start (or join, with `ray_address`) Ray, run the replicas and the front; returns the endpoint's URL."""
+    """Start (or join, with `ray_address`) Ray, run the replicas and the front; returns the endpoint's URL.
+    Serve keeps the host and port it first started with for as long as its Ray instance lives."""
     from kvstrata.model.loader import resolve_checkpoint
 
     if replicas < 1:
