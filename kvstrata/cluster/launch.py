@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 
 from kvstrata.cluster.frontend import Frontend, FrontOptions
 from kvstrata.cluster.replica import EngineReplica, replica_config
@@ -31,6 +32,16 @@ def _ray():
     return ray, serve
 
 
+def connect_ray(address: str | None) -> None:
+    """Start a local Ray instance (address None) or join a cluster, unless this process already did; the
+    replicas see this process's KVSTRATA_* settings."""
+    ray, _ = _ray()
+    if not ray.is_initialized():
+        env = {k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_")}
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env} if env else None)
+
+
 def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing: str, host: str, port: int,
            model_name: str | None = None, ray_address: str | None = None,
            routing_prefix_tokens: int = 256) -> str:
@@ -40,13 +51,10 @@ def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing:
 
     if replicas < 1:
         raise KvstrataError(f"--replicas must be at least 1, got {replicas}")
-    ray, serve = _ray()
+    _, serve = _ray()
     checkpoint, name = resolve_checkpoint(config.model)  # converts a GGUF file once, here, for every replica
     model_name = model_name or name
-    if not ray.is_initialized():
-        env = {k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_")}
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": env} if env else None)
+    connect_ray(ray_address)
     serve.start(http_options={"host": host, "port": port})
     # Ray Serve's default of 5 requests per replica would queue requests the engine could batch.
     most_in_flight = options.max_waiting + config.max_num_seqs
@@ -81,12 +89,16 @@ def undeploy(stop_ray: bool) -> None:
 
 def run_replicated(args: argparse.Namespace, config: EngineConfig, options: ServerOptions) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Ray's core installs a handler that dumps and kills the process on SIGTERM; with the signals blocked
-    # here, before Ray starts its threads (they inherit the mask), they wait for sigwait below instead.
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    # This server stops on SIGTERM and SIGINT by itself, cleanly, with status 0. Ray's core would install
+    # a handler that dumps a stack on SIGTERM, and ray.init replaces ours with one that exits with status
+    # 15: ours goes back as soon as Ray is up (a signal during ray.init still meets Ray's).
+    os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"  # read when ray is first imported, below
+    connect_ray(args.ray_address)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     url = deploy(config, options, args.replicas, args.routing, args.host, args.port, args.served_model_name,
                  args.ray_address, args.routing_prefix_tokens)
     logging.getLogger("kvstrata.cluster").info("%d replicas behind %s (routing: %s)", args.replicas, url, args.routing)
-    signal.sigwait(stop_signals)
+    stop.wait()
     undeploy(stop_ray=args.ray_address is None)  # an existing cluster keeps running
