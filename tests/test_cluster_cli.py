@@ -23,7 +23,8 @@ def test_serve_with_replicas_answers_and_stops_cleanly_on_sigterm(tiny_llama):
             assert server.poll() is None, server.stderr.read().decode()[-2000:]
             assert time.time() < deadline, "the replicated server did not come up"
             try:
-                if httpx.get(url + "/health", timeout=2).json().get("replicas_up") == 2:
+                health = httpx.get(url + "/health", timeout=2)  # Serve's proxy answers in plain text until
+                if health.status_code == 200 and health.json().get("replicas_up") == 2:  # the app is up
                     break
             except httpx.HTTPError:
                 pass

@@ -119,6 +119,22 @@ def test_the_openai_client_works_unchanged(cluster):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=-1)
 
 
+def test_a_client_that_leaves_has_its_request_aborted_on_the_replica(cluster):
+    body = {"model": MODEL, "prompt": documents(12)[-1], "max_tokens": 250, "ignore_eos": True, "stream": True}
+    aborted = metric(cluster, "kvstrata:request_success_total", finished_reason="abort") \
+        if "finished_reason=\"abort\"" in httpx.get(cluster + "/metrics").text else 0.0
+    with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=60) as response:
+        next(response.iter_lines())  # the first event arrived: the request runs on its replica; now leave
+    wait_until(lambda: 'finished_reason="abort"' in httpx.get(cluster + "/metrics").text and
+               metric(cluster, "kvstrata:request_success_total", finished_reason="abort") > aborted, 30,
+               "the replica to abort the request")
+
+
+def test_a_body_routing_cannot_read_is_still_answered_by_a_replica(cluster):
+    answer = httpx.post(cluster + "/v1/completions", json={"model": MODEL, "prompt": [2**70], "max_tokens": 2})
+    assert answer.status_code == 400, answer.text
+
+
 def _kill_when_running(url: str, index: int) -> None:
     wait_until(lambda: metric(url, "kvstrata:num_requests_running", index) >= 1, 30, "the request to start")
     os.kill(replica(index).identity.remote().result()["pid"], signal.SIGKILL)

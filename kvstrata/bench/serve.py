@@ -124,8 +124,9 @@ def scrape_cache_counters(base_url: str) -> dict[str, float]:
 
 
 def cache_report(before: dict[str, float], after: dict[str, float]) -> dict:
-    """What the run itself did to the caches: differences of the counters scraped around it."""
-    if not after:
+    """What the run itself did to the caches: differences of the counters scraped around it (nothing
+    unless both scrapes found them; a replica restarted during the run resets its share)."""
+    if not before or not after:
         return {}
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
     queried = delta.get("prefix_cache_queries", 0.0)

@@ -10,6 +10,7 @@ tokens ends with an error event instead (a second replica would restart the text
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 from pydantic import ValidationError
+from ray.exceptions import RayActorError, RayError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -41,7 +44,6 @@ disable_created_metrics()  # as the single server does: the *_created series onl
 @dataclass(frozen=True)
 class FrontOptions:
     checkpoint: str  # the converted model directory: its tokenizer computes routing keys
-    model_name: str
     routing: str
     block_size: int
     routing_prefix_tokens: int  # how much of a prompt never seen before its consistent-hashing key covers
@@ -52,10 +54,23 @@ class ReplicaFailed(Exception):
     """The replica died or became unreachable before the client received anything."""
 
 
-def _replica_failures() -> tuple[type[BaseException], ...]:
-    from ray.exceptions import RayError
+# Errors that mean the replica, not the request, failed: it died, or Serve has none to call.
+REPLICA_FAILURES = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
 
-    return (RayError,)
+
+class _ReleasingStream(StreamingResponse):
+    """A streaming response that runs `release` once it ends, however it ends (even when the client left
+    before its body was started)."""
+
+    def __init__(self, content, release, **kwargs):
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
 
 
 class Frontend:
@@ -67,7 +82,9 @@ class Frontend:
                                     options.routing_prefix_tokens)
         self.loads = [0] * len(replicas)  # requests in flight on each replica, from this front
         self.up = [True] * len(replicas)
-        self.fingerprint: str | None = None  # of the model every replica must serve: set by check_replicas
+        # Of the model every replica must serve: set by check_replicas at deployment, or learnt from the
+        # first replica that answers if Serve restarted this front.
+        self.fingerprint: str | None = None
         self._probes: dict[int, asyncio.Task] = {}
         self.registry = CollectorRegistry()
         self.routed = Counter("kvstrata:router_requests", "Requests sent to each replica (retries included)",
@@ -98,17 +115,24 @@ class Frontend:
         headers = [(k, v) for k, v in request.headers.items() if k not in ("host", "content-length")]
         headers.append(("content-length", str(len(body))))
         call = (request.method, path, request.url.query, headers, body)
-        order = self.routing.order(blocks, self.loads, self.up)
+        # Replicas marked down are skipped: Serve would hold a request for a dead one until it restarts.
+        order = [i for i in self.routing.order(blocks, self.loads, self.up) if self.up[i]]
         for attempt, index in enumerate(order):
             if attempt:
                 self.retries.inc()
             try:
                 response = await self._send(index, call, streaming)
-                self.routing.served(blocks, index)
-                return response
             except ReplicaFailed as exc:
                 log.warning("replica %d failed a request (%s); %s", index, exc,
                             "trying the next" if attempt + 1 < len(order) else "none left")
+                continue
+            except RayError as exc:  # the request's own failure inside the replica: trying others would repeat it
+                log.error("replica %d could not serve a request: %s", index, exc)
+                return JSONResponse(error_body(f"internal error: {type(exc).__name__}", kind="internal_error"),
+                                    status_code=500)
+            if 200 <= response.status_code < 300:
+                self.routing.served(blocks, index)
+            return response
         return JSONResponse(error_body("no replica could serve the request; retry later", kind="server_overloaded"),
                             status_code=503, headers={"Retry-After": "1"})
 
@@ -122,16 +146,27 @@ class Frontend:
             else:
                 prompt = parsed.single_prompt
                 token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        except (ValidationError, KvstrataError, ValueError):
+            return prompt_blocks(token_ids, self.options.block_size), bool(parsed.stream)
+        except (ValidationError, KvstrataError, ValueError, OverflowError):  # e.g. a token id beyond 64 bits
             return None, False
-        return prompt_blocks(token_ids, self.options.block_size), bool(parsed.stream)
 
     async def _send(self, index: int, call: tuple, streaming: bool) -> Response:
         """One replica's answer. Raises ReplicaFailed while the client has received nothing yet."""
         self.routed.labels(replica=str(index), routing=self.options.routing).inc()
         self.loads[index] += 1
         messages = self.replicas[index].forward.options(stream=True).remote(*call)
-        committed = False
+        released = committed = False
+
+        def release() -> None:  # once: the request no longer counts against the replica, and stops there
+            nonlocal released
+            if not released:
+                released = True
+                self.loads[index] -= 1
+                # Best effort, a no-op once the stream ended. Serve already passes a client's leaving on to
+                # the replica; this also stops a request the front itself gave up on.
+                with contextlib.suppress(Exception):
+                    messages.cancel()
+
         try:
             try:
                 start = await anext(messages)
@@ -139,19 +174,19 @@ class Frontend:
                 first = await anext(messages, b"")
                 if not streaming:
                     body = first + b"".join([chunk async for chunk in messages])
-            except _replica_failures() as exc:
+            except REPLICA_FAILURES as exc:
                 self._mark_down(index)
                 raise ReplicaFailed(type(exc).__name__) from exc
             headers = {k: v for k, v in start.headers if k != "content-length"}
             headers[REPLICA_HEADER] = str(index)
             if not streaming:
                 return Response(body, status_code=start.status, headers=headers)
-            committed = True
-            return StreamingResponse(self._relay(index, first, messages), status_code=start.status,
-                                     headers=headers)
+            committed = True  # from here the stream releases the request when it ends
+            return _ReleasingStream(self._relay(index, first, messages), release, status_code=start.status,
+                                    headers=headers)
         finally:
             if not committed:
-                self.loads[index] -= 1
+                release()
 
     async def _relay(self, index: int, first: bytes, messages) -> AsyncIterator[bytes]:
         try:
@@ -159,15 +194,15 @@ class Frontend:
                 yield first
             async for chunk in messages:
                 yield chunk
-        except _replica_failures() as exc:
+        except REPLICA_FAILURES as exc:
             self._mark_down(index)
             message = f"replica {index} failed mid-stream ({type(exc).__name__}); the text so far is incomplete"
             yield sse(json.dumps(error_body(message, kind="server_error"))).encode()
             yield sse("[DONE]").encode()
-        finally:
-            self.loads[index] -= 1
 
     def _mark_down(self, index: int) -> None:
+        if not self.up[index]:
+            return  # the other requests it held are failing too: one probe, one forget
         self.up[index] = False
         self.routing.forget(index)
         self.replica_up.labels(replica=str(index)).set(0)
@@ -180,8 +215,10 @@ class Frontend:
             await asyncio.sleep(PROBE_SECONDS)
             try:
                 identity = await asyncio.wait_for(self.replicas[index].identity.remote(), PROBE_TIMEOUT_SECONDS)
-            except (TimeoutError, *_replica_failures()):
+            except Exception as exc:  # noqa: BLE001 - not back yet, whatever Serve says; the probe must go on
+                log.debug("replica %d not back yet: %s", index, type(exc).__name__)
                 continue
+            self.fingerprint = self.fingerprint or identity["fingerprint"]
             if identity["fingerprint"] != self.fingerprint:
                 log.error("replica %d came back serving model %s, not %s: kept out", index, identity["fingerprint"],
                           self.fingerprint)
@@ -208,7 +245,7 @@ class Frontend:
                 messages = self.replicas[index].forward.options(stream=True).remote(*call)
                 parts = await asyncio.wait_for(_collect(messages), METRICS_TIMEOUT_SECONDS)
                 return index, b"".join(parts[1:]).decode()
-            except (TimeoutError, *_replica_failures()):
+            except Exception:  # noqa: BLE001 - a replica that cannot answer is left out of this page
                 return index, None
 
         pages = await asyncio.gather(*(page(i) for i, up in enumerate(self.up) if up))

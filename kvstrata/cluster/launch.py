@@ -65,11 +65,13 @@ def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing:
         .bind(replica_config(config, i, replicas), model_name, options)
         for i in range(replicas)
     ]
-    front = FrontOptions(checkpoint=str(checkpoint), model_name=model_name, routing=routing,
+    front = FrontOptions(checkpoint=str(checkpoint), routing=routing,
                          block_size=config.block_size, routing_prefix_tokens=routing_prefix_tokens,
                          max_request_bytes=options.max_request_bytes)
     app = serve.deployment(Frontend, name="kvstrata-front", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                           max_ongoing_requests=replicas * most_in_flight).bind(front, *bound)
+                           max_ongoing_requests=replicas * most_in_flight,
+                           # outlives the replicas' grace, so their streams' closing error events get through
+                           graceful_shutdown_timeout_s=options.shutdown_grace + 10).bind(front, *bound)
     handle = serve.run(app, name=APP_NAME, route_prefix="/")
     try:
         handle.check_replicas.remote().result()

@@ -42,7 +42,6 @@ class EngineReplica:
 
         self.engine = LLMEngine(config)
         self.app = build_app(self.engine, model_name, options)
-        self.model_name = model_name
         self.app.state.async_engine.start()  # what the app's lifespan does under uvicorn
 
     async def forward(self, method: str, path: str, query: str, headers: list[tuple[str, str]],
@@ -51,8 +50,9 @@ class EngineReplica:
             yield message
 
     def identity(self) -> dict:
-        """What the front checks before sending a replica requests: the model it serves."""
-        return {"model": self.model_name, "fingerprint": self.engine.model_fingerprint, "pid": os.getpid()}
+        """What the front checks before sending a replica requests (the fingerprint of the model it serves),
+        and its process (for operators and tests)."""
+        return {"fingerprint": self.engine.model_fingerprint, "pid": os.getpid()}
 
     def __del__(self):  # Ray Serve's shutdown hook: requests in flight end with an error; store writes finish
         self.app.state.async_engine.stop()
