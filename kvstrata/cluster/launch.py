@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 
-from kvstrata.cluster.frontend import Frontend, FrontOptions
 from kvstrata.cluster.replica import EngineReplica, replica_config
 from kvstrata.config import EngineConfig
 from kvstrata.errors import KvstrataError
@@ -52,6 +51,8 @@ def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing:
     if replicas < 1:
         raise KvstrataError(f"--replicas must be at least 1, got {replicas}")
     _, serve = _ray()
+    from kvstrata.cluster.frontend import Frontend, FrontOptions  # imports Ray
+
     checkpoint, name = resolve_checkpoint(config.model)  # converts a GGUF file once, here, for every replica
     model_name = model_name or name
     connect_ray(ray_address)
