@@ -131,3 +131,14 @@ def test_a_failed_replica_is_forgotten():
     routing.served(prompt_blocks(list(range(100, 164)), 16), 1)
     routing.forget(2)  # it comes back with an empty cache
     assert set(routing._memory.values()) == {1}
+
+
+def test_replicas_without_ray_say_how_to_install_it(monkeypatch):
+    import sys
+
+    from kvstrata.cluster.launch import deploy
+    from kvstrata.server.options import ServerOptions
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if the cluster extra were not installed
+    with pytest.raises(KvstrataError, match=r"pip install 'kvstrata\[cluster\]'"):
+        deploy(EngineConfig(model="m"), ServerOptions(), 2, "prefix", "127.0.0.1", 8000)
