@@ -4,7 +4,7 @@ load), round-robin, least-loaded.
 A request is described by the chained hashes of its prompt's full blocks (the prefix cache's own keys,
 without the namespace: every replica serves the same model). Every policy answers with an order over
 the replicas: the first is the choice, the rest are where a request goes if that replica dies under it.
-Replicas marked down come last, so a request is only sent to one when no other is up.
+Replicas marked down come last (the front skips them: Serve would hold a request for a dead one).
 """
 
 from __future__ import annotations
