@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import sys
 import tempfile
@@ -202,7 +201,6 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32, help="faults: concurrent clients")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
-    random.seed(args.seed)
     ray.init(include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as scratch:
         store = RedisServer(Path(scratch)).start()

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from kvstrata.cluster.asgi_call import ResponseStart, call_app
 from kvstrata.config import EngineConfig
+from kvstrata.kv.store.spec import disk_part
 from kvstrata.server.options import ServerOptions
 
 
@@ -21,7 +22,7 @@ def per_replica_store(spec: str | None, index: int) -> str | None:
     for part in spec.split(","):
         part = part.strip()
         if part.startswith("disk:"):
-            directory, _, size = part[len("disk:"):].rpartition(":")
+            directory, size = disk_part(part)
             part = f"disk:{os.path.join(directory, f'replica-{index}')}:{size}"
         parts.append(part)
     return ",".join(parts)

@@ -36,7 +36,7 @@ def _tier(part: str, timeout: float) -> Tier:
     if part.startswith("host:"):
         return HostTier(_size(part, part[len("host:"):]))
     if part.startswith("disk:"):
-        directory, _, size = part[len("disk:"):].rpartition(":")
+        directory, size = disk_part(part)
         if not directory:
             raise KvstrataError(f"kv_store part {part!r} needs a directory and a size, e.g. disk:/var/cache/kvstrata:20GiB")
         try:
@@ -45,6 +45,12 @@ def _tier(part: str, timeout: float) -> Tier:
             raise KvstrataError(f"kv_store part {part!r}: {exc}") from None
     raise KvstrataError(f"kv_store part {part!r} is not a tier; use host:SIZE, disk:DIR:SIZE or redis://HOST:PORT "
                         f"(e.g. {EXAMPLE})")
+
+
+def disk_part(part: str) -> tuple[str, str]:
+    """(directory, size text) of a `disk:DIR:SIZE` part; the directory may itself hold colons."""
+    directory, _, size = part[len("disk:"):].rpartition(":")
+    return directory, size
 
 
 def _size(part: str, text: str) -> int:
