@@ -6,7 +6,8 @@ Contexts of 4,000 tokens (Emma, Persuasion, the Python tutorial, KJV Acts), plus
 to a real Redis server (loopback, started here) in the `levels` form by one engine. Fresh engines then ask
 them again, one request at a time, with the Redis link emulated by a token bucket over each bandwidth trace
 (`--kv-store-link-gbps`: the bytes travel for real, then each read waits for the emulated link; the trace
-restarts at every load). Per trace, every fixed level (float16 is the raw float16 baseline) runs once, and
+restarts at every load; the two random traces redraw the rate every 0.2 s, as the paper's per-chunk draws).
+Per trace, every fixed level (float16 is the raw float16 baseline) runs once, and
 adaptation (`--kv-store-level auto --ttft-slo S`) once per objective; recompute (no store) is measured once,
 since no link is involved. Reported: TTFT of every request (from its arrival: lookup, fetch, decode and the
 prefill of what was not loaded), the share of requests over each objective, the chunks per level and, for
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -38,7 +40,18 @@ TEXTS = {"emma": EMMA, "persuasion": DATA / "persuasion.txt", "python_tutorial":
          "kjv_acts": DATA / "kjv_acts.txt"}
 CONTEXT_TOKENS = 4000
 QUESTION = "\n\nQuestion: What is the passage above about?\nAnswer:"
-TRACES = {"steady_0.1gbps": "0.1", "steady_1gbps": "1", "steady_10gbps": "10", "drop_10_to_0.1gbps": "10:0.02,0.1"}
+
+
+def random_trace(seed: int, segments: int = 40, seconds: float = 0.2) -> str:
+    """The paper's adaptation runs (§7.4) draw each chunk's bandwidth from 0.1-10 Gbps: here the rate is drawn
+    anew every `seconds` (about one chunk's load on this machine), log-uniform over 0.1-10 Gbps, seeded."""
+    rng = random.Random(seed)
+    rates = [f"{10 ** rng.uniform(-1, 1):.3g}" for _ in range(segments)]
+    return ",".join(f"{rate}:{seconds}" for rate in rates[:-1]) + f",{rates[-1]}"
+
+
+TRACES = {"steady_0.1gbps": "0.1", "steady_1gbps": "1", "steady_10gbps": "10", "drop_10_to_0.1gbps": "10:0.02,0.1",
+          "random_a": random_trace(1), "random_b": random_trace(2)}
 
 
 def engine(**options) -> LLMEngine:
@@ -92,7 +105,7 @@ def miss_share(times: list[float], slo: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--slos", default="2.5,3.0,3.5", help="time-to-first-token objectives, seconds")
+    parser.add_argument("--slos", default="2.0,2.5,3.0,3.5", help="time-to-first-token objectives, seconds")
     parser.add_argument("--per-text", type=int, default=2, help="contexts per text")
     parser.add_argument("--traces", default=",".join(TRACES), help=f"of {', '.join(TRACES)}")
     args = parser.parse_args()
@@ -145,6 +158,8 @@ def summary(report: dict, slos: list[float]) -> dict:
             policies["adaptive"].append(trace["runs"][f"adaptive@{slo}s"]["miss_share"][key])
         row = {policy: sum(shares) / len(shares) for policy, shares in policies.items()}
         row["recompute"] = report["recompute"]["miss_share"][key]
+        row["adaptive_chunks_below_allowed"] = {name: trace["runs"][f"adaptive@{slo}s"]["chunks_below_allowed"]
+                                                for name, trace in report["traces"].items()}
         result[key] = row
     return result
 

@@ -7,6 +7,8 @@ import torch
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.adaptation import (
     DEFAULT_LEVEL,
+    FIRST_PLAN_FACTOR,
+    PLAN_ERRORS_KEPT,
     TEXT,
     LinkEstimate,
     choose_option,
@@ -129,6 +131,26 @@ def test_nothing_fits_so_the_quickest_option_is_taken():
     assert choose_option([SIZES], 256, 0.1, LinkEstimate(0.1 * MBPS, {}, PrefillSpeed(per_token=1e-6))) == TEXT  # text quicker than bytes
 
 
+def test_plans_are_stretched_by_the_worst_error_of_recent_loads():
+    link = LinkEstimate(8 * MBPS, {}, PrefillSpeed(per_token=0.002))
+    assert link.plan_factor() == FIRST_PLAN_FACTOR
+    assert choose_option([SIZES] * 8, 256, 1.0, link) == "medium"  # 0.88 s of 0.9
+    link.observe_plan(predicted=1.0, actual=1.3)  # the last load took 30% longer than its plan said
+    assert link.plan_factor() == pytest.approx(1.3)
+    assert choose_option([SIZES] * 8, 256, 1.0, link) == "low"  # 0.57 x 1.3 = 0.74 s of 1
+    for _ in range(PLAN_ERRORS_KEPT - 1):
+        link.observe_plan(predicted=1.0, actual=1.1)
+    assert link.plan_factor() == pytest.approx(1.3)  # still among the recent loads
+    link.observe_plan(predicted=1.0, actual=0.5)  # the 1.3 is forgotten; early loads do not shrink the margin
+    assert link.plan_factor() == pytest.approx(1.1)
+    for _ in range(PLAN_ERRORS_KEPT):
+        link.observe_plan(predicted=1.0, actual=0.5)
+    assert link.plan_factor() == 1.0 and choose_option([SIZES] * 8, 256, 0.89, link) == "medium"  # 0.88 s of 0.89
+    assert choose_option([SIZES] * 8, 256, 0.89, LinkEstimate(8 * MBPS, {}, link.prefill)) == "low"  # before: 0.8
+    link.observe_plan(predicted=0.0, actual=0.5)  # nothing was predicted: nothing to learn
+    assert len(link.plan_errors) == PLAN_ERRORS_KEPT and link.plan_factor() == 1.0
+
+
 def test_a_slow_decoder_counts_where_it_is_slower_than_the_link():
     link = LinkEstimate(1000 * MBPS, {"float16": 0.01, "high": 0.3})
     # float16: read (5.9 ms), decode (10 ms) while the second is read, decode the second: 25.9 ms.
@@ -242,6 +264,9 @@ def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_ser
     assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
     chosen = reader.kv_store.stats.chunks_by_option
     assert sum(chosen.values()) == len(PROMPTS) * (199 // CHUNK) and "float16" not in chosen
+    # Each load's first plan was held against the time its first token took.
+    assert len(reader.kv_store.estimate.plan_errors) == len(PROMPTS)
+    assert all(error > 0 for error in reader.kv_store.estimate.plan_errors)
     # What followed each load besides its prefill (estimated at 1 s a token here, so nothing is left of it).
     assert reader.kv_store.estimate.after_load_seconds == 0.0
     reader.kv_store.estimate.prefill = PrefillSpeed(per_token=0.001)

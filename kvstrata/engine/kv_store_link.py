@@ -27,7 +27,14 @@ import torch
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.storage import KVStorage
-from kvstrata.kv.store.adaptation import TEXT, LinkEstimate, choose_option, decode_seconds, quality_rank
+from kvstrata.kv.store.adaptation import (
+    TEXT,
+    LinkEstimate,
+    choose_option,
+    decode_seconds,
+    option_seconds,
+    quality_rank,
+)
 from kvstrata.kv.store.emulated_link import EmulatedLink, parse_trace
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
 from kvstrata.kv.store.forms import parse_tier_forms, stored_form
@@ -127,6 +134,7 @@ class KVStoreLink:
         recomputed = PrefillWork.span(loads_end, seq.num_tokens - loads_end)  # prefilled whatever happens
         decoding: dict[int, Future] = {}
         levels: dict[int, str | None] = {}  # of the chunks read
+        planned = False  # whether this load's first adaptive choice was made (its prediction is checked later)
         for index, where in enumerate(found):
             chunk = first + index
             probe = self._probe(where) if index == 0 and self._adapts(where) else None
@@ -135,6 +143,10 @@ class KVStoreLink:
                 backlog = sum(decode_seconds(levels[i], self.estimate) for i, f in decoding.items()
                               if not f.done() and levels[i] is not None)
                 level = self._pick(found[index:], chunk, recomputed, seconds_left, backlog)
+                if not planned and self._adapts(where):
+                    seq.store_plan = (time.perf_counter(), self._plan_seconds(level, found[index:], chunk,
+                                                                              recomputed, backlog))
+                    planned = True
                 self.stats.chunks_by_option[level] = self.stats.chunks_by_option.get(level, 0) + 1
                 if level == TEXT:
                     recomputed += self._chunk_prefill(chunk)
@@ -232,9 +244,24 @@ class KVStoreLink:
         if seconds_left is None:
             return next(iter(levels))
         link = link or self.estimate
-        fixed = link.after_load_seconds + (link.prefill.seconds(recomputed) or 0.0)
-        sizes = [where.level_bytes for where in remaining if where.level_bytes is not None]
+        fixed, sizes = self._plan_inputs(remaining, recomputed, link)
         return choose_option(sizes, self.chunk_tokens, seconds_left, link, fixed, backlog, chunk * self.chunk_tokens)
+
+    def _plan_seconds(self, option: str, remaining: list[Located], chunk: int, recomputed: PrefillWork,
+                      backlog: float) -> float:
+        """What the estimates say the rest of the load takes, to the first token, with every remaining chunk at
+        `option` (0 if they cannot tell yet)."""
+        fixed, sizes = self._plan_inputs(remaining, recomputed, self.estimate)
+        seconds = option_seconds(option, sizes, self.chunk_tokens, self.estimate, backlog, chunk * self.chunk_tokens)
+        return 0.0 if seconds is None else fixed + seconds
+
+    @staticmethod
+    def _plan_inputs(remaining: list[Located], recomputed: PrefillWork,
+                     link: LinkEstimate) -> tuple[float, list[dict[str, int]]]:
+        """What a load takes whatever is chosen (the prefill left anyway, what follows the load), and the bytes of
+        each level of the remaining chunks stored at several levels."""
+        fixed = link.after_load_seconds + (link.prefill.seconds(recomputed) or 0.0)
+        return fixed, [where.level_bytes for where in remaining if where.level_bytes is not None]
 
     def _measure_read(self, fetched: Fetched, remaining: list[Located], chunk: int, level: str,
                       recomputed: PrefillWork, seconds_left: float | None, backlog: float) -> None:
@@ -279,6 +306,17 @@ class KVStoreLink:
     def observe_prefill(self, work: PrefillWork, seconds: float) -> None:
         """A step that prefilled `work` took `seconds`: what recomputing a chunk from text costs."""
         self.estimate.prefill.observe(work, seconds)
+
+    def observe_first_token(self, seq, now: float) -> None:
+        """`seq`, loaded from the store, got its first token at `now`: what follows a load, and by how much the
+        load's first plan erred, are learned."""
+        if seq.store_load_end is not None:
+            self.observe_after_load(now - seq.store_load_end[0], seq.store_load_end[1])
+            seq.store_load_end = None
+        if seq.store_plan is not None:
+            decided, predicted = seq.store_plan
+            self.estimate.observe_plan(predicted, now - decided)
+            seq.store_plan = None
 
     def observe_after_load(self, seconds: float, recomputed: PrefillWork) -> None:
         """A request's first token came `seconds` after its load ended, `recomputed` prefilled then: what follows

@@ -387,9 +387,8 @@ class LLMEngine:
         return [seq for seq, ok in zip(to_sample, keep) if ok], logits[finite], failed
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:
-        if seq.store_load_end is not None:  # its first token: the store's loader learns what follows a load
-            self.kv_store.observe_after_load(now - seq.store_load_end[0], seq.store_load_end[1])
-            seq.store_load_end = None
+        if seq.store_load_end is not None or seq.store_plan is not None:  # its first token after a store load
+            self.kv_store.observe_first_token(seq, now)
         try:
             self.outputs.append_token(seq, token, logprobs, now)
         except Exception as exc:  # detokenizing or matching stop strings: a fault of this request's output only

@@ -6,9 +6,13 @@ For the next chunk, an option's cost is what loading every remaining chunk that 
 throughput the last chunk read got (assumed to hold). Reading and decoding are two resources working side by
 side (chunk i is decoded while chunk i + 1 is read), so the load is simulated chunk by chunk (plan_seconds);
 text costs its tokens' prefill, after the load, at their place in the context (prefill_speed.py). The best
-option whose cost, with the tokens recomputed anyway, fits in the time left before the objective less a margin
-(PLAN_MARGIN: the estimates err, and a plan that uses every second it believes it has lands just past the
-objective) is chosen; if none fits, the quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
+option whose cost, with the tokens recomputed anyway, fits in the time left before the objective is chosen; if
+none fits, the quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
+
+The estimates err (decoding shares the cores with the reads and the engine, reads jitter), and a plan that
+uses every second it believes it has lands just past the objective. So each load's first plan is checked
+against the time its first token actually took, and costs are stretched by the worst of the recent loads'
+ratios (LinkEstimate.plan_factor): the margin is what this machine's estimates have been missing by.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 TEXT = "text"
 QUALITY_ORDER = (TEXT, *STREAMED_LEVELS)  # best first
 DEFAULT_LEVEL = "medium"  # the paper's choice for a first chunk when nothing is known of the link
-PLAN_MARGIN = 0.1  # of the time left, kept free when planning
+PLAN_ERRORS_KEPT = 8  # recent loads whose plan error (actual / predicted seconds) the next plans allow for
+FIRST_PLAN_FACTOR = 1 / 0.9  # before any load was checked: 10% of the time left kept free
 
 
 @dataclass
@@ -31,6 +36,19 @@ class LinkEstimate:
     decode_seconds: dict[str, float] = field(default_factory=dict)  # per chunk, by level, as last measured
     prefill: PrefillSpeed = field(default_factory=PrefillSpeed)  # the engine's recent prefill speed
     after_load_seconds: float = 0.0  # from a load's end to the first token, prefill aside (placing the KV, ...)
+    plan_errors: tuple[float, ...] = ()  # of recent loads: actual / predicted seconds from the first choice on
+
+    def observe_plan(self, predicted: float, actual: float) -> None:
+        """A load's first choice predicted `predicted` seconds to its first token; it took `actual`. (A new tuple
+        each time: the load thread reads it while the engine thread writes.)"""
+        if predicted > 0:
+            self.plan_errors = (*self.plan_errors[-(PLAN_ERRORS_KEPT - 1):], actual / predicted)
+
+    def plan_factor(self) -> float:
+        """By how much a plan's seconds are stretched before they are held against the time left: the worst
+        recent ratio, never below 1 (a load that came in early may have switched to quicker options on the
+        way); FIRST_PLAN_FACTOR until a load was checked."""
+        return max(1.0, *self.plan_errors) if self.plan_errors else FIRST_PLAN_FACTOR
 
 
 def decode_seconds(level: str, link: LinkEstimate) -> float:
@@ -74,7 +92,7 @@ def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_le
     sizes, best first). `seconds_left`: until the objective; `fixed_seconds`: what the load takes whatever is
     chosen (tokens recomputed anyway); `decode_backlog`: decoding the chunks already read."""
     options = [TEXT, *remaining[0]]
-    budget = seconds_left * (1 - PLAN_MARGIN)
+    budget = seconds_left / link.plan_factor()
     costs = {option: option_seconds(option, remaining, chunk_tokens, link, decode_backlog, first_token)
              for option in options}
     for option in options:
