@@ -94,7 +94,8 @@ def run_reader(redis: RedisServer, trace: str, asked: list[list[int]], warm_up: 
     row = {"ttft_s": times, "chunks_by_option": chunks,
            "mean_quality_rank": sum(quality_rank(o) * n for o, n in chunks.items()) / max(total, 1),
            "chunks_below_allowed": link.stats.chunks_below_allowed - before[1],
-           "last_throughput_mbps": (link.estimate.bytes_per_second or 0) * 8 / 1e6}
+           "last_throughput_mbps": (link.estimate.bytes_per_second or 0) * 8 / 1e6,
+           "plan_errors": list(link.estimate.plan_errors)}  # the last loads' actual / predicted seconds
     reader.close()
     return row
 

@@ -264,8 +264,9 @@ def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_ser
     assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
     chosen = reader.kv_store.stats.chunks_by_option
     assert sum(chosen.values()) == len(PROMPTS) * (199 // CHUNK) and "float16" not in chosen
-    # Each load's first plan was held against the time its first token took.
-    assert len(reader.kv_store.estimate.plan_errors) == len(PROMPTS)
+    # Each load's first plan was held against the time its first token took, but the first load's: it chose
+    # before any decode time was measured, so its plan was a guess.
+    assert len(reader.kv_store.estimate.plan_errors) == len(PROMPTS) - 1
     assert all(error > 0 for error in reader.kv_store.estimate.plan_errors)
     # What followed each load besides its prefill (estimated at 1 s a token here, so nothing is left of it).
     assert reader.kv_store.estimate.after_load_seconds == 0.0

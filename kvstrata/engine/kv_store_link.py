@@ -144,8 +144,8 @@ class KVStoreLink:
                               if not f.done() and levels[i] is not None)
                 level = self._pick(found[index:], chunk, recomputed, seconds_left, backlog)
                 if not planned and self._adapts(where):
-                    seq.store_plan = (time.perf_counter(), self._plan_seconds(level, found[index:], chunk,
-                                                                              recomputed, backlog))
+                    predicted = self._plan_seconds(level, found[index:], chunk, recomputed, backlog)
+                    seq.store_plan = None if predicted is None else (time.perf_counter(), predicted)
                     planned = True
                 self.stats.chunks_by_option[level] = self.stats.chunks_by_option.get(level, 0) + 1
                 if level == TEXT:
@@ -248,12 +248,16 @@ class KVStoreLink:
         return choose_option(sizes, self.chunk_tokens, seconds_left, link, fixed, backlog, chunk * self.chunk_tokens)
 
     def _plan_seconds(self, option: str, remaining: list[Located], chunk: int, recomputed: PrefillWork,
-                      backlog: float) -> float:
+                      backlog: float) -> float | None:
         """What the estimates say the rest of the load takes, to the first token, with every remaining chunk at
-        `option` (0 if they cannot tell yet)."""
-        fixed, sizes = self._plan_inputs(remaining, recomputed, self.estimate)
-        seconds = option_seconds(option, sizes, self.chunk_tokens, self.estimate, backlog, chunk * self.chunk_tokens)
-        return 0.0 if seconds is None else fixed + seconds
+        `option`; None while they cannot tell (prefill speed or the option's decode time not measured yet: a
+        first load's plan is a guess, and its error says nothing of the estimates)."""
+        link = self.estimate
+        if link.prefill.seconds(recomputed) is None or (option != TEXT and decode_seconds(option, link) == 0.0):
+            return None
+        fixed, sizes = self._plan_inputs(remaining, recomputed, link)
+        seconds = option_seconds(option, sizes, self.chunk_tokens, link, backlog, chunk * self.chunk_tokens)
+        return None if seconds is None else fixed + seconds
 
     @staticmethod
     def _plan_inputs(remaining: list[Located], recomputed: PrefillWork,
