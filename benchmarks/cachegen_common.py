@@ -8,6 +8,7 @@ import torch
 
 from kvstrata.cachegen.codec import decode_tensor, encode_tensor
 from kvstrata.cachegen.levels import CodecSettings
+from kvstrata.cachegen.token_importance import observed_importance, token_codes
 from kvstrata.data import EMMA
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.eval.cache_scorer import CacheScorer
@@ -37,6 +38,7 @@ class Window:
         self.k, self.v = compute_kv(engine, self.token_ids[:CONTEXT_TOKENS])
         self.scorer = CacheScorer(engine)
         self._reference = None  # the uncompressed cache's logits, computed on first use
+        self.importance = observed_importance(engine, self.token_ids[:CONTEXT_TOKENS], self.k, self.v)
 
     def logits(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.scorer.next_token_logits(self.token_ids, CONTEXT_TOKENS, tokens_per_step=64,
@@ -61,14 +63,18 @@ class Window:
         }
 
 
-def round_trip(x: torch.Tensor, settings: CodecSettings, kind: str, chunk_tokens: int = 1536, profile=None):
+def round_trip(x: torch.Tensor, settings: CodecSettings, kind: str, chunk_tokens: int = 1536, profile=None,
+               importance: torch.Tensor | None = None):
     """Encode K or V (`kind`) [L, T, H, D] in independent chunks; the decoded tensor and the bytes used.
-    `profile`: the model's TensorProfile of `kind` (profiled models, sensitivity steps)."""
+    `profile`: the model's TensorProfile of `kind` (profiled models, sensitivity steps); `importance`: the
+    tokens' [L, T] (token_importance.py), for settings with steps per token."""
     layers, tokens = x.shape[:2]
+    codes = token_codes(importance, kind) if settings.token_steps else None
     pieces, size = [], 0
     for start in range(0, tokens, chunk_tokens):
         chunk = x[:, start : start + chunk_tokens].reshape(layers, -1, x.shape[2] * x.shape[3])
-        sections = encode_tensor(chunk, settings, kind, profile)
+        sections = encode_tensor(chunk, settings, kind, profile,
+                                 token_codes=None if codes is None else codes[:, start : start + chunk_tokens])
         size += sum(len(data) for data in sections.values())
         pieces.append(decode_tensor(sections, settings, tuple(chunk.shape), kind, profile))
     return torch.cat(pieces, dim=1).reshape(x.shape), size

@@ -8,8 +8,9 @@ next 512 tokens read through the decoded cache, and greedy agreement with the un
 
 `corpora`: seven texts, five the codec's choices were made on (Emma, Persuasion, KJV Acts, the Python
 logging cookbook, Python's argparse module) and two held out (KJV 1 Samuel, the Python tutorial); every
-level with its steps by layer third and from the shipped profile's sensitivity (calibrated on Pride and
-Prejudice), against 8-bit and 4-bit uniform quantization, per text.
+level with its steps by layer third, from the shipped profile's sensitivity (calibrated on Pride and
+Prejudice), and from that sensitivity and each token's importance (saved contexts' form), against 8-bit and
+4-bit uniform quantization, per text.
 `austen`: Emma and Persuasion, every level and baseline without channel weighting, the paper's ablation
 (§7.5), offline profiled against per-chunk counted coder models (each text coded with a profile
 calibrated on the other novel), and the quality loss when one layer third is quantized coarsely (Insight 2).
@@ -26,7 +27,7 @@ import numpy as np
 
 from benchmarks.cachegen_common import HELD_OUT_TEXTS, TEXTS, TUNING_TEXTS, Window, round_trip
 from kvstrata.bench.report import engine_info, machine_info, sig
-from kvstrata.cachegen.levels import ALL_LEVELS, LEVELS, SENSITIVITY_LEVELS, CodecSettings
+from kvstrata.cachegen.levels import ALL_LEVELS, IMPORTANCE_LEVELS, LEVELS, SENSITIVITY_LEVELS, CodecSettings
 from kvstrata.cachegen.profile import calibrate, shipped_profile
 from kvstrata.llm import LLM
 
@@ -45,8 +46,8 @@ def evaluate(windows: list[Window], settings: CodecSettings, profiles=None) -> d
     rows = []
     for window in windows:
         profile = profiles[window.name] if profiles else None
-        k, k_bytes = round_trip(window.k, settings, "k", profile=profile and profile.k)
-        v, v_bytes = round_trip(window.v, settings, "v", profile=profile and profile.v)
+        k, k_bytes = round_trip(window.k, settings, "k", profile=profile and profile.k, importance=window.importance)
+        v, v_bytes = round_trip(window.v, settings, "v", profile=profile and profile.v, importance=window.importance)
         rows.append({"bytes": k_bytes + v_bytes, "values": 2 * window.k.numel(), "tokens": window.k.shape[1],
                      **window.quality(k, v)})
     size = sum(r["bytes"] for r in rows)
@@ -70,7 +71,8 @@ def smallest_within_1pct(rows: dict[str, dict], eight_bit: dict) -> dict | None:
 
 
 def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS)) -> dict:
-    """`levels` with steps by layer third and from sensitivity on the tuning and the held-out texts."""
+    """`levels` with steps by layer third, from sensitivity, and from sensitivity and each token's importance (what
+    saved contexts use) on the tuning and the held-out texts."""
     shipped = shipped_profile(engine.model_fingerprint)
     roles = {name: "tuning" for name in TUNING_TEXTS} | {name: "held-out" for name in HELD_OUT_TEXTS}
     windows = [Window(engine, name) for name in roles]
@@ -79,6 +81,7 @@ def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS)) -> dict:
     for level in levels:
         rows[level] = LEVELS[level]
         rows[f"{level}+sensitivity"] = SENSITIVITY_LEVELS[level]
+        rows[f"{level}+importance"] = IMPORTANCE_LEVELS[level]
     per_text = {}
     for name, settings in rows.items():
         per_text[name] = {w.name: evaluate([w], settings, {w.name: shipped}) for w in windows}
@@ -92,7 +95,8 @@ def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS)) -> dict:
     return {
         "workload": {"texts": roles, "context_tokens": windows[0].k.shape[1], "scored_tokens": 512,
                      "chunk_tokens": 1536, "coder_models": "counted per chunk",
-                     "sensitivity": "shipped profile (calibrated on Pride and Prejudice)"},
+                     "sensitivity": "shipped profile (calibrated on Pride and Prejudice)",
+                     "importance": "attention of the context's last 128 tokens (kvstrata/cachegen/token_importance.py)"},
         "uncompressed_perplexity": exact,
         "levels": {name: {text: {k: row[k] for k in ("bits_per_value", "bytes_per_token", "perplexity", "agreement", "kl")}
                           for text, row in texts.items()} for name, texts in per_text.items()},

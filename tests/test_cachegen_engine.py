@@ -1,6 +1,5 @@
 """Saved contexts in the engine: decoded chunks replace the context's prefill, text chunks are recomputed."""
 
-import dataclasses
 import json
 
 import pytest
@@ -10,7 +9,9 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.cachegen.codec import decode_tensor, encode_tensor
 from kvstrata.cachegen.context import SavedContext
 from kvstrata.cachegen.errors import ForeignModelError
+from kvstrata.cachegen.levels import IMPORTANCE_LEVELS
 from kvstrata.cachegen.profile import CodecProfile, calibrate
+from kvstrata.cachegen.token_importance import observed_importance, token_codes
 from kvstrata.cli.main import main
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.errors import KvstrataError
@@ -139,13 +140,15 @@ def test_profiled_levels_need_their_profile(llm, context_ids, emma_text, tmp_pat
         SavedContext(llm.engine, tmp_path / "p.kv")
     saved = SavedContext(llm.engine, tmp_path / "p.kv", profile=loaded)
     settings = saved.file.record(0, "high").settings
-    assert (settings.allocation, settings.source) == ("sensitivity", "profiled")
-    # The same quantizer with models counted per chunk: the profiled coder is lossless, the tensors identical.
-    counted = dataclasses.replace(settings, source="chunk")
-    for kind, exact, decoded in zip(("k", "v"), compute_kv(llm.engine, context_ids[:50]), saved.decode_chunk(0)):
-        flat = exact.reshape(exact.shape[0], exact.shape[1], -1)
-        sections = encode_tensor(flat, counted, kind, getattr(loaded, kind))
-        expected = decode_tensor(sections, counted, tuple(flat.shape), kind)
+    assert settings == IMPORTANCE_LEVELS["high"]
+    # What was written: steps from the profile's sensitivity and the tokens' importance over the whole context.
+    k, v = compute_kv(llm.engine, context_ids)
+    importance = observed_importance(llm.engine, context_ids, k, v)
+    for kind, exact, decoded in zip(("k", "v"), (k, v), saved.decode_chunk(0)):
+        flat = exact[:, :50].reshape(exact.shape[0], 50, -1)
+        sections = encode_tensor(flat, settings, kind, getattr(loaded, kind),
+                                 token_codes=token_codes(importance, kind)[:, :50])
+        expected = decode_tensor(sections, settings, tuple(flat.shape), kind)
         assert torch.equal(decoded, expected.reshape(decoded.shape))
 
 

@@ -6,7 +6,8 @@ profiled models; absent for raw storage) and the symbols: "rans" or "symbols" as
 range coders (entropy.py), or "symbols" bit-packed for raw storage.
 Coder groups (papers/cachegen.md §2.3): with per-(layer, channel) models, each layer's anchors
 share one model and each (layer, channel) has its own for the differences; with a global model,
-anchors and differences have one model each.
+anchors and differences have one model each. Steps per token (`token_steps`) add one group per layer, its
+tokens' codes, after the others.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvstrata.cachegen import entropy
 from kvstrata.cachegen.errors import CorruptStreamError
 from kvstrata.cachegen.levels import CodecSettings
 from kvstrata.cachegen.quantize import (
+    TOKEN_CODE_LIMIT,
     CacheGenSymbols,
     UniformSymbols,
     anchor_positions,
@@ -39,11 +41,12 @@ MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
 
 def encode_tensor(
     x: torch.Tensor, settings: CodecSettings, kind: str, profile: TensorProfile | None = None,
-    steps: tuple[torch.Tensor, torch.Tensor] | None = None,
+    steps: tuple[torch.Tensor, torch.Tensor] | None = None, token_codes: torch.Tensor | None = None,
 ) -> dict[str, bytes]:
     """`kind`: "k" or "v" (the settings may code them differently). `profile`: the model's profile of this
     tensor, needed by profiled coder models and by allocation "sensitivity", whose steps it gives unless
-    `steps` (layer steps [L] and channel codes [L, C], for a slice of the layers) are given."""
+    `steps` (layer steps [L] and channel codes [L, C], for a slice of the layers) are given. `token_codes`
+    [L, T]: each token's step code, for settings with `token_steps` (token_importance.py makes them)."""
     x = x.float().cpu()
     if not torch.isfinite(x).all():
         raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
@@ -61,11 +64,15 @@ def encode_tensor(
                 raise ValueError("allocation 'sensitivity' needs the model's profile (kvstrata calibrate cachegen)")
             if steps is None:
                 steps = profile.steps(settings.bins[0])
-        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences, steps)
+        if settings.token_steps != (token_codes is not None):
+            raise ValueError(f"settings with token_steps={settings.token_steps} take token codes only with it")
+        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences, steps, token_codes)
         sections = {"scales": symbols.anchor_scale.numpy().tobytes() + symbols.step.numpy().tobytes()}
         if steps is not None:
             sections["channels"] = symbols.channel_codes.numpy().tobytes()
         groups = _cachegen_groups(symbols, settings.models)
+        if token_codes is not None:
+            groups.extend(token_codes.numpy().astype(np.int32))
     if settings.source == "profiled":
         models = profile.models_for(groups, _unit_bins(settings, symbols.step, profile), differences,
                                     symbols.channel_codes)
@@ -107,9 +114,15 @@ def decode_tensor(
     if settings.source == "profiled" and num_layers != len(profile.sigma):
         raise CorruptStreamError(f"a stream of {num_layers} layers does not fit a profile of {len(profile.sigma)}")
     sizes = _cachegen_sizes(num_layers, num_anchors, num_tokens - num_anchors, channels, settings.models)
-    flat = _decode_symbols(sections, settings, sizes, profile, differences, codes, step)
-    symbols = _cachegen_from_symbols(flat, anchor_scale, step, codes, num_layers, num_anchors, num_tokens,
-                                     channels, settings.models)
+    token_sizes = [num_tokens] * num_layers if settings.token_steps else []
+    flat = _decode_symbols(sections, settings, sizes + token_sizes, profile, differences, codes, step)
+    symbols = _cachegen_from_symbols(flat[: sum(sizes)], anchor_scale, step, codes, num_layers, num_anchors,
+                                     num_tokens, channels, settings.models)
+    if settings.token_steps:
+        token_codes = flat[sum(sizes) :].reshape(num_layers, num_tokens)
+        if np.abs(token_codes).max(initial=0) > TOKEN_CODE_LIMIT:
+            raise CorruptStreamError(f"a decoded token code lies outside [-{TOKEN_CODE_LIMIT}, {TOKEN_CODE_LIMIT}]")
+        symbols.token_codes = torch.from_numpy(token_codes.astype(np.int8))
     return dequantize_cachegen(symbols, num_tokens, differences)
 
 

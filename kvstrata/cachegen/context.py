@@ -21,6 +21,7 @@ from kvstrata.cachegen.codec import decode_tensor, encode_tensor
 from kvstrata.cachegen.levels import ALL_LEVELS, CACHEGEN_LEVELS, CodecSettings, settings_for
 from kvstrata.cachegen.profile import CodecProfile, shipped_profile
 from kvstrata.cachegen.quantize import GROUP_SIZE
+from kvstrata.cachegen.token_importance import observed_importance, token_codes
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
@@ -47,10 +48,11 @@ def chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
 
 
 def _best_settings(level: str, profile: CodecProfile | None) -> CodecSettings:
-    """With the model's profile, a CacheGen level's steps come from its sensitivity and its coder models
-    from its fits (both measured better: docs/BENCHMARKS.md, "CacheGen codec")."""
-    settings = settings_for(level, profiled=profile is not None)
-    if profile is None or settings.quantizer != "cachegen" or settings.models != "layer-channel":
+    """With the model's profile, a CacheGen level's steps come from its sensitivity and each token's importance,
+    and its coder models are counted per chunk; a model without a profile gets steps by layer third (measured:
+    docs/BENCHMARKS.md, "CacheGen codec")."""
+    settings = settings_for(level, profiled=profile is not None, token_steps=True)
+    if profile is None or settings.quantizer != "cachegen" or settings.models != "layer-channel" or settings.token_steps:
         return settings
     return dataclasses.replace(settings, source="profiled")
 
@@ -73,8 +75,8 @@ def save_context(
     profile: CodecProfile | None = None,
 ) -> SaveReport:
     """Prefill `token_ids` once and write every chunk at every level in `levels`. When a profile is given or
-    ships for the model, CacheGen levels take their steps from its sensitivity and use its profiled coder
-    models; otherwise the levels' layer-third steps and models counted per chunk."""
+    ships for the model, CacheGen levels take their steps from its sensitivity and from the attention the
+    context's last tokens pay each token (token_importance.py); otherwise the levels' layer-third steps."""
     profile = profile or shipped_profile(engine.model_fingerprint)
     settings = {level: _best_settings(level, profile) for level in levels}
     if not settings:
@@ -85,12 +87,16 @@ def save_context(
     start = time.perf_counter()
     k, v = compute_kv(engine, token_ids)
     prefilled = time.perf_counter()
+    importance = (observed_importance(engine, token_ids, k, v) if any(s.token_steps for s in settings.values())
+                  else None)
     records, payloads = [], []
     for index, (first, end) in enumerate(bounds):
         for level, codec in settings.items():
             sections = {}
             for name, x in (("k", k), ("v", v)):
-                encoded = encode_tensor(_flat(x[:, first:end]), codec, name, profile and getattr(profile, name))
+                codes = token_codes(importance, name)[:, first:end] if codec.token_steps else None
+                encoded = encode_tensor(_flat(x[:, first:end]), codec, name, profile and getattr(profile, name),
+                                        token_codes=codes)
                 sections.update({f"{name}.{part}": data for part, data in encoded.items()})
             records.append(Record(index, level, codec, 0, {}, ""))
             payloads.append(sections)

@@ -10,6 +10,11 @@ Where the model has a profile (profile.py), a level's steps come from the profil
 (quantize.py, "Steps from sensitivity"): SENSITIVITY_LEVELS, one bin each, the geometric mean of the
 steps in units of the calibration text's RMS, K and V coded directly. Chosen on the tuning texts of
 docs/BENCHMARKS.md ("Beyond Austen").
+
+Saved contexts go one step further (IMPORTANCE_LEVELS, `token_steps`): each token's step also follows the
+attention the context's last tokens pay it (token_importance.py), finer where later queries look. The bins
+are those of the sensitivity levels over 0.75, so `medium` stays near its size; chosen on the tuning texts
+(docs/BENCHMARKS.md, "Steps per token").
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class CodecSettings:
     models: str = "layer-channel"  # one coder model per (layer, channel), one for everything, or no coder
     source: str = "chunk"  # models counted per chunk (shipped in the stream) or profiled offline
     allocation: str = "thirds"  # cachegen: steps by layer third (bins) or from the profiled sensitivity
+    token_steps: bool = False  # cachegen: each token's step scaled by a code in the stream (its importance)
 
     def __post_init__(self) -> None:
         _require(self.quantizer in QUANTIZERS, f"quantizer {self.quantizer!r} is not one of {QUANTIZERS}")
@@ -58,6 +64,13 @@ class CodecSettings:
             f"quantizer {self.quantizer!r}, models {self.models!r}",
         )
 
+        _require(
+            not self.token_steps or (self.allocation == "sensitivity" and self.differences == "none"
+                                     and self.source == "chunk"),
+            f"token_steps needs allocation 'sensitivity', differences 'none' and source 'chunk'; got "
+            f"{self.allocation!r}, {self.differences!r}, {self.source!r}",
+        )
+
     def differences_for(self, kind: str) -> bool:
         """Whether the K ("k") or V ("v") tensor is coded as differences from anchors."""
         return kind in self.differences
@@ -69,6 +82,8 @@ class CodecSettings:
     def from_json(cls, data) -> CodecSettings:
         if isinstance(data, dict) and "allocation" not in data:  # written before version 4: steps by layer third
             data = {**data, "allocation": "thirds"}
+        if isinstance(data, dict) and "token_steps" not in data:  # written before steps per token existed
+            data = {**data, "token_steps": False}
         if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
             raise KvstrataError(f"codec settings {data!r:.200} do not have the fields {sorted(cls.__dataclass_fields__)}")
         return cls(**{**data, "bins": tuple(data["bins"]) if isinstance(data["bins"], list) else data["bins"]})
@@ -92,6 +107,11 @@ SENSITIVITY_LEVELS: dict[str, CodecSettings] = {
     name: CodecSettings(bins=(b, b, b), differences="none", allocation="sensitivity")
     for name, b in (("near-lossless", 0.075), ("high", 0.375), ("medium", 0.75), ("low", 1.5))
 }
+# The same names for saved contexts, whose tokens' steps follow their importance: bins over 0.75 (see above).
+IMPORTANCE_LEVELS: dict[str, CodecSettings] = {
+    name: CodecSettings(bins=(b, b, b), differences="none", allocation="sensitivity", token_steps=True)
+    for name, b in (("near-lossless", 0.1), ("high", 0.5), ("medium", 1.0), ("low", 2.0))
+}
 BASELINES: dict[str, CodecSettings] = {
     f"uniform{bits}{suffix}": CodecSettings(quantizer="uniform", bits=bits, models=models)
     for bits in (8, 4, 3)
@@ -100,8 +120,11 @@ BASELINES: dict[str, CodecSettings] = {
 ALL_LEVELS = {**LEVELS, **BASELINES}
 
 
-def settings_for(level: str, profiled: bool = False) -> CodecSettings:
-    """A level's settings; with `profiled` (the model has a profile), a CacheGen level's sensitivity form."""
+def settings_for(level: str, profiled: bool = False, token_steps: bool = False) -> CodecSettings:
+    """A level's settings; with `profiled` (the model has a profile), a CacheGen level's sensitivity form, and with
+    `token_steps` as well (the caller codes each token's importance), its steps-per-token form."""
     if level not in ALL_LEVELS:
         raise KvstrataError(f"level {level!r} is not one of {', '.join(ALL_LEVELS)}")
-    return SENSITIVITY_LEVELS[level] if profiled and level in SENSITIVITY_LEVELS else ALL_LEVELS[level]
+    if not profiled or level not in SENSITIVITY_LEVELS:
+        return ALL_LEVELS[level]
+    return IMPORTANCE_LEVELS[level] if token_steps else SENSITIVITY_LEVELS[level]

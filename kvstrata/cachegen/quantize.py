@@ -21,6 +21,10 @@ so a difference has about twice a value's variance; docs/BENCHMARKS.md), tokens 
 directly with the same step, and only the chunk's first token is an 8-bit anchor: a context's first
 token is the attention sink, whose error every later query reads.
 
+Steps per token: a stream may also carry one code per (layer, token) that scales the token's steps by
+2 ** (-code / TOKEN_CODE_STEPS), finer for the tokens later queries read most (token_importance.py); only for
+tensors coded without differences.
+
 Uniform baseline (FlexGen-style, §5): b-bit symmetric quantization per (layer, token), scale =
 absmax over channels / (2^(b-1) - 1). Error bound: scale / 2.
 """
@@ -35,6 +39,8 @@ import torch
 GROUP_SIZE = 10
 ANCHOR_LEVELS = 127  # 8-bit symmetric
 CHANNEL_CODE_STEPS = 8  # a channel's step multiplier is 2 ** (code / CHANNEL_CODE_STEPS), code an int8
+TOKEN_CODE_STEPS = 4  # a token's step multiplier is 2 ** (-code / TOKEN_CODE_STEPS)
+TOKEN_CODE_LIMIT = 16  # token codes lie in [-16, 16]: steps at most 16x finer or coarser
 FLOAT16_TINY = 2.0**-14
 
 
@@ -57,10 +63,21 @@ class CacheGenSymbols:
     channel_codes: torch.Tensor  # int8 [L, C]: each channel's step is step x channel_multipliers(codes)
     anchors: torch.Tensor  # int32 [L, A, C]
     rest: torch.Tensor  # int32 [L, T - A, C]: differences (or plain values without anchors)
+    token_codes: torch.Tensor | None = None  # int8 [L, T]: steps per token (TOKEN_CODE_STEPS), or one step for all
 
     def channel_steps(self) -> torch.Tensor:
         """[L, C]"""
         return self.step[:, None] * channel_multipliers(self.channel_codes)
+
+    def steps(self) -> torch.Tensor:
+        """Every element's step [L, T, C] (the anchors' entries unused); [L, 1, C] without token codes."""
+        steps = self.channel_steps()[:, None]
+        return steps if self.token_codes is None else steps * token_multipliers(self.token_codes)[..., None]
+
+    def rest_steps(self, num_tokens: int, differences: bool) -> torch.Tensor:
+        """The steps of the non-anchor tokens [L, T - A, C] (or [L, 1, C])."""
+        steps = self.steps()
+        return steps if self.token_codes is None else steps[:, _non_anchor_mask(num_tokens, differences)]
 
 
 def steps_from_sensitivity(sensitivity: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +90,10 @@ def steps_from_sensitivity(sensitivity: torch.Tensor, scale: float) -> tuple[tor
 
 def channel_multipliers(codes: torch.Tensor) -> torch.Tensor:
     return torch.exp2(codes.float() / CHANNEL_CODE_STEPS)
+
+
+def token_multipliers(codes: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(-codes.float() / TOKEN_CODE_STEPS)
 
 
 def layer_bins(bins: tuple[float, float, float], num_layers: int) -> torch.Tensor:
@@ -108,10 +129,17 @@ def differences_from_anchors(x: torch.Tensor, anchors_hat: torch.Tensor) -> torc
 
 
 def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor | None, differences: bool = True,
-                      steps: tuple[torch.Tensor, torch.Tensor] | None = None) -> CacheGenSymbols:
+                      steps: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      token_codes: torch.Tensor | None = None) -> CacheGenSymbols:
     """`bins` [L]: each layer's step in units of its anchor-difference RMS, one step for all its channels;
-    or `steps`: absolute layer steps [L] and channel codes [L, C] (steps_from_sensitivity)."""
+    or `steps`: absolute layer steps [L] and channel codes [L, C] (steps_from_sensitivity), with `token_codes`
+    [L, T] (int8 in [-TOKEN_CODE_LIMIT, TOKEN_CODE_LIMIT]) scaling each token's steps."""
     num_layers, num_tokens, channels = x.shape
+    if token_codes is not None and (differences or token_codes.shape != (num_layers, num_tokens)
+                                    or token_codes.abs().max() > TOKEN_CODE_LIMIT):
+        raise ValueError(f"token codes [{num_layers}, {num_tokens}] in [-{TOKEN_CODE_LIMIT}, {TOKEN_CODE_LIMIT}] need "
+                         f"a tensor coded without differences; got {tuple(token_codes.shape)}, differences "
+                         f"{differences}")
     anchor_scale, anchor_symbols = _quantize_anchors(x[:, anchor_positions(num_tokens)])
     diffs = differences_from_anchors(x, anchor_symbols * anchor_scale.float()[:, None])
     if steps is None:
@@ -120,12 +148,14 @@ def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor | None, differences: b
         codes = torch.zeros(num_layers, channels, dtype=torch.int8)
     else:
         step, codes = steps
-    channel_steps = (step[:, None] * channel_multipliers(codes))[:, None]
     if differences:
-        return CacheGenSymbols(anchor_scale, step, codes, anchor_symbols.int(), torch.round(diffs / channel_steps).int())
-    first_scale, first_symbols = _quantize_anchors(x[:, :1])
-    rest = torch.round(x[:, _non_anchor_mask(num_tokens, False)] / channel_steps)
-    return CacheGenSymbols(first_scale, step, codes, first_symbols.int(), rest.int())
+        symbols = CacheGenSymbols(anchor_scale, step, codes, anchor_symbols.int(), diffs)
+    else:
+        first_scale, first_symbols = _quantize_anchors(x[:, :1])
+        rest = x[:, _non_anchor_mask(num_tokens, False)]
+        symbols = CacheGenSymbols(first_scale, step, codes, first_symbols.int(), rest, token_codes)
+    symbols.rest = torch.round(symbols.rest / symbols.rest_steps(num_tokens, differences)).int()
+    return symbols
 
 
 def layer_rms(diffs: torch.Tensor) -> torch.Tensor:
@@ -134,9 +164,8 @@ def layer_rms(diffs: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_cachegen(symbols: CacheGenSymbols, num_tokens: int, differences: bool = True) -> torch.Tensor:
-    step = symbols.channel_steps()[:, None]
     anchors_hat = symbols.anchors.float() * symbols.anchor_scale.float()[:, None]
-    rest = symbols.rest.float() * step
+    rest = symbols.rest.float() * symbols.rest_steps(num_tokens, differences)
     if differences:
         x = _anchor_reference(anchors_hat, num_tokens).clone()
         x[:, _non_anchor_mask(num_tokens)] += rest
@@ -147,7 +176,7 @@ def dequantize_cachegen(symbols: CacheGenSymbols, num_tokens: int, differences: 
 def cachegen_error_bound(symbols: CacheGenSymbols, num_tokens: int, differences: bool = True) -> torch.Tensor:
     """The largest error each element may have [L, T, C] (exact arithmetic; float32 adds ~1e-7 relative)."""
     num_layers, _, channels = symbols.rest.shape
-    bound = (symbols.channel_steps() / 2)[:, None].expand(num_layers, num_tokens, channels).clone()
+    bound = (symbols.steps() / 2).expand(num_layers, num_tokens, channels).clone()
     bound[:, anchor_positions(num_tokens, differences)] = (symbols.anchor_scale.float() / 2)[:, None]
     return bound
 
