@@ -81,7 +81,8 @@ def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS)) -> dict:
     for level in levels:
         rows[level] = LEVELS[level]
         rows[f"{level}+sensitivity"] = SENSITIVITY_LEVELS[level]
-        rows[f"{level}+importance"] = IMPORTANCE_LEVELS[level]
+        if level in IMPORTANCE_LEVELS:
+            rows[f"{level}+importance"] = IMPORTANCE_LEVELS[level]
     per_text = {}
     for name, settings in rows.items():
         per_text[name] = {w.name: evaluate([w], settings, {w.name: shipped}) for w in windows}

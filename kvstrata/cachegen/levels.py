@@ -108,9 +108,11 @@ SENSITIVITY_LEVELS: dict[str, CodecSettings] = {
     for name, b in (("near-lossless", 0.075), ("high", 0.375), ("medium", 0.75), ("low", 1.5))
 }
 # The same names for saved contexts, whose tokens' steps follow their importance: bins over 0.75 (see above).
+# Not near-lossless: it promises every token's precision (greedy output unchanged), which moving precision
+# from some tokens to others would break.
 IMPORTANCE_LEVELS: dict[str, CodecSettings] = {
     name: CodecSettings(bins=(b, b, b), differences="none", allocation="sensitivity", token_steps=True)
-    for name, b in (("near-lossless", 0.1), ("high", 0.5), ("medium", 1.0), ("low", 2.0))
+    for name, b in (("high", 0.5), ("medium", 1.0), ("low", 2.0))
 }
 BASELINES: dict[str, CodecSettings] = {
     f"uniform{bits}{suffix}": CodecSettings(quantizer="uniform", bits=bits, models=models)
@@ -127,4 +129,4 @@ def settings_for(level: str, profiled: bool = False, token_steps: bool = False) 
         raise KvstrataError(f"level {level!r} is not one of {', '.join(ALL_LEVELS)}")
     if not profiled or level not in SENSITIVITY_LEVELS:
         return ALL_LEVELS[level]
-    return IMPORTANCE_LEVELS[level] if token_steps else SENSITIVITY_LEVELS[level]
+    return IMPORTANCE_LEVELS[level] if token_steps and level in IMPORTANCE_LEVELS else SENSITIVITY_LEVELS[level]

@@ -9,7 +9,7 @@ importance is the attention those queries pay it, averaged over the query heads.
 Codes: a token whose importance is 2**c times the geometric mean of its layer's gets code round(c), its steps
 2 ** (-c / TOKEN_CODE_STEPS) times the layer's (quantize.py): steps follow importance ** -1/4, a softened
 version of the importance ** -1/2 that equal loss per token would ask for (the observed queries are not the
-future ones). K's steps only grow finer: a coarser key can pull a large share of attention to a token no
+future ones), and V's grow at most 4x coarser. K's steps only grow finer: a coarser key can pull a large share of attention to a token no
 query used to read, which the importance of the observed queries cannot foresee. Chosen on the tuning texts
 (docs/BENCHMARKS.md, "Steps per token").
 """
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvstrata.engine.llm_engine import LLMEngine
 
 OBSERVED_TOKENS = 128
+V_COARSEST_CODE = -8  # V's steps grow at most 4x coarser: the observed queries do not see every later reader
 
 
 class _RecordAttention(AttendOverContext):
@@ -72,7 +73,7 @@ def token_codes(importance: torch.Tensor, kind: str) -> torch.Tensor:
     logs = importance.double().clamp_min(1e-12).log2()
     if logs.shape[1] > 1:
         logs = logs - logs[:, 1:].mean(dim=1, keepdim=True)
-    lowest = 0 if kind == "k" else -TOKEN_CODE_LIMIT
+    lowest = 0 if kind == "k" else V_COARSEST_CODE
     codes = logs.round().clamp(lowest, TOKEN_CODE_LIMIT).to(torch.int8)
     codes[:, 0] = 0
     return codes
