@@ -9,9 +9,9 @@ importance is the attention those queries pay it, averaged over the query heads.
 Codes: a token whose importance is 2**c times the geometric mean of its layer's gets code round(c), its steps
 2 ** (-c / TOKEN_CODE_STEPS) times the layer's (quantize.py): steps follow importance ** -1/4, a softened
 version of the importance ** -1/2 that equal loss per token would ask for (the observed queries are not the
-future ones), and V's grow at most 4x coarser. K's steps only grow finer: a coarser key can pull a large share of attention to a token no
-query used to read, which the importance of the observed queries cannot foresee. Chosen on the tuning texts
-(docs/BENCHMARKS.md, "Steps per token").
+future ones), and V's grow at most 4x coarser. K's steps only grow finer: a coarser key can pull a large
+share of attention to a token no query used to read, which the observed queries cannot foresee. Chosen on
+the tuning texts (docs/BENCHMARKS.md, "Steps per token").
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class _RecordAttention(AttendOverContext):
         group = q.shape[1] // keys.shape[1]
         scores = torch.einsum("mhd,thd->hmt", q.float(), keys.repeat_interleave(group, dim=1)) * q.shape[-1] ** -0.5
         context, m = self.context_k[layer].shape[0], q.shape[0]
-        future = torch.arange(m)[:, None] < torch.arange(m)[None]  # new token i does not see new token j > i
+        order = torch.arange(m, device=q.device)
+        future = order[:, None] < order[None]  # new token i does not see new token j > i
         scores[:, :, context:] = scores[:, :, context:].masked_fill(future, float("-inf"))
         self.received.append(scores.softmax(-1).mean(dim=(0, 1)))
         return super().attention(layer, q, k_new, v_new, batch)
