@@ -87,14 +87,16 @@ def save_context(
     start = time.perf_counter()
     k, v = compute_kv(engine, token_ids)
     prefilled = time.perf_counter()
-    importance = (observed_importance(engine, token_ids, k, v) if any(s.token_steps for s in settings.values())
-                  else None)
+    codes_by_kind = {}  # each token's step codes, for the levels with steps per token
+    if any(s.token_steps for s in settings.values()):
+        importance = observed_importance(engine, token_ids, k, v)
+        codes_by_kind = {name: token_codes(importance, name) for name in ("k", "v")}
     records, payloads = [], []
     for index, (first, end) in enumerate(bounds):
         for level, codec in settings.items():
             sections = {}
             for name, x in (("k", k), ("v", v)):
-                codes = token_codes(importance, name)[:, first:end] if codec.token_steps else None
+                codes = codes_by_kind[name][:, first:end] if codec.token_steps else None
                 encoded = encode_tensor(_flat(x[:, first:end]), codec, name, profile and getattr(profile, name),
                                         token_codes=codes)
                 sections.update({f"{name}.{part}": data for part, data in encoded.items()})

@@ -136,7 +136,7 @@ def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor | None, differences: b
     [L, T] (int8 in [-TOKEN_CODE_LIMIT, TOKEN_CODE_LIMIT]) scaling each token's steps."""
     num_layers, num_tokens, channels = x.shape
     if token_codes is not None and (differences or token_codes.shape != (num_layers, num_tokens)
-                                    or token_codes.abs().max() > TOKEN_CODE_LIMIT):
+                                    or token_codes.int().abs().max() > TOKEN_CODE_LIMIT):
         raise ValueError(f"token codes [{num_layers}, {num_tokens}] in [-{TOKEN_CODE_LIMIT}, {TOKEN_CODE_LIMIT}] need "
                          f"a tensor coded without differences; got {tuple(token_codes.shape)}, differences "
                          f"{differences}")
