@@ -11,10 +11,12 @@ from dataclasses import dataclass, field, fields
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_factory import KV_FORMATS as KV_FORMAT_REGISTRY
+from kvstrata.kv.impress.important_tokens import SHARED_SET_RULES
+from kvstrata.kv.impress.prefix_selection import PREFIX_LOADING
 from kvstrata.kv.offload.infinigen import InfiniGenSettings
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.store.emulated_link import parse_trace
-from kvstrata.kv.store.forms import STORE_FORMS, STREAMED_LEVELS, parse_tier_forms
+from kvstrata.kv.store.forms import LEVELS_FORM, STORE_FORMS, STREAMED_LEVELS, parse_tier_forms
 from kvstrata.model.weight_format import WEIGHT_FORMATS
 
 DEVICES = ("cpu", "cuda")
@@ -24,6 +26,9 @@ KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
 KV_OFFLOADS = ("none", "full", "infinigen", "h2o")
 HOST_EVICTIONS = ("counter", "lru", "fifo")
+PREFIX_LOADINGS = ("full", *PREFIX_LOADING)
+NO_COMPILE_BESIDE_LOADS = ("no compile (the load thread runs the model beside the engine thread, and compiled layers "
+                           "are not run from two threads)")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -239,6 +244,25 @@ class EngineConfig:
         metadata=_option("time-to-first-token objective in seconds, from a request's arrival: what the KV store's "
                          "streaming aims at (default: none)"),
     )
+    prefix_loading: str = field(
+        default="full",
+        metadata=_option("kv store: how a prompt's stored prefix is loaded: full reads all of it; impress prefills the "
+                         "prompt's new tokens layer by layer on the load thread, each layer reading its prefix's probe "
+                         "keys first and then K and V only of the chunks holding the tokens its probe heads agree are "
+                         "important (the whole prefix where they disagree); h2o-keys reads every key, then only the "
+                         "important tokens' values. Tokens a layer did not load are never attended there "
+                         "(approximate: docs/BENCHMARKS.md, IMPRESS)", choices=PREFIX_LOADINGS),
+    )
+    impress_ratio: float = field(
+        default=0.25,
+        metadata=_option("prefix loading impress|h2o-keys: the share of a stored prefix's tokens each layer chooses"),
+    )
+    impress_rule: str = field(
+        default="vote",
+        metadata=_option("prefix loading impress: the one set every head reads where the probe heads agree: vote (the "
+                         "tokens most probe heads chose, ties by their summed scores), union, or first (the first "
+                         "probe head's)", choices=SHARED_SET_RULES),
+    )
     kv_store_timeout_ms: int = field(
         default=1000,
         metadata=_option("kv store: a remote tier that does not answer within this many milliseconds is skipped "
@@ -249,7 +273,8 @@ class EngineConfig:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
                    ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
-                   ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS))
+                   ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS),
+                   ("prefix_loading", PREFIX_LOADINGS), ("impress_rule", SHARED_SET_RULES))
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
@@ -267,12 +292,27 @@ class EngineConfig:
             raise KvstrataError(f"h2o_budget {self.h2o_budget!r} must be in (0, 1]")
         if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and 0 < self.ttft_slo < 1e6):
             raise KvstrataError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
+        self._check_prefix_loading()
         for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size",
                      "kv_store_chunk_tokens", "kv_store_timeout_ms"):
             _require_positive(name, getattr(self, name))
         for name in ("max_model_len", "tile", "max_prefill_tokens", "threads"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
+
+    def _check_prefix_loading(self) -> None:
+        if not (isinstance(self.impress_ratio, (int, float)) and 0 < self.impress_ratio <= 1):
+            raise KvstrataError(f"impress_ratio {self.impress_ratio!r} must be in (0, 1]")
+        if self.prefix_loading == "full":
+            return
+        needs = [(not self.kv_store, "a kv_store to load prefixes from"),
+                 (self.kv_offload != "none", f"kv_offload none, not {self.kv_offload!r}"),
+                 (any(part.rpartition("=")[2].strip() == LEVELS_FORM for part in str(self.kv_store_format).split(",")),
+                  "a kv_store_format without levels (a chunk is read object by object, in one form)"),
+                 (self.compile, NO_COMPILE_BESIDE_LOADS)]
+        missing = [what for lacking, what in needs if lacking]
+        if missing:
+            raise KvstrataError(f"prefix_loading {self.prefix_loading!r} needs {'; '.join(missing)}")
 
     def infinigen_settings(self) -> InfiniGenSettings:
         return InfiniGenSettings(alpha=float(self.infinigen_alpha), partial_ratio=float(self.infinigen_partial_ratio),

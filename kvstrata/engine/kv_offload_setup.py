@@ -14,6 +14,7 @@ from kvstrata.engine.layer_capture import capture_layers
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_policy import AttentionPolicy, FullAttention
 from kvstrata.kv.cache_factory import StorageLayout
+from kvstrata.kv.impress.unread_tokens import SkipUnreadTokens
 from kvstrata.kv.offload.full_offload import FullOffload
 from kvstrata.kv.offload.h2o import H2OAttention
 from kvstrata.kv.offload.host_pool import HostPoolCap
@@ -29,6 +30,8 @@ DEFAULT_WINDOW_TOKENS = 1024
 def attention_policy(engine, layout: StorageLayout, num_slots: int) -> AttentionPolicy:
     c, mc = engine.config, engine.loaded.config
     if c.kv_offload == "none":
+        if c.prefix_loading != "full":  # a prefix loaded by importance leaves tokens some layers never read
+            return SkipUnreadTokens(engine.kv_cache, num_slots)
         return FullAttention(engine.kv_cache)
     stats = OffloadStats(mc.num_layers, parse_link(c.kv_link))
     row_bytes = layout.bytes_per_token / (mc.num_layers * mc.num_kv_heads)

@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstrata.engine.important_prefix_load import (
+    ChunkGone,
+    ImportantLoading,
+    ImportantLoadStats,
+    load_important_prefix,
+)
 from kvstrata.kv.block_hash import full_block_hashes
+from kvstrata.kv.impress.prefix_selection import probe_kv_heads
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.storage import KVStorage
 from kvstrata.kv.store.adaptation import (
@@ -66,23 +73,32 @@ class LinkStats:
 
 
 def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str, model_config,
-               timeout: float, profile: CodecProfile | None = None, link_trace: str | None = None) -> TieredStore:
+               timeout: float, profile: CodecProfile | None = None, link_trace: str | None = None,
+               probe_keys: bool = False) -> TieredStore:
     """`profile`: the model's CacheGen profile (the CacheGen forms' steps come from its sensitivity), or None;
-    `link_trace`: the bandwidth trace an emulated link gives the Redis tiers' reads (emulated_link.py), or None."""
+    `link_trace`: the bandwidth trace an emulated link gives the Redis tiers' reads (emulated_link.py), or None;
+    `probe_keys`: chunks also carry IMPRESS's probe keys (and live in a namespace of their own)."""
     tiers = parse_tiers(spec, timeout)
     for tier in tiers:
         if link_trace is not None and tier.name == "redis":
             tier.link = EmulatedLink(parse_trace(link_trace))
     tier_forms = [stored_form(name, compute_dtype, profile)
                   for name in parse_tier_forms(forms, [t.name for t in tiers])]
+    probes = probe_kv_heads(model_config.num_heads, model_config.num_kv_heads) if probe_keys else 0
+    if probe_keys:  # chunks holding probe keys are another kind of object: engines that read them find only those
+        namespace += f"probe{probes}/"
     shape = StoreShape(namespace, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
-    return TieredStore(tiers, tier_forms, shape, profiled=profile is not None)
+    return TieredStore(tiers, tier_forms, shape, profiled=profile is not None, probe_kv_heads=probes)
 
 
 class KVStoreLink:
     def __init__(self, store: TieredStore, chunk_tokens: int, kv_manager, kv_cache: KVStorage,
-                 prefill: PrefillSpeed | None = None, ttft_slo: float | None = None, level: str = "auto"):
+                 prefill: PrefillSpeed | None = None, ttft_slo: float | None = None, level: str = "auto",
+                 important: ImportantLoading | None = None):
+        """`important`: load stored prefixes by importance (important_prefix_load.py); None: whole."""
         self.store = store
+        self.important = important
+        self.important_stats = ImportantLoadStats()
         store.defer = self._defer
         self.chunk_tokens = chunk_tokens
         self.ttft_slo = ttft_slo  # seconds from a request's arrival to its first token: what streaming aims at
@@ -130,6 +146,10 @@ class KVStoreLink:
         corrupt is recomputed; an unreachable tier ends the load (the rest is recomputed)."""
         self.store.begin_load()
         found = self._find(keys[first:])
+        if self.important is not None and first == 0 and found and all(w.level_bytes is None for w in found):
+            ranges = self._load_important(seq, found)
+            if ranges is not None:
+                return ranges
         loads_end = (first + len(found)) * self.chunk_tokens
         recomputed = PrefillWork.span(loads_end, seq.num_tokens - loads_end)  # prefilled whatever happens
         decoding: dict[int, Future] = {}
@@ -175,6 +195,24 @@ class KVStoreLink:
             seq.store_load_end = (time.perf_counter(), self._recomputed(ranges, first * self.chunk_tokens,
                                                                          seq.num_tokens))
         return ranges
+
+    def _load_important(self, seq, found: list[Located]) -> list[PreloadedKV] | None:
+        """On the load thread: the prefix `found` holds, read by importance while the prompt's new tokens are
+        prefilled over it (all but its last token, which the engine computes); None if a chunk lacks an object
+        (the load reads whole chunks instead), [] if the store failed (the prompt is prefilled from its text)."""
+        try:
+            kv = load_important_prefix(self.important, self.store, found, self.chunk_tokens,
+                                       seq.token_ids[: seq.num_tokens], self.important_stats)
+        except ChunkGone as exc:
+            log.info("request %s: its stored prefix is read whole: %s", seq.request_id, exc)
+            return None
+        except (StoreUnavailable, CorruptObject) as exc:
+            log.warning("request %s: its prefix could not be loaded by importance and is recomputed: %s",
+                        seq.request_id, exc)
+            self._count_load_failure()
+            return []
+        seq.store_load_end = (time.perf_counter(), PrefillWork.span(seq.num_tokens - 1, 1))
+        return [kv]
 
     def _count_load_failure(self) -> None:
         """Counted from the load, decode and engine threads alike."""

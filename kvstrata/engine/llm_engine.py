@@ -6,6 +6,7 @@ wraps them for offline use.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -19,6 +20,7 @@ import torch
 from kvstrata.cachegen.profile import shipped_profile
 from kvstrata.config import EngineConfig
 from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.engine.important_prefix_load import ImportantLoading
 from kvstrata.engine.kv_offload_setup import attention_policy
 from kvstrata.engine.kv_setup import engine_storage_layout, stored_form
 from kvstrata.engine.kv_store_link import KVStoreLink, make_store
@@ -124,12 +126,15 @@ class LLMEngine:
             raise KvstrataError("kv_store needs prefix caching: chunks are found by the same chained token hashes")
         profile = shipped_profile(self.model_fingerprint)  # sets CacheGen forms' steps, when one ships
         store = make_store(c.kv_store, c.kv_store_format, dtype, self.kv_manager.namespace.decode(), self.loaded.config,
-                           c.kv_store_timeout_ms / 1000, profile, c.kv_store_link_gbps)
+                           c.kv_store_timeout_ms / 1000, profile, c.kv_store_link_gbps,
+                           probe_keys=c.prefix_loading == "impress")
         mc = self.loaded.config
         layer_weights = multiplied_weights(self.loaded.model.layers)  # counted by shape: int4 weights are buffers
         prefill = PrefillSpeed.for_model(mc.num_layers, mc.num_heads, mc.head_dim, layer_weights)
+        important = None if c.prefix_loading == "full" else ImportantLoading(
+            c.prefix_loading, float(c.impress_ratio), c.impress_rule, self.loaded.model, self.device)
         return KVStoreLink(store, c.kv_store_chunk_tokens, self.kv_manager, self.kv_cache, prefill, c.ttft_slo,
-                           c.kv_store_level)
+                           c.kv_store_level, important)
 
     def _make_scheduler(self) -> Scheduler:
         c = self.config
@@ -259,7 +264,7 @@ class LLMEngine:
                     f"the prompt's {num_tokens} tokens"
                 )
             position = segment.end
-        return [PreloadedKV(s.start, s.k.to(self.device, dtype), s.v.to(self.device, dtype))
+        return [dataclasses.replace(s, k=s.k.to(self.device, dtype), v=s.v.to(self.device, dtype))
                 if isinstance(s, PreloadedKV) else s for s in preloaded]
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -23,6 +23,8 @@ class PreloadedKV:
     start: int  # position of the first token
     k: torch.Tensor
     v: torch.Tensor
+    # [layers, tokens], True where a layer did not load the token (IMPRESS): storage keeps its zeros, no step reads it
+    unread: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -36,7 +38,9 @@ class PreloadedKV:
         """The part before token `end`, if any."""
         if end <= self.start:
             return None
-        return PreloadedKV(self.start, self.k[:, : end - self.start], self.v[:, : end - self.start])
+        part = slice(0, end - self.start)
+        return PreloadedKV(self.start, self.k[:, part], self.v[:, part],
+                           None if self.unread is None else self.unread[:, part])
 
 
 @dataclass

@@ -11,6 +11,7 @@ rounded to bfloat16, and no resident copy.
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import torch
@@ -56,12 +57,15 @@ def supports(out_features: int, group_size: int) -> bool:
     return out_features % PACKED_ROWS == 0 and group_size % TILE_COLUMNS == 0
 
 
-_scratch: dict[tuple[int, int], torch.Tensor] = {}  # one buffer per weight shape, reused by every layer
+# One buffer per weight shape, reused by every layer; per thread, since a KV store's load thread may run the model
+# (a stored prefix loaded layer by layer, engine/important_prefix_load.py) while the engine thread steps.
+_scratch = threading.local()
 
 
 def dense_weight(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """bfloat16 [out, in] of a packed int4 weight, valid until the next call for a weight of its shape."""
     shape = (packed.shape[0], packed.shape[1] * 2)
-    if shape not in _scratch:
-        _scratch[shape] = torch.empty(shape, dtype=torch.bfloat16)
-    return kernel().int4pack_to_bfloat16(packed, scale_zero, group_size, _scratch[shape])
+    buffers = _scratch.__dict__.setdefault("by_shape", {})
+    if shape not in buffers:
+        buffers[shape] = torch.empty(shape, dtype=torch.bfloat16)
+    return kernel().int4pack_to_bfloat16(packed, scale_zero, group_size, buffers[shape])

@@ -34,8 +34,9 @@ def prefix_scores(q_new: torch.Tensor, prefix_k: torch.Tensor, new_k: torch.Tens
 
 def head_scores(q_new: torch.Tensor, prefix_k: torch.Tensor, new_k: torch.Tensor, heads: int) -> torch.Tensor:
     """prefix_scores of query heads 0 .. heads-1 [heads, n], each against its KV head's keys: q_new [m, H, D],
-    prefix_k [n, G, D], new_k [m, G, D] (query head h reads KV head h // (H / G))."""
-    group = q_new.shape[1] // prefix_k.shape[1]
+    new_k [m, G, D], prefix_k [n, G', D] holding KV heads 0 .. G'-1 (all of them, or only those the scoring heads
+    read: the probe keys) (query head h reads KV head h // (H / G))."""
+    group = q_new.shape[1] // new_k.shape[1]
     return torch.cat([prefix_scores(q_new[:, h : h + 1], prefix_k[:, h // group], new_k[:, h // group])
                       for h in range(heads)])
 

@@ -26,11 +26,18 @@ def probe_heads(heads: int, kv_heads: int) -> int:
     return heads // kv_heads if kv_heads < heads else min(PROBE_HEADS, heads)
 
 
+def probe_kv_heads(heads: int, kv_heads: int) -> int:
+    """How many KV heads (0 .. n-1) the probe heads read: 1 with grouped KV heads, 3 with one per query head."""
+    return len({head // (heads // kv_heads) for head in range(probe_heads(heads, kv_heads))})
+
+
 class PrefixSelector:
     """Chooses from the first `selection_rows` new tokens (the request's prompt; later rows are its continuation,
-    which reads what the prompt chose). Every layer's decision is kept in `decisions`."""
+    which reads what the prompt chose). Every layer's decision is kept in `decisions`. `context_k[layer]` is what
+    the layer's scores read: the prefix's keys [n, kv_heads, D], or for IMPRESS only the probe KV heads' [n, p, D]
+    (it may be a sequence that loads a layer's keys when asked)."""
 
-    def __init__(self, context_k: list[torch.Tensor], method: str, ratio: float, selection_rows: int,
+    def __init__(self, context_k, method: str, ratio: float, selection_rows: int,
                  alpha: float = ALPHA, rule: str = "vote"):
         if method not in PREFIX_LOADING:
             raise KvstrataError(f"prefix loading {method!r} is not one of {', '.join(PREFIX_LOADING)}")
@@ -60,9 +67,7 @@ class PrefixSelector:
         """The share of the prefix's K and V bytes the decisions read (derived from them, nothing is loaded here):
         IMPRESS reads its probe heads' keys, then K and V of the chosen tokens (or all of them); keys-only H2O
         reads every key, then the chosen tokens' values."""
-        group = heads // kv_heads
-        probe_kv_heads = len({h // group for h in range(probe_heads(heads, kv_heads))})
-        probe = probe_kv_heads / (2 * kv_heads)
+        probe = probe_kv_heads(heads, kv_heads) / (2 * kv_heads)
         shares = []
         for decision in self.decisions.values():
             chosen = float(decision.tokens.float().mean())

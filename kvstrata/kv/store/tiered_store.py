@@ -19,12 +19,18 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
-from kvstrata.kv.store.forms import STREAMED_LEVELS, LeveledForm, StoredForm, written_form
+from kvstrata.kv.store.forms import STREAMED_LEVELS, FloatForm, LeveledForm, StoredForm, written_form
 from kvstrata.kv.store.objects import ObjectHeader, pack_object, unpack_object
 from kvstrata.kv.store.tier import Objects, Tier
 
 log = logging.getLogger("kvstrata.kv.store")
 MANIFEST = "levels"  # the object of a chunk stored at several levels that gives each level's size in bytes
+PROBE_FORM = FloatForm(torch.float16)  # probe keys: only scored, so float16 whatever the chunk's form
+
+
+def probe_name(layer: int) -> str:
+    """The object holding the probe heads' keys of `layer` (TieredStore's `probe_kv_heads`)."""
+    return f"p.{layer}"
 
 
 def level_field(level: str, name: str) -> str:
@@ -74,9 +80,12 @@ class StoreStats:
 
 class TieredStore:
     def __init__(self, tiers: list[Tier], forms: list[StoredForm | LeveledForm], shape: StoreShape,
-                 defer: Callable[[Callable[[], None], int], None] | None = None, profiled: bool = False):
+                 defer: Callable[[Callable[[], None], int], None] | None = None, profiled: bool = False,
+                 probe_kv_heads: int = 0):
         """`profiled`: the model has a CacheGen profile, so CacheGen objects were written with its steps (every engine
-        of one model and kvstrata version agrees; the objects' version says which)."""
+        of one model and kvstrata version agrees; the objects' version says which). `probe_kv_heads`: also write,
+        per layer, the keys of KV heads 0 .. n-1 in float16 ("p.<layer>", outside any level), which IMPRESS reads
+        to choose a layer's tokens before reading any K or V (engine/important_prefix_load.py)."""
         if len(forms) != len(tiers):
             raise ValueError(f"{len(forms)} forms for {len(tiers)} tiers")
         self.tiers = tiers
@@ -89,6 +98,8 @@ class TieredStore:
         for below, tier in enumerate(tiers[1:], start=1):
             tiers[below - 1].on_evict = lambda key, read, below=below: self._spill(below, key, read)
         self.object_names = [f"{kind}.{layer}" for layer in range(shape.num_layers) for kind in "kv"]
+        self.probe_kv_heads = probe_kv_heads
+        self.probe_names = [probe_name(layer) for layer in range(shape.num_layers)] if probe_kv_heads else []
 
     def locate(self, key: str) -> int | None:
         """The index of the highest tier holding chunk `key`; an unreachable tier counts as not holding it."""
@@ -133,12 +144,16 @@ class TieredStore:
                                 f"of {list(STREAMED_LEVELS)} with positive sizes")
         return ordered
 
-    def read(self, where: Located, level: str | None = None, layers: range | None = None) -> Fetched | None:
+    def read(self, where: Located, level: str | None = None, layers: range | None = None,
+             names: list[str] | None = None) -> Fetched | None:
         """The objects of a located chunk (stored at several levels: at `level`, by default the best; only those
-        of `layers`, by default all), timed; None if it went away meanwhile. StoreUnavailable if its tier is
-        unreachable; a corrupt chunk is dropped (CorruptObject)."""
+        of `layers`, by default all; or exactly `names`, of a chunk stored in one form), timed; None if it went
+        away meanwhile. StoreUnavailable if its tier is unreachable; a corrupt chunk is dropped (CorruptObject)."""
         tier = self.tiers[where.tier]
-        names = self.object_names if layers is None else [f"{kind}.{layer}" for layer in layers for kind in "kv"]
+        if names is None:
+            names = self.object_names if layers is None else [f"{kind}.{layer}" for layer in layers for kind in "kv"]
+        elif where.level_bytes is not None:
+            raise ValueError(f"chunk {where.key[:16]} is stored at several levels: read it by level and layers")
         fields = names
         if where.level_bytes is not None:
             level = level or next(iter(where.level_bytes))
@@ -196,9 +211,10 @@ class TieredStore:
     def _promote(self, index: int, key: str, objects: Objects, written: set[str], k: torch.Tensor,
                  v: torch.Tensor) -> None:
         """Copy a chunk found in tier `index` to the tiers above that lack it, re-encoded where their form differs."""
+        whole = all(name in objects for name in self.probe_names)  # a read of K and V leaves the probe keys out
         for upper, form in zip(self.tiers[:index], self.forms):
             if not self._holds(upper, key):
-                self._put(upper, key, objects if written == {form.name} else self.encode(key, k, v, form))
+                self._put(upper, key, objects if whole and written == {form.name} else self.encode(key, k, v, form))
 
     def _decode(self, key: str, objects: Objects, num_tokens: int | None):
         """K and V from a chunk's objects, each decoded in the form its header names (`num_tokens`: the length
@@ -209,15 +225,46 @@ class TieredStore:
                 name = f"{kind}.{layer}"
                 if name not in objects:
                     raise CorruptObject(f"chunk {key[:16]} lacks its object {name}")
-                header, payload = unpack_object(objects[name], self.shape.namespace, key, name)
-                num_tokens = header.shape[0] if num_tokens is None and header.shape else num_tokens
-                want = (num_tokens, self.shape.kv_heads, self.shape.head_dim)
-                if header.shape != want:
-                    raise CorruptObject(f"object {name} of chunk {key[:16]} has shape {header.shape}, expected {want}")
-                written.add(header.form)
-                form = written_form(header.form, self.profiled)
-                layers[kind].append(form.decode(payload, want, kind, layer, self.shape.num_layers))
+                x, form = self.decode_object(key, name, objects[name], num_tokens)
+                num_tokens = x.shape[0]
+                written.add(form)
+                layers[kind].append(x)
         return torch.stack(layers["k"]), torch.stack(layers["v"]), written
+
+    def read_object(self, where: Located, name: str, num_tokens: int) -> tuple[torch.Tensor, int] | None:
+        """One object of a chunk stored in one form ("k.<layer>", "v.<layer>" or a probe's "p.<layer>"), read,
+        checked and decoded to float32 [num_tokens, heads, head_dim], with the bytes read; None if the tier no
+        longer holds it (or never held that object). Raises as `read` does; a corrupt object drops its chunk
+        (CorruptObject)."""
+        fetched = self.read(where, names=[name])
+        if fetched is None:
+            return None
+        try:
+            return self.decode_object(where.key, name, fetched.objects[name], num_tokens)[0], fetched.num_bytes
+        except CorruptObject:
+            self._drop(self.tiers[where.tier], where.key)
+            raise
+
+    def decode_object(self, key: str, name: str, data: bytes, num_tokens: int | None) -> tuple[torch.Tensor, str]:
+        """One object of chunk `key` ("k.<layer>", "v.<layer>" or a probe's "p.<layer>"), checked and decoded to
+        float32 [num_tokens (None: as its header says), heads, head_dim], and the form it was written in;
+        CorruptObject if it is not whole or not that object (the caller drops the chunk)."""
+        kind, layer = name.split(".")[0], int(name.split(".")[1])
+        header, payload = unpack_object(data, self.shape.namespace, key, name)
+        num_tokens = header.shape[0] if num_tokens is None and header.shape else num_tokens
+        heads = self.probe_kv_heads if kind == "p" else self.shape.kv_heads
+        want = (num_tokens, heads, self.shape.head_dim)
+        if header.shape != want:
+            raise CorruptObject(f"object {name} of chunk {key[:16]} has shape {header.shape}, expected {want}")
+        form = written_form(header.form, self.profiled)
+        return form.decode(payload, want, "k" if kind == "p" else kind, layer, self.shape.num_layers), header.form
+
+    def count_hit(self, where: Located, num_tokens: int) -> None:
+        """A chunk read in part (some of its objects, decoded one by one) served a load: counted as `decode` counts
+        a whole chunk, without copying it to the tiers above (what was read is not all of it)."""
+        self.tiers[where.tier].stats.hit_tokens += num_tokens
+        for upper in self.tiers[: where.tier]:
+            upper.stats.miss_tokens += num_tokens
 
     def _drop(self, tier: Tier, key: str) -> None:
         self.stats.corrupt_objects += 1
@@ -229,16 +276,26 @@ class TieredStore:
 
     def encode(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm | LeveledForm) -> Objects:
         """The objects of chunk `key` in `form` from K and V [layers, tokens, kv_heads, head_dim]; in the levels
-        form, each level's objects under "<level>/<name>" and a manifest of their sizes."""
+        form, each level's objects under "<level>/<name>" and a manifest of their sizes; the probe keys, if written,
+        in float16 under their own names."""
+        objects = self._probe_objects(key, k)
         if not isinstance(form, LeveledForm):
-            return self._encode_form(key, k, v, form)
-        objects, sizes = {}, {}
+            return {**self._encode_form(key, k, v, form), **objects}
+        sizes = {}
         for level in form.levels:
             encoded = self._encode_form(key, k, v, level)
             sizes[level.name] = sum(len(data) for data in encoded.values())
             objects.update({level_field(level.name, name): data for name, data in encoded.items()})
         header = ObjectHeader(self.shape.namespace, key, MANIFEST, form.name, ())
         objects[MANIFEST] = pack_object(header, json.dumps(sizes).encode())
+        return objects
+
+    def _probe_objects(self, key: str, k: torch.Tensor) -> Objects:
+        objects = {}
+        for layer, name in enumerate(self.probe_names):
+            x = k[layer, :, : self.probe_kv_heads]
+            header = ObjectHeader(self.shape.namespace, key, name, PROBE_FORM.name, tuple(x.shape))
+            objects[name] = pack_object(header, PROBE_FORM.encode(x, "k", layer, self.shape.num_layers))
         return objects
 
     def _encode_form(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm) -> Objects:
@@ -287,7 +344,7 @@ class TieredStore:
             try:
                 objects = _best_level(read())
                 k, v, written = self._decode(key, objects, None)
-                if written != {self.forms[below].name}:
+                if written != {self.forms[below].name} or not all(name in objects for name in self.probe_names):
                     objects = self.encode(key, k, v, self.forms[below])
             except Exception:  # an unreadable or corrupt chunk is simply not moved down
                 log.exception("chunk %s could not be read to move it down", key[:16])
