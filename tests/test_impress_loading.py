@@ -102,6 +102,27 @@ def test_a_reused_block_keeps_its_unread_tokens_and_a_new_one_does_not(tiny_llam
     assert not policy.blocks_with_unread and not policy.unread.any()
 
 
+def test_the_server_reports_fallbacks_bytes_and_chunks_read(tiny_llama, tmp_path):
+    import httpx
+
+    from tests.server_harness import running_server
+
+    options = {"prefix_loading": "impress", "impress_ratio": 0.3}
+    run_rounds(make_engine(tiny_llama, kv_store=disk(tmp_path), **options), rounds=1)
+    with running_server(str(tiny_llama), kv_cache_memory="480KiB", threads=1, kv_store_chunk_tokens=CHUNK,
+                        kv_store=disk(tmp_path), **options) as (base_url, _):
+        reply = httpx.post(f"{base_url}/v1/completions", json={"model": "test-model", "prompt": PROMPTS[0],
+                                                               "max_tokens": 2, "temperature": 0}, timeout=60)
+        assert reply.status_code == 200
+        metrics = httpx.get(f"{base_url}/metrics").text
+    labels = '{method="impress",model_name="test-model"}'
+    assert f"kvstrata:prefix_loading_loads_total{labels} 1.0" in metrics
+    layers = 3
+    assert f"kvstrata:prefix_loading_layers_total{labels} {layers}.0" in metrics
+    for name in ("fallbacks", "read_bytes", "chunk_reads", "chosen_tokens"):
+        assert f"kvstrata:prefix_loading_{name}_total{labels}" in metrics
+
+
 @pytest.mark.parametrize("options,message", [
     ({"prefix_loading": "impress"}, "kv_store"),
     ({"prefix_loading": "h2o-keys", "kv_store": "host:1MiB", "kv_offload": "h2o"}, "kv_offload none"),

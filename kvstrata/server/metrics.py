@@ -148,3 +148,21 @@ class KVStoreCollector:
                                      "the throughput of their own read allowed", labels=["model_name"])
         family.add_metric([self.model_name], self.link.stats.chunks_below_allowed)
         yield family
+        if self.link.important is not None:
+            yield from self._important_loads()
+
+    def _important_loads(self):
+        """`--prefix-loading impress|h2o-keys`: what the loads by importance read and chose."""
+        stats = self.link.important_stats
+        for name, value, doc in (
+            ("loads", stats.loads, "Requests whose stored prefix was loaded by importance"),
+            ("layers", stats.layers, "Layer choices those loads made"),
+            ("fallbacks", stats.fallbacks, "Layers that read their whole prefix (the probe heads disagreed)"),
+            ("read_bytes", stats.bytes_read, "Bytes those loads read (probe keys, K, V)"),
+            ("chunk_reads", stats.chunk_reads, "(chunk, layer) pairs whose K or V those loads read"),
+            ("offered_tokens", stats.tokens_offered, "Prefix tokens times layers of those loads"),
+            ("chosen_tokens", stats.tokens_read, "Prefix tokens times layers that those loads chose to read"),
+        ):
+            family = CounterMetricFamily(f"kvstrata:prefix_loading_{name}", doc, labels=["model_name", "method"])
+            family.add_metric([self.model_name, self.link.important.method], value)
+            yield family
