@@ -1,0 +1,181 @@
+"""Prefix loading by importance in the engine (`--prefix-loading`, issue 14; docs/BENCHMARKS.md, "IMPRESS in the
+engine").
+
+    python -m benchmarks.impress_loading > benchmarks/results/impress_loading.json
+    python -m benchmarks.impress_loading --chunk-tokens 16 > benchmarks/results/impress_loading_chunk16.json
+
+A prefix-reuse workload on the default model: for each text (Persuasion, the Python tutorial), `--prefixes`
+passages of `--prefix-tokens` tokens, each asked `--questions` different questions (a 64-token passage from
+elsewhere in the text, then a question line). Every question is served by a fresh engine (the model shared)
+whose device pool is empty, so its prefix comes from the KV store, written there by an earlier engine of the
+same configuration. Per system: time to first token, what the store read (bytes, (chunk, layer) reads, the
+share of layers falling back and of prefix tokens chosen), and greedy agreement of `--gen-tokens` generated
+tokens with recomputing the prefix.
+
+Tiers: `disk` (fp16 chunks of `--chunk-tokens` tokens, 64 by default as in the paper; the chunk files are dropped from the page cache with
+posix_fadvise before every question, so reads are cold) and `redis` behind a link emulated at `--link-gbps`
+(modeled: the bytes cross loopback to a real redis-server, then wait for the emulated link).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvstrata.bench.redis_server import RedisServer
+from kvstrata.bench.report import machine_info
+from kvstrata.bench.stats import summarize
+from kvstrata.config import EngineConfig
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+
+DATA = Path(__file__).parent / "data"
+TEXTS = {"persuasion": DATA / "persuasion.txt", "python_tutorial": DATA / "python_tutorial.txt"}
+QUESTION_TOKENS = 64
+QUESTION = "\n\nQuestion: How does the passage just above relate to the text before it?\nAnswer:"
+
+
+def workload(engine: LLMEngine, name: str, prefixes: int, prefix_tokens: int, questions: int,
+             seed: int) -> list[tuple[int, list[int]]]:
+    """(prefix index, prompt) pairs: each prefix followed by each of its questions."""
+    rng = random.Random(seed)
+    ids = engine.tokenize(TEXTS[name].read_text(encoding="utf-8"))
+    question_line = engine.tokenize(QUESTION)
+    prompts = []
+    for p in range(prefixes):
+        start = rng.randrange(0, len(ids) - prefix_tokens)
+        prefix = ids[start : start + prefix_tokens]
+        for _ in range(questions):
+            at = rng.randrange(0, len(ids) - QUESTION_TOKENS)
+            prompts.append((p, prefix + ids[at : at + QUESTION_TOKENS] + question_line))
+    return prompts
+
+
+def generate(engine: LLMEngine, prompt: list[int], max_tokens: int):
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                return output
+    raise RuntimeError("the request did not finish")
+
+
+def drop_page_cache(directory: Path) -> None:
+    """Make the next reads of the disk tier's files cold: written back, then dropped from the page cache."""
+    for path in directory.glob("*.kvc"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_system(loaded, options: dict, prompts, gen_tokens: int, reference: list[list[int]] | None,
+               disk_dir: Path | None) -> tuple[dict, list[list[int]]]:
+    """The system's row and every request's generated tokens."""
+    base = {"threads": 2, **options}
+    written = set()
+    ttfts, agreement, first_same, outputs = [], [], [], []
+    totals = {"bytes_read": 0, "chunk_reads": 0, "layers": 0, "fallbacks": 0, "tokens_offered": 0,
+              "tokens_read": 0, "loaded_requests": 0}
+    for index, (prefix, prompt) in enumerate(prompts):
+        if "kv_store" in options and prefix not in written:  # an earlier engine stores the prefix
+            writer = LLMEngine(EngineConfig(**base), loaded=loaded)
+            generate(writer, prompt[: -QUESTION_TOKENS], 1)
+            writer.kv_store.flush()
+            writer.kv_store.close()
+            written.add(prefix)
+        if disk_dir is not None:
+            drop_page_cache(disk_dir)
+        engine = LLMEngine(EngineConfig(**base), loaded=loaded)
+        output = generate(engine, prompt, gen_tokens)
+        ttfts.append(output.metrics.ttft)
+        outputs.append(output.token_ids)
+        if reference is not None:
+            agreement.append(sum(a == b for a, b in zip(output.token_ids, reference[index])) / gen_tokens)
+            first_same.append(output.token_ids[0] == reference[index][0])
+        if engine.kv_store is not None:
+            link = engine.kv_store
+            totals["loaded_requests"] += link.stats.requests_loaded
+            if link.important is not None:
+                for key in ("chunk_reads", "layers", "fallbacks", "tokens_offered", "tokens_read"):
+                    totals[key] += getattr(link.important_stats, key)
+            totals["bytes_read"] += sum(tier.stats.bytes_read for tier in link.store.tiers)
+            link.close()
+    row = {**summarize(ttfts, "ttft_ms", scale=1000), "requests": len(prompts), **totals,
+           "bytes_read_per_request": totals["bytes_read"] / len(prompts)}
+    if totals["layers"]:
+        row["fallback_share"] = totals["fallbacks"] / totals["layers"]
+        row["chosen_token_share"] = totals["tokens_read"] / totals["tokens_offered"]
+    if reference is not None:
+        row["greedy_agreement_vs_recompute"] = sum(agreement) / len(agreement)
+        row["first_token_same_as_recompute"] = sum(first_same) / len(first_same)
+    return row, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefixes", type=int, default=2)
+    parser.add_argument("--prefix-tokens", type=int, default=2048)
+    parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--gen-tokens", type=int, default=32)
+    parser.add_argument("--ratios", default="0.25,0.5")
+    parser.add_argument("--link-gbps", default="1")
+    parser.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk: the unit of a read")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",")]
+    report = {"machine": machine_info(), "prefix_tokens": args.prefix_tokens, "questions": args.questions,
+              "chunk_tokens": args.chunk_tokens, "link_gbps_modeled": args.link_gbps, "texts": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        redis = RedisServer(Path(scratch)).start()
+        try:
+            first = LLMEngine(EngineConfig(threads=2))
+            loaded = first.loaded
+            generate(first, first.tokenize(QUESTION * 200), 2)  # warm-up: kernels and allocator, off the clock
+            for name in TEXTS:
+                prompts = workload(first, name, args.prefixes, args.prefix_tokens, args.questions, args.seed)
+                rows = {}
+                rows["recompute"], reference = run_system(loaded, {}, prompts, args.gen_tokens, None, None)
+                methods = [("full", {"prefix_loading": "full"})]
+                methods += [(f"{method} r={ratio}", {"prefix_loading": method, "impress_ratio": ratio})
+                            for ratio in ratios for method in ("h2o-keys", "impress")]
+                for tier in ("disk", "redis"):
+                    for method, options in methods:
+                        if tier == "disk":
+                            directory = Path(scratch) / f"disk-{name}-{method.replace(' ', '_')}"
+                            store = {"kv_store": f"disk:{directory}:8GiB"}
+                        else:
+                            directory = None
+                            redis.flush()
+                            store = {"kv_store": redis.url, "kv_store_link_gbps": args.link_gbps}
+                        start = time.perf_counter()
+                        store.update(kv_store_format="fp16", kv_store_chunk_tokens=args.chunk_tokens)
+                        row, _ = run_system(loaded, {**store, **options}, prompts, args.gen_tokens, reference,
+                                            directory)
+                        row["seconds"] = time.perf_counter() - start
+                        rows[f"{tier} {method}"] = row
+                        print(name, tier, method, json.dumps(row), file=sys.stderr, flush=True)
+                recompute = rows["recompute"]["p50_ttft_ms"]
+                for row in rows.values():
+                    row["p50_ttft_speedup_vs_recompute"] = round(recompute / row["p50_ttft_ms"], 3)
+                for tier in ("disk", "redis"):
+                    full = rows[f"{tier} full"]["bytes_read"]
+                    for key, row in rows.items():
+                        if key.startswith(tier):
+                            row["bytes_vs_full"] = round(row["bytes_read"] / full, 4)
+                report["texts"][name] = rows
+        finally:
+            redis.stop()
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
