@@ -2,7 +2,6 @@
 engine").
 
     python -m benchmarks.impress_loading > benchmarks/results/impress_loading.json
-    python -m benchmarks.impress_loading --chunk-tokens 16 > benchmarks/results/impress_loading_chunk16.json
 
 A prefix-reuse workload on the default model: for each text (Persuasion, the Python tutorial), `--prefixes`
 passages of `--prefix-tokens` tokens, each asked `--questions` different questions (a 64-token passage from
@@ -12,9 +11,10 @@ same configuration. Per system: time to first token, what the store read (bytes,
 share of layers falling back and of prefix tokens chosen), and greedy agreement of `--gen-tokens` generated
 tokens with recomputing the prefix.
 
-Tiers: `disk` (fp16 chunks of `--chunk-tokens` tokens, 64 by default as in the paper; the chunk files are dropped from the page cache with
-posix_fadvise before every question, so reads are cold) and `redis` behind a link emulated at `--link-gbps`
-(modeled: the bytes cross loopback to a real redis-server, then wait for the emulated link).
+Chunks are stored in float16, `--chunk-tokens` tokens each (the read unit; 64 by default, the paper's). Tiers:
+`disk` (the chunk files are dropped from the page cache with posix_fadvise before every question, so reads are
+cold) and `redis` behind a link emulated at `--link-gbps` (modeled: the bytes cross loopback to a real
+redis-server, then wait for the emulated link).
 """
 
 from __future__ import annotations
