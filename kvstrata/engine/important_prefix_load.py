@@ -6,8 +6,8 @@ key, then V of the chunks holding a chosen token. A chunk is the unit of a read,
 whole chunk's object (read amplification, counted in `ImportantLoadStats`).
 
 The request then joins the scheduler with the prefix and its new tokens' KV preloaded and only its last token
-to compute. Under `full`, or when a chunk lacks probe keys (written by an engine that does not probe) or is
-stored at several levels, the load reads every chunk whole as before.
+to compute. Under `full`, when part of the prefix is in the device pool already, when a chunk found is stored at
+several levels, or when one is gone before its objects are read, the load reads every chunk whole as before.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from kvstrata.kv.store.tiered_store import Located, TieredStore, probe_name
 
 
 class ChunkGone(Exception):
-    """A chunk the load had found no longer holds an object it needs (evicted meanwhile, or written without
-    probe keys)."""
+    """A chunk the load had found no longer holds an object it needs (evicted meanwhile)."""
 
 
 @dataclass
