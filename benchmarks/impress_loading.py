@@ -28,12 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.kv_store_ttft import first_token
 from kvstrata.bench.redis_server import RedisServer
 from kvstrata.bench.report import machine_info
 from kvstrata.bench.stats import summarize
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.sampling_params import SamplingParams
 
 DATA = Path(__file__).parent / "data"
 TEXTS = {"persuasion": DATA / "persuasion.txt", "python_tutorial": DATA / "python_tutorial.txt"}
@@ -55,15 +55,6 @@ def workload(engine: LLMEngine, name: str, prefixes: int, prefix_tokens: int, qu
             at = rng.randrange(0, len(ids) - QUESTION_TOKENS)
             prompts.append((p, prefix + ids[at : at + QUESTION_TOKENS] + question_line))
     return prompts
-
-
-def generate(engine: LLMEngine, prompt: list[int], max_tokens: int):
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                return output
-    raise RuntimeError("the request did not finish")
 
 
 def drop_page_cache(directory: Path) -> None:
@@ -88,14 +79,14 @@ def run_system(loaded, options: dict, prompts, gen_tokens: int, reference: list[
     for index, (prefix, prompt) in enumerate(prompts):
         if "kv_store" in options and prefix not in written:  # an earlier engine stores the prefix
             writer = LLMEngine(EngineConfig(**base), loaded=loaded)
-            generate(writer, prompt[: -QUESTION_TOKENS], 1)
+            first_token(writer, prompt[: -QUESTION_TOKENS], 1)
             writer.kv_store.flush()
             writer.kv_store.close()
             written.add(prefix)
         if disk_dir is not None:
             drop_page_cache(disk_dir)
         engine = LLMEngine(EngineConfig(**base), loaded=loaded)
-        output = generate(engine, prompt, gen_tokens)
+        output = first_token(engine, prompt, gen_tokens)
         ttfts.append(output.metrics.ttft)
         outputs.append(output.token_ids)
         if reference is not None:
@@ -139,7 +130,7 @@ def main() -> None:
         try:
             first = LLMEngine(EngineConfig(threads=2))
             loaded = first.loaded
-            generate(first, first.tokenize(QUESTION * 200), 2)  # warm-up: kernels and allocator, off the clock
+            first_token(first, first.tokenize(QUESTION * 200), 2)  # warm-up: kernels and allocator, off the clock
             for name in TEXTS:
                 prompts = workload(first, name, args.prefixes, args.prefix_tokens, args.questions, args.seed)
                 rows = {}
