@@ -57,21 +57,23 @@ class StorePrefix:
         self.bytes_read = self.chunk_reads = 0
         self._keys: dict[int, torch.Tensor] = {}  # keys-only H2O: a layer's keys, read to score, reused for K
 
-    def _read(self, chunks: list[int], name: str) -> torch.Tensor:
-        parts = []
+    def _read(self, chunks: list[int], names: list[str]) -> list[torch.Tensor]:
+        """Objects `names` of each of `chunks` (one read per chunk), each concatenated over the chunks."""
+        parts: list[list[torch.Tensor]] = [[] for _ in names]
         for chunk in chunks:
-            got = self.store.read_object(self.found[chunk], name, self.chunk_tokens)
+            got = self.store.read_objects(self.found[chunk], names, self.chunk_tokens)
             if got is None:
-                raise ChunkGone(f"chunk {self.found[chunk].key[:16]} has no object {name}")
-            parts.append(got[0])
+                raise ChunkGone(f"chunk {self.found[chunk].key[:16]} no longer holds {names}")
+            for part, name in zip(parts, names):
+                part.append(got[0][name])
             self.bytes_read += got[1]
-        return torch.cat(parts)
+        return [torch.cat(part) for part in parts]
 
     def scoring_keys(self, layer: int) -> torch.Tensor:
         every = list(range(len(self.found)))
         if self.method == "impress":
-            return self._read(every, probe_name(layer))
-        self._keys[layer] = self._read(every, f"k.{layer}")
+            return self._read(every, [probe_name(layer)])[0]
+        (self._keys[layer],) = self._read(every, [f"k.{layer}"])
         self.chunk_reads += len(every)
         return self._keys[layer]
 
@@ -79,11 +81,12 @@ class StorePrefix:
         touched = chosen.view(len(self.found), self.chunk_tokens).any(1)
         chunks = touched.nonzero()[:, 0].tolist()
         in_read = chosen.view(len(self.found), self.chunk_tokens)[touched].flatten()  # chosen among the read rows
-        v = self._read(chunks, f"v.{layer}")[in_read]
-        if layer in self._keys:
-            return self._keys.pop(layer)[chosen], v
+        if layer in self._keys:  # keys-only H2O read every key to score
+            (v,) = self._read(chunks, [f"v.{layer}"])
+            return self._keys.pop(layer)[chosen], v[in_read]
         self.chunk_reads += len(chunks)
-        return self._read(chunks, f"k.{layer}")[in_read], v
+        k, v = self._read(chunks, [f"k.{layer}", f"v.{layer}"])
+        return k[in_read], v[in_read]
 
 
 @torch.inference_mode()

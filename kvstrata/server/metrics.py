@@ -136,20 +136,22 @@ class KVStoreCollector:
             ("load_failures", link.load_failures, "Loads cut short by a tier failure (the rest was recomputed)"),
             ("writes_skipped", link.writes_skipped, "Chunks not written (write backlog full or unreadable)"),
         ):
-            family = CounterMetricFamily(f"kvstrata:kv_store_{name}", doc, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
+            yield self._counter(f"kvstrata:kv_store_{name}", doc, value)
         family = CounterMetricFamily("kvstrata:kv_store_streamed_chunks", "Chunks stored at several levels, by the "
                                      "level they were read at (text: recomputed)", labels=["model_name", "level"])
         for level, count in sorted(self.link.stats.chunks_by_option.copy().items()):  # copy: atomic
             family.add_metric([self.model_name, level], count)
         yield family
-        family = CounterMetricFamily("kvstrata:kv_store_chunks_below_allowed", "Streamed chunks read below the level "
-                                     "the throughput of their own read allowed", labels=["model_name"])
-        family.add_metric([self.model_name], self.link.stats.chunks_below_allowed)
-        yield family
+        yield self._counter("kvstrata:kv_store_chunks_below_allowed", "Streamed chunks read below the level the "
+                            "throughput of their own read allowed", self.link.stats.chunks_below_allowed)
         if self.link.important is not None:
             yield from self._important_loads()
+
+    def _counter(self, name: str, doc: str, value: float, **labels: str) -> CounterMetricFamily:
+        """One counter of this model, with `labels` beside the model's name."""
+        family = CounterMetricFamily(name, doc, labels=["model_name", *labels])
+        family.add_metric([self.model_name, *labels.values()], value)
+        return family
 
     def _important_loads(self):
         """`--prefix-loading impress|h2o-keys`: what the loads by importance read and chose."""
@@ -163,6 +165,4 @@ class KVStoreCollector:
             ("offered_tokens", stats.tokens_offered, "Prefix tokens times layers of those loads"),
             ("chosen_tokens", stats.tokens_read, "Prefix tokens times layers that those loads chose to read"),
         ):
-            family = CounterMetricFamily(f"kvstrata:prefix_loading_{name}", doc, labels=["model_name", "method"])
-            family.add_metric([self.model_name, self.link.important.method], value)
-            yield family
+            yield self._counter(f"kvstrata:prefix_loading_{name}", doc, value, method=self.link.important.method)

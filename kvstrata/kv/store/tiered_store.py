@@ -211,10 +211,14 @@ class TieredStore:
     def _promote(self, index: int, key: str, objects: Objects, written: set[str], k: torch.Tensor,
                  v: torch.Tensor) -> None:
         """Copy a chunk found in tier `index` to the tiers above that lack it, re-encoded where their form differs."""
-        whole = all(name in objects for name in self.probe_names)  # a read of K and V leaves the probe keys out
         for upper, form in zip(self.tiers[:index], self.forms):
             if not self._holds(upper, key):
-                self._put(upper, key, objects if whole and written == {form.name} else self.encode(key, k, v, form))
+                reusable = self._has_probes(objects) and written == {form.name}
+                self._put(upper, key, objects if reusable else self.encode(key, k, v, form))
+
+    def _has_probes(self, objects: Objects) -> bool:
+        """Whether read objects can be written elsewhere as they are: a read of K and V leaves probe keys out."""
+        return all(name in objects for name in self.probe_names)
 
     def _decode(self, key: str, objects: Objects, num_tokens: int | None):
         """K and V from a chunk's objects, each decoded in the form its header names (`num_tokens`: the length
@@ -231,16 +235,17 @@ class TieredStore:
                 layers[kind].append(x)
         return torch.stack(layers["k"]), torch.stack(layers["v"]), written
 
-    def read_object(self, where: Located, name: str, num_tokens: int) -> tuple[torch.Tensor, int] | None:
-        """One object of a chunk stored in one form ("k.<layer>", "v.<layer>" or a probe's "p.<layer>"), read,
-        checked and decoded to float32 [num_tokens, heads, head_dim], with the bytes read; None if the tier no
-        longer holds it (or never held that object). Raises as `read` does; a corrupt object drops its chunk
-        (CorruptObject)."""
-        fetched = self.read(where, names=[name])
+    def read_objects(self, where: Located, names: list[str], num_tokens: int
+                     ) -> tuple[dict[str, torch.Tensor], int] | None:
+        """Some objects of a chunk stored in one form ("k.<layer>", "v.<layer>" or a probe's "p.<layer>"), read in
+        one call, checked and decoded to float32 [num_tokens, heads, head_dim] each, with the bytes read; None if
+        the tier no longer holds them. Raises as `read` does; a corrupt object drops its chunk (CorruptObject)."""
+        fetched = self.read(where, names=names)
         if fetched is None:
             return None
         try:
-            return self.decode_object(where.key, name, fetched.objects[name], num_tokens)[0], fetched.num_bytes
+            return {name: self.decode_object(where.key, name, fetched.objects[name], num_tokens)[0]
+                    for name in names}, fetched.num_bytes
         except CorruptObject:
             self._drop(self.tiers[where.tier], where.key)
             raise
@@ -344,7 +349,7 @@ class TieredStore:
             try:
                 objects = _best_level(read())
                 k, v, written = self._decode(key, objects, None)
-                if written != {self.forms[below].name} or not all(name in objects for name in self.probe_names):
+                if written != {self.forms[below].name} or not self._has_probes(objects):
                     objects = self.encode(key, k, v, self.forms[below])
             except Exception:  # an unreadable or corrupt chunk is simply not moved down
                 log.exception("chunk %s could not be read to move it down", key[:16])
