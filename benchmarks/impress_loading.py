@@ -34,6 +34,7 @@ from kvstrata.bench.report import machine_info
 from kvstrata.bench.stats import summarize
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.kv.impress.node_reordering import reorder_all
 
 DATA = Path(__file__).parent / "data"
 TEXTS = {"persuasion": DATA / "persuasion.txt", "python_tutorial": DATA / "python_tutorial.txt"}
@@ -41,20 +42,22 @@ QUESTION_TOKENS = 64
 QUESTION = "\n\nQuestion: How does the passage just above relate to the text before it?\nAnswer:"
 
 
-def workload(engine: LLMEngine, name: str, prefixes: int, prefix_tokens: int, questions: int,
-             seed: int) -> list[tuple[int, list[int]]]:
-    """(prefix index, prompt) pairs: each prefix followed by each of its questions."""
-    rng = random.Random(seed)
+def workload(engine: LLMEngine, name: str, prefixes: int, prefix_tokens: int, questions: int, warm_questions: int,
+             seed: int) -> tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]]]:
+    """(prefix index, prompt) pairs, each prefix followed by each of its questions: the measured ones, and
+    `warm_questions` others per prefix (drawn apart, so the measured ones do not depend on their number)."""
+    rng, warm_rng = random.Random(seed), random.Random(seed + 1)
     ids = engine.tokenize(TEXTS[name].read_text(encoding="utf-8"))
     question_line = engine.tokenize(QUESTION)
-    prompts = []
+    prompts, warm = [], []
     for p in range(prefixes):
         start = rng.randrange(0, len(ids) - prefix_tokens)
         prefix = ids[start : start + prefix_tokens]
-        for _ in range(questions):
-            at = rng.randrange(0, len(ids) - QUESTION_TOKENS)
-            prompts.append((p, prefix + ids[at : at + QUESTION_TOKENS] + question_line))
-    return prompts
+        for draws, pairs, count in ((rng, prompts, questions), (warm_rng, warm, warm_questions)):
+            for _ in range(count):
+                at = draws.randrange(0, len(ids) - QUESTION_TOKENS)
+                pairs.append((p, prefix + ids[at : at + QUESTION_TOKENS] + question_line))
+    return prompts, warm
 
 
 def drop_page_cache(directory: Path) -> None:
@@ -68,20 +71,46 @@ def drop_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
+def store_prefix(loaded, base: dict, prompt: list[int]) -> None:
+    """An earlier engine stores the prompt's prefix."""
+    writer = LLMEngine(EngineConfig(**base), loaded=loaded)
+    first_token(writer, prompt[: -QUESTION_TOKENS], 1)
+    writer.kv_store.flush()
+    writer.kv_store.close()
+
+
+def reorder_after(loaded, base: dict, warm_prompts, chunk_tokens: int) -> int:
+    """IMPRESS's reordering step: other questions of each prefix are loaded by importance first (each load adds
+    to its nodes' running importance), then one reordering pass rewrites the nodes; the nodes rewritten."""
+    written = set()
+    for prefix, prompt in warm_prompts:
+        if prefix not in written:
+            store_prefix(loaded, base, prompt)
+            written.add(prefix)
+        engine = LLMEngine(EngineConfig(**base), loaded=loaded)
+        first_token(engine, prompt, 1)
+        engine.kv_store.close()
+    engine = LLMEngine(EngineConfig(**base), loaded=loaded)
+    rewritten = reorder_all(engine.kv_store.store, chunk_tokens)
+    engine.kv_store.close()
+    return rewritten
+
+
 def run_system(loaded, options: dict, prompts, gen_tokens: int, reference: list[list[int]] | None,
-               disk_dir: Path | None) -> tuple[dict, list[list[int]]]:
-    """The system's row and every request's generated tokens."""
+               disk_dir: Path | None, warm_prompts=None) -> tuple[dict, list[list[int]]]:
+    """The system's row and every request's generated tokens (`warm_prompts`: loaded, then the store reordered,
+    before the measured prompts)."""
     base = {"threads": 2, **options}
     written = set()
     ttfts, agreement, first_same, outputs = [], [], [], []
     totals = {"bytes_read": 0, "chunk_reads": 0, "layers": 0, "fallbacks": 0, "tokens_offered": 0,
               "tokens_read": 0, "loaded_requests": 0}
+    if warm_prompts:
+        totals["nodes_reordered"] = reorder_after(loaded, base, warm_prompts, options["kv_store_chunk_tokens"])
+        written = {prefix for prefix, _ in warm_prompts}
     for index, (prefix, prompt) in enumerate(prompts):
-        if "kv_store" in options and prefix not in written:  # an earlier engine stores the prefix
-            writer = LLMEngine(EngineConfig(**base), loaded=loaded)
-            first_token(writer, prompt[: -QUESTION_TOKENS], 1)
-            writer.kv_store.flush()
-            writer.kv_store.close()
+        if "kv_store" in options and prefix not in written:
+            store_prefix(loaded, base, prompt)
             written.add(prefix)
         if disk_dir is not None:
             drop_page_cache(disk_dir)
@@ -116,6 +145,8 @@ def main() -> None:
     parser.add_argument("--prefixes", type=int, default=2)
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--warm-questions", type=int, default=3,
+                        help="impress+reorder: questions per prefix loaded before the reordering pass (not measured)")
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--ratios", default="0.25,0.5")
     parser.add_argument("--link-gbps", default="1")
@@ -132,12 +163,13 @@ def main() -> None:
             loaded = first.loaded
             first_token(first, first.tokenize(QUESTION * 200), 2)  # warm-up: kernels and allocator, off the clock
             for name in TEXTS:
-                prompts = workload(first, name, args.prefixes, args.prefix_tokens, args.questions, args.seed)
+                prompts, warm = workload(first, name, args.prefixes, args.prefix_tokens, args.questions,
+                                         args.warm_questions, args.seed)
                 rows = {}
                 rows["recompute"], reference = run_system(loaded, {}, prompts, args.gen_tokens, None, None)
                 methods = [("full", {"prefix_loading": "full"})]
                 methods += [(f"{method} r={ratio}", {"prefix_loading": method, "impress_ratio": ratio})
-                            for ratio in ratios for method in ("h2o-keys", "impress")]
+                            for ratio in ratios for method in ("h2o-keys", "impress", "impress+reorder")]
                 for tier in ("disk", "redis"):
                     for method, options in methods:
                         if tier == "disk":
@@ -149,8 +181,12 @@ def main() -> None:
                             store = {"kv_store": redis.url, "kv_store_link_gbps": args.link_gbps}
                         start = time.perf_counter()
                         store.update(kv_store_format="fp16", kv_store_chunk_tokens=args.chunk_tokens)
+                        reorders = options.get("prefix_loading") == "impress+reorder"
+                        if reorders:
+                            options = {**options, "prefix_loading": "impress"}
+                        options["impress_reorder_seconds"] = 0  # the benchmark runs its pass itself
                         row, _ = run_system(loaded, {**store, **options}, prompts, args.gen_tokens, reference,
-                                            directory)
+                                            directory, warm if reorders else None)
                         row["seconds"] = time.perf_counter() - start
                         rows[f"{tier} {method}"] = row
                         print(name, tier, method, json.dumps(row), file=sys.stderr, flush=True)

@@ -263,6 +263,12 @@ class EngineConfig:
                          "tokens most probe heads chose, ties by their summed scores), union, or first (the first "
                          "probe head's)", choices=SHARED_SET_RULES),
     )
+    impress_reorder_seconds: float = field(
+        default=600.0,
+        metadata=_option("prefix loading impress: every this many seconds, a background pass sorts each stored node "
+                         "(16 chunks) by the running-average importance its loads found and rewrites its chunks so "
+                         "important tokens share chunks (0: never)"),
+    )
     kv_store_timeout_ms: int = field(
         default=1000,
         metadata=_option("kv store: a remote tier that does not answer within this many milliseconds is skipped "
@@ -303,6 +309,9 @@ class EngineConfig:
     def _check_prefix_loading(self) -> None:
         if not (isinstance(self.impress_ratio, (int, float)) and 0 < self.impress_ratio <= 1):
             raise KvstrataError(f"impress_ratio {self.impress_ratio!r} must be in (0, 1]")
+        period = self.impress_reorder_seconds
+        if isinstance(period, bool) or not isinstance(period, (int, float)) or not 0 <= period < 1e9:
+            raise KvstrataError(f"impress_reorder_seconds must be a number of seconds >= 0 (0: never), got {period!r}")
         if self.prefix_loading == "full":
             return
         needs = [(not self.kv_store, "a kv_store to load prefixes from"),

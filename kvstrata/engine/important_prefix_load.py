@@ -16,6 +16,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvstrata.kv.impress.node_reordering import (
+    NodeMap,
+    node_spans,
+    physical_key,
+    probes_key,
+    read_map,
+    record_importance,
+)
 from kvstrata.kv.impress.prefix_prefill import PrefillOverChosenPrefix
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.store.tiered_store import Located, TieredStore, probe_name
@@ -32,6 +40,7 @@ class ImportantLoading:
     rule: str  # how IMPRESS merges the probe heads' sets (--impress-rule)
     model: torch.nn.Module  # the engine's model: forward(ids, positions, policy, batch)
     device: torch.device
+    reorder_seconds: float = 0.0  # IMPRESS: the period of the store's reordering pass (0: never)
 
 
 @dataclass
@@ -49,44 +58,94 @@ class ImportantLoadStats:
 
 
 class StorePrefix:
-    """Chunks `found` (consecutive, from token 0, each stored in one form) read object by object."""
+    """Chunks `found` (consecutive, from token 0, each stored in one form) read object by object; under IMPRESS,
+    a whole node that was reordered (kv/impress/node_reordering.py) is read through its map from its physical
+    chunks, where the tokens a layer chooses share fewer chunks."""
 
     def __init__(self, store: TieredStore, found: list[Located], chunk_tokens: int, method: str):
         self.store, self.found, self.chunk_tokens, self.method = store, found, chunk_tokens, method
         self.num_tokens = len(found) * chunk_tokens
         self.bytes_read = self.chunk_reads = 0
         self._keys: dict[int, torch.Tensor] = {}  # keys-only H2O: a layer's keys, read to score, reused for K
+        # Runs of chunks read alike, in order: a reordered node with its (node, map), or logical chunks with None.
+        self.segments: list[tuple[range, tuple[str, NodeMap] | None]] = []
+        start = 0
+        for span in node_spans(len(found)) if method == "impress" else []:
+            node_map = read_map(store, found[span[-1]].key, len(span) * chunk_tokens)
+            if node_map is not None:
+                self.bytes_read += node_map.bytes_read
+                self.segments += [(range(start, span.start), None)] if start < span.start else []
+                self.segments.append((span, (found[span[-1]].key, node_map)))
+                start = span.stop
+        self.segments += [(range(start, len(found)), None)] if start < len(found) else []
 
-    def _read(self, chunks: list[int], names: list[str]) -> list[torch.Tensor]:
-        """Objects `names` of each of `chunks` (one read per chunk), each concatenated over the chunks."""
-        parts: list[list[torch.Tensor]] = [[] for _ in names]
-        for chunk in chunks:
-            got = self.store.read_objects(self.found[chunk], names, self.chunk_tokens)
+    def _read(self, chunks: list[Located], names: list[str]) -> list[torch.Tensor]:
+        """Objects `names` of each of `chunks` (one read per chunk), each concatenated over the chunks (no rows
+        for no chunks)."""
+        shape = self.store.shape
+        parts: list[list[torch.Tensor]] = [
+            [torch.zeros(0, self.store.probe_kv_heads if name.startswith("p.") else shape.kv_heads, shape.head_dim)]
+            for name in names]
+        for where in chunks:
+            got = self.store.read_objects(where, names, self.chunk_tokens)
             if got is None:
-                raise ChunkGone(f"chunk {self.found[chunk].key[:16]} no longer holds {names}")
+                raise ChunkGone(f"chunk {where.key[:16]} no longer holds {names}")
             for part, name in zip(parts, names):
                 part.append(got[0][name])
             self.bytes_read += got[1]
         return [torch.cat(part) for part in parts]
 
     def scoring_keys(self, layer: int) -> torch.Tensor:
-        every = list(range(len(self.found)))
         if self.method == "impress":
-            return self._read(every, [probe_name(layer)])[0]
-        (self._keys[layer],) = self._read(every, [f"k.{layer}"])
-        self.chunk_reads += len(every)
+            return torch.cat([self._probe_keys(layer, chunks, reordered) for chunks, reordered in self.segments])
+        (self._keys[layer],) = self._read(self.found, [f"k.{layer}"])
+        self.chunk_reads += len(self.found)
         return self._keys[layer]
 
+    def _probe_keys(self, layer: int, chunks: range, reordered: tuple[str, NodeMap] | None) -> torch.Tensor:
+        """The probe keys of `chunks` in `layer`: from each chunk, or from a reordered node's sidecar in one read."""
+        if reordered is None:
+            return self._read([self.found[c] for c in chunks], [probe_name(layer)])[0]
+        key = probes_key(reordered[0], reordered[1].version)
+        tier = self.store.locate(key)
+        got = None if tier is None else self.store.read_objects(Located(key, tier), [probe_name(layer)],
+                                                                  len(chunks) * self.chunk_tokens)
+        if got is None:
+            raise ChunkGone(f"the probe keys of node {reordered[0][:16]} version {reordered[1].version} are gone")
+        self.bytes_read += got[1]
+        return got[0][probe_name(layer)]
+
     def chosen_kv(self, layer: int, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        touched = chosen.view(len(self.found), self.chunk_tokens).any(1)
-        chunks = touched.nonzero()[:, 0].tolist()
-        in_read = chosen.view(len(self.found), self.chunk_tokens)[touched].flatten()  # chosen among the read rows
         if layer in self._keys:  # keys-only H2O read every key to score
-            (v,) = self._read(chunks, [f"v.{layer}"])
-            return self._keys.pop(layer)[chosen], v[in_read]
-        self.chunk_reads += len(chunks)
-        k, v = self._read(chunks, [f"k.{layer}", f"v.{layer}"])
-        return k[in_read], v[in_read]
+            (v,) = self._chosen_rows(self.found, chosen.view(len(self.found), -1), [f"v.{layer}"], count=False)
+            return self._keys.pop(layer)[chosen], v
+        names, size, parts = [f"k.{layer}", f"v.{layer}"], self.chunk_tokens, []
+        for chunks, reordered in self.segments:
+            span = chosen[chunks.start * size : chunks.stop * size]
+            if reordered is None:
+                parts.append(self._chosen_rows([self.found[c] for c in chunks], span.view(len(chunks), size), names))
+                continue
+            node, node_map = reordered
+            positions = node_map.physical[layer][span]  # where each chosen token sits, in logical order
+            touched = (positions // size).unique()
+            keys = [physical_key(node, node_map.version, int(j)) for j in touched]
+            tiers = [self.store.locate(key) for key in keys]
+            if None in tiers:
+                raise ChunkGone(f"a physical chunk of node {node[:16]} version {node_map.version} is gone")
+            rows = torch.searchsorted(touched, positions // size) * size + positions % size
+            self.chunk_reads += len(touched)
+            k, v = self._read([Located(key, tier) for key, tier in zip(keys, tiers)], names)
+            parts.append((k[rows], v[rows]))
+        return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+
+    def _chosen_rows(self, chunks: list[Located], chosen: torch.Tensor, names: list[str], count: bool = True):
+        """Objects `names` of the chosen tokens (`chosen`: a mask [chunks, chunk tokens]), reading each chunk that
+        holds one."""
+        touched = chosen.any(1)
+        if count:
+            self.chunk_reads += int(touched.sum())
+        read = self._read([where for where, hit in zip(chunks, touched.tolist()) if hit], names)
+        return [x[chosen[touched].flatten()] for x in read]
 
 
 @torch.inference_mode()
@@ -104,6 +163,8 @@ def load_important_prefix(loading: ImportantLoading, store: TieredStore, found: 
     loading.model(torch.tensor(new, device=loading.device), positions, policy, None)
     for where in found:
         store.count_hit(where, chunk_tokens)
+    if loading.method == "impress":
+        _record_importance(store, found, chunk_tokens, policy.selector.token_scores)
     decisions = policy.selector.decisions.values()
     stats.loads += 1
     stats.layers += len(decisions)
@@ -113,3 +174,15 @@ def load_important_prefix(loading: ImportantLoading, store: TieredStore, found: 
     stats.tokens_offered += prefix.num_tokens * len(decisions)
     stats.tokens_read += sum(int(d.tokens.sum()) for d in decisions)
     return policy.preloaded()
+
+
+def _record_importance(store: TieredStore, found: list[Located], chunk_tokens: int,
+                       token_scores: dict[int, torch.Tensor]) -> None:
+    """Fold this load's scores into the running importance of each whole node of the prefix, on the store's write
+    thread (the load does not wait for it)."""
+    scores = torch.stack([token_scores[layer] for layer in sorted(token_scores)])  # [layers, prefix tokens]
+    for span in node_spans(len(found)):
+        keys = [found[chunk].key for chunk in span]
+        part = scores[:, span.start * chunk_tokens : span.stop * chunk_tokens].clone()
+        store.defer(lambda keys=keys, part=part: record_importance(store, keys[-1], keys, part),
+                    2 * part.numel() * part.element_size())

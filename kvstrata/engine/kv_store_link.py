@@ -31,6 +31,7 @@ from kvstrata.engine.important_prefix_load import (
     load_important_prefix,
 )
 from kvstrata.kv.block_hash import full_block_hashes
+from kvstrata.kv.impress.node_reordering import Reorderer
 from kvstrata.kv.impress.prefix_selection import probe_kv_heads
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.storage import KVStorage
@@ -114,6 +115,8 @@ class KVStoreLink:
         self._write_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-write")
         self._pending_write_bytes = 0
         self._lock = threading.Lock()
+        reorders = important is not None and important.method == "impress" and important.reorder_seconds > 0
+        self.reorderer = Reorderer(store, chunk_tokens, important.reorder_seconds) if reorders else None
 
     # --- loads --------------------------------------------------------------------------------
 
@@ -470,6 +473,8 @@ class KVStoreLink:
         self._write_thread.submit(lambda: None).result()
 
     def close(self) -> None:
+        if self.reorderer is not None:
+            self.reorderer.stop()
         self._load_thread.shutdown(wait=False, cancel_futures=True)
         self._decode_thread.shutdown(wait=False, cancel_futures=True)
         self._write_thread.shutdown(wait=True)

@@ -48,6 +48,7 @@ class PrefixSelector:
         self.context_k, self.method, self.ratio, self.alpha, self.rule = context_k, method, ratio, alpha, rule
         self.selection_rows = selection_rows
         self.decisions: dict[int, LayerSelection] = {}
+        self.token_scores: dict[int, torch.Tensor] = {}  # per layer, the scores [n] the choice ranked by
 
     def __call__(self, layer: int, q: torch.Tensor, k_new: torch.Tensor) -> torch.Tensor:
         rows = slice(0, self.selection_rows)
@@ -55,8 +56,10 @@ class PrefixSelector:
             probes = probe_heads(q.shape[1], k_new.shape[1])
             scores = head_scores(q[rows], self.context_k[layer], k_new[rows], probes)
             decision = select_layer_tokens(scores, self.ratio, self.alpha, self.rule)
+            self.token_scores[layer] = scores.sum(0)
         else:
             scores = head_scores(q[rows], self.context_k[layer], k_new[rows], q.shape[1]).sum(0)
+            self.token_scores[layer] = scores
             chosen = torch.zeros(len(scores), dtype=torch.bool)
             chosen[scores.topk(important_count(self.ratio, len(scores))).indices] = True
             decision = LayerSelection(chosen, jaccard=1.0, threshold=0.0, fallback=False)

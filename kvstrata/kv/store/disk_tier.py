@@ -115,6 +115,10 @@ class DiskTier(Tier):
         self._forget(key)
         self._path(key).unlink(missing_ok=True)
 
+    def stored_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._sizes)
+
     def clear(self) -> None:
         with self._lock:
             keys = list(self._sizes)

@@ -55,6 +55,10 @@ class HostTier(Tier):
             if old is not None:
                 self._bytes -= sum(len(data) for data in old.values())
 
+    def stored_keys(self) -> list[str]:
+        with self._lock:
+            return list(self._chunks)
+
     def clear(self) -> None:
         with self._lock:
             self._chunks.clear()

@@ -69,16 +69,19 @@ class RedisTier(Tier):
     def remove(self, key: str) -> None:
         self._call("DEL", lambda r: r.delete(KEY_PREFIX + key))
 
-    def _keys(self) -> list[bytes]:
+    def _redis_keys(self) -> list[bytes]:
         return self._call("SCAN", lambda r: list(r.scan_iter(match=KEY_PREFIX + "*", count=1000)))
 
+    def stored_keys(self) -> list[str]:
+        return [key.decode()[len(KEY_PREFIX) :] for key in self._redis_keys()]
+
     def clear(self) -> None:
-        keys = self._keys()
+        keys = self._redis_keys()
         if keys:
             self._call("DEL", lambda r: r.delete(*keys))
 
     def usage(self) -> TierUsage:
-        keys = self._keys()
+        keys = self._redis_keys()
         sizes = self._call("MEMORY USAGE", lambda r: [r.memory_usage(k) or 0 for k in keys])
         return TierUsage(len(keys), sum(sizes), None)
 

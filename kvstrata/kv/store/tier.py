@@ -59,6 +59,10 @@ class Tier(ABC):
     def remove(self, key: str) -> None: ...
 
     @abstractmethod
+    def stored_keys(self) -> list[str]:
+        """The keys of every chunk the tier holds."""
+
+    @abstractmethod
     def clear(self) -> None: ...
 
     @abstractmethod

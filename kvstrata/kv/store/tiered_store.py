@@ -279,11 +279,12 @@ class TieredStore:
         except StoreUnavailable as exc:
             log.warning("%s", exc)
 
-    def encode(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm | LeveledForm) -> Objects:
+    def encode(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm | LeveledForm,
+               probes: bool = True) -> Objects:
         """The objects of chunk `key` in `form` from K and V [layers, tokens, kv_heads, head_dim]; in the levels
-        form, each level's objects under "<level>/<name>" and a manifest of their sizes; the probe keys, if written,
-        in float16 under their own names."""
-        objects = self._probe_objects(key, k)
+        form, each level's objects under "<level>/<name>" and a manifest of their sizes; the probe keys, if the
+        store writes them and `probes`, in float16 under their own names."""
+        objects = self.probe_objects(key, k) if probes else {}
         if not isinstance(form, LeveledForm):
             return {**self._encode_form(key, k, v, form), **objects}
         sizes = {}
@@ -295,7 +296,8 @@ class TieredStore:
         objects[MANIFEST] = pack_object(header, json.dumps(sizes).encode())
         return objects
 
-    def _probe_objects(self, key: str, k: torch.Tensor) -> Objects:
+    def probe_objects(self, key: str, k: torch.Tensor) -> Objects:
+        """The probe keys of K [layers, tokens, kv_heads, head_dim], per layer, for an object set named `key`."""
         objects = {}
         for layer, name in enumerate(self.probe_names):
             x = k[layer, :, : self.probe_kv_heads]
@@ -315,15 +317,60 @@ class TieredStore:
         self.stats.encode_seconds += time.perf_counter() - start
         return objects
 
-    def put(self, key: str, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write chunk `key` to every tier that lacks it (encoded once per form); a tier that fails is counted
-        and skipped."""
+    def put(self, key: str, k: torch.Tensor, v: torch.Tensor, probes: bool = True) -> None:
+        """Write chunk `key` to every tier that lacks it (encoded once per form; `probes`: with the probe keys, if
+        the store writes them); a tier that fails is counted and skipped."""
         encoded: dict[str, Objects] = {}
         for tier, form in zip(self.tiers, self.forms):
             if not self._holds(tier, key):
                 if form.name not in encoded:
-                    encoded[form.name] = self.encode(key, k, v, form)
+                    encoded[form.name] = self.encode(key, k, v, form, probes)
                 self._put(tier, key, encoded[form.name])
+
+    # --- records: small objects kept beside the chunks under keys of their own (kv/impress/node_reordering.py) ---
+
+    def put_record(self, key: str, objects: Objects) -> None:
+        """Write (or replace) the objects of `key` in every tier; a tier that fails is counted and skipped."""
+        self.remove(key)
+        for tier in self.tiers:
+            self._put(tier, key, objects)
+
+    def read_record(self, key: str, names: list[str]) -> Objects | None:
+        """The objects `names` of `key` from the highest tier holding it, counted as read there; None if none does
+        (or one is unreachable). The caller checks them (a corrupt one: `remove`)."""
+        index = self.locate(key)
+        if index is None:
+            return None
+        tier = self.tiers[index]
+        try:
+            found = tier.get(key, names)
+        except StoreUnavailable as exc:
+            tier.stats.errors += 1
+            log.warning("%s", exc)
+            return None
+        if found is not None:
+            tier.stats.bytes_read += sum(len(data) for data in found.values())
+        return found
+
+    def remove(self, key: str) -> None:
+        """Drop `key` from every tier (an unreachable one is skipped)."""
+        for tier in self.tiers:
+            try:
+                tier.remove(key)
+            except StoreUnavailable as exc:
+                tier.stats.errors += 1
+                log.warning("%s", exc)
+
+    def stored_keys(self, prefix: str) -> set[str]:
+        """The keys beginning with `prefix` that some reachable tier holds."""
+        found = set()
+        for tier in self.tiers:
+            try:
+                found.update(key for key in tier.stored_keys() if key.startswith(prefix))
+            except StoreUnavailable as exc:
+                tier.stats.errors += 1
+                log.warning("%s", exc)
+        return found
 
     def _holds(self, tier: Tier, key: str) -> bool:
         try:
