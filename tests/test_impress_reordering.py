@@ -227,3 +227,12 @@ def test_the_engine_reads_a_reordered_prefix_as_it_read_it_before(tiny_llama, tm
 def test_the_reorder_period_is_checked(tiny_llama):
     with pytest.raises(KvstrataError, match="impress_reorder_seconds"):
         EngineConfig(model=str(tiny_llama), impress_reorder_seconds=-1)
+
+
+def test_a_pass_leaves_another_model_s_records_in_a_shared_tier_alone(node):
+    store, keys, _, _ = node
+    other = TieredStore(store.tiers, store.forms, StoreShape("another model/", LAYERS, KV_HEADS, DIM),
+                        probe_kv_heads=1)
+    record_importance(other, "theirs", keys, torch.rand(LAYERS, TOKENS))
+    assert reorder_all(store, CHUNK) == 0
+    assert store.stored_keys("s.") == {importance_key("theirs")}

@@ -3,7 +3,10 @@ tokens prefilled on the store's load thread, layer by layer, reading per layer o
 needs (kv/impress/prefix_prefill.py): IMPRESS reads the probe KV head's keys of every chunk, then K and V of
 the chunks holding a chosen token (of every chunk where the probe heads disagree); keys-only H2O reads every
 key, then V of the chunks holding a chosen token. A chunk is the unit of a read, so a chosen token costs its
-whole chunk's object (read amplification, counted in `ImportantLoadStats`).
+whole chunk's object (read amplification, counted in `ImportantLoadStats`). A node of the prefix that was
+reordered (kv/impress/node_reordering.py) is read through its map: its probe keys from one sidecar per layer,
+the chosen tokens from the physical chunks holding them; each IMPRESS load adds its scores to the running
+importance the next reordering sorts by.
 
 The request then joins the scheduler with the prefix and its new tokens' KV preloaded and only its last token
 to compute. Under `full`, when part of the prefix is in the device pool already, when a chunk found is stored at
@@ -71,13 +74,17 @@ class StorePrefix:
         self.segments: list[tuple[range, tuple[str, NodeMap] | None]] = []
         start = 0
         for span in node_spans(len(found)) if method == "impress" else []:
-            node_map = read_map(store, found[span[-1]].key, len(span) * chunk_tokens)
-            if node_map is not None:
-                self.bytes_read += node_map.bytes_read
-                self.segments += [(range(start, span.start), None)] if start < span.start else []
-                self.segments.append((span, (found[span[-1]].key, node_map)))
-                start = span.stop
-        self.segments += [(range(start, len(found)), None)] if start < len(found) else []
+            node = found[span[-1]].key
+            node_map = read_map(store, node, len(span) * chunk_tokens)
+            if node_map is None:
+                continue
+            self.bytes_read += node_map.bytes_read
+            if start < span.start:
+                self.segments.append((range(start, span.start), None))
+            self.segments.append((span, (node, node_map)))
+            start = span.stop
+        if start < len(found):
+            self.segments.append((range(start, len(found)), None))
 
     def _read(self, chunks: list[Located], names: list[str]) -> list[torch.Tensor]:
         """Objects `names` of each of `chunks` (one read per chunk), each concatenated over the chunks (no rows

@@ -38,6 +38,7 @@ log = logging.getLogger("kvstrata.kv.impress")
 NODE_CHUNKS = 16  # chunks per node: 1,024 tokens at the paper's 64-token chunks
 IMPORTANCE, MAP = "importance", "map"
 _META_LENGTH = struct.Struct("<I")
+RECORD_DTYPES = ("float16", "int16")  # importance, map
 
 
 def importance_key(node: str) -> str:
@@ -72,6 +73,8 @@ def _pack(store: TieredStore, key: str, name: str, meta: dict, values: torch.Ten
 def _unpack(store: TieredStore, key: str, name: str, data: bytes) -> tuple[dict, torch.Tensor]:
     """A record's meta and values, checked (CorruptObject if it is not whole, not this record, or unreadable)."""
     header, payload = unpack_object(data, store.shape.namespace, key, name)
+    if header.form not in RECORD_DTYPES:
+        raise CorruptObject(f"record {name} of {key[:20]} holds {header.form!r}, not one of {RECORD_DTYPES}")
     try:
         (length,) = _META_LENGTH.unpack_from(payload)
         meta = json.loads(payload[_META_LENGTH.size : _META_LENGTH.size + length])
@@ -81,18 +84,20 @@ def _unpack(store: TieredStore, key: str, name: str, data: bytes) -> tuple[dict,
     return meta, torch.from_numpy(values.copy())
 
 
-def _read(store: TieredStore, key: str, name: str) -> tuple[dict, torch.Tensor, int] | None:
-    """A record (its meta, its values, the bytes read), None if no tier holds it; a corrupt one is removed and
-    counts as absent."""
+def _read(store: TieredStore, key: str, name: str, drop_corrupt: bool = True
+          ) -> tuple[dict, torch.Tensor, int] | None:
+    """A record (its meta, its values, the bytes read), None if no tier holds it; one that fails its check counts
+    as absent and, with `drop_corrupt`, is removed (not when it may be another model's: see reorder_all)."""
     found = store.read_record(key, [name])
     if found is None:
         return None
     try:
         return *_unpack(store, key, name, found[name]), len(found[name])
     except CorruptObject as exc:
-        log.warning("%s: removed", exc)
-        store.stats.corrupt_objects += 1
-        store.remove(key)
+        log.warning("%s%s", exc, ": removed" if drop_corrupt else "")
+        if drop_corrupt:
+            store.stats.corrupt_objects += 1
+            store.remove(key)
         return None
 
 
@@ -142,7 +147,9 @@ def reorder_node(store: TieredStore, node: str, chunk_tokens: int) -> bool:
     """Sort `node`'s tokens per layer by their running-average importance and write it as a new version (the
     chunks, then the map; then the old version's chunks go); False if there is nothing new to sort by or a
     logical chunk is missing. Raises StoreUnavailable where a tier fails mid-way (the old map stays in force)."""
-    record = _read(store, importance_key(node), IMPORTANCE)
+    # A pass lists every importance record of a shared store; one of another model's namespace fails the check
+    # and is left alone (as is everything of its node).
+    record = _read(store, importance_key(node), IMPORTANCE, drop_corrupt=False)
     if record is None:
         return False
     importance, average, _ = record
