@@ -38,7 +38,7 @@ log = logging.getLogger("kvstrata.kv.impress")
 NODE_CHUNKS = 16  # chunks per node: 1,024 tokens at the paper's 64-token chunks
 IMPORTANCE, MAP = "importance", "map"
 _META_LENGTH = struct.Struct("<I")
-RECORD_DTYPES = ("float16", "int16")  # importance, map
+RECORD_DTYPES = ("float16", "int16", "int32")  # importance; a map (int32 beyond int16's 32,767 tokens)
 
 
 def importance_key(node: str) -> str:
@@ -171,7 +171,8 @@ def reorder_node(store: TieredStore, node: str, chunk_tokens: int) -> bool:
         span = slice(j * chunk_tokens, (j + 1) * chunk_tokens)
         store.put(physical_key(node, version, j), k[:, span], v[:, span], probes=False)
     meta = {"version": version, "loads": importance["loads"]}
-    store.put_record(map_key(node), {MAP: _pack(store, map_key(node), MAP, meta, order.to(torch.int16))})
+    order = order.to(torch.int16 if num_tokens <= torch.iinfo(torch.int16).max else torch.int32)
+    store.put_record(map_key(node), {MAP: _pack(store, map_key(node), MAP, meta, order)})
     if old is not None:
         for key in [probes_key(node, old.version)] + [physical_key(node, old.version, j) for j in range(NODE_CHUNKS)]:
             store.remove(key)
