@@ -113,14 +113,20 @@ class StorePrefix:
         """The probe keys of `chunks` in `layer`: from each chunk, or from a reordered node's sidecar in one read."""
         if reordered is None:
             return self._read([self.found[c] for c in chunks], [probe_name(layer)])[0]
-        key = probes_key(reordered[0], reordered[1].version)
-        tier = self.store.locate(key)
-        got = None if tier is None else self.store.read_objects(Located(key, tier), [probe_name(layer)],
-                                                                  len(chunks) * self.chunk_tokens)
+        where = self._located(probes_key(reordered[0], reordered[1].version))
+        got = self.store.read_objects(where, [probe_name(layer)], len(chunks) * self.chunk_tokens)
         if got is None:
-            raise ChunkGone(f"the probe keys of node {reordered[0][:16]} version {reordered[1].version} are gone")
+            raise ChunkGone(f"{where.key[:40]} no longer holds the probe keys of layer {layer}")
         self.bytes_read += got[1]
         return got[0][probe_name(layer)]
+
+    def _located(self, key: str) -> Located:
+        """Where a reordered node's object set `key` is; ChunkGone if no tier holds it (a later version or an
+        eviction removed it)."""
+        tier = self.store.locate(key)
+        if tier is None:
+            raise ChunkGone(f"{key[:40]} is gone")
+        return Located(key, tier)
 
     def chosen_kv(self, layer: int, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer in self._keys:  # keys-only H2O read every key to score
@@ -135,13 +141,10 @@ class StorePrefix:
             node, node_map = reordered
             positions = node_map.physical[layer][span]  # where each chosen token sits, in logical order
             touched = (positions // size).unique()
-            keys = [physical_key(node, node_map.version, int(j)) for j in touched]
-            tiers = [self.store.locate(key) for key in keys]
-            if None in tiers:
-                raise ChunkGone(f"a physical chunk of node {node[:16]} version {node_map.version} is gone")
+            located = [self._located(physical_key(node, node_map.version, int(j))) for j in touched]
             rows = torch.searchsorted(touched, positions // size) * size + positions % size
             self.chunk_reads += len(touched)
-            k, v = self._read([Located(key, tier) for key, tier in zip(keys, tiers)], names)
+            k, v = self._read(located, names)
             parts.append((k[rows], v[rows]))
         return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
 

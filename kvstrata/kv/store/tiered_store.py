@@ -339,18 +339,12 @@ class TieredStore:
         """The objects `names` of `key` from the highest tier holding it, counted as read there; None if none does
         (or one is unreachable). The caller checks them (a corrupt one: `remove`)."""
         index = self.locate(key)
-        if index is None:
-            return None
-        tier = self.tiers[index]
         try:
-            found = tier.get(key, names)
+            fetched = None if index is None else self.read(Located(key, index), names=names)
         except StoreUnavailable as exc:
-            tier.stats.errors += 1
             log.warning("%s", exc)
             return None
-        if found is not None:
-            tier.stats.bytes_read += sum(len(data) for data in found.values())
-        return found
+        return fetched and fetched.objects
 
     def remove(self, key: str) -> None:
         """Drop `key` from every tier (an unreachable one is skipped)."""
