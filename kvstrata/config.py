@@ -16,6 +16,7 @@ from kvstrata.kv.impress.prefix_selection import PREFIX_LOADING
 from kvstrata.kv.offload.infinigen import InfiniGenSettings
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.store.emulated_link import parse_trace
+from kvstrata.kv.store.eviction import EVICTION_POLICIES
 from kvstrata.kv.store.forms import LEVELS_FORM, STORE_FORMS, STREAMED_LEVELS, parse_tier_forms
 from kvstrata.model.weight_format import WEIGHT_FORMATS
 
@@ -269,6 +270,13 @@ class EngineConfig:
                          "(16 chunks) by the running-average importance its loads found and rewrites its chunks so "
                          "important tokens share chunks (0: never)"),
     )
+    kv_store_eviction: str = field(
+        default="lru",
+        metadata=_option("kv store: which chunks the host tier keeps when full: lru (least recently used go), lfu "
+                         "(least often used go) or score (IMPRESS: uses x the share of the chunk its loads chose; "
+                         "lfu and score store a chunk only if it is worth more than those it would displace)",
+                         choices=EVICTION_POLICIES),
+    )
     kv_store_timeout_ms: int = field(
         default=1000,
         metadata=_option("kv store: a remote tier that does not answer within this many milliseconds is skipped "
@@ -280,7 +288,8 @@ class EngineConfig:
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
                    ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
                    ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS),
-                   ("prefix_loading", PREFIX_LOADINGS), ("impress_rule", SHARED_SET_RULES))
+                   ("prefix_loading", PREFIX_LOADINGS), ("impress_rule", SHARED_SET_RULES),
+                   ("kv_store_eviction", EVICTION_POLICIES))
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")

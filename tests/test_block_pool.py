@@ -31,6 +31,18 @@ def test_free_blocks_without_cache_go_first_and_cached_ones_are_evicted_lru():
     assert pool.lookup(b"h0") is None and pool.lookup(b"h1") == blocks[1]
 
 
+def test_forgetting_the_free_blocks_leaves_held_ones_cached():
+    pool = BlockPool(3)
+    held, freed, plain = (pool.allocate() for _ in range(3))
+    pool.register(held, b"held")
+    pool.register(freed, b"freed")
+    pool.release(freed)
+    pool.release(plain)
+    assert pool.forget_free() == 1
+    assert pool.lookup(b"freed") is None and pool.lookup(b"held") == held
+    assert pool.num_free == 2
+
+
 def test_shared_blocks_count_references():
     pool = BlockPool(2)
     block = pool.allocate()

@@ -6,7 +6,9 @@ key, then V of the chunks holding a chosen token. A chunk is the unit of a read,
 whole chunk's object (read amplification, counted in `ImportantLoadStats`). A node of the prefix that was
 reordered (kv/impress/node_reordering.py) is read through its map: its probe keys from one sidecar per layer,
 the chosen tokens from the physical chunks holding them; each IMPRESS load adds its scores to the running
-importance the next reordering sorts by.
+importance the next reordering sorts by. Every object set a load read counts as used, with the share of its
+(token, layer) pairs chosen, for the store's eviction policies (kv/store/eviction.py), and is copied to the tiers
+above that would keep it.
 
 The request then joins the scheduler with the prefix and its new tokens' KV preloaded and only its last token
 to compute. Under `full`, when part of the prefix is in the device pool already, when a chunk found is stored at
@@ -69,6 +71,9 @@ class StorePrefix:
         self.store, self.found, self.chunk_tokens, self.method = store, found, chunk_tokens, method
         self.num_tokens = len(found) * chunk_tokens
         self.bytes_read = self.chunk_reads = 0
+        # Every object set read: where it is, its tokens, and how many (token, layer) pairs were chosen from it
+        # (None: a sidecar of probe keys, read whole to score), for the store's eviction policies.
+        self.used: dict[str, list] = {}
         self._keys: dict[int, torch.Tensor] = {}  # keys-only H2O: a layer's keys, read to score, reused for K
         # Runs of chunks read alike, in order: a reordered node with its (node, map), or logical chunks with None.
         self.segments: list[tuple[range, tuple[str, NodeMap] | None]] = []
@@ -100,7 +105,13 @@ class StorePrefix:
             for part, name in zip(parts, names):
                 part.append(got[0][name])
             self.bytes_read += got[1]
+            self.used.setdefault(where.key, [where, self.chunk_tokens, 0])
         return [torch.cat(part) for part in parts]
+
+    def _chose(self, chunks: list[Located], counts: list[int]) -> None:
+        """`counts[i]` tokens of one layer were chosen from chunks[i] (read by `_read`)."""
+        for where, count in zip(chunks, counts):
+            self.used[where.key][2] += count
 
     def scoring_keys(self, layer: int) -> torch.Tensor:
         if self.method == "impress":
@@ -118,6 +129,7 @@ class StorePrefix:
         if got is None:
             raise ChunkGone(f"{where.key[:40]} no longer holds the probe keys of layer {layer}")
         self.bytes_read += got[1]
+        self.used[where.key] = [where, len(chunks) * self.chunk_tokens, None]
         return got[0][probe_name(layer)]
 
     def _located(self, key: str) -> Located:
@@ -145,6 +157,7 @@ class StorePrefix:
             rows = torch.searchsorted(touched, positions // size) * size + positions % size
             self.chunk_reads += len(touched)
             k, v = self._read(located, names)
+            self._chose(located, (positions // size).bincount()[touched].tolist())
             parts.append((k[rows], v[rows]))
         return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
 
@@ -154,7 +167,9 @@ class StorePrefix:
         touched = chosen.any(1)
         if count:
             self.chunk_reads += int(touched.sum())
-        read = self._read([where for where, hit in zip(chunks, touched.tolist()) if hit], names)
+        read_chunks = [where for where, hit in zip(chunks, touched.tolist()) if hit]
+        read = self._read(read_chunks, names)
+        self._chose(read_chunks, chosen[touched].sum(1).tolist())
         return [x[chosen[touched].flatten()] for x in read]
 
 
@@ -173,6 +188,8 @@ def load_important_prefix(loading: ImportantLoading, store: TieredStore, found: 
     loading.model(torch.tensor(new, device=loading.device), positions, policy, None)
     for where in found:
         store.count_hit(where, chunk_tokens)
+    for where, num_tokens, chosen in prefix.used.values():
+        store.note_use(where, num_tokens, None if chosen is None else chosen / (num_tokens * config.num_layers))
     if loading.method == "impress":
         _record_importance(store, found, chunk_tokens, policy.selector.token_scores)
     decisions = policy.selector.decisions.values()

@@ -43,8 +43,10 @@ from kvstrata.kv.store.adaptation import (
     option_seconds,
     quality_rank,
 )
+from kvstrata.kv.store.chunk_heat import ChunkHeat
 from kvstrata.kv.store.emulated_link import EmulatedLink, parse_trace
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
+from kvstrata.kv.store.eviction import make_policy
 from kvstrata.kv.store.forms import parse_tier_forms, stored_form
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.kv.store.spec import parse_tiers
@@ -75,11 +77,13 @@ class LinkStats:
 
 def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str, model_config,
                timeout: float, profile: CodecProfile | None = None, link_trace: str | None = None,
-               probe_keys: bool = False) -> TieredStore:
+               probe_keys: bool = False, eviction: str = "lru") -> TieredStore:
     """`profile`: the model's CacheGen profile (the CacheGen forms' steps come from its sensitivity), or None;
     `link_trace`: the bandwidth trace an emulated link gives the Redis tiers' reads (emulated_link.py), or None;
-    `probe_keys`: chunks also carry IMPRESS's probe keys (and live in a namespace of their own)."""
-    tiers = parse_tiers(spec, timeout)
+    `probe_keys`: chunks also carry IMPRESS's probe keys (and live in a namespace of their own); `eviction`: what
+    the host tier keeps when full (kv/store/eviction.py)."""
+    heat = ChunkHeat()
+    tiers = parse_tiers(spec, timeout, make_policy(eviction, heat))
     for tier in tiers:
         if link_trace is not None and tier.name == "redis":
             tier.link = EmulatedLink(parse_trace(link_trace))
@@ -89,7 +93,7 @@ def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str
     if probe_keys:  # chunks holding probe keys are another kind of object: engines that read them find only those
         namespace += f"probe{probes}/"
     shape = StoreShape(namespace, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
-    return TieredStore(tiers, tier_forms, shape, profiled=profile is not None, probe_kv_heads=probes)
+    return TieredStore(tiers, tier_forms, shape, profiled=profile is not None, probe_kv_heads=probes, heat=heat)
 
 
 class KVStoreLink:

@@ -127,7 +127,7 @@ class LLMEngine:
         profile = shipped_profile(self.model_fingerprint)  # sets CacheGen forms' steps, when one ships
         store = make_store(c.kv_store, c.kv_store_format, dtype, self.kv_manager.namespace.decode(), self.loaded.config,
                            c.kv_store_timeout_ms / 1000, profile, c.kv_store_link_gbps,
-                           probe_keys=c.prefix_loading == "impress")
+                           probe_keys=c.prefix_loading == "impress", eviction=c.kv_store_eviction)
         mc = self.loaded.config
         layer_weights = multiplied_weights(self.loaded.model.layers)  # counted by shape: int4 weights are buffers
         prefill = PrefillSpeed.for_model(mc.num_layers, mc.num_heads, mc.head_dim, layer_weights)
@@ -275,6 +275,11 @@ class LLMEngine:
             return None
         seq.finish_reason = "abort"
         return self._finish(seq, time.perf_counter())
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefixes the device pool caches in blocks no request holds (the KV store keeps its copies),
+        so later prompts find them in the store or recompute them; the blocks forgotten."""
+        return self.kv_manager.pool.forget_free()
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """End a request with finish reason "error" and `message`; None if it is unknown or already done."""

@@ -76,6 +76,14 @@ class BlockPool:
             self.block_of_hash[block_hash] = block
             self.hash_of_block[block] = block_hash
 
+    def forget_free(self) -> int:
+        """Take every free block out of the prefix-cache index (blocks a request holds keep theirs); how many."""
+        cached = [block for block in self.free if self.hash_of_block[block] is not None]
+        for block in cached:
+            self.forget(block)
+            self.free.move_to_end(block, last=False)
+        return len(cached)
+
     def forget(self, block: int) -> None:
         """Take a block out of the prefix-cache index: no later request will find its content."""
         cached = self.hash_of_block[block]

@@ -107,6 +107,9 @@ class PrefixCacheCollector:
 TIER_COUNTERS = (
     ("hit_tokens", "hit_tokens", "Prompt tokens whose KV this tier supplied"),
     ("miss_tokens", "miss_tokens", "Prompt tokens asked of this tier that it did not hold"),
+    ("chunk_hits", "chunk_hits", "Chunks a load used that this tier supplied"),
+    ("chunk_misses", "chunk_misses", "Chunks a load used that a tier below this one supplied"),
+    ("chunks_refused", "chunks_refused", "Chunks this tier's eviction policy did not store (worth less than any it held)"),
     ("read_bytes", "bytes_read", "Bytes read from this tier"),
     ("written_bytes", "bytes_written", "Bytes written to this tier"),
     ("fetch_seconds", "fetch_seconds", "Time spent fetching from this tier"),

@@ -56,7 +56,7 @@ class DiskTier(Tier):
         with self._lock:
             return key in self._sizes
 
-    def get(self, key: str, names: list[str]) -> Objects | None:
+    def get(self, key: str, names: list[str] | None) -> Objects | None:
         with self._lock:
             if key not in self._sizes:
                 return None
@@ -74,13 +74,13 @@ class DiskTier(Tier):
             pass  # a read-only directory still serves its chunks
         return objects
 
-    def put(self, key: str, objects: Objects) -> None:
+    def put(self, key: str, objects: Objects) -> bool:
         data = chunk_file_bytes(objects)
         if len(data) > self.capacity:
-            return
+            return False
         with self._lock:
             if key in self._sizes:
-                return
+                return True
             victims = []
             while self._used + len(data) > self.capacity and self._sizes:
                 old_key, old_size = self._sizes.popitem(last=False)
@@ -106,6 +106,7 @@ class DiskTier(Tier):
             if key not in self._sizes:
                 self._sizes[key] = len(data)
                 self._used += len(data)
+        return True
 
     def _forget(self, key: str) -> None:
         with self._lock:

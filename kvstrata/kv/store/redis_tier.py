@@ -54,17 +54,22 @@ class RedisTier(Tier):
     def contains(self, key: str) -> bool:
         return bool(self._call("EXISTS", lambda r: r.exists(KEY_PREFIX + key)))
 
-    def get(self, key: str, names: list[str]) -> Objects | None:
+    def get(self, key: str, names: list[str] | None) -> Objects | None:
         began = self.link.now() if self.link is not None else 0.0
-        values = self._call("HMGET", lambda r: r.hmget(KEY_PREFIX + key, names))
+        if names is None:
+            found = self._call("HGETALL", lambda r: r.hgetall(KEY_PREFIX + key))
+            names, values = [name.decode() for name in found], list(found.values())
+        else:
+            values = self._call("HMGET", lambda r: r.hmget(KEY_PREFIX + key, names))
         if self.link is not None:
             self.link.transfer(sum(len(value) for value in values if value is not None), began)
-        if any(value is None for value in values):
+        if not values or any(value is None for value in values):
             return None
         return dict(zip(names, values))
 
-    def put(self, key: str, objects: Objects) -> None:
+    def put(self, key: str, objects: Objects) -> bool:
         self._call("HSET", lambda r: r.hset(KEY_PREFIX + key, mapping=objects))
+        return True
 
     def remove(self, key: str) -> None:
         self._call("DEL", lambda r: r.delete(KEY_PREFIX + key))

@@ -11,6 +11,7 @@ from kvstrata.config import parse_memory_size
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.disk_tier import DiskTier
 from kvstrata.kv.store.errors import StoreUnavailable
+from kvstrata.kv.store.eviction import EvictionPolicy
 from kvstrata.kv.store.host_tier import HostTier
 from kvstrata.kv.store.redis_tier import RedisTier
 from kvstrata.kv.store.tier import Tier
@@ -18,23 +19,24 @@ from kvstrata.kv.store.tier import Tier
 EXAMPLE = "host:4GiB,disk:/var/cache/kvstrata:20GiB,redis://127.0.0.1:6379"
 
 
-def parse_tiers(spec: str, timeout: float = 1.0) -> list[Tier]:
-    """The tiers a specification names, top first; a KvstrataError naming the part that is not understood."""
+def parse_tiers(spec: str, timeout: float = 1.0, host_policy: EvictionPolicy | None = None) -> list[Tier]:
+    """The tiers a specification names, top first (a host tier keeping chunks by `host_policy`, by default least
+    recently used); a KvstrataError naming the part that is not understood."""
     parts = [part.strip() for part in str(spec).split(",")]
     if not spec or not all(parts):
         raise KvstrataError(f"kv_store {spec!r} is empty or has an empty part; e.g. {EXAMPLE}")
-    tiers = [_tier(part, timeout) for part in parts]
+    tiers = [_tier(part, timeout, host_policy) for part in parts]
     kinds = [tier.name for tier in tiers]
     if kinds.count("host") > 1:
         raise KvstrataError(f"kv_store {spec!r} names more than one host tier")
     return tiers
 
 
-def _tier(part: str, timeout: float) -> Tier:
+def _tier(part: str, timeout: float, host_policy: EvictionPolicy | None) -> Tier:
     if part.startswith(("redis://", "rediss://", "unix://")):
         return RedisTier(part, timeout=timeout)
     if part.startswith("host:"):
-        return HostTier(_size(part, part[len("host:"):]))
+        return HostTier(_size(part, part[len("host:"):]), host_policy)
     if part.startswith("disk:"):
         directory, size = disk_part(part)
         if not directory:

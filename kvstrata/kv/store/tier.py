@@ -23,6 +23,13 @@ class TierStats:
     bytes_written: int = 0
     chunks_written: int = 0
     chunks_evicted: int = 0
+    chunks_refused: int = 0  # not stored: worth less than every chunk they would have displaced (eviction.py)
+    chunks_promoted: int = 0  # copied here from a tier below after a load used part of them
+    bytes_promoted: int = 0  # read from this tier (off the load's path) to copy chunks to a tier above
+    chunk_hits: int = 0  # chunks (or object sets) a load used, read from this tier
+    chunk_misses: int = 0  # ... read from a tier below this one
+    important_hits: float = 0.0  # chunk_hits weighted by each chunk's important share (chunk_heat.py)
+    important_misses: float = 0.0
     fetch_seconds: float = 0.0
     errors: int = 0  # unreachable, timed out, full, or an object that failed its check
 
@@ -48,12 +55,13 @@ class Tier(ABC):
     def contains(self, key: str) -> bool: ...
 
     @abstractmethod
-    def get(self, key: str, names: list[str]) -> Objects | None:
-        """The named objects of a chunk; None if the tier does not hold it (or lacks one of them)."""
+    def get(self, key: str, names: list[str] | None) -> Objects | None:
+        """The named objects of a chunk (None: all of them); None if the tier does not hold it (or lacks one)."""
 
     @abstractmethod
-    def put(self, key: str, objects: Objects) -> None:
-        """Store a whole chunk, making room by dropping the least recently used chunks (told to `on_evict`)."""
+    def put(self, key: str, objects: Objects) -> bool:
+        """Store a whole chunk, making room by dropping the chunks the tier values least (told to `on_evict`);
+        False if it was left out (larger than the tier, or refused by its eviction policy)."""
 
     @abstractmethod
     def remove(self, key: str) -> None: ...
@@ -70,6 +78,17 @@ class Tier(ABC):
 
     def describe(self) -> str:
         return self.name
+
+    def used(self, key: str) -> None:
+        """A load used chunk `key` from this tier (its value to the eviction policy may have changed)."""
+
+    def would_keep(self, key: str) -> bool:
+        """Whether storing chunk `key` now would keep it (a tier whose policy refuses low-valued chunks says no
+        before the chunk is read from below to be copied here)."""
+        return True
+
+    def rescore(self) -> None:
+        """Every chunk's value to the eviction policy changed."""
 
     def begin_load(self) -> None:
         """A load of consecutive chunks starts; nothing to do for most tiers."""

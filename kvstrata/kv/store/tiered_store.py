@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvstrata.kv.store.chunk_heat import ChunkHeat
 from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
 from kvstrata.kv.store.forms import STREAMED_LEVELS, FloatForm, LeveledForm, StoredForm, written_form
 from kvstrata.kv.store.objects import ObjectHeader, pack_object, unpack_object
@@ -81,11 +82,12 @@ class StoreStats:
 class TieredStore:
     def __init__(self, tiers: list[Tier], forms: list[StoredForm | LeveledForm], shape: StoreShape,
                  defer: Callable[[Callable[[], None], int], None] | None = None, profiled: bool = False,
-                 probe_kv_heads: int = 0):
+                 probe_kv_heads: int = 0, heat: ChunkHeat | None = None):
         """`profiled`: the model has a CacheGen profile, so CacheGen objects were written with its steps (every engine
         of one model and kvstrata version agrees; the objects' version says which). `probe_kv_heads`: also write,
         per layer, the keys of KV heads 0 .. n-1 in float16 ("p.<layer>", outside any level), which IMPRESS reads
-        to choose a layer's tokens before reading any K or V (engine/important_prefix_load.py)."""
+        to choose a layer's tokens before reading any K or V (engine/important_prefix_load.py). `heat`: the uses
+        and important shares of chunks that the tiers' eviction policies rank by (the one they were built with)."""
         if len(forms) != len(tiers):
             raise ValueError(f"{len(forms)} forms for {len(tiers)} tiers")
         self.tiers = tiers
@@ -95,6 +97,8 @@ class TieredStore:
         # Runs work a fetch need not wait for (copying a hit to the tiers above; the bytes it holds); default: now.
         self.defer = defer or (lambda work, size: work())
         self.stats = StoreStats()
+        self.heat = heat or ChunkHeat()
+        self.heat.on_aged.append(lambda: [tier.rescore() for tier in self.tiers])
         for below, tier in enumerate(tiers[1:], start=1):
             tiers[below - 1].on_evict = lambda key, read, below=below: self._spill(below, key, read)
         self.object_names = [f"{kind}.{layer}" for layer in range(shape.num_layers) for kind in "kv"]
@@ -193,9 +197,8 @@ class TieredStore:
             self._drop(tier, key)
             raise
         self.stats.decode_seconds += time.perf_counter() - start
-        tier.stats.hit_tokens += num_tokens
-        for upper in self.tiers[:index]:
-            upper.stats.miss_tokens += num_tokens
+        self.count_hit(fetched.located, num_tokens)
+        self._count_use(fetched.located, None)
         if index > 0:
             size = fetched.num_bytes + 2 * k.numel() * k.element_size()
             self.defer(lambda: self._promote(index, key, fetched.objects, written, k, v), size)
@@ -265,11 +268,43 @@ class TieredStore:
         return form.decode(payload, want, "k" if kind == "p" else kind, layer, self.shape.num_layers), header.form
 
     def count_hit(self, where: Located, num_tokens: int) -> None:
-        """A chunk read in part (some of its objects, decoded one by one) served a load: counted as `decode` counts
-        a whole chunk, without copying it to the tiers above (what was read is not all of it)."""
+        """The `num_tokens` tokens of a located chunk served a load: a hit of its tier, a miss of those above."""
         self.tiers[where.tier].stats.hit_tokens += num_tokens
         for upper in self.tiers[: where.tier]:
             upper.stats.miss_tokens += num_tokens
+
+    def note_use(self, where: Located, num_tokens: int, important_share: float | None) -> None:
+        """A load used some objects of a located object set (a chunk, a reordered node's physical chunk or
+        sidecar) of `num_tokens` tokens, of which it chose `important_share` (None: unknown): its use is counted
+        for the eviction policies, and it is copied whole, as stored, to each tier above that lacks it and would
+        keep it (read again on the write thread: the load read only part of it)."""
+        self._count_use(where, important_share)
+        uppers = [upper for upper in self.tiers[: where.tier] if upper.would_keep(where.key)]  # none held it
+        if uppers:
+            shape = self.shape
+            size = 2 * shape.num_layers * num_tokens * shape.kv_heads * shape.head_dim * 4  # at most float32 K, V
+            self.defer(lambda: self._copy_up(where, uppers), size)
+
+    def _count_use(self, where: Located, important_share: float | None) -> None:
+        self.heat.record(where.key, important_share)
+        weight = self.heat.important_share(where.key)
+        tier = self.tiers[where.tier]
+        tier.stats.chunk_hits += 1
+        tier.stats.important_hits += weight
+        for upper in self.tiers[: where.tier]:
+            upper.stats.chunk_misses += 1
+            upper.stats.important_misses += weight
+        tier.used(where.key)
+
+    def _copy_up(self, where: Located, uppers: list[Tier]) -> None:
+        """Copy every object of `where`, in the form it is stored in (its headers name it), to `uppers`."""
+        found = self._get(self.tiers[where.tier], where.key, None)
+        if found is None:
+            return
+        self.tiers[where.tier].stats.bytes_promoted += sum(len(data) for data in found.values())
+        for upper in uppers:
+            if not self._holds(upper, where.key) and self._put(upper, where.key, found):
+                upper.stats.chunks_promoted += 1
 
     def _drop(self, tier: Tier, key: str) -> None:
         self.stats.corrupt_objects += 1
@@ -373,15 +408,18 @@ class TieredStore:
             tier.stats.errors += 1
             return True  # unreachable: nothing to write to
 
-    def _put(self, tier: Tier, key: str, objects: Objects) -> None:
+    def _put(self, tier: Tier, key: str, objects: Objects) -> bool:
+        """Whether `tier` stored the objects (an unreachable tier is counted and skipped)."""
         try:
-            tier.put(key, objects)
+            stored = tier.put(key, objects)
         except StoreUnavailable as exc:
             tier.stats.errors += 1
             log.warning("%s", exc)
-            return
-        tier.stats.chunks_written += 1
-        tier.stats.bytes_written += sum(len(data) for data in objects.values())
+            return False
+        if stored:
+            tier.stats.chunks_written += 1
+            tier.stats.bytes_written += sum(len(data) for data in objects.values())
+        return stored
 
     def _spill(self, below: int, key: str, read) -> None:
         """A chunk tier below - 1 drops goes down to tier `below` unless that one holds it already."""
