@@ -18,8 +18,12 @@ from tests.test_kv_store_tiers import SHAPE, TOKENS, chunk_kv
 CHUNK = {"k.0": b"x" * 100}  # every chunk of the hand-made traces: 100 bytes
 
 
-def tier_of(policy: str, chunks: int, heat: ChunkHeat) -> HostTier:
-    return HostTier(capacity=100 * chunks, policy=make_policy(policy, heat))
+def tier_of(policy: str, chunks: int, heat: ChunkHeat, holding: str = "") -> HostTier:
+    """A host tier with room for `chunks` chunks, holding those named in `holding`, stored in order."""
+    tier = HostTier(capacity=100 * chunks, policy=make_policy(policy, heat))
+    for key in holding:
+        tier.put(key, CHUNK)
+    return tier
 
 
 def uses(heat: ChunkHeat, trace: str, important: dict[str, float] | None = None) -> None:
@@ -31,9 +35,7 @@ def uses(heat: ChunkHeat, trace: str, important: dict[str, float] | None = None)
 @pytest.mark.parametrize("policy, dropped", [("lru", "a"), ("lfu", "b"), ("score", "b")])
 def test_each_policy_drops_its_least_valued_chunk(policy, dropped):
     heat = ChunkHeat()
-    tier = tier_of(policy, 3, heat)
-    for key in "abc":
-        tier.put(key, CHUNK)
+    tier = tier_of(policy, 3, heat, holding="abc")
     for key in "acacb":  # a and c are used twice, b once and last
         heat.record(key)
         tier.used(key)
@@ -60,10 +62,8 @@ def test_score_weighs_uses_by_the_important_share_lfu_does_not():
 
 def test_a_chunk_worth_no_more_than_the_minimum_is_refused_and_counted():
     heat = ChunkHeat()
-    tier = tier_of("score", 2, heat)
     uses(heat, "ab")
-    tier.put("a", CHUNK)
-    tier.put("b", CHUNK)
+    tier = tier_of("score", 2, heat, holding="ab")
     assert not tier.put("new", CHUNK)  # never used: worth 0
     heat.record("used", 1.0)  # one use: ties with a and b, which stay
     assert not tier.put("used", CHUNK)
@@ -85,10 +85,8 @@ def test_a_tier_with_room_keeps_any_chunk():
 
 def test_a_value_that_falls_moves_the_chunk_down_the_heap():
     heat = ChunkHeat()
-    tier = tier_of("score", 2, heat)
     uses(heat, "aabb")
-    tier.put("a", CHUNK)
-    tier.put("b", CHUNK)
+    tier = tier_of("score", 2, heat, holding="ab")
     heat.record("a", 0.1)  # a third use, but a selective load chose a tenth of it: 0.3 < b's 2
     tier.used("a")
     uses(heat, "cc")
@@ -98,10 +96,8 @@ def test_a_value_that_falls_moves_the_chunk_down_the_heap():
 
 def test_the_heat_table_halves_its_counts_when_full_and_the_tiers_rescore():
     heat = ChunkHeat(max_entries=3)
-    tier = tier_of("lfu", 2, heat)
     uses(heat, "aaaabb")
-    tier.put("a", CHUNK)
-    tier.put("b", CHUNK)
+    tier = tier_of("lfu", 2, heat, holding="ab")
     rescored = []
     heat.on_aged.append(lambda: (rescored.append(True), tier.rescore()))
     heat.record("c")
