@@ -62,6 +62,16 @@ class ImportantLoadStats:
         return asdict(self)
 
 
+@dataclass
+class ObjectSetUse:
+    """An object set a load read, for the store's eviction policies: its tokens, and the (token, layer) pairs the
+    load chose from it (None: a sidecar of probe keys, read whole to score)."""
+
+    where: Located
+    num_tokens: int
+    chosen: int | None
+
+
 class StorePrefix:
     """Chunks `found` (consecutive, from token 0, each stored in one form) read object by object; under IMPRESS,
     a whole node that was reordered (kv/impress/node_reordering.py) is read through its map from its physical
@@ -71,9 +81,7 @@ class StorePrefix:
         self.store, self.found, self.chunk_tokens, self.method = store, found, chunk_tokens, method
         self.num_tokens = len(found) * chunk_tokens
         self.bytes_read = self.chunk_reads = 0
-        # Every object set read: where it is, its tokens, and how many (token, layer) pairs were chosen from it
-        # (None: a sidecar of probe keys, read whole to score), for the store's eviction policies.
-        self.used: dict[str, list] = {}
+        self.used: dict[str, ObjectSetUse] = {}  # every object set read, by key
         self._keys: dict[int, torch.Tensor] = {}  # keys-only H2O: a layer's keys, read to score, reused for K
         # Runs of chunks read alike, in order: a reordered node with its (node, map), or logical chunks with None.
         self.segments: list[tuple[range, tuple[str, NodeMap] | None]] = []
@@ -105,13 +113,13 @@ class StorePrefix:
             for part, name in zip(parts, names):
                 part.append(got[0][name])
             self.bytes_read += got[1]
-            self.used.setdefault(where.key, [where, self.chunk_tokens, 0])
+            self.used.setdefault(where.key, ObjectSetUse(where, self.chunk_tokens, 0))
         return [torch.cat(part) for part in parts]
 
     def _chose(self, chunks: list[Located], counts: list[int]) -> None:
         """`counts[i]` tokens of one layer were chosen from chunks[i] (read by `_read`)."""
         for where, count in zip(chunks, counts):
-            self.used[where.key][2] += count
+            self.used[where.key].chosen += count
 
     def scoring_keys(self, layer: int) -> torch.Tensor:
         if self.method == "impress":
@@ -129,7 +137,7 @@ class StorePrefix:
         if got is None:
             raise ChunkGone(f"{where.key[:40]} no longer holds the probe keys of layer {layer}")
         self.bytes_read += got[1]
-        self.used[where.key] = [where, len(chunks) * self.chunk_tokens, None]
+        self.used[where.key] = ObjectSetUse(where, len(chunks) * self.chunk_tokens, None)
         return got[0][probe_name(layer)]
 
     def _located(self, key: str) -> Located:
@@ -188,8 +196,9 @@ def load_important_prefix(loading: ImportantLoading, store: TieredStore, found: 
     loading.model(torch.tensor(new, device=loading.device), positions, policy, None)
     for where in found:
         store.count_hit(where, chunk_tokens)
-    for where, num_tokens, chosen in prefix.used.values():
-        store.note_use(where, num_tokens, None if chosen is None else chosen / (num_tokens * config.num_layers))
+    for use in prefix.used.values():
+        share = None if use.chosen is None else use.chosen / (use.num_tokens * config.num_layers)
+        store.note_use(use.where, use.num_tokens, share)
     if loading.method == "impress":
         _record_importance(store, found, chunk_tokens, policy.selector.token_scores)
     decisions = policy.selector.decisions.values()

@@ -23,20 +23,23 @@ class ChunkHeat:
         self._lock = threading.Lock()
         self.on_aged: list[Callable[[], None]] = []  # told after counts were halved (scores changed everywhere)
 
-    def record(self, key: str, important_share: float | None = None) -> None:
-        """One use of chunk `key`; `important_share` in [0, 1]: what share of it the load chose (None: unknown)."""
+    def record(self, key: str, important_share: float | None = None) -> float:
+        """One use of chunk `key`; `important_share` in [0, 1]: what share of it the load chose (None: unknown).
+        Returns the chunk's important share now in force."""
         if important_share is not None and not 0 <= important_share <= 1:
             raise ValueError(f"important_share {important_share!r} of chunk {key[:16]} must be in [0, 1]")
         with self._lock:
             self._uses[key] = self._uses.get(key, 0.0) + 1
             if important_share is not None:
                 self._important[key] = important_share
+            share = self._important.get(key, 1.0)
             aged = len(self._uses) > self.max_entries
             if aged:
                 self._age()
         if aged:
             for listener in self.on_aged:
                 listener()
+        return share
 
     def _age(self) -> None:
         for key, uses in list(self._uses.items()):
@@ -58,8 +61,3 @@ class ChunkHeat:
         """IMPRESS's chunk score: uses x important share."""
         with self._lock:
             return self._uses.get(key, 0.0) * self._important.get(key, 1.0)
-
-    def forget(self, key: str) -> None:
-        with self._lock:
-            self._uses.pop(key, None)
-            self._important.pop(key, None)

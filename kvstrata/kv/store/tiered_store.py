@@ -286,8 +286,7 @@ class TieredStore:
             self.defer(lambda: self._copy_up(where, uppers), size)
 
     def _count_use(self, where: Located, important_share: float | None) -> None:
-        self.heat.record(where.key, important_share)
-        weight = self.heat.important_share(where.key)
+        weight = self.heat.record(where.key, important_share)
         tier = self.tiers[where.tier]
         tier.stats.chunk_hits += 1
         tier.stats.important_hits += weight
