@@ -24,6 +24,7 @@ from kvstrata.kv import attention_policy, cache_factory
 from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.cache_factory import CacheShape, FormatOptions, storage_layout
+from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.preloaded import LayerwiseKV, PreloadedKV
 from kvstrata.kv.reference_attention import NO_KEY, attend, causal_attention, causal_mask
 from kvstrata.kv.storage import KVStorage
@@ -292,15 +293,20 @@ def test_last_window_decodes_read_only_the_last_w_keys(tiny_llama, monkeypatch):
 
 
 def record_hooks(engine: LLMEngine, monkeypatch) -> list:
-    """Events of the engine's storage, in order: "begin", ("store", layer), "end"."""
+    """Events of the engine's storage, in order: "begin", ("store", layer), "end"; "fused" where a step of decodes
+    stores every layer's K/V inside the fused operator (kv/fused_decode.py) instead."""
     events = []
     storage = engine.kv_cache
-    for name in ("begin_step", "end_step", "store"):
+    for name in ("begin_step", "end_step", "store", "fused_decode"):
         method = getattr(storage, name)
 
         def spy(*args, method=method, name=name):
-            events.append(("store", args[0]) if name == "store" else name.split("_")[0])
-            return method(*args)
+            result = method(*args)
+            if name == "store":
+                events.append(("store", args[0]))
+            elif name != "fused_decode" or result is not None:
+                events.append(name.split("_")[0])
+            return result
 
         monkeypatch.setattr(storage, name, spy)
     return events
@@ -312,14 +318,17 @@ def test_each_engine_step_begins_once_before_layer_0_and_ends_once_after_the_las
     events = record_hooks(engine, monkeypatch)
     for prompt in random_ids(6, 20, 45, 9):
         engine.add_request(prompt, greedy(4))
-    one_step = ["begin", *(("store", layer) for layer in range(NUM_LAYERS)), "end"]
-    steps = 0
+    layer_by_layer = ["begin", *(("store", layer) for layer in range(NUM_LAYERS)), "end"]
+    fused = ["begin", "fused", "end"]
+    steps = fused_steps = 0
     while engine.has_unfinished_requests():
         events.clear()
         engine.step()
-        assert events == one_step
+        assert events in (layer_by_layer, fused)
         steps += 1
+        fused_steps += events == fused
     assert steps > 4
+    assert (fused_steps > 0) == (paged_decode.kernel() is not None)  # the last steps decode alone
 
 
 def test_end_step_runs_when_a_layer_raises(tiny_llama, monkeypatch):

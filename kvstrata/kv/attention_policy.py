@@ -13,6 +13,7 @@ import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
 from kvstrata.kv.block_pool import BlockPool
+from kvstrata.kv.fused_decode import FusedDecode
 from kvstrata.kv.preloaded import Preloaded
 from kvstrata.kv.reference_attention import attend
 from kvstrata.kv.storage import KVStorage
@@ -46,6 +47,12 @@ class AttentionPolicy:
         """Place ready-made KV of one sequence's positions first .. end (see `KVStorage.write`)."""
         self.storage.write(block_table, kv, first, end)
 
+    def fused_decode(self, batch: AttentionBatch, dtype: torch.dtype) -> FusedDecode | None:
+        """Where this step's attention, in every layer, is "store the new K/V, attend to every cached key" and the
+        storage has one operator for it (kv/fused_decode.py): its tensors, and the model then calls no hook of
+        this policy until the step ends. None: the model calls `on_layer_input` and `attention` in every layer."""
+        return None
+
     def select_keys(self, layer: int, group: AttentionGroup) -> CachedKeys:
         """The keys `group` reads in `layer`: all of them, or a subset taken with `group.keys.take`."""
         return group.keys
@@ -72,3 +79,9 @@ class AttentionPolicy:
 
 class FullAttention(AttentionPolicy):
     """Every cached token in every layer: the engine's default."""
+
+    def fused_decode(self, batch, dtype):
+        # a subclass may hook the layers (engine/layer_capture.py records them), which the fused step skips
+        if type(self) is not FullAttention or len(batch.groups) != 1 or not batch.groups[0].is_decode:
+            return None
+        return self.storage.fused_decode(batch, dtype)

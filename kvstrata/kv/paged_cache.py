@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.attention_batch import CachedKeys
+from kvstrata.kv.fused_decode import FusedDecode
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.storage import KVStorage
 
@@ -75,6 +76,12 @@ class PagedKVCache(KVStorage):
         with torch.profiler.record_function("kvstrata::paged_decode_attention"):  # named in profiles
             return self.decode_kernel.paged_decode_attention(q, self.k[layer], self.v[layer], keys.block_tables,
                                                              context_lens, q.shape[-1] ** -0.5)
+
+    def fused_decode(self, batch, dtype):
+        keys = batch.groups[0].keys
+        if self.decode_kernel is None or dtype != torch.float32 or keys.block_tables is None:
+            return None
+        return FusedDecode(self.k, self.v, batch.slot_mapping, keys.block_tables, batch.groups[0].context_lens)
 
     def gather_keys(self, layer, keys: CachedKeys, dtype):
         """Whole blocks are copied block by block (several times faster on CPU than slot by slot)."""

@@ -13,6 +13,7 @@ import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch, CachedKeys
 from kvstrata.kv.block_pool import BlockPool
+from kvstrata.kv.fused_decode import FusedDecode
 from kvstrata.kv.preloaded import Preloaded
 from kvstrata.kv.slots import slots_of_positions
 
@@ -56,6 +57,12 @@ class KVStorage(ABC):
         """Decode attention of q [n, heads, head_dim] over whole-block `keys` (each sequence's first
         context_lens tokens), read where the storage keeps them; None where this storage has no such path
         (the policy then gathers the keys and calls the reference attention)."""
+        return None
+
+    def fused_decode(self, batch: AttentionBatch, dtype: torch.dtype) -> FusedDecode | None:
+        """For a step of decodes alone (`batch` one decode group) reading every cached key, with activations in
+        `dtype`: the tensors of the one-operator-per-layer path (kv/fused_decode.py); None where this storage has
+        none (the model then calls the policy layer by layer)."""
         return None
 
     def attach_block_pool(self, pool: BlockPool) -> None:

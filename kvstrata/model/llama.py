@@ -14,6 +14,7 @@ from torch import nn
 
 from kvstrata.kv.attention_batch import AttentionBatch
 from kvstrata.kv.attention_policy import AttentionPolicy
+from kvstrata.kv.fused_decode import FusedDecode, store_and_attend
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.group_quantized import cat_rows
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope
@@ -76,6 +77,15 @@ def after_attention(layer: LlamaDecoderLayer, x, attended):
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+def decode_all_layers(model: LlamaForCausalLM, x, cos, sin, step: FusedDecode):
+    """Every layer of a step of decodes whose attention is one operator (kv/fused_decode.py): no Python of the KV
+    seam between layers, so that under --compile the whole loop is one graph."""
+    for index, layer in enumerate(model.layers):
+        q, k, v = before_attention(layer, x, cos, sin)
+        x = after_attention(layer, x, store_and_attend(index, q, k, v, step))
+    return x
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -103,13 +113,18 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decode_all_layers = decode_all_layers  # compiled under --compile
 
     def forward(self, input_ids, positions, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states [T, hidden] of the packed tokens."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, kv, batch)
+        fused = kv.fused_decode(batch, x.dtype)
+        if fused is not None:
+            x = self.decode_all_layers(self, x, cos, sin, fused)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, kv, batch)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -123,10 +138,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compile_dense_parts(self) -> None:
         """Compile every layer's dense parts (one graph shared by all layers; torch makes the token
-        count dynamic at the first new shape, so batches of any size reuse it)."""
+        count dynamic at the first new shape, so batches of any size reuse it), and a step of decodes whose
+        attention is one operator as one graph of all layers."""
         compiled = (CompiledOrEager(before_attention), CompiledOrEager(after_attention))
         for layer in self.layers:
             layer.dense_parts = compiled
+        self.decode_all_layers = CompiledOrEager(decode_all_layers)
 
     @staticmethod
     def state_dict_from_hf(hf: dict, config: ModelConfig) -> dict:

@@ -1,6 +1,9 @@
 // Float pools [kv_heads, num_blocks, block, dim] in float32, float16 or bfloat16, and the Python bindings of
-// every storage's reader (attend.h says what they compute).
+// every storage's reader (attend.h says what they compute). The float pools' decode attention is also a torch
+// operator that stores the step's new K/V first (kv/fused_decode.py): one call per layer, which a compiled
+// model step (torch.compile) keeps in its graph.
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <type_traits>
 
@@ -58,7 +61,28 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
   }
 }
 
+// Writes k_new and v_new [n, kv_heads, dim] at `slots` [n] of layer `layer` of the pools [layers, kv_heads,
+// blocks, block, dim], then attends each of the n decoding sequences over its first context_lens tokens.
+at::Tensor store_and_decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                                      at::Tensor& k_pools, at::Tensor& v_pools, int64_t layer, const at::Tensor& slots,
+                                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(k_pools.dim() == 5 && layer >= 0 && layer < k_pools.size(0),
+              "store_and_decode_attention: pools must be [layers, kv_heads, blocks, block, dim] and hold layer ", layer);
+  at::Tensor k_pool = k_pools.select(0, layer), v_pool = v_pools.select(0, layer);
+  for (auto [pool, rows] : {std::pair{k_pool, k_new}, std::pair{v_pool, v_new}}) {
+    pool.view({pool.size(0), -1, pool.size(3)}).index_copy_(1, slots, rows.transpose(0, 1).to(pool.scalar_type()));
+  }
+  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale);
+}
+
 }  // namespace kvstrata
+
+TORCH_LIBRARY(kvstrata, m) {
+  m.def("store_and_decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_pools, Tensor(b!) v_pools, "
+        "int layer, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvstrata, CPU, m) { m.impl("store_and_decode_attention", &kvstrata::store_and_decode_attention); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &kvstrata::paged_decode_attention,

@@ -13,6 +13,7 @@ import hashlib
 from pathlib import Path
 
 from kvstrata.compiled_extension import load_extension
+from kvstrata.kv import fused_decode
 
 NAME = "kvstrata_paged_decode"
 HERE = Path(__file__).parent
@@ -29,4 +30,7 @@ def _header_flag() -> str:
 
 @functools.cache
 def kernel():
-    return load_extension(NAME, SOURCES, (_header_flag(),), what="KV kernels")
+    compiled = load_extension(NAME, SOURCES, (_header_flag(),), what="KV kernels")
+    if compiled is not None:
+        fused_decode.register_fake()
+    return compiled

@@ -1,0 +1,88 @@
+"""A step of decodes under full attention runs one operator per layer (kv/fused_decode.py): it stores and attends
+as the layer-by-layer path does, and a policy that hooks the layers never takes it."""
+
+import pytest
+import torch
+
+from kvstrata.config import EngineConfig
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.kv.attention_batch import whole_block_keys
+from kvstrata.kv.attention_policy import FullAttention
+from kvstrata.kv.fused_decode import FusedDecode, store_and_attend
+from kvstrata.kv.kernels import paged_decode
+from kvstrata.kv.reference_attention import attend
+
+needs_kernel = pytest.mark.skipif(paged_decode.kernel() is None, reason="no C++ compiler: the kernels could not be built")
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(60, 97))]  # decode batches of 3, then fewer
+
+
+def new_engine(model, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), kv_cache_memory="2MiB", threads=1, chunk_size=16, **options))
+
+
+def generate(engine: LLMEngine) -> list[list[int]]:
+    for prompt, max_tokens in zip(PROMPTS, (20, 9, 14)):
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
+    return [list(finished[key]) for key in sorted(finished)]
+
+
+@needs_kernel
+def test_the_operator_stores_the_new_rows_and_attends_like_the_reference():
+    """Pools of three layers; the operator writes layer 1's new K/V at the sequences' slots (nothing else changes)
+    and returns the reference attention over each sequence's blocks, the new token included."""
+    gen = torch.Generator().manual_seed(0)
+    layers, kv_heads, blocks, block, dim = 3, 3, 12, 16, 64
+    k_pools, v_pools = (torch.randn(layers, kv_heads, blocks, block, dim, generator=gen) for _ in range(2))
+    before = k_pools.clone(), v_pools.clone()
+    tables = torch.tensor([[4, 0, 0], [7, 2, 9]])
+    lens = torch.tensor([5, 40])
+    slots = torch.stack([tables[i, (n - 1) // block] * block + (n - 1) % block for i, n in enumerate(lens.tolist())])
+    q = torch.randn(2, 9, dim, generator=gen)
+    k_new, v_new = torch.randn(2, kv_heads, dim, generator=gen), torch.randn(2, kv_heads, dim, generator=gen)
+    got = store_and_attend(1, q, k_new, v_new, FusedDecode(k_pools, v_pools, slots, tables, lens))
+    for pools, old, new in ((k_pools, before[0], k_new), (v_pools, before[1], v_new)):
+        expected = old.clone()
+        expected[1].view(kv_heads, -1, dim)[:, slots] = new.transpose(0, 1)
+        assert torch.equal(pools, expected)
+    k = k_pools[1][:, tables].flatten(2, 3).permute(1, 2, 0, 3)  # [n, tokens, kv_heads, dim]
+    v = v_pools[1][:, tables].flatten(2, 3).permute(1, 2, 0, 3)
+    mask = (whole_block_keys(tables, lens, block).positions != -1)[:, None]
+    torch.testing.assert_close(got, attend(q[:, None], k, v, mask)[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_fused_steps_generate_what_the_layer_by_layer_path_does(tiny_llama, monkeypatch):
+    """Greedy tokens are the same with decode steps fused and with them layer by layer (a K/V stored at a wrong slot
+    or a key left out would move every later step's attention)."""
+    fused_steps = []
+    offer = FullAttention.fused_decode
+    monkeypatch.setattr(FullAttention, "fused_decode", lambda self, *a: fused_steps.append(offer(self, *a)) or offer(self, *a))
+    fused_tokens = generate(new_engine(tiny_llama))
+    assert sum(step is not None for step in fused_steps) > 10
+    monkeypatch.setattr(FullAttention, "fused_decode", lambda self, *a: None)
+    assert fused_tokens == generate(new_engine(tiny_llama))
+
+
+def test_a_policy_that_hooks_the_layers_sees_every_layer_of_every_decode(tiny_llama):
+    """A FullAttention subclass (as engine/layer_capture.py makes) is called in every layer of every step."""
+
+    class CountingAttention(FullAttention):
+        calls = 0
+
+        def attention(self, layer, q, k_new, v_new, batch):
+            CountingAttention.calls += 1
+            return super().attention(layer, q, k_new, v_new, batch)
+
+    engine = new_engine(tiny_llama)
+    engine.runner.policy = CountingAttention(engine.kv_cache)
+    steps = 0
+    for prompt in PROMPTS:
+        engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert CountingAttention.calls == steps * engine.loaded.config.num_layers
