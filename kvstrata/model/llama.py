@@ -143,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
         compiled = (CompiledOrEager(before_attention), CompiledOrEager(after_attention))
         for layer in self.layers:
             layer.dense_parts = compiled
-        self.decode_all_layers = CompiledOrEager(decode_all_layers)
+        # the graph's caller in C++ rather than Python: its 200-odd calls per step are most of what is left around
+        # the kernels at batch 1
+        self.decode_all_layers = CompiledOrEager(decode_all_layers, options={"cpp_wrapper": True})
 
     @staticmethod
     def state_dict_from_hf(hf: dict, config: ModelConfig) -> dict:
@@ -175,8 +177,8 @@ class CompiledOrEager:
     """`fn` through torch.compile, or eager (with one warning) where the compiler cannot build it,
     e.g. a machine without a C++ compiler."""
 
-    def __init__(self, fn):
-        self.eager, self.compiled = fn, torch.compile(fn)
+    def __init__(self, fn, options: dict | None = None):
+        self.eager, self.compiled = fn, torch.compile(fn, options=options)
 
     def __call__(self, *args):
         if self.compiled is not None:
