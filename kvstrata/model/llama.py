@@ -143,8 +143,7 @@ class LlamaForCausalLM(nn.Module):
         compiled = (CompiledOrEager(before_attention), CompiledOrEager(after_attention))
         for layer in self.layers:
             layer.dense_parts = compiled
-        # the graph's caller in C++ rather than Python: its 200-odd calls per step are most of what is left around
-        # the kernels at batch 1
+        # the graph's caller in C++ rather than Python (a few hundred kernel calls per step, each a Python line)
         self.decode_all_layers = CompiledOrEager(decode_all_layers, options={"cpp_wrapper": True})
 
     @staticmethod
