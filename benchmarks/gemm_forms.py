@@ -1,15 +1,16 @@
-"""Which GEMM wins at which batch: the default model's linear layers (`--weights auto`: GGUF blocks on torch's
-packed int4 kernel) against the same weights as dense float32 and dense bfloat16 matrices, and against the
-engine's path for many rows (model/int4_dense.py: the int4 weights widened to bfloat16 for each call, then a
-dense bfloat16 product; only where that path is available).
+"""Which GEMM wins at which batch: the default model's linear layers (`--weights auto`: GGUF blocks on kvstrata's
+integer dot products, model/block_linear.py) against the same blocks on torch's packed int4 kernel, the same
+weights as dense float32 and dense bfloat16 matrices, and the engine's path for many rows (the blocks widened to
+bfloat16 for each call, then a dense bfloat16 product).
 
     .venv/bin/python -m benchmarks.gemm_forms
 
 For each number of rows M (1: a batch-1 decode; 32: 32 concurrent decodes; 128 to 1,024: prefill chunks) it
 times one pass of M rows through every layer's projections (the LM head apart: it runs only for sampled rows),
 median of `--repeats`, and prints milliseconds per pass and the rate in GFLOP/s for each form. The dense
-matrices are the int4 kernel's own weights read back (the kernel applied to the identity), so all forms
-multiply the same numbers up to bfloat16 rounding. Issue 17 asks to pick the fastest kernel per shape.
+matrices are the blocks' weights read back (the bfloat16 widening, exact for 4-bit codes times bfloat16-exact
+scales up to rounding), so all forms multiply the same numbers up to rounding; the dot products also round the
+activations to int8 per block of 32. Issue 17 asks to pick the fastest kernel per shape.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 from kvstrata.bench.report import machine_info, sig
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.model import int4_dense
+from kvstrata.model.block_linear import BLOCK, BlockLinear, dense_for_many_rows
+from kvstrata.model.group_quantized import GroupQuantized
 from kvstrata.model.quantized_linear import Int4Linear
 
 
@@ -43,6 +45,14 @@ def as_bf16(inputs: dict) -> dict:
     return {width: x.bfloat16() for width, x in inputs.items()}
 
 
+def torch_int4(layer: BlockLinear) -> Int4Linear:
+    """The same 4-bit blocks on torch's int4 kernel."""
+    rows, cols = layer.out_features, layer.in_features
+    halves = layer.codes.view(rows, cols // BLOCK, 1, BLOCK // 2)
+    codes = torch.cat([halves & 15, halves >> 4], 2).view(rows, cols)
+    return Int4Linear(GroupQuantized(codes, layer.scales, layer.mins, 4, BLOCK), None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,32,128,256,1024")
@@ -51,9 +61,10 @@ def main() -> None:
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(threads=args.threads, kv_cache_memory="64MiB", max_model_len=1024))
     model = engine.loaded.model
-    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m is not model.lm_head]
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear) and m is not model.lm_head]
+    torch_layers = [torch_int4(layer) for layer in layers]
     with torch.inference_mode():
-        dense = [layer(torch.eye(layer.in_features)).t().contiguous() for layer in layers]  # W [out, in]
+        dense = [layer._dense_weight().float() for layer in layers]  # W [out, in]
         dense_bf16 = [w.bfloat16() for w in dense]
         weights = sum(w.numel() for w in dense)
 
@@ -63,16 +74,20 @@ def main() -> None:
 
         def widened_per_call(xs):
             xs = as_bf16(xs)
-            return [xs[layer.in_features] @ int4_dense.dense_weight(layer.packed0, layer.scale_zero0,
-                                                                    layer.group_size).t() for layer in layers]
+            return [xs[layer.in_features] @ layer._dense_weight().t() for layer in layers]
+
+        def dot_products(xs):
+            return [torch.ops.kvstrata_weights.block_linear(xs[layer.in_features], layer.codes, layer.scales,
+                                                            layer.mins, layer.bits) for layer in layers]
 
         forms = {
-            "int4 kernel": lambda xs: [layer(xs[layer.in_features]) for layer in layers],
+            "int8 dot products": dot_products,
+            "torch int4 kernel": lambda xs: [layer(xs[layer.in_features]) for layer in torch_layers],
             "fp32 dense": lambda xs: [xs[w.shape[1]] @ w.t() for w in dense],
             "bf16 dense": bf16_dense,
         }
-        if int4_dense.available():
-            forms["int4 widened per call"] = widened_per_call
+        if dense_for_many_rows():
+            forms["bf16 widened per call"] = widened_per_call
         rows = []
         for m in map(int, args.rows.split(",")):
             inputs = {layer.in_features: torch.randn(m, layer.in_features) for layer in layers}

@@ -2,8 +2,8 @@
 set), and `python -m kvstrata.compiled_extension` builds them all now (the README's set-up runs it).
 
 Three extensions: the KV kernels (kv/kernels/: decode attention read where the cache lies, Oaken's encoder, the
-sparse-page writer), the int4 weights' widening to bfloat16 for prefill-sized products (model/kernels/) and
-CacheGen's rANS coder (cachegen/kernels/). A loader returns None where its extension cannot be built (no
+sparse-page writer), the weight kernels (model/kernels/: products over GGUF's quantized blocks, and their widening to
+bfloat16 for prefill-sized products) and CacheGen's rANS coder (cachegen/kernels/). A loader returns None where its extension cannot be built (no
 compiler): callers then take their torch path (the coder: constriction's).
 """
 
@@ -48,9 +48,9 @@ def load_extension(name: str, sources: list[Path], extra_flags: tuple[str, ...] 
 def main() -> None:
     from kvstrata.cachegen import entropy
     from kvstrata.kv.kernels import paged_decode
-    from kvstrata.model import int4_dense
+    from kvstrata.model import block_linear
 
-    kernels = (("KV kernels", paged_decode.kernel), ("int4 widening", int4_dense.kernel),
+    kernels = (("KV kernels", paged_decode.kernel), ("weight kernels", block_linear.kernel),
                ("rANS coder", entropy.compiled_coder))
     failed = [what for what, kernel in kernels if kernel() is None]
     if failed:

@@ -34,8 +34,8 @@ def test_roofline_counts_the_bytes_the_weight_form_reads(tiny_llama, capsys):
             "--decode-steps", "2", "--concurrent", "0", "--json"]
     fp32 = run_json(capsys, *argv, "--weights", "fp32")
     int4 = run_json(capsys, *argv, "--weights", "int4")
-    assert int4["weights"] == {"int4": 13} and fp32["weights"] == {"float32": 13}
-    # 4-bit codes plus a bfloat16 (scale, zero) per 32 values: 0.625 of a byte per weight, against 4.
+    assert int4["weights"] in ({"int4 blocks": 13}, {"int4": 13}) and fp32["weights"] == {"float32": 13}
+    # 4-bit codes plus a (scale, min) per 32 values: 0.625 to 0.75 of a byte per weight, against 4.
     assert int4["decode_read_bytes"] < 0.4 * fp32["decode_read_bytes"]
     assert int4["flops_per_token_decode"] == fp32["flops_per_token_decode"]
 
@@ -44,7 +44,8 @@ def test_roofline_counts_the_bytes_the_weight_form_reads(tiny_llama, capsys):
 def test_decode_against_the_baselines_on_the_default_gguf(capsys):
     report = run_json(capsys, "bench", "decode", "--context", "32", "--steps", "4", "--no-llama-cpp", "--json",
                       "--kv-cache-memory", "64MiB", "--max-model-len", "512")
-    assert report["weights"] == {"int4": 120, "int8 as two int4 planes": 1}
+    assert report["weights"] in ({"int4 blocks": 120, "int8 blocks": 1},  # the compiled block kernels
+                                 {"int4": 120, "int8 as two int4 planes": 1})  # torch's int4 kernel
     assert report["kvstrata_tokens_per_s"] > 0 and report["transformers_tokens_per_s"] > 0
     assert report["ratio_to_transformers"] == pytest.approx(
         report["kvstrata_tokens_per_s"] / report["transformers_tokens_per_s"], rel=0.01)

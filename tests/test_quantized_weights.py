@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
-from kvstrata.model import int4_dense
+from kvstrata.model import block_linear
+from kvstrata.model.block_linear import BlockLinear
 from kvstrata.model.group_quantized import from_gguf_blocks
 from kvstrata.model.loader import load_model
 from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
@@ -24,9 +25,12 @@ from kvstrata.model.weight_format import check_weight_format
 from tests.helpers import prefill_in_chunks
 
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
-# The kernels take bfloat16 activations and bfloat16 (scale, zero) pairs: about 3 significant
-# digits, so a product's error is a few parts in a thousand of its size.
+# torch's kernels take bfloat16 activations and bfloat16 (scale, zero) pairs, the block kernels int8 activations per
+# block of 32: two or three significant digits, so a product's error is a few parts in a thousand of its size.
 KERNEL_RELATIVE_ERROR = 1e-2
+
+
+GGUF_KINDS = {"int4 blocks": 12, "int8 blocks": 1}  # Q4_1 layers and the Q8_0 head on the block kernels
 
 
 def _gguf_quantized(weight: torch.Tensor, type_name: str):
@@ -60,39 +64,68 @@ def test_int4_kernel_matches_the_dequantized_weight(type_name):
     assert linear(x.view(5, 1, 128)).shape == (5, 1, 80)
 
 
-needs_widening_kernel = pytest.mark.skipif(int4_dense.kernel() is None, reason="no C++ compiler")
+needs_block_kernels = pytest.mark.skipif(block_linear.kernel() is None, reason="no C++ compiler")
 
 
-@needs_widening_kernel
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
-def test_widened_weights_are_the_int4_kernels_own(type_name):
-    """The dense path multiplies exactly the weights the kernel multiplies, rounded to bfloat16 (read back from
-    the kernel through the identity), for torch's packing as this torch lays it out."""
-    torch.manual_seed(3)
-    _, read = _gguf_quantized(torch.randn(192, 128) * 0.05, type_name)
-    linear = Int4Linear(read, None)
-    assert linear.dense_when_many_rows and int4_dense._layout_matches(int4_dense.kernel())
-    kernels_own = linear._kernel_product(torch.eye(128, dtype=torch.bfloat16), torch.bfloat16).t()
-    assert torch.equal(int4_dense.dense_weight(linear.packed0, linear.scale_zero0, linear.group_size), kernels_own)
+def _block_reference(x: torch.Tensor, read) -> torch.Tensor:
+    """The block kernels' arithmetic in float64: each row of x rounded to int8 codes per block of 32 (scale
+    max|x| / 127, half to even), products of codes summed exactly, then scaled."""
+    blocks = x.double().view(len(x), -1, 32)
+    x_scales = blocks.abs().amax(-1, keepdim=True) / 127
+    x_codes = torch.where(x_scales > 0, blocks / x_scales, torch.zeros_like(blocks)).round()
+    w_codes = read.codes.double().view(read.shape[0], -1, 32)
+    dots = torch.einsum("mbj,nbj->mnb", x_codes, w_codes)
+    out = (dots * read.scales.double()[None] * x_scales.squeeze(-1)[:, None]).sum(-1)
+    if read.offsets is not None:
+        out += (read.offsets.double()[None] * (x_scales.squeeze(-1) * x_codes.sum(-1))[:, None]).sum(-1)
+    return out
 
 
-@pytest.mark.skipif(not int4_dense.available(), reason="no bfloat16 dot products on this CPU: products keep the kernel")
-def test_many_rows_take_the_dense_path_and_few_the_kernel(monkeypatch):
+@needs_block_kernels
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("columns", [128, 96])  # an even number of blocks (AVX-512 pairs) and an odd one
+@pytest.mark.parametrize("rows", [1, 3, 6])  # rows of activations: one, a partial group of four, more than four
+def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, columns, rows):
+    torch.manual_seed(5)
+    _, read = _gguf_quantized(torch.randn(82, columns) * 0.05, type_name)  # 82: output rows beyond tiles of four
+    bias = torch.randn(82) * 0.01
+    linear = BlockLinear(read, bias)
+    x = torch.randn(rows, columns)
+    got = linear(x)
+    torch.testing.assert_close(got.double(), _block_reference(x, read) + bias.double(), rtol=1e-5, atol=1e-5)
+    assert _relative_error(got, F.linear(x, read.dequantize(), bias)) < KERNEL_RELATIVE_ERROR
+    assert linear(x.view(rows, 1, columns)).shape == (rows, 1, 82)
+
+
+@needs_block_kernels
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_a_non_finite_activation_makes_its_own_row_nan(type_name):
+    _, read = _gguf_quantized(torch.randn(16, 64) * 0.05, type_name)
+    x = torch.randn(3, 64)
+    x[1, 40] = float("inf")
+    out = BlockLinear(read, None)(x)
+    assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+
+
+@needs_block_kernels
+@pytest.mark.skipif(not block_linear.dense_for_many_rows(), reason="no bfloat16 dot products on this CPU")
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_many_rows_take_the_widened_weights_and_few_the_dot_products(monkeypatch, type_name):
     torch.manual_seed(4)
-    _, read = _gguf_quantized(torch.randn(128, 96) * 0.05, "Q4_1")
+    _, read = _gguf_quantized(torch.randn(128, 96) * 0.05, type_name)
     bias = torch.randn(128) * 0.01
-    linear = Int4Linear(read, bias)
-    many = torch.randn(int4_dense.DENSE_FROM_ROWS, 96)
+    linear = BlockLinear(read, bias)
+    torch.testing.assert_close(linear._dense_weight(), read.dequantize().bfloat16(), rtol=2**-8, atol=0)
+    many = torch.randn(block_linear.DENSE_FROM_ROWS, 96)
     dense = linear(many)
     assert _relative_error(dense, F.linear(many, read.dequantize(), bias)) < KERNEL_RELATIVE_ERROR
-    assert _relative_error(dense, linear._kernel_product(many.bfloat16(), torch.float32) + bias) < 5e-3
 
-    def refuse(*args):
+    def refuse(self):
         raise AssertionError("a product of few rows widened the weights")
 
-    monkeypatch.setattr(int4_dense, "dense_weight", refuse)
-    few = many[: int4_dense.DENSE_FROM_ROWS - 1]
-    assert _relative_error(linear(few), F.linear(few, read.dequantize(), bias)) < KERNEL_RELATIVE_ERROR
+    monkeypatch.setattr(BlockLinear, "_dense_weight", refuse)
+    few = many[: block_linear.DENSE_FROM_ROWS - 1]
+    torch.testing.assert_close(linear(few).double(), _block_reference(few, read) + bias.double(), rtol=1e-5, atol=1e-5)
 
 
 def test_q8_as_two_planes_is_far_closer_than_requantizing_to_four_bits():
@@ -148,9 +181,9 @@ def tiny_gguf_style(tiny_llama, tmp_path_factory):
     return directory
 
 
-def test_auto_keeps_gguf_blocks_as_int4_kernels(tiny_gguf_style):
+def test_auto_keeps_gguf_blocks_as_integer_kernels(tiny_gguf_style):
     auto = load_model(str(tiny_gguf_style), torch.device("cpu"), torch.float32, "auto")
-    assert auto.weights_summary() == {"int4": 12, "int8 as two int4 planes": 1}
+    assert auto.weights_summary() == (GGUF_KINDS if block_linear.kernel() else {"int4": 12, "int8 as two int4 planes": 1})
     fp32 = load_model(str(tiny_gguf_style), torch.device("cpu"), torch.float32, "fp32")
     assert fp32.weights_summary() == {"float32": 13}
     assert auto.fingerprint == fp32.fingerprint  # one checkpoint, one fingerprint, whatever the form

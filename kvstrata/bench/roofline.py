@@ -3,7 +3,7 @@
 Limits: a batch-1 decode step must stream every weight byte once, in the form --weights gives
 them, so it takes at least decode_read_bytes / bandwidth; a token needs about 2 FLOPs per weight it multiplies (plus attention),
 so tokens/s is at most GEMM rate / FLOPs per token, at the fastest GEMM the engine's products may run on (fp32, and
-bfloat16 where int4 weights take the dense path for many rows, model/int4_dense.py). The engine's measured decode step and prefill
+bfloat16 where quantized blocks are widened for products of many rows, model/block_linear.py). The engine's measured decode step and prefill
 rate are reported as fractions of those limits (`decode_fraction`, `prefill_fraction`).
 """
 

@@ -33,8 +33,7 @@ from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.config import SCHEDULERS, EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
-from kvstrata.model import int4_dense
-from kvstrata.model.quantized_linear import Int4Linear
+from kvstrata.model import block_linear
 
 
 def run_roofline(args: argparse.Namespace) -> None:
@@ -42,8 +41,8 @@ def run_roofline(args: argparse.Namespace) -> None:
     engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_prefix_caching=False))
     model, config = engine.loaded.model, engine.loaded.config
     gemm_rates = {"fp32": gemm_gflops(engine.device)}
-    if int4_dense.available() and any(isinstance(m, Int4Linear) and m.dense_when_many_rows for m in model.modules()):
-        gemm_rates["bf16"] = gemm_gflops(engine.device, dtype=torch.bfloat16)  # prefill-sized int4 products
+    if block_linear.dense_for_many_rows() and any(isinstance(m, block_linear.BlockLinear) for m in model.modules()):
+        gemm_rates["bf16"] = gemm_gflops(engine.device, dtype=torch.bfloat16)  # prefill-sized products over blocks
     gflops = max(gemm_rates.values())  # the limit: the fastest GEMM the engine's products may run on
     bandwidth = read_bandwidth_gbs(engine.device)
     gemv_bandwidth = gemv_bandwidth_gbs(engine.device)

@@ -1,7 +1,7 @@
 """Linear layers over packed integer weights, run by torch's CPU kernels.
 
-`Int4Linear` calls `_weight_int4pack_mm_for_cpu` (groups of columns, value (q - 8) * scale + zero), or for
-products of many rows a dense bfloat16 GEMM over the same weights widened for the call (`int4_dense.py`);
+`Int4Linear` calls `_weight_int4pack_mm_for_cpu` (groups of columns, value (q - 8) * scale + zero): GGUF's blocks
+take it where kvstrata's own kernels cannot be built (block_linear.py runs them otherwise);
 `Int8Linear` calls `_weight_int8pack_mm` (one scale per output row). Both kernels are fast on
 bfloat16 activations only (with float32 ones the int4 kernel is many times slower on this CPU), so
 activations are cast to bfloat16 for the product and back afterwards; scales are bfloat16 too.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.model import int4_dense
+from kvstrata.model.block_linear import BlockLinear
 from kvstrata.model.group_quantized import GroupQuantized
 
 KERNEL_DTYPE = torch.bfloat16
@@ -66,8 +66,6 @@ class Int4Linear(nn.Module):
             self.register_buffer(packed_name, packed)
             self.register_buffer(scale_zero_name, scale_zero.transpose(0, 1).contiguous().to(KERNEL_DTYPE))
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        # products of many rows (prefill chunks) as dense bfloat16 GEMMs, where this CPU runs those faster
-        self.dense_when_many_rows = self.planes == 1 and int4_dense.supports(self.out_features, self.group_size)
 
     @property
     def kind(self) -> str:
@@ -75,21 +73,14 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        if self.dense_when_many_rows and len(flat) >= int4_dense.DENSE_FROM_ROWS and int4_dense.available():
-            out = (flat @ int4_dense.dense_weight(self.packed0, self.scale_zero0, self.group_size).t()).to(x.dtype)
-        else:
-            out = self._kernel_product(flat, x.dtype)
-        out = out.view(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias.to(x.dtype)
-
-    def _kernel_product(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         out = None
         for packed_name, scale_zero_name in self.buffer_names:
             plane = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat, getattr(self, packed_name), self.group_size, getattr(self, scale_zero_name)
-            ).to(dtype)
+            ).to(x.dtype)
             out = plane if out is None else out + plane
-        return out
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
 
 
 class Int8Linear(nn.Module):
@@ -129,7 +120,8 @@ class CastLinear(nn.Module):
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
-KERNEL_LINEARS = (Int4Linear, Int8Linear)  # weights only torch's integer kernels read (no gradient)
+# weights only integer kernels read (no gradient)
+KERNEL_LINEARS = (Int4Linear, Int8Linear, BlockLinear)
 
 
 class QuantizedEmbedding(nn.Module):

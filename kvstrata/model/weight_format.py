@@ -1,7 +1,8 @@
 """`--weights`: the form the linear layers' weights take on the compute device.
 
 auto  keeps a checkpoint's own quantization where a kernel runs it exactly on the device (GGUF Q4_0 /
-      Q4_1 as int4 groups of 32, Q8_0 as two int4 planes; CPU only so far) and otherwise uses --dtype;
+      Q4_1 / Q8_0 blocks of 32 on kvstrata's integer dot products, model/block_linear.py, or without a
+      compiler on torch's int4 kernel, Q8_0 as two int4 planes; CPU only so far) and otherwise uses --dtype;
 fp32, bf16, fp16  dequantize (or cast) every linear layer's weight to that dtype;
 int8  one symmetric int8 scale per output row, quantized at load (lossy for any source);
 int4  asymmetric 4-bit codes per group of 32 columns: GGUF 4-bit blocks repacked exactly, anything
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from kvstrata.errors import KvstrataError
+from kvstrata.model import block_linear
 from kvstrata.model.group_quantized import GroupQuantized
 from kvstrata.model.quantized_linear import CastLinear, Int4Linear, Int8Linear, QuantizedEmbedding, group_quantize
 
@@ -32,10 +34,12 @@ def check_weight_format(weights: str, device: torch.device) -> None:
                             "use --weights auto or a float format (fp32, bf16, fp16) there")
 
 
-def _exact_int4(weight) -> bool:
-    """Whether `weight` maps onto int4 groups of 32 without re-quantization."""
-    return (isinstance(weight, GroupQuantized) and weight.group_size == INT4_GROUP_SIZE
-            and ((weight.bits == 4 and weight.offsets is not None) or (weight.bits == 8 and weight.offsets is None)))
+def _integer_linear(weight: GroupQuantized, bias) -> nn.Module:
+    """The fastest module that runs `weight` (blocks of 32) exactly: the compiled block kernels, else torch's int4
+    kernel."""
+    if block_linear.kernel() is not None:
+        return block_linear.BlockLinear(weight, bias)
+    return Int4Linear(weight, bias)
 
 
 def dense_weight(weight) -> torch.Tensor:
@@ -46,12 +50,12 @@ def build_linear(weight, bias, weights: str, device: torch.device, dtype: torch.
     """The module for one linear layer's weight in format `weights`; None keeps a plain nn.Linear in
     `dtype` (the caller then loads the dense weight into it)."""
     if weights == "auto":
-        if device.type == "cpu" and _exact_int4(weight):
-            return Int4Linear(weight, bias)
+        if device.type == "cpu" and block_linear.fits(weight):
+            return _integer_linear(weight, bias)
         return None
     if weights == "int4":
-        exact = _exact_int4(weight) and weight.bits == 4
-        return Int4Linear(weight if exact else group_quantize(dense_weight(weight), 4, INT4_GROUP_SIZE), bias)
+        exact = block_linear.fits(weight) and weight.bits == 4
+        return _integer_linear(weight if exact else group_quantize(dense_weight(weight), 4, INT4_GROUP_SIZE), bias)
     if weights == "int8":
         return Int8Linear(dense_weight(weight), bias)
     if FLOAT_FORMATS[weights] == dtype:

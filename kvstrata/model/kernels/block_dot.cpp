@@ -1,0 +1,190 @@
+// Products of a few rows (decode steps) over weights kept in GGUF-style blocks of 32 columns, by integer dot
+// products, as llama.cpp computes them: each row of the activations is quantized per block of 32 to int8 codes
+// with one float scale, and a block's product is one integer dot product of the weight codes with those codes.
+//
+// Why not torch's int4 kernel: it widens every weight to float before multiplying, which bounds a batch-1 decode
+// step on a 2-core CPU by arithmetic (about 25 G weights/s here); an integer dot product handles 32 weights in a
+// handful of instructions, so the step is left to the memory's bandwidth.
+//
+// Weights (model/block_weights.py lays them out):
+//   4-bit: codes uint8 [N, K / 2], block b of row n in bytes [16 b, 16 b + 16): byte j holds the code of column
+//          32 b + j in its low nibble and of column 32 b + 16 + j in its high one (GGUF's Q4_1 order);
+//          a weight is code * scale + min.
+//   8-bit: codes int8 [N, K]; a weight is code * scale (GGUF's Q8_0).
+//   scales, mins: float32 [N, K / 32].
+// With x's block quantized as dx * qx: sum_j w_j x_j = scale dx (codes . qx) + min dx (sum of qx).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace kvstrata {
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowsTogether = 4;  // activation rows that share one read of a weight block
+constexpr int64_t kPrefetchRows = 32;  // weight rows read ahead of the product
+
+struct QuantizedRows {
+  std::vector<int8_t> codes;   // [M, K]
+  std::vector<float> scales;   // [M, K / 32]: dx
+  std::vector<float> sums;     // [M, K / 32]: dx * (sum of the block's codes)
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+  const int64_t blocks = k / kBlock;
+  QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
+  for (int64_t i = 0; i < rows * blocks; ++i) {
+    const float* v = x + i * kBlock;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j])), finite &= std::isfinite(v[j]);
+    // a non-finite value makes its row's products NaN, as a float product would, instead of a finite wrong number
+    const float scale = finite ? amax / 127.0f : NAN, inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int code = static_cast<int>(std::nearbyint(v[j] * inverse));
+      q.codes[i * kBlock + j] = static_cast<int8_t>(code);
+      sum += code;
+    }
+    q.scales[i] = scale;
+    q.sums[i] = scale * static_cast<float>(sum);
+  }
+  return q;
+}
+
+// Raw pointers only below the target pragma: an inline function of a library type instantiated there could be
+// emitted with AVX-512 instructions and then shared with the AVX2 path.
+struct Activations {
+  const int8_t* codes;
+  const float* scales;
+  const float* sums;
+};
+
+}  // namespace
+
+// The product loop, built twice: two blocks per AVX-512 VNNI dot product where the CPU has it, one block per
+// AVX2 multiply-add elsewhere.
+#pragma GCC push_options
+#pragma GCC target("avx512vnni,avx512vl,avx512bw,avx512dq,avx512f")
+namespace avx512 {
+#include "block_rows_avx512.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace avx2 {
+#include "block_rows_avx2.h"
+}  // namespace avx2
+
+namespace {
+
+template <int Bits, int R>
+void rows_on(bool avx512_path, const Activations a, const uint8_t* codes, const float* scales, const float* mins, int64_t k,
+             int64_t begin, int64_t end, int64_t n, float* y) {
+  if (avx512_path) {
+    avx512::block_rows<Bits, R>(a, codes, scales, mins, k, begin, end, n, y);
+  } else {
+    avx2::block_rows<Bits, R>(a, codes, scales, mins, k, begin, end, n, y);
+  }
+}
+
+template <int Bits>
+void dispatch(const QuantizedRows& q, int64_t m, const uint8_t* codes, const float* scales, const float* mins,
+              int64_t k, int64_t n, float* y) {
+  static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  const int64_t blocks = k / kBlock;
+  const bool avx512_path = vnni && blocks % 2 == 0;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < m; first += kRowsTogether) {
+      const Activations a{q.codes.data() + first * k, q.scales.data() + first * blocks, q.sums.data() + first * blocks};
+      float* out = y + first * n;
+      switch (std::min(kRowsTogether, m - first)) {
+        case 1: rows_on<Bits, 1>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
+        case 2: rows_on<Bits, 2>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
+        case 3: rows_on<Bits, 3>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
+        default: rows_on<Bits, 4>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "block_linear: x must be float32 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(k % kBlock == 0, "block_linear: K must be a multiple of 32, got ", k);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == k * bits / 8 &&
+              codes.element_size() == 1, "block_linear: codes must be contiguous bytes [N, K * bits / 8]");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == n &&
+              scales.size(1) == k / kBlock, "block_linear: scales must be float32 [N, K / 32]");
+  TORCH_CHECK(bits == 8 || (mins.dtype() == torch::kFloat32 && mins.is_contiguous() && mins.sizes() == scales.sizes()),
+              "block_linear: 4-bit mins must be float32 [N, K / 32]");
+  const auto input = x.contiguous();
+  const QuantizedRows q = quantize_rows(input.data_ptr<float>(), m, k);
+  auto y = torch::empty({m, n}, x.options());
+  const auto* code_bytes = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* min_values = bits == 4 ? mins.data_ptr<float>() : nullptr;
+  if (bits == 4) {
+    dispatch<4>(q, m, code_bytes, scales.data_ptr<float>(), min_values, k, n, y.data_ptr<float>());
+  } else {
+    dispatch<8>(q, m, code_bytes, scales.data_ptr<float>(), min_values, k, n, y.data_ptr<float>());
+  }
+  return y;
+}
+
+// The weights as dense bfloat16 [N, K] into `out`, for products of many rows (prefill chunks), where oneDNN's
+// bfloat16 GEMM outruns the dot products by more than widening a layer's weights per call costs.
+void block_to_bfloat16(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits, torch::Tensor out) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_to_bfloat16: bits must be 4 or 8, got ", bits);
+  const int64_t n = codes.size(0), k = codes.size(1) * 8 / bits, blocks = k / kBlock;
+  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 && k % kBlock == 0,
+              "block_to_bfloat16: codes must be contiguous bytes [N, K * bits / 8], K a multiple of 32");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n * blocks,
+              "block_to_bfloat16: scales must be float32 [N, K / 32]");
+  TORCH_CHECK(bits == 8 || (mins.dtype() == torch::kFloat32 && mins.is_contiguous() && mins.numel() == n * blocks),
+              "block_to_bfloat16: 4-bit mins must be float32 [N, K / 32]");
+  TORCH_CHECK(out.dtype() == torch::kBFloat16 && out.is_contiguous() && out.size(0) == n && out.size(1) == k,
+              "block_to_bfloat16: out must be bfloat16 [N, K]");
+  const auto* bytes = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* scale = scales.data_ptr<float>();
+  const float* min = bits == 4 ? mins.data_ptr<float>() : nullptr;
+  auto* w = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      c10::BFloat16* dst = w + i * kBlock;  // block i is columns [32 (i % blocks), +32) of row i / blocks
+      if (bits == 4) {
+        const uint8_t* block = bytes + i * 16;
+        for (int64_t j = 0; j < 16; ++j) {
+          dst[j] = static_cast<float>(block[j] & 15) * scale[i] + min[i];
+          dst[16 + j] = static_cast<float>(block[j] >> 4) * scale[i] + min[i];
+        }
+      } else {
+        const auto* block = reinterpret_cast<const int8_t*>(bytes) + i * kBlock;
+        for (int64_t j = 0; j < kBlock; ++j) dst[j] = static_cast<float>(block[j]) * scale[i];
+      }
+    }
+  });
+}
+
+}  // namespace kvstrata
+
+TORCH_LIBRARY(kvstrata_weights, m) {
+  m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
+  m.def("block_to_bfloat16(Tensor codes, Tensor scales, Tensor mins, int bits, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvstrata_weights, CPU, m) {
+  m.impl("block_linear", &kvstrata::block_linear);
+  m.impl("block_to_bfloat16", &kvstrata::block_to_bfloat16);
+}
+
+// torch's extension loader imports the library as a Python module; the operators above are its content
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
