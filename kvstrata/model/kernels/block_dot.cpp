@@ -20,7 +20,6 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <cstring>
 
 namespace kvstrata {
 
@@ -74,11 +73,13 @@ struct Activations {
 #pragma GCC target("avx512vnni,avx512vl,avx512bw,avx512dq,avx512f")
 namespace avx512 {
 #include "block_rows_avx512.h"
+#include "block_rows.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
 namespace avx2 {
 #include "block_rows_avx2.h"
+#include "block_rows.h"
 }  // namespace avx2
 
 namespace {
