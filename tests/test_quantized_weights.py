@@ -81,11 +81,20 @@ def _block_reference(x: torch.Tensor, read) -> torch.Tensor:
     return out
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def instruction_set(request):
+    """The kernels' AVX-512 path (where the CPU has it) or their AVX2 one."""
+    before = torch.ops.kvstrata_weights.allow_avx512(request.param == "avx512")
+    yield request.param
+    torch.ops.kvstrata_weights.allow_avx512(before)
+
+
 @needs_block_kernels
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-@pytest.mark.parametrize("columns", [128, 96])  # an even number of blocks (AVX-512 pairs) and an odd one
+# 4-bit runs in groups of four blocks, 8-bit in pairs on AVX-512: one group; a group and a pair; three blocks
+@pytest.mark.parametrize("columns", [128, 192, 96])
 @pytest.mark.parametrize("rows", [1, 3, 6])  # rows of activations: one, a partial group of four, more than four
-def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, columns, rows):
+def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, columns, rows, instruction_set):
     torch.manual_seed(5)
     _, read = _gguf_quantized(torch.randn(82, columns) * 0.05, type_name)  # 82: output rows beyond tiles of four
     bias = torch.randn(82) * 0.01
@@ -99,7 +108,7 @@ def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, c
 
 @needs_block_kernels
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
-def test_a_non_finite_activation_makes_its_own_row_nan(type_name):
+def test_a_non_finite_activation_makes_its_own_row_nan(type_name, instruction_set):
     _, read = _gguf_quantized(torch.randn(16, 64) * 0.05, type_name)
     x = torch.randn(3, 64)
     x[1, 40] = float("inf")

@@ -19,6 +19,8 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 
 namespace kvstrata {
@@ -29,17 +31,34 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsTogether = 4;  // activation rows that share one read of a weight block
 constexpr int64_t kPrefetchRows = 32;  // weight rows read ahead of the product
 
+// Each row of activations as int8 codes per block of 32, in the order the weights' codes are read:
+//   after 4-bit weights: per group of four blocks, 64 bytes of columns 0-15 of each block, then 64 of columns
+//     16-31 (the low and high nibbles of the weights' bytes); a last group of fewer blocks padded with zeros;
+//   after 8-bit weights: columns in order.
 struct QuantizedRows {
-  std::vector<int8_t> codes;   // [M, K]
+  int64_t row_stride;          // bytes of codes per row
+  std::vector<int8_t> codes;   // [M, row_stride]
   std::vector<float> scales;   // [M, K / 32]: dx
   std::vector<float> sums;     // [M, K / 32]: dx * (sum of the block's codes)
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+// The byte of column j of block `block` in its row's codes.
+int64_t code_position(int bits, int64_t block, int64_t j) {
+  if (bits == 8) return block * kBlock + j;
+  return (block / 4) * 128 + (j / 16) * 64 + (block % 4) * 16 + j % 16;
+}
+
+// Per thread and reused: a decode step calls the kernel about 120 times with the same few rows.
+const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int bits) {
+  thread_local QuantizedRows q;
   const int64_t blocks = k / kBlock;
-  QuantizedRows q{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
+  q.row_stride = bits == 8 ? k : (blocks + 3) / 4 * 128;
+  q.codes.assign(rows * q.row_stride, 0);
+  q.scales.resize(rows * blocks);
+  q.sums.resize(rows * blocks);
   for (int64_t i = 0; i < rows * blocks; ++i) {
     const float* v = x + i * kBlock;
+    int8_t* row_codes = q.codes.data() + (i / blocks) * q.row_stride;
     float amax = 0.0f;
     bool finite = true;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j])), finite &= std::isfinite(v[j]);
@@ -48,7 +67,7 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
     int sum = 0;
     for (int64_t j = 0; j < kBlock; ++j) {
       const int code = static_cast<int>(std::nearbyint(v[j] * inverse));
-      q.codes[i * kBlock + j] = static_cast<int8_t>(code);
+      row_codes[code_position(bits, i % blocks, j)] = static_cast<int8_t>(code);
       sum += code;
     }
     q.scales[i] = scale;
@@ -61,14 +80,14 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
 // emitted with AVX-512 instructions and then shared with the AVX2 path.
 struct Activations {
   const int8_t* codes;
+  int64_t row_stride;
   const float* scales;
   const float* sums;
 };
 
 }  // namespace
 
-// The product loop, built twice: two blocks per AVX-512 VNNI dot product where the CPU has it, one block per
-// AVX2 multiply-add elsewhere.
+// The product loop, built twice: AVX-512 VNNI dot products where the CPU has them, AVX2 multiply-adds elsewhere.
 #pragma GCC push_options
 #pragma GCC target("avx512vnni,avx512vl,avx512bw,avx512dq,avx512f")
 namespace avx512 {
@@ -94,16 +113,20 @@ void rows_on(bool avx512_path, const Activations a, const uint8_t* codes, const 
   }
 }
 
+// Tests turn the AVX-512 path off to check the AVX2 one on a CPU that has both.
+std::atomic<bool> avx512_allowed{true};
+
 template <int Bits>
 void dispatch(const QuantizedRows& q, int64_t m, const uint8_t* codes, const float* scales, const float* mins,
               int64_t k, int64_t n, float* y) {
   static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
   const int64_t blocks = k / kBlock;
-  const bool avx512_path = vnni && blocks % 2 == 0;
+  const bool avx512_path = vnni && avx512_allowed && (Bits == 4 || blocks % 2 == 0);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < m; first += kRowsTogether) {
-      const Activations a{q.codes.data() + first * k, q.scales.data() + first * blocks, q.sums.data() + first * blocks};
+      const Activations a{q.codes.data() + first * q.row_stride, q.row_stride, q.scales.data() + first * blocks,
+                          q.sums.data() + first * blocks};
       float* out = y + first * n;
       switch (std::min(kRowsTogether, m - first)) {
         case 1: rows_on<Bits, 1>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
@@ -129,7 +152,7 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(bits == 8 || (mins.dtype() == torch::kFloat32 && mins.is_contiguous() && mins.sizes() == scales.sizes()),
               "block_linear: 4-bit mins must be float32 [N, K / 32]");
   const auto input = x.contiguous();
-  const QuantizedRows q = quantize_rows(input.data_ptr<float>(), m, k);
+  const QuantizedRows& q = quantize_rows(input.data_ptr<float>(), m, k, static_cast<int>(bits));
   auto y = torch::empty({m, n}, x.options());
   const auto* code_bytes = static_cast<const uint8_t*>(codes.data_ptr());
   const float* min_values = bits == 4 ? mins.data_ptr<float>() : nullptr;
@@ -140,6 +163,9 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   }
   return y;
 }
+
+// Whether the products may take the AVX-512 path where the CPU has it; returns the previous setting.
+bool allow_avx512(bool allowed) { return avx512_allowed.exchange(allowed); }
 
 // The weights as dense bfloat16 [N, K] into `out`, for products of many rows (prefill chunks), where oneDNN's
 // bfloat16 GEMM outruns the dot products by more than widening a layer's weights per call costs.
@@ -180,6 +206,7 @@ void block_to_bfloat16(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
 TORCH_LIBRARY(kvstrata_weights, m) {
   m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
   m.def("block_to_bfloat16(Tensor codes, Tensor scales, Tensor mins, int bits, Tensor(a!) out) -> ()");
+  m.def("allow_avx512(bool allowed) -> bool", &kvstrata::allow_avx512);
 }
 
 TORCH_LIBRARY_IMPL(kvstrata_weights, CPU, m) {

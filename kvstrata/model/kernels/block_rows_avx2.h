@@ -17,7 +17,15 @@ inline void block_tile(const Activations a, const uint8_t* codes, const float* s
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i x[R];
-    for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + (r * blocks + b) * 32));
+    for (int r = 0; r < R; ++r) {
+      if constexpr (Bits == 4) {  // block b's low columns and high columns in its group of four (quantize_rows)
+        const int8_t* low = a.codes + r * a.row_stride + (b / 4) * 128 + (b % 4) * 16;
+        x[r] = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 64)),
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
+      } else {
+        x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + r * a.row_stride + b * 32));
+      }
+    }
     for (int t = 0; t < T; ++t) {
       const uint8_t* block = codes + (n + t) * row_bytes + b * 32 * Bits / 8;
       _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);

@@ -1,44 +1,85 @@
 // The product loop of block_dot.cpp on CPUs with AVX-512 VNNI (included under a target pragma in namespace
-// `avx512`): two blocks of 32 columns per 512-bit dot product. K / 32 must be even.
+// `avx512`).
 //
-// Per pair of blocks (b, b + 1) the activations are the 64 bytes [x_b, x_b+1]. 4-bit weights are unpacked into
-// the same order (16 low nibbles of block b, its 16 high ones, then block b + 1's); 8-bit codes c, signed, enter
-// the unsigned side of the dot product as c + 128, and 128 * scale * (sum of x's codes) is taken off afterwards.
+// 4-bit: four blocks per step. 64 bytes of codes are four blocks' bytes; their low nibbles are columns 0-15 of
+// each block and their high nibbles columns 16-31, which is the order the activations were laid out in
+// (quantize_rows), so two dot products, one per nibble, leave each block's sum in four int32 lanes with no
+// shuffling of the weights. A last group of fewer than four blocks is read under a mask.
+// 8-bit: two blocks per step; codes c, signed, enter the unsigned side of the dot product as c + 128, and
+// 128 * scale * (sum of x's codes) is taken off afterwards. K / 32 must be even.
+//
+// y[r, n] for R rows of activations and T consecutive output rows from n: R x T accumulators, so successive
+// steps do not wait on each other, and each step's activations are read once per T output rows.
+
+// lanes 4i..4i+3 <- float i: a group's four block scales spread over the lanes of their blocks' sums
+inline __m512 spread_over_blocks(const float* first, int count) {
+  const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), first)));
+}
+
+// lanes 0-7 <- first[0], lanes 8-15 <- first[1]: a pair's block scales spread over their blocks' sums
+inline __m512 spread_over_pair(const float* first) {
+  return _mm512_insertf32x8(_mm512_set1_ps(first[0]), _mm256_set1_ps(first[1]), 1);
+}
+
+template <int R, int T>
+inline void nibble_tile(const Activations a, const uint8_t* codes, const float* scales, int64_t k, int64_t n,
+                        __m512 (&acc)[R][T]) {
+  const int64_t blocks = k / 32, row_bytes = k / 2;
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  for (int64_t first = 0; first < blocks; first += 4) {
+    const int count = static_cast<int>(std::min<int64_t>(4, blocks - first));
+    const __mmask64 bytes = count == 4 ? ~0ULL : (1ULL << (16 * count)) - 1;
+    __m512 x_scale[R];
+    for (int r = 0; r < R; ++r) x_scale[r] = spread_over_blocks(a.scales + r * blocks + first, count);
+    for (int t = 0; t < T; ++t) {
+      const uint8_t* group = codes + (n + t) * row_bytes + first * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(group + kPrefetchRows * row_bytes), _MM_HINT_T0);
+      const __m512i packed = _mm512_maskz_loadu_epi8(bytes, group);
+      const __m512i low = _mm512_and_si512(packed, low_mask), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
+      const __m512 w_scale = spread_over_blocks(scales + (n + t) * blocks + first, count);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.codes + r * a.row_stride + first * 32;  // 64 bytes of low columns, then 64 of high
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(x)),
+                                                 high, _mm512_loadu_si512(x + 64));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(w_scale, x_scale[r]), acc[r][t]);
+      }
+    }
+  }
+}
+
+template <int R, int T>
+inline void byte_tile(const Activations a, const uint8_t* codes, const float* scales, int64_t k, int64_t n,
+                      __m512 (&acc)[R][T]) {
+  const int64_t blocks = k / 32;
+  const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < blocks; b += 2) {
+    __m512 x_scale[R];
+    for (int r = 0; r < R; ++r) x_scale[r] = spread_over_pair(a.scales + r * blocks + b);
+    for (int t = 0; t < T; ++t) {
+      const uint8_t* pair = codes + (n + t) * k + b * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(pair + kPrefetchRows * k), _MM_HINT_T0);
+      const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(pair), sign_bit);
+      const __m512 w_scale = spread_over_pair(scales + (n + t) * blocks + b);
+      for (int r = 0; r < R; ++r) {
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a.codes + r * a.row_stride + b * 32));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(w_scale, x_scale[r]), acc[r][t]);
+      }
+    }
+  }
+}
+
 template <int Bits, int R, int T>
 inline void block_tile(const Activations a, const uint8_t* codes, const float* scales, const float* mins, int64_t k,
                        int64_t n, int64_t n_total, float* y) {
-  const int64_t blocks = k / 32, row_bytes = k * Bits / 8;
-  const __m512i low_mask = _mm512_set1_epi8(0x0F), sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t blocks = k / 32;
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; b += 2) {
-    __m512i x[R];
-    __m512 x_scale[R];  // lanes of block b, then of block b + 1
-    for (int r = 0; r < R; ++r) {
-      x[r] = _mm512_loadu_si512(a.codes + (r * blocks + b) * 32);
-      x_scale[r] = _mm512_insertf32x8(_mm512_set1_ps(a.scales[r * blocks + b]), _mm256_set1_ps(a.scales[r * blocks + b + 1]), 1);
-    }
-    for (int t = 0; t < T; ++t) {
-      const uint8_t* pair = codes + (n + t) * row_bytes + b * 32 * Bits / 8;
-      _mm_prefetch(reinterpret_cast<const char*>(pair + kPrefetchRows * row_bytes), _MM_HINT_T0);
-      __m512i w;
-      if constexpr (Bits == 4) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
-        // 128-bit chunks [low b, low b+1, high b, high b+1] -> [low b, high b, low b+1, high b+1]
-        const __m512i nibbles = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1), low_mask);
-        w = _mm512_shuffle_i64x2(nibbles, nibbles, _MM_SHUFFLE(3, 1, 2, 0));
-      } else {
-        w = _mm512_xor_si512(_mm512_loadu_si512(pair), sign_bit);
-      }
-      const float* w_scales = scales + (n + t) * blocks + b;
-      const __m512 w_scale = _mm512_insertf32x8(_mm512_set1_ps(w_scales[0]), _mm256_set1_ps(w_scales[1]), 1);
-      for (int r = 0; r < R; ++r) {
-        const __m512 products = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x[r]));
-        acc[r][t] = _mm512_fmadd_ps(products, _mm512_mul_ps(w_scale, x_scale[r]), acc[r][t]);
-      }
-    }
+  if constexpr (Bits == 4) {
+    nibble_tile<R, T>(a, codes, scales, k, n, acc);
+  } else {
+    byte_tile<R, T>(a, codes, scales, k, n, acc);
   }
   for (int t = 0; t < T; ++t) {
     const float* row_scales = scales + (n + t) * blocks;
