@@ -51,6 +51,10 @@ def test_decode_against_the_baselines_on_the_default_gguf(capsys):
         report["kvstrata_tokens_per_s"] / report["transformers_tokens_per_s"], rel=0.01)
     assert 0 <= report["greedy_agreement_with_transformers"] <= 1
     assert report["resident_weight_bytes"] < 0.3 * 538_060_032  # the fp32-dequantized model's bytes
+    split = report["kvstrata_step_split_ms"]
+    assert 0 < split["layers"] < split["step"] and 0 < split["head"] < split["step"]
+    assert split["rest"] == pytest.approx(split["step"] - split["layers"] - split["head"], abs=0.01)
+    assert split["step"] == pytest.approx(1000 / report["kvstrata_tokens_per_s"], rel=0.01)
 
 
 def test_decode_needs_a_gguf_file(tiny_llama, capsys):

@@ -27,6 +27,7 @@ from kvstrata.bench.roofline import (
     resident_weight_bytes,
     workload_flops,
 )
+from kvstrata.bench.step_split import step_split_ms, timed_model_calls
 from kvstrata.bench.throughput import run_kvstrata, run_transformers
 from kvstrata.bench.workload import parse_length, prompts_from_text, read_text, sample_requests
 from kvstrata.cli.engine_args import engine_config_from_args
@@ -106,7 +107,8 @@ def run_decode(args: argparse.Namespace) -> None:
     warmup_start = time.perf_counter()  # a short run first: under --compile it pays the compile
     measure_decode_step(engine, prompt, 8)
     warmup = time.perf_counter() - warmup_start
-    seconds, tokens = measure_decode_step(engine, prompt, args.steps)
+    with timed_model_calls(engine.loaded.model) as call_times:
+        seconds, tokens = measure_decode_step(engine, prompt, args.steps)
     report = {
         "benchmark": "decode",
         "machine": machine_info(),
@@ -116,6 +118,7 @@ def run_decode(args: argparse.Namespace) -> None:
         "resident_weight_bytes": resident_weight_bytes(engine.loaded.model),
         "kvstrata_warmup_s": sig(warmup),
         "kvstrata_tokens_per_s": sig(1 / seconds),
+        "kvstrata_step_split_ms": {part: sig(ms) for part, ms in step_split_ms(seconds, call_times).items()},
     }
     baselines = {}
     if not args.no_llama_cpp:
