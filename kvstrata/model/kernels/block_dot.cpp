@@ -83,6 +83,11 @@ struct Activations {
   int64_t row_stride;
   const float* scales;
   const float* sums;
+
+  // the code of column `column` of block `block` in row `row`, after weights of `bits` bits
+  const int8_t* at(int64_t row, int bits, int64_t block, int64_t column) const {
+    return codes + row * row_stride + code_position(bits, block, column);
+  }
 };
 
 }  // namespace

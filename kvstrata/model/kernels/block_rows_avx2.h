@@ -19,11 +19,10 @@ inline void block_tile(const Activations a, const uint8_t* codes, const float* s
     __m256i x[R];
     for (int r = 0; r < R; ++r) {
       if constexpr (Bits == 4) {  // block b's low columns and high columns in its group of four (quantize_rows)
-        const int8_t* low = a.codes + r * a.row_stride + (b / 4) * 128 + (b % 4) * 16;
-        x[r] = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 64)),
-                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(low)));
+        x[r] = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.at(r, 4, b, 16))),
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.at(r, 4, b, 0))));
       } else {
-        x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + r * a.row_stride + b * 32));
+        x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.at(r, 8, b, 0)));
       }
     }
     for (int t = 0; t < T; ++t) {

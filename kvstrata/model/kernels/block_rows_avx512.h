@@ -39,9 +39,9 @@ inline void nibble_tile(const Activations a, const uint8_t* codes, const float* 
       const __m512i low = _mm512_and_si512(packed, low_mask), high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_mask);
       const __m512 w_scale = spread_over_blocks(scales + (n + t) * blocks + first, count);
       for (int r = 0; r < R; ++r) {
-        const int8_t* x = a.codes + r * a.row_stride + first * 32;  // 64 bytes of low columns, then 64 of high
-        const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(x)),
-                                                 high, _mm512_loadu_si512(x + 64));
+        const __m512i low_x = _mm512_loadu_si512(a.at(r, 4, first, 0));  // the four blocks' columns 0-15
+        const __m512i high_x = _mm512_loadu_si512(a.at(r, 4, first, 16));  // and 16-31
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, low_x), high, high_x);
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(w_scale, x_scale[r]), acc[r][t]);
       }
     }
@@ -62,7 +62,7 @@ inline void byte_tile(const Activations a, const uint8_t* codes, const float* sc
       const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(pair), sign_bit);
       const __m512 w_scale = spread_over_pair(scales + (n + t) * blocks + b);
       for (int r = 0; r < R; ++r) {
-        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a.codes + r * a.row_stride + b * 32));
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a.at(r, 8, b, 0)));
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(w_scale, x_scale[r]), acc[r][t]);
       }
     }
