@@ -10,7 +10,9 @@ full-precision window for `--max-num-seqs` sequences out of the budget). Through
 (sarathi scheduler); output tokens/s per format and the ratio to fp32. During each run the cache's store / load,
 the formats' encode / decode and the attention math are timed by wrappers (benchmarks/oaken_call_timer.py), so
 the report says how much of the run went to dequantization; the few microseconds a wrapper adds per call are
-included, as is run_kvstrata's 2-token warm-up request.
+included, as is run_kvstrata's 2-token warm-up request. With `--both-orders` every format runs twice, in the listed
+order and then in the reverse order, and its rate is the mean of its two runs: this machine's speed drifts during a
+command, and a drift that is steady over the command then weighs on every format alike.
 """
 
 from __future__ import annotations
@@ -74,6 +76,17 @@ def throughput(base: EngineConfig, loaded, name: str, requests, request_tokens: 
             "time_breakdown": {"wall_s_incl_warmup": round(wall, 3), **breakdown}}
 
 
+def mean_of_runs(listed: dict, reverse: dict) -> dict:
+    """One format's two runs (listed order, reverse order): the mean rate, beside both runs' rows."""
+    if "output_tokens_per_s" not in listed:
+        return listed
+    rates = [listed["output_tokens_per_s"], reverse["output_tokens_per_s"]]
+    return {"format": listed["format"], "tokens_held": listed["tokens_held"],
+            "requests_fitting_at_once": listed["requests_fitting_at_once"],
+            "output_tokens_per_s": sig(sum(rates) / 2), "output_tokens_per_s_runs": rates,
+            "runs": {"listed_order": listed, "reverse_order": reverse}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", default=",".join(FORMATS))
@@ -87,6 +100,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=DEVICES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-throughput", action="store_true")
+    parser.add_argument("--both-orders", action="store_true",
+                        help="run the throughput formats in the listed order, then in reverse; report each format's mean")
     args = parser.parse_args()
     formats = parse_formats(args.formats)
 
@@ -113,8 +128,14 @@ def main() -> None:
         requests = sample_requests(reference.tokenizer, args.requests, parse_length(str(prompt_len), "prompt-len"),
                                    parse_length(str(args.output_len), "output-len"), EMMA, args.seed)
         del reference
-        rows = with_ratios([throughput(run_base, loaded, name, requests, request_tokens) for name in formats],
-                           "output_tokens_per_s")
+        run = lambda name: throughput(run_base, loaded, name, requests, request_tokens)
+        if args.both_orders:
+            listed = [run(name) for name in formats]
+            reverse = [run(name) for name in reversed(formats)][::-1]
+            rows = [mean_of_runs(a, b) for a, b in zip(listed, reverse)]
+        else:
+            rows = [run(name) for name in formats]
+        rows = with_ratios(rows, "output_tokens_per_s")
         report["throughput"] = {
             "workload": {"requests": args.requests, "prompt_len": prompt_len, "output_len": args.output_len,
                          "budget_bytes": budget, "fp32_batch": args.fp32_batch, "text": EMMA.name, "seed": args.seed,

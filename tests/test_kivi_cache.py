@@ -17,7 +17,7 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv import attention_policy
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, pack_nibbles, unpack_codes, unpack_nibbles
-from kvstrata.kv.kivi_cache import KiviPagedKVCache
+from kvstrata.kv.kivi_cache import KiviPagedKVCache, window_slots_needed
 from kvstrata.kv.reference_attention import attend
 from tests.helpers import prefill_in_chunks
 
@@ -29,6 +29,8 @@ CHUNK_SIZE = 32
 MAX_SEQS = 4
 NUM_LAYERS, WIDTH = 3, 64  # the tiny Llama below: 4 KV heads x 16
 WINDOW_BLOCKS = -(-RESIDUAL // BLOCK_SIZE) + 1  # most float16 blocks a sequence holds after a step
+# and one more for a sequence writing 33+ tokens in a step (here at most one: chunks of 32, or a context written)
+WINDOW_SLOTS = MAX_SEQS * WINDOW_BLOCKS + 1
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -197,8 +199,8 @@ def check_window(engine: LLMEngine) -> None:
 def test_blocks_leave_the_window_as_sequences_decode(kv_format, tiny_llama_kv64):
     llm = make_llm(tiny_llama_kv64, kv_format)
     engine, cache = llm.engine, llm.engine.kv_cache
-    window_slots = MAX_SEQS * WINDOW_BLOCKS + -(-CHUNK_SIZE // BLOCK_SIZE) + 1
-    assert cache.window_k.shape == (NUM_LAYERS, window_slots, BLOCK_SIZE, WIDTH) and len(cache.free_slots) == 15
+    window_slots = WINDOW_SLOTS
+    assert cache.window_k.shape == (NUM_LAYERS, window_slots, BLOCK_SIZE, WIDTH) and len(cache.free_slots) == 13
     gen = torch.Generator().manual_seed(11)
     lengths = (100, 70, 45, 90)  # MAX_SEQS sequences at once
     ids = [engine.add_request(torch.randint(3, 320, (n,), generator=gen).tolist(), greedy(40)) for n in lengths]
@@ -214,10 +216,31 @@ def test_blocks_leave_the_window_as_sequences_decode(kv_format, tiny_llama_kv64)
         check_window(engine)
         assert cache.grown_slots == 0
     assert all(len(finished[i].token_ids) == 40 for i in ids)
-    # 31 blocks went through 15 window slots: the slots of blocks that left came back and were handed out again
+    # 31 blocks went through 13 window slots: the slots of blocks that left came back and were handed out again
     assert len(handed_out) == sum(-(-(n + 39) // BLOCK_SIZE) for n in lengths) == 31 > window_slots
     assert cache.window_k.shape[1] == window_slots and cache.grown_slots == 0
     assert engine.kv_manager.pool.num_used == 0
+
+
+@pytest.mark.parametrize("kv_format", KIVI)
+def test_long_chunks_quantize_their_leaving_blocks_without_window_slots(kv_format, tiny_llama_kv64):
+    """Chunks of 100 tokens fill blocks that leave the window in the same step: they are quantized straight from the
+    step's K/V, so two sequences run in the 10 slots window_slots_needed counts (3 each, and one per sequence that
+    completes a leaving block in a step: at most 4 in a step of 100 tokens) and the window never grows. Had every
+    written block taken a slot, one chunk alone would need 7. (What the quantized blocks hold: the layer-0 test.)"""
+    llm = make_llm(tiny_llama_kv64, kv_format, chunk_size=100, max_num_seqs=2)
+    cache = llm.engine.kv_cache
+    assert cache.window_k.shape[1] == window_slots_needed(2, 100, RESIDUAL, BLOCK_SIZE) == 2 * WINDOW_BLOCKS + 4
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (230, 75, 180, 140)]
+    engine = llm.engine
+    ids = [engine.add_request(prompt, greedy(20)) for prompt in prompts]
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        check_window(engine)
+        assert cache.grown_slots == 0
+    assert [len(finished[i].token_ids) for i in ids] == [20] * 4
 
 
 def test_finished_sequences_give_their_window_slots_back(tiny_llama_kv64):
@@ -225,13 +248,13 @@ def test_finished_sequences_give_their_window_slots_back(tiny_llama_kv64):
     they are taken back (a cached block is quantized first) instead of the pool growing past the budget."""
     llm = make_llm(tiny_llama_kv64, "kivi4", max_num_seqs=2)
     cache = llm.engine.kv_cache
-    assert cache.window_k.shape[1] == 2 * WINDOW_BLOCKS + 3
+    assert cache.window_k.shape[1] == 2 * WINDOW_BLOCKS + 1
     gen = torch.Generator().manual_seed(1)
     batches = [[torch.randint(3, 320, (70,), generator=gen).tolist() for _ in range(4)] for _ in range(4)]
     for batch in batches:
         outputs = llm.generate(batch, greedy(8))
         assert all(len(o.token_ids) == 8 for o in outputs)
-        assert cache.grown_slots == 0 and cache.window_k.shape[1] == 2 * WINDOW_BLOCKS + 3
+        assert cache.grown_slots == 0 and cache.window_k.shape[1] == 2 * WINDOW_BLOCKS + 1
     # the first batch's blocks, quantized when their slots were taken back, are still shared
     again = llm.generate([batches[0][0] + [7]], greedy(8))[0]
     assert again.num_cached_tokens == 64 and len(again.token_ids) == 8
@@ -297,8 +320,8 @@ def test_blocks_per_budget_count_the_reserved_window(kv_format, tiny_llama_kv64)
     engine = make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=budget).engine
     bits = BITS[kv_format]
     layout = engine_storage_layout(engine, torch.float32, kv_format)
-    window_slots = MAX_SEQS * WINDOW_BLOCKS + -(-CHUNK_SIZE // BLOCK_SIZE) + 1
-    assert layout.window_slots == window_slots == 15
+    window_slots = WINDOW_SLOTS
+    assert layout.window_slots == window_slots == window_slots_needed(MAX_SEQS, CHUNK_SIZE, RESIDUAL, BLOCK_SIZE) == 13
     assert layout.reserved_bytes == window_slots * BLOCK_SIZE * NUM_LAYERS * 2 * WIDTH * 2  # float16 K and V
     # codes of K and V, a key (min, step) per channel per block, a value (min, step) per 32 channels per token
     assert layout.bytes_per_token == NUM_LAYERS * (2 * WIDTH * bits / 8 + WIDTH * 4 / BLOCK_SIZE + WIDTH // 32 * 4)

@@ -348,18 +348,18 @@ def test_end_step_runs_when_a_layer_raises(tiny_llama, monkeypatch):
     assert events == ["begin", ("store", 0), "raised", "end"]
 
 
-def test_kivi_releases_leaving_blocks_in_end_step(tiny_llama_kv64, monkeypatch):
-    """KIVI decides which blocks leave the float16 window in begin_step (they are known when layer 0 stores) and
-    releases their window slots in end_step: after the step in which block 0 leaves, nothing is pending and block 0
-    is quantized (window slot -1), its slot free again."""
+def test_kivi_quantizes_blocks_leaving_the_window_in_begin_step(tiny_llama_kv64, monkeypatch):
+    """KIVI decides which blocks leave the float16 window in begin_step: a block complete before the step (here
+    block 0, in the decode step whose context reaches residual + one block) is quantized there in every layer and
+    its window slot freed before layer 0 stores, and after the step nothing is pending."""
     engine = new_engine(tiny_llama_kv64, kv_format="kivi4", kivi_residual=32, chunk_size=32, max_num_seqs=4,
                         kv_cache_memory="8MiB")
     cache = engine.kv_cache
-    leaving_at_store = []
+    block_0_slot_at_store = []
     store = cache.store
 
     def spy(layer, *args):
-        leaving_at_store.append((layer, None if cache._leaving is None else cache._leaving.tolist()))
+        block_0_slot_at_store.append(int(cache.window_slot[seq.block_table[0]]))
         return store(layer, *args)
 
     monkeypatch.setattr(cache, "store", spy)
@@ -367,14 +367,12 @@ def test_kivi_releases_leaving_blocks_in_end_step(tiny_llama_kv64, monkeypatch):
     seq = engine._sequences[request]
     left_in = []
     while engine.has_unfinished_requests():
-        leaving_at_store.clear()
-        block_0 = seq.block_table[0] if seq.block_table else None
-        slot_0 = None if block_0 is None else int(cache.window_slot[block_0])
+        block_0_slot_at_store.clear()
+        slot_0 = int(cache.window_slot[seq.block_table[0]]) if seq.block_table else None
         engine.step()
-        assert cache._leaving is None
-        if any(leaving for _, leaving in leaving_at_store):
-            assert leaving_at_store == [(layer, [block_0]) for layer in range(NUM_LAYERS)]
-            assert int(cache.window_slot[block_0]) == -1 and slot_0 in cache.free_slots
+        assert cache._writes is None
+        if slot_0 is not None and slot_0 >= 0 and block_0_slot_at_store[0] == -1:
+            assert block_0_slot_at_store == [-1] * NUM_LAYERS and slot_0 in cache.free_slots
             left_in.append(seq.num_computed_tokens)
     assert left_in == [48]  # the step whose context reaches residual + one block
 

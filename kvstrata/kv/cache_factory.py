@@ -16,7 +16,7 @@ import torch
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.base import KVFormat
 from kvstrata.kv.formats.integer import Int4Format, Int8Format
-from kvstrata.kv.kivi_cache import KiviPagedKVCache
+from kvstrata.kv.kivi_cache import KiviPagedKVCache, window_slots_needed
 from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.kv.quantized_cache import QuantizedPagedKVCache
 from kvstrata.kv.storage import KVStorage
@@ -39,7 +39,7 @@ class FormatOptions:
     int4_group_size: int = 64
     kivi_residual: int = 128
     max_num_seqs: int = 128  # KIVI's window holds every running sequence's newest blocks ...
-    chunk_size: int = 1024  # ... plus one step's prefill chunk
+    chunk_size: int = 1024  # ... and those a step's prefill chunks complete
     oaken_format: Callable[[], KVFormat] | None = None  # resolves the model's calibration (engine/kv_setup.py)
     in_place_decode: bool = True  # decodes on the CPU: the compiled decode-attention kernels where they build
 
@@ -100,8 +100,8 @@ class KiviLayout(StorageLayout):
         super().__init__(shape)
         self.bits, self.residual = bits, options.kivi_residual
         self.in_place_decode = options.in_place_decode
-        window_blocks = -(-options.kivi_residual // shape.block_size) + 1
-        self.window_slots = options.max_num_seqs * window_blocks + -(-options.chunk_size // shape.block_size) + 1
+        self.window_slots = window_slots_needed(options.max_num_seqs, options.chunk_size, options.kivi_residual,
+                                                shape.block_size)
 
     @property
     def bytes_per_token(self) -> float:
@@ -110,7 +110,7 @@ class KiviLayout(StorageLayout):
 
     @property
     def reserved_bytes(self) -> int:
-        """KIVI's full-precision window: every running sequence's newest blocks, plus one step's prefill chunk."""
+        """KIVI's full-precision window: every running sequence's newest blocks (kivi_cache.window_slots_needed)."""
         s = self.shape
         return self.window_slots * s.block_size * KiviPagedKVCache.window_bytes_per_token(s.width, s.num_layers)
 

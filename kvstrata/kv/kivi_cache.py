@@ -5,13 +5,18 @@ A key channel's minimum and step are taken over the tokens of one cache block (K
 16 tokens by default, 32 as in the KIVI paper with --block-size 32); values are quantized per token in
 groups of 32 channels. A block stays in full precision (float16, as KIVI's residual) in a separate
 pool until it lies wholly outside the sequence's newest `residual` tokens; then the whole block is
-quantized at once, the same step for every layer. Blocks that never leave the window (a finished
+quantized at once, the same step for every layer. A block that a step both fills and leaves (most of a
+long prefill chunk) never takes a window slot: its K/V are quantized straight from the step's, as KIVI
+quantizes a prompt, so the window holds only what sequences keep in it (`window_slots_needed`). A block
+takes its slot in the first step that writes into it. Blocks that never leave the window (a finished
 sequence's tail) keep their full-precision slot while slots are to spare; when none is free, the slots of
 window blocks no sequence holds are taken back (a block the prefix cache keeps is quantized first). The
 pool grows only if the running sequences themselves need more slots, and `grown_slots` counts that.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +30,29 @@ from kvstrata.kv.storage import KVStorage
 
 VALUE_GROUP = 32  # channels sharing a value's minimum and step
 PARAM_BYTES = 4  # float16 minimum + float16 step
+
+
+def window_slots_needed(max_num_seqs: int, chunk_size: int, residual: int, block_size: int) -> int:
+    """Window slots that `max_num_seqs` running sequences can hold at once, with steps of at most `chunk_size` new
+    tokens. Between steps a sequence keeps the blocks not wholly before its newest `residual` tokens: at most
+    ceil(residual / block_size) + 1. Within a step, a block the step completes and that leaves the window at the
+    step's end (it held the sequence's last tokens before the step) keeps its slot until then, besides the blocks
+    that stay: one more slot for each sequence given at least residual + 1 new tokens, of which a step holds at
+    most ceil(chunk_size / (residual + 1)) (and a context being written, one)."""
+    per_sequence = -(-residual // block_size) + 1
+    return max_num_seqs * per_sequence + -(-chunk_size // (residual + 1))
+
+
+@dataclass
+class StepWrites:
+    """Where a step's new tokens go, worked out once per step (`begin_step`) for every layer's `store`."""
+
+    window_rows: torch.Tensor | None  # rows of the step's K/V written into the window (None: every row)
+    window_slots: torch.Tensor  # their window slot
+    offsets: torch.Tensor  # their offset in the block
+    direct_blocks: torch.Tensor  # blocks the step fills that leave the window at once: quantized from its K/V
+    direct_rows: torch.Tensor  # the rows of their tokens, block after block, in slot order
+    completed_leaving: torch.Tensor  # window blocks the step completes that leave at its end
 
 
 class KiviPagedKVCache(KVStorage):
@@ -50,9 +78,9 @@ class KiviPagedKVCache(KVStorage):
         self.free_slots = list(range(window_slots - 1, -1, -1))
         self.grown_slots = 0
         self.block_pool: BlockPool | None = None  # which blocks no sequence holds (attach_block_pool)
-        self._leaving: torch.Tensor | None = None  # blocks leaving the window in this step (begin_step)
-        # each block's window slot as this step's reads see it: leaving blocks are quantized in a layer before
-        # that layer reads them (store comes first), so they read as quantized; their slots go at the step's end
+        self._writes: StepWrites | None = None  # this step's (begin_step)
+        # each block's window slot as this step's reads see it: blocks leaving in this step are quantized in a
+        # layer before that layer reads them (store comes first), so they read as quantized
         self._read_window = self.window_slot
         self._layers_quantized = 0  # layers whose leaving blocks are quantized already in this step
         # on the CPU, decodes read blocks and window where they lie, with the compiled kernel (if it builds)
@@ -73,14 +101,16 @@ class KiviPagedKVCache(KVStorage):
     # --- block lifecycle ----------------------------------------------------------------------
 
     def reset_blocks(self, blocks: list[int]) -> None:
-        """A block handed out starts in full precision, in a cleared slot."""
-        slots = []
-        for block in blocks:
-            if self.window_slot[block] < 0:
-                self.window_slot[block] = self._take_slot()
-            slots.append(int(self.window_slot[block]))
+        """A block handed out holds nothing: a window slot it kept from its last use goes back (the step that
+        first writes into the block gives it a cleared one, unless the block leaves the window in that step)."""
+        blocks = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        self._release_window(blocks[self.window_slot[blocks] >= 0])
+
+    def _give_slots(self, blocks: torch.Tensor) -> None:
+        slots = [self._take_slot() for _ in range(len(blocks))]
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self.window_k.index_fill_(1, index, 0)
+        self.window_slot[blocks] = index
+        self.window_k.index_fill_(1, index, 0)  # an unwritten offset is read (masked out) as 0, never stale NaN
         self.window_v.index_fill_(1, index, 0)
 
     def attach_block_pool(self, pool: BlockPool) -> None:
@@ -112,24 +142,26 @@ class KiviPagedKVCache(KVStorage):
             self._quantize_blocks(layer, cached)
         self._release_window(torch.tensor(idle, dtype=torch.long, device=self.device))
 
-    def _blocks_leaving(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """Full-precision blocks of the sequences whose tables are the rows of `block_tables` [n, B] (padded
-        rows may repeat blocks) that lie wholly before their newest `residual` tokens (context_lens [n])."""
+    def _old_blocks(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """Blocks of the sequences whose tables are the rows of `block_tables` [n, B] (padded rows may repeat
+        blocks) that lie wholly before their newest `residual` tokens (context_lens [n]), each once."""
         old_blocks = (context_lens - self.residual).clamp(min=0) // self.block_size
         columns = torch.arange(block_tables.shape[1], device=self.device)
-        old = block_tables[columns[None, :] < old_blocks[:, None]]
-        return torch.unique(old[self.window_slot[old] >= 0])
+        return torch.unique(block_tables[columns[None, :] < old_blocks[:, None]])
 
     def _quantize_blocks(self, layer: int, blocks: torch.Tensor) -> None:
-        if not len(blocks):
-            return
-        slots = self.window_slot[blocks]
-        keys = self.window_k[layer, slots].float()  # [n, block_size, width]
-        codes, params = quantize_asymmetric(keys, 1, self.bits)
+        """Quantize window blocks from their slots."""
+        if len(blocks):
+            slots = self.window_slot[blocks]
+            self._quantize(layer, blocks, self.window_k[layer, slots], self.window_v[layer, slots])
+
+    def _quantize(self, layer: int, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store blocks [n] whose float16 K and V are `keys`, `values` [n, block_size, width] quantized."""
+        codes, params = quantize_asymmetric(keys.float(), 1, self.bits)
         token_slots = block_slots(blocks, self.block_size)
         self.key_codes[layer, token_slots] = pack_codes(codes.reshape(-1, self.width), self.bits)
         self.key_params[layer, blocks] = params
-        values = self.window_v[layer, slots].float().reshape(-1, self.width // self.value_group, self.value_group)
+        values = values.float().reshape(-1, self.width // self.value_group, self.value_group)
         codes, params = quantize_asymmetric(values, 2, self.bits)
         self.value_codes[layer, token_slots] = pack_codes(codes.reshape(-1, self.width), self.bits)
         self.value_params[layer, token_slots] = params
@@ -141,34 +173,66 @@ class KiviPagedKVCache(KVStorage):
     # --- the KVStorage interface --------------------------------------------------------------
 
     def begin_step(self, batch: AttentionBatch) -> None:
-        leaving = [self._blocks_leaving(g.keys.block_tables, g.context_lens) for g in batch.groups]
-        self._set_leaving(torch.unique(torch.cat(leaving)) if leaving else None)
+        old = [self._old_blocks(g.keys.block_tables, g.context_lens) for g in batch.groups]
+        self._plan_writes(torch.unique(torch.cat(old)), batch.slot_mapping)
 
-    def begin_write(self, block_table: torch.Tensor, context_len: int) -> None:
-        self._set_leaving(self._blocks_leaving(block_table, torch.tensor([context_len], device=self.device)))
+    def begin_write(self, block_table: torch.Tensor, slots: torch.Tensor, context_len: int) -> None:
+        self._plan_writes(self._old_blocks(block_table, torch.tensor([context_len], device=self.device)), slots)
 
-    def _set_leaving(self, leaving: torch.Tensor | None) -> None:
-        self._leaving = leaving
-        self._read_window = self.window_slot if leaving is None else self.window_slot.index_fill(0, leaving, -1)
+    def _plan_writes(self, old: torch.Tensor, slots: torch.Tensor) -> None:
+        """Plan a step writing `slots` [T] after which the blocks `old` lie wholly before their sequence's newest
+        `residual` tokens. Window blocks among them that the step does not write into were complete before it:
+        quantized at once in every layer, their slots free for the step's own blocks. Window blocks it completes
+        are quantized by each layer's `store`, after their last tokens; blocks it writes first get a slot, or,
+        if they leave at once, are quantized straight from the step's K/V."""
+        token_blocks = slots // self.block_size
+        written = torch.unique(token_blocks)
+        leaving = old[self.window_slot[old] >= 0]
+        completed = torch.isin(leaving, written)
+        done = leaving[~completed]
+        for layer in range(self.num_layers):
+            self._quantize_blocks(layer, done)
+        self._release_window(done)
+        fresh = written[self.window_slot[written] < 0]
+        leave_at_once = torch.isin(fresh, old)
+        self._give_slots(fresh[~leave_at_once])
+        direct_blocks = fresh[leave_at_once]
+        window_rows = direct_rows = None
+        if len(direct_blocks):
+            direct = torch.isin(token_blocks, direct_blocks)
+            window_rows = (~direct).nonzero().flatten()
+            direct_rows = direct.nonzero().flatten()
+            direct_rows = direct_rows[torch.argsort(slots[direct_rows])]
+        to_window = slots if window_rows is None else slots[window_rows]
+        self._writes = StepWrites(window_rows, self.window_slot[to_window // self.block_size],
+                                  to_window % self.block_size, direct_blocks, direct_rows, leaving[completed])
+        self._read_window = self.window_slot.index_fill(0, self._writes.completed_leaving, -1)
 
     def end_step(self) -> None:
-        """Leaving blocks give up their window slots. A step that failed part-way quantizes them first in
-        the layers it did not reach: they were complete before the step, and the prefix cache may hold them."""
-        if self._leaving is not None:
+        """Blocks the step completed and that left the window give up their slots. A step that failed part-way
+        quantizes them first in the layers it did not reach, so that no slot is lost."""
+        if self._writes is not None:
+            leaving = self._writes.completed_leaving
             for layer in range(self._layers_quantized, self.num_layers):
-                self._quantize_blocks(layer, self._leaving)
-            self._release_window(self._leaving)
-            self._set_leaving(None)
+                self._quantize_blocks(layer, leaving)
+            self._release_window(leaving)
+            self._writes = None
+            self._read_window = self.window_slot
         self._layers_quantized = 0
 
     def store(self, layer, slots, positions, k, v) -> None:
-        window = self.window_slot[slots // self.block_size]
-        offsets = slots % self.block_size
-        self.window_k[layer, window, offsets] = k.reshape(len(slots), -1).half()
-        self.window_v[layer, window, offsets] = v.reshape(len(slots), -1).half()
-        if self._leaving is not None:
-            self._quantize_blocks(layer, self._leaving)
-            self._layers_quantized = layer + 1
+        plan = self._writes
+        k, v = k.reshape(len(slots), -1).half(), v.reshape(len(slots), -1).half()
+        if plan.window_rows is None:
+            self.window_k[layer, plan.window_slots, plan.offsets] = k
+            self.window_v[layer, plan.window_slots, plan.offsets] = v
+        else:
+            self.window_k[layer, plan.window_slots, plan.offsets] = k[plan.window_rows]
+            self.window_v[layer, plan.window_slots, plan.offsets] = v[plan.window_rows]
+            shape = (len(plan.direct_blocks), self.block_size, self.width)
+            self._quantize(layer, plan.direct_blocks, k[plan.direct_rows].view(shape), v[plan.direct_rows].view(shape))
+        self._quantize_blocks(layer, plan.completed_leaving)
+        self._layers_quantized = layer + 1
 
     def attend_in_place(self, layer, q, keys, context_lens):
         if self.decode_kernel is None or q.dtype != torch.float32:

@@ -80,7 +80,7 @@ class KVStorage(ABC):
         table = torch.tensor([block_table], dtype=torch.long, device=self.device)
         positions = torch.arange(first, end, device=self.device)
         slots = slots_of_positions(table, positions, self.block_size)[0]
-        self.begin_write(table, end)
+        self.begin_write(table, slots, end)
         try:
             for layer in range(self.num_layers):
                 k, v = kv.layer_kv(layer, first, end)
@@ -88,8 +88,8 @@ class KVStorage(ABC):
         finally:
             self.end_step()
 
-    def begin_write(self, block_table: torch.Tensor, context_len: int) -> None:
-        """`write` is about to store a sequence's tokens up to `context_len` (block_table [1, B])."""
+    def begin_write(self, block_table: torch.Tensor, slots: torch.Tensor, context_len: int) -> None:
+        """`write` is about to store a sequence's tokens into `slots`, up to `context_len` (block_table [1, B])."""
 
     def read(self, layer: int, block_table: list[int], end: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [end - first, kv_heads, head_dim] of one sequence's positions first .. end (decoded, fp32), outside
