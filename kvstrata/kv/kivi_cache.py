@@ -223,12 +223,10 @@ class KiviPagedKVCache(KVStorage):
     def store(self, layer, slots, positions, k, v) -> None:
         plan = self._writes
         k, v = k.reshape(len(slots), -1).half(), v.reshape(len(slots), -1).half()
-        if plan.window_rows is None:
-            self.window_k[layer, plan.window_slots, plan.offsets] = k
-            self.window_v[layer, plan.window_slots, plan.offsets] = v
-        else:
-            self.window_k[layer, plan.window_slots, plan.offsets] = k[plan.window_rows]
-            self.window_v[layer, plan.window_slots, plan.offsets] = v[plan.window_rows]
+        rows = plan.window_rows
+        self.window_k[layer, plan.window_slots, plan.offsets] = k if rows is None else k[rows]
+        self.window_v[layer, plan.window_slots, plan.offsets] = v if rows is None else v[rows]
+        if len(plan.direct_blocks):
             shape = (len(plan.direct_blocks), self.block_size, self.width)
             self._quantize(layer, plan.direct_blocks, k[plan.direct_rows].view(shape), v[plan.direct_rows].view(shape))
         self._quantize_blocks(layer, plan.completed_leaving)
