@@ -157,7 +157,8 @@ def check_reads(pages: SparsePages, layer: int, written: dict[int, torch.Tensor]
 
 
 def check_page_accounting(pages: SparsePages) -> None:
-    for layer, free in enumerate(pages.free_pages):
+    for layer in range(len(pages.free_count)):
+        free = pages.free_pages(layer)
         owned = pages.block_pages[layer][pages.block_pages[layer] >= 0].tolist()
         assert len(set(free)) == len(free) and len(set(owned)) == len(owned) and not set(free) & set(owned)
         assert sorted(free + owned) == list(range(pages.num_pages))

@@ -33,6 +33,8 @@ class QuantizedPagedKVCache(KVStorage):
         # on the CPU, decodes read the records where they lie, dequantizing one row at a time in the compiled
         # kernel (if it builds and the format has a reader); elsewhere every gathered token is decoded first
         self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
+        # on the CPU, formats with a compiled writer encode and write a layer's new K/V in one call
+        self.store_kernel = paged_decode.kernel() if device.type == "cpu" else None
         self.sparse: dict[str, SparsePages] = {}
         if kv_format.has_sparse:
             pages = int(slots * kv_format.expected_sparse_bytes * SPARSE_HEADROOM / SPARSE_PAGE_BYTES) + 1
@@ -55,8 +57,13 @@ class QuantizedPagedKVCache(KVStorage):
             pages.release(blocks)
 
     def store(self, layer, slots, positions, k, v) -> None:
+        k, v = (x.reshape(x.shape[0], -1).float() for x in (k, v))
+        if self.store_kernel is not None and self.format.store_in_place(
+                self.store_kernel, layer, slots, positions, k, v,
+                {kind: records[layer] for kind, records in self.records.items()}, self.sparse):
+            return
         for kind, x in (("k", k), ("v", v)):
-            encoded = self.format.encode(x.reshape(x.shape[0], -1).float(), layer, kind, positions)
+            encoded = self.format.encode(x, layer, kind, positions)
             self.records[kind][layer].index_copy_(0, slots, encoded.dense)
             if kind in self.sparse:
                 self.sparse[kind].write(layer, slots, encoded.sparse, encoded.sparse_bytes)

@@ -5,7 +5,8 @@ of sparse pages (block -> pages), and each token slot has an (offset, count) ent
 bytes in its block's pages. A token's bytes may straddle a page boundary: offsets are logical,
 within the block, and pages translate them. Pages go back to the free list when the block is
 handed out again. The pool starts at the size the budget expects and grows if the data hold more
-outliers than that, so nothing is ever dropped; `grown_pages` counts such growth.
+outliers than that, so nothing is ever dropped; `grown_pages` counts such growth. Each layer's free pages are a
+stack in a tensor, so that the compiled writers (kv/kernels/sparse_write.cpp) take pages themselves.
 """
 
 from __future__ import annotations
@@ -30,20 +31,30 @@ class SparsePages:
         self.block_fill = torch.zeros(num_layers, num_blocks, dtype=torch.long, device=device)
         self.token_offset = torch.zeros(num_layers, num_blocks * block_size, dtype=torch.int32, device=device)
         self.token_count = torch.zeros(num_layers, num_blocks * block_size, dtype=torch.int16, device=device)
-        self.free_pages = [list(range(self.num_pages - 1, -1, -1)) for _ in range(num_layers)]
+        # layer l's free pages: the first free_count[l] entries of free_stack[l], the one handed out next last
+        self.free_stack = torch.arange(self.num_pages - 1, -1, -1, device=device).repeat(num_layers, 1)
+        self.free_count = torch.full((num_layers,), self.num_pages, dtype=torch.long, device=device)
         self.grown_pages = 0
+        self._writer_views: dict[int, list[torch.Tensor]] = {}
         # on the CPU, writes go through the compiled writer (if it builds): the same result, without the dozens of
         # small operations per layer and step
         self.compiled = paged_decode.kernel() if device.type == "cpu" else None
 
     def pages_in_use(self) -> int:
-        return sum(self.num_pages - len(free) for free in self.free_pages)
+        return self.num_pages * len(self.free_count) - int(self.free_count.sum())
+
+    def free_pages(self, layer: int) -> list[int]:
+        """Layer `layer`'s free pages, the one handed out next last."""
+        return self.free_stack[layer, : int(self.free_count[layer])].tolist()
 
     def release(self, blocks: list[int]) -> None:
         index = torch.tensor(blocks, dtype=torch.long, device=self.data.device)
-        for layer, free in enumerate(self.free_pages):
+        for layer in range(len(self.free_count)):
             owned = self.block_pages[layer, index]
-            free.extend(owned[owned >= 0].tolist())
+            owned = owned[owned >= 0]
+            free = int(self.free_count[layer])
+            self.free_stack[layer, free : free + len(owned)] = owned
+            self.free_count[layer] = free + len(owned)
         self.block_pages[:, index] = -1
         self.block_fill[:, index] = 0
         self.token_count[:, block_slots(index, self.block_size)] = 0
@@ -72,22 +83,26 @@ class SparsePages:
             self.data[layer, self._physical(layer, blocks, offsets, counts)] = data
 
     def _write_compiled(self, layer: int, slots: torch.Tensor, data: torch.Tensor, counts: torch.Tensor) -> None:
-        """`write` by kv/kernels/sparse_write.cpp; blocks short of pages get them here, then it writes."""
-        def attempt() -> torch.Tensor:
-            return self.compiled.sparse_write(self.data[layer], self.block_pages[layer], self.block_fill[layer],
-                                              self.token_offset[layer], self.token_count[layer], slots.contiguous(),
-                                              data.contiguous(), counts.long().contiguous(), self.block_size,
-                                              self.page_bytes)
+        """`write` by kv/kernels/sparse_write.cpp, which takes the pages it needs from the layer's free stack; where
+        that holds too few it writes nothing and says how many more it needs."""
+        slots, data, counts = slots.contiguous(), data.contiguous(), counts.long().contiguous()
+        while short := self.compiled.sparse_write(self.writer_tensors(layer), slots, data, counts, self.block_size,
+                                                  self.page_bytes):
+            self.grow(short)
 
-        short = attempt()
-        if len(short):
-            self._ensure_pages(layer, short[:, 0], short[:, 1])
-            short = attempt()  # the pool may have grown: attempt() takes its tensors anew
-        assert not len(short), "sparse pages were allocated but still fall short"
+    def writer_tensors(self, layer: int) -> list[torch.Tensor]:
+        """One layer's pages as the compiled writers take them: data, block -> pages, block fill, token offsets, token
+        counts, free-page stack and count. Kept per layer (every layer's store asks for them) until the pool grows."""
+        if layer not in self._writer_views:
+            self._writer_views[layer] = [self.data[layer], self.block_pages[layer], self.block_fill[layer],
+                                         self.token_offset[layer], self.token_count[layer], self.free_stack[layer],
+                                         self.free_count[layer : layer + 1]]
+        return self._writer_views[layer]
 
     def layer_tensors(self, layer: int) -> list[torch.Tensor]:
         """One layer's pages as the compiled readers take them: data, block -> pages, token offsets, token counts."""
-        return [self.data[layer], self.block_pages[layer], self.token_offset[layer], self.token_count[layer]]
+        data, block_pages, _, token_offset, token_count, _, _ = self.writer_tensors(layer)
+        return [data, block_pages, token_offset, token_count]
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The bytes of the tokens at `slots`, token after token."""
@@ -110,15 +125,25 @@ class SparsePages:
                 self.block_pages[layer, block, page_index] = self._take_page(layer)
 
     def _take_page(self, layer: int) -> int:
-        if not self.free_pages[layer]:
-            self._grow()
-        return self.free_pages[layer].pop()
+        if not int(self.free_count[layer]):
+            self.grow()
+        self.free_count[layer] -= 1
+        return int(self.free_stack[layer, self.free_count[layer]])
 
-    def _grow(self) -> None:
-        extra = max(self.num_pages // 4, 1)
-        more = torch.zeros(self.data.shape[0], extra * self.page_bytes, dtype=torch.uint8, device=self.data.device)
+    def grow(self, at_least: int = 1) -> None:
+        """A quarter more pages in every layer (at least `at_least`), free."""
+        extra = max(self.num_pages // 4, at_least)
+        device = self.data.device
+        more = torch.zeros(self.data.shape[0], extra * self.page_bytes, dtype=torch.uint8, device=device)
         self.data = torch.cat((self.data, more), dim=1)
-        for free in self.free_pages:
-            free.extend(range(self.num_pages + extra - 1, self.num_pages - 1, -1))
+        with torch.inference_mode(False):  # a normal tensor, which `release` may change outside a step
+            stack = torch.empty(len(self.free_count), self.num_pages + extra, dtype=torch.long, device=device)
+            stack[:, : self.num_pages] = self.free_stack
+            new_pages = torch.arange(self.num_pages + extra - 1, self.num_pages - 1, -1, device=device)
+            for layer, free in enumerate(self.free_count.tolist()):
+                stack[layer, free : free + extra] = new_pages
+        self.free_stack = stack
+        self._writer_views.clear()
+        self.free_count += extra
         self.num_pages += extra
         self.grown_pages += extra

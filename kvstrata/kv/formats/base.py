@@ -53,6 +53,13 @@ class KVFormat(ABC):
     ) -> torch.Tensor:
         """float32 [M, width] from M records (and exactly their sparse bytes, in order)."""
 
+    def store_in_place(self, kernel, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, records: dict[str, torch.Tensor], sparse: dict[str, SparsePages]) -> bool:
+        """Encode one layer's new K and V (float32 [N, width], tokens at `slots` and sequence `positions`) and write
+        them, records (`records[kind]`, this layer's) and sparse bytes, in one call of the compiled `kernel`. False
+        where the format has no such writer (or it does not apply): the storage then encodes and writes them itself."""
+        return False
+
     def attend_in_place(self, kernel, layer: int, q: torch.Tensor, records: dict[str, torch.Tensor],
                         sparse: dict[str, SparsePages], block_tables: torch.Tensor,
                         context_lens: torch.Tensor, block_size: int) -> torch.Tensor | None:

@@ -161,9 +161,11 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
                                         int64_t block, int64_t kv_heads, double scale);
 
-at::Tensor sparse_write(at::Tensor data, at::Tensor block_pages, at::Tensor block_fill, at::Tensor token_offset,
-                        at::Tensor token_count, at::Tensor slots, at::Tensor bytes, at::Tensor counts,
-                        int64_t block_size, int64_t page_bytes);
+int64_t sparse_write(std::vector<at::Tensor> layer_tensors, at::Tensor slots, at::Tensor bytes, at::Tensor counts,
+                     int64_t block_size, int64_t page_bytes);
+std::vector<int64_t> oaken_store(at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor slots,
+                                 std::vector<at::Tensor> k_side, std::vector<at::Tensor> v_side,
+                                 std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos, at::Tensor sin);
 std::vector<at::Tensor> oaken_encode(at::Tensor x, at::Tensor bounds, at::Tensor shift_lo, at::Tensor shift_hi,
                                      at::Tensor slot_of_group, std::vector<int64_t> layout);
 

@@ -8,6 +8,8 @@
 // shifted); slot_of_group uint8 [G]; layout [G, dense group, dense group shifted, float16 outliers].
 // Returns (dense uint8 [N, record], sparse uint8 [S], sparse_bytes int64 [N]), or three empty tensors where a
 // parameter or a float16 outlier leaves float16's finite range (the torch version then raises the clear error).
+#include "oaken_encode.h"
+
 #include "attend.h"
 
 #include <cstdint>
@@ -18,14 +20,6 @@ namespace kvstrata {
 
 constexpr int64_t kLevels = 15;  // the largest 4-bit code
 constexpr int64_t kIndexValues = 64;  // values addressed by one 6-bit index
-
-// a * b rounded on its own, as torch's separate multiply does (the empty asm keeps the compiler from fusing it
-// into the addition that follows).
-inline float product(float a, float b) {
-  float p = a * b;
-  asm volatile("" : "+x"(p));
-  return p;
-}
 
 // The float16 (as bits) nearest `v` on the side of `up` (at or above) or not (at or below); round_float16 in
 // float16_params.py.
@@ -55,41 +49,36 @@ inline std::pair<uint16_t, double> zero_between_codes(double lo, double hi) {
   return {mn, std::max(step, (hi - static_cast<double>(half_value(mn))) / kLevels)};
 }
 
-std::vector<at::Tensor> oaken_encode(at::Tensor x, at::Tensor bounds, at::Tensor shift_lo, at::Tensor shift_hi,
-                                     at::Tensor slot_of_group, std::vector<int64_t> layout) {
-  TORCH_CHECK(layout.size() == 4, "oaken_encode: layout is [groups, dense group, dense shifted, float16 outliers]");
-  const int64_t groups = layout[0], dense_group = layout[1];
-  const bool dense_shifted = layout[2] != 0, fp16 = layout[3] != 0;
-  x = x.contiguous();
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % kIndexValues == 0,
-              "oaken_encode: x must be float32 [tokens, a multiple of 64]");
+OakenEncoder::OakenEncoder(at::Tensor bounds, at::Tensor shift_lo, at::Tensor shift_hi, at::Tensor slot_of_group,
+                           const std::vector<int64_t>& layout, int64_t width) {
+  TORCH_CHECK(layout.size() >= 4, "oaken_encode: layout is [groups, dense group, dense shifted, float16 outliers]");
+  groups = layout[0], dense_group = layout[1], dense_shifted = layout[2] != 0, fp16 = layout[3] != 0;
+  TORCH_CHECK(width > 0 && width % kIndexValues == 0, "oaken_encode: tokens of a multiple of 64 values");
   TORCH_CHECK(groups >= 2 && groups <= 5 && dense_group >= 0 && dense_group < groups &&
                   bounds.scalar_type() == at::kFloat && bounds.is_contiguous() && bounds.numel() == 2 * (groups - 1) &&
-                  shift_lo.numel() == groups && shift_hi.numel() == groups && slot_of_group.numel() == groups,
+                  shift_lo.scalar_type() == at::kFloat && shift_hi.scalar_type() == at::kFloat &&
+                  slot_of_group.scalar_type() == at::kByte && shift_lo.is_contiguous() && shift_hi.is_contiguous() &&
+                  slot_of_group.is_contiguous() && shift_lo.numel() == groups && shift_hi.numel() == groups &&
+                  slot_of_group.numel() == groups,
               "oaken_encode: tables do not match the group count");
-  const int64_t n = x.size(0), width = x.size(1), blocks = width / kIndexValues;
-  const int64_t record = width / 2 + 4 * groups + blocks;
-  const int64_t entry_bytes = (groups <= 3 ? 1 : 2) + (fp16 ? 2 : 0);
-  const float* xs_in = x.data_ptr<float>();
-  const float* b = bounds.data_ptr<float>();
-  const float* lo_shift = shift_lo.contiguous().data_ptr<float>();
-  const float* hi_shift = shift_hi.contiguous().data_ptr<float>();
-  const uint8_t* slots = slot_of_group.contiguous().data_ptr<uint8_t>();
+  this->width = width;
+  record_bytes = width / 2 + 4 * groups + width / kIndexValues;
+  entry_bytes = (groups <= 3 ? 1 : 2) + (fp16 ? 2 : 0);
+  b = bounds.data_ptr<float>();
+  lo_shift = shift_lo.data_ptr<float>();
+  hi_shift = shift_hi.data_ptr<float>();
+  slots = slot_of_group.data_ptr<uint8_t>();
+}
 
-  auto dense = at::zeros({n, record}, at::kByte);
-  auto sparse_bytes = at::zeros({n}, at::kLong);
-  std::vector<uint8_t> sparse;
-  sparse.reserve(n * width / 8 * entry_bytes);
+bool OakenEncoder::encode(const float* xs_in, int64_t n, uint8_t* out, std::vector<uint8_t>& sparse,
+                          int64_t* token_bytes) const {
   std::vector<int64_t> group(width);
   std::vector<uint8_t> low(width), codes(width);
   std::vector<float> v(width);
   std::vector<uint16_t> mn(groups), st(groups);
   std::vector<float> mn_f(groups), st_f(groups);
   std::vector<double> lo(groups), hi(groups);
-  uint8_t* out = dense.data_ptr<uint8_t>();
-  int64_t* token_bytes = sparse_bytes.data_ptr<int64_t>();
-  const auto failed = [] { return std::vector<at::Tensor>{at::empty({0}), at::empty({0}), at::empty({0})}; };
-
+  std::memset(out, 0, n * record_bytes);
   for (int64_t t = 0; t < n; ++t) {
     const float* xt = xs_in + t * width;
     std::fill(lo.begin(), lo.end(), std::numeric_limits<double>::infinity());
@@ -113,11 +102,11 @@ std::vector<at::Tensor> oaken_encode(at::Tensor x, at::Tensor bounds, at::Tensor
         std::tie(mn[g], step) = zero_between_codes(lo[g], hi[g]);
       }
       st[g] = half_toward(step, true);
-      if (!half_finite(mn[g]) || !half_finite(st[g])) return failed();
+      if (!half_finite(mn[g]) || !half_finite(st[g])) return false;
       mn_f[g] = half_value(mn[g]);
       st_f[g] = half_value(st[g]);
     }
-    uint8_t* rec = out + t * record;
+    uint8_t* rec = out + t * record_bytes;
     uint8_t* counts = rec + width / 2 + 4 * groups;
     const size_t first_entry = sparse.size();
     for (int64_t i = 0; i < width; ++i) {
@@ -143,7 +132,7 @@ std::vector<at::Tensor> oaken_encode(at::Tensor x, at::Tensor bounds, at::Tensor
       }
       if (fp16) {
         const uint16_t half = c10::Half(xt[i]).x;
-        if (!half_finite(half)) return failed();
+        if (!half_finite(half)) return false;
         sparse.push_back(half & 0xff);
         sparse.push_back(half >> 8);
       }
@@ -153,6 +142,23 @@ std::vector<at::Tensor> oaken_encode(at::Tensor x, at::Tensor bounds, at::Tensor
       std::memcpy(rec + width / 2 + 4 * g + 2, &st[g], 2);
     }
     token_bytes[t] = static_cast<int64_t>(sparse.size() - first_entry);
+  }
+  return true;
+}
+
+std::vector<at::Tensor> oaken_encode(at::Tensor x, at::Tensor bounds, at::Tensor shift_lo, at::Tensor shift_hi,
+                                     at::Tensor slot_of_group, std::vector<int64_t> layout) {
+  TORCH_CHECK(layout.size() == 4, "oaken_encode: layout is [groups, dense group, dense shifted, float16 outliers]");
+  x = x.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "oaken_encode: x must be float32 [tokens, width]");
+  const OakenEncoder encoder(bounds, shift_lo, shift_hi, slot_of_group, layout, x.size(1));
+  const int64_t n = x.size(0);
+  auto dense = at::empty({n, encoder.record_bytes}, at::kByte);
+  auto sparse_bytes = at::empty({n}, at::kLong);
+  std::vector<uint8_t> sparse;
+  sparse.reserve(n * encoder.width / 8 * encoder.entry_bytes);
+  if (!encoder.encode(x.data_ptr<float>(), n, dense.data_ptr<uint8_t>(), sparse, sparse_bytes.data_ptr<int64_t>())) {
+    return {at::empty({0}), at::empty({0}), at::empty({0})};
   }
   auto sparse_out = at::empty({static_cast<int64_t>(sparse.size())}, at::kByte);
   std::memcpy(sparse_out.data_ptr<uint8_t>(), sparse.data(), sparse.size());

@@ -1,5 +1,5 @@
 """Loads the compiled CPU kernels of kv/, building them on first use: decode attention read where the cache lies
-(attend.h and one reader per storage), Oaken's encoder and the sparse-page writer.
+(attend.h and one reader per storage), Oaken's encoder and fused store, and the sparse-page writer.
 
 `kernel()` is None where they cannot be built (no C++ compiler): callers then take the torch path (gather and
 decode the blocks, then the reference attention; the torch encoder and writer). `python -m kvstrata.compiled_extension`
@@ -18,14 +18,14 @@ from kvstrata.kv import fused_decode
 NAME = "kvstrata_paged_decode"
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("paged_decode.cpp", "integer_rows.cpp", "kivi_rows.cpp", "oaken_rows.cpp",
-                                         "oaken_encode.cpp", "sparse_write.cpp")]
-HEADER = HERE / "attend.h"
+                                         "oaken_encode.cpp", "oaken_store.cpp", "sparse_write.cpp")]
 
 
 def _header_flag() -> str:
-    """torch rebuilds an extension when its sources or flags change, not its headers: the header's hash, passed as a
+    """torch rebuilds an extension when its sources or flags change, not its headers: the headers' hash, passed as a
     define, makes a changed header a changed flag."""
-    return f"-DKVSTRATA_ATTEND_H={hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]}"
+    headers = b"".join(path.read_bytes() for path in sorted(HERE.glob("*.h")))
+    return f"-DKVSTRATA_HEADERS={hashlib.sha256(headers).hexdigest()[:16]}"
 
 
 @functools.cache

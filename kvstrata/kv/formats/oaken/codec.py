@@ -301,10 +301,17 @@ def encode_tokens_compiled(x: torch.Tensor, bounds: torch.Tensor,
     if kernel is None or config.scales != "token" or x.device.type != "cpu":
         return None
     x = _check_input(x)
-    prep = _prepare(bounds, config, x.device)
-    layout = [config.num_groups, config.dense_group, int(prep.dense_shift is not None), int(config.outliers == "fp16")]
-    encoded = kernel.oaken_encode(x, prep.bounds, prep.shift.lo, prep.shift.hi, prep.slot_of_group, layout)
+    encoded = kernel.oaken_encode(x, *encoder_tables(bounds, config, x.device))
     return None if encoded[0].numel() == 0 and len(x) else tuple(encoded)
+
+
+def encoder_tables(bounds: torch.Tensor, config: OakenConfig,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """What the compiled encoder (kv/kernels/oaken_encode.cpp) takes beyond the values: bounds, shift lo and hi, the
+    sparse slot of each group, and the layout [groups, dense group, dense group shifted, float16 outliers]."""
+    prep = _prepare(bounds, config, device)
+    layout = [config.num_groups, config.dense_group, int(prep.dense_shift is not None), int(config.outliers == "fp16")]
+    return prep.bounds, prep.shift.lo, prep.shift.hi, prep.slot_of_group, layout
 
 
 def decode_tokens(

@@ -22,6 +22,7 @@ from kvstrata.kv.formats.oaken.codec import (
     dense_bytes,
     encode_tokens,
     encode_tokens_compiled,
+    encoder_tables,
     reader_tables,
     sparse_entry_bytes,
 )
@@ -43,6 +44,7 @@ class OakenFormat(KVFormat):
         self.rotary = rotary  # None: no RoPE (OPT), keys are the same before and after
         self._cos_sin_table: tuple[torch.Tensor, torch.Tensor] | None = None  # per position, grown on demand
         self._reader_tables: dict[tuple[int, str], tuple[list[torch.Tensor], list[float]]] = {}  # per (layer, kind)
+        self._encoder_tables: dict[tuple[int, str], tuple] = {}  # per (layer, kind)
         self.key_mean = thresholds.k_mean if center_keys else None
         if center_keys and thresholds.k_mean.shape[1] != self.width:
             raise KvstrataError(f"the thresholds' mean key has {thresholds.k_mean.shape[1]} channels, the model's "
@@ -78,6 +80,35 @@ class OakenFormat(KVFormat):
         x = decode_tokens(dense, sparse, self.bounds[layer, kind], self.config, self.width)
         return self._cached_key(x, layer, positions) if kind == "k" else x
 
+    def store_in_place(self, kernel, layer, slots, positions, k, v, records, sparse):
+        """The compiled store (kv/kernels/oaken_store.cpp): keys put in their quantized form as `_quantized_key`
+        puts them, then `encode` and the storage's writes, with the same bytes."""
+        if self.config.scales != "token" or k.device.type != "cpu" or not len(k):
+            return False
+        tables = {}
+        for kind in "kv":
+            if (layer, kind) not in self._encoder_tables:
+                self._encoder_tables[layer, kind] = encoder_tables(self.bounds[layer, kind], self.config, k.device)
+            tables[kind] = self._encoder_tables[layer, kind]
+        center, rotate_back = self._key_transform()
+        positions = positions.long().contiguous()
+        cos, sin = self._cos_sin_rows(int(positions.max()) + 1 if center == 2 or rotate_back else 0, k.device)
+        block_size, page_bytes = sparse["k"].block_size, sparse["k"].page_bytes
+        layout = [*tables["k"][4], block_size, page_bytes, center, int(rotate_back)]
+        while True:
+            short = kernel.oaken_store(
+                k.contiguous(), v.contiguous(), positions, slots.long().contiguous(),
+                [records["k"], *sparse["k"].writer_tensors(layer), *tables["k"][:4]],
+                [records["v"], *sparse["v"].writer_tensors(layer), *tables["v"][:4]], layout,
+                self._layer_mean_key(layer, k.device), cos, sin)
+            if short[0] < 0:  # a value out of float16's range: the torch path raises the clear error
+                return False
+            if not any(short):
+                return True
+            for kind, pages in zip("kv", short):
+                if pages:
+                    sparse[kind].grow(pages)
+
     def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size):
         """The compiled reader decodes each row as `decode` does, keys put back as `_cached_key` puts them."""
         device = q.device
@@ -86,21 +117,35 @@ class OakenFormat(KVFormat):
             if (layer, kind) not in self._reader_tables:
                 self._reader_tables[layer, kind] = reader_tables(self.bounds[layer, kind], self.config, device)
             tables[kind], shifts[kind] = self._reader_tables[layer, kind]
-        rotary = self.rotary is not None
-        add_mean = 0 if self.key_mean is None else 2 if rotary and self.keys == "post-rope" else 1
-        rotate_key = rotary and self.keys == "pre-rope"
-        empty = torch.empty(0, device=device)
-        cos = sin = empty
-        if add_mean == 2 or rotate_key:
-            cos, sin = (t.view(t.shape[0], -1) for t in self._cos_sin_up_to(int(context_lens.max()), device))
+        add_mean, rotate_key = self._key_transform()
+        cos, sin = self._cos_sin_rows(int(context_lens.max()) if add_mean == 2 or rotate_key else 0, device)
         page_bytes = sparse["k"].page_bytes
         layout = [self.config.num_groups, self.config.dense_group, sparse_entry_bytes(self.config),
                   int(self.config.outliers == "fp16"), page_bytes, add_mean, int(rotate_key)]
         return kernel.paged_decode_attention_oaken(
             q, [records["k"], *sparse["k"].layer_tensors(layer), *tables["k"]],
             [records["v"], *sparse["v"].layer_tensors(layer), *tables["v"]], shifts["k"], shifts["v"], layout,
-            self._key_mean_on(device)[layer] if self.key_mean is not None else empty, cos, sin, block_tables, context_lens,
-            block_size, self.head_shape[0], q.shape[-1] ** -0.5)
+            self._layer_mean_key(layer, device), cos, sin, block_tables, context_lens, block_size,
+            self.head_shape[0], q.shape[-1] ** -0.5)
+
+    def _key_transform(self) -> tuple[int, bool]:
+        """How a cached key differs from the vector Oaken quantizes, as the compiled kernels take it: the mean key
+        (0 none, 1 as it is, 2 rotated to the key's position) and whether the key is quantized before RoPE."""
+        rotary = self.rotary is not None
+        center = 0 if self.key_mean is None else 2 if rotary and self.keys == "post-rope" else 1
+        return center, rotary and self.keys == "pre-rope"
+
+    def _layer_mean_key(self, layer: int, device: torch.device) -> torch.Tensor:
+        """Layer `layer`'s mean key [width] (empty without key centering)."""
+        return self._key_mean_on(device)[layer] if self.key_mean is not None else torch.empty(0, device=device)
+
+    def _cos_sin_rows(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin tables [P, head_dim] covering positions below `size` (empty where size is 0)."""
+        if not size:
+            empty = torch.empty(0, device=device)
+            return empty, empty
+        cos, sin = self._cos_sin_up_to(size, device)
+        return cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1)
 
     def _quantized_key(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """The vector Oaken quantizes for a key as the cache holds it."""
