@@ -59,6 +59,57 @@ inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, floa
   }
 }
 
+// e^x of 8 floats: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 (ln 2 in two parts, so that r keeps its
+// digits), e^r by its Taylor polynomial of degree 6 (|r| <= ln 2 / 2: relative error below 2e-7). x is clamped
+// below at -87, where e^x nears float32's smallest normal (softmax weights that small vanish beside the peak's 1);
+// a NaN stays NaN.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // this operand order returns x where x is NaN
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// row[t] = e^(row[t] - peak) for t < len; returns their sum.
+inline float exp_minus_peak(float* row, int64_t len, float peak) {
+  const __m256 peaks = _mm256_set1_ps(peak);
+  __m256 sums = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), peaks));
+    _mm256_storeu_ps(row + t, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, sums);
+  float total = 0.0f;
+  for (const float lane : lanes) total += lane;
+  for (; t < len; ++t) total += (row[t] = std::exp(row[t] - peak));
+  return total;
+}
+
+// The dot product of two float vectors of n values: two chains of 8 lanes, summed across lanes at the end (a
+// compiler's reduction stores the lanes and adds them one after another, on the critical path of every score).
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    even = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), even);
+    odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), odd);
+  }
+  const __m256 both = _mm256_add_ps(even, odd);
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  float total = _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+  for (; d < n; ++d) total += a[d] * b[d];
+  return total;
+}
+
 // The slot of a sequence's token t: block table entry t / block, offset t % block.
 inline int64_t slot_of(const int64_t* table, int64_t block, int64_t t) { return table[t / block] * block + t % block; }
 
@@ -69,20 +120,11 @@ void attend_head(Rows& rows, const float* queries, float* outputs, int64_t len, 
   scores.assign(group * len, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
     const float* __restrict key = rows.key(t);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* __restrict query = queries + g * dim;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
-      scores[g * len + t] = dot * scale;
-    }
+    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(queries + g * dim, key, dim) * scale;
   }
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores.data() + g * len;
-    const float peak = *std::max_element(row, row + len);
-    float total = 0.0f;
-    for (int64_t t = 0; t < len; ++t) total += (row[t] = std::exp(row[t] - peak));
-    totals[g] = total;
+    totals[g] = exp_minus_peak(row, len, *std::max_element(row, row + len));
   }
   std::fill(outputs, outputs + group * dim, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
