@@ -30,7 +30,7 @@ def test_serve_with_replicas_answers_and_stops_cleanly_on_sigterm(tiny_llama):
                 pass
             time.sleep(0.5)
         answer = httpx.post(url + "/v1/completions", timeout=60,
-                            json={"model": "tiny", "prompt": "Once upon", "max_tokens": 4})
+                            json={"model": "tiny", "prompt": "Once upon", "max_tokens": 4, "ignore_eos": True})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         metrics = httpx.get(url + "/metrics", timeout=30).text
         assert 'kvstrata:replica_up{replica="1"} 1.0' in metrics and "_created" not in metrics
