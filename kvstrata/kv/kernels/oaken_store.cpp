@@ -25,16 +25,17 @@ namespace {
 std::vector<float> quantized_keys(const float* k, const int64_t* positions, int64_t n, int64_t width,
                                   int64_t center, bool rotate_back, const float* mean, const float* cos,
                                   const float* sin, int64_t dim) {
-  std::vector<float> out(k, k + n * width);
+  std::vector<float> out(k, k + n * width), y(dim);
   const int64_t half = dim / 2;
+  const bool positional = center == 2 || rotate_back;
   for (int64_t t = 0; t < n; ++t) {
-    const float* c = cos + positions[t] * dim;
-    const float* s = sin + positions[t] * dim;
+    const float* c = positional ? cos + positions[t] * dim : nullptr;
+    const float* s = positional ? sin + positions[t] * dim : nullptr;
     for (int64_t head = 0; head < width / dim; ++head) {
       float* x = out.data() + t * width + head * dim;
-      const float* m = mean + head * dim;
+      const float* m = center != 0 ? mean + head * dim : nullptr;
       if (rotate_back) {  // undo_rope: the rotation by the opposite angles
-        const std::vector<float> y(x, x + dim);
+        std::copy(x, x + dim, y.begin());
         for (int64_t d = 0; d < half; ++d) x[d] = product(y[d], c[d]) + product(y[d + half], s[d]);
         for (int64_t d = half; d < dim; ++d) x[d] = product(y[d], c[d]) - product(y[d - half], s[d]);
       }
