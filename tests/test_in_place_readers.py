@@ -16,9 +16,19 @@ KERNEL = paged_decode.kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernels could not be built")
 
 
+@pytest.fixture(params=[1, 8], ids=["whole-token-items", "one-head-items"])
+def reader_threads(request):
+    """Torch's thread count while the reader runs: with 1 thread the test's 4 sequences are enough for readers of
+    whole-token records to take all of a token's KV heads in one work item; with 8, each KV head is an item."""
+    before = torch.get_num_threads()
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_in_place_reader_equals_the_torch_path(case, tiny_llama_kv64, oaken_calibrations):
+def test_in_place_reader_equals_the_torch_path(case, reader_threads, tiny_llama_kv64, oaken_calibrations):
     engine = build(tiny_llama_kv64, oaken_calibrations, case).engine
+    torch.set_num_threads(reader_threads)
     storage = engine.kv_cache
     assert storage.decode_kernel is KERNEL
     gen = torch.Generator().manual_seed(4)

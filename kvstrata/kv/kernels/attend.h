@@ -1,7 +1,7 @@
 // Decode attention read in place from the paged KV cache, shared by every storage's reader: one query token per
 // sequence attends over the first context_lens[s] tokens of sequence s (token t at position t), found block by
-// block through its block table. Each storage supplies a `Rows` reader that hands back one KV head's K or V row
-// of a token as float32, decoding it into a small buffer where the storage keeps another form; nothing else is
+// block through its block table. Each storage supplies a `Rows` reader that hands back a token's K or V row of one
+// KV head (or, for whole-token records, of several side by side) as float32, decoding it into a small buffer where the storage keeps another form; nothing else is
 // copied (the torch path gathers, and for quantized storage decodes, every block first).
 //
 // q [n, heads, dim] float32; block_tables [n, width] int64; context_lens [n] int64. Query head h reads KV head
@@ -113,27 +113,30 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 // The slot of a sequence's token t: block table entry t / block, offset t % block.
 inline int64_t slot_of(const int64_t* table, int64_t block, int64_t t) { return table[t / block] * block + t % block; }
 
-// One KV head of one sequence: its `group` query heads attend over its first `len` tokens.
+// One item of one sequence: `row_heads` KV heads, whose rows the reader hands back side by side, and their
+// `group` query heads each (query head g reads KV head g / group of the row) attend over the first `len` tokens.
 template <typename Rows>
-void attend_head(Rows& rows, const float* queries, float* outputs, int64_t len, int64_t group, int64_t dim,
-                 float scale, std::vector<float>& scores, std::vector<float>& totals) {
-  scores.assign(group * len, 0.0f);
+void attend_head(Rows& rows, const float* queries, float* outputs, int64_t len, int64_t group, int64_t row_heads,
+                 int64_t dim, float scale, std::vector<float>& scores, std::vector<float>& totals) {
+  const int64_t heads = group * row_heads;
+  scores.assign(heads * len, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
     const float* __restrict key = rows.key(t);
-    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(queries + g * dim, key, dim) * scale;
+    for (int64_t g = 0; g < heads; ++g) scores[g * len + t] = dot(queries + g * dim, key + g / group * dim, dim) * scale;
   }
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < heads; ++g) {
     float* row = scores.data() + g * len;
     totals[g] = exp_minus_peak(row, len, *std::max_element(row, row + len));
   }
-  std::fill(outputs, outputs + group * dim, 0.0f);
+  std::fill(outputs, outputs + heads * dim, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
     const float* __restrict value = rows.value(t);
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < heads; ++g) {
       const float weight = scores[g * len + t] / totals[g];
+      const float* __restrict v = value + g / group * dim;
       float* __restrict o = outputs + g * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) o[d] += weight * value[d];
+      for (int64_t d = 0; d < dim; ++d) o[d] += weight * v[d];
     }
   }
 }
@@ -157,29 +160,33 @@ inline void check_inputs(const at::Tensor& q, const at::Tensor& block_tables, co
   }
 }
 
-// Checks the inputs, then one work item per (sequence, KV head) over torch's threads; make_rows(table, head)
-// builds the reader of one sequence's KV head.
+// Checks the inputs, then one work item per sequence and `row_heads` KV heads over torch's threads;
+// make_rows(table, first KV head, row_heads) builds the reader of one item, whose rows hold its KV heads side by
+// side. A reader of whole-token records (whole_tokens) gets all of a token's KV heads in one item where there are
+// enough sequences to keep every thread busy: the heads then share the record's bookkeeping (its slot, scales,
+// outlier entries), which otherwise each head pays again. Else, and for float pools, each KV head is an item.
 template <typename MakeRows>
 at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t block,
-               int64_t num_blocks, double scale, MakeRows make_rows) {
+               int64_t num_blocks, double scale, MakeRows make_rows, bool whole_tokens = false) {
   q = q.contiguous();
   block_tables = block_tables.to(at::kLong).contiguous();
   context_lens = context_lens.to(at::kLong).contiguous();
   check_inputs(q, block_tables, context_lens, kv_heads, block, num_blocks);
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), group = heads / kv_heads;
-  const int64_t width = block_tables.size(1);
+  const int64_t row_heads = whole_tokens && n >= 2 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t items = kv_heads / row_heads, width = block_tables.size(1);
   auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, totals(group);
+  at::parallel_for(0, n * items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, totals(group * row_heads);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / kv_heads, h = item % kv_heads;
-      auto rows = make_rows(tables + s * width, h);
+      const int64_t s = item / items, h = item % items * row_heads;
+      auto rows = make_rows(tables + s * width, h, row_heads);
       attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, lens[s], group,
-                  dim, static_cast<float>(scale), scores, totals);
+                  row_heads, dim, static_cast<float>(scale), scores, totals);
     }
   });
   return out;

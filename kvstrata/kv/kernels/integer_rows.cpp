@@ -1,4 +1,4 @@
-// Per-token integer records [slots, record_bytes] (kv/formats/integer.py), decoded one KV head's row at a time:
+// Per-token integer records [slots, record_bytes] (kv/formats/integer.py), decoded one item's KV heads at a time:
 //   int8: kv_heads * dim codes, then the token's float16 scale: value = code * scale;
 //   int4: ceil(width / 2) bytes of nibbles (value i in byte i / 2, the low nibble for even i), then per group
 //         of `group_size` values a float16 (minimum, step): value = minimum + code * step.
@@ -6,7 +6,7 @@
 
 namespace kvstrata {
 
-// What both readers share: the K and V records of one KV head (its values start at head_offset in a token).
+// What both readers share: the K and V records of an item's KV heads (`dim` values from head_offset in a token).
 struct RecordRows {
   const uint8_t* k;
   const uint8_t* v;
@@ -35,7 +35,7 @@ struct Int4Rows : RecordRows {
   int64_t code_bytes, group_size;  // the groups' (minimum, step) pairs follow the codes
   const float* decode(const uint8_t* records, int64_t t) {
     const uint8_t* rec = record(records, t);
-    for (int64_t d = 0; d < dim;) {  // group after group of the head's values
+    for (int64_t d = 0; d < dim;) {  // group after group of the row's values
       const int64_t group = (head_offset + d) / group_size;
       const int64_t end = std::min(dim, (group + 1) * group_size - head_offset);
       const float low = half_at(rec + code_bytes + 4 * group), step = half_at(rec + code_bytes + 4 * group + 2);
@@ -71,9 +71,10 @@ at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_records, at::T
   const uint8_t* k = k_records.data_ptr<uint8_t>();
   const uint8_t* v = v_records.data_ptr<uint8_t>();
   return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale,
-             [&](const int64_t* table, int64_t h) {
-    return Int8Rows{{k, v, table, block, dim, record_bytes, h * dim, std::vector<float>(dim)}, width};
-  });
+             [&](const int64_t* table, int64_t h, int64_t row_heads) {
+    return Int8Rows{{k, v, table, block, row_heads * dim, record_bytes, h * dim, std::vector<float>(row_heads * dim)},
+                    width};
+  }, true);
 }
 
 at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
@@ -86,9 +87,10 @@ at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::T
   const uint8_t* k = k_records.data_ptr<uint8_t>();
   const uint8_t* v = v_records.data_ptr<uint8_t>();
   return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale,
-             [&](const int64_t* table, int64_t h) {
-    return Int4Rows{{k, v, table, block, dim, record_bytes, h * dim, std::vector<float>(dim)}, code_bytes, group_size};
-  });
+             [&](const int64_t* table, int64_t h, int64_t row_heads) {
+    return Int4Rows{{k, v, table, block, row_heads * dim, record_bytes, h * dim, std::vector<float>(row_heads * dim)},
+                    code_bytes, group_size};
+  }, true);
 }
 
 }  // namespace kvstrata

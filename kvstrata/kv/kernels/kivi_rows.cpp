@@ -23,7 +23,7 @@ struct KiviRows {
   std::vector<float> buffer, codes, params;
   int64_t params_block = -1;  // the block whose key params `params` holds: 16 tokens share them
 
-  // The head's codes of one token, as floats.
+  // The row's codes of one token, as floats.
   void unpack(const uint8_t* token_codes) {
     if (head_offset % kPerByte == 0 && dim % kPerByte == 0) {  // whole bytes
       const uint8_t* bytes = token_codes + head_offset / kPerByte;
@@ -51,7 +51,7 @@ struct KiviRows {
   const float* key(int64_t t) {
     if (const float* row = from_window(window_k, t)) return row;
     const int64_t block_id = table[t / block];
-    if (block_id != params_block) {  // (minimum, step) per channel of the head
+    if (block_id != params_block) {  // (minimum, step) per channel of the row
       widen_halves(key_params + (block_id * width + head_offset) * 2, 2 * dim, params.data());
       params_block = block_id;
     }
@@ -64,7 +64,7 @@ struct KiviRows {
     const int64_t slot = slot_of(table, block, t);
     unpack(value_codes + slot * (width * Bits / 8));
     const at::Half* token_params = value_params + slot * (width / value_group) * 2;
-    for (int64_t d = 0; d < dim;) {  // group after group of the head's channels
+    for (int64_t d = 0; d < dim;) {  // group after group of the row's channels
       const int64_t g = (head_offset + d) / value_group, end = std::min(dim, (g + 1) * value_group - head_offset);
       const float low = static_cast<float>(token_params[2 * g]), step = static_cast<float>(token_params[2 * g + 1]);
       for (; d < end; ++d) buffer[d] = low + codes[d] * step;
@@ -78,12 +78,14 @@ at::Tensor attend_kivi(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                        const at::Tensor& window_slot, const at::Tensor& block_tables, const at::Tensor& context_lens,
                        int64_t block, int64_t kv_heads, int64_t value_group, double scale) {
   const int64_t dim = q.size(2), width = kv_heads * dim, num_blocks = keys[1].size(0);
-  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale, [&](const int64_t* table, int64_t h) {
+  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
+             [&](const int64_t* table, int64_t h, int64_t row_heads) {
+    const int64_t row = row_heads * dim;
     return KiviRows<Bits>{keys[0].data_ptr<uint8_t>(), keys[1].data_ptr<at::Half>(), values[0].data_ptr<uint8_t>(),
                           values[1].data_ptr<at::Half>(), keys[2].data_ptr<at::Half>(), values[2].data_ptr<at::Half>(),
-                          window_slot.data_ptr<int64_t>(), table, block, dim, width, value_group, h * dim,
-                          std::vector<float>(dim), std::vector<float>(dim), std::vector<float>(2 * dim)};
-  });
+                          window_slot.data_ptr<int64_t>(), table, block, row, width, value_group, h * dim,
+                          std::vector<float>(row), std::vector<float>(row), std::vector<float>(2 * row)};
+  }, true);
 }
 
 at::Tensor paged_decode_attention_kivi(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,

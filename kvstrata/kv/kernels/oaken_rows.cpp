@@ -1,5 +1,5 @@
-// Oaken's records (kv/formats/oaken/codec.py) and sparse pages (kv/sparse_pages.py), one layer, decoded one KV
-// head's row at a time exactly as decode_tokens does:
+// Oaken's records (kv/formats/oaken/codec.py) and sparse pages (kv/sparse_pages.py), one layer, decoded one item's
+// KV heads (a row) at a time exactly as decode_tokens does:
 //   dense record: width / 2 bytes of nibbles | groups x float16 (minimum, step) | per 64 values, the outlier count;
 //   dense value = code * step + minimum of the dense group, plus the group's lo or hi threshold by the sign of that
 //   sum where the dense group is shifted;
@@ -15,10 +15,12 @@
 namespace kvstrata {
 
 constexpr int64_t kBlockValues = 64;  // values addressed by one 6-bit index
+constexpr int64_t kMaxGroups = 5;  // OakenConfig allows 2 to 5 groups
 
 struct OakenSide {
   const uint8_t* records;
   const uint8_t* sparse;
+  const uint8_t* sparse_end;
   const int64_t* block_pages;
   const int32_t* token_offset;
   const int16_t* token_count;
@@ -28,12 +30,17 @@ struct OakenSide {
   bool shifted;
   float shift_lo, shift_hi;
   int64_t pages_per_block;
+  // For one-byte entries (2 or 3 groups), the four keys' tables in the lanes of a vector (keys 0-3, then again):
+  // where a key's group's minimum and step lie among a record's parameters widened to 8 floats, its sign and its
+  // threshold. Entries then patch 8 at a time (OakenRows::patch_one_byte_entries).
+  __m256i key_minimum_lane, key_step_lane;
+  __m256 key_sign8, key_threshold8;
 };
 
 struct OakenRows {
   OakenSide k, v;
   const int64_t* table;
-  int64_t block, dim, width, record_bytes, groups, dense_group, entry_bytes, page_bytes, head_offset;
+  int64_t block, dim, head_dim, width, record_bytes, groups, dense_group, entry_bytes, page_bytes, head_offset;
   bool fp16_outliers;
   int64_t add_mean;  // 0 none, 1 the mean key as it is, 2 rotated to the position
   bool rotate_key;
@@ -44,14 +51,16 @@ struct OakenRows {
   std::vector<uint8_t> scratch;
 
   // The `n` bytes of a token's sparse entries from logical offset `begin` within its block's pages: a pointer into
-  // the page where they lie in one, else a copy into `scratch` (entries may straddle a page boundary).
+  // the page where they lie in one, else a copy into `scratch` (entries may straddle a page boundary). At least 8
+  // bytes past the last entry can be read (their values are not used): the vector patch loads 8 entries at once.
   const uint8_t* sparse_bytes(const OakenSide& side, int64_t block_id, int64_t begin, int64_t n) {
     if (n == 0) return nullptr;  // a block without outliers may own no page
     const int64_t* pages = side.block_pages + block_id * side.pages_per_block;
     if (begin / page_bytes == (begin + n - 1) / page_bytes) {
-      return side.sparse + pages[begin / page_bytes] * page_bytes + begin % page_bytes;
+      const uint8_t* bytes = side.sparse + pages[begin / page_bytes] * page_bytes + begin % page_bytes;
+      if (bytes + n + 8 <= side.sparse_end) return bytes;
     }
-    scratch.resize(n);
+    scratch.assign(n + 8, 0);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t at = begin + i;
       scratch[i] = side.sparse[pages[at / page_bytes] * page_bytes + at % page_bytes];
@@ -76,38 +85,97 @@ struct OakenRows {
     for (int64_t b = first; b <= last; ++b) count += counts[b];
     const uint8_t* entry =
         sparse_bytes(side, block_id, side.token_offset[slot] + skipped * entry_bytes, count * entry_bytes);
+    if (count == 0) return buffer.data();
+    float* out = buffer.data() - head_offset;  // indexed by the value's place in the record
+    if (fp16_outliers) {
+      for (int64_t b = first; b <= last; ++b) {
+        for (int64_t e = 0; e < counts[b]; ++e, entry += entry_bytes) {
+          const int64_t flat = b * kBlockValues + (entry[0] & 63);
+          if (flat >= head_offset && flat < head_offset + dim) out[flat] = half_at(entry + entry_bytes - 2);
+        }
+      }
+      return buffer.data();
+    }
+    if (entry_bytes == 1) {
+      patch_one_byte_entries(side, rec, params, counts, entry);
+      return buffer.data();
+    }
+    float step[kMaxGroups], minimum[kMaxGroups];  // each group's parameters, widened once per row
+    for (int64_t g = 0; g < groups; ++g) {
+      minimum[g] = half_at(params + 4 * g);
+      step[g] = half_at(params + 4 * g + 2);
+    }
     for (int64_t b = first; b <= last; ++b) {
       for (int64_t e = 0; e < counts[b]; ++e, entry += entry_bytes) {
         const int64_t flat = b * kBlockValues + (entry[0] & 63);
         if (flat < head_offset || flat >= head_offset + dim) continue;
-        float x;
-        if (fp16_outliers) {
-          x = half_at(entry + entry_bytes - 2);
-        } else {
-          const int64_t key = groups <= 3 ? entry[0] >> 6 : entry[1];
-          const int64_t g = side.key_group[key];
-          const float code = static_cast<float>((rec[flat / 2] >> (4 * (flat % 2))) & 15);
-          x = (code * half_at(params + 4 * g + 2) + half_at(params + 4 * g)) * side.key_sign[key] +
-              side.key_threshold[key];
-        }
-        buffer[flat - head_offset] = x;
+        const int64_t key = entry[1], g = side.key_group[key];
+        const float code = static_cast<float>((rec[flat / 2] >> (4 * (flat % 2))) & 15);
+        out[flat] = (code * step[g] + minimum[g]) * side.key_sign[key] + side.key_threshold[key];
       }
     }
     return buffer.data();
   }
 
-  // RoPE at position t of [dim] values (halves layout: value d pairs with d + dim / 2), added to `out` (the rotated
-  // mean key) or written to it (a key quantized before RoPE).
+  // A row's outliers in one-byte entries (index | key << 6), 8 at a time, by the scalar loop's arithmetic:
+  // (code * step + minimum) * sign + threshold, the code being the value's nibble in the record. Lanes past a
+  // block's entries or outside the head write to buffer[dim], a spare place.
+  void patch_one_byte_entries(const OakenSide& side, const uint8_t* rec, const uint8_t* params, const uint8_t* counts,
+                              const uint8_t* entry) {
+    // (minimum, step) of 2 or 3 groups: 8 or 12 bytes, loaded without reading past them
+    __m128i halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(params));
+    if (groups == 3) {
+      int32_t third;
+      std::memcpy(&third, params + 8, sizeof(third));
+      halves = _mm_insert_epi32(halves, third, 2);
+    }
+    const __m256 widened = _mm256_cvtph_ps(halves);
+    const __m256 minimum = _mm256_permutevar8x32_ps(widened, side.key_minimum_lane);
+    const __m256 step = _mm256_permutevar8x32_ps(widened, side.key_step_lane);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), head = _mm256_set1_epi32(head_offset);
+    const __m256i spare = _mm256_set1_epi32(dim), none = _mm256_set1_epi32(-1);
+    const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    alignas(32) float values[8];
+    alignas(32) int32_t places[8];
+    const int64_t first = head_offset / kBlockValues, last = (head_offset + dim - 1) / kBlockValues;
+    for (int64_t b = first; b <= last; entry += counts[b], ++b) {
+      const __m256i block_start = _mm256_set1_epi32(b * kBlockValues);
+      for (int64_t e = 0; e < counts[b]; e += 8) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(entry + e)));
+        const __m256i flat = _mm256_add_epi32(block_start, _mm256_and_si256(bytes, low6));
+        const __m256i key = _mm256_srli_epi32(bytes, 6);
+        const __m256i place = _mm256_sub_epi32(flat, head);
+        const __m256i live =
+            _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(counts[b] - e), lanes),
+                             _mm256_and_si256(_mm256_cmpgt_epi32(place, none), _mm256_cmpgt_epi32(spare, place)));
+        // 4 bytes from the value's nibble byte: within the record for any index of the block, live or not
+        const __m256i word = _mm256_i32gather_epi32(reinterpret_cast<const int*>(rec), _mm256_srli_epi32(flat, 1), 1);
+        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(word, _mm256_slli_epi32(_mm256_and_si256(flat, one), 2)), low4);
+        const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_permutevar8x32_ps(step, key),
+                                         _mm256_permutevar8x32_ps(minimum, key));
+        _mm256_store_ps(values, _mm256_fmadd_ps(x, _mm256_permutevar8x32_ps(side.key_sign8, key),
+                                                _mm256_permutevar8x32_ps(side.key_threshold8, key)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(places), _mm256_blendv_epi8(spare, place, live));
+        for (int i = 0; i < 8; ++i) buffer[places[i]] = values[i];
+      }
+    }
+  }
+
+  // RoPE at position t of each head's values in the row (halves layout: value d pairs with d + head_dim / 2), added
+  // to `out` (the rotated mean key) or written to it (a key quantized before RoPE).
   template <bool Add>
   void rope(const float* __restrict x, int64_t t, float* __restrict out) const {
-    const int64_t half = dim / 2;
-    const float* __restrict c = cos + t * dim;
-    const float* __restrict s = sin + t * dim;
+    const int64_t half = head_dim / 2;
+    const float* __restrict c = cos + t * head_dim;
+    const float* __restrict s = sin + t * head_dim;
+    for (int64_t h = 0; h < dim; h += head_dim) {
 #pragma omp simd
-    for (int64_t d = 0; d < half; ++d) {
-      const float first = x[d] * c[d] - x[d + half] * s[d], second = x[d + half] * c[d + half] + x[d] * s[d + half];
-      out[d] = Add ? out[d] + first : first;
-      out[d + half] = Add ? out[d + half] + second : second;
+      for (int64_t d = h; d < h + half; ++d) {
+        const float first = x[d] * c[d - h] - x[d + half] * s[d - h];
+        const float second = x[d + half] * c[d - h + half] + x[d] * s[d - h + half];
+        out[d] = Add ? out[d] + first : first;
+        out[d + half] = Add ? out[d + half] + second : second;
+      }
     }
   }
 
@@ -140,10 +208,26 @@ static OakenSide side_of(const std::vector<at::Tensor>& t, const std::vector<dou
   TORCH_CHECK(t[5].scalar_type() == at::kLong && t[6].scalar_type() == at::kFloat &&
                   t[7].scalar_type() == at::kFloat && t[5].numel() == t[6].numel() && t[5].numel() == t[7].numel(),
               "paged_decode_attention_oaken: key tables int64, float32, float32 of one size");
-  return OakenSide{t[0].data_ptr<uint8_t>(), t[1].data_ptr<uint8_t>(), t[2].data_ptr<int64_t>(),
-                   t[3].data_ptr<int32_t>(), t[4].data_ptr<int16_t>(), t[5].data_ptr<int64_t>(),
-                   t[6].data_ptr<float>(), t[7].data_ptr<float>(), shift[0] != 0, static_cast<float>(shift[1]),
-                   static_cast<float>(shift[2]), t[2].size(1)};
+  OakenSide side{t[0].data_ptr<uint8_t>(), t[1].data_ptr<uint8_t>(), t[1].data_ptr<uint8_t>() + t[1].numel(),
+                 t[2].data_ptr<int64_t>(), t[3].data_ptr<int32_t>(), t[4].data_ptr<int16_t>(),
+                 t[5].data_ptr<int64_t>(), t[6].data_ptr<float>(), t[7].data_ptr<float>(), shift[0] != 0,
+                 static_cast<float>(shift[1]), static_cast<float>(shift[2]), t[2].size(1)};
+  if (t[5].numel() == 4) {  // one-byte entries
+    alignas(32) int32_t minimum_lane[8], step_lane[8];
+    alignas(32) float sign[8], threshold[8];
+    for (int lane = 0; lane < 8; ++lane) {
+      const int64_t key = lane % 4;
+      minimum_lane[lane] = 2 * side.key_group[key];
+      step_lane[lane] = 2 * side.key_group[key] + 1;
+      sign[lane] = side.key_sign[key];
+      threshold[lane] = side.key_threshold[key];
+    }
+    side.key_minimum_lane = _mm256_load_si256(reinterpret_cast<const __m256i*>(minimum_lane));
+    side.key_step_lane = _mm256_load_si256(reinterpret_cast<const __m256i*>(step_lane));
+    side.key_sign8 = _mm256_load_ps(sign);
+    side.key_threshold8 = _mm256_load_ps(threshold);
+  }
+  return side;
 }
 
 at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
@@ -180,11 +264,13 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
   const float* mean = add_mean != 0 ? key_mean.data_ptr<float>() : nullptr;
   const float* c = positional ? cos.data_ptr<float>() : nullptr;
   const float* s = positional ? sin.data_ptr<float>() : nullptr;
-  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale, [&](const int64_t* table, int64_t h) {
-    return OakenRows{k, v, table, block, dim, width, record_bytes, groups, dense_group, entry_bytes, page_bytes,
-                     h * dim, fp16_outliers, add_mean, rotate_key, mean, c, s, std::vector<float>(dim),
-                     std::vector<float>(dim), std::vector<uint8_t>()};
-  });
+  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
+             [&](const int64_t* table, int64_t h, int64_t row_heads) {
+    return OakenRows{k, v, table, block, row_heads * dim, dim, width, record_bytes, groups, dense_group, entry_bytes,
+                     page_bytes, h * dim, fp16_outliers, add_mean, rotate_key, mean, c, s,
+                     std::vector<float>(row_heads * dim + 1), std::vector<float>(row_heads * dim),
+                     std::vector<uint8_t>()};
+  }, true);
 }
 
 }  // namespace kvstrata

@@ -43,7 +43,9 @@ at::Tensor attend_float(at::Tensor q, const at::Tensor& k_pool, const at::Tensor
   TORCH_CHECK(k_pool.size(3) == dim, "paged_decode_attention: head_dim of q and the pools differ");
   const T* k = k_pool.data_ptr<T>();
   const T* v = v_pool.data_ptr<T>();
-  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale, [&](const int64_t* table, int64_t h) {
+  // a pool holds each KV head apart, so an item is always one head
+  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
+             [&](const int64_t* table, int64_t h, int64_t /* row_heads: 1 */) {
     return FloatRows<T>{k, v, table, block, dim, h * num_blocks * block, std::vector<float>(dim)};
   });
 }
