@@ -78,7 +78,7 @@ struct OakenRows {
     if (side.shifted) {
       for (int64_t d = 0; d < dim; ++d) buffer[d] += buffer[d] >= 0 ? side.shift_hi : side.shift_lo;
     }
-    // the outliers of the 64-value blocks the head covers; entries run in (block, index) order
+    // the outliers of the 64-value blocks the row covers; entries run in (block, index) order
     const int64_t first = head_offset / kBlockValues, last = (head_offset + dim - 1) / kBlockValues;
     int64_t skipped = 0, count = 0;
     for (int64_t b = 0; b < first; ++b) skipped += counts[b];
@@ -97,7 +97,7 @@ struct OakenRows {
       return buffer.data();
     }
     if (entry_bytes == 1) {
-      patch_one_byte_entries(side, rec, params, counts, entry);
+      patch_one_byte_entries(side, rec, params, counts, entry, first, last);
       return buffer.data();
     }
     float step[kMaxGroups], minimum[kMaxGroups];  // each group's parameters, widened once per row
@@ -119,9 +119,9 @@ struct OakenRows {
 
   // A row's outliers in one-byte entries (index | key << 6), 8 at a time, by the scalar loop's arithmetic:
   // (code * step + minimum) * sign + threshold, the code being the value's nibble in the record. Lanes past a
-  // block's entries or outside the head write to buffer[dim], a spare place.
+  // block's entries or outside the row write to buffer[dim], a spare place; blocks first to last are the row's.
   void patch_one_byte_entries(const OakenSide& side, const uint8_t* rec, const uint8_t* params, const uint8_t* counts,
-                              const uint8_t* entry) {
+                              const uint8_t* entry, int64_t first, int64_t last) {
     // (minimum, step) of 2 or 3 groups: 8 or 12 bytes, loaded without reading past them
     __m128i halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(params));
     if (groups == 3) {
@@ -137,7 +137,6 @@ struct OakenRows {
     const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
     alignas(32) float values[8];
     alignas(32) int32_t places[8];
-    const int64_t first = head_offset / kBlockValues, last = (head_offset + dim - 1) / kBlockValues;
     for (int64_t b = first; b <= last; entry += counts[b], ++b) {
       const __m256i block_start = _mm256_set1_epi32(b * kBlockValues);
       for (int64_t e = 0; e < counts[b]; e += 8) {
