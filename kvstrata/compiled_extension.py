@@ -9,6 +9,7 @@ compiler): callers then take their torch path (the coder: constriction's).
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import time
 import warnings
@@ -33,13 +34,22 @@ def clear_stale_lock(build_directory: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def load_extension(name: str, sources: list[Path], extra_flags: tuple[str, ...] = (), what: str = "kernels"):
+def header_flag(sources: list[Path]) -> str:
+    """torch rebuilds an extension when its sources or flags change, not its headers: the hash of the headers beside
+    the sources, passed as a define, makes a changed header a changed flag."""
+    folders = sorted({source.parent for source in sources})
+    headers = b"".join(path.read_bytes() for folder in folders for path in sorted(folder.glob("*.h")))
+    return f"-DKVSTRATA_HEADERS={hashlib.sha256(headers).hexdigest()[:16]}"
+
+
+def load_extension(name: str, sources: list[Path], what: str = "kernels"):
     """The compiled module, or None (with a warning naming `what`) where it cannot be built."""
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         clear_stale_lock(Path(_get_build_directory(name, False)))
-        return load(name=name, sources=[str(s) for s in sources], extra_cflags=[*FLAGS, *extra_flags], verbose=False)
+        flags = [*FLAGS, header_flag(sources)]
+        return load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, verbose=False)
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as exc:  # no compiler, no headers
         warnings.warn(f"the compiled {what} could not be built ({exc}); using the torch path", stacklevel=3)
         return None

@@ -87,3 +87,14 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_recent_one_kept(tmp_path
         compiled_extension.clear_stale_lock(tmp_path)
     assert not lock.exists()
     compiled_extension.clear_stale_lock(tmp_path)  # nothing there: nothing to do
+
+
+def test_a_changed_header_beside_a_source_changes_the_build_flags(tmp_path):
+    """torch rebuilds on changed sources or flags only; a kernel whose header changed must not load stale."""
+    source, header = tmp_path / "kernel.cpp", tmp_path / "rows.h"
+    source.write_text('#include "rows.h"\n')
+    header.write_text("int rows = 4;\n")
+    before = compiled_extension.header_flag([source])
+    assert compiled_extension.header_flag([source]) == before
+    header.write_text("int rows = 8;\n")
+    assert compiled_extension.header_flag([source]) != before

@@ -9,7 +9,6 @@ builds them (the README's set-up does).
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 
 from kvstrata.compiled_extension import load_extension
@@ -21,16 +20,9 @@ SOURCES = [HERE / name for name in ("paged_decode.cpp", "integer_rows.cpp", "kiv
                                          "oaken_encode.cpp", "oaken_store.cpp", "sparse_write.cpp")]
 
 
-def _header_flag() -> str:
-    """torch rebuilds an extension when its sources or flags change, not its headers: the headers' hash, passed as a
-    define, makes a changed header a changed flag."""
-    headers = b"".join(path.read_bytes() for path in sorted(HERE.glob("*.h")))
-    return f"-DKVSTRATA_HEADERS={hashlib.sha256(headers).hexdigest()[:16]}"
-
-
 @functools.cache
 def kernel():
-    compiled = load_extension(NAME, SOURCES, (_header_flag(),), what="KV kernels")
+    compiled = load_extension(NAME, SOURCES, what="KV kernels")
     if compiled is not None:
         fused_decode.register_fake()
     return compiled
