@@ -44,7 +44,8 @@ def attention_policy(engine, layout: StorageLayout, num_slots: int) -> Attention
         cap = HostPoolCap(int(c.kv_host_memory // layout.bytes_per_token), c.kv_host_eviction, mc.num_layers,
                           num_slots, c.block_size, engine.kv_cache.device)
     return InfiniGenAttention(engine.kv_cache, engine.device, row_bytes, stats, infinigen_skew_for(engine),
-                              engine.loaded.model.layer_queries, c.infinigen_settings(), num_slots, cap)
+                              engine.loaded.model.layer_queries, c.infinigen_settings(), num_slots, cap,
+                              compiled_kernels=c.paged_kernel)
 
 
 def infinigen_skew_for(engine) -> InfiniGenSkew:

@@ -9,6 +9,11 @@ those rows per KV head in the host pool and copies them to the device. Layer i t
 plus the step's new token. Layers below `full_layers` and every prefill chunk read their full KV, as `full`
 does. Nothing is evicted: every token stays in the host pool and may be picked again later.
 
+On the CPU, scoring and picking are one compiled call per layer (kv/kernels/infinigen_select.cpp, the float16
+partial keys read where they lie) and layer i attends over its fetched rows with a compiled kernel
+(fetched_attention.cpp); the torch path (speculation.py, a masked batched product) is their reference and runs
+elsewhere. What is fetched is laid out per KV head without padding each sequence (kv/offload/fetch_plan.py).
+
 On a CUDA device the fetch would be issued on a side stream during layer i−1; here it runs in line (no GPU
 has been available to build and check that ordering).
 """
@@ -23,14 +28,16 @@ import torch
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
 from kvstrata.kv.block_pool import BlockPool
+from kvstrata.kv.kernels import paged_decode
+from kvstrata.kv.offload.fetch_plan import FetchPlan, plan_from_selection
 from kvstrata.kv.offload.full_offload import FullOffload, on_device
 from kvstrata.kv.offload.host_pool import HostPoolCap
+from kvstrata.kv.offload.partial_keys import PartialKeys
 from kvstrata.kv.offload.skew import InfiniGenSkew
-from kvstrata.kv.offload.speculation import Selection, select_tokens
+from kvstrata.kv.offload.speculation import select_tokens
 from kvstrata.kv.offload.transfers import OffloadStats
-from kvstrata.kv.paged_cache import gather_rows_per_head
 from kvstrata.kv.preloaded import Preloaded
-from kvstrata.kv.reference_attention import NO_KEY, attend_per_kv_head
+from kvstrata.kv.reference_attention import attend_per_kv_head
 from kvstrata.kv.slots import slots_of_positions
 from kvstrata.kv.storage import KVStorage
 
@@ -63,22 +70,23 @@ class InfiniGenSettings:
 
 @dataclass
 class Fetched:
-    """What the previous layer's input fetched for one decode group: K and V [kv_heads, n, K + 1, D] on the
-    device, the keys' positions [kv_heads, n, K + 1] (-1: padding) and the selection they came from. The last row
-    is the step's own token, filled in at attention."""
+    """What the previous layer's input fetched for one decode group: K and V [kv_heads, R, D] on the device, laid
+    out as `plan` says (each sequence's own token last among its rows, filled in at attention)."""
 
     k: torch.Tensor
     v: torch.Tensor
-    positions: torch.Tensor
-    selection: Selection
+    plan: FetchPlan
 
 
 class InfiniGenAttention(FullOffload):
     def __init__(self, storage: KVStorage, device: torch.device, row_bytes: float, stats: OffloadStats,
                  skew: InfiniGenSkew, layer_queries: LayerQueries, settings: InfiniGenSettings, num_slots: int,
-                 cap: HostPoolCap | None = None):
+                 cap: HostPoolCap | None = None, compiled_kernels: bool = True):
         super().__init__(storage, device, row_bytes, stats)
         self.cap = cap  # --kv-host-memory: what the host pool may hold
+        # on the CPU the speculation and the attention over what it fetched run compiled where the kernels build
+        # (off: --no-paged-kernel)
+        self.kernel = paged_decode.kernel() if compiled_kernels and device.type == "cpu" else None
         if skew.rotation.shape[:3] != (storage.num_layers, *storage.kv_shape):
             raise KvstrataError(f"the infinigen skew has shape {list(skew.rotation.shape[:3])} (layers, KV heads, "
                                 f"head dim); the model's cache has {[storage.num_layers, *storage.kv_shape]}")
@@ -86,7 +94,7 @@ class InfiniGenAttention(FullOffload):
         self.layer_queries = layer_queries
         self.partial_rotation = skew.partial_rotation(settings.partial_ratio).to(device)  # [L, G, D, r]
         layers, kv_heads, _, partial = self.partial_rotation.shape
-        self.partial_keys = torch.zeros(layers, kv_heads, num_slots, partial, device=device)
+        self.partial_keys = PartialKeys(layers, kv_heads, num_slots, partial, storage.block_size, device)
         self._fetched: dict[int, dict[int, Fetched]] = {}  # layer -> id of a decode group of the step -> its fetch
 
     def begin_step(self, batch: AttentionBatch) -> None:
@@ -123,7 +131,7 @@ class InfiniGenAttention(FullOffload):
 
     def _store_partial_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
         partial = torch.einsum("tgd,gdr->gtr", k.to(self.device, torch.float32), self.partial_rotation[layer])
-        self.partial_keys[layer].index_copy_(1, slots.to(self.device), partial)
+        self.partial_keys.write(layer, slots.to(self.device), partial)
 
     def write(self, block_table: list[int], kv: Preloaded, first: int, end: int) -> None:
         """Preloaded KV goes to the host pool; its partial keys, made from what the pool holds, to the device."""
@@ -144,73 +152,81 @@ class InfiniGenAttention(FullOffload):
         q = self.layer_queries(layer, x, q_positions).float()  # [n, heads, D]
         n, heads, dim = q.shape
         kv_heads = self.partial_rotation.shape[1]
-        grouped = q.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [G, n, group, D]
-        q_partial = grouped @ self.partial_rotation[layer][:, None]  # [G, n, group, r]
-        keys = group.keys
+        grouped = q.view(n, kv_heads, heads // kv_heads, dim)
+        q_partial = grouped @ (self.partial_rotation[layer] * dim**-0.5)  # [n, G, group, r], scaled as logits
+        if self.kernel is not None and group.keys.block_tables is not None:
+            plan = self._select_in_place(layer, q_partial, group)
+        else:
+            plan = self._select(layer, q_partial.transpose(0, 1), group)
+        host = self.storage.device
+        k, v = self.storage.gather_per_head(layer, plan.slots[:, None].to(host), plan.positions[:, None].to(host),
+                                            x.dtype)
+        chosen = plan.chosen_rows()
+        if self.cap is not None:
+            self.cap.fetched(layer, plan.slots[chosen].unique().to(host))
+        rows = int(chosen.sum())
+        self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
+        self.stats.decode_rows(layer, fetched=rows, cached=int((group.keys.positions >= 0).sum()) * kv_heads)
+        self.stats.selected_per_head[layer] += int(plan.per_query_head.sum())
+        self.stats.decodes[layer] += n
+        # two buffers in turn: layer i's fetch must outlive layer i+1's, made before layer i attends
+        names = (f"speculated{layer % 2}.k", f"speculated{layer % 2}.v")
+        return Fetched(*self.stats.copy_to(self.buffers, names, k[:, 0], v[:, 0]), plan)
+
+    def _select(self, layer: int, q_partial: torch.Tensor, group: AttentionGroup) -> FetchPlan:
+        """The torch path: q_partial [G, n, group, r]; every cached token's partial key gathered, then scored."""
+        keys, q_positions = group.keys, group.q_positions[:, 0]
         slots = keys.slots
-        k_partial = self._partial_keys_of(layer, keys)  # [G, n, Tk, r]
-        scores = q_partial @ k_partial.transpose(-1, -2) * dim**-0.5
+        partial_keys = (self.partial_keys.of_slots(layer, slots) if keys.block_tables is None
+                        else self.partial_keys.of_blocks(layer, keys.block_tables))  # [G, n, Tk, r]
+        scores = q_partial @ partial_keys.transpose(-1, -2)  # [G, n, group, Tk]
         cached = (keys.positions >= 0) & (keys.positions < q_positions[:, None])  # before this step's token
         if self.cap is not None:  # tokens the capped pool gave up are not there to fetch
             cached &= ~self.cap.dead[layer][slots.to(self.storage.device)].to(self.device)
         recent = keys.positions >= (q_positions - self.settings.recent)[:, None] if self.settings.recent else None
         selection = select_tokens(scores, cached, self.settings.alpha, self.settings.max_fraction, recent)
-        chosen_slots = slots[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
-        positions = keys.positions[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
-        positions = positions.masked_fill(~selection.valid, NO_KEY)
-        # one more row per (head, sequence) for the step's own token, written at attention (no concatenation)
-        chosen_slots = torch.cat((chosen_slots, chosen_slots[..., :1] if chosen_slots.shape[-1] else
-                                  slots[None, :, :1].expand(kv_heads, -1, -1)), dim=-1)
-        positions = torch.cat((positions, q_positions[None, :, None].expand(kv_heads, -1, -1)), dim=-1)
-        host = self.storage.device
-        k, v = self.storage.gather_per_head(layer, chosen_slots.to(host), positions.to(host), x.dtype)
-        if self.cap is not None:
-            self.cap.fetched(layer, chosen_slots[..., :-1][selection.valid].unique().to(host))
-        rows = int(selection.valid.sum())
-        self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
-        self.stats.decode_rows(layer, fetched=rows, cached=int((keys.positions >= 0).sum()) * kv_heads)
-        self.stats.selected_per_head[layer] += int(selection.per_query_head.sum())
-        self.stats.decodes[layer] += n
-        # two buffers in turn: layer i's fetch must outlive layer i+1's, made before layer i attends
-        names = (f"speculated{layer % 2}.k", f"speculated{layer % 2}.v")
-        return Fetched(*self.stats.copy_to(self.buffers, names, k, v), positions, selection)
+        return plan_from_selection(selection, slots, keys.positions, q_positions)
 
-    def _partial_keys_of(self, layer: int, keys: CachedKeys) -> torch.Tensor:
-        """The partial keys [G, n, Tk, r] of `keys`: whole blocks copied block by block where the keys are whole
-        blocks (several times faster on CPU than slot by slot)."""
-        partial = self.partial_keys[layer]  # [G, slots, r]
-        if keys.block_tables is None:
-            return partial[:, keys.slots]
-        by_block = partial.view(partial.shape[0], -1, self.storage.block_size * partial.shape[-1])
-        out = gather_rows_per_head(by_block, keys.block_tables.reshape(-1))
-        return out.view(partial.shape[0], *keys.positions.shape, partial.shape[-1])
+    def _select_in_place(self, layer: int, q_partial: torch.Tensor, group: AttentionGroup) -> FetchPlan:
+        """The compiled path (kv/kernels/infinigen_select.cpp): the same choice, the partial keys read where they
+        lie through the block tables."""
+        dead = self.cap.dead[layer] if self.cap is not None else torch.empty(0, dtype=torch.bool)
+        with torch.profiler.record_function("kvstrata::infinigen_select"):  # named in profiles
+            return FetchPlan(*self.kernel.infinigen_select(
+                q_partial, self.partial_keys.data[layer], group.keys.block_tables, group.q_positions[:, 0], dead,
+                self.storage.block_size, self.settings.alpha, self.settings.max_fraction, self.settings.recent))
 
     def attend_group(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      group: AttentionGroup) -> torch.Tensor:
         fetched = self._fetched.get(layer, {}).get(id(group))
         if fetched is None:
             return super().attend_group(layer, q, k_new, v_new, group)
-        # the fetched tokens plus, in the last row, the step's own, which is on the device already
-        k, v = fetched.k, fetched.v
-        k[:, :, -1] = k_new.transpose(0, 1)
-        v[:, :, -1] = v_new.transpose(0, 1)
-        mask = fetched.positions >= 0
-        queries = q.view(group.num_sequences, 1, *q.shape[1:])
+        # the fetched tokens plus, in each sequence's last row, the step's own, which is on the device already
+        k, v, plan = fetched.k, fetched.v, fetched.plan
+        heads = torch.arange(k.shape[0], device=k.device)[:, None]
+        k[heads, plan.own_rows] = k_new.transpose(0, 1)
+        v[heads, plan.own_rows] = v_new.transpose(0, 1)
         if self.settings.diagnostics:
-            self._count_recall(layer, queries, group, fetched.selection)
-        return attend_per_kv_head(queries, k, v, mask[:, :, None]).flatten(0, 1)
+            self._count_recall(layer, q, group, plan)
+        if self.kernel is not None and q.dtype == torch.float32:
+            with torch.profiler.record_function("kvstrata::fetched_attention"):  # named in profiles
+                return self.kernel.fetched_attention(q, k, v, plan.offsets, q.shape[-1] ** -0.5)
+        # the torch path: every sequence's queries against all of a head's rows, masked to the sequence's own
+        mask = plan.sequence_of_rows()[:, None, :] == torch.arange(group.num_sequences, device=k.device)[:, None]
+        return attend_per_kv_head(q[None], k[:, None], v[:, None], mask[:, None])[0]
 
-    def _count_recall(self, layer: int, queries: torch.Tensor, group: AttentionGroup, selection: Selection) -> None:
+    def _count_recall(self, layer: int, queries: torch.Tensor, group: AttentionGroup, plan: FetchPlan) -> None:
         """Diagnostics: the share of each query head's true attention mass (over every cached key) that falls on
-        the tokens its KV head fetched plus the step's own token. The full keys are read without being counted."""
+        the tokens its KV head fetched plus the step's own token. The full keys are read without being counted;
+        decode keys are whole blocks, so a key's column is its position."""
         k, _ = self.storage.gather_keys(layer, on_device(group.keys, self.storage.device), queries.dtype)
-        n, _, heads, dim = queries.shape
+        n, heads, dim = queries.shape
         kv_heads = k.shape[2]
-        grouped = queries[:, 0].view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1).float()
+        grouped = queries.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1).float()
         scores = grouped @ k.permute(2, 0, 3, 1).to(self.device).float() * dim**-0.5  # [G, n, group, Tk]
         mask = group.keys.mask_for(group)  # [n, 1, Tk]
         probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
-        chosen = selection.chosen(scores.shape[-1])
+        chosen = plan.chosen_mask(scores.shape[-1])
         own = group.keys.positions == group.q_positions  # the step's token
         chosen = torch.maximum(chosen, own[None].float())
         self.stats.recall_mass += float((probs * chosen[:, :, None]).sum())
