@@ -29,31 +29,41 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 constexpr int64_t kHeadsTogether = 4;  // query heads scored in one pass over a block's partial keys
 constexpr int64_t kFewCandidates = 64;  // the top-k search sorts out this many logits at most
 
-// Logits of kHeadsTogether query heads (queries [kHeadsTogether, r]) against the first `count` tokens of a block
-// whose partial keys are float16 [r, block], into rows `stride` apart. Eight tokens at a time keep one accumulator
-// per head in a register over all r channels.
+// Logits of `Heads` query heads (queries [Heads, r]) against the first `count` tokens of a block whose partial keys
+// are float16 [r, block], into rows `stride` apart. Eight tokens at a time keep one accumulator per head in a
+// register over all r channels.
+template <int Heads>
 void score_block(const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t count, float* out,
-                 int64_t stride, int64_t heads) {
+                 int64_t stride) {
   int64_t j = 0;
   if (block % 8 == 0) {
     for (; j + 8 <= count; j += 8) {
-      __m256 acc[kHeadsTogether];
+      __m256 acc[Heads];
       for (auto& a : acc) a = _mm256_setzero_ps();
       for (int64_t d = 0; d < r; ++d) {
         const __m256 channel = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + d * block + j)));
-        for (int64_t h = 0; h < kHeadsTogether; ++h) {
-          acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(queries[h * r + d]), channel, acc[h]);
-        }
+        for (int h = 0; h < Heads; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(queries[h * r + d]), channel, acc[h]);
       }
-      for (int64_t h = 0; h < heads; ++h) _mm256_storeu_ps(out + h * stride + j, acc[h]);
+      for (int h = 0; h < Heads; ++h) _mm256_storeu_ps(out + h * stride + j, acc[h]);
     }
   }
   for (; j < count; ++j) {
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int h = 0; h < Heads; ++h) {
       float sum = 0.0f;
       for (int64_t d = 0; d < r; ++d) sum += queries[h * r + d] * static_cast<float>(keys[d * block + j]);
       out[h * stride + j] = sum;
     }
+  }
+}
+
+// score_block for 1 to kHeadsTogether heads.
+void score_block(int64_t heads, const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t count,
+                 float* out, int64_t stride) {
+  switch (heads) {
+    case 1: return score_block<1>(queries, r, keys, block, count, out, stride);
+    case 2: return score_block<2>(queries, r, keys, block, count, out, stride);
+    case 3: return score_block<3>(queries, r, keys, block, count, out, stride);
+    default: return score_block<kHeadsTogether>(queries, r, keys, block, count, out, stride);
   }
 }
 
@@ -109,10 +119,11 @@ Counts count_at(const float* row, int64_t len, float x) {
 }
 
 // The k-th largest logit of a row (k >= 1; -inf where fewer than k are finite). The answer lies in [low, high],
-// with at least k logits >= low and fewer than k > high; the bracket is halved by value until few logits lie in
+// with at least k logits >= low and fewer than k > high; the bracket is narrowed by value until few logits lie in
 // it, and only those are searched (nth_element over every token costs several times more). Counting the row
-// against a value is one vector pass. `threshold` (the alpha cut) with `above_threshold` logits above it, known
-// already, narrows the first bracket.
+// against a value is one vector pass; each cut goes where the counts, taken as linear in the value across the
+// bracket, reach k (kept off the ends, so a cut removes a tenth of the bracket at least). `threshold` (the alpha
+// cut) with `above_threshold` logits above it, known already, narrows the first bracket.
 float kth_largest(const float* row, int64_t len, int64_t k, const RowSummary& summary, float threshold,
                   int64_t above_threshold, std::vector<float>& work) {
   if (summary.finite < k) return kNegativeInfinity;
@@ -126,7 +137,8 @@ float kth_largest(const float* row, int64_t len, int64_t k, const RowSummary& su
     }
   }
   while (at_least_low - above_high > kFewCandidates) {
-    const float middle = low + (high - low) * 0.5f;
+    const float share = static_cast<float>(at_least_low - k) / static_cast<float>(at_least_low - above_high);
+    const float middle = low + (high - low) * std::clamp(share, 0.1f, 0.9f);
     if (!(middle > low && middle < high)) break;  // the bracket is as narrow as floats go
     const Counts counts = count_at(row, len, middle);
     if (counts.at_least >= k) {
@@ -232,19 +244,17 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   std::vector<RowSummary> summaries(n * heads);
   std::vector<int64_t> counts(n * heads);
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, g = item % kv_heads, len = lens[s];
       const uint8_t* gone = dead_at ? gone_tokens.data() + s * longest : nullptr;
       float* rows = logits.data() + (s * heads + g * group) * longest;
       for (int64_t h0 = 0; h0 < group; h0 += kHeadsTogether) {
         const int64_t together = std::min(kHeadsTogether, group - h0);
-        queries.assign(kHeadsTogether * r, 0.0f);  // absent heads score zero queries, never stored
-        std::copy_n(qp + ((s * kv_heads + g) * group + h0) * r, together * r, queries.begin());
+        const float* queries = qp + ((s * kv_heads + g) * group + h0) * r;
         for (int64_t first = 0; first < len; first += block) {
           const at::Half* block_keys = keys + (g * num_blocks + tables[s * width + first / block]) * r * block;
-          score_block(queries.data(), r, block_keys, block, std::min(block, len - first),
-                      rows + h0 * longest + first, longest, together);
+          score_block(together, queries, r, block_keys, block, std::min(block, len - first),
+                      rows + h0 * longest + first, longest);
         }
       }
       for (int64_t h = 0; h < group; ++h) {
@@ -314,7 +324,8 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   auto chosen_slots = at::full({kv_heads, rows}, slot_of(tables, block, lens[0]), at::kLong);
   int64_t* position_at = positions.data_ptr<int64_t>();
   int64_t* slot_at = chosen_slots.data_ptr<int64_t>();
-  for (int64_t g = 0; g < kv_heads; ++g) {
+  at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
+  for (int64_t g = begin; g < end; ++g) {
     for (int64_t s = 0; s < n; ++s) {
       const int64_t* table = tables + s * width;
       const std::vector<int64_t>& tokens = chosen[s * kv_heads + g];
@@ -325,6 +336,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
       slot_row[tokens.size()] = slot_of(table, block, lens[s]);
     }
   }
+  });
   return {positions, chosen_slots, offsets, per_query_head};
 }
 
