@@ -397,3 +397,14 @@ def test_attention_over_fetched_rows_compiled_equals_the_masked_torch_product():
     torch.testing.assert_close(kernel.fetched_attention(q, k, v, offsets, 8**-0.5), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="at least one"):
         kernel.fetched_attention(q, k, v, torch.tensor([[0, 1, 1, 11], [0, 6, 7, 9]]), 8**-0.5)
+
+
+def test_gathering_rows_compiled_equals_index_select():
+    kernel = paged_decode.kernel()
+    gen = torch.Generator().manual_seed(6)
+    k, v = torch.randn(2, 3, 40, 8, generator=gen).unbind(0)
+    slots = torch.randint(0, 40, (3, 17), generator=gen)
+    for pool, got in zip((k, v), kernel.gather_rows([k, v], slots)):
+        assert torch.equal(got, torch.stack([pool[h].index_select(0, slots[h]) for h in range(3)]))
+    with pytest.raises(RuntimeError, match="slot 40 out of range"):
+        kernel.gather_rows([k, v], torch.full((3, 2), 40))

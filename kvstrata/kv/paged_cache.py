@@ -59,16 +59,19 @@ class PagedKVCache(KVStorage):
                                                slots.reshape(-1)), n, width, dtype) for cache in (self.k, self.v))
 
     def gather_per_head(self, layer, slots, positions, dtype):
-        """One index_select per head over that head's own rows: only the selected tokens are read."""
+        """Each head's own rows: only the selected tokens are read (compiled: K and V of every head in one call;
+        else one index_select per head)."""
         kv_heads, n, width = slots.shape
-        out = []
-        for cache in (self.k, self.v):
-            rows = cache[layer].view(kv_heads, -1, self.kv_shape[1])
-            gathered = torch.empty(kv_heads, n * width, self.kv_shape[1], dtype=cache.dtype, device=cache.device)
-            for head in range(kv_heads):
-                torch.index_select(rows[head], 0, slots[head].reshape(-1), out=gathered[head])
-            out.append(gathered.view(kv_heads, n, width, self.kv_shape[1]).to(dtype))
-        return tuple(out)
+        pools = [cache[layer].view(kv_heads, -1, self.kv_shape[1]) for cache in (self.k, self.v)]
+        if self.decode_kernel is not None:
+            gathered = self.decode_kernel.gather_rows(pools, slots.reshape(kv_heads, -1))
+        else:
+            gathered = [torch.empty(kv_heads, n * width, self.kv_shape[1], dtype=pool.dtype, device=pool.device)
+                        for pool in pools]
+            for pool, out in zip(pools, gathered):
+                for head in range(kv_heads):
+                    torch.index_select(pool[head], 0, slots[head].reshape(-1), out=out[head])
+        return tuple(rows.view(kv_heads, n, width, self.kv_shape[1]).to(dtype) for rows in gathered)
 
     def attend_in_place(self, layer, q, keys, context_lens):
         if self.decode_kernel is None or q.dtype != torch.float32:

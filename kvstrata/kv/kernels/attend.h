@@ -216,8 +216,9 @@ int64_t sparse_write(std::vector<at::Tensor> layer_tensors, at::Tensor slots, at
 std::vector<int64_t> oaken_store(at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor slots,
                                  std::vector<at::Tensor> k_side, std::vector<at::Tensor> v_side,
                                  std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos, at::Tensor sin);
-// InfiniGen's speculation of the tokens a layer's decodes fetch (infinigen_select.cpp), and attention over them
-// (fetched_attention.cpp).
+// InfiniGen's speculation of the tokens a layer's decodes fetch (infinigen_select.cpp), their gather from float
+// pools (gather_rows.cpp) and attention over them (fetched_attention.cpp).
+std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor slots);
 at::Tensor fetched_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor offsets, double scale);
 std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partial_keys, at::Tensor block_tables,
                                          at::Tensor q_positions, at::Tensor dead, int64_t block, double alpha,

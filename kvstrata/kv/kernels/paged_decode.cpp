@@ -101,6 +101,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("oaken_store", &kvstrata::oaken_store, "Oaken's store of one layer's new K and V: encode and write both");
   m.def("infinigen_select", &kvstrata::infinigen_select,
         "InfiniGen's speculated logits against the partial keys in place, and the tokens each KV head fetches");
+  m.def("gather_rows", &kvstrata::gather_rows, "rows of float KV pools gathered per KV head, all pools in one call");
   m.def("fetched_attention", &kvstrata::fetched_attention,
         "decode attention over rows fetched per KV head, each sequence's rows one after another");
   m.def("oaken_encode", &kvstrata::oaken_encode, "Oaken's per-token encoder, the bytes of codec.encode_tokens");

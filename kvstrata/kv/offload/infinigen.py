@@ -161,10 +161,9 @@ class InfiniGenAttention(FullOffload):
         host = self.storage.device
         k, v = self.storage.gather_per_head(layer, plan.slots[:, None].to(host), plan.positions[:, None].to(host),
                                             x.dtype)
-        chosen = plan.chosen_rows()
         if self.cap is not None:
-            self.cap.fetched(layer, plan.slots[chosen].unique().to(host))
-        rows = int(chosen.sum())
+            self.cap.fetched(layer, plan.slots[plan.chosen_rows()].unique().to(host))
+        rows = int((plan.positions >= 0).sum()) - plan.own_rows.numel()  # the own tokens' rows are not fetched
         self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
         self.stats.decode_rows(layer, fetched=rows, cached=int((group.keys.positions >= 0).sum()) * kv_heads)
         self.stats.selected_per_head[layer] += int(plan.per_query_head.sum())

@@ -1,0 +1,51 @@
+// Rows of float KV pools gathered per KV head in one call (InfiniGen's fetch from the host pool): for every pool
+// [kv_heads, slots, dim] (K and V, any element type), out[g][i] = pool[g][slots[g][i]]. The rows a decode step
+// fetches are scattered over the pool, so each is a few cache lines read from memory; the next rows' lines are
+// requested ahead while one is copied, and the heads' rows are spread over torch's threads.
+#include <torch/extension.h>
+
+#include <cstring>
+
+#include "attend.h"
+
+namespace kvstrata {
+
+std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor slots) {
+  TORCH_CHECK(!pools.empty() && slots.dim() == 2 && slots.scalar_type() == at::kLong,
+              "gather_rows: slots must be int64 [kv_heads, rows]");
+  slots = slots.contiguous();
+  const int64_t kv_heads = slots.size(0), rows = slots.size(1);
+  const int64_t num_slots = pools[0].size(1);
+  for (const auto& pool : pools) {
+    TORCH_CHECK(pool.dim() == 3 && pool.is_contiguous() && pool.size(0) == kv_heads && pool.size(1) == num_slots &&
+                    pool.sizes() == pools[0].sizes() && pool.scalar_type() == pools[0].scalar_type(),
+                "gather_rows: pools must be contiguous [kv_heads, slots, dim] of one shape and dtype");
+  }
+  const int64_t* index = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < kv_heads * rows; ++i) {  // bad input raises here, not inside the parallel region
+    TORCH_CHECK(index[i] >= 0 && index[i] < num_slots, "gather_rows: slot ", index[i], " out of range");
+  }
+  const int64_t row_bytes = pools[0].size(2) * pools[0].element_size();
+  constexpr int64_t kAhead = 8;  // rows whose lines are requested before they are copied
+  std::vector<at::Tensor> outs;
+  for (const auto& pool : pools) {
+    outs.push_back(at::empty({kv_heads, rows, pool.size(2)}, pool.options()));
+  }
+  for (size_t p = 0; p < pools.size(); ++p) {
+    const char* from = static_cast<const char*>(pools[p].data_ptr());
+    char* to = static_cast<char*>(outs[p].data_ptr());
+    at::parallel_for(0, kv_heads * rows, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t g = i / rows;
+        if (i + kAhead < end) {
+          const char* ahead = from + ((i + kAhead) / rows * num_slots + index[i + kAhead]) * row_bytes;
+          for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        }
+        std::memcpy(to + i * row_bytes, from + (g * num_slots + index[i]) * row_bytes, row_bytes);
+      }
+    });
+  }
+  return outs;
+}
+
+}  // namespace kvstrata
