@@ -383,8 +383,9 @@ def test_the_compiled_selection_chooses_what_the_torch_path_does(alpha, max_frac
 
 
 def test_attention_over_fetched_rows_compiled_equals_the_masked_torch_product():
-    """Sequences of 1 to 6 rows per KV head, padding after a head's last row: each sequence's query heads attend
-    over exactly their own rows."""
+    """Sequences of 1 to 6 rows per KV head, one after another with padding after a head's last row (InfiniGen's
+    plan), or with gaps between them (`full`'s whole contexts): each sequence's query heads attend over exactly
+    their own rows."""
     kernel = paged_decode.kernel()
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(3, 6, 8, generator=gen)  # 3 sequences, 6 query heads over 2 KV heads
@@ -394,9 +395,15 @@ def test_attention_over_fetched_rows_compiled_equals_the_masked_torch_product():
                      torch.zeros(3, dtype=torch.long))
     mask = plan.sequence_of_rows()[:, None, :] == torch.arange(3)[:, None]
     want = attend_per_kv_head(q[None], k[:, None], v[:, None], mask[:, None])[0]
-    torch.testing.assert_close(kernel.fetched_attention(q, k, v, offsets, 8**-0.5), want, rtol=1e-5, atol=1e-5)
+    got = kernel.fetched_attention(q, k, v, offsets[:, :-1], offsets.diff(dim=-1), 8**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    starts, lengths = torch.tensor([[0, 4, 8]]).expand(2, 3), torch.tensor([[2, 4, 1]]).expand(2, 3)
+    rows = torch.arange(11)
+    mask = (rows >= starts[..., None]) & (rows < (starts + lengths)[..., None])  # [2, 3, 11]
+    want = attend_per_kv_head(q[None], k[:, None], v[:, None], mask[:, None])[0]
+    torch.testing.assert_close(kernel.fetched_attention(q, k, v, starts, lengths, 8**-0.5), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="at least one"):
-        kernel.fetched_attention(q, k, v, torch.tensor([[0, 1, 1, 11], [0, 6, 7, 9]]), 8**-0.5)
+        kernel.fetched_attention(q, k, v, starts, torch.tensor([[2, 0, 1]]).expand(2, 3), 8**-0.5)
 
 
 def test_gathering_rows_compiled_equals_index_select():

@@ -36,7 +36,7 @@ def attention_policy(engine, layout: StorageLayout, num_slots: int) -> Attention
     stats = OffloadStats(mc.num_layers, parse_link(c.kv_link))
     row_bytes = layout.bytes_per_token / (mc.num_layers * mc.num_kv_heads)
     if c.kv_offload == "full":
-        return FullOffload(engine.kv_cache, engine.device, row_bytes, stats)
+        return FullOffload(engine.kv_cache, engine.device, row_bytes, stats, compiled_kernels=c.paged_kernel)
     if c.kv_offload == "h2o":
         return H2OAttention(engine.kv_cache, c.h2o_budget, num_slots, stats)
     cap = None

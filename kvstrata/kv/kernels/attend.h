@@ -219,7 +219,8 @@ std::vector<int64_t> oaken_store(at::Tensor k, at::Tensor v, at::Tensor position
 // InfiniGen's speculation of the tokens a layer's decodes fetch (infinigen_select.cpp), their gather from float
 // pools (gather_rows.cpp) and attention over them (fetched_attention.cpp).
 std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor slots);
-at::Tensor fetched_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor offsets, double scale);
+at::Tensor fetched_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor starts, at::Tensor lengths,
+                             double scale);
 std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partial_keys, at::Tensor block_tables,
                                          at::Tensor q_positions, at::Tensor dead, int64_t block, double alpha,
                                          double max_fraction, int64_t recent);

@@ -103,6 +103,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "InfiniGen's speculated logits against the partial keys in place, and the tokens each KV head fetches");
   m.def("gather_rows", &kvstrata::gather_rows, "rows of float KV pools gathered per KV head, all pools in one call");
   m.def("fetched_attention", &kvstrata::fetched_attention,
-        "decode attention over rows fetched per KV head, each sequence's rows one after another");
+        "decode attention over K/V rows fetched per KV head, a run of rows per sequence");
   m.def("oaken_encode", &kvstrata::oaken_encode, "Oaken's per-token encoder, the bytes of codec.encode_tokens");
 }

@@ -12,19 +12,24 @@ import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
 from kvstrata.kv.attention_policy import AttentionPolicy
+from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.offload.transfers import OffloadStats, WorkingBuffers
 from kvstrata.kv.reference_attention import attend
 from kvstrata.kv.storage import KVStorage
 
 
 class FullOffload(AttentionPolicy):
-    def __init__(self, storage: KVStorage, device: torch.device, row_bytes: float, stats: OffloadStats):
+    def __init__(self, storage: KVStorage, device: torch.device, row_bytes: float, stats: OffloadStats,
+                 compiled_kernels: bool = True):
         """row_bytes: what one token of one KV head of one layer (K and V) takes in the host pool's format."""
         super().__init__(storage)
         self.device = device
         self.row_bytes = row_bytes
         self.stats = stats
         self.buffers = WorkingBuffers(device)  # where fetched K/V land on the device
+        # on the CPU, decodes attend over what was copied with a compiled kernel where the kernels build (off:
+        # --no-paged-kernel), as they do without offload
+        self.kernel = paged_decode.kernel() if compiled_kernels and device.type == "cpu" else None
 
     def attention(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   batch: AttentionBatch) -> torch.Tensor:
@@ -48,10 +53,23 @@ class FullOffload(AttentionPolicy):
         if group.is_decode:
             rows = int((keys.positions >= 0).sum()) * self.storage.kv_shape[0]
             self.stats.decode_rows(layer, fetched=rows, cached=rows)
+        readable = self.readable(layer, keys)
+        if (group.is_decode and readable is None and keys.block_tables is not None and self.kernel is not None
+                and q.dtype == torch.float32):
+            return self._attend_whole_contexts(q, k, v, group)
         queries = q.view(group.num_sequences, -1, *q.shape[1:])
         mask = keys.mask_for(group)
-        readable = self.readable(layer, keys)
         return attend(queries, k, v, mask if readable is None else mask & readable[:, None]).flatten(0, 1)
+
+    def _attend_whole_contexts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               group: AttentionGroup) -> torch.Tensor:
+        """Decodes over their whole copied contexts (k, v [n, Tk, kv_heads, D], whole blocks: sequence s's tokens are
+        its first context_lens[s] rows), compiled (kv/kernels/fetched_attention.cpp)."""
+        n, width, kv_heads, dim = k.shape
+        rows = [x.permute(2, 0, 1, 3).reshape(kv_heads, n * width, dim) for x in (k, v)]  # heads outermost: views
+        starts = (torch.arange(n) * width).expand(kv_heads, n)
+        with torch.profiler.record_function("kvstrata::fetched_attention"):  # named in profiles
+            return self.kernel.fetched_attention(q, *rows, starts, group.context_lens.expand(kv_heads, n), dim**-0.5)
 
     def readable(self, layer: int, keys: CachedKeys) -> torch.Tensor | None:
         """Which of `keys` [n, Tk] this layer may still read (None: all; InfiniGen's capped pool gives some up)."""

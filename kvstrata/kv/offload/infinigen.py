@@ -28,7 +28,6 @@ import torch
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
 from kvstrata.kv.block_pool import BlockPool
-from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.offload.fetch_plan import FetchPlan, plan_from_selection
 from kvstrata.kv.offload.full_offload import FullOffload, on_device
 from kvstrata.kv.offload.host_pool import HostPoolCap
@@ -82,11 +81,10 @@ class InfiniGenAttention(FullOffload):
     def __init__(self, storage: KVStorage, device: torch.device, row_bytes: float, stats: OffloadStats,
                  skew: InfiniGenSkew, layer_queries: LayerQueries, settings: InfiniGenSettings, num_slots: int,
                  cap: HostPoolCap | None = None, compiled_kernels: bool = True):
-        super().__init__(storage, device, row_bytes, stats)
-        self.cap = cap  # --kv-host-memory: what the host pool may hold
         # on the CPU the speculation and the attention over what it fetched run compiled where the kernels build
         # (off: --no-paged-kernel)
-        self.kernel = paged_decode.kernel() if compiled_kernels and device.type == "cpu" else None
+        super().__init__(storage, device, row_bytes, stats, compiled_kernels)
+        self.cap = cap  # --kv-host-memory: what the host pool may hold
         if skew.rotation.shape[:3] != (storage.num_layers, *storage.kv_shape):
             raise KvstrataError(f"the infinigen skew has shape {list(skew.rotation.shape[:3])} (layers, KV heads, "
                                 f"head dim); the model's cache has {[storage.num_layers, *storage.kv_shape]}")
@@ -209,7 +207,8 @@ class InfiniGenAttention(FullOffload):
             self._count_recall(layer, q, group, plan)
         if self.kernel is not None and q.dtype == torch.float32:
             with torch.profiler.record_function("kvstrata::fetched_attention"):  # named in profiles
-                return self.kernel.fetched_attention(q, k, v, plan.offsets, q.shape[-1] ** -0.5)
+                return self.kernel.fetched_attention(q, k, v, plan.offsets[:, :-1], plan.offsets.diff(dim=-1),
+                                                     q.shape[-1] ** -0.5)
         # the torch path: every sequence's queries against all of a head's rows, masked to the sequence's own
         mask = plan.sequence_of_rows()[:, None, :] == torch.arange(group.num_sequences, device=k.device)[:, None]
         return attend_per_kv_head(q[None], k[:, None], v[:, None], mask[:, None])[0]
