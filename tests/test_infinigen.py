@@ -415,3 +415,21 @@ def test_gathering_rows_compiled_equals_index_select():
         assert torch.equal(got, torch.stack([pool[h].index_select(0, slots[h]) for h in range(3)]))
     with pytest.raises(RuntimeError, match="slot 40 out of range"):
         kernel.gather_rows([k, v], torch.full((3, 2), 40))
+
+
+def test_the_compiled_selection_survives_nan_partial_keys(tiny_llama, skew_files):
+    """A corrupt cache's NaN logits are never preferred and never upset the search: every sequence still gets its
+    count of tokens per query head (its request then fails on its own, on non-finite logits)."""
+    engine = engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]))
+    policy = engine.attention
+    policy.partial_keys.data[1] = float("nan")
+    policy.partial_keys.data[1, :, 0] = 1.0  # block 0 stays finite
+    context_lens = torch.tensor([40, 40])
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    group = AttentionGroup(slice(0, 2), (context_lens - 1)[:, None], context_lens,
+                           whole_block_keys(tables, context_lens, policy.storage.block_size))
+    _, kv_heads, _, partial = policy.partial_rotation.shape
+    plan = policy._select_in_place(1, torch.ones(2, kv_heads, 2, partial), group)
+    assert (plan.per_query_head >= 1).all() and ((plan.positions >= 0) & (plan.positions < 40)).any()
+    assert torch.equal(plan.offsets[:, 1:] - plan.offsets[:, :-1] >= plan.per_query_head + 1,
+                       torch.ones_like(plan.offsets[:, 1:], dtype=torch.bool))
