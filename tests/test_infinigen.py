@@ -22,7 +22,7 @@ from kvstrata.kv.attention_batch import AttentionGroup, whole_block_keys
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.offload import transfers
-from kvstrata.kv.offload.fetch_plan import FetchPlan
+from kvstrata.kv.offload.fetch_plan import FetchPlan, attend_over_plan
 from kvstrata.kv.offload.host_pool import COUNTER_LIMIT, EVICTION_POLICIES, HostPoolCap
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.offload.skew import ForeignSkewError, InfiniGenSkew
@@ -350,15 +350,18 @@ def test_the_recent_window_is_always_read():
     assert selection.chosen(6).tolist() == [[[1, 0, 0, 1, 1, 0]]]
 
 
-@pytest.mark.parametrize(("alpha", "max_fraction", "recent", "capped"),
-                         [(1.0, 0.2, 0, False), (3.0, 0.5, 4, True), (math.inf, 1.0, 0, False), (0.5, 1.0, 40, True)])
-def test_the_compiled_selection_chooses_what_the_torch_path_does(alpha, max_fraction, recent, capped, tiny_llama,
-                                                                 skew_files):
-    """Random partial keys and queries, scattered blocks, sequences of different lengths (one with nothing cached
-    yet), tokens a capped pool gave up: the kernel's plan (positions, slots, offsets, counts) is the torch path's."""
+@pytest.mark.parametrize(("alpha", "max_fraction", "recent", "capped", "block_size"),
+                         [(1.0, 0.2, 0, False, 16), (3.0, 0.5, 4, True, 16), (math.inf, 1.0, 0, False, 16),
+                          (0.5, 1.0, 40, True, 16), (2.0, 0.3, 8, False, 12)])
+def test_the_compiled_selection_chooses_what_the_torch_path_does(alpha, max_fraction, recent, capped, block_size,
+                                                                 tiny_llama, skew_files):
+    """Random partial keys and queries, scattered blocks (of 16 tokens, and of 12: not whole vectors of 8),
+    sequences of different lengths (one with nothing cached yet), tokens a capped pool gave up: the kernel's plan
+    (positions, slots, offsets, counts) is the torch path's."""
     options = {"kv_host_memory": "4MiB"} if capped else {}
     engine = engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]),
-                        infinigen_alpha=alpha, infinigen_max_fraction=max_fraction, infinigen_recent=recent, **options)
+                        infinigen_alpha=alpha, infinigen_max_fraction=max_fraction, infinigen_recent=recent,
+                        block_size=block_size, **options)
     policy = engine.attention
     assert policy.kernel is not None
     gen = torch.Generator().manual_seed(3)
@@ -368,7 +371,7 @@ def test_the_compiled_selection_chooses_what_the_torch_path_does(alpha, max_frac
     if capped:
         policy.cap.dead[layer] = torch.rand(policy.cap.dead.shape[1], generator=gen) < 0.3
     context_lens = torch.tensor([1, 37, 160, 96])
-    tables = torch.randperm(num_blocks, generator=gen)[:4 * 10].view(4, 10)
+    tables = torch.randperm(num_blocks, generator=gen)[:4 * 14].view(4, 14)
     group = AttentionGroup(slice(0, 4), (context_lens - 1)[:, None], context_lens,
                            whole_block_keys(tables, context_lens, block))
     _, kv_heads, _, partial = policy.partial_rotation.shape
@@ -397,6 +400,7 @@ def test_attention_over_fetched_rows_compiled_equals_the_masked_torch_product():
     want = attend_per_kv_head(q[None], k[:, None], v[:, None], mask[:, None])[0]
     got = kernel.fetched_attention(q, k, v, offsets[:, :-1], offsets.diff(dim=-1), 8**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attend_over_plan(q, k, v, plan), want, rtol=1e-5, atol=1e-5)  # the torch path
     starts, lengths = torch.tensor([[0, 4, 8]]).expand(2, 3), torch.tensor([[2, 4, 1]]).expand(2, 3)
     rows = torch.arange(11)
     mask = (rows >= starts[..., None]) & (rows < (starts + lengths)[..., None])  # [2, 3, 11]
@@ -433,3 +437,37 @@ def test_the_compiled_selection_survives_nan_partial_keys(tiny_llama, skew_files
     assert (plan.per_query_head >= 1).all() and ((plan.positions >= 0) & (plan.positions < 40)).any()
     assert torch.equal(plan.offsets[:, 1:] - plan.offsets[:, :-1] >= plan.per_query_head + 1,
                        torch.ones_like(plan.offsets[:, 1:], dtype=torch.bool))
+
+
+def test_a_nan_in_one_sequences_fetched_rows_stays_in_its_output():
+    """A corrupt cache fails its own request only: NaN values among sequence 1's rows make its output NaN and leave
+    the other sequences of the batch finite, compiled and on the torch path."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 4, 8, generator=gen)
+    k, v = torch.randn(2, 2, 9, 8, generator=gen).unbind(0)
+    offsets = torch.tensor([[0, 3, 6, 9], [0, 2, 5, 9]])
+    plan = FetchPlan(torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long), offsets,
+                     torch.zeros(3, dtype=torch.long))
+    v[0, 4] = float("nan")  # KV head 0, a row of sequence 1
+    for out in (paged_decode.kernel().fetched_attention(q, k, v, offsets[:, :-1], offsets.diff(dim=-1), 8**-0.5),
+                attend_over_plan(q, k, v, plan)):
+        assert out.isnan().flatten(1).any(1).tolist() == [False, True, False]
+
+
+def test_tied_logits_take_the_earliest_tokens(tiny_llama, skew_files):
+    """Every cached token scores the same (far more ties than the search sorts out at once): each query head takes its
+    count of the earliest tokens, so every KV head fetches exactly those."""
+    engine = engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]),
+                        infinigen_recent=0)
+    policy = engine.attention
+    policy.partial_keys.data[1] = 0.5
+    context_lens = torch.tensor([161, 97])
+    tables = torch.arange(22).view(2, 11)
+    group = AttentionGroup(slice(0, 2), (context_lens - 1)[:, None], context_lens,
+                           whole_block_keys(tables, context_lens, policy.storage.block_size))
+    _, kv_heads, _, partial = policy.partial_rotation.shape
+    plan = policy._select_in_place(1, torch.ones(2, kv_heads, 3, partial), group)
+    assert plan.per_query_head.tolist() == [32, 19]  # every token within alpha: capped at 20% of 160 and 96
+    for head in range(kv_heads):
+        assert plan.positions[head, :33].tolist() == [*range(32), 160]
+        assert plan.positions[head, 33:53].tolist() == [*range(19), 96]

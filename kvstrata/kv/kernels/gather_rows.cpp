@@ -11,15 +11,15 @@
 namespace kvstrata {
 
 std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor slots) {
-  TORCH_CHECK(!pools.empty() && slots.dim() == 2 && slots.scalar_type() == at::kLong,
-              "gather_rows: slots must be int64 [kv_heads, rows]");
+  TORCH_CHECK(!pools.empty() && slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_cpu(),
+              "gather_rows: slots must be int64 [kv_heads, rows] on the CPU");
   slots = slots.contiguous();
   const int64_t kv_heads = slots.size(0), rows = slots.size(1);
   const int64_t num_slots = pools[0].size(1);
   for (const auto& pool : pools) {
-    TORCH_CHECK(pool.dim() == 3 && pool.is_contiguous() && pool.size(0) == kv_heads && pool.size(1) == num_slots &&
+    TORCH_CHECK(pool.is_cpu() && pool.dim() == 3 && pool.is_contiguous() && pool.size(0) == kv_heads && pool.size(1) == num_slots &&
                     pool.sizes() == pools[0].sizes() && pool.scalar_type() == pools[0].scalar_type(),
-                "gather_rows: pools must be contiguous [kv_heads, slots, dim] of one shape and dtype");
+                "gather_rows: pools must be contiguous CPU [kv_heads, slots, dim] of one shape and dtype");
   }
   const int64_t* index = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < kv_heads * rows; ++i) {  // bad input raises here, not inside the parallel region

@@ -4,6 +4,8 @@
 // tests hold this to): per query head the tokens within alpha of its top logit are counted; every head of a
 // sequence takes the floored mean of those counts, capped at max_fraction of the sequence's cached tokens (at
 // least one); each query head's top tokens by that count, the newest `recent` tokens, per KV head the union.
+// Where logits tie exactly at a head's cut, the earliest tokens are taken (torch's topk leaves that order open); a
+// NaN logit (a corrupt cache) counts as -inf, never preferred (torch ranks NaN first).
 //
 // q_partial [n, kv_heads, group, r] float32: the skewed partial queries, already scaled by head_dim^-0.5;
 // partial_keys [kv_heads, blocks, r, block] float16: the layer's partial keys, channels outermost within a block
@@ -11,13 +13,15 @@
 // q_positions[s], and the tokens before it are the cached ones; dead [slots] bool (or empty): tokens a capped host
 // pool gave up, never chosen.
 // Returns each KV head's rows to fetch, sequence after sequence (kv/offload/fetch_plan.py): positions and slots
-// [kv_heads, R] (a sequence's chosen tokens ascending, then its own token; -1 after the head's last row), offsets
+// [kv_heads, R] (a sequence's chosen tokens ascending, then its own token; after the head's last row, position -1
+// and the first sequence's own slot), offsets
 // [kv_heads, n + 1] (sequence s: rows offsets[g][s] .. offsets[g][s + 1] - 1) and per_query_head [n].
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "attend.h"
@@ -27,25 +31,24 @@ namespace {
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 constexpr int64_t kHeadsTogether = 4;  // query heads scored in one pass over a block's partial keys
-constexpr int64_t kFewCandidates = 64;  // the top-k search sorts out this many logits at most
+constexpr int64_t kFewCandidates = 64;  // the top-k search narrows its bracket until about this many logits lie in it
+constexpr int kMostCuts = 48;  // ... or it has cut this often (logits tied in masses cut slowly)
 
 // Logits of `Heads` query heads (queries [Heads, r]) against the first `count` tokens of a block whose partial keys
 // are float16 [r, block], into rows `stride` apart. Eight tokens at a time keep one accumulator per head in a
-// register over all r channels.
+// register over all r channels; the reads of a channel stay within its `block` values.
 template <int Heads>
 void score_block(const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t count, float* out,
                  int64_t stride) {
   int64_t j = 0;
-  if (block % 8 == 0) {
-    for (; j + 8 <= count; j += 8) {
-      __m256 acc[Heads];
-      for (auto& a : acc) a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < r; ++d) {
-        const __m256 channel = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + d * block + j)));
-        for (int h = 0; h < Heads; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(queries[h * r + d]), channel, acc[h]);
-      }
-      for (int h = 0; h < Heads; ++h) _mm256_storeu_ps(out + h * stride + j, acc[h]);
+  for (; j + 8 <= count; j += 8) {
+    __m256 acc[Heads];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < r; ++d) {
+      const __m256 channel = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + d * block + j)));
+      for (int h = 0; h < Heads; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(queries[h * r + d]), channel, acc[h]);
     }
+    for (int h = 0; h < Heads; ++h) _mm256_storeu_ps(out + h * stride + j, acc[h]);
   }
   for (; j < count; ++j) {
     for (int h = 0; h < Heads; ++h) {
@@ -67,11 +70,11 @@ void score_block(int64_t heads, const float* queries, int64_t r, const at::Half*
   }
 }
 
-// What phase 2 learns of one query head's row of logits.
+// What scoring (step 2 below) learns of one query head's row of logits.
 struct RowSummary {
-  float top = kNegativeInfinity;   // the largest logit
-  float least = kNegativeInfinity; // the least finite one
-  int64_t finite = 0;              // logits above -inf (the dead and NaN ones are -inf)
+  float top = kNegativeInfinity;  // the largest logit
+  float least = std::numeric_limits<float>::infinity();  // the least one above -inf (+inf where there is none)
+  int64_t finite = 0;  // logits above -inf (the dead and NaN ones are -inf)
 };
 
 // NaN logits (a corrupt cache) become -inf, so that they are never preferred and every comparison stays ordered.
@@ -136,7 +139,7 @@ float kth_largest(const float* row, int64_t len, int64_t k, const RowSummary& su
       high = threshold, above_high = above_threshold;
     }
   }
-  while (at_least_low - above_high > kFewCandidates) {
+  for (int cut = 0; cut < kMostCuts && at_least_low - above_high > kFewCandidates; ++cut) {
     const float share = static_cast<float>(at_least_low - k) / static_cast<float>(at_least_low - above_high);
     const float middle = low + (high - low) * std::clamp(share, 0.1f, 0.9f);
     if (!(middle > low && middle < high)) break;  // the bracket is as narrow as floats go
@@ -202,8 +205,11 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   q_positions = q_positions.to(at::kLong).contiguous();
   const int64_t n = q_partial.size(0), kv_heads = q_partial.size(1), group = q_partial.size(2), r = q_partial.size(3);
   const int64_t num_blocks = partial_keys.size(1), num_slots = num_blocks * block, width = block_tables.size(1);
-  TORCH_CHECK(n >= 1 && block_tables.size(0) == n && q_positions.size(0) == n,
-              "infinigen_select: one block table and one query position per sequence");
+  TORCH_CHECK(n >= 1 && kv_heads >= 1 && group >= 1 && block_tables.dim() == 2 && block_tables.size(0) == n &&
+                  q_positions.size(0) == n,
+              "infinigen_select: one block table and one query position per sequence, at least one query head");
+  TORCH_CHECK(q_partial.is_cpu() && partial_keys.is_cpu() && block_tables.is_cpu() && q_positions.is_cpu(),
+              "infinigen_select: a CPU kernel");
   const bool* dead_at = nullptr;
   if (dead.defined() && dead.numel() > 0) {
     TORCH_CHECK(dead.scalar_type() == at::kBool && dead.numel() == num_slots,
@@ -240,14 +246,15 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   }
 
   // 2. Every query head's logits, its top one and its count within alpha of the top.
-  std::vector<float> logits(n * heads * longest);
+  // every value is written before it is read: no zero fill (tens of MB per step at batch 8 x 4,096 tokens)
+  std::unique_ptr<float[]> logits(new float[n * heads * longest]);
   std::vector<RowSummary> summaries(n * heads);
   std::vector<int64_t> counts(n * heads);
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, g = item % kv_heads, len = lens[s];
       const uint8_t* gone = dead_at ? gone_tokens.data() + s * longest : nullptr;
-      float* rows = logits.data() + (s * heads + g * group) * longest;
+      float* rows = logits.get() + (s * heads + g * group) * longest;
       for (int64_t h0 = 0; h0 < group; h0 += kHeadsTogether) {
         const int64_t together = std::min(kHeadsTogether, group - h0);
         const float* queries = qp + ((s * kv_heads + g) * group + h0) * r;
@@ -294,7 +301,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
       if (per_head[s] > 0) {
         for (int64_t h = s * heads + g * group; h < s * heads + (g + 1) * group; ++h) {
           const float threshold = summaries[h].top - within;
-          mark_top(logits.data() + h * longest, len, per_head[s], summaries[h], threshold, counts[h], gone,
+          mark_top(logits.get() + h * longest, len, per_head[s], summaries[h], threshold, counts[h], gone,
                    marks.data(), work);
         }
       }
@@ -325,17 +332,20 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   int64_t* position_at = positions.data_ptr<int64_t>();
   int64_t* slot_at = chosen_slots.data_ptr<int64_t>();
   at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
-  for (int64_t g = begin; g < end; ++g) {
-    for (int64_t s = 0; s < n; ++s) {
-      const int64_t* table = tables + s * width;
-      const std::vector<int64_t>& tokens = chosen[s * kv_heads + g];
-      int64_t* position_row = position_at + g * rows + offset_at[g * (n + 1) + s];
-      int64_t* slot_row = slot_at + g * rows + offset_at[g * (n + 1) + s];
-      for (size_t j = 0; j < tokens.size(); ++j) position_row[j] = tokens[j], slot_row[j] = slot_of(table, block, tokens[j]);
-      position_row[tokens.size()] = lens[s];
-      slot_row[tokens.size()] = slot_of(table, block, lens[s]);
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t* table = tables + s * width;
+        const std::vector<int64_t>& tokens = chosen[s * kv_heads + g];
+        int64_t* position_row = position_at + g * rows + offset_at[g * (n + 1) + s];
+        int64_t* slot_row = slot_at + g * rows + offset_at[g * (n + 1) + s];
+        for (size_t j = 0; j < tokens.size(); ++j) {
+          position_row[j] = tokens[j];
+          slot_row[j] = slot_of(table, block, tokens[j]);
+        }
+        position_row[tokens.size()] = lens[s];
+        slot_row[tokens.size()] = slot_of(table, block, lens[s]);
+      }
     }
-  }
   });
   return {positions, chosen_slots, offsets, per_query_head};
 }

@@ -5,7 +5,7 @@ followed by the step's own token (its K/V is written into that row at attention)
 the longest head's only, not every (head, sequence) to the longest one's: the union of a KV head's query heads'
 choices varies a lot between sequences and heads, and padding each to the widest more than doubled what was
 gathered, copied and attended over (at batch 8 x 4,096 tokens of the default model). Attention reads each
-sequence's rows by its offsets (kv/kernels/fetched_attention.cpp, or a mask over the rows on the torch path).
+sequence's run of rows by its offsets (kv/kernels/fetched_attention.cpp; on the torch path, `attend_over_plan`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.kv.offload.speculation import Selection
-from kvstrata.kv.reference_attention import NO_KEY
+from kvstrata.kv.reference_attention import NO_KEY, attend_per_kv_head
 
 
 @dataclass
@@ -50,6 +50,19 @@ class FetchPlan:
         mask = torch.zeros(kv_heads, n, width, device=chosen.device)
         mask[heads[chosen], self.sequence_of_rows()[chosen], self.positions[chosen]] = 1.0
         return mask
+
+
+def attend_over_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FetchPlan) -> torch.Tensor:
+    """The torch path of attention over fetched rows: q [n, heads, D] over k, v [kv_heads, R, D] laid out by `plan`.
+    Each sequence's run of rows is taken out as its own padded row of keys, so that no sequence's values (a NaN from
+    a corrupt cache among them) enter another's output, even with weight 0."""
+    starts, lengths = plan.offsets[:, :-1], plan.offsets.diff(dim=-1)  # [kv_heads, n]
+    steps = torch.arange(int(lengths.max()), device=k.device)
+    valid = steps < lengths[..., None]  # [kv_heads, n, W]
+    index = (starts[..., None] + torch.minimum(steps, lengths[..., None] - 1)).flatten(1)
+    kv_heads, n, width = valid.shape
+    runs = [x.gather(1, index[..., None].expand(-1, -1, x.shape[-1])).view(kv_heads, n, width, -1) for x in (k, v)]
+    return attend_per_kv_head(q[:, None], *runs, valid[:, :, None]).flatten(0, 1)
 
 
 def plan_from_selection(selection: Selection, slots: torch.Tensor, positions: torch.Tensor,

@@ -66,7 +66,8 @@ class FullOffload(AttentionPolicy):
         """Decodes over their whole copied contexts (k, v [n, Tk, kv_heads, D], whole blocks: sequence s's tokens are
         its first context_lens[s] rows), compiled (kv/kernels/fetched_attention.cpp)."""
         n, width, kv_heads, dim = k.shape
-        rows = [x.permute(2, 0, 1, 3).reshape(kv_heads, n * width, dim) for x in (k, v)]  # heads outermost: views
+        # views where the storage gathers heads outermost (the float pools); a copy where it gathers token-major rows
+        rows = [x.permute(2, 0, 1, 3).reshape(kv_heads, n * width, dim) for x in (k, v)]
         starts = (torch.arange(n) * width).expand(kv_heads, n)
         with torch.profiler.record_function("kvstrata::fetched_attention"):  # named in profiles
             return self.kernel.fetched_attention(q, *rows, starts, group.context_lens.expand(kv_heads, n), dim**-0.5)

@@ -11,8 +11,9 @@ does. Nothing is evicted: every token stays in the host pool and may be picked a
 
 On the CPU, scoring and picking are one compiled call per layer (kv/kernels/infinigen_select.cpp, the float16
 partial keys read where they lie) and layer i attends over its fetched rows with a compiled kernel
-(fetched_attention.cpp); the torch path (speculation.py, a masked batched product) is their reference and runs
-elsewhere. What is fetched is laid out per KV head without padding each sequence (kv/offload/fetch_plan.py).
+(fetched_attention.cpp); the torch path (speculation.py, fetch_plan.attend_over_plan) is their reference and runs
+on other devices, with --no-paged-kernel and for keys without block tables. What is fetched is laid out per KV head
+without padding each sequence (kv/offload/fetch_plan.py).
 
 On a CUDA device the fetch would be issued on a side stream during layer i−1; here it runs in line (no GPU
 has been available to build and check that ordering).
@@ -28,7 +29,7 @@ import torch
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
 from kvstrata.kv.block_pool import BlockPool
-from kvstrata.kv.offload.fetch_plan import FetchPlan, plan_from_selection
+from kvstrata.kv.offload.fetch_plan import FetchPlan, attend_over_plan, plan_from_selection
 from kvstrata.kv.offload.full_offload import FullOffload, on_device
 from kvstrata.kv.offload.host_pool import HostPoolCap
 from kvstrata.kv.offload.partial_keys import PartialKeys
@@ -36,7 +37,6 @@ from kvstrata.kv.offload.skew import InfiniGenSkew
 from kvstrata.kv.offload.speculation import select_tokens
 from kvstrata.kv.offload.transfers import OffloadStats
 from kvstrata.kv.preloaded import Preloaded
-from kvstrata.kv.reference_attention import attend_per_kv_head
 from kvstrata.kv.slots import slots_of_positions
 from kvstrata.kv.storage import KVStorage
 
@@ -209,14 +209,12 @@ class InfiniGenAttention(FullOffload):
             with torch.profiler.record_function("kvstrata::fetched_attention"):  # named in profiles
                 return self.kernel.fetched_attention(q, k, v, plan.offsets[:, :-1], plan.offsets.diff(dim=-1),
                                                      q.shape[-1] ** -0.5)
-        # the torch path: every sequence's queries against all of a head's rows, masked to the sequence's own
-        mask = plan.sequence_of_rows()[:, None, :] == torch.arange(group.num_sequences, device=k.device)[:, None]
-        return attend_per_kv_head(q[None], k[:, None], v[:, None], mask[:, None])[0]
+        return attend_over_plan(q, k, v, plan)
 
     def _count_recall(self, layer: int, queries: torch.Tensor, group: AttentionGroup, plan: FetchPlan) -> None:
         """Diagnostics: the share of each query head's true attention mass (over every cached key) that falls on
         the tokens its KV head fetched plus the step's own token. The full keys are read without being counted;
-        decode keys are whole blocks, so a key's column is its position."""
+        the engine gives decodes whole-block keys, whose column is their position."""
         k, _ = self.storage.gather_keys(layer, on_device(group.keys, self.storage.device), queries.dtype)
         n, heads, dim = queries.shape
         kv_heads = k.shape[2]
