@@ -3,8 +3,8 @@
 Each KV head's rows hold its chosen tokens of every sequence one after another, each sequence's ascending and
 followed by the step's own token (its K/V is written into that row at attention). The heads' rows are padded to
 the longest head's only, not every (head, sequence) to the longest one's: the union of a KV head's query heads'
-choices varies a lot between sequences and heads, and padding each to the widest more than doubled what was
-gathered, copied and attended over (at batch 8 x 4,096 tokens of the default model). Attention reads each
+choices varies a lot between sequences and heads, and padding each to the widest would gather, copy and attend
+over rows nobody chose. Attention reads each
 sequence's run of rows by its offsets (kv/kernels/fetched_attention.cpp; on the torch path, `attend_over_plan`).
 """
 
