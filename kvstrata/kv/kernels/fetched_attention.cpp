@@ -36,8 +36,8 @@ at::Tensor fetched_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tenso
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(0), rows = k.size(1);
   TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu() && starts.is_cpu() && lengths.is_cpu(),
               "fetched_attention: a CPU kernel");
-  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0 && starts.dim() == 2 && starts.size(0) == kv_heads && starts.size(1) == n &&
-                  lengths.sizes() == starts.sizes(),
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0 && starts.dim() == 2 && starts.size(0) == kv_heads &&
+                  starts.size(1) == n && lengths.sizes() == starts.sizes(),
               "fetched_attention: starts and lengths must be [kv_heads, n] and heads a multiple of kv_heads");
   const int64_t* first_row = starts.data_ptr<int64_t>();
   const int64_t* row_count = lengths.data_ptr<int64_t>();

@@ -17,7 +17,7 @@ std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor sl
   const int64_t kv_heads = slots.size(0), rows = slots.size(1);
   const int64_t num_slots = pools[0].size(1);
   for (const auto& pool : pools) {
-    TORCH_CHECK(pool.is_cpu() && pool.dim() == 3 && pool.is_contiguous() && pool.size(0) == kv_heads && pool.size(1) == num_slots &&
+    TORCH_CHECK(pool.is_cpu() && pool.dim() == 3 && pool.is_contiguous() && pool.size(0) == kv_heads &&
                     pool.sizes() == pools[0].sizes() && pool.scalar_type() == pools[0].scalar_type(),
                 "gather_rows: pools must be contiguous CPU [kv_heads, slots, dim] of one shape and dtype");
   }

@@ -194,9 +194,10 @@ void mark_top(const float* row, int64_t len, int64_t k, const RowSummary& summar
 std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partial_keys, at::Tensor block_tables,
                                          at::Tensor q_positions, at::Tensor dead, int64_t block, double alpha,
                                          double max_fraction, int64_t recent) {
-  TORCH_CHECK(q_partial.scalar_type() == at::kFloat && q_partial.dim() == 4 && partial_keys.scalar_type() == at::kHalf &&
-                  partial_keys.dim() == 4 && partial_keys.size(0) == q_partial.size(1) &&
-                  partial_keys.size(2) == q_partial.size(3) && partial_keys.size(3) == block,
+  TORCH_CHECK(q_partial.scalar_type() == at::kFloat && q_partial.dim() == 4 &&
+                  partial_keys.scalar_type() == at::kHalf && partial_keys.dim() == 4 &&
+                  partial_keys.size(0) == q_partial.size(1) && partial_keys.size(2) == q_partial.size(3) &&
+                  partial_keys.size(3) == block,
               "infinigen_select: q_partial must be float32 [n, kv_heads, group, r], partial_keys float16 [kv_heads, "
               "blocks, r, block]");
   q_partial = q_partial.contiguous();
@@ -284,7 +285,8 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   for (int64_t s = 0; s < n; ++s) {
     float total = 0.0f;
     for (int64_t h = 0; h < heads; ++h) total += static_cast<float>(counts[s * heads + h]);
-    const int64_t cap = std::max<int64_t>(std::floor(static_cast<float>(max_fraction) * static_cast<float>(cached[s])), 1);
+    const float allowed = static_cast<float>(max_fraction) * static_cast<float>(cached[s]);
+    const int64_t cap = std::max<int64_t>(std::floor(allowed), 1);
     const int64_t mean = std::floor(total / static_cast<float>(heads));
     per_head[s] = std::min(std::max<int64_t>(std::min(mean, cap), 1), cached[s]);
   }

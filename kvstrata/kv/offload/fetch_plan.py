@@ -25,6 +25,10 @@ class FetchPlan:
     offsets: torch.Tensor  # long [kv_heads, n + 1]: sequence s owns rows offsets[g, s] .. offsets[g, s + 1] - 1
     per_query_head: torch.Tensor  # long [n]: tokens each query head of a sequence chose
 
+    def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """long [kv_heads, n] each: the first row of each sequence's run and how many rows it has."""
+        return self.offsets[:, :-1], self.offsets.diff(dim=-1)
+
     @property
     def own_rows(self) -> torch.Tensor:
         """long [kv_heads, n]: the row of each sequence's own token (the last of its rows)."""
@@ -56,7 +60,7 @@ def attend_over_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Fe
     """The torch path of attention over fetched rows: q [n, heads, D] over k, v [kv_heads, R, D] laid out by `plan`.
     Each sequence's run of rows is taken out as its own padded row of keys, so that no sequence's values (a NaN from
     a corrupt cache among them) enter another's output, even with weight 0."""
-    starts, lengths = plan.offsets[:, :-1], plan.offsets.diff(dim=-1)  # [kv_heads, n]
+    starts, lengths = plan.runs()
     steps = torch.arange(int(lengths.max()), device=k.device)
     valid = steps < lengths[..., None]  # [kv_heads, n, W]
     index = (starts[..., None] + torch.minimum(steps, lengths[..., None] - 1)).flatten(1)

@@ -207,8 +207,7 @@ class InfiniGenAttention(FullOffload):
             self._count_recall(layer, q, group, plan)
         if self.kernel is not None and q.dtype == torch.float32:
             with torch.profiler.record_function("kvstrata::fetched_attention"):  # named in profiles
-                return self.kernel.fetched_attention(q, k, v, plan.offsets[:, :-1], plan.offsets.diff(dim=-1),
-                                                     q.shape[-1] ** -0.5)
+                return self.kernel.fetched_attention(q, k, v, *plan.runs(), q.shape[-1] ** -0.5)
         return attend_over_plan(q, k, v, plan)
 
     def _count_recall(self, layer: int, queries: torch.Tensor, group: AttentionGroup, plan: FetchPlan) -> None:
