@@ -71,6 +71,13 @@ class EngineConfig:
                          "cores with an empty cache, 2.6 s when torch's on-disk cache holds it: `kvstrata bench "
                          "decode --compile`, kvstrata_warmup_s)"),
     )
+    native_decode: bool = field(
+        default=True,
+        metadata=_option("run a step of decodes through all layers in one call of the compiled weight kernels, where "
+                         "every projection is on GGUF blocks (--weights auto or int4 on the CPU) and the KV a float "
+                         "pool read in place (measured faster than eager and --compile: `kvstrata bench decode`); "
+                         "off: layer by layer through torch"),
+    )
     kv_cache_memory: int | str = field(
         default="2GiB", metadata=_option("memory for the paged KV cache, e.g. 2GiB or 512MiB")
     )

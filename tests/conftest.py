@@ -9,6 +9,7 @@ os.environ.setdefault("KVSTRATA_CACHE_DIR", str(Path(tempfile.gettempdir()) / "k
 
 from kvstrata.data import EMMA
 from tests.tiny_models import (
+    save_gguf_style_copy,
     save_tiny_checkpoint,
     tiny_llama_config,
     tiny_opt_config,
@@ -19,6 +20,13 @@ from tests.tiny_models import (
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tiny_llama_config(), tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_style(tiny_llama, tmp_path_factory) -> Path:
+    """The tiny Llama with its linear layers as Q4_1 blocks and its embeddings as Q8_0, as a GGUF checkpoint
+    converts."""
+    return save_gguf_style_copy(tiny_llama, tmp_path_factory.mktemp("tiny-gguf-style"))
 
 
 @pytest.fixture(scope="session")

@@ -10,19 +10,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf.quants import dequantize, quantize
-from safetensors.torch import load_file
+from gguf.quants import dequantize
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
 from kvstrata.model import block_linear
 from kvstrata.model.block_linear import BlockLinear
-from kvstrata.model.group_quantized import from_gguf_blocks
 from kvstrata.model.loader import load_model
-from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
 from kvstrata.model.quantized_linear import Int4Linear, Int8Linear, group_quantize
 from kvstrata.model.weight_format import check_weight_format
 from tests.helpers import prefill_in_chunks
+from tests.tiny_models import gguf_quantized
 
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 # torch's kernels take bfloat16 activations and bfloat16 (scale, zero) pairs, the block kernels int8 activations per
@@ -33,11 +31,6 @@ KERNEL_RELATIVE_ERROR = 1e-2
 GGUF_KINDS = {"int4 blocks": 12, "int8 blocks": 1}  # Q4_1 layers and the Q8_0 head on the block kernels
 
 
-def _gguf_quantized(weight: torch.Tensor, type_name: str):
-    raw = quantize(weight.numpy(), gguf.GGMLQuantizationType[type_name])
-    return raw, from_gguf_blocks(raw, type_name)
-
-
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
@@ -45,7 +38,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_gguf_blocks_are_read_exactly(type_name):
     weight = torch.randn(48, 96) * 0.05
-    raw, read = _gguf_quantized(weight, type_name)
+    raw, read = gguf_quantized(weight, type_name)
     want = dequantize(raw, gguf.GGMLQuantizationType[type_name])
     assert np.array_equal(read.dequantize().numpy(), want)
     assert read.group_size == 32 and read.bits == (8 if type_name == "Q8_0" else 4)
@@ -54,7 +47,7 @@ def test_gguf_blocks_are_read_exactly(type_name):
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_int4_kernel_matches_the_dequantized_weight(type_name):
     torch.manual_seed(0)
-    _, read = _gguf_quantized(torch.randn(80, 128) * 0.05, type_name)
+    _, read = gguf_quantized(torch.randn(80, 128) * 0.05, type_name)
     bias = torch.randn(80) * 0.01
     linear = Int4Linear(read, bias)
     assert linear.planes == (2 if type_name == "Q8_0" else 1)  # Q8_0 runs as two exact int4 planes
@@ -96,7 +89,7 @@ def instruction_set(request):
 @pytest.mark.parametrize("rows", [1, 3, 6])  # rows of activations: one, a partial group of four, more than four
 def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, columns, rows, instruction_set):
     torch.manual_seed(5)
-    _, read = _gguf_quantized(torch.randn(82, columns) * 0.05, type_name)  # 82: output rows beyond tiles of four
+    _, read = gguf_quantized(torch.randn(82, columns) * 0.05, type_name)  # 82: output rows beyond tiles of four
     bias = torch.randn(82) * 0.01
     linear = BlockLinear(read, bias)
     x = torch.randn(rows, columns)
@@ -109,7 +102,7 @@ def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, c
 @needs_block_kernels
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_a_non_finite_activation_makes_its_own_row_nan(type_name, instruction_set):
-    _, read = _gguf_quantized(torch.randn(16, 64) * 0.05, type_name)
+    _, read = gguf_quantized(torch.randn(16, 64) * 0.05, type_name)
     x = torch.randn(3, 64)
     x[1, 40] = float("inf")
     out = BlockLinear(read, None)(x)
@@ -121,7 +114,7 @@ def test_a_non_finite_activation_makes_its_own_row_nan(type_name, instruction_se
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_many_rows_take_the_widened_weights_and_few_the_dot_products(monkeypatch, type_name):
     torch.manual_seed(4)
-    _, read = _gguf_quantized(torch.randn(128, 96) * 0.05, type_name)
+    _, read = gguf_quantized(torch.randn(128, 96) * 0.05, type_name)
     bias = torch.randn(128) * 0.01
     linear = BlockLinear(read, bias)
     torch.testing.assert_close(linear._dense_weight(), read.dequantize().bfloat16(), rtol=2**-8, atol=0)
@@ -139,7 +132,7 @@ def test_many_rows_take_the_widened_weights_and_few_the_dot_products(monkeypatch
 
 def test_q8_as_two_planes_is_far_closer_than_requantizing_to_four_bits():
     torch.manual_seed(1)
-    _, read = _gguf_quantized(torch.randn(64, 256) * 0.05, "Q8_0")
+    _, read = gguf_quantized(torch.randn(64, 256) * 0.05, "Q8_0")
     x = torch.randn(8, 256)
     want = F.linear(x, read.dequantize())
     planes = _relative_error(Int4Linear(read, None)(x), want)
@@ -169,25 +162,6 @@ def test_unknown_or_unsupported_weight_formats_are_refused():
         check_weight_format("int3", torch.device("cpu"))
     with pytest.raises(KvstrataError, match="--weights int4 runs on torch's CPU kernels only"):
         check_weight_format("int4", torch.device("cuda"))
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf_style(tiny_llama, tmp_path_factory):
-    """The tiny Llama with its linear layers as Q4_1 blocks and its embeddings as Q8_0, as a GGUF
-    checkpoint converts."""
-    directory = tmp_path_factory.mktemp("tiny-gguf-style")
-    for file in tiny_llama.iterdir():
-        if file.suffix != ".safetensors":
-            shutil.copy(file, directory / file.name)
-    state = {}
-    for name, tensor in load_file(str(tiny_llama / "model.safetensors")).items():
-        if tensor.dim() == 2:
-            kind = "Q8_0" if "embed" in name or "lm_head" in name else "Q4_1"
-            state[name] = _gguf_quantized(tensor, kind)[1]
-        else:
-            state[name] = tensor
-    save_checkpoint_tensors(state, directory / "model.safetensors")
-    return directory
 
 
 def test_auto_keeps_gguf_blocks_as_integer_kernels(tiny_gguf_style):

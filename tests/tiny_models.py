@@ -84,3 +84,37 @@ def save_tiny_checkpoint(config, directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(str(directory))
     write_tokenizer(directory)
     return directory
+
+
+def gguf_quantized(weight: torch.Tensor, type_name: str):
+    """(GGUF's raw blocks, kvstrata's reading of them) of `weight` quantized by the gguf package."""
+    import gguf
+    from gguf.quants import quantize
+
+    from kvstrata.model.group_quantized import from_gguf_blocks
+
+    raw = quantize(weight.numpy(), gguf.GGMLQuantizationType[type_name])
+    return raw, from_gguf_blocks(raw, type_name)
+
+
+def save_gguf_style_copy(source: Path, directory: Path) -> Path:
+    """`source`'s checkpoint with its linear layers as Q4_1 blocks and its embeddings and head as Q8_0, as a GGUF
+    checkpoint converts."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
+
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, directory / file.name)
+    state = {}
+    for name, tensor in load_file(str(source / "model.safetensors")).items():
+        if tensor.dim() == 2:
+            kind = "Q8_0" if "embed" in name or "lm_head" in name else "Q4_1"
+            state[name] = gguf_quantized(tensor, kind)[1]
+        else:
+            state[name] = tensor
+    save_checkpoint_tensors(state, directory / "model.safetensors")
+    return directory

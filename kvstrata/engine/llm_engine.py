@@ -37,6 +37,7 @@ from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.model.linear_layers import multiplied_weights
 from kvstrata.model.loader import LoadedModel, load_model
+from kvstrata.model.native_decode import NativeDecode
 
 MAX_STEP_STATS = 100_000
 log = logging.getLogger("kvstrata.engine")
@@ -66,6 +67,8 @@ class LLMEngine:
         self.loaded = loaded or load_model(config.model, self.device, dtype, config.weights)
         if config.compile:
             self._compile_model()
+        if hasattr(self.loaded.model, "native_decode"):
+            self.loaded.model.native_decode = NativeDecode.for_model(self.loaded.model) if config.native_decode else None
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)

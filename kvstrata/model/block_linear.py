@@ -23,6 +23,7 @@ from kvstrata.compiled_extension import load_extension
 from kvstrata.model.group_quantized import GroupQuantized
 
 BLOCK = 32
+KERNELS = Path(__file__).parent / "kernels"
 # from here the bfloat16 GEMM's gain pays for widening the weights (benchmarks/gemm_forms.py: 1.1x at 128 rows,
 # 1.3-1.4x at 256 and 1,024 against torch's int4 kernel, which the dot products match at 32 rows)
 DENSE_FROM_ROWS = 128
@@ -30,7 +31,7 @@ DENSE_FROM_ROWS = 128
 
 @functools.cache
 def kernel():
-    compiled = load_extension("kvstrata_weight_kernels", [Path(__file__).parent / "kernels" / "block_dot.cpp"],
+    compiled = load_extension("kvstrata_weight_kernels", [KERNELS / "block_dot.cpp", KERNELS / "decode_layers.cpp"],
                               what="weight kernels")
     if compiled is not None:
         _register_fakes()

@@ -114,13 +114,16 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_all_layers = decode_all_layers  # compiled under --compile
+        self.native_decode = None  # the compiled loop over all layers (native_decode.py), where the engine sets it
 
     def forward(self, input_ids, positions, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states [T, hidden] of the packed tokens."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         fused = kv.fused_decode(batch, x.dtype)
-        if fused is not None:
+        if fused is not None and self.native_decode is not None and self.native_decode.takes(x):
+            x = self.native_decode(x, cos, sin, fused)
+        elif fused is not None:
             x = self.decode_all_layers(self, x, cos, sin, fused)
         else:
             for layer in self.layers:

@@ -23,6 +23,8 @@
 #include <atomic>
 #include <cmath>
 
+#include "block_product.h"
+
 namespace kvstrata {
 
 namespace {
@@ -145,6 +147,16 @@ void dispatch(const QuantizedRows& q, int64_t m, const uint8_t* codes, const flo
 
 }  // namespace
 
+void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* scales, const float* mins,
+                   int bits, int64_t n, float* y) {
+  const QuantizedRows& q = quantize_rows(x, m, k, bits);
+  if (bits == 4) {
+    dispatch<4>(q, m, codes, scales, mins, k, n, y);
+  } else {
+    dispatch<8>(q, m, codes, scales, mins, k, n, y);
+  }
+}
+
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "block_linear: x must be float32 [M, K]");
@@ -157,15 +169,9 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(bits == 8 || (mins.dtype() == torch::kFloat32 && mins.is_contiguous() && mins.sizes() == scales.sizes()),
               "block_linear: 4-bit mins must be float32 [N, K / 32]");
   const auto input = x.contiguous();
-  const QuantizedRows& q = quantize_rows(input.data_ptr<float>(), m, k, static_cast<int>(bits));
   auto y = torch::empty({m, n}, x.options());
-  const auto* code_bytes = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* min_values = bits == 4 ? mins.data_ptr<float>() : nullptr;
-  if (bits == 4) {
-    dispatch<4>(q, m, code_bytes, scales.data_ptr<float>(), min_values, k, n, y.data_ptr<float>());
-  } else {
-    dispatch<8>(q, m, code_bytes, scales.data_ptr<float>(), min_values, k, n, y.data_ptr<float>());
-  }
+  block_product(input.data_ptr<float>(), m, k, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+                bits == 4 ? mins.data_ptr<float>() : nullptr, static_cast<int>(bits), n, y.data_ptr<float>());
   return y;
 }
 
@@ -218,6 +224,3 @@ TORCH_LIBRARY_IMPL(kvstrata_weights, CPU, m) {
   m.impl("block_linear", &kvstrata::block_linear);
   m.impl("block_to_bfloat16", &kvstrata::block_to_bfloat16);
 }
-
-// torch's extension loader imports the library as a Python module; the operators above are its content
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -1,0 +1,12 @@
+// The products over GGUF-style blocks (block_dot.cpp), for the other kernels of the weights' extension.
+#pragma once
+
+#include <cstdint>
+
+namespace kvstrata {
+
+// y [m, n] = x [m, k] W^T for W's blocks laid out as block_dot.cpp describes (`mins` unused for 8 bits).
+void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* scales, const float* mins,
+                   int bits, int64_t n, float* y);
+
+}  // namespace kvstrata

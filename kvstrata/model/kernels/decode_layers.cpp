@@ -1,0 +1,196 @@
+// A step of decodes through every layer of a Llama-family model in one call (model/native_decode.py says when the
+// engine takes it). Each layer is the same computation as model/llama.py's before_attention, store_and_attend and
+// after_attention: RMSNorm, the q/k/v product, RoPE, the KV kernels' store-and-attend operator, the output
+// product and residual, RMSNorm, the gate/up product, SiLU(gate) * up, the down product and residual.
+//
+// Why: at batch 1 the products over the blocks take about half of a step; the rest is a few hundred small
+// operations, each of which costs torch (eager or compiled) microseconds of dispatch, allocation and thread
+// start-up for nanoseconds of arithmetic. Here the small operations are plain loops over a few thousand floats,
+// and only the products (block_dot.cpp) and the attention run on torch's threads.
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <vector>
+
+#include "block_product.h"
+
+namespace kvstrata {
+
+namespace {
+
+struct BlockWeight {
+  at::Tensor codes, scales, mins;
+  int bits;
+  int64_t out, in;
+
+  BlockWeight(at::Tensor codes_, at::Tensor scales_, at::Tensor mins_, int64_t bits_)
+      : codes(std::move(codes_)), scales(std::move(scales_)), mins(std::move(mins_)), bits(static_cast<int>(bits_)) {
+    TORCH_CHECK(bits == 4 || bits == 8, "DecodeLayers: block weights have 4 or 8 bits, got ", bits);
+    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
+                "DecodeLayers: codes must be contiguous bytes [N, K * bits / 8]");
+    out = codes.size(0);
+    in = codes.size(1) * 8 / bits;
+    TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() && scales.size(0) == out &&
+                    scales.size(1) == in / 32,
+                "DecodeLayers: scales must be float32 [N, K / 32]");
+    TORCH_CHECK(bits == 8 || mins.sizes() == scales.sizes(), "DecodeLayers: 4-bit mins must be float32 [N, K / 32]");
+  }
+
+  // y [m, out] = x [m, in] W^T
+  void apply(const float* x, int64_t m, float* y) const {
+    block_product(x, m, in, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+                  bits == 4 ? mins.data_ptr<float>() : nullptr, bits, out, y);
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;
+  BlockWeight qkv, o, gate_up, down;
+};
+
+// out = weight * x / sqrt(mean(x^2) + eps), per row of `size`, in float32 as torch's rms_norm computes it
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t size, double eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * size;
+    float squares = 0.0f;
+    for (int64_t i = 0; i < size; ++i) squares += row[i] * row[i];
+    const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(size) + static_cast<float>(eps));
+    for (int64_t i = 0; i < size; ++i) out[r * size + i] = weight[i] * (row[i] * inverse);
+  }
+}
+
+// RoPE of one head [dim] in the halves layout (model/rotary.py's apply_rope), from `from` into `to`
+void rotate(const float* from, const float* cos, const float* sin, int64_t dim, float* to) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    to[d] = from[d] * cos[d] - from[d + half] * sin[d];
+    to[d + half] = from[d + half] * cos[d + half] + from[d] * sin[d + half];
+  }
+}
+
+// The KV kernels' operator (kv/kernels/paged_decode.cpp), found through torch's dispatcher: the two extensions are
+// built apart, and the KV one is loaded before a step takes this path.
+at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor& k_pools,
+                            at::Tensor& v_pools, int64_t layer, const at::Tensor& slots, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvstrata::store_and_decode_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, int64_t,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(q, k_new, v_new, k_pools, v_pools, layer, slots, block_tables, context_lens, scale);
+}
+
+}  // namespace
+
+// Holds the layers' weights (the model's own tensors, not copies) and runs a step of decodes through them.
+class DecodeLayers {
+ public:
+  // Per layer, in order: norms [input, post-attention]; block weights [q/k/v, output, gate/up, down] as codes,
+  // scales, mins (empty for 8 bits) and bits.
+  DecodeLayers(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& codes,
+               const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& mins,
+               const std::vector<int64_t>& bits, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
+    const size_t count = norms.size() / 2;
+    TORCH_CHECK(norms.size() == 2 * count && codes.size() == 4 * count && scales.size() == codes.size() &&
+                    mins.size() == codes.size() && bits.size() == codes.size(),
+                "DecodeLayers: 2 norms and 4 block weights per layer");
+    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "DecodeLayers: heads ", heads, ", kv_heads ", kv_heads,
+                ", head_dim ", head_dim);
+    for (size_t l = 0; l < count; ++l) {
+      auto weight = [&](size_t i) { return BlockWeight(codes[4 * l + i], scales[4 * l + i], mins[4 * l + i], bits[4 * l + i]); };
+      layers_.push_back(Layer{norms[2 * l], norms[2 * l + 1], weight(0), weight(1), weight(2), weight(3)});
+      const Layer& layer = layers_.back();
+      hidden_ = layer.qkv.in;
+      intermediate_ = layer.down.in;
+      TORCH_CHECK(layer.qkv.out == (heads + 2 * kv_heads) * head_dim && layer.o.in == heads * head_dim &&
+                      layer.o.out == hidden_ && layer.gate_up.in == hidden_ && layer.gate_up.out == 2 * intermediate_ &&
+                      layer.down.out == hidden_,
+                      "DecodeLayers: layer ", l, "'s products do not fit one another");
+      for (const auto& norm : {layer.input_norm, layer.post_attention_norm}) {
+        TORCH_CHECK(norm.dtype() == at::kFloat && norm.is_contiguous() && norm.numel() == hidden_,
+                    "DecodeLayers: norm weights must be float32 [hidden]");
+      }
+    }
+  }
+
+  // x [n, hidden] float32 (one token per sequence), cos and sin [n, head_dim]; the pools and the step's slots,
+  // block tables and context lengths as kv/fused_decode.py's FusedDecode holds them. Returns the last layer's
+  // output [n, hidden]; the pools hold every layer's new K/V.
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor k_pools, at::Tensor v_pools,
+                     at::Tensor slots, at::Tensor block_tables, at::Tensor context_lens) {
+    TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_,
+                "DecodeLayers: x must be float32 [n, ", hidden_, "]");
+    const int64_t n = x.size(0), dim = head_dim_;
+    TORCH_CHECK(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat && cos.numel() == n * dim &&
+                    sin.numel() == n * dim,
+                "DecodeLayers: cos and sin must be float32 [n, ", dim, "]");
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
+    at::Tensor q = at::empty({n, heads_, dim}, x.options()), k = at::empty({n, kv_heads_, dim}, x.options()),
+               v = at::empty({n, kv_heads_, dim}, x.options());
+    std::vector<float> normed(n * hidden_), qkv(n * (heads_ + 2 * kv_heads_) * dim), projected(n * hidden_),
+        gate_up(n * 2 * intermediate_), activated(n * intermediate_);
+    float* h = out.data_ptr<float>();
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& layer = layers_[l];
+      rms_norm(h, layer.input_norm.data_ptr<float>(), n, hidden_, eps_, normed.data());
+      layer.qkv.apply(normed.data(), n, qkv.data());
+      split_and_rotate(qkv.data(), cp, sp, n, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>());
+      const at::Tensor attended = store_and_attend(q, k, v, k_pools, v_pools, static_cast<int64_t>(l), slots,
+                                                   block_tables, context_lens, scale);
+      layer.o.apply(attended.data_ptr<float>(), n, projected.data());
+      for (int64_t i = 0; i < n * hidden_; ++i) h[i] += projected[i];
+      rms_norm(h, layer.post_attention_norm.data_ptr<float>(), n, hidden_, eps_, normed.data());
+      layer.gate_up.apply(normed.data(), n, gate_up.data());
+      for (int64_t r = 0; r < n; ++r) {
+        const float* gate = gate_up.data() + r * 2 * intermediate_;
+        const float* up = gate + intermediate_;
+        for (int64_t i = 0; i < intermediate_; ++i) {
+          activated[r * intermediate_ + i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+        }
+      }
+      layer.down.apply(activated.data(), n, projected.data());
+      for (int64_t i = 0; i < n * hidden_; ++i) h[i] += projected[i];
+    }
+    return out;
+  }
+
+ private:
+  // qkv [n, (heads + 2 kv_heads) * dim] into q and k (rotated) and v, each [n, heads or kv_heads, dim]
+  void split_and_rotate(const float* qkv, const float* cos, const float* sin, int64_t n, float* q, float* k,
+                        float* v) const {
+    const int64_t dim = head_dim_, width = (heads_ + 2 * kv_heads_) * dim;
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = qkv + r * width;
+      const float *c = cos + r * dim, *s = sin + r * dim;
+      for (int64_t head = 0; head < heads_; ++head) rotate(row + head * dim, c, s, dim, q + (r * heads_ + head) * dim);
+      for (int64_t head = 0; head < kv_heads_; ++head) {
+        rotate(row + (heads_ + head) * dim, c, s, dim, k + (r * kv_heads_ + head) * dim);
+        std::copy_n(row + (heads_ + kv_heads_ + head) * dim, dim, v + (r * kv_heads_ + head) * dim);
+      }
+    }
+  }
+
+  std::vector<Layer> layers_;
+  int64_t heads_, kv_heads_, head_dim_, hidden_ = 0, intermediate_ = 0;
+  double eps_;
+};
+
+}  // namespace kvstrata
+
+// torch's extension loader imports the library as a Python module: the operators of block_dot.cpp are registered
+// with torch, the layer loop is bound here.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<kvstrata::DecodeLayers>(m, "DecodeLayers")
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                          const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
+                          int64_t, int64_t, int64_t, double>())
+      .def("forward", &kvstrata::DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,58 @@
+"""A step of decodes through every layer in one call of the weights' compiled kernels (model/kernels/
+decode_layers.cpp): for a model whose products all run on GGUF blocks (block_linear.py) and whose KV policy offers
+the one-operator store-and-attend (kv/fused_decode.py).
+
+On a small model a batch-1 decode step is half products, half a few hundred small operations (norms, RoPE,
+residuals, the attention call), and each of those costs torch microseconds of dispatch and allocation whether it
+runs eagerly or from a torch.compile graph; the compiled loop runs them as plain loops. It computes what
+llama.py's decode_all_layers computes (tests/test_native_decode.py holds the two equal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.kv.fused_decode import FusedDecode
+from kvstrata.model import block_linear
+from kvstrata.model.block_linear import DENSE_FROM_ROWS, BlockLinear
+
+
+class NativeDecode:
+    def __init__(self, layers):
+        self.layers = layers
+
+    @classmethod
+    def for_model(cls, model) -> NativeDecode | None:
+        """The loop over `model`'s layers, or None where a layer is not what the loop computes: a projection not on
+        blocks or with a bias, norms not in float32, or no compiled kernels."""
+        compiled = block_linear.kernel()
+        if compiled is None or not hasattr(model, "layers"):
+            return None
+        norms, codes, scales, mins, bits = [], [], [], [], []
+        for layer in model.layers:
+            products = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not all(isinstance(p, BlockLinear) and p.bias is None for p in products):
+                return None
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                if norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu":
+                    return None
+                norms.append(norm.weight.detach())
+            codes += [p.codes for p in products]
+            scales += [p.scales for p in products]
+            mins += [p.mins for p in products]
+            bits += [p.bits for p in products]
+        c = model.config
+        return cls(compiled.DecodeLayers(norms, codes, scales, mins, bits, c.num_heads, c.num_kv_heads, c.head_dim,
+                                         c.norm_eps))
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether this step's hidden states go through the loop: float32, and fewer rows than the products switch
+        to dense GEMMs at (block_linear.DENSE_FROM_ROWS)."""
+        return x.dtype == torch.float32 and (len(x) < DENSE_FROM_ROWS or not block_linear.dense_for_many_rows())
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: FusedDecode) -> torch.Tensor:
+        """The last layer's output [n, hidden] for hidden states x [n, hidden] and RoPE's cos, sin [n, 1, head_dim];
+        stores every layer's new K/V in the step's pools."""
+        return self.layers.forward(x, cos, sin, step.k_pools, step.v_pools, step.slots, step.block_tables,
+                                   step.context_lens)

@@ -1,0 +1,96 @@
+"""The compiled loop over all layers (model/native_decode.py) against llama.py's layer-by-layer decode step."""
+
+import pytest
+import torch
+
+from kvstrata.config import EngineConfig
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.kv.fused_decode import FusedDecode
+from kvstrata.kv.kernels import paged_decode
+from kvstrata.model import block_linear
+from kvstrata.model.llama import decode_all_layers
+from kvstrata.model.native_decode import NativeDecode
+
+needs_kernels = pytest.mark.skipif(paged_decode.kernel() is None or block_linear.kernel() is None,
+                                   reason="no C++ compiler: the kernels could not be built")
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(60, 97))]  # decode batches of 3, then fewer
+
+
+def new_engine(model, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), kv_cache_memory="2MiB", chunk_size=16, **options))
+
+
+def generate(engine: LLMEngine) -> list[list[int]]:
+    for prompt, max_tokens in zip(PROMPTS, (20, 9, 14)):
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
+    return [list(finished[key]) for key in sorted(finished)]
+
+
+def a_step(model, lens: list[int], seed: int = 0):
+    """Hidden states, RoPE and a FusedDecode of pools holding random cached K/V, for sequences of `lens` tokens
+    (the new one included) in blocks of 16."""
+    c, gen, block = model.config, torch.Generator().manual_seed(seed), 16
+    k_pools, v_pools = (torch.randn(c.num_layers, c.num_kv_heads, 24, block, c.head_dim, generator=gen) * 0.5
+                        for _ in range(2))
+    tables = torch.arange(len(lens) * 6).view(len(lens), 6).flip(1)  # blocks out of order
+    lengths = torch.tensor(lens)
+    slots = torch.stack([tables[i, (n - 1) // block] * block + (n - 1) % block for i, n in enumerate(lens)])
+    x = model.embed_tokens(torch.randint(0, c.vocab_size, (len(lens),), generator=gen))
+    cos, sin = model.rotary.cos_sin(lengths - 1, x.dtype)
+    return x, cos, sin, FusedDecode(k_pools, v_pools, slots, tables, lengths)
+
+
+@needs_kernels
+@torch.inference_mode()
+def test_the_loop_computes_what_the_layers_compute(tiny_gguf_style):
+    """Sequences of 1, 16 (a full block), 17 and 80 tokens: the same hidden states, and the same K/V written at the
+    same slots of every layer's pools, as llama.py's decode step over the same block weights."""
+    model = new_engine(tiny_gguf_style).loaded.model
+    assert isinstance(model.native_decode, NativeDecode)
+    x, cos, sin, step = a_step(model, [1, 16, 17, 80])
+    theirs = step._replace(k_pools=step.k_pools.clone(), v_pools=step.v_pools.clone())
+    want = decode_all_layers(model, x, cos, sin, theirs)
+    got = model.native_decode(x, cos, sin, step)
+    # Both quantize each product's activations to int8 per block of 32; the loop's norms sum in another order, so a
+    # code may round the other way: differences of that size, not of a wrong computation.
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(step.k_pools, theirs.k_pools, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(step.v_pools, theirs.v_pools, rtol=2e-3, atol=2e-3)
+    assert not torch.equal(step.k_pools[-1], a_step(model, [1, 16, 17, 80])[3].k_pools[-1])  # the last layer stored
+
+
+@needs_kernels
+def test_the_loop_generates_what_the_layers_generate(tiny_gguf_style):
+    native = new_engine(tiny_gguf_style)
+    assert native.loaded.model.native_decode is not None
+    tokens = generate(native)
+    layered = new_engine(tiny_gguf_style, native_decode=False)
+    assert layered.loaded.model.native_decode is None
+    assert tokens == generate(layered)
+
+
+@needs_kernels
+def test_models_the_loop_does_not_compute_keep_the_layers(tiny_llama, tiny_qwen2):
+    assert new_engine(tiny_llama).loaded.model.native_decode is None  # float weights
+    assert new_engine(tiny_qwen2, weights="int4").loaded.model.native_decode is None  # q/k/v biases
+
+
+@needs_kernels
+def test_bad_hidden_states_are_refused_by_name(tiny_gguf_style):
+    model = new_engine(tiny_gguf_style).loaded.model
+    x, cos, sin, step = a_step(model, [5])
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[n, 64\]"):
+        model.native_decode(x[:, :32], cos, sin, step)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be float32 \[n, 16\]"):
+        model.native_decode(x, cos[:, :, :8], sin, step)
+
+
+def test_many_rows_go_layer_by_layer_where_the_products_turn_dense(monkeypatch):
+    monkeypatch.setattr(block_linear, "dense_for_many_rows", lambda: True)
+    assert NativeDecode.takes(torch.zeros(block_linear.DENSE_FROM_ROWS - 1, 8))
+    assert not NativeDecode.takes(torch.zeros(block_linear.DENSE_FROM_ROWS, 8))
+    assert not NativeDecode.takes(torch.zeros(4, 8, dtype=torch.bfloat16))
