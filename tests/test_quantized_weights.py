@@ -16,6 +16,7 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
 from kvstrata.model import block_linear
 from kvstrata.model.block_linear import BlockLinear
+from kvstrata.model.group_quantized import GroupQuantized
 from kvstrata.model.loader import load_model
 from kvstrata.model.quantized_linear import Int4Linear, Int8Linear, group_quantize
 from kvstrata.model.weight_format import check_weight_format
@@ -82,16 +83,30 @@ def instruction_set(request):
     torch.ops.kvstrata_weights.allow_avx512(before)
 
 
+def _scales_in(read, dtype: torch.dtype):
+    """`read` as is (GGUF's scales and mins are float16 values, which the kernel reads as float16), or moved off
+    float16's grid by a part in 2**14 (so the kernel keeps them float32)."""
+    if dtype == torch.float16:
+        return read
+    nudge = 1 + 2**-14
+    offsets = None if read.offsets is None else read.offsets * nudge
+    return GroupQuantized(read.codes, read.scales * nudge, offsets, read.bits, read.group_size)
+
+
 @needs_block_kernels
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 # 4-bit runs in groups of four blocks, 8-bit in pairs on AVX-512: one group; a group and a pair; three blocks
 @pytest.mark.parametrize("columns", [128, 192, 96])
 @pytest.mark.parametrize("rows", [1, 3, 6])  # rows of activations: one, a partial group of four, more than four
-def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, columns, rows, instruction_set):
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, columns, rows, scale_dtype,
+                                                                     instruction_set):
     torch.manual_seed(5)
     _, read = gguf_quantized(torch.randn(82, columns) * 0.05, type_name)  # 82: output rows beyond tiles of four
+    read = _scales_in(read, scale_dtype)
     bias = torch.randn(82) * 0.01
     linear = BlockLinear(read, bias)
+    assert linear.scales.dtype == scale_dtype
     x = torch.randn(rows, columns)
     got = linear(x)
     torch.testing.assert_close(got.double(), _block_reference(x, read) + bias.double(), rtol=1e-5, atol=1e-5)
@@ -112,11 +127,14 @@ def test_a_non_finite_activation_makes_its_own_row_nan(type_name, instruction_se
 @needs_block_kernels
 @pytest.mark.skipif(not block_linear.dense_for_many_rows(), reason="no bfloat16 dot products on this CPU")
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
-def test_many_rows_take_the_widened_weights_and_few_the_dot_products(monkeypatch, type_name):
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_many_rows_take_the_widened_weights_and_few_the_dot_products(monkeypatch, type_name, scale_dtype):
     torch.manual_seed(4)
     _, read = gguf_quantized(torch.randn(128, 96) * 0.05, type_name)
+    read = _scales_in(read, scale_dtype)
     bias = torch.randn(128) * 0.01
     linear = BlockLinear(read, bias)
+    assert linear.scales.dtype == scale_dtype
     torch.testing.assert_close(linear._dense_weight(), read.dequantize().bfloat16(), rtol=2**-8, atol=0)
     many = torch.randn(block_linear.DENSE_FROM_ROWS, 96)
     dense = linear(many)

@@ -70,6 +70,12 @@ def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
 
+def _exact_in_half(values: torch.Tensor) -> bool:
+    """Whether float16 holds `values` exactly, as it does GGUF's block scales and mins (stored as float16): the
+    kernel then reads them as float16, 2 bytes per block instead of 4. Scales quantized at load stay float32."""
+    return torch.equal(values.to(torch.float16).to(values.dtype), values)
+
+
 # One widening buffer per weight shape, reused by every layer; per thread, since a KV store's load thread may run
 # the model (a stored prefix loaded layer by layer, engine/important_prefix_load.py) while the engine thread steps.
 _scratch = threading.local()
@@ -86,9 +92,10 @@ class BlockLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bits = weight.bits
         self.register_buffer("codes", _nibbles(weight.codes) if self.bits == 4 else weight.codes.contiguous())
-        self.register_buffer("scales", weight.scales.float().contiguous())
-        mins = weight.offsets.float().contiguous() if self.bits == 4 else torch.empty(0)
-        self.register_buffer("mins", mins)
+        mins = weight.offsets if self.bits == 4 else torch.empty(0)
+        dtype = torch.float16 if all(_exact_in_half(t) for t in (weight.scales, mins)) else torch.float32
+        self.register_buffer("scales", weight.scales.to(dtype).contiguous())
+        self.register_buffer("mins", mins.to(dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     @property

@@ -11,7 +11,8 @@
 //          32 b + j in its low nibble and of column 32 b + 16 + j in its high one (GGUF's Q4_1 order);
 //          a weight is code * scale + min.
 //   8-bit: codes int8 [N, K]; a weight is code * scale (GGUF's Q8_0).
-//   scales, mins: float32 [N, K / 32].
+//   scales, mins: float32 [N, K / 32], or float16 where every value is one (GGUF stores them so): a 4-bit weight
+//          then reads 0.625 byte instead of 0.75, and a decode step is bound by the bytes it reads.
 // With x's block quantized as dx * qx: sum_j w_j x_j = scale dx (codes . qx) + min dx (sum of qx).
 #include <torch/extension.h>
 
@@ -78,6 +79,10 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int 
   return q;
 }
 
+// Scales and mins as float32, or float16 given as their bits (a raw type, see below)
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return _cvtsh_ss(v); }
+
 // Raw pointers only below the target pragma: an inline function of a library type instantiated there could be
 // emitted with AVX-512 instructions and then shared with the AVX2 path.
 struct Activations {
@@ -110,8 +115,8 @@ namespace avx2 {
 
 namespace {
 
-template <int Bits, int R>
-void rows_on(bool avx512_path, const Activations a, const uint8_t* codes, const float* scales, const float* mins, int64_t k,
+template <int Bits, int R, typename S>
+void rows_on(bool avx512_path, const Activations a, const uint8_t* codes, const S* scales, const S* mins, int64_t k,
              int64_t begin, int64_t end, int64_t n, float* y) {
   if (avx512_path) {
     avx512::block_rows<Bits, R>(a, codes, scales, mins, k, begin, end, n, y);
@@ -123,8 +128,8 @@ void rows_on(bool avx512_path, const Activations a, const uint8_t* codes, const 
 // Tests turn the AVX-512 path off to check the AVX2 one on a CPU that has both.
 std::atomic<bool> avx512_allowed{true};
 
-template <int Bits>
-void dispatch(const QuantizedRows& q, int64_t m, const uint8_t* codes, const float* scales, const float* mins,
+template <int Bits, typename S>
+void dispatch(const QuantizedRows& q, int64_t m, const uint8_t* codes, const S* scales, const S* mins,
               int64_t k, int64_t n, float* y) {
   static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
@@ -136,10 +141,10 @@ void dispatch(const QuantizedRows& q, int64_t m, const uint8_t* codes, const flo
                           q.sums.data() + first * blocks};
       float* out = y + first * n;
       switch (std::min(kRowsTogether, m - first)) {
-        case 1: rows_on<Bits, 1>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
-        case 2: rows_on<Bits, 2>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
-        case 3: rows_on<Bits, 3>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
-        default: rows_on<Bits, 4>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
+        case 1: rows_on<Bits, 1, S>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
+        case 2: rows_on<Bits, 2, S>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
+        case 3: rows_on<Bits, 3, S>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
+        default: rows_on<Bits, 4, S>(avx512_path, a, codes, scales, mins, k, begin, end, n, out); break;
       }
     }
   });
@@ -147,13 +152,38 @@ void dispatch(const QuantizedRows& q, int64_t m, const uint8_t* codes, const flo
 
 }  // namespace
 
-void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* scales, const float* mins,
-                   int bits, int64_t n, float* y) {
+namespace {
+
+template <typename S>
+void product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
+             int bits, int64_t n, float* y) {
   const QuantizedRows& q = quantize_rows(x, m, k, bits);
+  const auto* s = static_cast<const S*>(scales);
+  const auto* z = static_cast<const S*>(mins);
   if (bits == 4) {
-    dispatch<4>(q, m, codes, scales, mins, k, n, y);
+    dispatch<4>(q, m, codes, s, z, k, n, y);
   } else {
-    dispatch<8>(q, m, codes, scales, mins, k, n, y);
+    dispatch<8>(q, m, codes, s, z, k, n, y);
+  }
+}
+
+void check_scales(const char* op, const torch::Tensor& scales, const torch::Tensor& mins, int64_t bits, int64_t n,
+                  int64_t blocks) {
+  TORCH_CHECK((scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16) && scales.is_contiguous() &&
+                  scales.numel() == n * blocks,
+              op, ": scales must be float32 or float16 [N, K / 32]");
+  TORCH_CHECK(bits == 8 || (mins.dtype() == scales.dtype() && mins.is_contiguous() && mins.numel() == n * blocks),
+              op, ": 4-bit mins must be [N, K / 32] of the scales' dtype");
+}
+
+}  // namespace
+
+void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
+                   bool half_scales, int bits, int64_t n, float* y) {
+  if (half_scales) {
+    product<uint16_t>(x, m, k, codes, scales, mins, bits, n, y);
+  } else {
+    product<float>(x, m, k, codes, scales, mins, bits, n, y);
   }
 }
 
@@ -164,19 +194,43 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(k % kBlock == 0, "block_linear: K must be a multiple of 32, got ", k);
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == k * bits / 8 &&
               codes.element_size() == 1, "block_linear: codes must be contiguous bytes [N, K * bits / 8]");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == n &&
-              scales.size(1) == k / kBlock, "block_linear: scales must be float32 [N, K / 32]");
-  TORCH_CHECK(bits == 8 || (mins.dtype() == torch::kFloat32 && mins.is_contiguous() && mins.sizes() == scales.sizes()),
-              "block_linear: 4-bit mins must be float32 [N, K / 32]");
+  check_scales("block_linear", scales, mins, bits, n, k / kBlock);
   const auto input = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
-  block_product(input.data_ptr<float>(), m, k, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
-                bits == 4 ? mins.data_ptr<float>() : nullptr, static_cast<int>(bits), n, y.data_ptr<float>());
+  block_product(input.data_ptr<float>(), m, k, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+                bits == 4 ? mins.data_ptr() : nullptr, scales.dtype() == torch::kFloat16, static_cast<int>(bits), n,
+                y.data_ptr<float>());
   return y;
 }
 
 // Whether the products may take the AVX-512 path where the CPU has it; returns the previous setting.
 bool allow_avx512(bool allowed) { return avx512_allowed.exchange(allowed); }
+
+namespace {
+
+template <typename S>
+void widen(const uint8_t* bytes, const S* scale, const S* min, int64_t bits, int64_t n, int64_t blocks,
+           c10::BFloat16* w) {
+  at::parallel_for(0, n * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      c10::BFloat16* dst = w + i * kBlock;  // block i is columns [32 (i % blocks), +32) of row i / blocks
+      const float s = to_float(scale[i]);
+      if (bits == 4) {
+        const uint8_t* block = bytes + i * 16;
+        const float z = to_float(min[i]);
+        for (int64_t j = 0; j < 16; ++j) {
+          dst[j] = static_cast<float>(block[j] & 15) * s + z;
+          dst[16 + j] = static_cast<float>(block[j] >> 4) * s + z;
+        }
+      } else {
+        const auto* block = reinterpret_cast<const int8_t*>(bytes) + i * kBlock;
+        for (int64_t j = 0; j < kBlock; ++j) dst[j] = static_cast<float>(block[j]) * s;
+      }
+    }
+  });
+}
+
+}  // namespace
 
 // The weights as dense bfloat16 [N, K] into `out`, for products of many rows (prefill chunks), where oneDNN's
 // bfloat16 GEMM outruns the dot products by more than widening a layer's weights per call costs.
@@ -185,31 +239,17 @@ void block_to_bfloat16(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
   const int64_t n = codes.size(0), k = codes.size(1) * 8 / bits, blocks = k / kBlock;
   TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 && k % kBlock == 0,
               "block_to_bfloat16: codes must be contiguous bytes [N, K * bits / 8], K a multiple of 32");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n * blocks,
-              "block_to_bfloat16: scales must be float32 [N, K / 32]");
-  TORCH_CHECK(bits == 8 || (mins.dtype() == torch::kFloat32 && mins.is_contiguous() && mins.numel() == n * blocks),
-              "block_to_bfloat16: 4-bit mins must be float32 [N, K / 32]");
+  check_scales("block_to_bfloat16", scales, mins, bits, n, blocks);
   TORCH_CHECK(out.dtype() == torch::kBFloat16 && out.is_contiguous() && out.size(0) == n && out.size(1) == k,
               "block_to_bfloat16: out must be bfloat16 [N, K]");
   const auto* bytes = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* scale = scales.data_ptr<float>();
-  const float* min = bits == 4 ? mins.data_ptr<float>() : nullptr;
   auto* w = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, n * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      c10::BFloat16* dst = w + i * kBlock;  // block i is columns [32 (i % blocks), +32) of row i / blocks
-      if (bits == 4) {
-        const uint8_t* block = bytes + i * 16;
-        for (int64_t j = 0; j < 16; ++j) {
-          dst[j] = static_cast<float>(block[j] & 15) * scale[i] + min[i];
-          dst[16 + j] = static_cast<float>(block[j] >> 4) * scale[i] + min[i];
-        }
-      } else {
-        const auto* block = reinterpret_cast<const int8_t*>(bytes) + i * kBlock;
-        for (int64_t j = 0; j < kBlock; ++j) dst[j] = static_cast<float>(block[j]) * scale[i];
-      }
-    }
-  });
+  if (scales.dtype() == torch::kFloat16) {
+    const auto* min = bits == 4 ? static_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
+    widen(bytes, static_cast<const uint16_t*>(scales.data_ptr()), min, bits, n, blocks, w);
+  } else {
+    widen(bytes, scales.data_ptr<float>(), bits == 4 ? mins.data_ptr<float>() : nullptr, bits, n, blocks, w);
+  }
 }
 
 }  // namespace kvstrata

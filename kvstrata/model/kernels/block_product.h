@@ -5,8 +5,9 @@
 
 namespace kvstrata {
 
-// y [m, n] = x [m, k] W^T for W's blocks laid out as block_dot.cpp describes (`mins` unused for 8 bits).
-void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float* scales, const float* mins,
-                   int bits, int64_t n, float* y);
+// y [m, n] = x [m, k] W^T for W's blocks laid out as block_dot.cpp describes: scales and mins float32, or float16
+// where `half_scales` (`mins` unused for 8 bits).
+void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
+                   bool half_scales, int bits, int64_t n, float* y);
 
 }  // namespace kvstrata

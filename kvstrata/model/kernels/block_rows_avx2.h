@@ -7,8 +7,8 @@
 // (maddubs saturates), which 4-bit codes, and 8-bit magnitudes against signs moved onto the activations, do
 inline __m256i dot(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
 
-template <int Bits, int R, int T>
-inline void block_tile(const Activations a, const uint8_t* codes, const float* scales, const float* mins, int64_t k,
+template <int Bits, int R, int T, typename S>
+inline void block_tile(const Activations a, const uint8_t* codes, const S* scales, const S* mins, int64_t k,
                        int64_t n, int64_t n_total, float* y) {
   const int64_t blocks = k / 32, row_bytes = k * Bits / 8;
   const __m128i low_mask = _mm_set1_epi8(0x0F);
@@ -35,7 +35,7 @@ inline void block_tile(const Activations a, const uint8_t* codes, const float* s
       } else {
         w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
       }
-      const float scale = scales[(n + t) * blocks + b];
+      const float scale = to_float(scales[(n + t) * blocks + b]);
       for (int r = 0; r < R; ++r) {
         // signed 8-bit codes: |w| times x with w's sign, as dot wants unsigned bytes first
         const __m256i products = Bits == 4 ? dot(w, x[r]) : dot(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x[r], w));
@@ -51,7 +51,7 @@ inline void block_tile(const Activations a, const uint8_t* codes, const float* s
       s = _mm_add_ss(s, _mm_movehdup_ps(s));
       float offset = 0.0f;  // 4-bit: sum over blocks of min * dx * (sum of x's codes)
       if constexpr (Bits == 4)
-        for (int64_t b = 0; b < blocks; ++b) offset += mins[(n + t) * blocks + b] * a.sums[r * blocks + b];
+        for (int64_t b = 0; b < blocks; ++b) offset += to_float(mins[(n + t) * blocks + b]) * a.sums[r * blocks + b];
       y[r * n_total + n + t] = _mm_cvtss_f32(s) + offset;
     }
   }

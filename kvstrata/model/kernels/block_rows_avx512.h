@@ -11,19 +11,35 @@
 // y[r, n] for R rows of activations and T consecutive output rows from n: R x T accumulators, so successive
 // steps do not wait on each other, and each step's activations are read once per T output rows.
 
-// lanes 4i..4i+3 <- float i: a group's four block scales spread over the lanes of their blocks' sums
-inline __m512 spread_over_blocks(const float* first, int count) {
+// the first `count` (at most 4) of four scales, float32 or float16 bits (block_scales.h)
+inline __m128 load_four(const float* first, int count) {
+  return _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), first);
+}
+inline __m128 load_four(const uint16_t* first, int count) {
+  return _mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << count) - 1), first));
+}
+
+// the values of sixteen scales or mins where `valid`
+inline __m512 load_sixteen(const float* first, __mmask16 valid) { return _mm512_maskz_loadu_ps(valid, first); }
+inline __m512 load_sixteen(const uint16_t* first, __mmask16 valid) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, first));
+}
+
+// lanes 4i..4i+3 <- scale i: a group's four block scales spread over the lanes of their blocks' sums
+template <typename S>
+inline __m512 spread_over_blocks(const S* first, int count) {
   const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), first)));
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(load_four(first, count)));
 }
 
 // lanes 0-7 <- first[0], lanes 8-15 <- first[1]: a pair's block scales spread over their blocks' sums
-inline __m512 spread_over_pair(const float* first) {
-  return _mm512_insertf32x8(_mm512_set1_ps(first[0]), _mm256_set1_ps(first[1]), 1);
+template <typename S>
+inline __m512 spread_over_pair(const S* first) {
+  return _mm512_insertf32x8(_mm512_set1_ps(to_float(first[0])), _mm256_set1_ps(to_float(first[1])), 1);
 }
 
-template <int R, int T>
-inline void nibble_tile(const Activations a, const uint8_t* codes, const float* scales, int64_t k, int64_t n,
+template <int R, int T, typename S>
+inline void nibble_tile(const Activations a, const uint8_t* codes, const S* scales, int64_t k, int64_t n,
                         __m512 (&acc)[R][T]) {
   const int64_t blocks = k / 32, row_bytes = k / 2;
   const __m512i low_mask = _mm512_set1_epi8(0x0F);
@@ -48,8 +64,8 @@ inline void nibble_tile(const Activations a, const uint8_t* codes, const float* 
   }
 }
 
-template <int R, int T>
-inline void byte_tile(const Activations a, const uint8_t* codes, const float* scales, int64_t k, int64_t n,
+template <int R, int T, typename S>
+inline void byte_tile(const Activations a, const uint8_t* codes, const S* scales, int64_t k, int64_t n,
                       __m512 (&acc)[R][T]) {
   const int64_t blocks = k / 32;
   const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -69,8 +85,8 @@ inline void byte_tile(const Activations a, const uint8_t* codes, const float* sc
   }
 }
 
-template <int Bits, int R, int T>
-inline void block_tile(const Activations a, const uint8_t* codes, const float* scales, const float* mins, int64_t k,
+template <int Bits, int R, int T, typename S>
+inline void block_tile(const Activations a, const uint8_t* codes, const S* scales, const S* mins, int64_t k,
                        int64_t n, int64_t n_total, float* y) {
   const int64_t blocks = k / 32;
   __m512 acc[R][T];
@@ -82,16 +98,16 @@ inline void block_tile(const Activations a, const uint8_t* codes, const float* s
     byte_tile<R, T>(a, codes, scales, k, n, acc);
   }
   for (int t = 0; t < T; ++t) {
-    const float* row_scales = scales + (n + t) * blocks;
-    const float* row_mins = Bits == 4 ? mins + (n + t) * blocks : nullptr;
+    const S* row_scales = scales + (n + t) * blocks;
+    const S* row_mins = Bits == 4 ? mins + (n + t) * blocks : nullptr;
     for (int r = 0; r < R; ++r) {
       // sum over blocks of min * dx * (sum of x's codes); 8-bit: min = -128 * scale
       __m512 offset = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; b += 16) {
         const __mmask16 valid = static_cast<__mmask16>(blocks - b >= 16 ? 0xFFFF : (1u << (blocks - b)) - 1);
         const __m512 sums = _mm512_maskz_loadu_ps(valid, a.sums + r * blocks + b);
-        const __m512 block_mins = Bits == 4 ? _mm512_maskz_loadu_ps(valid, row_mins + b)
-                                            : _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row_scales + b), _mm512_set1_ps(-128.0f));
+        const __m512 block_mins = Bits == 4 ? load_sixteen(row_mins + b, valid)
+                                            : _mm512_mul_ps(load_sixteen(row_scales + b, valid), _mm512_set1_ps(-128.0f));
         offset = _mm512_fmadd_ps(block_mins, sums, offset);
       }
       y[r * n_total + n + t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t], offset));

@@ -32,16 +32,17 @@ struct BlockWeight {
                 "DecodeLayers: codes must be contiguous bytes [N, K * bits / 8]");
     out = codes.size(0);
     in = codes.size(1) * 8 / bits;
-    TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() && scales.size(0) == out &&
-                    scales.size(1) == in / 32,
-                "DecodeLayers: scales must be float32 [N, K / 32]");
-    TORCH_CHECK(bits == 8 || mins.sizes() == scales.sizes(), "DecodeLayers: 4-bit mins must be float32 [N, K / 32]");
+    TORCH_CHECK((scales.dtype() == at::kFloat || scales.dtype() == at::kHalf) && scales.is_contiguous() &&
+                    scales.size(0) == out && scales.size(1) == in / 32,
+                "DecodeLayers: scales must be float32 or float16 [N, K / 32]");
+    TORCH_CHECK(bits == 8 || (mins.dtype() == scales.dtype() && mins.is_contiguous() && mins.sizes() == scales.sizes()),
+                "DecodeLayers: 4-bit mins must be [N, K / 32] of the scales' dtype");
   }
 
   // y [m, out] = x [m, in] W^T
   void apply(const float* x, int64_t m, float* y) const {
-    block_product(x, m, in, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
-                  bits == 4 ? mins.data_ptr<float>() : nullptr, bits, out, y);
+    block_product(x, m, in, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+                  bits == 4 ? mins.data_ptr() : nullptr, scales.dtype() == at::kHalf, bits, out, y);
   }
 };
 
