@@ -8,7 +8,7 @@ import torch
 
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.sampler import sample
+from kvstrata.engine.sampler import finite_rows, greedy_tokens, sample
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.preloaded import LayerwiseKV, PreloadedKV
 
@@ -123,3 +123,21 @@ def test_no_accepted_sampling_parameter_makes_the_sampler_fail(params):
     assert all(0 <= t < 50 for t in tokens)
     if params.get("temperature", 1.0) < 1e-5 or params.get("top_p", 1.0) < 1e-30:
         assert tokens == logits.argmax(-1).tolist()  # the limit of a vanishing temperature or nucleus
+
+
+def test_greedy_tokens_are_torchs_argmax_with_ties_to_the_first():
+    logits = torch.randn(5, 300)
+    logits[2, [7, 40, 299]] = 50.0  # a three-way tie: the first wins
+    logits[3, [0, 1]] = 60.0
+    assert greedy_tokens(logits).tolist() == logits.argmax(-1).tolist()
+    assert greedy_tokens(logits)[2] == 7 and greedy_tokens(logits)[3] == 0
+    assert greedy_tokens(logits[:, ::2]).tolist() == logits[:, ::2].argmax(-1).tolist()  # strided rows
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_row_with_one_non_finite_logit_is_not_finite(bad):
+    logits = torch.full((4, 49_152), 3e38)  # finite rows whose float32 sum would overflow
+    logits[1] *= -1
+    logits[2, 7] = bad
+    logits[3, :2] = torch.tensor([math.inf, -math.inf])
+    assert finite_rows(logits).tolist() == [True, True, False, False]

@@ -31,12 +31,13 @@ def generate(engine: LLMEngine) -> list[list[int]]:
 
 
 @needs_kernel
-def test_the_operator_stores_the_new_rows_and_attends_like_the_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_operator_stores_the_new_rows_and_attends_like_the_reference(dtype):
     """Pools of three layers; the operator writes layer 1's new K/V at the sequences' slots (nothing else changes)
     and returns the reference attention over each sequence's blocks, the new token included."""
     gen = torch.Generator().manual_seed(0)
     layers, kv_heads, blocks, block, dim = 3, 3, 12, 16, 64
-    k_pools, v_pools = (torch.randn(layers, kv_heads, blocks, block, dim, generator=gen) for _ in range(2))
+    k_pools, v_pools = (torch.randn(layers, kv_heads, blocks, block, dim, generator=gen).to(dtype) for _ in range(2))
     before = k_pools.clone(), v_pools.clone()
     tables = torch.tensor([[4, 0, 0], [7, 2, 9]])
     lens = torch.tensor([5, 40])
@@ -46,12 +47,21 @@ def test_the_operator_stores_the_new_rows_and_attends_like_the_reference():
     got = store_and_attend(1, q, k_new, v_new, FusedDecode(k_pools, v_pools, slots, tables, lens))
     for pools, old, new in ((k_pools, before[0], k_new), (v_pools, before[1], v_new)):
         expected = old.clone()
-        expected[1].view(kv_heads, -1, dim)[:, slots] = new.transpose(0, 1)
+        expected[1].view(kv_heads, -1, dim)[:, slots] = new.transpose(0, 1).to(dtype)
         assert torch.equal(pools, expected)
-    k = k_pools[1][:, tables].flatten(2, 3).permute(1, 2, 0, 3)  # [n, tokens, kv_heads, dim]
-    v = v_pools[1][:, tables].flatten(2, 3).permute(1, 2, 0, 3)
+    k = k_pools[1][:, tables].flatten(2, 3).permute(1, 2, 0, 3).float()  # [n, tokens, kv_heads, dim]
+    v = v_pools[1][:, tables].flatten(2, 3).permute(1, 2, 0, 3).float()
     mask = (whole_block_keys(tables, lens, block).positions != -1)[:, None]
     torch.testing.assert_close(got, attend(q[:, None], k, v, mask)[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_slot_outside_the_pools_is_refused_by_name():
+    k_pools, v_pools = torch.zeros(2, 1, 4, 16, 8), torch.zeros(2, 1, 4, 16, 8)
+    q, rows = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)
+    step = FusedDecode(k_pools, v_pools, torch.tensor([64]), torch.tensor([[3]]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="slot 64 is outside the pools' 64 slots"):
+        store_and_attend(0, q, rows, rows, step)
 
 
 @needs_kernel

@@ -27,7 +27,7 @@ from kvstrata.engine.kv_store_link import KVStoreLink, make_store
 from kvstrata.engine.model_runner import ModelRunner
 from kvstrata.engine.output_processor import OutputProcessor
 from kvstrata.engine.outputs import RequestOutput
-from kvstrata.engine.sampler import sample
+from kvstrata.engine.sampler import finite_rows, sample
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
 from kvstrata.engine.sequence import Sequence, SequenceStatus
@@ -391,7 +391,7 @@ class LLMEngine:
 
     def _drop_nonfinite(self, to_sample: list[Sequence], logits: torch.Tensor):
         """Sequences whose logits hold NaN or inf (a corrupt context) end with an error; the rest are sampled."""
-        finite = torch.isfinite(logits).all(dim=-1)
+        finite = finite_rows(logits)
         if bool(finite.all()):
             return to_sample, logits, []
         keep = finite.tolist()

@@ -37,11 +37,27 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return logits
 
 
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Whether each row of `logits` [rows, vocab] holds only finite values. A row's float64 sum is finite exactly
+    when each of its float32 values is (no finite row can overflow it), and a sum is vectorized where
+    isfinite(...).all() is not (about 5x faster for a row of 49,152 logits)."""
+    return torch.isfinite(logits.sum(dim=-1, dtype=torch.float64))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit (the first of equal ones). On the CPU through numpy: torch's CPU
+    argmax walks a row one value at a time (about 60 us for a 49,152-token vocabulary on the development machine,
+    numpy's 3 us), which at batch 1 is a percent of a decode step."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [rows, vocab] (fp32, finite), plus logprobs where asked for."""
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_tokens(logits)
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:
         probs = filtered_logits(logits[drawn], [params[row] for row in drawn]).softmax(-1)

@@ -63,16 +63,47 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
   }
 }
 
+// rows [n, kv_heads, dim] (float32) written at slots[i] of each KV head of `pool` [kv_heads, blocks * block, dim]:
+// a plain loop, as a decode step writes one token per sequence (index_copy_ costs microseconds of set-up per call)
+template <typename T>
+void store_rows(const at::Tensor& pool, const at::Tensor& rows, const int64_t* slots, int64_t n) {
+  const int64_t kv_heads = pool.size(0), per_head = pool.size(1) * pool.size(2), dim = pool.size(3);
+  TORCH_CHECK(rows.dim() == 3 && rows.size(0) == n && rows.size(1) == kv_heads && rows.size(2) == dim,
+              "store_and_decode_attention: new rows must be [n, kv_heads, dim] as the pools hold them");
+  const at::Tensor values = rows.to(at::kFloat).contiguous();
+  const float* from = values.data_ptr<float>();
+  T* base = pool.data_ptr<T>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < per_head, "store_and_decode_attention: slot ", slots[i],
+                " is outside the pools' ", per_head, " slots");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      T* to = base + (h * per_head + slots[i]) * dim;
+      const float* row = from + (i * kv_heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) to[d] = static_cast<T>(row[d]);
+    }
+  }
+}
+
 // Writes k_new and v_new [n, kv_heads, dim] at `slots` [n] of layer `layer` of the pools [layers, kv_heads,
 // blocks, block, dim], then attends each of the n decoding sequences over its first context_lens tokens.
 at::Tensor store_and_decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                                       at::Tensor& k_pools, at::Tensor& v_pools, int64_t layer, const at::Tensor& slots,
                                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(k_pools.dim() == 5 && layer >= 0 && layer < k_pools.size(0),
-              "store_and_decode_attention: pools must be [layers, kv_heads, blocks, block, dim] and hold layer ", layer);
+  TORCH_CHECK(k_pools.dim() == 5 && layer >= 0 && layer < k_pools.size(0) && k_pools.is_contiguous() &&
+                  v_pools.is_contiguous() && k_pools.sizes() == v_pools.sizes() &&
+                  k_pools.scalar_type() == v_pools.scalar_type(),
+              "store_and_decode_attention: pools must be contiguous [layers, kv_heads, blocks, block, dim] of one "
+              "dtype and hold layer ", layer);
+  const at::Tensor slot_values = slots.to(at::kLong).contiguous();
+  const int64_t* slot = slot_values.data_ptr<int64_t>();
   at::Tensor k_pool = k_pools.select(0, layer), v_pool = v_pools.select(0, layer);
   for (auto [pool, rows] : {std::pair{k_pool, k_new}, std::pair{v_pool, v_new}}) {
-    pool.view({pool.size(0), -1, pool.size(3)}).index_copy_(1, slots, rows.transpose(0, 1).to(pool.scalar_type()));
+    switch (pool.scalar_type()) {
+      case at::kFloat: store_rows<float>(pool, rows, slot, slot_values.numel()); break;
+      case at::kHalf: store_rows<at::Half>(pool, rows, slot, slot_values.numel()); break;
+      case at::kBFloat16: store_rows<at::BFloat16>(pool, rows, slot, slot_values.numel()); break;
+      default: TORCH_CHECK(false, "store_and_decode_attention: pools must be float32, float16 or bfloat16");
+    }
   }
   return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale);
 }
