@@ -26,13 +26,15 @@ def reader_threads(request):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_in_place_reader_equals_the_torch_path(case, reader_threads, tiny_llama_kv64, oaken_calibrations):
+# two sequences on 8 threads: each item's tokens are split into 4 parts attended apart and merged (the 3-token
+# sequence's parts after its first are empty)
+@pytest.mark.parametrize("lens", [[1, 20, 75, 150], [3, 200]], ids=["mixed", "split"])
+def test_in_place_reader_equals_the_torch_path(case, lens, reader_threads, tiny_llama_kv64, oaken_calibrations):
     engine = build(tiny_llama_kv64, oaken_calibrations, case).engine
     torch.set_num_threads(reader_threads)
     storage = engine.kv_cache
     assert storage.decode_kernel is KERNEL
     gen = torch.Generator().manual_seed(4)
-    lens = [1, 20, 75, 150]
     seqs = [prefill_in_chunks(engine, torch.randint(3, 320, (n,), generator=gen).tolist(), 32, seq_id=i)[1]
             for i, n in enumerate(lens)]
     width = max(len(s.block_table) for s in seqs)

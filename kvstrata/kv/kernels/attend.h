@@ -114,31 +114,48 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 // The slot of a sequence's token t: block table entry t / block, offset t % block.
 inline int64_t slot_of(const int64_t* table, int64_t block, int64_t t) { return table[t / block] * block + t % block; }
 
-// One item of one sequence: `row_heads` KV heads, whose rows the reader hands back side by side, and their
-// `group` query heads each (query head g reads KV head g / group of the row) attend over the first `len` tokens.
+// Tokens [first, last) of one item of one sequence: `row_heads` KV heads, whose rows the reader hands back side by
+// side, and their `group` query heads each (query head g reads KV head g / group of the row). Leaves per query head
+// g its peak score peaks[g], the sum of its weights e^(score - peak) totals[g] and, in outputs, the weighted sum of
+// the values, not yet divided by the total.
 template <typename Rows>
-void attend_head(Rows& rows, const float* queries, float* outputs, int64_t len, int64_t group, int64_t row_heads,
-                 int64_t dim, float scale, std::vector<float>& scores, std::vector<float>& totals) {
-  const int64_t heads = group * row_heads;
+void attend_span(Rows& rows, const float* queries, float* outputs, int64_t first, int64_t last, int64_t group,
+                 int64_t row_heads, int64_t dim, float scale, std::vector<float>& scores, float* peaks, float* totals) {
+  const int64_t heads = group * row_heads, len = last - first;
   scores.assign(heads * len, 0.0f);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = first; t < last; ++t) {
     const float* __restrict key = rows.key(t);
-    for (int64_t g = 0; g < heads; ++g) scores[g * len + t] = dot(queries + g * dim, key + g / group * dim, dim) * scale;
+    for (int64_t g = 0; g < heads; ++g) {
+      scores[g * len + t - first] = dot(queries + g * dim, key + g / group * dim, dim) * scale;
+    }
   }
   for (int64_t g = 0; g < heads; ++g) {
     float* row = scores.data() + g * len;
-    totals[g] = exp_minus_peak(row, len, *std::max_element(row, row + len));
+    peaks[g] = *std::max_element(row, row + len);
+    totals[g] = exp_minus_peak(row, len, peaks[g]);
   }
   std::fill(outputs, outputs + heads * dim, 0.0f);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = first; t < last; ++t) {
     const float* __restrict value = rows.value(t);
     for (int64_t g = 0; g < heads; ++g) {
-      const float weight = scores[g * len + t] / totals[g];
+      const float weight = scores[g * len + t - first];
       const float* __restrict v = value + g / group * dim;
       float* __restrict o = outputs + g * dim;
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) o[d] += weight * v[d];
     }
+  }
+}
+
+// The whole item: its first `len` tokens, outputs divided by their totals (peaks and totals: a place per head).
+template <typename Rows>
+void attend_head(Rows& rows, const float* queries, float* outputs, int64_t len, int64_t group, int64_t row_heads,
+                 int64_t dim, float scale, std::vector<float>& scores, std::vector<float>& peaks,
+                 std::vector<float>& totals) {
+  attend_span(rows, queries, outputs, 0, len, group, row_heads, dim, scale, scores, peaks.data(), totals.data());
+  for (int64_t g = 0; g < group * row_heads; ++g) {
+    const float inverse = 1.0f / totals[g];
+    for (int64_t d = 0; d < dim; ++d) outputs[g * dim + d] *= inverse;
   }
 }
 
@@ -161,11 +178,17 @@ inline void check_inputs(const at::Tensor& q, const at::Tensor& block_tables, co
   }
 }
 
+// Tokens per part, at least, where an item's tokens are split (below)
+constexpr int64_t kMinPartTokens = 64;
+
 // Checks the inputs, then one work item per sequence and `row_heads` KV heads over torch's threads;
 // make_rows(table, first KV head, row_heads) builds the reader of one item, whose rows hold its KV heads side by
 // side. A reader of whole-token records (whole_tokens) gets all of a token's KV heads in one item where there are
 // enough sequences to keep every thread busy: the heads then share the record's bookkeeping (its slot, scales,
 // outlier entries), which otherwise each head pays again. Else, and for float pools, each KV head is an item.
+// Where there are fewer than two items per thread (a decode of one sequence: one item per KV head, 3 for the default
+// model on 2 threads), each item's tokens are split into parts attended apart and merged by their peaks and totals,
+// so that every thread has work (the split-softmax of flash-decoding).
 template <typename MakeRows>
 at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t block,
                int64_t num_blocks, double scale, MakeRows make_rows, bool whole_tokens = false) {
@@ -174,22 +197,64 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   context_lens = context_lens.to(at::kLong).contiguous();
   check_inputs(q, block_tables, context_lens, kv_heads, block, num_blocks);
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), group = heads / kv_heads;
-  const int64_t row_heads = whole_tokens && n >= 2 * at::get_num_threads() ? kv_heads : 1;
-  const int64_t items = kv_heads / row_heads, width = block_tables.size(1);
+  const int64_t threads = at::get_num_threads();
+  const int64_t row_heads = whole_tokens && n >= 2 * threads ? kv_heads : 1;
+  const int64_t items = kv_heads / row_heads, width = block_tables.size(1), item_heads = group * row_heads;
   auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  at::parallel_for(0, n * items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, totals(group * row_heads);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / items, h = item % items * row_heads;
+  const int64_t longest = *std::max_element(lens, lens + n);
+  const int64_t parts = n * items >= 2 * threads ? 1 : std::clamp<int64_t>(
+      (4 * threads + n * items - 1) / (n * items), 1, (longest + kMinPartTokens - 1) / kMinPartTokens);
+  if (parts == 1) {
+    at::parallel_for(0, n * items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, peaks(item_heads), totals(item_heads);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t s = item / items, h = item % items * row_heads;
+        auto rows = make_rows(tables + s * width, h, row_heads);
+        attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, lens[s], group,
+                    row_heads, dim, static_cast<float>(scale), scores, peaks, totals);
+      }
+    });
+    return out;
+  }
+  // part p of an item of sequence s holds its tokens [p * span, (p + 1) * span); parts past its end stay empty
+  auto span_of = [&](int64_t s) { return (lens[s] + parts - 1) / parts; };
+  const int64_t units = n * items * parts;
+  std::vector<float> partial(units * item_heads * dim), peaks(units * item_heads), totals(units * item_heads);
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t item = unit / parts, part = unit % parts, s = item / items, h = item % items * row_heads;
+      const int64_t first = part * span_of(s), last = std::min(lens[s], first + span_of(s));
+      if (first >= last) continue;
       auto rows = make_rows(tables + s * width, h, row_heads);
-      attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, lens[s], group,
-                  row_heads, dim, static_cast<float>(scale), scores, totals);
+      attend_span(rows, qp + (s * heads + h * group) * dim, partial.data() + unit * item_heads * dim, first, last,
+                  group, row_heads, dim, static_cast<float>(scale), scores, peaks.data() + unit * item_heads,
+                  totals.data() + unit * item_heads);
     }
   });
+  for (int64_t item = 0; item < n * items; ++item) {
+    const int64_t s = item / items, h = item % items * row_heads;
+    const int64_t used = (lens[s] + span_of(s) - 1) / span_of(s);  // the parts that hold tokens
+    for (int64_t g = 0; g < item_heads; ++g) {
+      float peak = -INFINITY;
+      for (int64_t p = 0; p < used; ++p) peak = std::max(peak, peaks[(item * parts + p) * item_heads + g]);
+      float* o = op + (s * heads + h * group + g) * dim;
+      std::fill(o, o + dim, 0.0f);
+      float total = 0.0f;
+      for (int64_t p = 0; p < used; ++p) {
+        const int64_t at = (item * parts + p) * item_heads + g;
+        const float weight = std::exp(peaks[at] - peak);
+        total += weight * totals[at];  // NaN where a part's scores were: the head's output is NaN, as unsplit
+        const float* part_out = partial.data() + at * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] += weight * part_out[d];
+      }
+      for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+    }
+  }
   return out;
 }
 
