@@ -31,8 +31,8 @@ def generate(engine: LLMEngine) -> list[list[int]]:
 
 
 def a_step(model, lens: list[int], seed: int = 0):
-    """Hidden states, RoPE and a FusedDecode of pools holding random cached K/V, for sequences of `lens` tokens
-    (the new one included) in blocks of 16."""
+    """Hidden states, their positions and a FusedDecode of pools holding random cached K/V, for sequences of `lens`
+    tokens (the new one included) in blocks of 16."""
     c, gen, block = model.config, torch.Generator().manual_seed(seed), 16
     k_pools, v_pools = (torch.randn(c.num_layers, c.num_kv_heads, 24, block, c.head_dim, generator=gen) * 0.5
                         for _ in range(2))
@@ -40,27 +40,26 @@ def a_step(model, lens: list[int], seed: int = 0):
     lengths = torch.tensor(lens)
     slots = torch.stack([tables[i, (n - 1) // block] * block + (n - 1) % block for i, n in enumerate(lens)])
     x = model.embed_tokens(torch.randint(0, c.vocab_size, (len(lens),), generator=gen))
-    cos, sin = model.rotary.cos_sin(lengths - 1, x.dtype)
-    return x, cos, sin, FusedDecode(k_pools, v_pools, slots, tables, lengths)
+    return x, lengths - 1, FusedDecode(k_pools, v_pools, slots, tables, lengths)
 
 
 @needs_kernels
 @torch.inference_mode()
 def test_the_loop_computes_what_the_layers_compute(tiny_gguf_style):
-    """Sequences of 1, 16 (a full block), 17 and 80 tokens: the same hidden states, and the same K/V written at the
-    same slots of every layer's pools, as llama.py's decode step over the same block weights."""
+    """Sequences of 1, 16 (a full block), 17 and 80 tokens: the same final hidden states, and the same K/V written
+    at the same slots of every layer's pools, as llama.py's decode step over the same block weights."""
     model = new_engine(tiny_gguf_style).loaded.model
     assert isinstance(model.native_decode, NativeDecode)
-    x, cos, sin, step = a_step(model, [1, 16, 17, 80])
+    x, positions, step = a_step(model, [1, 16, 17, 80])
     theirs = step._replace(k_pools=step.k_pools.clone(), v_pools=step.v_pools.clone())
-    want = decode_all_layers(model, x, cos, sin, theirs)
-    got = model.native_decode(x, cos, sin, step)
+    want = model.norm(decode_all_layers(model, x, *model.rotary.cos_sin(positions, x.dtype), theirs))
+    got = model.native_decode(x, positions, step)
     # Both quantize each product's activations to int8 per block of 32; the loop's norms sum in another order, so a
     # code may round the other way: differences of that size, not of a wrong computation.
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(step.k_pools, theirs.k_pools, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(step.v_pools, theirs.v_pools, rtol=2e-3, atol=2e-3)
-    assert not torch.equal(step.k_pools[-1], a_step(model, [1, 16, 17, 80])[3].k_pools[-1])  # the last layer stored
+    assert not torch.equal(step.k_pools[-1], a_step(model, [1, 16, 17, 80])[2].k_pools[-1])  # the last layer stored
 
 
 @needs_kernels
@@ -82,11 +81,11 @@ def test_models_the_loop_does_not_compute_keep_the_layers(tiny_llama, tiny_qwen2
 @needs_kernels
 def test_bad_hidden_states_are_refused_by_name(tiny_gguf_style):
     model = new_engine(tiny_gguf_style).loaded.model
-    x, cos, sin, step = a_step(model, [5])
+    x, positions, step = a_step(model, [5])
     with pytest.raises(RuntimeError, match=r"x must be float32 \[n, 64\]"):
-        model.native_decode(x[:, :32], cos, sin, step)
-    with pytest.raises(RuntimeError, match=r"cos and sin must be float32 \[n, 16\]"):
-        model.native_decode(x, cos[:, :, :8], sin, step)
+        model.native_decode(x[:, :32], positions, step)
+    with pytest.raises(RuntimeError, match=r"positions must be \[n\], one per row"):
+        model.native_decode(x, positions.repeat(2), step)
 
 
 def test_many_rows_go_layer_by_layer_where_the_products_turn_dense(monkeypatch):

@@ -119,11 +119,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states [T, hidden] of the packed tokens."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
         fused = kv.fused_decode(batch, x.dtype)
         if fused is not None and self.native_decode is not None and self.native_decode.takes(x):
-            x = self.native_decode(x, cos, sin, fused)
-        elif fused is not None:
+            return self.native_decode(x, positions, fused)  # RoPE and the final norm included
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if fused is not None:
             x = self.decode_all_layers(self, x, cos, sin, fused)
         else:
             for layer in self.layers:

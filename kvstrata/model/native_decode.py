@@ -23,8 +23,8 @@ class NativeDecode:
 
     @classmethod
     def for_model(cls, model) -> NativeDecode | None:
-        """The loop over `model`'s layers, or None where a layer is not what the loop computes: a projection not on
-        blocks or with a bias, norms not in float32, or no compiled kernels."""
+        """The loop over `model`'s layers and its final norm, or None where a layer is not what the loop computes: a
+        projection not on blocks or with a bias, norms not in float32, or no compiled kernels."""
         compiled = block_linear.kernel()
         if compiled is None or not hasattr(model, "layers"):
             return None
@@ -41,9 +41,11 @@ class NativeDecode:
             scales += [p.scales for p in products]
             mins += [p.mins for p in products]
             bits += [p.bits for p in products]
-        c = model.config
-        return cls(compiled.DecodeLayers(norms, codes, scales, mins, bits, c.num_heads, c.num_kv_heads, c.head_dim,
-                                         c.norm_eps))
+        c, final_norm = model.config, model.norm.weight.detach()
+        if final_norm.dtype != torch.float32:
+            return None
+        return cls(compiled.DecodeLayers(norms, codes, scales, mins, bits, final_norm, model.rotary.inv_freq.float(),
+                                         c.num_heads, c.num_kv_heads, c.head_dim, c.norm_eps))
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -51,8 +53,8 @@ class NativeDecode:
         to dense GEMMs at (block_linear.DENSE_FROM_ROWS)."""
         return x.dtype == torch.float32 and (len(x) < DENSE_FROM_ROWS or not block_linear.dense_for_many_rows())
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: FusedDecode) -> torch.Tensor:
-        """The last layer's output [n, hidden] for hidden states x [n, hidden] and RoPE's cos, sin [n, 1, head_dim];
-        stores every layer's new K/V in the step's pools."""
-        return self.layers.forward(x, cos, sin, step.k_pools, step.v_pools, step.slots, step.block_tables,
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, step: FusedDecode) -> torch.Tensor:
+        """The final norm of the last layer's output [n, hidden] for hidden states x [n, hidden] at `positions` [n]
+        (RoPE's angles are computed inside); stores every layer's new K/V in the step's pools."""
+        return self.layers.forward(x, positions, step.k_pools, step.v_pools, step.slots, step.block_tables,
                                    step.context_lens)

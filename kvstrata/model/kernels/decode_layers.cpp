@@ -91,10 +91,13 @@ class DecodeLayers {
  public:
   // Per layer, in order: norms [input, post-attention]; block weights [q/k/v, output, gate/up, down] as codes,
   // scales, mins (empty for 8 bits) and bits.
+  // Then the final norm's weight, and RoPE's inverse frequencies [head_dim / 2] (float32, model/rotary.py).
   DecodeLayers(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& codes,
                const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& mins,
-               const std::vector<int64_t>& bits, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
+               const std::vector<int64_t>& bits, at::Tensor final_norm, at::Tensor inverse_frequencies, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, double eps)
+      : final_norm_(std::move(final_norm)), inverse_frequencies_(std::move(inverse_frequencies)), heads_(heads),
+        kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
     const size_t count = norms.size() / 2;
     TORCH_CHECK(norms.size() == 2 * count && codes.size() == 4 * count && scales.size() == codes.size() &&
                     mins.size() == codes.size() && bits.size() == codes.size(),
@@ -111,33 +114,32 @@ class DecodeLayers {
                       layer.o.out == hidden_ && layer.gate_up.in == hidden_ && layer.gate_up.out == 2 * intermediate_ &&
                       layer.down.out == hidden_,
                       "DecodeLayers: layer ", l, "'s products do not fit one another");
-      for (const auto& norm : {layer.input_norm, layer.post_attention_norm}) {
-        TORCH_CHECK(norm.dtype() == at::kFloat && norm.is_contiguous() && norm.numel() == hidden_,
-                    "DecodeLayers: norm weights must be float32 [hidden]");
-      }
+      for (const auto& norm : {layer.input_norm, layer.post_attention_norm}) check_norm(norm);
     }
+    check_norm(final_norm_);
+    TORCH_CHECK(inverse_frequencies_.dtype() == at::kFloat && inverse_frequencies_.is_contiguous() &&
+                    inverse_frequencies_.numel() == head_dim / 2,
+                "DecodeLayers: RoPE's inverse frequencies must be float32 [head_dim / 2]");
   }
 
-  // x [n, hidden] float32 (one token per sequence), cos and sin [n, head_dim]; the pools and the step's slots,
-  // block tables and context lengths as kv/fused_decode.py's FusedDecode holds them. Returns the last layer's
-  // output [n, hidden]; the pools hold every layer's new K/V.
-  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor k_pools, at::Tensor v_pools,
-                     at::Tensor slots, at::Tensor block_tables, at::Tensor context_lens) {
+  // x [n, hidden] float32 (one token per sequence) at `positions` [n]; the pools and the step's slots, block
+  // tables and context lengths as kv/fused_decode.py's FusedDecode holds them. Returns the final norm of the last
+  // layer's output [n, hidden]; the pools hold every layer's new K/V.
+  at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor k_pools, at::Tensor v_pools, at::Tensor slots,
+                     at::Tensor block_tables, at::Tensor context_lens) {
     TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_,
                 "DecodeLayers: x must be float32 [n, ", hidden_, "]");
     const int64_t n = x.size(0), dim = head_dim_;
-    TORCH_CHECK(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat && cos.numel() == n * dim &&
-                    sin.numel() == n * dim,
-                "DecodeLayers: cos and sin must be float32 [n, ", dim, "]");
-    cos = cos.contiguous();
-    sin = sin.contiguous();
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == n, "DecodeLayers: positions must be [n], one per row");
+    std::vector<float> cos(n * dim), sin(n * dim);
+    angles(positions.to(at::kLong).contiguous().data_ptr<int64_t>(), n, cos.data(), sin.data());
     at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
     at::Tensor q = at::empty({n, heads_, dim}, x.options()), k = at::empty({n, kv_heads_, dim}, x.options()),
                v = at::empty({n, kv_heads_, dim}, x.options());
     std::vector<float> normed(n * hidden_), qkv(n * (heads_ + 2 * kv_heads_) * dim), projected(n * hidden_),
         gate_up(n * 2 * intermediate_), activated(n * intermediate_);
     float* h = out.data_ptr<float>();
-    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    const float *cp = cos.data(), *sp = sin.data();
     const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
@@ -160,10 +162,29 @@ class DecodeLayers {
       layer.down.apply(activated.data(), n, projected.data());
       for (int64_t i = 0; i < n * hidden_; ++i) h[i] += projected[i];
     }
+    rms_norm(h, final_norm_.data_ptr<float>(), n, hidden_, eps_, h);
     return out;
   }
 
  private:
+  void check_norm(const at::Tensor& norm) const {
+    TORCH_CHECK(norm.dtype() == at::kFloat && norm.is_contiguous() && norm.numel() == hidden_,
+                "DecodeLayers: norm weights must be float32 [hidden]");
+  }
+
+  // cos and sin [n, head_dim] of each row's angles position * frequency, both halves alike (model/rotary.py)
+  void angles(const int64_t* positions, int64_t n, float* cos, float* sin) const {
+    const int64_t half = head_dim_ / 2;
+    const float* frequencies = inverse_frequencies_.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = static_cast<float>(positions[r]) * frequencies[i];
+        cos[r * head_dim_ + i] = cos[r * head_dim_ + half + i] = std::cos(angle);
+        sin[r * head_dim_ + i] = sin[r * head_dim_ + half + i] = std::sin(angle);
+      }
+    }
+  }
+
   // qkv [n, (heads + 2 kv_heads) * dim] into q and k (rotated) and v, each [n, heads or kv_heads, dim]
   void split_and_rotate(const float* qkv, const float* cos, const float* sin, int64_t n, float* q, float* k,
                         float* v) const {
@@ -180,6 +201,7 @@ class DecodeLayers {
   }
 
   std::vector<Layer> layers_;
+  at::Tensor final_norm_, inverse_frequencies_;
   int64_t heads_, kv_heads_, head_dim_, hidden_ = 0, intermediate_ = 0;
   double eps_;
 };
@@ -192,6 +214,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<kvstrata::DecodeLayers>(m, "DecodeLayers")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
-                          int64_t, int64_t, int64_t, double>())
+                          at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
       .def("forward", &kvstrata::DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
