@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import statistics
 import time
 
 import torch
@@ -101,39 +103,56 @@ def run_roofline(args: argparse.Namespace) -> None:
 
 
 def run_decode(args: argparse.Namespace) -> None:
+    if args.rounds < 1:
+        raise KvstrataError(f"--rounds must be at least 1, got {args.rounds}")
     engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_prefix_caching=False))
     gguf_path = gguf_file(engine.loaded.source)
     prompt = prompts_from_text(engine.tokenizer, 1, args.context, args.text)[0]
     warmup_start = time.perf_counter()  # a short run first: under --compile it pays the compile
     measure_decode_step(engine, prompt, 8)
     warmup = time.perf_counter() - warmup_start
+    baselines = {}
+    if not args.no_llama_cpp:
+        baselines["llama_cpp"] = functools.partial(llama_cpp_decode, gguf_path, prompt, args.steps,
+                                                   torch.get_num_threads())
+    if not args.no_transformers:
+        baselines["transformers"] = functools.partial(transformers_decode, gguf_path, prompt, args.steps)
+    # Each round times kvstrata then every baseline, back to back: this machine's speed drifts between runs of a
+    # few seconds, so a ratio compares runs of one round, and the report gives each round and their medians.
+    rounds, ours = [], []
     with timed_model_calls(engine.loaded.model) as call_times:
-        seconds, tokens = measure_decode_step(engine, prompt, args.steps)
+        for _ in range(args.rounds):
+            seconds, tokens = measure_decode_step(engine, prompt, args.steps)
+            ours.append(seconds)
+            one = {"kvstrata_tokens_per_s": sig(1 / seconds)}
+            for name, decode in baselines.items():
+                result = decode()
+                if result is None:
+                    continue  # not installed
+                theirs, their_tokens = result
+                one |= {f"{name}_tokens_per_s": sig(1 / theirs), f"ratio_to_{name}": sig(theirs / seconds),
+                        f"greedy_agreement_with_{name}": sig(agreement(tokens, their_tokens))}
+            rounds.append(one)
+    seconds = statistics.median(ours)
     report = {
         "benchmark": "decode",
         "machine": machine_info(),
         **engine_info(engine),
-        "workload": {"context": args.context, "steps": args.steps, "text": str(args.text), "threads": torch.get_num_threads()},
+        "workload": {"context": args.context, "steps": args.steps, "text": str(args.text),
+                     "threads": torch.get_num_threads(), "rounds": args.rounds},
         "decode_read_bytes": decode_read_bytes(engine.loaded.model),
         "resident_weight_bytes": resident_weight_bytes(engine.loaded.model),
         "kvstrata_warmup_s": sig(warmup),
         "kvstrata_tokens_per_s": sig(1 / seconds),
         "kvstrata_step_split_ms": {part: sig(ms) for part, ms in step_split_ms(seconds, call_times).items()},
     }
-    baselines = {}
-    if not args.no_llama_cpp:
-        baselines["llama_cpp"] = llama_cpp_decode(gguf_path, prompt, args.steps, torch.get_num_threads())
+    if "llama_cpp" in baselines:
         report["llama_cpp_version"] = package_version("llama-cpp-python")
-    if not args.no_transformers:
-        baselines["transformers"] = transformers_decode(gguf_path, prompt, args.steps)
-    for name, result in baselines.items():
-        if result is None:
-            report[f"{name}_tokens_per_s"] = None  # not installed
-            continue
-        theirs, their_tokens = result
-        report[f"{name}_tokens_per_s"] = sig(1 / theirs)
-        report[f"ratio_to_{name}"] = sig(theirs / seconds)
-        report[f"greedy_agreement_with_{name}"] = sig(agreement(tokens, their_tokens))
+    for name in baselines:
+        for figure in (f"{name}_tokens_per_s", f"ratio_to_{name}", f"greedy_agreement_with_{name}"):
+            values = [one[figure] for one in rounds if figure in one]
+            report[figure] = sig(statistics.median(values)) if values else None  # None: not installed
+    report["rounds"] = rounds
     emit(report, args.json)
 
 

@@ -45,11 +45,14 @@ def add_bench_commands(commands) -> None:
         description="Greedy decoding after one prompt of --context tokens, --steps tokens: kvstrata (with the "
                     "engine options given, e.g. --weights), llama.cpp through llama-cpp-python when it is "
                     "installed (same GGUF file, as many threads as torch), and transformers (the GGUF dequantized "
-                    "to fp32). Reports each one's tokens/s (1 / median step), the ratios, how long the greedy "
-                    "tokens agree, and the weight bytes a decode step reads.",
+                    "to fp32), one after another in each of --rounds rounds. Reports each round's tokens/s (1 / "
+                    "median step), ratios and how long the greedy tokens agree, their medians over the rounds, and "
+                    "the weight bytes a decode step reads.",
     )
     decode.add_argument("--context", type=int, default=128, help="prompt tokens before decoding (default: 128)")
     decode.add_argument("--steps", type=int, default=128, help="decode steps timed (default: 128)")
+    decode.add_argument("--rounds", type=int, default=3,
+                        help="rounds of kvstrata then each baseline; a ratio compares one round's runs (default: 3)")
     decode.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     decode.add_argument("--no-transformers", action="store_true", help="skip transformers")
     _add_output_flags(decode)
