@@ -9,9 +9,13 @@ many threads as torch uses; transformers reads the GGUF file dequantized to fp32
 from __future__ import annotations
 
 import importlib.metadata
-import itertools
+import importlib.util
+import json
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,28 +38,33 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def llama_cpp_decode(gguf_path: Path, prompt: list[int], steps: int, threads: int) -> tuple[float, list[int]] | None:
-    """(median seconds per decode step, the greedy tokens) of llama.cpp, or None when llama-cpp-python is
-    not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+def llama_cpp_decoder(gguf_path: Path, prompt: list[int], steps: int,
+                      threads: int) -> Callable[[], tuple[float, list[int]]] | None:
+    """A function returning (median seconds per decode step, the greedy tokens) of llama.cpp decoding `steps` tokens
+    after `prompt` in a process of its own (bench/llama_cpp_child.py), or None when llama-cpp-python is not
+    installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
         return None
-    llm = Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads,
-                n_ctx=len(prompt) + steps + 16, verbose=False)
-    tokens, stamps = [], []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-        stamps.append(time.perf_counter())
-        tokens.append(token)
-        if len(tokens) == steps + 1:
-            break
-    return statistics.median(b - a for a, b in itertools.pairwise(stamps)), tokens
+    request = json.dumps({"gguf": str(gguf_path), "prompt": prompt, "steps": steps, "threads": threads})
+
+    def decode() -> tuple[float, list[int]]:
+        done = subprocess.run([sys.executable, "-m", "kvstrata.bench.llama_cpp_child", request], check=False,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KvstrataError(f"llama.cpp's decode ended with exit status {done.returncode}: "
+                                f"{done.stderr.strip()[-300:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        return result["seconds"], result["tokens"]
+
+    return decode
 
 
-def transformers_decode(gguf_path: Path, prompt: list[int], steps: int) -> tuple[float, list[int]]:
-    """The same for transformers: its model in fp32 and its own KV cache, one token per forward call."""
+def transformers_decoder(gguf_path: Path, prompt: list[int], steps: int) -> Callable[[], tuple[float, list[int]]]:
+    """The same for transformers: its model in fp32 (loaded once) and its own KV cache, one token per forward call."""
     model = transformers_model(gguf_path)
-    with torch.inference_mode():
+
+    @torch.inference_mode()
+    def decode() -> tuple[float, list[int]]:
         out = model(torch.tensor([prompt]), use_cache=True)
         token = out.logits[0, -1].argmax()
         tokens, times = [int(token)], []
@@ -65,7 +74,9 @@ def transformers_decode(gguf_path: Path, prompt: list[int], steps: int) -> tuple
             token = out.logits[0, -1].argmax()
             times.append(time.perf_counter() - start)
             tokens.append(int(token))
-    return statistics.median(times), tokens
+        return statistics.median(times), tokens
+
+    return decode
 
 
 def agreement(ours: list[int], theirs: list[int]) -> float:

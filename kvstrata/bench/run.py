@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import statistics
 import time
 
@@ -14,9 +13,9 @@ from kvstrata.bench import plots, sarathi
 from kvstrata.bench.decode import (
     agreement,
     gguf_file,
-    llama_cpp_decode,
+    llama_cpp_decoder,
     package_version,
-    transformers_decode,
+    transformers_decoder,
 )
 from kvstrata.bench.machine_limits import gemm_gflops, gemv_bandwidth_gbs, read_bandwidth_gbs
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
@@ -113,10 +112,9 @@ def run_decode(args: argparse.Namespace) -> None:
     warmup = time.perf_counter() - warmup_start
     baselines = {}
     if not args.no_llama_cpp:
-        baselines["llama_cpp"] = functools.partial(llama_cpp_decode, gguf_path, prompt, args.steps,
-                                                   torch.get_num_threads())
+        baselines["llama_cpp"] = llama_cpp_decoder(gguf_path, prompt, args.steps, torch.get_num_threads())
     if not args.no_transformers:
-        baselines["transformers"] = functools.partial(transformers_decode, gguf_path, prompt, args.steps)
+        baselines["transformers"] = transformers_decoder(gguf_path, prompt, args.steps)
     # Each round times kvstrata then every baseline, back to back: this machine's speed drifts between runs of a
     # few seconds, so a ratio compares runs of one round, and the report gives each round and their medians.
     rounds, ours = [], []
@@ -126,10 +124,13 @@ def run_decode(args: argparse.Namespace) -> None:
             ours.append(seconds)
             one = {"kvstrata_tokens_per_s": sig(1 / seconds)}
             for name, decode in baselines.items():
-                result = decode()
-                if result is None:
+                if decode is None:
                     continue  # not installed
-                theirs, their_tokens = result
+                try:
+                    theirs, their_tokens = decode()
+                except KvstrataError as failure:  # a baseline that fails in one round is reported, not fatal
+                    one[f"{name}_error"] = str(failure)
+                    continue
                 one |= {f"{name}_tokens_per_s": sig(1 / theirs), f"ratio_to_{name}": sig(theirs / seconds),
                         f"greedy_agreement_with_{name}": sig(agreement(tokens, their_tokens))}
             rounds.append(one)
