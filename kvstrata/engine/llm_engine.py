@@ -391,14 +391,13 @@ class LLMEngine:
 
     def _drop_nonfinite(self, to_sample: list[Sequence], logits: torch.Tensor):
         """Sequences whose logits hold NaN or inf (a corrupt context) end with an error; the rest are sampled."""
-        finite = finite_rows(logits)
-        if bool(finite.all()):
+        keep = finite_rows(logits)
+        if all(keep):
             return to_sample, logits, []
-        keep = finite.tolist()
         failed = [self._fail(seq, "the model's logits for this request are not finite (NaN or inf): its context "
                                   "(a preloaded KV cache, most likely) is corrupt", corrupt_cache=True)
                   for seq, ok in zip(to_sample, keep) if not ok]
-        return [seq for seq, ok in zip(to_sample, keep) if ok], logits[finite], failed
+        return [seq for seq, ok in zip(to_sample, keep) if ok], logits[torch.tensor(keep, device=logits.device)], failed
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:
         if seq.store_load_end is not None or seq.store_plan is not None:  # its first token after a store load

@@ -54,7 +54,9 @@ class ModelRunner:
         to_device = lambda a: torch.from_numpy(a).to(self.device)
         positions_t, rows_t = to_device(positions), to_device(rows)
         tables = self.block_tables.tensor(self.device)
-        slot_mapping = token_slots(tables, to_device(np.repeat(rows, counts)), positions_t, self.block_size)
+        # on the host arrays: a handful of numpy calls cost less than torch's on a batch-1 step
+        slot_mapping = to_device(token_slots(self.block_tables.table, np.repeat(rows, counts), positions,
+                                             self.block_size))
         context_lens = to_device(starts + counts)
         num_decodes = int((counts == 1).sum())
         groups = []

@@ -10,6 +10,7 @@ most likely token (a top_p that rounds to 0 in fp32 would otherwise drop every t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvstrata.engine.sampling_params import SamplingParams
@@ -37,11 +38,12 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return logits
 
 
-def finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Whether each row of `logits` [rows, vocab] holds only finite values. A row's float64 sum is finite exactly
-    when each of its float32 values is (no finite row can overflow it), and a sum is vectorized where
-    isfinite(...).all() is not (about 5x faster for a row of 49,152 logits)."""
-    return torch.isfinite(logits.sum(dim=-1, dtype=torch.float64))
+def finite_rows(logits: torch.Tensor) -> list[bool]:
+    """Whether each row of `logits` [rows, vocab] holds only finite values. On the CPU through numpy: torch's CPU
+    isfinite(...).all() takes about 60 us for a row of 49,152 logits on the development machine, numpy's 5 us."""
+    if logits.device.type == "cpu":
+        return np.isfinite(logits.numpy()).all(axis=-1).tolist()
+    return torch.isfinite(logits).all(dim=-1).tolist()
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -21,21 +21,32 @@ class CachedKeys:
     """Keys of n sequences as rows of cache slots with their positions ([n, Tk]; position -1: none).
 
     Whole-block keys (`block_tables` [n, B]: column j is block j // block_size of the table, offset
-    j % block_size) let storage copy or read whole blocks; their slots are worked out only if something
-    asks for them (a subset, or storage that reads slot by slot).
+    j % block_size) let storage copy or read whole blocks; their slots, and their positions (from the
+    sequences' `context_lens`), are worked out only if something asks for them (a subset, a mask, or storage
+    that reads slot by slot; a compiled reader takes the tables and lengths as they are).
     """
 
-    def __init__(self, positions: torch.Tensor, slots: torch.Tensor | None = None,
-                 block_tables: torch.Tensor | None = None, block_size: int = 0):
-        self.positions = positions
+    def __init__(self, positions: torch.Tensor | None, slots: torch.Tensor | None = None,
+                 block_tables: torch.Tensor | None = None, block_size: int = 0,
+                 context_lens: torch.Tensor | None = None):
+        self._positions = positions
         self.block_tables = block_tables
         self.block_size = block_size
+        self._context_lens = context_lens
         self._slots = slots
         self._mask: tuple[AttentionGroup, torch.Tensor] | None = None
 
     @property
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:  # whole-block keys: a row's columns from its context length on are padding
+            n, width = self.block_tables.shape[0], self.width
+            positions = torch.arange(width, device=self.block_tables.device).expand(n, width)
+            self._positions = positions.masked_fill(positions >= self._context_lens[:, None], NO_KEY)
+        return self._positions
+
+    @property
     def width(self) -> int:
-        return self.positions.shape[1]
+        return self.block_tables.shape[1] * self.block_size if self._positions is None else self._positions.shape[1]
 
     @property
     def slots(self) -> torch.Tensor:
@@ -92,7 +103,4 @@ class AttentionBatch:
 def whole_block_keys(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> CachedKeys:
     """Every cached key of sequences whose blocks are the rows of `block_tables` [n, B] (padded rows may
     repeat a block: positions at or beyond a row's context length are padding)."""
-    width = block_tables.shape[1] * block_size
-    positions = torch.arange(width, device=block_tables.device).expand(block_tables.shape[0], width)
-    positions = positions.masked_fill(positions >= context_lens[:, None], NO_KEY)
-    return CachedKeys(positions, block_tables=block_tables, block_size=block_size)
+    return CachedKeys(None, block_tables=block_tables, block_size=block_size, context_lens=context_lens)

@@ -16,8 +16,9 @@ def slots_of_positions(block_tables: torch.Tensor, positions: torch.Tensor, bloc
     return block_tables.gather(1, positions // block_size) * block_size + positions % block_size
 
 
-def token_slots(block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slots [T] of tokens at `positions` [T] of the sequences whose tables are rows `rows` [T] of `block_tables`."""
+def token_slots(block_tables, rows, positions, block_size: int):
+    """Slots [T] of tokens at `positions` [T] of the sequences whose tables are rows `rows` [T] of `block_tables`
+    (torch tensors or numpy arrays alike)."""
     return block_tables[rows, positions // block_size] * block_size + positions % block_size
 
 

@@ -114,3 +114,22 @@ inline void block_tile(const Activations a, const uint8_t* codes, const S* scale
     }
   }
 }
+
+// A block of 32 activations v as int8 codes: columns 0-15 at `low`, 16-31 at `high`, with its scale (max |v| / 127)
+// and the scale times the codes' sum; false, with nothing written, where a value is not finite (the caller's scalar
+// loop then makes the row NaN). Rounds v * (127 / max |v|) to nearest, ties to even, as the scalar loop does.
+inline bool quantize_block(const float* v, int8_t* low, int8_t* high, float& scale, float& scaled_sum) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16), zero = _mm512_setzero_ps();
+  // x - x is 0 for a finite x and NaN for an infinite or NaN one
+  if (_mm512_cmp_ps_mask(_mm512_sub_ps(a, a), zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_NEQ_UQ)) {
+    return false;
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512i codes_a = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)), codes_b = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(low), _mm512_cvtepi32_epi8(codes_a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm512_cvtepi32_epi8(codes_b));
+  scale = amax / 127.0f;
+  scaled_sum = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(codes_a, codes_b)));
+  return true;
+}
