@@ -4,6 +4,7 @@ and its figures hang together (no timing is asserted)."""
 import json
 
 import pytest
+import torch
 
 from kvstrata.cli.main import main
 
@@ -175,3 +176,17 @@ def test_infinigen_analysis(tiny_llama, capsys):
         assert all(0 < r <= 1 for r in speculation[f"{name}_recall"])
     needed = report["share_of_keys_needed"]
     assert all(a <= b <= c for a, b, c in zip(needed["mass_0.9"], needed["mass_0.95"], needed["mass_0.99"]))
+
+
+def test_a_block_head_sharing_the_embeddings_codes_is_read_every_step(tiny_gguf_style):
+    from kvstrata.bench.roofline import decode_read_bytes
+    from kvstrata.model.loader import load_model
+
+    tied = load_model(str(tiny_gguf_style), torch.device("cpu"), torch.float32, "auto").model
+    head = tied.lm_head
+    tied.lm_head.codes = tied.embed_tokens.codes  # as a tied checkpoint's Q8_0 head and embedding share them
+    assert head.codes is tied.embed_tokens.codes
+    layers = sum(t.numel() * t.element_size() for m in tied.layers for t in [*m.parameters(), *m.buffers()])
+    head_bytes = sum(t.numel() * t.element_size() for t in head.buffers())
+    final_norm = tied.norm.weight.numel() * 4
+    assert decode_read_bytes(tied) == layers + head_bytes + final_norm

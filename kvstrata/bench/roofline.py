@@ -32,10 +32,13 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_read_bytes(model: torch.nn.Module) -> int:
-    """Weight bytes a batch-1 decode step reads: all of them, except that an embedding stored apart
-    from the LM head (a quantized one) is read one row per token."""
-    skipped = {id(t) for m in model.modules() if isinstance(m, QuantizedEmbedding) for t in m.buffers()}
-    return _distinct_bytes([t for t in [*model.parameters(), *model.buffers()] if id(t) not in skipped])
+    """Weight bytes a batch-1 decode step reads: all of them, except that a quantized embedding is read one row
+    per token (its codes count where the LM head shares them, as a tied model's block head does)."""
+    embedding = {id(t) for m in model.modules() if isinstance(m, QuantizedEmbedding) for t in m.buffers()}
+    elsewhere = {id(t) for m in model.modules() if not isinstance(m, QuantizedEmbedding)
+                 for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    return _distinct_bytes([t for t in [*model.parameters(), *model.buffers()]
+                            if id(t) not in embedding or id(t) in elsewhere])
 
 
 def flops_per_token(model: torch.nn.Module, config: ModelConfig, context_len: int, with_logits: bool) -> float:
