@@ -3,7 +3,8 @@
 Each runs greedy decoding after the same prompt; a step's time is the time from one new token to
 the next, and the reported rate is 1 / the median step. llama.cpp runs through llama-cpp-python
 (an optional extra: `pip install kvstrata[llama-cpp]`, it compiles llama.cpp for minutes) with as
-many threads as torch uses; transformers reads the GGUF file dequantized to fp32.
+many threads as torch uses, in a process of its own; transformers reads the GGUF file dequantized to
+fp32, in the engine's process.
 """
 
 from __future__ import annotations

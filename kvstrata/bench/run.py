@@ -152,7 +152,7 @@ def run_decode(args: argparse.Namespace) -> None:
     for name in baselines:
         for figure in (f"{name}_tokens_per_s", f"ratio_to_{name}", f"greedy_agreement_with_{name}"):
             values = [one[figure] for one in rounds if figure in one]
-            report[figure] = sig(statistics.median(values)) if values else None  # None: not installed
+            report[figure] = sig(statistics.median(values)) if values else None  # not installed, or failed
     report["rounds"] = rounds
     emit(report, args.json)
 

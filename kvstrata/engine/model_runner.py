@@ -54,7 +54,7 @@ class ModelRunner:
         to_device = lambda a: torch.from_numpy(a).to(self.device)
         positions_t, rows_t = to_device(positions), to_device(rows)
         tables = self.block_tables.tensor(self.device)
-        # on the host arrays: a handful of numpy calls cost less than torch's on a batch-1 step
+        # from the host arrays: numpy's calls cost less than torch's, which a small decode step is made of
         slot_mapping = to_device(token_slots(self.block_tables.table, np.repeat(rows, counts), positions,
                                              self.block_size))
         context_lens = to_device(starts + counts)

@@ -63,8 +63,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_
   }
 }
 
-// rows [n, kv_heads, dim] (float32) written at slots[i] of each KV head of `pool` [kv_heads, blocks * block, dim]:
-// a plain loop, as a decode step writes one token per sequence (index_copy_ costs microseconds of set-up per call)
+// rows [n, kv_heads, dim] written at slots[i] (block * block_size + offset) of each KV head of `pool` [kv_heads,
+// blocks, block, dim]: a plain loop, as a decode step writes one token per sequence (index_copy_ costs microseconds
+// of set-up per call)
 template <typename T>
 void store_rows(const at::Tensor& pool, const at::Tensor& rows, const int64_t* slots, int64_t n) {
   const int64_t kv_heads = pool.size(0), per_head = pool.size(1) * pool.size(2), dim = pool.size(3);
