@@ -62,6 +62,12 @@ def workload_flops(model: torch.nn.Module, config: ModelConfig, requests: int, p
 
 def measure_decode_step(engine: LLMEngine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
     """(median seconds of a batch-1 decode step after `prompt`, the greedy tokens of the request)."""
+    seconds, tokens = decode_step_seconds(engine, prompt, steps)
+    return statistics.median(seconds), tokens
+
+
+def decode_step_seconds(engine: LLMEngine, prompt: list[int], steps: int) -> tuple[list[float], list[int]]:
+    """(seconds of each batch-1 decode step after `prompt`, the greedy tokens of the request)."""
     engine.step_stats.clear()
     request = engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
     tokens: list[int] = []
@@ -69,7 +75,7 @@ def measure_decode_step(engine: LLMEngine, prompt: list[int], steps: int) -> tup
         for output in engine.step():
             tokens = list(output.token_ids)
     engine.abort(request)
-    return statistics.median(s.seconds for s in engine.step_stats if s.prefill_tokens == 0), tokens
+    return [s.seconds for s in engine.step_stats if s.prefill_tokens == 0], tokens
 
 
 def measure_prefill_rate(engine: LLMEngine, prompts: list[list[int]]) -> float:

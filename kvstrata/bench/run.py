@@ -21,6 +21,7 @@ from kvstrata.bench.machine_limits import gemm_gflops, gemv_bandwidth_gbs, read_
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.roofline import (
     decode_read_bytes,
+    decode_step_seconds,
     flops_per_token,
     measure_concurrent_rate,
     measure_decode_step,
@@ -116,12 +117,14 @@ def run_decode(args: argparse.Namespace) -> None:
     if not args.no_transformers:
         baselines["transformers"] = transformers_decoder(gguf_path, prompt, args.steps)
     # Each round times kvstrata then every baseline, back to back: this machine's speed drifts between runs of a
-    # few seconds, so a ratio compares runs of one round, and the report gives each round and their medians.
-    rounds, ours = [], []
+    # few seconds, so a ratio compares runs of one round, and the report gives each round and their medians
+    # (kvstrata's own rate and step split: over the decode steps of every round).
+    rounds, steps = [], []
     with timed_model_calls(engine.loaded.model) as call_times:
         for _ in range(args.rounds):
-            seconds, tokens = measure_decode_step(engine, prompt, args.steps)
-            ours.append(seconds)
+            round_steps, tokens = decode_step_seconds(engine, prompt, args.steps)
+            steps += round_steps
+            seconds = statistics.median(round_steps)
             one = {"kvstrata_tokens_per_s": sig(1 / seconds)}
             for name, decode in baselines.items():
                 if decode is None:
@@ -134,7 +137,7 @@ def run_decode(args: argparse.Namespace) -> None:
                 one |= {f"{name}_tokens_per_s": sig(1 / theirs), f"ratio_to_{name}": sig(theirs / seconds),
                         f"greedy_agreement_with_{name}": sig(agreement(tokens, their_tokens))}
             rounds.append(one)
-    seconds = statistics.median(ours)
+    seconds = statistics.median(steps)
     report = {
         "benchmark": "decode",
         "machine": machine_info(),
