@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=320)
     parser.add_argument("--weights", default="fp32", help="kvstrata's --weights (default: fp32, transformers' form)")
     parser.add_argument("--compile", action="store_true", help="kvstrata's --compile")
+    parser.add_argument("--no-native-decode", action="store_true", help="kvstrata's --no-native-decode")
     parser.add_argument("--kv-offload", default="none", help="kvstrata's --kv-offload (default: none)")
     parser.add_argument("--no-transformers", action="store_true", help="profile kvstrata alone")
     parser.add_argument("--device", default="cpu", choices=DEVICES)
@@ -115,7 +116,7 @@ def main() -> None:
                                                              "are profiled one after another")
     args = parser.parse_args()
     base = EngineConfig(enable_prefix_caching=False, weights=args.weights, compile=args.compile,
-                        kv_offload=args.kv_offload, device=args.device)
+                        native_decode=not args.no_native_decode, kv_offload=args.kv_offload, device=args.device)
     loaded, steps = None, []
     for kv_format in args.kv_format.split(","):
         engine = LLMEngine(dataclasses.replace(base, kv_format=kv_format), loaded=loaded)  # the weights load once
