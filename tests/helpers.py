@@ -36,3 +36,17 @@ def hf_greedy(hf_model, token_ids: list[int], max_new_tokens: int, eos_token_id=
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=0,
         )
     return out[0, len(token_ids):].tolist()
+
+
+# decode batches of 3, then fewer
+MIXED_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(60, 97))]
+
+
+def greedy_mixed_batches(engine: LLMEngine) -> list[list[int]]:
+    """Greedy tokens of MIXED_PROMPTS run together (20, 9 and 14 new tokens), in the prompts' order."""
+    for prompt, max_tokens in zip(MIXED_PROMPTS, (20, 9, 14)):
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
+    return [list(finished[key]) for key in sorted(finished)]

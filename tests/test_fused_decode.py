@@ -12,22 +12,13 @@ from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.fused_decode import FusedDecode, store_and_attend
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.reference_attention import attend
+from tests.helpers import MIXED_PROMPTS, greedy_mixed_batches
 
 needs_kernel = pytest.mark.skipif(paged_decode.kernel() is None, reason="no C++ compiler: the kernels could not be built")
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(60, 97))]  # decode batches of 3, then fewer
 
 
 def new_engine(model, **options) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), kv_cache_memory="2MiB", threads=1, chunk_size=16, **options))
-
-
-def generate(engine: LLMEngine) -> list[list[int]]:
-    for prompt, max_tokens in zip(PROMPTS, (20, 9, 14)):
-        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
-    return [list(finished[key]) for key in sorted(finished)]
 
 
 @needs_kernel
@@ -76,10 +67,10 @@ def test_fused_steps_generate_what_the_layer_by_layer_path_does(tiny_llama, monk
         return step
 
     monkeypatch.setattr(FullAttention, "fused_decode", counted)
-    fused_tokens = generate(new_engine(tiny_llama))
+    fused_tokens = greedy_mixed_batches(new_engine(tiny_llama))
     assert sum(fused_steps) > 10
     monkeypatch.setattr(FullAttention, "fused_decode", lambda self, *a: None)
-    assert fused_tokens == generate(new_engine(tiny_llama))
+    assert fused_tokens == greedy_mixed_batches(new_engine(tiny_llama))
 
 
 def test_a_policy_that_hooks_the_layers_sees_every_layer_of_every_decode(tiny_llama):
@@ -95,7 +86,7 @@ def test_a_policy_that_hooks_the_layers_sees_every_layer_of_every_decode(tiny_ll
     engine = new_engine(tiny_llama)
     engine.runner.policy = CountingAttention(engine.kv_cache)
     steps = 0
-    for prompt in PROMPTS:
+    for prompt in MIXED_PROMPTS:
         engine.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()

@@ -5,29 +5,19 @@ import torch
 
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.fused_decode import FusedDecode
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.model import block_linear
 from kvstrata.model.llama import decode_all_layers
 from kvstrata.model.native_decode import NativeDecode
+from tests.helpers import greedy_mixed_batches
 
 needs_kernels = pytest.mark.skipif(paged_decode.kernel() is None or block_linear.kernel() is None,
                                    reason="no C++ compiler: the kernels could not be built")
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(60, 97))]  # decode batches of 3, then fewer
 
 
 def new_engine(model, **options) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), kv_cache_memory="2MiB", chunk_size=16, **options))
-
-
-def generate(engine: LLMEngine) -> list[list[int]]:
-    for prompt, max_tokens in zip(PROMPTS, (20, 9, 14)):
-        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
-    return [list(finished[key]) for key in sorted(finished)]
 
 
 def a_step(model, lens: list[int], seed: int = 0):
@@ -63,13 +53,13 @@ def test_the_loop_computes_what_the_layers_compute(tiny_gguf_style):
 
 
 @needs_kernels
-def test_the_loop_generates_what_the_layers_generate(tiny_gguf_style):
+def test_the_loop_generates_what_the_layers_greedy_mixed_batches(tiny_gguf_style):
     native = new_engine(tiny_gguf_style)
     assert native.loaded.model.native_decode is not None
-    tokens = generate(native)
+    tokens = greedy_mixed_batches(native)
     layered = new_engine(tiny_gguf_style, native_decode=False)
     assert layered.loaded.model.native_decode is None
-    assert tokens == generate(layered)
+    assert tokens == greedy_mixed_batches(layered)
 
 
 @needs_kernels
