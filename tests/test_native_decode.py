@@ -53,10 +53,16 @@ def test_the_loop_computes_what_the_layers_compute(tiny_gguf_style):
 
 
 @needs_kernels
-def test_the_loop_generates_what_the_layers_greedy_mixed_batches(tiny_gguf_style):
-    native = new_engine(tiny_gguf_style)
-    assert native.loaded.model.native_decode is not None
-    tokens = greedy_mixed_batches(native)
+def test_the_loop_generates_what_the_layers_generate(tiny_gguf_style, monkeypatch):
+    original, calls = NativeDecode.__call__, []
+
+    def counted(self, *args):
+        calls.append(len(args[0]))
+        return original(self, *args)
+
+    monkeypatch.setattr(NativeDecode, "__call__", counted)
+    tokens = greedy_mixed_batches(new_engine(tiny_gguf_style))
+    assert len(calls) > 10 and max(calls) == 3  # the decode steps, batches of 3 among them, took the loop
     layered = new_engine(tiny_gguf_style, native_decode=False)
     assert layered.loaded.model.native_decode is None
     assert tokens == greedy_mixed_batches(layered)

@@ -39,6 +39,9 @@ def package_version(name: str) -> str | None:
         return None
 
 
+LLAMA_CPP_TIMEOUT_S = 600  # loading and decoding the default model takes seconds
+
+
 def llama_cpp_decoder(gguf_path: Path, prompt: list[int], steps: int,
                       threads: int) -> Callable[[], tuple[float, list[int]]] | None:
     """A function returning (median seconds per decode step, the greedy tokens) of llama.cpp decoding `steps` tokens
@@ -49,12 +52,16 @@ def llama_cpp_decoder(gguf_path: Path, prompt: list[int], steps: int,
     request = json.dumps({"gguf": str(gguf_path), "prompt": prompt, "steps": steps, "threads": threads})
 
     def decode() -> tuple[float, list[int]]:
-        done = subprocess.run([sys.executable, "-m", "kvstrata.bench.llama_cpp_child", request], check=False,
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise KvstrataError(f"llama.cpp's decode ended with exit status {done.returncode}: "
+        try:
+            done = subprocess.run([sys.executable, "-m", "kvstrata.bench.llama_cpp_child", request], check=False,
+                                  capture_output=True, text=True, timeout=LLAMA_CPP_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise KvstrataError(f"llama.cpp's decode took over {LLAMA_CPP_TIMEOUT_S} s") from exc
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
+            raise KvstrataError(f"llama.cpp's decode ended with exit status {done.returncode} and no result: "
                                 f"{done.stderr.strip()[-300:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = json.loads(lines[-1])
         return result["seconds"], result["tokens"]
 
     return decode

@@ -51,7 +51,7 @@ class CachedKeys:
     @property
     def slots(self) -> torch.Tensor:
         if self._slots is None:
-            columns = torch.arange(self.width, device=self.positions.device)
+            columns = torch.arange(self.width, device=self.block_tables.device)
             self._slots = slots_of_positions(self.block_tables, columns, self.block_size)
         return self._slots
 

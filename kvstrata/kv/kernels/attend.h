@@ -178,7 +178,7 @@ inline void check_inputs(const at::Tensor& q, const at::Tensor& block_tables, co
   }
 }
 
-// Tokens per part, at least, where an item's tokens are split (below)
+// Where an item's tokens are split (below), the longest sequence's parts hold at least this many
 constexpr int64_t kMinPartTokens = 64;
 
 // Checks the inputs, then one work item per sequence and `row_heads` KV heads over torch's threads;
@@ -205,9 +205,10 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  if (n == 0) return out;
   const int64_t longest = *std::max_element(lens, lens + n);
   const int64_t parts = n * items >= 2 * threads ? 1 : std::clamp<int64_t>(
-      (4 * threads + n * items - 1) / (n * items), 1, (longest + kMinPartTokens - 1) / kMinPartTokens);
+      (4 * threads + n * items - 1) / (n * items), 1, std::max<int64_t>(1, longest / kMinPartTokens));
   if (parts == 1) {
     at::parallel_for(0, n * items, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, peaks(item_heads), totals(item_heads);
@@ -247,8 +248,10 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
       float total = 0.0f;
       for (int64_t p = 0; p < used; ++p) {
         const int64_t at = (item * parts + p) * item_heads + g;
-        const float weight = std::exp(peaks[at] - peak);
-        total += weight * totals[at];  // NaN where a part's scores were: the head's output is NaN, as unsplit
+        // a part whose scores are all -inf weighs nothing; NaN where a part's scores were: the head's output is
+        // then NaN, as unsplit
+        const float weight = peaks[at] == -INFINITY ? 0.0f : std::exp(peaks[at] - peak);
+        total += weight * totals[at];
         const float* part_out = partial.data() + at * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] += weight * part_out[d];
       }

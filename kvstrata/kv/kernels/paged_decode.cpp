@@ -75,8 +75,6 @@ void store_rows(const at::Tensor& pool, const at::Tensor& rows, const int64_t* s
   const float* from = values.data_ptr<float>();
   T* base = pool.data_ptr<T>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(slots[i] >= 0 && slots[i] < per_head, "store_and_decode_attention: slot ", slots[i],
-                " is outside the pools' ", per_head, " slots");
     for (int64_t h = 0; h < kv_heads; ++h) {
       T* to = base + (h * per_head + slots[i]) * dim;
       const float* row = from + (i * kv_heads + h) * dim;
@@ -97,6 +95,13 @@ at::Tensor store_and_decode_attention(const at::Tensor& q, const at::Tensor& k_n
               "dtype and hold layer ", layer);
   const at::Tensor slot_values = slots.to(at::kLong).contiguous();
   const int64_t* slot = slot_values.data_ptr<int64_t>();
+  const int64_t slots_per_head = k_pools.size(2) * k_pools.size(3);
+  TORCH_CHECK(slot_values.numel() == q.size(0), "store_and_decode_attention: one slot per query, got ",
+              slot_values.numel(), " for ", q.size(0));
+  for (int64_t i = 0; i < slot_values.numel(); ++i) {  // before anything is written
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < slots_per_head, "store_and_decode_attention: slot ", slot[i],
+                " is outside the pools' ", slots_per_head, " slots");
+  }
   at::Tensor k_pool = k_pools.select(0, layer), v_pool = v_pools.select(0, layer);
   for (auto [pool, rows] : {std::pair{k_pool, k_new}, std::pair{v_pool, v_new}}) {
     switch (pool.scalar_type()) {

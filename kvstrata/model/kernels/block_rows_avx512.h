@@ -11,7 +11,7 @@
 // y[r, n] for R rows of activations and T consecutive output rows from n: R x T accumulators, so successive
 // steps do not wait on each other, and each step's activations are read once per T output rows.
 
-// the first `count` (at most 4) of four scales, float32 or float16 bits (block_scales.h)
+// the first `count` (at most 4) of four scales, float32 or float16 bits (block_dot.cpp's to_float)
 inline __m128 load_four(const float* first, int count) {
   return _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << count) - 1), first);
 }

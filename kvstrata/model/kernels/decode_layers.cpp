@@ -1,6 +1,6 @@
 // A step of decodes through every layer of a Llama-family model in one call (model/native_decode.py says when the
-// engine takes it). Each layer is the same computation as model/llama.py's before_attention, store_and_attend and
-// after_attention: RMSNorm, the q/k/v product, RoPE, the KV kernels' store-and-attend operator, the output
+// engine takes it). Each layer computes what model/llama.py's before_attention, store_and_attend and
+// after_attention compute (up to the order of float sums and fused multiply-adds): RMSNorm, the q/k/v product, RoPE, the KV kernels' store-and-attend operator, the output
 // product and residual, RMSNorm, the gate/up product, SiLU(gate) * up, the down product and residual.
 //
 // Why: at batch 1 the products over the blocks take about half of a step; the rest is a few hundred small
@@ -28,13 +28,14 @@ struct BlockWeight {
   BlockWeight(at::Tensor codes_, at::Tensor scales_, at::Tensor mins_, int64_t bits_)
       : codes(std::move(codes_)), scales(std::move(scales_)), mins(std::move(mins_)), bits(static_cast<int>(bits_)) {
     TORCH_CHECK(bits == 4 || bits == 8, "DecodeLayers: block weights have 4 or 8 bits, got ", bits);
-    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
-                "DecodeLayers: codes must be contiguous bytes [N, K * bits / 8]");
+    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1 && codes.is_cpu() &&
+                    codes.size(1) * 8 / bits % 32 == 0,
+                "DecodeLayers: codes must be contiguous bytes [N, K * bits / 8] on the CPU, K a multiple of 32");
     out = codes.size(0);
     in = codes.size(1) * 8 / bits;
     TORCH_CHECK((scales.dtype() == at::kFloat || scales.dtype() == at::kHalf) && scales.is_contiguous() &&
-                    scales.size(0) == out && scales.size(1) == in / 32,
-                "DecodeLayers: scales must be float32 or float16 [N, K / 32]");
+                    scales.is_cpu() && scales.dim() == 2 && scales.size(0) == out && scales.size(1) == in / 32,
+                "DecodeLayers: scales must be float32 or float16 [N, K / 32] on the CPU");
     TORCH_CHECK(bits == 8 || (mins.dtype() == scales.dtype() && mins.is_contiguous() && mins.sizes() == scales.sizes()),
                 "DecodeLayers: 4-bit mins must be [N, K / 32] of the scales' dtype");
   }
@@ -51,7 +52,7 @@ struct Layer {
   BlockWeight qkv, o, gate_up, down;
 };
 
-// out = weight * x / sqrt(mean(x^2) + eps), per row of `size`, in float32 as torch's rms_norm computes it
+// out = weight * x / sqrt(mean(x^2) + eps), per row of `size`, in float32 (torch's rms_norm sums in another order)
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t size, double eps, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * size;
@@ -102,18 +103,21 @@ class DecodeLayers {
     TORCH_CHECK(norms.size() == 2 * count && codes.size() == 4 * count && scales.size() == codes.size() &&
                     mins.size() == codes.size() && bits.size() == codes.size(),
                 "DecodeLayers: 2 norms and 4 block weights per layer");
-    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "DecodeLayers: heads ", heads, ", kv_heads ", kv_heads,
-                ", head_dim ", head_dim);
+    TORCH_CHECK(count > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0, "DecodeLayers: ", count,
+                " layers, heads ", heads, ", kv_heads ", kv_heads, ", head_dim ", head_dim);
     for (size_t l = 0; l < count; ++l) {
       auto weight = [&](size_t i) { return BlockWeight(codes[4 * l + i], scales[4 * l + i], mins[4 * l + i], bits[4 * l + i]); };
       layers_.push_back(Layer{norms[2 * l], norms[2 * l + 1], weight(0), weight(1), weight(2), weight(3)});
       const Layer& layer = layers_.back();
-      hidden_ = layer.qkv.in;
-      intermediate_ = layer.down.in;
-      TORCH_CHECK(layer.qkv.out == (heads + 2 * kv_heads) * head_dim && layer.o.in == heads * head_dim &&
+      if (l == 0) {  // every layer must have the first one's sizes: the step's buffers are sized by them
+        hidden_ = layer.qkv.in;
+        intermediate_ = layer.down.in;
+      }
+      TORCH_CHECK(layer.qkv.in == hidden_ && layer.down.in == intermediate_ &&
+                      layer.qkv.out == (heads + 2 * kv_heads) * head_dim && layer.o.in == heads * head_dim &&
                       layer.o.out == hidden_ && layer.gate_up.in == hidden_ && layer.gate_up.out == 2 * intermediate_ &&
                       layer.down.out == hidden_,
-                      "DecodeLayers: layer ", l, "'s products do not fit one another");
+                      "DecodeLayers: layer ", l, "'s products do not fit one another or the first layer's");
       for (const auto& norm : {layer.input_norm, layer.post_attention_norm}) check_norm(norm);
     }
     check_norm(final_norm_);
@@ -127,12 +131,13 @@ class DecodeLayers {
   // layer's output [n, hidden]; the pools hold every layer's new K/V.
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor k_pools, at::Tensor v_pools, at::Tensor slots,
                      at::Tensor block_tables, at::Tensor context_lens) {
-    TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_,
-                "DecodeLayers: x must be float32 [n, ", hidden_, "]");
+    TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_ && x.is_cpu(),
+                "DecodeLayers: x must be float32 [n, ", hidden_, "] on the CPU");
     const int64_t n = x.size(0), dim = head_dim_;
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == n, "DecodeLayers: positions must be [n], one per row");
+    const at::Tensor position_values = positions.to(at::kLong).contiguous();
     std::vector<float> cos(n * dim), sin(n * dim);
-    angles(positions.to(at::kLong).contiguous().data_ptr<int64_t>(), n, cos.data(), sin.data());
+    angles(position_values.data_ptr<int64_t>(), n, cos.data(), sin.data());
     at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
     at::Tensor q = at::empty({n, heads_, dim}, x.options()), k = at::empty({n, kv_heads_, dim}, x.options()),
                v = at::empty({n, kv_heads_, dim}, x.options());
@@ -168,8 +173,8 @@ class DecodeLayers {
 
  private:
   void check_norm(const at::Tensor& norm) const {
-    TORCH_CHECK(norm.dtype() == at::kFloat && norm.is_contiguous() && norm.numel() == hidden_,
-                "DecodeLayers: norm weights must be float32 [hidden]");
+    TORCH_CHECK(norm.dtype() == at::kFloat && norm.is_contiguous() && norm.is_cpu() && norm.numel() == hidden_,
+                "DecodeLayers: norm weights must be float32 [hidden] on the CPU");
   }
 
   // cos and sin [n, head_dim] of each row's angles position * frequency, both halves alike (model/rotary.py)
