@@ -38,20 +38,26 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return logits
 
 
+def _numpy_rows(logits: torch.Tensor) -> np.ndarray | None:
+    """`logits` as a numpy array where they are float32 on the CPU, else None: there numpy's argmax and
+    isfinite(...).all() over a vocabulary row took a fraction of torch's time (a probe on the development machine),
+    and at batch 1 such calls are a visible part of a decode step."""
+    return logits.numpy() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+
+
 def finite_rows(logits: torch.Tensor) -> list[bool]:
-    """Whether each row of `logits` [rows, vocab] holds only finite values. On the CPU through numpy: torch's CPU
-    isfinite(...).all() takes about 60 us for a row of 49,152 logits on the development machine, numpy's 5 us."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return np.isfinite(logits.numpy()).all(axis=-1).tolist()
+    """Whether each row of `logits` [rows, vocab] holds only finite values."""
+    rows = _numpy_rows(logits)
+    if rows is not None:
+        return np.isfinite(rows).all(axis=-1).tolist()
     return torch.isfinite(logits).all(dim=-1).tolist()
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The index of each row's largest logit (the first of equal ones). On the CPU through numpy: torch's CPU
-    argmax walks a row one value at a time (about 60 us for a 49,152-token vocabulary on the development machine,
-    numpy's 3 us), which at batch 1 is a percent of a decode step."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    """The index of each row's largest logit (the first of equal ones)."""
+    rows = _numpy_rows(logits)
+    if rows is not None:
+        return torch.from_numpy(rows.argmax(axis=-1))
     return logits.argmax(dim=-1)
 
 

@@ -179,16 +179,22 @@ void product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const v
   }
 }
 
-void check_scales(const char* op, const torch::Tensor& scales, const torch::Tensor& mins, int64_t bits, int64_t n,
-                  int64_t blocks) {
-  TORCH_CHECK((scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16) && scales.is_contiguous() &&
-                  scales.numel() == n * blocks,
-              op, ": scales must be float32 or float16 [N, K / 32]");
-  TORCH_CHECK(bits == 8 || (mins.dtype() == scales.dtype() && mins.is_contiguous() && mins.numel() == n * blocks),
-              op, ": 4-bit mins must be [N, K / 32] of the scales' dtype");
-}
-
 }  // namespace
+
+int64_t check_block_weight(const char* op, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                           int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1 && codes.is_cpu() &&
+                  codes.size(1) * 8 / bits % kBlock == 0,
+              op, ": codes must be contiguous bytes [N, K * bits / 8] on the CPU, K a multiple of 32");
+  const int64_t n = codes.size(0), k = codes.size(1) * 8 / bits;
+  TORCH_CHECK((scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16) && scales.is_contiguous() &&
+                  scales.is_cpu() && scales.numel() == n * (k / kBlock),
+              op, ": scales must be float32 or float16 [N, K / 32]");
+  TORCH_CHECK(bits == 8 || (mins.dtype() == scales.dtype() && mins.is_contiguous() && mins.numel() == scales.numel()),
+              op, ": 4-bit mins must be [N, K / 32] of the scales' dtype");
+  return k;
+}
 
 void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
                    bool half_scales, int bits, int64_t n, float* y) {
@@ -200,13 +206,10 @@ void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, c
 }
 
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "block_linear: x must be float32 [M, K]");
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(k % kBlock == 0, "block_linear: K must be a multiple of 32, got ", k);
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == k * bits / 8 &&
-              codes.element_size() == 1, "block_linear: codes must be contiguous bytes [N, K * bits / 8]");
-  check_scales("block_linear", scales, mins, bits, n, k / kBlock);
+  const int64_t k = check_block_weight("block_linear", codes, scales, mins, bits);
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32 && x.size(1) == k, "block_linear: x must be float32 [M, ",
+              k, "]");
+  const int64_t m = x.size(0), n = codes.size(0);
   const auto input = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
   block_product(input.data_ptr<float>(), m, k, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
@@ -247,11 +250,8 @@ void widen(const uint8_t* bytes, const S* scale, const S* min, int64_t bits, int
 // The weights as dense bfloat16 [N, K] into `out`, for products of many rows (prefill chunks), where oneDNN's
 // bfloat16 GEMM outruns the dot products by more than widening a layer's weights per call costs.
 void block_to_bfloat16(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits, torch::Tensor out) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_to_bfloat16: bits must be 4 or 8, got ", bits);
-  const int64_t n = codes.size(0), k = codes.size(1) * 8 / bits, blocks = k / kBlock;
-  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 && k % kBlock == 0,
-              "block_to_bfloat16: codes must be contiguous bytes [N, K * bits / 8], K a multiple of 32");
-  check_scales("block_to_bfloat16", scales, mins, bits, n, blocks);
+  const int64_t n = codes.size(0), k = check_block_weight("block_to_bfloat16", codes, scales, mins, bits);
+  const int64_t blocks = k / kBlock;
   TORCH_CHECK(out.dtype() == torch::kBFloat16 && out.is_contiguous() && out.size(0) == n && out.size(1) == k,
               "block_to_bfloat16: out must be bfloat16 [N, K]");
   const auto* bytes = static_cast<const uint8_t*>(codes.data_ptr());

@@ -1,6 +1,8 @@
 // The products over GGUF-style blocks (block_dot.cpp), for the other kernels of the weights' extension.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 
 namespace kvstrata {
@@ -9,5 +11,9 @@ namespace kvstrata {
 // where `half_scales` (`mins` unused for 8 bits).
 void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
                    bool half_scales, int bits, int64_t n, float* y);
+
+// Checks a block weight's tensors against that layout (bad input raises naming `op`); returns K.
+int64_t check_block_weight(const char* op, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                           int64_t bits);
 
 }  // namespace kvstrata

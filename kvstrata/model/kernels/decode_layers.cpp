@@ -23,22 +23,11 @@ namespace {
 struct BlockWeight {
   at::Tensor codes, scales, mins;
   int bits;
-  int64_t out, in;
+  int64_t in, out;
 
   BlockWeight(at::Tensor codes_, at::Tensor scales_, at::Tensor mins_, int64_t bits_)
-      : codes(std::move(codes_)), scales(std::move(scales_)), mins(std::move(mins_)), bits(static_cast<int>(bits_)) {
-    TORCH_CHECK(bits == 4 || bits == 8, "DecodeLayers: block weights have 4 or 8 bits, got ", bits);
-    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1 && codes.is_cpu() &&
-                    codes.size(1) * 8 / bits % 32 == 0,
-                "DecodeLayers: codes must be contiguous bytes [N, K * bits / 8] on the CPU, K a multiple of 32");
-    out = codes.size(0);
-    in = codes.size(1) * 8 / bits;
-    TORCH_CHECK((scales.dtype() == at::kFloat || scales.dtype() == at::kHalf) && scales.is_contiguous() &&
-                    scales.is_cpu() && scales.dim() == 2 && scales.size(0) == out && scales.size(1) == in / 32,
-                "DecodeLayers: scales must be float32 or float16 [N, K / 32] on the CPU");
-    TORCH_CHECK(bits == 8 || (mins.dtype() == scales.dtype() && mins.is_contiguous() && mins.sizes() == scales.sizes()),
-                "DecodeLayers: 4-bit mins must be [N, K / 32] of the scales' dtype");
-  }
+      : codes(std::move(codes_)), scales(std::move(scales_)), mins(std::move(mins_)), bits(static_cast<int>(bits_)),
+        in(check_block_weight("DecodeLayers", codes, scales, mins, bits_)), out(codes.size(0)) {}
 
   // y [m, out] = x [m, in] W^T
   void apply(const float* x, int64_t m, float* y) const {
