@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -34,12 +35,75 @@ constexpr int64_t kHeadsTogether = 4;  // query heads scored in one pass over a 
 constexpr int64_t kFewCandidates = 64;  // the top-k search narrows its bracket until about this many logits lie in it
 constexpr int kMostCuts = 48;  // ... or it has cut this often (logits tied in masses cut slowly)
 
+// What scoring (step 2 below) learns of one query head's row of logits.
+struct RowSummary {
+  float top = kNegativeInfinity;  // the largest logit
+  float least = std::numeric_limits<float>::infinity();  // the least one above -inf (+inf where there is none)
+  int64_t finite = 0;  // logits above -inf (the dead and NaN ones are -inf)
+};
+
+// A RowSummary gathered eight lanes at a time while a row is scored.
+struct RowScan {
+  __m256 top = _mm256_set1_ps(kNegativeInfinity);
+  __m256 least = _mm256_set1_ps(-kNegativeInfinity);
+  int64_t finite = 0;
+
+  // Eight logits as they are stored: NaN (a corrupt cache) and gone tokens (bits of `gone_lanes`) become -inf, so
+  // that they are never preferred and every comparison stays ordered.
+  __m256 clean_and_add(__m256 x, int gone_lanes) {
+    const __m256 low = _mm256_set1_ps(kNegativeInfinity);
+    x = _mm256_blendv_ps(x, low, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    if (gone_lanes) x = _mm256_blendv_ps(x, low, lanes_of(gone_lanes));
+    const __m256 is_finite = _mm256_cmp_ps(x, low, _CMP_GT_OQ);
+    finite += __builtin_popcount(_mm256_movemask_ps(is_finite));
+    top = _mm256_max_ps(top, x);
+    least = _mm256_min_ps(least, _mm256_blendv_ps(_mm256_set1_ps(-kNegativeInfinity), x, is_finite));
+    return x;
+  }
+
+  float clean_and_add(float x, bool gone) {
+    if (std::isnan(x) || gone) x = kNegativeInfinity;
+    scalar.top = std::max(scalar.top, x);
+    if (x != kNegativeInfinity) scalar.least = std::min(scalar.least, x), ++scalar.finite;
+    return x;
+  }
+
+  RowSummary summary() const {
+    float tops[8], leasts[8];
+    _mm256_storeu_ps(tops, top);
+    _mm256_storeu_ps(leasts, least);
+    return {std::max(*std::max_element(tops, tops + 8), scalar.top),
+            std::min(*std::min_element(leasts, leasts + 8), scalar.least), finite + scalar.finite};
+  }
+
+ private:
+  RowSummary scalar;  // the logits scored one at a time (a block's last tokens short of eight)
+
+  // All ones in the lanes whose bit is set in `bits`.
+  static __m256 lanes_of(int bits) {
+    const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i set = _mm256_and_si256(_mm256_set1_epi32(bits), lane_bits);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(set, lane_bits));
+  }
+};
+
+// The bits of the tokens a capped pool gave up among the eight from `gone` (one byte per token; null: none).
+inline int gone_bits(const uint8_t* gone) {
+  if (!gone) return 0;
+  uint64_t bytes;
+  std::memcpy(&bytes, gone, 8);
+  return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(
+      _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))), _mm256_setzero_si256())));
+}
+
 // Logits of `Heads` query heads (queries [Heads, r]) against the first `count` tokens of a block whose partial keys
-// are float16 [r, block], into rows `stride` apart. Eight tokens at a time keep one accumulator per head in a
-// register over all r channels; the reads of a channel stay within its `block` values.
+// are float16 [r, block], into rows `stride` apart, each head's values added to its scan as they are stored.
+// Eight tokens at a time keep one accumulator per head in a register over all r channels; the reads of a channel
+// stay within its `block` values. `gone` (or null): a byte per token of the block, set for tokens a capped pool
+// gave up.
 template <int Heads>
-void score_block(const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t count, float* out,
-                 int64_t stride) {
+void score_block(const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t count,
+                 const uint8_t* gone, float* out, int64_t stride, RowScan* scans) {
   int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
     __m256 acc[Heads];
@@ -48,59 +112,27 @@ void score_block(const float* queries, int64_t r, const at::Half* keys, int64_t 
       const __m256 channel = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + d * block + j)));
       for (int h = 0; h < Heads; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(queries[h * r + d]), channel, acc[h]);
     }
-    for (int h = 0; h < Heads; ++h) _mm256_storeu_ps(out + h * stride + j, acc[h]);
+    const int gone_lanes = gone_bits(gone ? gone + j : nullptr);
+    for (int h = 0; h < Heads; ++h) _mm256_storeu_ps(out + h * stride + j, scans[h].clean_and_add(acc[h], gone_lanes));
   }
   for (; j < count; ++j) {
     for (int h = 0; h < Heads; ++h) {
       float sum = 0.0f;
       for (int64_t d = 0; d < r; ++d) sum += queries[h * r + d] * static_cast<float>(keys[d * block + j]);
-      out[h * stride + j] = sum;
+      out[h * stride + j] = scans[h].clean_and_add(sum, gone && gone[j]);
     }
   }
 }
 
 // score_block for 1 to kHeadsTogether heads.
 void score_block(int64_t heads, const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t count,
-                 float* out, int64_t stride) {
+                 const uint8_t* gone, float* out, int64_t stride, RowScan* scans) {
   switch (heads) {
-    case 1: return score_block<1>(queries, r, keys, block, count, out, stride);
-    case 2: return score_block<2>(queries, r, keys, block, count, out, stride);
-    case 3: return score_block<3>(queries, r, keys, block, count, out, stride);
-    default: return score_block<kHeadsTogether>(queries, r, keys, block, count, out, stride);
+    case 1: return score_block<1>(queries, r, keys, block, count, gone, out, stride, scans);
+    case 2: return score_block<2>(queries, r, keys, block, count, gone, out, stride, scans);
+    case 3: return score_block<3>(queries, r, keys, block, count, gone, out, stride, scans);
+    default: return score_block<kHeadsTogether>(queries, r, keys, block, count, gone, out, stride, scans);
   }
-}
-
-// What scoring (step 2 below) learns of one query head's row of logits.
-struct RowSummary {
-  float top = kNegativeInfinity;  // the largest logit
-  float least = std::numeric_limits<float>::infinity();  // the least one above -inf (+inf where there is none)
-  int64_t finite = 0;  // logits above -inf (the dead and NaN ones are -inf)
-};
-
-// NaN logits (a corrupt cache) become -inf, so that they are never preferred and every comparison stays ordered.
-RowSummary clean_and_summarize(float* row, int64_t len) {
-  const __m256 low = _mm256_set1_ps(kNegativeInfinity), high = _mm256_set1_ps(-kNegativeInfinity);
-  __m256 top = low, least = high;
-  int64_t finite = 0, t = 0;
-  for (; t + 8 <= len; t += 8) {
-    __m256 x = _mm256_loadu_ps(row + t);
-    x = _mm256_blendv_ps(x, low, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    _mm256_storeu_ps(row + t, x);
-    const __m256 is_finite = _mm256_cmp_ps(x, low, _CMP_GT_OQ);
-    finite += __builtin_popcount(_mm256_movemask_ps(is_finite));
-    top = _mm256_max_ps(top, x);
-    least = _mm256_min_ps(least, _mm256_blendv_ps(high, x, is_finite));
-  }
-  float tops[8], leasts[8];
-  _mm256_storeu_ps(tops, top);
-  _mm256_storeu_ps(leasts, least);
-  RowSummary summary{*std::max_element(tops, tops + 8), *std::min_element(leasts, leasts + 8), finite};
-  for (; t < len; ++t) {
-    if (std::isnan(row[t])) row[t] = kNegativeInfinity;
-    summary.top = std::max(summary.top, row[t]);
-    if (row[t] != kNegativeInfinity) summary.least = std::min(summary.least, row[t]), ++summary.finite;
-  }
-  return summary;
 }
 
 struct Counts {
@@ -121,71 +153,93 @@ Counts count_at(const float* row, int64_t len, float x) {
   return counts;
 }
 
-// The k-th largest logit of a row (k >= 1; -inf where fewer than k are finite). The answer lies in [low, high],
-// with at least k logits >= low and fewer than k > high; the bracket is narrowed by value until few logits lie in
-// it, and only those are searched (nth_element over every token costs several times more). Counting the row
-// against a value is one vector pass; each cut goes where the counts, taken as linear in the value across the
-// bracket, reach k (kept off the ends, so a cut removes a tenth of the bracket at least). `threshold` (the alpha
-// cut) with `above_threshold` logits above it, known already, narrows the first bracket.
-float kth_largest(const float* row, int64_t len, int64_t k, const RowSummary& summary, float threshold,
-                  int64_t above_threshold, std::vector<float>& work) {
-  if (summary.finite < k) return kNegativeInfinity;
-  float low = summary.least, high = summary.top;
-  int64_t at_least_low = summary.finite, above_high = 0;
-  if (threshold > low && threshold < high) {
+// The bracket [low, high] that holds a row's k-th largest logit (k >= 1, no more than the row's finite logits): at
+// least k logits are >= low and `above_high` < k are > high. It is narrowed by value until few logits lie in it
+// (nth_element over every token costs several times more). Counting the row against a value is one vector pass;
+// each cut goes where the counts, taken as linear in the value across the bracket, reach k (kept off the ends, so
+// a cut removes a tenth of the bracket at least). `threshold` (the alpha cut) with `above_threshold` logits above
+// it, known already, narrows the first bracket.
+struct Bracket {
+  float low, high;
+  int64_t above_high;
+};
+
+Bracket bracket_kth_largest(const float* row, int64_t len, int64_t k, const RowSummary& summary, float threshold,
+                            int64_t above_threshold) {
+  Bracket bracket{summary.least, summary.top, 0};
+  int64_t at_least_low = summary.finite;
+  if (threshold > bracket.low && threshold < bracket.high) {
     if (above_threshold >= k) {
-      low = threshold, at_least_low = above_threshold;  // a lower bound of those >= it: enough to stop on
+      bracket.low = threshold, at_least_low = above_threshold;  // a lower bound of those >= it: enough to stop on
     } else {
-      high = threshold, above_high = above_threshold;
+      bracket.high = threshold, bracket.above_high = above_threshold;
     }
   }
-  for (int cut = 0; cut < kMostCuts && at_least_low - above_high > kFewCandidates; ++cut) {
-    const float share = static_cast<float>(at_least_low - k) / static_cast<float>(at_least_low - above_high);
-    const float middle = low + (high - low) * std::clamp(share, 0.1f, 0.9f);
-    if (!(middle > low && middle < high)) break;  // the bracket is as narrow as floats go
+  for (int cut = 0; cut < kMostCuts && at_least_low - bracket.above_high > kFewCandidates; ++cut) {
+    const float share = static_cast<float>(at_least_low - k) / static_cast<float>(at_least_low - bracket.above_high);
+    const float middle = bracket.low + (bracket.high - bracket.low) * std::clamp(share, 0.1f, 0.9f);
+    if (!(middle > bracket.low && middle < bracket.high)) break;  // the bracket is as narrow as floats go
     const Counts counts = count_at(row, len, middle);
     if (counts.at_least >= k) {
-      low = middle, at_least_low = counts.at_least;
+      bracket.low = middle, at_least_low = counts.at_least;
     } else {
-      high = middle, above_high = counts.above;
+      bracket.high = middle, bracket.above_high = counts.above;
     }
   }
-  work.clear();
-  const __m256 lows = _mm256_set1_ps(low), highs = _mm256_set1_ps(high);
+  return bracket;
+}
+
+// mark_top's room, kept from row to row: the logits inside the k-th's bracket in token order, their tokens, and
+// the same logits partly sorted.
+struct Bracketed {
+  std::vector<float> values;
+  std::vector<int64_t> tokens;
+  std::vector<float> ranked;
+};
+
+// Sets the bits (token t: bit t % 8 of byte t / 8) of the `k` tokens of `row` with the highest logits, ties broken
+// towards earlier tokens, gone ones (a capped pool's; `gone` may be null; their logits are -inf) never. One pass
+// marks the logits above the k-th's bracket and keeps those inside it, for the k-th to be found among them.
+void mark_top(const float* row, int64_t len, int64_t k, const RowSummary& summary, float threshold,
+              int64_t above_threshold, const uint8_t* gone, uint8_t* chosen, Bracketed& inside_bracket) {
+  if (summary.finite < k) {  // every finite logit, then the earliest -inf ones that are still there
+    int64_t taken = 0;
+    for (int64_t t = 0; t < len; ++t) {
+      if (row[t] != kNegativeInfinity) chosen[t / 8] |= 1 << t % 8, ++taken;
+    }
+    for (int64_t t = 0; t < len && taken < k; ++t) {
+      if (row[t] == kNegativeInfinity && !(gone && gone[t])) chosen[t / 8] |= 1 << t % 8, ++taken;
+    }
+    return;
+  }
+  const Bracket bracket = bracket_kth_largest(row, len, k, summary, threshold, above_threshold);
+  auto& [values, tokens, ranked] = inside_bracket;
+  values.clear(), tokens.clear();
+  const __m256 lows = _mm256_set1_ps(bracket.low), highs = _mm256_set1_ps(bracket.high);
   int64_t t = 0;
   for (; t + 8 <= len; t += 8) {
     const __m256 v = _mm256_loadu_ps(row + t);
+    chosen[t / 8] |= _mm256_movemask_ps(_mm256_cmp_ps(v, highs, _CMP_GT_OQ));
     for (int inside = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, lows, _CMP_GE_OQ),
                                                      _mm256_cmp_ps(v, highs, _CMP_LE_OQ)));
          inside; inside &= inside - 1) {
-      work.push_back(row[t + __builtin_ctz(inside)]);
+      values.push_back(row[t + __builtin_ctz(inside)]), tokens.push_back(t + __builtin_ctz(inside));
     }
   }
   for (; t < len; ++t) {
-    if (row[t] >= low && row[t] <= high) work.push_back(row[t]);
+    if (row[t] > bracket.high) chosen[t / 8] |= 1 << t % 8;
+    if (row[t] >= bracket.low && row[t] <= bracket.high) values.push_back(row[t]), tokens.push_back(t);
   }
-  const int64_t rank = k - above_high - 1;  // within the bracket, counted from its largest
-  std::nth_element(work.begin(), work.begin() + rank, work.end(), std::greater<float>());
-  return work[rank];
-}
-
-// Sets the bits (token t: bit t % 8 of byte t / 8) of the `k` tokens of `row` with the highest logits, ties broken
-// towards earlier tokens, gone ones (a capped pool's; `gone` may be null) never.
-void mark_top(const float* row, int64_t len, int64_t k, const RowSummary& summary, float threshold,
-              int64_t above_threshold, const uint8_t* gone, uint8_t* chosen, std::vector<float>& work) {
-  const float kth = kth_largest(row, len, k, summary, threshold, above_threshold, work);
-  const __m256 limit = _mm256_set1_ps(kth);
-  int64_t taken = 0, t = 0;
-  for (; t + 8 <= len; t += 8) {
-    const int above = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + t), limit, _CMP_GT_OQ));
-    chosen[t / 8] |= above;
-    taken += __builtin_popcount(above);
+  ranked.assign(values.begin(), values.end());
+  const int64_t rank = k - bracket.above_high - 1;  // within the bracket, counted from its largest
+  std::nth_element(ranked.begin(), ranked.begin() + rank, ranked.end(), std::greater<float>());
+  const float kth = ranked[rank];  // finite: at least k logits are
+  int64_t taken = bracket.above_high;
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (values[i] > kth) chosen[tokens[i] / 8] |= 1 << tokens[i] % 8, ++taken;
   }
-  for (; t < len; ++t) {
-    if (row[t] > kth) chosen[t / 8] |= 1 << t % 8, ++taken;
-  }
-  for (t = 0; t < len && taken < k; ++t) {
-    if (row[t] == kth && !(gone && gone[t])) chosen[t / 8] |= 1 << t % 8, ++taken;
+  for (size_t i = 0; i < values.size() && taken < k; ++i) {
+    if (values[i] == kth) chosen[tokens[i] / 8] |= 1 << tokens[i] % 8, ++taken;
   }
 }
 
@@ -256,25 +310,20 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
       const int64_t s = item / kv_heads, g = item % kv_heads, len = lens[s];
       const uint8_t* gone = dead_at ? gone_tokens.data() + s * longest : nullptr;
       float* rows = logits.get() + (s * heads + g * group) * longest;
+      std::vector<RowScan> scans(group);
       for (int64_t h0 = 0; h0 < group; h0 += kHeadsTogether) {
         const int64_t together = std::min(kHeadsTogether, group - h0);
         const float* queries = qp + ((s * kv_heads + g) * group + h0) * r;
         for (int64_t first = 0; first < len; first += block) {
           const at::Half* block_keys = keys + (g * num_blocks + tables[s * width + first / block]) * r * block;
           score_block(together, queries, r, block_keys, block, std::min(block, len - first),
-                      rows + h0 * longest + first, longest);
+                      gone ? gone + first : nullptr, rows + h0 * longest + first, longest, scans.data() + h0);
         }
       }
       for (int64_t h = 0; h < group; ++h) {
-        float* row = rows + h * longest;
-        if (gone) {
-          for (int64_t t = 0; t < len; ++t) {
-            if (gone[t]) row[t] = kNegativeInfinity;
-          }
-        }
-        const RowSummary summary = clean_and_summarize(row, len);
+        const RowSummary summary = scans[h].summary();
         summaries[s * heads + g * group + h] = summary;
-        counts[s * heads + g * group + h] = count_at(row, len, summary.top - within).above;
+        counts[s * heads + g * group + h] = count_at(rows + h * longest, len, summary.top - within).above;
       }
     }
   });
@@ -294,7 +343,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   // 4. Each KV head's union of its query heads' top tokens and the recent window, ascending.
   std::vector<std::vector<int64_t>> chosen(n * kv_heads);
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work;
+    Bracketed inside_bracket;
     std::vector<uint8_t> marks;  // a bit per token
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, g = item % kv_heads, len = lens[s];
@@ -304,7 +353,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
         for (int64_t h = s * heads + g * group; h < s * heads + (g + 1) * group; ++h) {
           const float threshold = summaries[h].top - within;
           mark_top(logits.get() + h * longest, len, per_head[s], summaries[h], threshold, counts[h], gone,
-                   marks.data(), work);
+                   marks.data(), inside_bracket);
         }
       }
       for (int64_t t = std::max<int64_t>(len - recent, 0); t < len; ++t) {
@@ -329,10 +378,11 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
     }
     rows = std::max(rows, offset_at[g * (n + 1) + n]);
   }
-  auto positions = at::full({kv_heads, rows}, -1, at::kLong);
-  auto chosen_slots = at::full({kv_heads, rows}, slot_of(tables, block, lens[0]), at::kLong);
+  auto positions = at::empty({kv_heads, rows}, at::kLong);
+  auto chosen_slots = at::empty({kv_heads, rows}, at::kLong);
   int64_t* position_at = positions.data_ptr<int64_t>();
   int64_t* slot_at = chosen_slots.data_ptr<int64_t>();
+  const int64_t padding_slot = slot_of(tables, block, lens[0]);
   at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t s = 0; s < n; ++s) {
@@ -347,6 +397,8 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
         position_row[tokens.size()] = lens[s];
         slot_row[tokens.size()] = slot_of(table, block, lens[s]);
       }
+      std::fill(position_at + g * rows + offset_at[g * (n + 1) + n], position_at + (g + 1) * rows, -1);
+      std::fill(slot_at + g * rows + offset_at[g * (n + 1) + n], slot_at + (g + 1) * rows, padding_slot);
     }
   });
   return {positions, chosen_slots, offsets, per_query_head};
