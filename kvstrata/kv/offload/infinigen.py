@@ -91,7 +91,8 @@ class InfiniGenAttention(FullOffload):
         self.settings = settings
         self.layer_queries = layer_queries
         self.partial_rotation = skew.partial_rotation(settings.partial_ratio).to(device)  # [L, G, D, r]
-        layers, kv_heads, _, partial = self.partial_rotation.shape
+        layers, kv_heads, dim, partial = self.partial_rotation.shape
+        self.query_rotation = self.partial_rotation * dim**-0.5  # turns queries into partial ones scaled as logits
         self.partial_keys = PartialKeys(layers, kv_heads, num_slots, partial, storage.block_size, device)
         self._fetched: dict[int, dict[int, Fetched]] = {}  # layer -> id of a decode group of the step -> its fetch
 
@@ -150,8 +151,7 @@ class InfiniGenAttention(FullOffload):
         q = self.layer_queries(layer, x, q_positions).float()  # [n, heads, D]
         n, heads, dim = q.shape
         kv_heads = self.partial_rotation.shape[1]
-        grouped = q.view(n, kv_heads, heads // kv_heads, dim)
-        q_partial = grouped @ (self.partial_rotation[layer] * dim**-0.5)  # [n, G, group, r], scaled as logits
+        q_partial = q.view(n, kv_heads, heads // kv_heads, dim) @ self.query_rotation[layer]  # [n, G, group, r]
         if self.kernel is not None and group.keys.block_tables is not None:
             plan = self._select_in_place(layer, q_partial, group)
         else:
@@ -161,9 +161,9 @@ class InfiniGenAttention(FullOffload):
                                             x.dtype)
         if self.cap is not None:
             self.cap.fetched(layer, plan.slots[plan.chosen_rows()].unique().to(host))
-        rows = int((plan.positions >= 0).sum()) - plan.own_rows.numel()  # the own tokens' rows are not fetched
+        rows = int(plan.offsets[:, -1].sum()) - n * kv_heads  # each sequence's last row, its own token, is not fetched
         self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
-        self.stats.decode_rows(layer, fetched=rows, cached=int((group.keys.positions >= 0).sum()) * kv_heads)
+        self.stats.decode_rows(layer, fetched=rows, cached=int(group.context_lens.sum()) * kv_heads)
         self.stats.selected_per_head[layer] += int(plan.per_query_head.sum())
         self.stats.decodes[layer] += n
         # two buffers in turn: layer i's fetch must outlive layer i+1's, made before layer i attends
@@ -200,9 +200,9 @@ class InfiniGenAttention(FullOffload):
             return super().attend_group(layer, q, k_new, v_new, group)
         # the fetched tokens plus, in each sequence's last row, the step's own, which is on the device already
         k, v, plan = fetched.k, fetched.v, fetched.plan
-        heads = torch.arange(k.shape[0], device=k.device)[:, None]
-        k[heads, plan.own_rows] = k_new.transpose(0, 1)
-        v[heads, plan.own_rows] = v_new.transpose(0, 1)
+        own = (torch.arange(k.shape[0], device=k.device)[:, None], plan.own_rows)
+        k[own] = k_new.transpose(0, 1)
+        v[own] = v_new.transpose(0, 1)
         if self.settings.diagnostics:
             self._count_recall(layer, q, group, plan)
         if self.kernel is not None and q.dtype == torch.float32:
