@@ -30,7 +30,8 @@
 namespace kvstrata {
 namespace {
 
-constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+constexpr float kInfinity = std::numeric_limits<float>::infinity();
+constexpr float kNegativeInfinity = -kInfinity;
 constexpr int64_t kHeadsTogether = 4;  // query heads scored in one pass over a block's partial keys
 constexpr int64_t kFewCandidates = 64;  // the top-k search narrows its bracket until about this many logits lie in it
 constexpr int kMostCuts = 48;  // ... or it has cut this often (logits tied in masses cut slowly)
@@ -38,14 +39,14 @@ constexpr int kMostCuts = 48;  // ... or it has cut this often (logits tied in m
 // What scoring (step 2 below) learns of one query head's row of logits.
 struct RowSummary {
   float top = kNegativeInfinity;  // the largest logit
-  float least = std::numeric_limits<float>::infinity();  // the least one above -inf (+inf where there is none)
-  int64_t finite = 0;  // logits above -inf (the dead and NaN ones are -inf)
+  float least = kInfinity;  // the least one above -inf (+inf where there is none)
+  int64_t finite = 0;  // logits above -inf (the gone and NaN ones are -inf)
 };
 
 // A RowSummary gathered eight lanes at a time while a row is scored.
 struct RowScan {
   __m256 top = _mm256_set1_ps(kNegativeInfinity);
-  __m256 least = _mm256_set1_ps(-kNegativeInfinity);
+  __m256 least = _mm256_set1_ps(kInfinity);
   int64_t finite = 0;
 
   // Eight logits as they are stored: NaN (a corrupt cache) and gone tokens (bits of `gone_lanes`) become -inf, so
@@ -57,7 +58,7 @@ struct RowScan {
     const __m256 is_finite = _mm256_cmp_ps(x, low, _CMP_GT_OQ);
     finite += __builtin_popcount(_mm256_movemask_ps(is_finite));
     top = _mm256_max_ps(top, x);
-    least = _mm256_min_ps(least, _mm256_blendv_ps(_mm256_set1_ps(-kNegativeInfinity), x, is_finite));
+    least = _mm256_min_ps(least, _mm256_blendv_ps(_mm256_set1_ps(kInfinity), x, is_finite));
     return x;
   }
 
@@ -153,17 +154,17 @@ Counts count_at(const float* row, int64_t len, float x) {
   return counts;
 }
 
-// The bracket [low, high] that holds a row's k-th largest logit (k >= 1, no more than the row's finite logits): at
-// least k logits are >= low and `above_high` < k are > high. It is narrowed by value until few logits lie in it
-// (nth_element over every token costs several times more). Counting the row against a value is one vector pass;
-// each cut goes where the counts, taken as linear in the value across the bracket, reach k (kept off the ends, so
-// a cut removes a tenth of the bracket at least). `threshold` (the alpha cut) with `above_threshold` logits above
-// it, known already, narrows the first bracket.
+// Values between which a row's k-th largest logit lies: at least k logits are >= low, and above_high < k are > high.
 struct Bracket {
   float low, high;
   int64_t above_high;
 };
 
+// The bracket of a row's k-th largest logit (k >= 1, no more than the row's finite logits), narrowed by value until
+// few logits lie in it (nth_element over every token costs several times more). Counting the row against a value is
+// one vector pass; each cut goes where the counts, taken as linear in the value across the bracket, reach k (kept
+// off the ends, so a cut removes a tenth of the bracket at least). `threshold` (the alpha cut) with
+// `above_threshold` logits above it, known already, narrows the first bracket.
 Bracket bracket_kth_largest(const float* row, int64_t len, int64_t k, const RowSummary& summary, float threshold,
                             int64_t above_threshold) {
   Bracket bracket{summary.least, summary.top, 0};
@@ -306,11 +307,12 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   std::vector<RowSummary> summaries(n * heads);
   std::vector<int64_t> counts(n * heads);
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<RowScan> scans;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, g = item % kv_heads, len = lens[s];
       const uint8_t* gone = dead_at ? gone_tokens.data() + s * longest : nullptr;
       float* rows = logits.get() + (s * heads + g * group) * longest;
-      std::vector<RowScan> scans(group);
+      scans.assign(group, RowScan());
       for (int64_t h0 = 0; h0 < group; h0 += kHeadsTogether) {
         const int64_t together = std::min(kHeadsTogether, group - h0);
         const float* queries = qp + ((s * kv_heads + g) * group + h0) * r;
