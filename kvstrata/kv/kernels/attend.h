@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace kvstrata {
@@ -114,25 +115,105 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 // The slot of a sequence's token t: block table entry t / block, offset t % block.
 inline int64_t slot_of(const int64_t* table, int64_t block, int64_t t) { return table[t / block] * block + t % block; }
 
+// Whether a reader's rows stay where `key(t)` and `value(t)` point until the reader is gone (a float32 pool read in
+// place): a reader that decodes into a buffer (kStableRows absent or false) is asked for each row once.
+template <typename Rows, typename = void>
+struct stable_rows : std::false_type {};
+template <typename Rows>
+struct stable_rows<Rows, std::void_t<decltype(Rows::kStableRows)>> : std::bool_constant<Rows::kStableRows> {};
+
+// The sums across lanes of eight vectors, as the lanes of one.
+inline __m256 sum_lanes_of_8(const __m256* x) {
+  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
+}
+
+// Scores of one query head (query: dim values, dim a multiple of 8) against tokens [first, last) of stable rows, at
+// `offset` in each key row: eight keys at a time, their dot products summed across lanes together.
+template <typename Rows>
+void score_stable_rows(Rows& rows, const float* query, int64_t offset, int64_t first, int64_t last, int64_t dim,
+                       float scale, float* scores) {
+  int64_t t = first;
+  for (; t + 8 <= last; t += 8) {
+    const float* keys[8];
+    for (int i = 0; i < 8; ++i) keys[i] = rows.key(t + i) + offset;
+    __m256 sums[8];
+    for (auto& sum : sums) sum = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 q = _mm256_loadu_ps(query + d);
+      for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(keys[i] + d), sums[i]);
+    }
+    _mm256_storeu_ps(scores + t - first, _mm256_mul_ps(sum_lanes_of_8(sums), _mm256_set1_ps(scale)));
+  }
+  for (; t < last; ++t) scores[t - first] = dot(query, rows.key(t) + offset, dim) * scale;
+}
+
+// output[0 .. 8 * Lanes) = the sum over tokens [first, last) of weights[t - first] times the value row at `offset`,
+// kept in registers over every token.
+template <int Lanes, typename Rows>
+void weigh_stable_rows(Rows& rows, const float* weights, int64_t offset, int64_t first, int64_t last, float* output) {
+  __m256 sums[Lanes];
+  for (auto& sum : sums) sum = _mm256_setzero_ps();
+  for (int64_t t = first; t < last; ++t) {
+    const float* value = rows.value(t) + offset;
+    const __m256 weight = _mm256_set1_ps(weights[t - first]);
+    for (int c = 0; c < Lanes; ++c) sums[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * c), sums[c]);
+  }
+  for (int c = 0; c < Lanes; ++c) _mm256_storeu_ps(output + 8 * c, sums[c]);
+}
+
+// weigh_stable_rows over a head's dim values (a multiple of 8), 64 at a time.
+template <typename Rows>
+void weigh_stable_rows(Rows& rows, const float* weights, int64_t offset, int64_t first, int64_t last, int64_t dim,
+                       float* output) {
+  for (int64_t d = 0; d < dim; d += 64) {
+    switch (std::min<int64_t>(dim - d, 64) / 8) {
+      case 1: weigh_stable_rows<1>(rows, weights, offset + d, first, last, output + d); break;
+      case 2: weigh_stable_rows<2>(rows, weights, offset + d, first, last, output + d); break;
+      case 3: weigh_stable_rows<3>(rows, weights, offset + d, first, last, output + d); break;
+      case 4: weigh_stable_rows<4>(rows, weights, offset + d, first, last, output + d); break;
+      case 5: weigh_stable_rows<5>(rows, weights, offset + d, first, last, output + d); break;
+      case 6: weigh_stable_rows<6>(rows, weights, offset + d, first, last, output + d); break;
+      case 7: weigh_stable_rows<7>(rows, weights, offset + d, first, last, output + d); break;
+      default: weigh_stable_rows<8>(rows, weights, offset + d, first, last, output + d); break;
+    }
+  }
+}
+
 // Tokens [first, last) of one item of one sequence: `row_heads` KV heads, whose rows the reader hands back side by
 // side, and their `group` query heads each (query head g reads KV head g / group of the row). Leaves per query head
 // g its peak score peaks[g], the sum of its weights e^(score - peak) totals[g] and, in outputs, the weighted sum of
-// the values, not yet divided by the total.
+// the values, not yet divided by the total. Stable rows (above) whose head size is a multiple of 8 are read head by
+// head, with a head's sums in registers; other readers' rows are asked for once per token, for every head at once.
 template <typename Rows>
 void attend_span(Rows& rows, const float* queries, float* outputs, int64_t first, int64_t last, int64_t group,
                  int64_t row_heads, int64_t dim, float scale, std::vector<float>& scores, float* peaks, float* totals) {
   const int64_t heads = group * row_heads, len = last - first;
-  scores.assign(heads * len, 0.0f);
-  for (int64_t t = first; t < last; ++t) {
-    const float* __restrict key = rows.key(t);
+  const bool head_by_head = stable_rows<Rows>::value && dim % 8 == 0;
+  scores.resize(heads * len);
+  if (head_by_head) {
     for (int64_t g = 0; g < heads; ++g) {
-      scores[g * len + t - first] = dot(queries + g * dim, key + g / group * dim, dim) * scale;
+      score_stable_rows(rows, queries + g * dim, g / group * dim, first, last, dim, scale, scores.data() + g * len);
+    }
+  } else {
+    for (int64_t t = first; t < last; ++t) {
+      const float* __restrict key = rows.key(t);
+      for (int64_t g = 0; g < heads; ++g) {
+        scores[g * len + t - first] = dot(queries + g * dim, key + g / group * dim, dim) * scale;
+      }
     }
   }
   for (int64_t g = 0; g < heads; ++g) {
     float* row = scores.data() + g * len;
     peaks[g] = *std::max_element(row, row + len);
     totals[g] = exp_minus_peak(row, len, peaks[g]);
+  }
+  if (head_by_head) {
+    for (int64_t g = 0; g < heads; ++g) {
+      weigh_stable_rows(rows, scores.data() + g * len, g / group * dim, first, last, dim, outputs + g * dim);
+    }
+    return;
   }
   std::fill(outputs, outputs + heads * dim, 0.0f);
   for (int64_t t = first; t < last; ++t) {

@@ -14,6 +14,7 @@ namespace {
 
 // The rows of one (KV head, sequence): contiguous, read where they lie.
 struct SegmentRows {
+  static constexpr bool kStableRows = true;
   const float* k;
   const float* v;
   int64_t dim;

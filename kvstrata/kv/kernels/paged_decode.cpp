@@ -14,6 +14,7 @@ namespace kvstrata {
 // K and V rows of one KV head of one sequence: float32 read where they lie, 16-bit floats widened into a buffer.
 template <typename T>
 struct FloatRows {
+  static constexpr bool kStableRows = std::is_same_v<T, float>;  // float32 rows are read where they lie
   const T* k;
   const T* v;
   const int64_t* table;
