@@ -36,6 +36,17 @@ constexpr int64_t kHeadsTogether = 4;  // query heads scored in one pass over a 
 constexpr int64_t kFewCandidates = 64;  // the top-k search narrows its bracket until about this many logits lie in it
 constexpr int kMostCuts = 48;  // ... or it has cut this often (logits tied in masses cut slowly)
 
+// slot_of for many tokens: a shift and a mask where the block size is a power of two (it is by default), since an
+// integer division per fetched row is a visible share of the call.
+struct Slots {
+  const int64_t block;
+  const int shift = (block & (block - 1)) == 0 ? __builtin_ctzll(block) : -1;
+
+  int64_t of(const int64_t* table, int64_t t) const {
+    return shift < 0 ? slot_of(table, block, t) : (table[t >> shift] << shift) + (t & (block - 1));
+  }
+};
+
 // What scoring (step 2 below) learns of one query head's row of logits.
 struct RowSummary {
   float top = kNegativeInfinity;  // the largest logit
@@ -252,7 +263,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   TORCH_CHECK(q_partial.scalar_type() == at::kFloat && q_partial.dim() == 4 &&
                   partial_keys.scalar_type() == at::kHalf && partial_keys.dim() == 4 &&
                   partial_keys.size(0) == q_partial.size(1) && partial_keys.size(2) == q_partial.size(3) &&
-                  partial_keys.size(3) == block,
+                  partial_keys.size(3) == block && block >= 1,
               "infinigen_select: q_partial must be float32 [n, kv_heads, group, r], partial_keys float16 [kv_heads, "
               "blocks, r, block]");
   q_partial = q_partial.contiguous();
@@ -289,6 +300,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   const at::Half* keys = partial_keys.data_ptr<at::Half>();
   const int64_t heads = kv_heads * group;
   const float within = static_cast<float>(alpha);  // float32 arithmetic, as the torch path's
+  const Slots slots{block};
 
   // 1. How many of each sequence's cached tokens are there to fetch, and (under a cap) which are gone.
   std::vector<int64_t> cached(lens, lens + n);
@@ -296,7 +308,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   if (dead_at) {
     for (int64_t s = 0; s < n; ++s) {
       uint8_t* gone = gone_tokens.data() + s * longest;
-      for (int64_t t = 0; t < lens[s]; ++t) gone[t] = dead_at[slot_of(tables + s * width, block, t)];
+      for (int64_t t = 0; t < lens[s]; ++t) gone[t] = dead_at[slots.of(tables + s * width, t)];
       cached[s] -= std::count(gone, gone + lens[s], 1);
     }
   }
@@ -384,7 +396,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   auto chosen_slots = at::empty({kv_heads, rows}, at::kLong);
   int64_t* position_at = positions.data_ptr<int64_t>();
   int64_t* slot_at = chosen_slots.data_ptr<int64_t>();
-  const int64_t padding_slot = slot_of(tables, block, lens[0]);
+  const int64_t padding_slot = slots.of(tables, lens[0]);
   at::parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t s = 0; s < n; ++s) {
@@ -394,10 +406,10 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
         int64_t* slot_row = slot_at + g * rows + offset_at[g * (n + 1) + s];
         for (size_t j = 0; j < tokens.size(); ++j) {
           position_row[j] = tokens[j];
-          slot_row[j] = slot_of(table, block, tokens[j]);
+          slot_row[j] = slots.of(table, tokens[j]);
         }
         position_row[tokens.size()] = lens[s];
-        slot_row[tokens.size()] = slot_of(table, block, lens[s]);
+        slot_row[tokens.size()] = slots.of(table, lens[s]);
       }
       std::fill(position_at + g * rows + offset_at[g * (n + 1) + n], position_at + (g + 1) * rows, -1);
       std::fill(slot_at + g * rows + offset_at[g * (n + 1) + n], slot_at + (g + 1) * rows, padding_slot);
