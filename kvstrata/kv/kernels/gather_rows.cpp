@@ -26,7 +26,8 @@ std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor sl
     TORCH_CHECK(index[i] >= 0 && index[i] < num_slots, "gather_rows: slot ", index[i], " out of range");
   }
   const int64_t row_bytes = pools[0].size(2) * pools[0].element_size();
-  constexpr int64_t kAhead = 8;  // rows whose lines are requested before they are copied
+  // rows whose lines are requested before they are copied, into L2 (its queue holds more requests than L1's)
+  constexpr int64_t kAhead = 24;
   std::vector<at::Tensor> outs;
   for (const auto& pool : pools) {
     outs.push_back(at::empty({kv_heads, rows, pool.size(2)}, pool.options()));
@@ -39,7 +40,7 @@ std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor sl
         const int64_t g = i / rows;
         if (i + kAhead < end) {
           const char* ahead = from + ((i + kAhead) / rows * num_slots + index[i + kAhead]) * row_bytes;
-          for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+          for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
         }
         std::memcpy(to + i * row_bytes, from + (g * num_slots + index[i]) * row_bytes, row_bytes);
       }
