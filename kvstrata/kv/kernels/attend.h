@@ -115,6 +115,17 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 // The slot of a sequence's token t: block table entry t / block, offset t % block.
 inline int64_t slot_of(const int64_t* table, int64_t block, int64_t t) { return table[t / block] * block + t % block; }
 
+// slot_of for many tokens of one block size (>= 1): a shift and a mask where it is a power of two (it is by
+// default), since a division per row read is a visible share of a loop that reads rows one by one.
+struct BlockSlots {
+  const int64_t block;
+  const int shift = (block & (block - 1)) == 0 ? __builtin_ctzll(block) : -1;
+
+  int64_t of(const int64_t* table, int64_t t) const {
+    return shift < 0 ? slot_of(table, block, t) : (table[t >> shift] << shift) + (t & (block - 1));
+  }
+};
+
 // Whether a reader's rows stay where `key(t)` and `value(t)` point until the reader is gone (a float32 pool read in
 // place): a reader that decodes into a buffer (kStableRows absent or false) is asked for each row once.
 template <typename Rows, typename = void>

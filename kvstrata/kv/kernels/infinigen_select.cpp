@@ -36,17 +36,6 @@ constexpr int64_t kHeadsTogether = 4;  // query heads scored in one pass over a 
 constexpr int64_t kFewCandidates = 64;  // the top-k search narrows its bracket until about this many logits lie in it
 constexpr int kMostCuts = 48;  // ... or it has cut this often (logits tied in masses cut slowly)
 
-// slot_of for many tokens: a shift and a mask where the block size is a power of two (it is by default), since an
-// integer division per fetched row is a visible share of the call.
-struct Slots {
-  const int64_t block;
-  const int shift = (block & (block - 1)) == 0 ? __builtin_ctzll(block) : -1;
-
-  int64_t of(const int64_t* table, int64_t t) const {
-    return shift < 0 ? slot_of(table, block, t) : (table[t >> shift] << shift) + (t & (block - 1));
-  }
-};
-
 // What scoring (step 2 below) learns of one query head's row of logits.
 struct RowSummary {
   float top = kNegativeInfinity;  // the largest logit
@@ -300,7 +289,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   const at::Half* keys = partial_keys.data_ptr<at::Half>();
   const int64_t heads = kv_heads * group;
   const float within = static_cast<float>(alpha);  // float32 arithmetic, as the torch path's
-  const Slots slots{block};
+  const BlockSlots slots{block};
 
   // 1. How many of each sequence's cached tokens are there to fetch, and (under a cap) which are gone.
   std::vector<int64_t> cached(lens, lens + n);

@@ -18,10 +18,11 @@ struct FloatRows {
   const T* k;
   const T* v;
   const int64_t* table;
-  int64_t block, dim, head_offset;  // head_offset: the head's first row in its pool
-  std::vector<float> buffer;
+  BlockSlots slots;
+  int64_t dim, head_offset;  // head_offset: the head's first row in its pool
+  std::vector<float> buffer;  // where 16-bit rows are widened
   const float* row(const T* pool, int64_t t) {
-    const T* at = pool + (head_offset + slot_of(table, block, t)) * dim;
+    const T* at = pool + (head_offset + slots.of(table, t)) * dim;
     if constexpr (std::is_same_v<T, float>) {
       return at;
     } else if constexpr (std::is_same_v<T, at::Half>) {
@@ -47,7 +48,8 @@ at::Tensor attend_float(at::Tensor q, const at::Tensor& k_pool, const at::Tensor
   // a pool holds each KV head apart, so an item is always one head
   return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
              [&](const int64_t* table, int64_t h, int64_t /* row_heads: 1 */) {
-    return FloatRows<T>{k, v, table, block, dim, h * num_blocks * block, std::vector<float>(dim)};
+    return FloatRows<T>{k, v, table, BlockSlots{block}, dim, h * num_blocks * block,
+                        std::vector<float>(FloatRows<T>::kStableRows ? 0 : dim)};
   });
 }
 
