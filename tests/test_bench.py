@@ -149,6 +149,24 @@ def test_offload_speed_grid(tiny_llama, capsys):
     assert set(report["infinigen_faster_than_none_from_context"]) == {"2"}
 
 
+def test_offload_speed_in_rounds(tiny_llama, capsys):
+    """--rounds: each round runs the three modes (in another order) and has its own ratios; a cell reports their
+    medians, and each mode's run with the median step."""
+    report = run_json(capsys, "bench", "offload", "--model", str(tiny_llama), *TINY, "--contexts", "64",
+                      "--batches", "2", "--steps", "2", "--rounds", "3", "--infinigen-full-layers", "1", "--json")
+    (row,) = report["rows"]
+    assert len(row["rounds"]) == 3
+    for key in ("infinigen_vs_full", "infinigen_vs_none", "modeled_pcie3_infinigen_vs_full"):
+        assert row[key] == sorted(turn[key] for turn in row["rounds"])[1]
+    for turn in row["rounds"]:
+        assert turn["infinigen_vs_full"] == pytest.approx(
+            turn["infinigen"]["tokens_per_s"] / turn["full"]["tokens_per_s"], rel=0.01)
+    for mode in ("none", "full", "infinigen"):
+        assert row[mode]["step_s"] == sorted(turn[mode]["step_s"] for turn in row["rounds"])[1]
+    assert main(["bench", "offload", "--model", str(tiny_llama), *TINY, "--contexts", "64", "--rounds", "0"]) == 2
+    assert "rounds must be at least 1; got 0" in capsys.readouterr().err
+
+
 def test_impress_analysis(tiny_llama, capsys):
     report = run_json(capsys, "bench", "impress-analysis", "--model", str(tiny_llama), *TINY, "--prefix", "120",
                       "--questions", "2", "--quote-tokens", "8", "--ratios", "0.1,0.5,1", "--quality-windows", "2",

@@ -71,11 +71,15 @@ def _snapshot(stats) -> dict:
 
 
 def run_offload_grid(config, loaded, text_ids: list[int], contexts: list[int], batches: list[int], steps: int,
-                     progress=print) -> list[dict]:
-    """One row per (context, batch): each mode's measurement and the ratios between them."""
+                     rounds: int = 1, progress=print) -> list[dict]:
+    """One row per (context, batch): each mode's measurement and the ratios between them, over `rounds` rounds of
+    the three modes (each round in another order, so that a slow spell of this shared machine does not always fall
+    on the same mode); with several, each round's figures too, and their medians."""
     base = dataclasses.replace(config, enable_prefix_caching=False, kv_offload="none")
     reference = LLMEngine(base, loaded=loaded)
     longest = reference.max_model_len - steps - 1  # a prompt, then steps + 1 generated tokens
+    if rounds < 1:
+        raise KvstrataError(f"rounds must be at least 1; got {rounds}")
     if max(contexts) > longest or min(contexts) < 2 or len(text_ids) < max(contexts):
         raise KvstrataError(f"contexts must be 2 to {min(longest, len(text_ids))} tokens (max_model_len "
                             f"{reference.max_model_len} less {steps + 1} generated tokens, and the text's length); "
@@ -88,18 +92,34 @@ def run_offload_grid(config, loaded, text_ids: list[int], contexts: list[int], b
         kv = PreloadedKV(0, k, v)
         for batch in batches:
             memory = max(config.kv_cache_memory, int(1.2 * batch * (context + steps + 32) * per_token))
-            row = {"context": context, "batch": batch}
-            for mode in MODES:
-                mode_config = dataclasses.replace(base, kv_offload=mode, kv_cache_memory=memory)
-                row[mode] = measure_mode(mode_config, loaded, kv, prompt, batch, steps)
-                progress(f"context {context} batch {batch} {mode}: {row[mode]}")
-            row["infinigen_vs_full"] = round(row["infinigen"]["tokens_per_s"] / row["full"]["tokens_per_s"], 3)
-            row["infinigen_vs_none"] = round(row["infinigen"]["tokens_per_s"] / row["none"]["tokens_per_s"], 3)
-            for name in MODELED_LINKS:
-                key = f"modeled_{name}_step_s"
-                row[f"modeled_{name}_infinigen_vs_full"] = round(row["full"][key] / row["infinigen"][key], 3)
-            rows.append(row)
+            measured = []
+            for turn in range(rounds):
+                runs = {}
+                for mode in MODES[turn % len(MODES):] + MODES[:turn % len(MODES)]:  # each round starts elsewhere
+                    mode_config = dataclasses.replace(base, kv_offload=mode, kv_cache_memory=memory)
+                    runs[mode] = measure_mode(mode_config, loaded, kv, prompt, batch, steps)
+                    progress(f"context {context} batch {batch} round {turn + 1} {mode}: {runs[mode]}")
+                measured.append({mode: runs[mode] for mode in MODES} | ratios(runs))
+            rows.append({"context": context, "batch": batch, **median_round(measured),
+                         **({"rounds": measured} if rounds > 1 else {})})
     return rows
+
+
+def ratios(runs: dict) -> dict:
+    """InfiniGen's speed against `full` and `none`, measured and modeled, from one round's runs of the modes."""
+    out = {"infinigen_vs_full": round(runs["infinigen"]["tokens_per_s"] / runs["full"]["tokens_per_s"], 3),
+           "infinigen_vs_none": round(runs["infinigen"]["tokens_per_s"] / runs["none"]["tokens_per_s"], 3)}
+    for name in MODELED_LINKS:
+        key = f"modeled_{name}_step_s"
+        out[f"modeled_{name}_infinigen_vs_full"] = round(runs["full"][key] / runs["infinigen"][key], 3)
+    return out
+
+
+def median_round(measured: list[dict]) -> dict:
+    """Over rounds: each mode's run with the median step, and each ratio's median (every ratio is of one round)."""
+    out = {mode: sorted((m[mode] for m in measured), key=lambda run: run["step_s"])[len(measured) // 2]
+           for mode in MODES}
+    return out | {key: round(statistics.median(m[key] for m in measured), 3) for key in measured[0] if key not in MODES}
 
 
 def crossover(rows: list[dict]) -> dict[int, int | None]:
@@ -123,11 +143,11 @@ def run_offload(args) -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     text_ids = reference.tokenize(read_text(args.text))[args.skip_tokens :]
-    rows = run_offload_grid(config, reference.loaded, text_ids, contexts, batches, args.steps,
+    rows = run_offload_grid(config, reference.loaded, text_ids, contexts, batches, args.steps, args.rounds,
                             progress=lambda line: print(line, file=sys.stderr))
     emit({"benchmark": "offload", "machine": machine_info(), **engine_info(reference),
           "workload": {"text": args.text.name, "skip_tokens": args.skip_tokens, "contexts": contexts,
-                       "batches": batches, "decode_steps": args.steps},
+                       "batches": batches, "decode_steps": args.steps, "rounds": args.rounds},
           "modeled": "modeled_* figures replace the measured copy time by a link model's (nominal x16 bandwidth, "
                      "10 us per transfer, no overlap)",
           "rows": rows, "infinigen_faster_than_none_from_context": crossover(rows)}, args.json)

@@ -131,6 +131,9 @@ def _add_infinigen_commands(bench) -> None:
                          help="context lengths, comma-separated; each plus --steps + 1 within max_model_len")
     offload.add_argument("--batches", default="1,4,8,16", help="batch sizes (comma-separated)")
     offload.add_argument("--steps", type=int, default=8, help="decode steps timed per run (default: 8)")
+    offload.add_argument("--rounds", type=int, default=1,
+                         help="rounds of the three modes per cell, each in another order; ratios are each round's "
+                              "and their medians (default: 1)")
     offload.add_argument("--skip-tokens", type=int, default=0, help="tokens of the text skipped first (default: 0)")
     _add_output_flags(offload)
     add_engine_arguments(offload)
