@@ -61,10 +61,7 @@ class AttentionPolicy:
                   batch: AttentionBatch) -> torch.Tensor:
         """Store the step's new K/V, attend, and return the output [T, heads, head_dim]."""
         self.storage.store(layer, batch.slot_mapping, batch.positions, k_new, v_new)
-        out = torch.empty_like(q)
-        for group in batch.groups:
-            out[group.rows] = self._attend_group(layer, q[group.rows], group)
-        return out
+        return outputs_of_groups(q, batch, lambda group: self._attend_group(layer, q[group.rows], group))
 
     def _attend_group(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         keys = self.select_keys(layer, group)
@@ -85,3 +82,14 @@ class FullAttention(AttentionPolicy):
         if type(self) is not FullAttention or len(batch.groups) != 1 or not batch.groups[0].is_decode:
             return None
         return self.storage.fused_decode(batch, dtype)
+
+
+def outputs_of_groups(q: torch.Tensor, batch: AttentionBatch, attend_group) -> torch.Tensor:
+    """The step's attention output [T, heads, head_dim] from `attend_group(group)` of each group: a group that holds
+    every row of the step (a step of decodes alone) gives it as it is, without a copy into a new tensor."""
+    if len(batch.groups) == 1 and batch.groups[0].rows == slice(0, q.shape[0]):
+        return attend_group(batch.groups[0])
+    out = torch.empty_like(q)
+    for group in batch.groups:
+        out[group.rows] = attend_group(group)
+    return out

@@ -137,10 +137,7 @@ class LlamaForCausalLM(nn.Module):
         """Layer `layer`'s queries [T, heads, head_dim] (after RoPE) of a residual stream x [T, hidden], e.g. an
         earlier layer's input (InfiniGen's speculation)."""
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        target = self.layers[layer]
-        attn = target.self_attn
-        q = attn.qkv_proj(target.input_layernorm(x))[:, : attn.num_heads * attn.head_dim]
-        return apply_rope(q.view(x.shape[0], attn.num_heads, attn.head_dim), cos, sin)
+        return self.layers[layer].dense_parts[0](self.layers[layer], x, cos, sin)[0]
 
     def compile_dense_parts(self) -> None:
         """Compile every layer's dense parts (one graph shared by all layers; torch makes the token

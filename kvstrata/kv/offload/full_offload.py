@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
-from kvstrata.kv.attention_policy import AttentionPolicy
+from kvstrata.kv.attention_policy import AttentionPolicy, outputs_of_groups
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.offload.transfers import OffloadStats, WorkingBuffers
 from kvstrata.kv.reference_attention import attend
@@ -38,12 +38,8 @@ class FullOffload(AttentionPolicy):
                            v_new.to(host))
         self.stats.written_bytes[layer] += k_new.nbytes + v_new.nbytes
         self.after_store(layer, batch, k_new)
-        if len(batch.groups) == 1 and batch.groups[0].rows == slice(0, q.shape[0]):  # its output is the step's
-            return self.attend_group(layer, q, k_new, v_new, batch.groups[0])
-        out = torch.empty_like(q)
-        for group in batch.groups:
-            out[group.rows] = self.attend_group(layer, q[group.rows], k_new[group.rows], v_new[group.rows], group)
-        return out
+        return outputs_of_groups(q, batch, lambda group: self.attend_group(layer, q[group.rows], k_new[group.rows],
+                                                                          v_new[group.rows], group))
 
     def after_store(self, layer: int, batch: AttentionBatch, k_new: torch.Tensor) -> None:
         """The step's new keys of `layer` are in the pool (InfiniGen keeps their partial keys on the device)."""
