@@ -14,9 +14,7 @@ import torch
 from kvstrata import LLM, SamplingParams
 from kvstrata.cli.main import main
 from kvstrata.config import EngineConfig
-from kvstrata.engine.kv_offload_setup import calibrate_skew
 from kvstrata.engine.layer_capture import capture_layers
-from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_batch import AttentionGroup, whole_block_keys
 from kvstrata.kv.block_pool import BlockPool
@@ -29,39 +27,8 @@ from kvstrata.kv.offload.skew import ForeignSkewError, InfiniGenSkew
 from kvstrata.kv.offload.speculation import select_tokens
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.reference_attention import attend_per_kv_head
+from tests.infinigen_cases import EVERYTHING, engine_for, generate, random_prompts
 from tests.server_harness import running_server
-
-EVERYTHING = {"infinigen_alpha": math.inf, "infinigen_max_fraction": 1.0, "infinigen_full_layers": 1}
-
-
-def engine_for(model, **options) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), **{"kv_cache_memory": "4MiB", "threads": 1, **options}))
-
-
-def random_prompts(seed: int, *lengths: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 320, (n,), generator=gen).tolist() for n in lengths]
-
-
-def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 10) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    seqs = [engine._sequences[engine.add_request(p, params)] for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [seq.token_ids[len(p):] for seq, p in zip(seqs, prompts)]
-
-
-@pytest.fixture(scope="module")
-def skew_files(tiny_llama, tiny_opt, tmp_path_factory):
-    """Each tiny model's skew, calibrated on random token ids (the real calibration's code path)."""
-    directory = tmp_path_factory.mktemp("skews")
-    paths = {}
-    for name, model in (("llama", tiny_llama), ("opt", tiny_opt)):
-        engine = engine_for(model)
-        skew = calibrate_skew(engine, random_prompts(9, 600)[0], windows=2, window_tokens=200, progress=False)
-        paths[name] = directory / f"{name}.npz"
-        skew.save(paths[name])
-    return paths
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
@@ -149,9 +116,9 @@ def test_byte_counters_equal_the_bytes_copied(mode, tiny_llama, skew_files, monk
     copied = []
     copy = transfers.WorkingBuffers.copy
 
-    def counting_copy(buffers, name, x):
+    def counting_copy(buffers, name, x, stream=None):
         copied.append(x.nbytes)
-        return copy(buffers, name, x)
+        return copy(buffers, name, x, stream)
 
     monkeypatch.setattr(transfers.WorkingBuffers, "copy", counting_copy)
     engine = engine_for(tiny_llama, kv_offload=mode, infinigen_calibration=str(skew_files["llama"]),

@@ -15,8 +15,10 @@ partial keys read where they lie) and layer i attends over its fetched rows with
 on other devices, with --no-paged-kernel and for keys without block tables. What is fetched is laid out per KV head
 without padding each sequence (kv/offload/fetch_plan.py).
 
-On a CUDA device the fetch would be issued on a side stream during layer i−1; here it runs in line (no GPU
-has been available to build and check that ordering).
+On a CUDA device the host gathers the chosen rows (it needs the plan, so it waits for the speculation) and their
+copy to the GPU is issued on a side stream, staged in pinned memory; layer i−1's attention and FFN, queued after
+it, run while it is in flight, and layer i's attention waits for its event (papers/infinigen.md §3: the authors'
+code orders the two the same way).
 """
 
 from __future__ import annotations
@@ -70,11 +72,13 @@ class InfiniGenSettings:
 @dataclass
 class Fetched:
     """What the previous layer's input fetched for one decode group: K and V [kv_heads, R, D] on the device, laid
-    out as `plan` says (each sequence's own token last among its rows, filled in at attention)."""
+    out as `plan` says (each sequence's own token last among its rows, filled in at attention); on a GPU, the event
+    after their copy on the side stream."""
 
     k: torch.Tensor
     v: torch.Tensor
     plan: FetchPlan
+    copied: torch.cuda.Event | None = None
 
 
 class InfiniGenAttention(FullOffload):
@@ -95,6 +99,7 @@ class InfiniGenAttention(FullOffload):
         self.query_rotation = self.partial_rotation * dim**-0.5  # turns queries into partial ones scaled as logits
         self.partial_keys = PartialKeys(layers, kv_heads, num_slots, partial, storage.block_size, device)
         self._fetched: dict[int, dict[int, Fetched]] = {}  # layer -> id of a decode group of the step -> its fetch
+        self.fetch_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
@@ -168,7 +173,12 @@ class InfiniGenAttention(FullOffload):
         self.stats.decodes[layer] += n
         # two buffers in turn: layer i's fetch must outlive layer i+1's, made before layer i attends
         names = (f"speculated{layer % 2}.k", f"speculated{layer % 2}.v")
-        return Fetched(*self.stats.copy_to(self.buffers, names, k[:, 0], v[:, 0]), plan)
+        if self.fetch_stream is None:
+            return Fetched(*self.stats.copy_to(self.buffers, names, k[:, 0], v[:, 0]), plan)
+        # the buffers' last reader, layer i-2's attention, is queued on the compute stream: the copy comes after it
+        self.fetch_stream.wait_stream(torch.cuda.current_stream(self.device))
+        k, v = self.stats.copy_to(self.buffers, names, k[:, 0], v[:, 0], stream=self.fetch_stream)
+        return Fetched(k, v, plan, self.fetch_stream.record_event())
 
     def _select(self, layer: int, q_partial: torch.Tensor, group: AttentionGroup) -> FetchPlan:
         """The torch path: q_partial [G, n, group, r]; every cached token's partial key gathered, then scored."""
@@ -198,6 +208,8 @@ class InfiniGenAttention(FullOffload):
         fetched = self._fetched.get(layer, {}).get(id(group))
         if fetched is None:
             return super().attend_group(layer, q, k_new, v_new, group)
+        if fetched.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(fetched.copied)
         # the fetched tokens plus, in each sequence's last row, the step's own, which is on the device already
         k, v, plan = fetched.k, fetched.v, fetched.plan
         own = (torch.arange(k.shape[0], device=k.device)[:, None], plan.own_rows)

@@ -39,10 +39,12 @@ class OffloadStats:
         self.modeled_transfer_s[layer] += self.link.seconds(stored_form_bytes)
         self.transfers += 1
 
-    def copy_to(self, buffers: WorkingBuffers, names: tuple[str, ...], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The tensors copied into the named device buffers, the time it took counted."""
+    def copy_to(self, buffers: WorkingBuffers, names: tuple[str, ...], *tensors: torch.Tensor,
+                stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, ...]:
+        """The tensors copied into the named device buffers (on `stream`, a GPU's side stream, where given), the
+        time it took the host counted (on a GPU the copies are asynchronous: staging them, not their transfer)."""
         start = time.perf_counter()
-        copies = tuple(buffers.copy(name, x) for name, x in zip(names, tensors))
+        copies = tuple(buffers.copy(name, x, stream) for name, x in zip(names, tensors))
         self.copy_seconds += time.perf_counter() - start
         return copies
 
@@ -70,23 +72,33 @@ class OffloadStats:
 
 class WorkingBuffers:
     """Device memory kept from step to step for the K/V copied out of the host pool, one buffer per name (FlexGen
-    keeps such buffers too): a copy lands in memory already mapped, never in a fresh allocation."""
+    keeps such buffers too): a copy lands in memory already mapped, never in a fresh allocation.
+
+    On a GPU the host-side rows are first staged in pinned memory (torch's caching host allocator, which keeps a
+    staging block until its copy is done), so that the copy is a DMA the host does not wait for; the InfiniGen
+    authors' code keeps a pinned buffer for the same reason."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._flat: dict[str, torch.Tensor] = {}
 
-    def copy(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """A copy of `x` in buffer `name` with x's shape and strides (heads-outermost gathers stay that way); valid
-        until the buffer is used again."""
+    def copy(self, name: str, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """A copy of host tensor `x` in buffer `name` with x's shape and strides (heads-outermost gathers stay that
+        way); valid until the buffer is used again. On a GPU, issued on `stream` where given (else the current
+        one); the caller orders its readers after it."""
         if not _dense(x):
-            return x.to(self.device, copy=True)
+            x = x.contiguous()
+        if self.device.type == "cuda":
+            x = x.pin_memory()
         flat = self._flat.get(name)
         if flat is None or flat.numel() < x.numel() or flat.dtype != x.dtype:
             flat = self._flat[name] = torch.empty(int(1.25 * x.numel()), dtype=x.dtype, device=self.device)
         out = flat.as_strided(x.shape, x.stride())
-        out.copy_(x, non_blocking=True)
-        return out
+        if stream is None:
+            return out.copy_(x, non_blocking=True)
+        flat.record_stream(stream)  # a buffer given up is not handed out again before this copy has written it
+        with torch.cuda.stream(stream):
+            return out.copy_(x, non_blocking=True)
 
 
 def _dense(x: torch.Tensor) -> bool:
