@@ -91,6 +91,11 @@ def test_default_speculation_fetches_a_capped_subset(tiny_llama, skew_files):
     assert 0 < stats.summary()["recall_of_attention_mass"] < 1
 
 
+def chosen_columns(selection) -> set[int]:
+    """The columns KV head 0 of sequence 0 reads."""
+    return set(selection.chosen[0, 0].nonzero().flatten().tolist())
+
+
 def test_select_tokens_on_hand_made_scores():
     """One sequence, one KV head shared by two query heads, six cached tokens of seven."""
     scores = torch.tensor([[[[9.0, 8.5, 1.0, 0.0, 8.8, 2.0, 100.0],    # head 0: 3 tokens within alpha = 1
@@ -98,17 +103,16 @@ def test_select_tokens_on_hand_made_scores():
     cached = torch.tensor([[True, True, True, True, True, True, False]])  # the last key is this step's own
     selection = select_tokens(scores, cached, alpha=1.0, max_fraction=1.0)
     assert selection.per_query_head.tolist() == [3]
-    chosen = set(selection.columns[0, 0][selection.valid[0, 0]].tolist())
-    assert chosen == {0, 1, 4} | {2, 3, 5}  # the union of both heads' top 3; never the uncached key
+    assert chosen_columns(selection) == {0, 1, 4} | {2, 3, 5}  # the union of both heads' top 3; never the uncached key
     capped = select_tokens(scores, cached, alpha=1.0, max_fraction=0.34)  # floor(0.34 * 6) = 2 per head
     assert capped.per_query_head.tolist() == [2]
-    assert set(capped.columns[0, 0][capped.valid[0, 0]].tolist()) == {0, 4, 2, 3}
+    assert chosen_columns(capped) == {0, 4, 2, 3}
     everything = select_tokens(scores, cached, alpha=math.inf, max_fraction=1.0)
-    assert set(everything.columns[0, 0][everything.valid[0, 0]].tolist()) == set(range(6))
+    assert chosen_columns(everything) == set(range(6))
     # heads with different counts share their floored mean: with alpha 0.3 head 0 has 2 tokens, head 1 one
     mean = select_tokens(scores, cached, alpha=0.3, max_fraction=1.0)
     assert mean.per_query_head.tolist() == [1]
-    assert set(mean.columns[0, 0][mean.valid[0, 0]].tolist()) == {0, 2}
+    assert chosen_columns(mean) == {0, 2}
 
 
 @pytest.mark.parametrize("mode", ["full", "infinigen"])
@@ -283,17 +287,20 @@ def test_kv_host_memory_needs_infinigen():
         EngineConfig(kv_host_memory="1GiB", kv_offload="full")
 
 
-def test_the_chosen_mask_ignores_padding_entries():
-    """A sequence that chose fewer tokens than another is padded with repeats of a column: the mask of what it reads
-    holds its own choice only (a padding entry written after a real one must not clear it)."""
+def test_each_sequence_reads_its_own_count_of_tokens():
+    """The top-k takes as many tokens as the widest row may need: a sequence that chose fewer reads its own choice
+    only, and a query head's entry past the count never clears a column another query head of its KV head chose."""
     scores = torch.tensor([[[[9.0, 8.9, 8.8, 8.7, 0.0, 0.0]],     # sequence 0: four tokens within alpha
                             [[0.0, 9.0, 0.0, 0.0, 0.0, 0.0]]]])  # sequence 1: one token
     cached = torch.ones(2, 6, dtype=torch.bool)
     selection = select_tokens(scores, cached, alpha=1.0, max_fraction=1.0)
-    assert selection.valid.sum(-1).tolist() == [[4, 1]]
-    assert selection.chosen(6).tolist() == [[[1, 1, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0]]]
-    scores[0, 1, 0] = torch.tensor([9.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # now the one token is column 0, as padding is
-    assert select_tokens(scores, cached, 1.0, 1.0).chosen(6)[0, 1].tolist() == [1, 0, 0, 0, 0, 0]
+    assert selection.per_query_head.tolist() == [4, 1]
+    assert selection.chosen.int().tolist() == [[[1, 1, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0]]]
+    shared = torch.tensor([[[[9.0, 8.5, 0.0, 0.0],     # query head 0: two tokens within alpha
+                             [5.0, 0.0, 9.0, 0.0]]]])  # query head 1: one; its second best is head 0's first
+    selection = select_tokens(shared, torch.ones(1, 4, dtype=torch.bool), alpha=1.0, max_fraction=1.0)
+    assert selection.per_query_head.tolist() == [1]  # the floored mean of 2 and 1
+    assert chosen_columns(selection) == {0, 2}
 
 
 @pytest.mark.parametrize("kv_format", ["int8", "int4", "fp16"])
@@ -314,7 +321,7 @@ def test_the_recent_window_is_always_read():
     cached = torch.tensor([[True, True, True, True, True, False]])
     recent = torch.tensor([[False, False, False, True, True, True]])  # the last is this step's own, not cached
     selection = select_tokens(scores, cached, alpha=1.0, max_fraction=1.0, always=recent)
-    assert selection.chosen(6).tolist() == [[[1, 0, 0, 1, 1, 0]]]
+    assert selection.chosen.int().tolist() == [[[1, 0, 0, 1, 1, 0]]]
 
 
 @pytest.mark.parametrize(("alpha", "max_fraction", "recent", "capped", "block_size"),
@@ -367,7 +374,8 @@ def test_attention_over_fetched_rows_compiled_equals_the_masked_torch_product():
     want = attend_per_kv_head(q[None], k[:, None], v[:, None], mask[:, None])[0]
     got = kernel.fetched_attention(q, k, v, offsets[:, :-1], offsets.diff(dim=-1), 8**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(attend_over_plan(q, k, v, plan), want, rtol=1e-5, atol=1e-5)  # the torch path
+    torch.testing.assert_close(attend_over_plan(q, k, v, plan.offsets, plan.widest_run), want, rtol=1e-5,
+                               atol=1e-5)  # the torch path
     starts, lengths = torch.tensor([[0, 4, 8]]).expand(2, 3), torch.tensor([[2, 4, 1]]).expand(2, 3)
     rows = torch.arange(11)
     mask = (rows >= starts[..., None]) & (rows < (starts + lengths)[..., None])  # [2, 3, 11]
@@ -417,7 +425,7 @@ def test_a_nan_in_one_sequences_fetched_rows_stays_in_its_output():
                      torch.zeros(3, dtype=torch.long))
     v[0, 4] = float("nan")  # KV head 0, a row of sequence 1
     for out in (paged_decode.kernel().fetched_attention(q, k, v, offsets[:, :-1], offsets.diff(dim=-1), 8**-0.5),
-                attend_over_plan(q, k, v, plan)):
+                attend_over_plan(q, k, v, plan.offsets, plan.widest_run)):
         assert out.isnan().flatten(1).any(1).tolist() == [False, True, False]
 
 

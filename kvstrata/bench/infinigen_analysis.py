@@ -114,13 +114,13 @@ def _layer_recall(true_q, spec_q, k, rotation, weights, settings: InfiniGenSetti
     cached = key_positions[None] < positions[:, None]  # [P, T]: the keys before each query
     recent = key_positions[None] >= (positions - settings.recent)[:, None] if settings.recent else None
     selection = select_tokens(spec_scores, cached, settings.alpha, settings.max_fraction, recent)
-    chosen = selection.chosen(k.shape[0])
+    chosen = selection.chosen.float()
     chosen[:, torch.arange(len(positions)), positions] = 1  # the query's own token is always attended
     true_scores = grouped(true_q) @ keys.transpose(-1, -2)[:, None] * dim**-0.5  # [G, P, group, T]
     visible = key_positions[None] <= positions[:, None]
     probs = true_scores.masked_fill(~visible[None, :, None], float("-inf")).softmax(-1)
     recall = float((probs * chosen[:, :, None]).sum(-1).mean())
-    fraction = float(selection.valid.sum() / (cached.sum() * kv_heads))
+    fraction = float(selection.chosen.sum() / (cached.sum() * kv_heads))
     return recall, fraction
 
 

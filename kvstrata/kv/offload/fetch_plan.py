@@ -6,6 +6,7 @@ the longest head's only, not every (head, sequence) to the longest one's: the un
 choices varies a lot between sequences and heads, and padding each to the widest would gather, copy and attend
 over rows nobody chose. Attention reads each
 sequence's run of rows by its offsets (kv/kernels/fetched_attention.cpp; on the torch path, `attend_over_plan`).
+A plan is made on the host, which gathers its rows; only its offsets go to a GPU, for the attention there.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class FetchPlan:
     def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """long [kv_heads, n] each: the first row of each sequence's run and how many rows it has."""
         return self.offsets[:, :-1], self.offsets.diff(dim=-1)
+
+    @property
+    def widest_run(self) -> int:
+        return int(self.offsets.diff(dim=-1).max())
 
     @property
     def own_rows(self) -> torch.Tensor:
@@ -56,12 +61,14 @@ class FetchPlan:
         return mask
 
 
-def attend_over_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FetchPlan) -> torch.Tensor:
-    """The torch path of attention over fetched rows: q [n, heads, D] over k, v [kv_heads, R, D] laid out by `plan`.
-    Each sequence's run of rows is taken out as its own padded row of keys, so that no sequence's values (a NaN from
-    a corrupt cache among them) enter another's output, even with weight 0."""
-    starts, lengths = plan.runs()
-    steps = torch.arange(int(lengths.max()), device=k.device)
+def attend_over_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+                     widest_run: int) -> torch.Tensor:
+    """The torch path of attention over fetched rows: q [n, heads, D] over k, v [kv_heads, R, D] laid out by a plan's
+    `offsets` (on q's device; `widest_run` its longest run, known on the host). Each sequence's run of rows is taken
+    out as its own padded row of keys, so that no sequence's values (a NaN from a corrupt cache among them) enter
+    another's output, even with weight 0."""
+    starts, lengths = offsets[:, :-1], offsets.diff(dim=-1)
+    steps = torch.arange(widest_run, device=k.device)
     valid = steps < lengths[..., None]  # [kv_heads, n, W]
     index = (starts[..., None] + torch.minimum(steps, lengths[..., None] - 1)).flatten(1)
     kv_heads, n, width = valid.shape
@@ -71,19 +78,20 @@ def attend_over_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Fe
 
 def plan_from_selection(selection: Selection, slots: torch.Tensor, positions: torch.Tensor,
                         q_positions: torch.Tensor) -> FetchPlan:
-    """The torch path's plan: `selection` over keys with slots and positions [n, Tk], the step's tokens at
-    q_positions [n]."""
-    kv_heads = selection.columns.shape[0]
-    chosen_positions = positions[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
-    chosen_positions = chosen_positions.masked_fill(~selection.valid, NO_KEY)
-    chosen_slots = slots[None].expand(kv_heads, -1, -1).gather(-1, selection.columns)
-    # the own token's row: its K/V is written at attention, so any real slot serves (each sequence's first)
-    all_positions = torch.cat((chosen_positions, q_positions[None, :, None].expand(kv_heads, -1, 1)), dim=-1)
-    all_slots = torch.cat((chosen_slots, slots[None, :, :1].expand(kv_heads, -1, 1)), dim=-1)
-    valid = all_positions >= 0  # [G, n, K + 1]
+    """The torch path's plan, made on the host: `selection` over keys with slots and positions [n, Tk], the step's
+    tokens at q_positions [n] (all on the host)."""
+    kv_heads, n, _ = selection.chosen.shape
+    # each sequence's own token after its chosen ones: its K/V is written at attention, so any real slot serves
+    valid = torch.cat((selection.chosen, torch.ones(kv_heads, n, 1, dtype=torch.bool)), dim=-1)
+    all_positions = torch.cat((positions, q_positions[:, None]), dim=-1).flatten()
+    all_slots = torch.cat((slots, slots[:, :1]), dim=-1).flatten()
     offsets = torch.nn.functional.pad(valid.sum(-1).cumsum(-1), (1, 0))
-    rows = int(offsets[:, -1].max())
-    # each head's valid entries first, in order; the invalid ones after them hold NO_KEY and a real slot
-    order = torch.argsort((~valid).flatten(1).to(torch.uint8), dim=-1, stable=True)[:, :rows]
-    return FetchPlan(all_positions.flatten(1).gather(1, order), all_slots.flatten(1).gather(1, order), offsets,
-                     selection.per_query_head)
+    per_head_rows = offsets[:, -1]
+    # each head's entries in order (sequence, then column); a head's row r is its r-th entry, padding after them
+    head, column = valid.flatten(1).nonzero(as_tuple=True)
+    row = torch.arange(len(head)) - (per_head_rows.cumsum(0) - per_head_rows)[head]
+    plan_positions = torch.full((kv_heads, int(per_head_rows.max())), NO_KEY, dtype=torch.long)
+    plan_slots = torch.full_like(plan_positions, int(all_slots[0]))  # padding rows read some real slot
+    plan_positions[head, row] = all_positions[column]
+    plan_slots[head, row] = all_slots[column]
+    return FetchPlan(plan_positions, plan_slots, offsets, selection.per_query_head)

@@ -13,7 +13,7 @@ import torch
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
 from kvstrata.kv.attention_policy import AttentionPolicy, outputs_of_groups
 from kvstrata.kv.kernels import paged_decode
-from kvstrata.kv.offload.transfers import OffloadStats, WorkingBuffers
+from kvstrata.kv.offload.transfers import OffloadStats, WorkingBuffers, to_host
 from kvstrata.kv.reference_attention import attend
 from kvstrata.kv.storage import KVStorage
 
@@ -30,12 +30,22 @@ class FullOffload(AttentionPolicy):
         # on the CPU, decodes attend over what was copied with a compiled kernel where the kernels build (off:
         # --no-paged-kernel), as they do without offload
         self.kernel = paged_decode.kernel() if compiled_kernels and device.type == "cpu" else None
+        # the step's index tensors on the host, copied there once per step: every layer reads them, and on a GPU
+        # each copy waits for the device
+        self._step_on_host: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._keys_on_host: dict[int, tuple[CachedKeys, CachedKeys]] = {}
+
+    def begin_step(self, batch: AttentionBatch) -> None:
+        super().begin_step(batch)
+        self._step_on_host = None
+        self._keys_on_host.clear()
 
     def attention(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   batch: AttentionBatch) -> torch.Tensor:
         host = self.storage.device
-        self.storage.store(layer, batch.slot_mapping.to(host), batch.positions.to(host), k_new.to(host),
-                           v_new.to(host))
+        if self._step_on_host is None:
+            self._step_on_host = tuple(to_host(host, batch.slot_mapping, batch.positions))
+        self.storage.store(layer, *self._step_on_host, *to_host(host, k_new, v_new))
         self.stats.written_bytes[layer] += k_new.nbytes + v_new.nbytes
         self.after_store(layer, batch, k_new)
         return outputs_of_groups(q, batch, lambda group: self.attend_group(layer, q[group.rows], k_new[group.rows],
@@ -49,7 +59,7 @@ class FullOffload(AttentionPolicy):
         keys = self.select_keys(layer, group)
         k, v = self.fetch(layer, keys, q.dtype)
         if group.is_decode:
-            rows = int((keys.positions >= 0).sum()) * self.storage.kv_shape[0]
+            rows = int((self.keys_on_host(keys).positions >= 0).sum()) * self.storage.kv_shape[0]
             self.stats.decode_rows(layer, fetched=rows, cached=rows)
         readable = self.readable(layer, keys)
         if (group.is_decode and readable is None and keys.block_tables is not None and self.kernel is not None
@@ -74,9 +84,16 @@ class FullOffload(AttentionPolicy):
         """Which of `keys` [n, Tk] this layer may still read (None: all; InfiniGen's capped pool gives some up)."""
         return None
 
+    def keys_on_host(self, keys: CachedKeys) -> CachedKeys:
+        """`keys` with its index tensors in the host pool's memory, copied there once per step."""
+        entry = self._keys_on_host.get(id(keys))
+        if entry is None or entry[0] is not keys:  # the entry holds `keys`, so its id is not reused in the step
+            entry = self._keys_on_host[id(keys)] = (keys, on_device(keys, self.storage.device))
+        return entry[1]
+
     def fetch(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather `keys` in the host pool and copy them to the device ([n, Tk, kv_heads, D] each)."""
-        k, v = self.storage.gather_keys(layer, on_device(keys, self.storage.device), dtype)
+        k, v = self.storage.gather_keys(layer, self.keys_on_host(keys), dtype)
         rows = keys.positions.numel() * k.shape[2]
         self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
         return self.stats.copy_to(self.buffers, ("k", "v"), k, v)
@@ -84,9 +101,11 @@ class FullOffload(AttentionPolicy):
 
 def on_device(keys: CachedKeys, device: torch.device) -> CachedKeys:
     """`keys` with its index tensors on `device` (the host pool's), the same object where they already are."""
-    if keys.positions.device == device:
-        return keys
     if keys.block_tables is not None:
+        if keys.block_tables.device == device:  # positions and slots are worked out only if asked for
+            return keys
         return CachedKeys(keys.positions.to(device), block_tables=keys.block_tables.to(device),
                           block_size=keys.block_size)
+    if keys.positions.device == device:
+        return keys
     return CachedKeys(keys.positions.to(device), keys.slots.to(device))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -32,12 +33,12 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.offload.fetch_plan import FetchPlan, attend_over_plan, plan_from_selection
-from kvstrata.kv.offload.full_offload import FullOffload, on_device
+from kvstrata.kv.offload.full_offload import FullOffload
 from kvstrata.kv.offload.host_pool import HostPoolCap
 from kvstrata.kv.offload.partial_keys import PartialKeys
 from kvstrata.kv.offload.skew import InfiniGenSkew
-from kvstrata.kv.offload.speculation import select_tokens
-from kvstrata.kv.offload.transfers import OffloadStats
+from kvstrata.kv.offload.speculation import Selection, select_tokens
+from kvstrata.kv.offload.transfers import OffloadStats, to_device, to_host
 from kvstrata.kv.preloaded import Preloaded
 from kvstrata.kv.slots import slots_of_positions
 from kvstrata.kv.storage import KVStorage
@@ -72,13 +73,45 @@ class InfiniGenSettings:
 @dataclass
 class Fetched:
     """What the previous layer's input fetched for one decode group: K and V [kv_heads, R, D] on the device, laid
-    out as `plan` says (each sequence's own token last among its rows, filled in at attention); on a GPU, the event
-    after their copy on the side stream."""
+    out as `plan` (on the host) says, each sequence's own token last among its rows, filled in at attention;
+    `offsets`, the plan's, on the device; on a GPU, the event after the copy on the side stream."""
 
     k: torch.Tensor
     v: torch.Tensor
     plan: FetchPlan
+    offsets: torch.Tensor
     copied: torch.cuda.Event | None = None
+
+
+class DecodesOfStep:
+    """What every speculated layer of a step reads about its decode group, made once per step at first use: on a
+    GPU the host would otherwise wait for the device in every layer."""
+
+    def __init__(self, group: AttentionGroup, keys_on_host: CachedKeys, recent: int):
+        self.group = group  # held, so that the group's id is not reused during the step
+        self.keys_on_host = keys_on_host
+        self._recent = recent
+
+    @cached_property
+    def q_positions_on_host(self) -> torch.Tensor:
+        return self.group.q_positions[:, 0].cpu()
+
+    @cached_property
+    def cached_tokens(self) -> int:
+        return int(self.group.context_lens.sum())
+
+    @cached_property
+    def cached(self) -> torch.Tensor:
+        """bool [n, Tk] on the device: the keys cached before each sequence's new token."""
+        positions, q_positions = self.group.keys.positions, self.group.q_positions[:, 0]
+        return (positions >= 0) & (positions < q_positions[:, None])
+
+    @cached_property
+    def recent(self) -> torch.Tensor | None:
+        """bool [n, Tk] on the device: the newest `recent` positions of each sequence (None: no window)."""
+        if not self._recent:
+            return None
+        return self.group.keys.positions >= (self.group.q_positions[:, 0] - self._recent)[:, None]
 
 
 class InfiniGenAttention(FullOffload):
@@ -99,11 +132,13 @@ class InfiniGenAttention(FullOffload):
         self.query_rotation = self.partial_rotation * dim**-0.5  # turns queries into partial ones scaled as logits
         self.partial_keys = PartialKeys(layers, kv_heads, num_slots, partial, storage.block_size, device)
         self._fetched: dict[int, dict[int, Fetched]] = {}  # layer -> id of a decode group of the step -> its fetch
+        self._decodes: dict[int, DecodesOfStep] = {}  # id of a decode group of the step -> what its layers read
         self.fetch_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
         self._fetched.clear()
+        self._decodes.clear()
         if self.cap is not None:
             self.cap.begin_step()
 
@@ -125,13 +160,14 @@ class InfiniGenAttention(FullOffload):
     def fetch(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = super().fetch(layer, keys, dtype)
         if self.cap is not None:
-            self.cap.fetched(layer, keys.slots[keys.positions >= 0].unique().to(self.storage.device))
+            on_host = self.keys_on_host(keys)
+            self.cap.fetched(layer, on_host.slots[on_host.positions >= 0].unique())
         return k, v
 
     def readable(self, layer: int, keys: CachedKeys) -> torch.Tensor | None:
         if self.cap is None:
             return None
-        return ~self.cap.dead[layer][keys.slots.to(self.storage.device)].to(self.device)
+        return ~self.cap.dead[layer][self.keys_on_host(keys).slots].to(self.device)
 
     def _store_partial_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
         partial = torch.einsum("tgd,gdr->gtr", k.to(self.device, torch.float32), self.partial_rotation[layer])
@@ -151,6 +187,13 @@ class InfiniGenAttention(FullOffload):
         self._fetched[target] = {id(group): self._speculate(target, x[group.rows], group)
                                  for group in batch.groups if group.is_decode}
 
+    def _decodes_of_step(self, group: AttentionGroup) -> DecodesOfStep:
+        decodes = self._decodes.get(id(group))
+        if decodes is None:
+            decodes = self._decodes[id(group)] = DecodesOfStep(group, self.keys_on_host(group.keys),
+                                                               self.settings.recent)
+        return decodes
+
     def _speculate(self, layer: int, x: torch.Tensor, group: AttentionGroup) -> Fetched:
         q_positions = group.q_positions[:, 0]
         q = self.layer_queries(layer, x, q_positions).float()  # [n, heads, D]
@@ -161,38 +204,39 @@ class InfiniGenAttention(FullOffload):
             plan = self._select_in_place(layer, q_partial, group)
         else:
             plan = self._select(layer, q_partial.transpose(0, 1), group)
-        host = self.storage.device
-        k, v = self.storage.gather_per_head(layer, plan.slots[:, None].to(host), plan.positions[:, None].to(host),
-                                            x.dtype)
+        # the plan is on the host, which gathers its rows
+        k, v = self.storage.gather_per_head(layer, plan.slots[:, None], plan.positions[:, None], x.dtype)
         if self.cap is not None:
-            self.cap.fetched(layer, plan.slots[plan.chosen_rows()].unique().to(host))
+            self.cap.fetched(layer, plan.slots[plan.chosen_rows()].unique())
         rows = int(plan.offsets[:, -1].sum()) - n * kv_heads  # each sequence's last row, its own token, is not fetched
         self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
-        self.stats.decode_rows(layer, fetched=rows, cached=int(group.context_lens.sum()) * kv_heads)
+        self.stats.decode_rows(layer, fetched=rows, cached=self._decodes_of_step(group).cached_tokens * kv_heads)
         self.stats.selected_per_head[layer] += int(plan.per_query_head.sum())
         self.stats.decodes[layer] += n
+        offsets = to_device(plan.offsets, self.device)
         # two buffers in turn: layer i's fetch must outlive layer i+1's, made before layer i attends
         names = (f"speculated{layer % 2}.k", f"speculated{layer % 2}.v")
         if self.fetch_stream is None:
-            return Fetched(*self.stats.copy_to(self.buffers, names, k[:, 0], v[:, 0]), plan)
+            return Fetched(*self.stats.copy_to(self.buffers, names, k[:, 0], v[:, 0]), plan, offsets)
         # the buffers' last reader, layer i-2's attention, is queued on the compute stream: the copy comes after it
         self.fetch_stream.wait_stream(torch.cuda.current_stream(self.device))
         k, v = self.stats.copy_to(self.buffers, names, k[:, 0], v[:, 0], stream=self.fetch_stream)
-        return Fetched(k, v, plan, self.fetch_stream.record_event())
+        return Fetched(k, v, plan, offsets, self.fetch_stream.record_event())
 
     def _select(self, layer: int, q_partial: torch.Tensor, group: AttentionGroup) -> FetchPlan:
-        """The torch path: q_partial [G, n, group, r]; every cached token's partial key gathered, then scored."""
-        keys, q_positions = group.keys, group.q_positions[:, 0]
-        slots = keys.slots
-        partial_keys = (self.partial_keys.of_slots(layer, slots) if keys.block_tables is None
+        """The torch path: q_partial [G, n, group, r]; every cached token's partial key gathered, then scored on the
+        device; the choice comes back to the host (one wait on a GPU), which makes the plan."""
+        keys, decodes = group.keys, self._decodes_of_step(group)
+        partial_keys = (self.partial_keys.of_slots(layer, keys.slots) if keys.block_tables is None
                         else self.partial_keys.of_blocks(layer, keys.block_tables))  # [G, n, Tk, r]
         scores = q_partial @ partial_keys.transpose(-1, -2)  # [G, n, group, Tk]
-        cached = (keys.positions >= 0) & (keys.positions < q_positions[:, None])  # before this step's token
+        cached = decodes.cached
         if self.cap is not None:  # tokens the capped pool gave up are not there to fetch
-            cached &= ~self.cap.dead[layer][slots.to(self.storage.device)].to(self.device)
-        recent = keys.positions >= (q_positions - self.settings.recent)[:, None] if self.settings.recent else None
-        selection = select_tokens(scores, cached, self.settings.alpha, self.settings.max_fraction, recent)
-        return plan_from_selection(selection, slots, keys.positions, q_positions)
+            cached = cached & ~self.cap.dead[layer][decodes.keys_on_host.slots].to(self.device)
+        selection = select_tokens(scores, cached, self.settings.alpha, self.settings.max_fraction, decodes.recent)
+        chosen, per_query_head = to_host(self.storage.device, selection.chosen, selection.per_query_head)
+        return plan_from_selection(Selection(chosen, per_query_head), decodes.keys_on_host.slots,
+                                   decodes.keys_on_host.positions, decodes.q_positions_on_host)
 
     def _select_in_place(self, layer: int, q_partial: torch.Tensor, group: AttentionGroup) -> FetchPlan:
         """The compiled path (kv/kernels/infinigen_select.cpp): the same choice, the partial keys read where they
@@ -212,7 +256,7 @@ class InfiniGenAttention(FullOffload):
             torch.cuda.current_stream(self.device).wait_event(fetched.copied)
         # the fetched tokens plus, in each sequence's last row, the step's own, which is on the device already
         k, v, plan = fetched.k, fetched.v, fetched.plan
-        own = (torch.arange(k.shape[0], device=k.device)[:, None], plan.own_rows)
+        own = (torch.arange(k.shape[0], device=k.device)[:, None], fetched.offsets[:, 1:] - 1)
         k[own] = k_new.transpose(0, 1)
         v[own] = v_new.transpose(0, 1)
         if self.settings.diagnostics:
@@ -220,20 +264,20 @@ class InfiniGenAttention(FullOffload):
         if self.kernel is not None and q.dtype == torch.float32:
             with torch.profiler.record_function("kvstrata::fetched_attention"):  # named in profiles
                 return self.kernel.fetched_attention(q, k, v, *plan.runs(), q.shape[-1] ** -0.5)
-        return attend_over_plan(q, k, v, plan)
+        return attend_over_plan(q, k, v, fetched.offsets, plan.widest_run)
 
     def _count_recall(self, layer: int, queries: torch.Tensor, group: AttentionGroup, plan: FetchPlan) -> None:
         """Diagnostics: the share of each query head's true attention mass (over every cached key) that falls on
         the tokens its KV head fetched plus the step's own token. The full keys are read without being counted;
         the engine gives decodes whole-block keys, whose column is their position."""
-        k, _ = self.storage.gather_keys(layer, on_device(group.keys, self.storage.device), queries.dtype)
+        k, _ = self.storage.gather_keys(layer, self.keys_on_host(group.keys), queries.dtype)
         n, heads, dim = queries.shape
         kv_heads = k.shape[2]
         grouped = queries.view(n, kv_heads, heads // kv_heads, dim).transpose(0, 1).float()
         scores = grouped @ k.permute(2, 0, 3, 1).to(self.device).float() * dim**-0.5  # [G, n, group, Tk]
         mask = group.keys.mask_for(group)  # [n, 1, Tk]
         probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
-        chosen = plan.chosen_mask(scores.shape[-1])
+        chosen = plan.chosen_mask(scores.shape[-1]).to(self.device)
         own = group.keys.positions == group.q_positions  # the step's token
         chosen = torch.maximum(chosen, own[None].float())
         self.stats.recall_mass += float((probs * chosen[:, :, None]).sum())

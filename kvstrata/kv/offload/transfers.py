@@ -110,3 +110,20 @@ def _dense(x: torch.Tensor) -> bool:
             return False
         expected *= x.shape[dim]
     return True
+
+
+def to_host(host: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors in host memory, the host waiting for a GPU once for all of them (each copy is queued first)."""
+    copies = [x.to(host, non_blocking=True) for x in tensors]
+    on_gpu = [x.device for x in tensors if x.is_cuda]
+    if on_gpu:
+        torch.cuda.current_stream(on_gpu[0]).synchronize()
+    return copies
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `x` on `device`; to a GPU through pinned memory, so that neither side waits for the other."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
