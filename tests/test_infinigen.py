@@ -287,6 +287,25 @@ def test_kv_host_memory_needs_infinigen():
         EngineConfig(kv_host_memory="1GiB", kv_offload="full")
 
 
+def test_the_top_k_is_wide_enough_where_float32_rounds_the_cap_up():
+    """The cap is floor(max_fraction x cached tokens) in float32: 0.29 x 100 gives 29 there, 28 in double. The top-k,
+    sized on the host without reading the counts back, must still hold every sequence's count."""
+    scores = torch.randn(1, 1, 1, 100, generator=torch.Generator().manual_seed(1))
+    selection = select_tokens(scores, torch.ones(1, 100, dtype=torch.bool), alpha=math.inf, max_fraction=0.29)
+    assert selection.per_query_head.tolist() == [29]
+    assert int(selection.chosen.sum()) == 29
+
+
+def test_working_buffers_copy_strided_and_permuted_tensors():
+    buffers = transfers.WorkingBuffers(torch.device("cpu"))
+    x = torch.randn(3, 8, 5, generator=torch.Generator().manual_seed(2))
+    heads_outermost = x.permute(1, 0, 2)  # every element of its span: kept with its strides
+    copied = buffers.copy("a", heads_outermost)
+    assert torch.equal(copied, heads_outermost) and copied.stride() == heads_outermost.stride()
+    every_other = x[:, ::2]  # gaps between its elements: laid out densely
+    assert torch.equal(buffers.copy("b", every_other), every_other)
+
+
 def test_each_sequence_reads_its_own_count_of_tokens():
     """The top-k takes as many tokens as the widest row may need: a sequence that chose fewer reads its own choice
     only, and a query head's entry past the count never clears a column another query head of its KV head chose."""

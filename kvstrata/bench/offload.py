@@ -54,7 +54,7 @@ def measure_mode(config, loaded, kv: PreloadedKV, prompt: list[int], batch: int,
         result.update(stored_form_bytes_per_step=round(moved["stored_form_bytes"]),
                       copy_s_per_step=round(moved["copy_seconds"], 5),
                       fraction_fetched=round(moved["fetched_rows"] / max(moved["cached_rows"], 1), 4))
-        # on a GPU the copies cross the real link and overlap compute: the measured step is the figure
+        # on a GPU the copies cross the real link: the measured step is the figure
         for name in MODELED_LINKS if config.device == "cpu" else ():
             link = parse_link(name)
             transfer = moved["stored_form_bytes"] / link.bytes_per_second + moved["transfers"] * link.latency_s

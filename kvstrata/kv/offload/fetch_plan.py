@@ -26,23 +26,14 @@ class FetchPlan:
     offsets: torch.Tensor  # long [kv_heads, n + 1]: sequence s owns rows offsets[g, s] .. offsets[g, s + 1] - 1
     per_query_head: torch.Tensor  # long [n]: tokens each query head of a sequence chose
 
-    def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """long [kv_heads, n] each: the first row of each sequence's run and how many rows it has."""
-        return self.offsets[:, :-1], self.offsets.diff(dim=-1)
-
     @property
     def widest_run(self) -> int:
         return int(self.offsets.diff(dim=-1).max())
 
-    @property
-    def own_rows(self) -> torch.Tensor:
-        """long [kv_heads, n]: the row of each sequence's own token (the last of its rows)."""
-        return self.offsets[:, 1:] - 1
-
     def chosen_rows(self) -> torch.Tensor:
         """bool [kv_heads, R]: rows of tokens that were chosen (not padding, not the step's own token)."""
         chosen = self.positions >= 0
-        chosen[torch.arange(chosen.shape[0], device=chosen.device)[:, None], self.own_rows] = False
+        chosen[torch.arange(chosen.shape[0], device=chosen.device)[:, None], own_rows_of(self.offsets)] = False
         return chosen
 
     def sequence_of_rows(self) -> torch.Tensor:
@@ -61,13 +52,24 @@ class FetchPlan:
         return mask
 
 
+def runs_of(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """long [kv_heads, n] each: the first row of each sequence's run and how many rows it has (a plan's offsets, on
+    any device)."""
+    return offsets[:, :-1], offsets.diff(dim=-1)
+
+
+def own_rows_of(offsets: torch.Tensor) -> torch.Tensor:
+    """long [kv_heads, n]: the row of each sequence's own token, the last of its rows."""
+    return offsets[:, 1:] - 1
+
+
 def attend_over_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
                      widest_run: int) -> torch.Tensor:
     """The torch path of attention over fetched rows: q [n, heads, D] over k, v [kv_heads, R, D] laid out by a plan's
     `offsets` (on q's device; `widest_run` its longest run, known on the host). Each sequence's run of rows is taken
     out as its own padded row of keys, so that no sequence's values (a NaN from a corrupt cache among them) enter
     another's output, even with weight 0."""
-    starts, lengths = offsets[:, :-1], offsets.diff(dim=-1)
+    starts, lengths = runs_of(offsets)
     steps = torch.arange(widest_run, device=k.device)
     valid = steps < lengths[..., None]  # [kv_heads, n, W]
     index = (starts[..., None] + torch.minimum(steps, lengths[..., None] - 1)).flatten(1)
@@ -82,7 +84,8 @@ def plan_from_selection(selection: Selection, slots: torch.Tensor, positions: to
     tokens at q_positions [n] (all on the host)."""
     kv_heads, n, _ = selection.chosen.shape
     # each sequence's own token after its chosen ones: its K/V is written at attention, so any real slot serves
-    valid = torch.cat((selection.chosen, torch.ones(kv_heads, n, 1, dtype=torch.bool)), dim=-1)
+    valid = torch.cat((selection.chosen, torch.ones(kv_heads, n, 1, dtype=torch.bool, device=selection.chosen.device)),
+                      dim=-1)
     all_positions = torch.cat((positions, q_positions[:, None]), dim=-1).flatten()
     all_slots = torch.cat((slots, slots[:, :1]), dim=-1).flatten()
     offsets = torch.nn.functional.pad(valid.sum(-1).cumsum(-1), (1, 0))

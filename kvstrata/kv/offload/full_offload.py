@@ -42,14 +42,17 @@ class FullOffload(AttentionPolicy):
 
     def attention(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   batch: AttentionBatch) -> torch.Tensor:
-        host = self.storage.device
-        if self._step_on_host is None:
-            self._step_on_host = tuple(to_host(host, batch.slot_mapping, batch.positions))
-        self.storage.store(layer, *self._step_on_host, *to_host(host, k_new, v_new))
+        self.storage.store(layer, *self.step_on_host(batch), *to_host(self.storage.device, k_new, v_new))
         self.stats.written_bytes[layer] += k_new.nbytes + v_new.nbytes
         self.after_store(layer, batch, k_new)
         return outputs_of_groups(q, batch, lambda group: self.attend_group(layer, q[group.rows], k_new[group.rows],
                                                                           v_new[group.rows], group))
+
+    def step_on_host(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's slots and positions in the host pool's memory, copied there at the step's first layer."""
+        if self._step_on_host is None:
+            self._step_on_host = tuple(to_host(self.storage.device, batch.slot_mapping, batch.positions))
+        return self._step_on_host
 
     def after_store(self, layer: int, batch: AttentionBatch, k_new: torch.Tensor) -> None:
         """The step's new keys of `layer` are in the pool (InfiniGen keeps their partial keys on the device)."""

@@ -32,7 +32,7 @@ import torch
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
 from kvstrata.kv.block_pool import BlockPool
-from kvstrata.kv.offload.fetch_plan import FetchPlan, attend_over_plan, plan_from_selection
+from kvstrata.kv.offload.fetch_plan import FetchPlan, attend_over_plan, own_rows_of, plan_from_selection, runs_of
 from kvstrata.kv.offload.full_offload import FullOffload
 from kvstrata.kv.offload.host_pool import HostPoolCap
 from kvstrata.kv.offload.partial_keys import PartialKeys
@@ -84,12 +84,12 @@ class Fetched:
 
 
 class DecodesOfStep:
-    """What every speculated layer of a step reads about its decode group, made once per step at first use: on a
-    GPU the host would otherwise wait for the device in every layer."""
+    """What every speculated layer of a step reads about its decode group, made once per step at first use: else
+    every layer would launch the same small operators again and, on a GPU, wait for the device to read values
+    back."""
 
-    def __init__(self, group: AttentionGroup, keys_on_host: CachedKeys, recent: int):
+    def __init__(self, group: AttentionGroup, recent: int):
         self.group = group  # held, so that the group's id is not reused during the step
-        self.keys_on_host = keys_on_host
         self._recent = recent
 
     @cached_property
@@ -155,7 +155,7 @@ class InfiniGenAttention(FullOffload):
     def after_store(self, layer: int, batch: AttentionBatch, k_new: torch.Tensor) -> None:
         self._store_partial_keys(layer, batch.slot_mapping, k_new)
         if self.cap is not None:
-            self.cap.stored(layer, batch.slot_mapping.to(self.storage.device))
+            self.cap.stored(layer, self.step_on_host(batch)[0])
 
     def fetch(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = super().fetch(layer, keys, dtype)
@@ -167,7 +167,7 @@ class InfiniGenAttention(FullOffload):
     def readable(self, layer: int, keys: CachedKeys) -> torch.Tensor | None:
         if self.cap is None:
             return None
-        return ~self.cap.dead[layer][self.keys_on_host(keys).slots].to(self.device)
+        return ~to_device(self.cap.dead[layer][self.keys_on_host(keys).slots], self.device)
 
     def _store_partial_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
         partial = torch.einsum("tgd,gdr->gtr", k.to(self.device, torch.float32), self.partial_rotation[layer])
@@ -190,8 +190,7 @@ class InfiniGenAttention(FullOffload):
     def _decodes_of_step(self, group: AttentionGroup) -> DecodesOfStep:
         decodes = self._decodes.get(id(group))
         if decodes is None:
-            decodes = self._decodes[id(group)] = DecodesOfStep(group, self.keys_on_host(group.keys),
-                                                               self.settings.recent)
+            decodes = self._decodes[id(group)] = DecodesOfStep(group, self.settings.recent)
         return decodes
 
     def _speculate(self, layer: int, x: torch.Tensor, group: AttentionGroup) -> Fetched:
@@ -226,17 +225,17 @@ class InfiniGenAttention(FullOffload):
     def _select(self, layer: int, q_partial: torch.Tensor, group: AttentionGroup) -> FetchPlan:
         """The torch path: q_partial [G, n, group, r]; every cached token's partial key gathered, then scored on the
         device; the choice comes back to the host (one wait on a GPU), which makes the plan."""
-        keys, decodes = group.keys, self._decodes_of_step(group)
+        keys, decodes, on_host = group.keys, self._decodes_of_step(group), self.keys_on_host(group.keys)
         partial_keys = (self.partial_keys.of_slots(layer, keys.slots) if keys.block_tables is None
                         else self.partial_keys.of_blocks(layer, keys.block_tables))  # [G, n, Tk, r]
         scores = q_partial @ partial_keys.transpose(-1, -2)  # [G, n, group, Tk]
         cached = decodes.cached
         if self.cap is not None:  # tokens the capped pool gave up are not there to fetch
-            cached = cached & ~self.cap.dead[layer][decodes.keys_on_host.slots].to(self.device)
+            cached = cached & ~to_device(self.cap.dead[layer][on_host.slots], self.device)
         selection = select_tokens(scores, cached, self.settings.alpha, self.settings.max_fraction, decodes.recent)
         chosen, per_query_head = to_host(self.storage.device, selection.chosen, selection.per_query_head)
-        return plan_from_selection(Selection(chosen, per_query_head), decodes.keys_on_host.slots,
-                                   decodes.keys_on_host.positions, decodes.q_positions_on_host)
+        return plan_from_selection(Selection(chosen, per_query_head), on_host.slots, on_host.positions,
+                                   decodes.q_positions_on_host)
 
     def _select_in_place(self, layer: int, q_partial: torch.Tensor, group: AttentionGroup) -> FetchPlan:
         """The compiled path (kv/kernels/infinigen_select.cpp): the same choice, the partial keys read where they
@@ -256,14 +255,14 @@ class InfiniGenAttention(FullOffload):
             torch.cuda.current_stream(self.device).wait_event(fetched.copied)
         # the fetched tokens plus, in each sequence's last row, the step's own, which is on the device already
         k, v, plan = fetched.k, fetched.v, fetched.plan
-        own = (torch.arange(k.shape[0], device=k.device)[:, None], fetched.offsets[:, 1:] - 1)
+        own = (torch.arange(k.shape[0], device=k.device)[:, None], own_rows_of(fetched.offsets))
         k[own] = k_new.transpose(0, 1)
         v[own] = v_new.transpose(0, 1)
         if self.settings.diagnostics:
             self._count_recall(layer, q, group, plan)
         if self.kernel is not None and q.dtype == torch.float32:
             with torch.profiler.record_function("kvstrata::fetched_attention"):  # named in profiles
-                return self.kernel.fetched_attention(q, k, v, *plan.runs(), q.shape[-1] ** -0.5)
+                return self.kernel.fetched_attention(q, k, v, *runs_of(plan.offsets), q.shape[-1] ** -0.5)
         return attend_over_plan(q, k, v, fetched.offsets, plan.widest_run)
 
     def _count_recall(self, layer: int, queries: torch.Tensor, group: AttentionGroup, plan: FetchPlan) -> None:

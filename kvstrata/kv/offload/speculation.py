@@ -33,7 +33,8 @@ def select_tokens(scores: torch.Tensor, cached: torch.Tensor, alpha: float, max_
     cap = (max_fraction * num_cached).floor().long().clamp(min=1)
     per_head = torch.minimum(counts.float().mean(dim=(0, 2)).floor().long(), cap).clamp(min=1)
     per_head = torch.minimum(per_head, num_cached)
-    most = min(width, max(1, math.floor(max_fraction * width))) if n and width else 0  # >= every per_head
+    # >= every per_head (+1: cap is worked out in float32, which can round up where double rounds down)
+    most = min(width, math.floor(max_fraction * width) + 1) if n and width else 0
     chosen = torch.zeros(kv_heads, n, width, device=scores.device)
     if always is not None:
         chosen += (always & cached)[None]

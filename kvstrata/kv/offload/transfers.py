@@ -29,7 +29,7 @@ class OffloadStats:
         self.decodes = np.zeros(num_layers, dtype=np.int64)  # decode (sequence, layer) selections counted above
         self.modeled_transfer_s = np.zeros(num_layers)  # the link model's time of every copy, per layer
         self.transfers = 0
-        self.copy_seconds = 0.0  # measured: time spent copying fetched K/V to the device
+        self.copy_seconds = 0.0  # measured: host time copying fetched K/V to the device (on a GPU: staging, issuing)
         self.recall_mass = 0.0  # diagnostics: attention mass of the fetched keys, summed over query heads
         self.recall_heads = 0
 
@@ -83,17 +83,15 @@ class WorkingBuffers:
         self._flat: dict[str, torch.Tensor] = {}
 
     def copy(self, name: str, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """A copy of host tensor `x` in buffer `name` with x's shape and strides (heads-outermost gathers stay that
-        way); valid until the buffer is used again. On a GPU, issued on `stream` where given (else the current
+        """A copy of host tensor `x` in buffer `name` with x's shape, and its strides where its elements fill their
+        span (heads-outermost gathers stay that way); valid until the buffer is used again. On a GPU, issued on `stream` where given (else the current
         one); the caller orders its readers after it."""
-        if not _dense(x):
-            x = x.contiguous()
         if self.device.type == "cuda":
             x = x.pin_memory()
         flat = self._flat.get(name)
         if flat is None or flat.numel() < x.numel() or flat.dtype != x.dtype:
             flat = self._flat[name] = torch.empty(int(1.25 * x.numel()), dtype=x.dtype, device=self.device)
-        out = flat.as_strided(x.shape, x.stride())
+        out = flat.as_strided(x.shape, x.stride()) if _dense(x) else flat[: x.numel()].view(x.shape)
         if stream is None:
             return out.copy_(x, non_blocking=True)
         flat.record_stream(stream)  # a buffer given up is not handed out again before this copy has written it
@@ -126,4 +124,3 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return x.to(device)
     return x.pin_memory().to(device, non_blocking=True)
-
