@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.profile_decode --batch 1 --context 128 --weights auto
     .venv/bin/python -m benchmarks.profile_decode --batch 8 --context 4096 --weights auto --kv-offload infinigen --no-transformers
     .venv/bin/python -m benchmarks.profile_decode --device cuda --batch 8 --context 1024 --kv-format fp32,int8,int4,oaken --no-transformers
+    .venv/bin/python -m benchmarks.profile_decode --device cuda ... --no-paged-kernel   (the formats' torch path)
 
 Both run the default model's decode step for `batch` sequences at `context` tokens of context,
 under torch.profiler; prints one JSON document with the step time and the top operators of each
@@ -109,6 +110,9 @@ def main() -> None:
     parser.add_argument("--weights", default="fp32", help="kvstrata's --weights (default: fp32, transformers' form)")
     parser.add_argument("--compile", action="store_true", help="kvstrata's --compile")
     parser.add_argument("--no-native-decode", action="store_true", help="kvstrata's --no-native-decode")
+    parser.add_argument("--no-paged-kernel", action="store_true",
+                        help="kvstrata's --no-paged-kernel: every format's torch path, without the compiled (CPU) or "
+                             "Triton (GPU) kernels")
     parser.add_argument("--kv-offload", default="none", help="kvstrata's --kv-offload (default: none)")
     parser.add_argument("--no-transformers", action="store_true", help="profile kvstrata alone")
     parser.add_argument("--device", default="cpu", choices=DEVICES)
@@ -116,7 +120,8 @@ def main() -> None:
                                                              "are profiled one after another")
     args = parser.parse_args()
     base = EngineConfig(enable_prefix_caching=False, weights=args.weights, compile=args.compile,
-                        native_decode=not args.no_native_decode, kv_offload=args.kv_offload, device=args.device)
+                        native_decode=not args.no_native_decode, kv_offload=args.kv_offload, device=args.device,
+                        paged_kernel=not args.no_paged_kernel)
     loaded, steps = None, []
     for kv_format in args.kv_format.split(","):
         engine = LLMEngine(dataclasses.replace(base, kv_format=kv_format), loaded=loaded)  # the weights load once

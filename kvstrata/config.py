@@ -127,9 +127,10 @@ class EngineConfig:
     )
     paged_kernel: bool = field(
         default=True,
-        metadata=_option("decode attention on the CPU reads the cache's blocks where they lie, in every --kv-format, "
-                         "with the compiled kernels (measured faster); off: gather (and decode) the blocks, then "
-                         "torch's batched products"),
+        metadata=_option("the KV kernels: on the CPU, decode attention reads the cache's blocks where they lie, in "
+                         "every --kv-format (compiled C++); on a GPU, the quantized formats encode and decode with "
+                         "Triton kernels, one launch per layer and K/V (both measured faster); off: torch operations "
+                         "encode, gather and decode, then torch's batched products"),
     )
     kv_offload: str = field(
         default="none",

@@ -3,9 +3,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 # The converted default model is cached per test session, away from the user's cache.
 os.environ.setdefault("KVSTRATA_CACHE_DIR", str(Path(tempfile.gettempdir()) / "kvstrata-test-cache"))
+# Without a GPU the GPU kernels (kv/gpu, Triton) run in Triton's interpreter, on CPU tensors: set before they are
+# imported (Triton reads it when a kernel is defined). Nothing else here uses Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvstrata.data import EMMA
 from tests.tiny_models import (

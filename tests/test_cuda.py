@@ -1,7 +1,7 @@
-"""The engine on a CUDA GPU, where the KV formats run their torch paths (the compiled in-place readers are
-CPU-only): fp32 KV gives transformers' logits, and every format generates on the GPU what it generates on the
-CPU, over batched prompts of mixed lengths with a shared prefix (prefix caching) and KIVI blocks leaving their
-window. Skipped where torch sees no CUDA GPU, as on CI; run them on a GPU machine."""
+"""The engine on a CUDA GPU, where the quantized KV formats encode and decode with the Triton kernels (kv/gpu; the
+compiled in-place readers are CPU-only): fp32 KV gives transformers' logits, and every format generates on the GPU
+what it generates on the CPU, over batched prompts of mixed lengths with a shared prefix (prefix caching) and KIVI
+blocks leaving their window. Skipped where torch sees no CUDA GPU, as on CI; run them on a GPU machine."""
 
 import pytest
 import torch
@@ -29,6 +29,8 @@ def test_each_format_generates_on_cuda_what_it_generates_on_cpu(case, tiny_llama
     prompts.append(prompts[2][:64] + prompts[0])  # shares the third prompt's first 64 tokens
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     on_cuda = build(tiny_llama_kv64, oaken_calibrations, case, device="cuda")
+    if not case.startswith(("fp", "bf")):  # the quantized formats' GPU kernels run
+        assert on_cuda.engine.kv_cache.gpu_kernels
     on_cpu = build(tiny_llama_kv64, oaken_calibrations, case)
     assert [o.token_ids for o in on_cuda.generate(prompts, params)] == \
         [o.token_ids for o in on_cpu.generate(prompts, params)]
@@ -38,7 +40,9 @@ def test_each_format_generates_on_cuda_what_it_generates_on_cpu(case, tiny_llama
 def test_the_layer_loop_never_waits_for_the_gpu(case, tiny_llama_kv64, oaken_calibrations, monkeypatch):
     """Every layer's store, gather and attention is queued without the host waiting for the GPU (torch raises
     on any synchronizing call inside the model's forward), over prefill chunks, decodes and KIVI blocks leaving
-    their window. Oaken is not among them: its sparse pages are allocated by the host."""
+    their window. Oaken is not among them: its GPU writer asks the device for the free sparse pages now and then
+    (SparsePages.append_on_gpu), and its keys quantized before RoPE take the torch path, whose pages the host
+    allocates."""
     llm = build(tiny_llama_kv64, oaken_calibrations, case, device="cuda")
     model = llm.engine.runner.model
     eager_forward = model.forward

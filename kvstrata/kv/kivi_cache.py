@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.kv import gpu
 from kvstrata.kv.attention_batch import AttentionBatch
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
@@ -85,6 +86,8 @@ class KiviPagedKVCache(KVStorage):
         self._layers_quantized = 0  # layers whose leaving blocks are quantized already in this step
         # on the CPU, decodes read blocks and window where they lie, with the compiled kernel (if it builds)
         self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
+        # on a GPU, the gathered tokens are decoded by a Triton kernel (kv/gpu), one launch per K/V
+        self.gpu_kernels = in_place_decode and gpu.runs_on(device)
 
     @staticmethod
     def bytes_per_token(bits: int, width: int, block_size: int, num_layers: int) -> float:
@@ -244,6 +247,14 @@ class KiviPagedKVCache(KVStorage):
     def gather(self, layer, slots, positions, dtype):
         shape = (*slots.shape, *self.kv_shape)
         slots = slots.reshape(-1)
+        if self.gpu_kernels:
+            from kvstrata.kv.gpu import kivi_rows  # imports Triton: only where the GPU kernels run
+
+            keys = kivi_rows.kivi_decode(self.key_codes[layer], self.key_params[layer], self.window_k[layer],
+                                         self._read_window, slots, self.bits, None, dtype)
+            values = kivi_rows.kivi_decode(self.value_codes[layer], self.value_params[layer], self.window_v[layer],
+                                           self._read_window, slots, self.bits, self.value_group, dtype)
+            return keys.view(shape), values.view(shape)
         blocks = slots // self.block_size
         key_params = self.key_params[layer, blocks].float()  # a key channel's params are its block's
         keys = key_params[..., 0] + unpack_codes(self.key_codes[layer, slots], self.bits).float() * key_params[..., 1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.kv import gpu
 from kvstrata.kv.formats.base import KVFormat
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.slots import block_slots
@@ -35,6 +36,8 @@ class QuantizedPagedKVCache(KVStorage):
         self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
         # on the CPU, formats with a compiled writer encode and write a layer's new K/V in one call
         self.store_kernel = paged_decode.kernel() if device.type == "cpu" else None
+        # on a GPU, formats with Triton kernels (kv/gpu) encode, and decode what is gathered, in one launch each
+        self.gpu_kernels = in_place_decode and gpu.runs_on(device)
         self.sparse: dict[str, SparsePages] = {}
         if kv_format.has_sparse:
             pages = int(slots * kv_format.expected_sparse_bytes * SPARSE_HEADROOM / SPARSE_PAGE_BYTES) + 1
@@ -57,10 +60,12 @@ class QuantizedPagedKVCache(KVStorage):
             pages.release(blocks)
 
     def store(self, layer, slots, positions, k, v) -> None:
-        k, v = (x.reshape(x.shape[0], -1).float() for x in (k, v))
+        k, v = (x.reshape(x.shape[0], -1).float().contiguous() for x in (k, v))
+        layer_records = {kind: records[layer] for kind, records in self.records.items()}
+        if self.gpu_kernels and self.format.store_on_gpu(layer, slots, positions, k, v, layer_records, self.sparse):
+            return
         if self.store_kernel is not None and self.format.store_in_place(
-                self.store_kernel, layer, slots, positions, k, v,
-                {kind: records[layer] for kind, records in self.records.items()}, self.sparse):
+                self.store_kernel, layer, slots, positions, k, v, layer_records, self.sparse):
             return
         for kind, x in (("k", k), ("v", v)):
             encoded = self.format.encode(x, layer, kind, positions)
@@ -79,6 +84,9 @@ class QuantizedPagedKVCache(KVStorage):
     def gather(self, layer, slots, positions, dtype):
         """Padding rows (position -1) come back as zeros. Every row is decoded, padding at slot 0 and
         position 0, rather than picking out the real rows: that would wait for the device to count them."""
+        gathered = self._gather_on_gpu(layer, slots, positions, dtype) if self.gpu_kernels else None
+        if gathered is not None:
+            return gathered
         valid = (positions >= 0).reshape(-1, 1)
         wanted = torch.where(valid[:, 0], slots.reshape(-1), 0)
         at = positions.reshape(-1).clamp(min=0)
@@ -87,5 +95,17 @@ class QuantizedPagedKVCache(KVStorage):
             dense = self.records[kind][layer].index_select(0, wanted)
             sparse = self.sparse[kind].read(layer, wanted) if kind in self.sparse else None
             values = torch.where(valid, self.format.decode(dense, sparse, layer, kind, at), 0).to(dtype)
+            out.append(values.view(*slots.shape, *self.kv_shape))
+        return out[0], out[1]
+
+    def _gather_on_gpu(self, layer, slots, positions, dtype):
+        """`gather` by the format's GPU kernels, one launch per K/V; None where it has none."""
+        flat_slots, flat_positions = slots.reshape(-1), positions.reshape(-1)
+        out = []
+        for kind in ("k", "v"):
+            values = self.format.gather_on_gpu(layer, kind, self.records[kind][layer], self.sparse.get(kind),
+                                               flat_slots, flat_positions, dtype)
+            if values is None:
+                return None
             out.append(values.view(*slots.shape, *self.kv_shape))
         return out[0], out[1]

@@ -39,6 +39,8 @@ class SparsePages:
         # on the CPU, writes go through the compiled writer (if it builds): the same result, without the dozens of
         # small operations per layer and step
         self.compiled = paged_decode.kernel() if device.type == "cpu" else None
+        # per layer, a number of free pages the GPU writer may take without asking the device (append_on_gpu)
+        self.free_at_least = [self.num_pages] * num_layers
 
     def pages_in_use(self) -> int:
         return self.num_pages * len(self.free_count) - int(self.free_count.sum())
@@ -81,6 +83,23 @@ class SparsePages:
         self.token_count[layer, slots] = counts.to(torch.int16)
         if data.numel():
             self.data[layer, self._physical(layer, blocks, offsets, counts)] = data
+
+    def append_on_gpu(self, layer: int, slots: torch.Tensor, entries: torch.Tensor, entry_bytes: torch.Tensor) -> None:
+        """`write` by the GPU kernel (kv/gpu/sparse_append.py): token i's bytes are the first entry_bytes[i] of
+        entries[i]. The kernel takes pages without checking the stack, so the layer must hold enough for the worst
+        case (every token at its most bytes) first. The host keeps a lower bound of each layer's free pages and asks
+        the device for the true counts only when the bound falls short, growing the pool if they do too: the pool may
+        grow where the call's true need would have fitted (`grown_pages` counts it)."""
+        from kvstrata.kv.gpu import sparse_append  # imports Triton: only where the GPU kernels run
+
+        worst = len(slots) * -(-entries.shape[1] // self.page_bytes)
+        if self.free_at_least[layer] < worst:
+            self.free_at_least = self.free_count.tolist()  # one wait for the device, for every layer
+            if self.free_at_least[layer] < worst:
+                self.grow(worst - self.free_at_least[layer])
+        self.free_at_least[layer] -= worst
+        sparse_append.sparse_append(self.writer_tensors(layer), slots, entries, entry_bytes, self.block_size,
+                                    self.page_bytes)
 
     def _write_compiled(self, layer: int, slots: torch.Tensor, data: torch.Tensor, counts: torch.Tensor) -> None:
         """`write` by kv/kernels/sparse_write.cpp, which takes the pages it needs from the layer's free stack; where
@@ -145,5 +164,6 @@ class SparsePages:
         self.free_stack = stack
         self._writer_views.clear()
         self.free_count += extra
+        self.free_at_least = [free + extra for free in self.free_at_least]
         self.num_pages += extra
         self.grown_pages += extra

@@ -67,3 +67,16 @@ class KVFormat(ABC):
         by the compiled `kernel` from this layer's records (`records[kind]` uint8 [slots, record_bytes]) and the cache's
         sparse pages (`sparse[kind]`) where they lie; None where the format has no such reader."""
         return None
+
+    def store_on_gpu(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, records: dict[str, torch.Tensor], sparse: dict[str, SparsePages]) -> bool:
+        """`store_in_place` by the GPU kernels (kv/gpu), a launch or two per K/V and no wait for the device. False
+        where the format has none: the storage then encodes and writes them itself."""
+        return False
+
+    def gather_on_gpu(self, layer: int, kind: str, records: torch.Tensor, sparse: SparsePages | None,
+                      slots: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Values [M, width] in `dtype` of the tokens at `slots` [M] (positions [M]; -1: padding, read as zeros) from
+        this layer's `records` (uint8 [slots, record_bytes]) and sparse pages, decoded by the GPU kernels (kv/gpu) in
+        one launch; None where the format has none (the storage then gathers and decodes with torch)."""
+        return None

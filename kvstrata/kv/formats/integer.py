@@ -39,6 +39,18 @@ class Int8Format(KVFormat):
         return kernel.paged_decode_attention_int8(q, records["k"], records["v"], block_tables, context_lens,
                                                   block_size, self.width // q.shape[-1], q.shape[-1] ** -0.5)
 
+    def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
+        from kvstrata.kv.gpu import integer_rows  # imports Triton: only where the GPU kernels run
+
+        for kind, x in (("k", k), ("v", v)):
+            integer_rows.int8_encode(x, slots, records[kind])
+        return True
+
+    def gather_on_gpu(self, layer, kind, records, sparse, slots, positions, dtype):
+        from kvstrata.kv.gpu import integer_rows
+
+        return integer_rows.int8_decode(records, slots, positions, self.width, dtype)
+
 
 class Int4Format(KVFormat):
     name = "int4"
@@ -72,3 +84,17 @@ class Int4Format(KVFormat):
         return kernel.paged_decode_attention_int4(q, records["k"], records["v"], block_tables, context_lens,
                                                   block_size, self.width // q.shape[-1], self.group,
                                                   q.shape[-1] ** -0.5)
+
+    def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
+        from kvstrata.kv.gpu import integer_rows  # imports Triton: only where the GPU kernels run
+
+        if self.group % 2:  # the kernel packs a group's values in pairs
+            return False
+        for kind, x in (("k", k), ("v", v)):
+            integer_rows.int4_encode(x, slots, records[kind], self.group, self.code_bytes)
+        return True
+
+    def gather_on_gpu(self, layer, kind, records, sparse, slots, positions, dtype):
+        from kvstrata.kv.gpu import integer_rows
+
+        return integer_rows.int4_decode(records, slots, positions, self.width, self.group, self.code_bytes, dtype)

@@ -30,6 +30,8 @@ from kvstrata.kv.formats.oaken.groups import OakenConfig
 from kvstrata.kv.formats.oaken.thresholds import OakenThresholds
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
 
+_EMPTY = torch.empty(0)  # a kernel argument that is not used
+
 
 class OakenFormat(KVFormat):
     name = "oaken"
@@ -128,6 +130,48 @@ class OakenFormat(KVFormat):
             self._layer_mean_key(layer, device), cos, sin, block_tables, context_lens, block_size,
             self.head_shape[0], q.shape[-1] ** -0.5)
 
+    def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
+        """The GPU encoder (kv/gpu/oaken_encode.py) and sparse-page writer, for scales per token and keys quantized
+        after RoPE."""
+        from kvstrata.kv.gpu import oaken_encode  # imports Triton: only where the GPU kernels run
+
+        center, rotate_back = self._key_transform()
+        if self.config.scales != "token" or rotate_back:
+            return False
+        for kind, x in (("k", k), ("v", v)):
+            if (layer, kind) not in self._encoder_tables:
+                self._encoder_tables[layer, kind] = encoder_tables(self.bounds[layer, kind], self.config, k.device)
+            add_mean = center if kind == "k" else 0
+            entries, entry_bytes = oaken_encode.oaken_encode(
+                x, positions, slots, records[kind], self._encoder_tables[layer, kind], self._gpu_layout(add_mean),
+                self._layer_mean_key(layer, k.device) if add_mean else _EMPTY.to(k.device),
+                self._inv_freq_on(k.device) if add_mean == 2 else _EMPTY.to(k.device))
+            sparse[kind].append_on_gpu(layer, slots, entries, entry_bytes)
+        return True
+
+    def gather_on_gpu(self, layer, kind, records, sparse, slots, positions, dtype):
+        """The GPU reader decodes each row as `decode` does; keys quantized before RoPE it leaves to the torch path."""
+        from kvstrata.kv.gpu import oaken_rows  # imports Triton: only where the GPU kernels run
+
+        add_mean, rotate_key = self._key_transform() if kind == "k" else (0, False)
+        if rotate_key:
+            return None
+        if (layer, kind) not in self._reader_tables:
+            self._reader_tables[layer, kind] = reader_tables(self.bounds[layer, kind], self.config, records.device)
+        tables, shift = self._reader_tables[layer, kind]
+        inv_freq = self._inv_freq_on(records.device) if add_mean == 2 else _EMPTY.to(records.device)
+        layout = {**self._gpu_layout(add_mean), "block_size": sparse.block_size, "page_bytes": sparse.page_bytes}
+        mean = self._layer_mean_key(layer, records.device) if add_mean else _EMPTY.to(records.device)
+        return oaken_rows.oaken_decode(records, sparse.layer_tensors(layer), tables, shift, layout, mean, inv_freq,
+                                       slots, positions, dtype)
+
+    def _gpu_layout(self, add_mean: int) -> dict:
+        """What the GPU kernels take about the records: width, groups, dense group, entry bytes, float16 outliers,
+        whether the mean key is added back (0, 1, or 2: rotated to the position) and the head size."""
+        return {"width": self.width, "groups": self.config.num_groups, "dense_group": self.config.dense_group,
+                "entry_bytes": sparse_entry_bytes(self.config), "float16_outliers": self.config.outliers == "fp16",
+                "add_mean": add_mean, "head_dim": self.head_shape[1]}
+
     def _key_transform(self) -> tuple[int, bool]:
         """How a cached key differs from the vector Oaken quantizes, as the compiled kernels take it: the mean key
         (0 none, 1 as it is, 2 rotated to the key's position) and whether the key is quantized before RoPE."""
@@ -166,6 +210,12 @@ class OakenFormat(KVFormat):
             return mean
         # the one mean broadcast against each position's angles: no [N, W] copy of it is rotated
         return apply_rope(mean.view(1, *self.head_shape), *self._cos_sin(positions)).reshape(len(positions), -1)
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """RoPE's frequencies [head_dim / 2], moved to `device` once."""
+        if self.rotary.inv_freq.device != device:
+            self.rotary.inv_freq = self.rotary.inv_freq.to(device)
+        return self.rotary.inv_freq
 
     def _key_mean_on(self, device: torch.device) -> torch.Tensor:
         """The mean keys [layers, width], moved to `device` once."""

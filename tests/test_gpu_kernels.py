@@ -1,0 +1,104 @@
+"""The GPU kernels (kv/gpu, Triton) against the torch path on the same cache: every format's records written by its
+GPU encoder are the torch encoder's bytes, and the tokens its GPU reader gathers are those the torch path decodes,
+over real cache contents (prefilled by the tiny model) and padding rows. On a GPU they run there; without one, on the
+CPU in Triton's interpreter (tests/conftest.py). tests/test_cuda.py runs the engine on them on a GPU."""
+
+import pytest
+import torch
+
+from kvstrata.kv.formats.integer import Int4Format, Int8Format
+from kvstrata.kv.slots import slots_of_positions
+from tests.format_cases import CASES, build
+from tests.helpers import prefill_in_chunks
+
+pytest.importorskip("triton")
+from kvstrata.kv.gpu import integer_rows  # needs Triton
+
+QUANTIZED = [case for case in CASES if not case.startswith(("fp", "bf"))]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prefilled(tiny_llama_kv64, oaken_calibrations, case, lens, gpu_kernels):
+    engine = build(tiny_llama_kv64, oaken_calibrations, case, device=DEVICE).engine
+    engine.kv_cache.gpu_kernels = gpu_kernels  # without a GPU, the GPU path runs on the CPU, in the interpreter
+    gen = torch.Generator().manual_seed(4)
+    seqs = [prefill_in_chunks(engine, torch.randint(3, 320, (n,), generator=gen).tolist(), 32, seq_id=i)[1]
+            for i, n in enumerate(lens)]
+    return engine, seqs
+
+
+@pytest.mark.parametrize("case", QUANTIZED)
+def test_gpu_reader_gathers_what_the_torch_path_decodes(case, tiny_llama_kv64, oaken_calibrations):
+    lens = [1, 20, 75]
+    engine, seqs = prefilled(tiny_llama_kv64, oaken_calibrations, case, lens, gpu_kernels=False)
+    storage = engine.kv_cache
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], device=DEVICE)
+    positions = torch.arange(max(lens), device=DEVICE).expand(len(lens), -1)
+    positions = torch.where(positions < torch.tensor(lens, device=DEVICE)[:, None], positions, -1)  # padding: -1
+    slots = slots_of_positions(tables, positions.clamp(min=0), storage.block_size)
+    for layer in (0, engine.loaded.config.num_layers - 1):
+        for dtype in (torch.float32, torch.float16):
+            want = storage.gather(layer, slots, positions, dtype)
+            storage.gpu_kernels = True
+            got = storage.gather(layer, slots, positions, dtype)
+            storage.gpu_kernels = False
+            real = positions >= 0  # KIVI's padding rows hold anything finite
+            for g, w in zip(got, want):
+                assert g.dtype == dtype and g.shape == w.shape
+                # the mean key's rotation may differ in float32's last bit (cos and sin computed in the kernel), which
+                # can move a float16 result by one step
+                tolerance = 1e-5 if dtype == torch.float32 else 1e-3
+                torch.testing.assert_close(g[real], w[real], rtol=tolerance, atol=tolerance)
+                if not case.startswith("kivi"):
+                    assert not g[~real].any()
+
+
+# the formats with a GPU encoder: int8, int4, and Oaken with scales per token and keys quantized after RoPE
+@pytest.mark.parametrize("case", ["int8", "int4", "int4-group16", "oaken", "oaken-uncentered", "oaken-fp16-outliers",
+                                  "oaken-unshifted", "oaken-4-groups"])
+def test_gpu_encoders_write_the_torch_encoders_bytes(case, tiny_llama_kv64, oaken_calibrations):
+    """Layer 0's K/V, which no read of the cache feeds, are written as the same bytes over chunked prefills: records,
+    and each token's sparse bytes (the pages they lie in may differ)."""
+    lens = [3, 50, 21]
+    on_gpu_path, seqs = prefilled(tiny_llama_kv64, oaken_calibrations, case, lens, gpu_kernels=True)
+    on_torch_path, _ = prefilled(tiny_llama_kv64, oaken_calibrations, case, lens, gpu_kernels=False)
+    got, want = on_gpu_path.kv_cache, on_torch_path.kv_cache
+    slots = torch.cat([slots_of_positions(torch.tensor([s.block_table]), torch.arange(n), got.block_size)[0]
+                       for s, n in zip(seqs, lens)]).to(DEVICE)
+    for kind in "kv":
+        assert torch.equal(got.records[kind][0], want.records[kind][0])
+        if kind in got.sparse:
+            assert torch.equal(got.sparse[kind].token_count[0], want.sparse[kind].token_count[0])
+            assert torch.equal(got.sparse[kind].read(0, slots), want.sparse[kind].read(0, slots))
+
+
+@pytest.mark.parametrize("width, group", [(64, 64), (96, 64), (192, 32)], ids=["one-group", "short-last-group", "g32"])
+def test_integer_kernels_round_trip_like_the_torch_formats(width, group):
+    """Records of another width than the tiny model's, with a padded last group, extreme and zero tokens; a value
+    beyond float16's range leaves its token NaN (its codes may differ: NaN has no code)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(21, width, generator=gen) * 4
+    x[2] = 0
+    x[3, :5] = 60000.0
+    x[4] = 1e-6 * torch.randn(width, generator=gen)
+    x[5, 1] = 1e7
+    x = x.to(DEVICE)
+    for fmt, encode, decode in (
+            (Int4Format(width, group), lambda x, s, r: integer_rows.int4_encode(x, s, r, group, -(-width // 2)),
+             lambda r, s, p, d: integer_rows.int4_decode(r, s, p, width, group, -(-width // 2), d)),
+            (Int8Format(width), integer_rows.int8_encode,
+             lambda r, s, p, d: integer_rows.int8_decode(r, s, p, width, d))):
+        slots = torch.randperm(40, generator=gen)[: len(x)].to(DEVICE)
+        positions = torch.arange(len(x), device=DEVICE)
+        positions[7] = -1
+        records = torch.zeros(40, fmt.record_bytes, dtype=torch.uint8, device=DEVICE)
+        encode(x, slots, records)
+        reference = fmt.encode(x, 0, "k", positions).dense
+        finite = torch.arange(len(x), device=DEVICE) != 5
+        assert torch.equal(records[slots][finite], reference[finite])
+        decoded = fmt.decode(reference, None, 0, "k", positions)
+        decoded[7] = 0
+        got = decode(records, slots, positions, torch.float32)
+        torch.testing.assert_close(got[finite], decoded[finite], rtol=0, atol=0)
+        assert got[5].isnan().any() and decoded[5].isnan().any()
