@@ -16,7 +16,7 @@ ROWS = 16
 
 
 @triton.jit
-def _kivi_decode(codes, params, window, read_window, slots, out, count, code_bytes, param_rows_per_token,
+def _kivi_decode(codes, parameters, window, read_window, slots, out, count, code_bytes, param_rows_per_token,
                  BLOCK_SIZE: tl.constexpr, WIDTH: tl.constexpr, PADDED: tl.constexpr, BITS: tl.constexpr,
                  PER_BLOCK: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
     """PER_BLOCK: params per block channel (keys: params [blocks, WIDTH, 2]); else per token and group of GROUP
@@ -31,9 +31,9 @@ def _kivi_decode(codes, params, window, read_window, slots, out, count, code_byt
     packed = tl.load(codes + slot[:, None] * code_bytes + (channels // per_byte)[None, :], mask=inside, other=0)
     code = (packed.to(tl.int32) >> (BITS * (channels % per_byte))[None, :]) & ((1 << BITS) - 1)
     if PER_BLOCK:
-        param = params + (block[:, None] * WIDTH + channels[None, :]) * 2
+        param = parameters + (block[:, None] * WIDTH + channels[None, :]) * 2
     else:
-        param = params + (slot[:, None] * param_rows_per_token + (channels // GROUP)[None, :]) * 2
+        param = parameters + (slot[:, None] * param_rows_per_token + (channels // GROUP)[None, :]) * 2
     low = tl.load(param, mask=inside, other=0.0).to(tl.float32)
     step = tl.load(param + 1, mask=inside, other=0.0).to(tl.float32)
     values = low + code.to(tl.float32) * step

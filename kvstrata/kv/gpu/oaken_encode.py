@@ -19,7 +19,7 @@ import triton.language as tl
 from kvstrata.kv.gpu.oaken_rows import BLOCK, mean_key_at
 from kvstrata.kv.gpu.rounding import EXACT, float16_toward, round_half_even, store_float16
 
-LEVELS = 15  # the largest 4-bit code
+LEVELS = tl.constexpr(15)  # the largest 4-bit code
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import triton.language as tl
 from kvstrata.kv.gpu.rounding import EXACT, float16_at
 
 ROWS = 16
-BLOCK = 64  # values addressed by one entry's 6-bit index
+BLOCK = tl.constexpr(64)  # values addressed by one entry's 6-bit index
 
 
 @triton.jit

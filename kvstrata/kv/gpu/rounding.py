@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FLOAT16_MAX = 65504.0
+FLOAT16_MAX = tl.constexpr(65504.0)
 # Launch option of every kernel here: no fused multiply-add, which rounds a product and a sum once where torch's
 # separate operations round twice (an encoder would otherwise pick another code, now and then).
 EXACT = {"enable_fp_fusion": False}
