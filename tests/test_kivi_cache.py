@@ -382,3 +382,13 @@ def test_a_saved_context_resumes_on_kivi4(tiny_llama_kv64, emma_text, tmp_path):
     assert sum(s.prefill_tokens for s in llm.engine.step_stats) == len(question)
     assert len(out.token_ids) == GREEDY.max_tokens and out.text
     assert cache.grown_slots == 0
+
+
+def test_grown_bytes_count_the_window_slots_added():
+    cache = KiviPagedKVCache(4, 32, num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=32,
+                             device=torch.device("cpu"), window_slots=1)
+    assert cache.grown_bytes() == 0
+    cache._take_slot()
+    cache._take_slot()  # no slot free and no block pool to take one back from: the window grows
+    assert cache.grown_slots > 0
+    assert cache.grown_bytes() == cache.grown_slots * 2 * 2 * 16 * 64 * 2  # K and V, layers, block, width, float16

@@ -234,11 +234,28 @@ def test_sparse_pages_keep_every_tokens_bytes_and_grow_when_short(writer):
     gen = torch.Generator().manual_seed(9)
     new = [torch.randint(0, 256, (max_bytes,), dtype=torch.uint8, generator=gen) for _ in range(block_size)]
     pages.write(0, torch.arange(4 * block_size, 5 * block_size), torch.cat(new), torch.tensor(new_counts))
-    if writer != "gpu":  # the GPU writer grows the pool where the call's worst case would not fit (append_on_gpu)
-        assert pages.grown_pages == grown
+    assert pages.grown_pages == grown
     written[0].update(zip(range(4 * block_size, 5 * block_size), new))
     check_page_accounting(pages)
     check_reads(pages, 0, written[0], [s for s in range(slots) if not block_size <= s < 2 * block_size][::-1])
+
+
+def test_gpu_writer_grows_the_pool_only_past_the_calls_bytes():
+    """Eight tokens of 2 bytes fit in the 4 free pages, though their worst case (20 bytes each: 16 pages) does not:
+    the writer reads the call's bytes before it grows anything. Then a call that does need more pages grows the
+    pool, and grown_bytes counts what was added."""
+    pytest.importorskip("triton")
+    pages = SparsePages(1, 4, 8, 16, initial_pages=4, max_bytes_per_token=20, device=torch.device("cpu"))
+    write = append_on_gpu_as_write(pages, 20)
+    small = torch.arange(16, dtype=torch.uint8)
+    write(0, torch.arange(8), small, torch.full((8,), 2))
+    assert pages.grown_pages == 0
+    check_reads(pages, 0, {slot: small[2 * slot : 2 * slot + 2] for slot in range(8)}, list(range(8)))
+    large = torch.arange(160, dtype=torch.uint8)
+    write(0, torch.arange(8, 16), large, torch.full((8,), 20))
+    assert pages.grown_pages > 0 and pages.grown_bytes() == pages.grown_pages * 16
+    check_reads(pages, 0, {8 + i: large[20 * i : 20 * i + 20] for i in range(8)}, list(range(8, 16)))
+    check_page_accounting(pages)
 
 
 # --- the engine ---------------------------------------------------------------------------------------------------

@@ -57,10 +57,13 @@ def run_kvstrata(config: EngineConfig, loaded: LoadedModel, requests: Requests) 
                     bar.update(1)
         wall = time.perf_counter() - start
     metrics = [o.metrics for o in outputs]
-    return _figures(
+    figures = _figures(
         requests, wall, [m.ttft for m in metrics], [m.tpot for m in metrics if m.tpot is not None],
         [m.e2e for m in metrics], peak[0],
     )
+    # KV memory beyond --kv-cache-memory: pools that grew because the data needed more (Oaken's sparse pages,
+    # KIVI's window), so that a comparison at one budget shows who went past it
+    return {**figures, "kv_grown_bytes": engine.kv_cache.grown_bytes()}
 
 
 def run_transformers(loaded: LoadedModel, requests: Requests, batch_size: int) -> dict:

@@ -101,6 +101,9 @@ class KiviPagedKVCache(KVStorage):
     def window_bytes_per_token(width: int, num_layers: int) -> int:
         return num_layers * 2 * width * torch.float16.itemsize
 
+    def grown_bytes(self) -> int:
+        return 2 * self.grown_slots * self.window_k[:, 0].numel() * self.window_k.element_size()
+
     # --- block lifecycle ----------------------------------------------------------------------
 
     def reset_blocks(self, blocks: list[int]) -> None:

@@ -52,6 +52,9 @@ class QuantizedPagedKVCache(KVStorage):
             per_kind += kv_format.expected_sparse_bytes * SPARSE_HEADROOM + SparsePages.TABLE_BYTES
         return 2 * num_layers * per_kind
 
+    def grown_bytes(self) -> int:
+        return sum(pages.grown_bytes() for pages in self.sparse.values())
+
     def reset_blocks(self, blocks: list[int]) -> None:
         slots = block_slots(torch.tensor(blocks, dtype=torch.long, device=self.device), self.block_size)
         for records in self.records.values():

@@ -42,6 +42,10 @@ class SparsePages:
         # per layer, a number of free pages the GPU writer may take without asking the device (append_on_gpu)
         self.free_at_least = [self.num_pages] * num_layers
 
+    def grown_bytes(self) -> int:
+        """Bytes of pages added beyond the initial pool, over all layers."""
+        return self.grown_pages * self.page_bytes * self.data.shape[0]
+
     def pages_in_use(self) -> int:
         return self.num_pages * len(self.free_count) - int(self.free_count.sum())
 
@@ -86,15 +90,20 @@ class SparsePages:
 
     def append_on_gpu(self, layer: int, slots: torch.Tensor, entries: torch.Tensor, entry_bytes: torch.Tensor) -> None:
         """`write` by the GPU kernel (kv/gpu/sparse_append.py): token i's bytes are the first entry_bytes[i] of
-        entries[i]. The kernel takes pages without checking the stack, so the layer must hold enough for the worst
-        case (every token at its most bytes) first. The host keeps a lower bound of each layer's free pages and asks
-        the device for the true counts only when the bound falls short, growing the pool if they do too: the pool may
-        grow where the call's true need would have fitted (`grown_pages` counts it)."""
+        entries[i]. The kernel takes pages without checking the stack, so the layer must hold what the call can need
+        first. The host keeps a lower bound of each layer's free pages and checks it against the worst case (every
+        token at its most bytes), which needs no wait for the device. Only where the bound falls short does it wait,
+        once, for the true free counts and the call's bytes, and bound the need by those: a block needs at most one
+        page beyond its share of the bytes. The pool grows where the free pages fall short of that bound (and so
+        perhaps by a page per block more than the call's exact need; `grown_pages` counts it)."""
         from kvstrata.kv.gpu import sparse_append  # imports Triton: only where the GPU kernels run
 
         worst = len(slots) * -(-entries.shape[1] // self.page_bytes)
         if self.free_at_least[layer] < worst:
-            self.free_at_least = self.free_count.tolist()  # one wait for the device, for every layer
+            blocks = slots // self.block_size  # a block's tokens lie next to each other: count its runs
+            call = torch.stack((entry_bytes.sum(dtype=torch.long), (blocks[1:] != blocks[:-1]).sum() + 1))
+            *self.free_at_least, total_bytes, runs = torch.cat((self.free_count, call)).tolist()
+            worst = -(-total_bytes // self.page_bytes) + runs
             if self.free_at_least[layer] < worst:
                 self.grow(worst - self.free_at_least[layer])
         self.free_at_least[layer] -= worst

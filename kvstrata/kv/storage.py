@@ -65,6 +65,11 @@ class KVStorage(ABC):
         none (the model then calls the policy layer by layer)."""
         return None
 
+    def grown_bytes(self) -> int:
+        """Bytes this storage took beyond what it was built with (pools that grow when the data need more: Oaken's
+        sparse pages, KIVI's window); 0 for storage that never grows."""
+        return 0
+
     def attach_block_pool(self, pool: BlockPool) -> None:
         """The engine's block pool, for storage that must know which blocks no sequence holds (KIVI)."""
 
