@@ -166,6 +166,14 @@ def check_page_accounting(pages: SparsePages) -> None:
         assert (pages.block_pages[layer] >= 0).sum(1).tolist() == (-(-fills // pages.page_bytes)).tolist()
 
 
+def skip_unless_interpreted_gpu_writer():
+    """The GPU writer's tests here run it on CPU tensors, in Triton's interpreter; on a GPU, tests/test_gpu_kernels.py
+    runs it through Oaken's store."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("Triton runs compiled here, on CUDA tensors only")
+
+
 def append_on_gpu_as_write(pages: SparsePages, max_bytes: int):
     """`pages.write` by the GPU writer (in Triton's interpreter without a GPU): each token's bytes in a scratch row."""
 
@@ -187,7 +195,7 @@ def test_sparse_pages_keep_every_tokens_bytes_and_grow_when_short(writer):
     if writer == "torch":
         pages.compiled = None
     elif writer == "gpu":
-        pytest.importorskip("triton")
+        skip_unless_interpreted_gpu_writer()
         pages.write = append_on_gpu_as_write(pages, max_bytes)
     elif pages.compiled is None:
         pytest.skip("no C++ compiler: the compiled writer could not be built")
@@ -244,7 +252,7 @@ def test_gpu_writer_grows_the_pool_only_past_the_calls_bytes():
     """Eight tokens of 2 bytes fit in the 4 free pages, though their worst case (20 bytes each: 16 pages) does not:
     the writer reads the call's bytes before it grows anything. Then a call that does need more pages grows the
     pool, and grown_bytes counts what was added."""
-    pytest.importorskip("triton")
+    skip_unless_interpreted_gpu_writer()
     pages = SparsePages(1, 4, 8, 16, initial_pages=4, max_bytes_per_token=20, device=torch.device("cpu"))
     write = append_on_gpu_as_write(pages, 20)
     small = torch.arange(16, dtype=torch.uint8)
