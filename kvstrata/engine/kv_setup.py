@@ -63,7 +63,7 @@ def oaken_format_for(engine) -> OakenFormat:
     config = OakenConfig(ratios=thresholds.ratios, group_shift=c.oaken_group_shift, outliers=c.oaken_outliers,
                          scales=c.oaken_scales)
     return OakenFormat(mc.num_kv_heads, mc.head_dim, thresholds, config, c.oaken_keys,
-                       getattr(engine.loaded.model, "rotary", None), c.oaken_key_centering)
+                       getattr(engine.loaded.model, "rotary", None), c.oaken_key_centering, engine.max_model_len)
 
 
 def _full_precision_twin(engine):

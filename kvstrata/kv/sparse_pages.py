@@ -39,7 +39,8 @@ class SparsePages:
         # on the CPU, writes go through the compiled writer (if it builds): the same result, without the dozens of
         # small operations per layer and step
         self.compiled = paged_decode.kernel() if device.type == "cpu" else None
-        # per layer, a number of free pages the GPU writer may take without asking the device (append_on_gpu)
+        # per layer, a number of free pages the GPU writer may take without asking the device (append_on_gpu); it
+        # stays low after `release` frees pages (a lower bound still) until the writer next asks the device
         self.free_at_least = [self.num_pages] * num_layers
 
     def grown_bytes(self) -> int:
@@ -68,6 +69,7 @@ class SparsePages:
     def write(self, layer: int, slots: torch.Tensor, data: torch.Tensor, counts: torch.Tensor) -> None:
         """Append each token's `counts[i]` bytes (taken in order from `data`) to its block's pages.
         Tokens of one block arrive in slot order within a call, as a sequence's tokens do."""
+        self.free_at_least[layer] = 0  # these writers take pages the GPU writer's bound does not count
         if self.compiled is not None:
             self._write_compiled(layer, slots, data, counts)
             return

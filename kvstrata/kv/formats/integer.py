@@ -88,7 +88,7 @@ class Int4Format(KVFormat):
     def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
         from kvstrata.kv.gpu import integer_rows  # imports Triton: only where the GPU kernels run
 
-        if self.group % 2:  # the kernel packs a group's values in pairs
+        if self.group & (self.group - 1):  # the kernel takes a group's values in pairs, a power of two of them
             return False
         for kind, x in (("k", k), ("v", v)):
             integer_rows.int4_encode(x, slots, records[kind], self.group, self.code_bytes)

@@ -11,12 +11,11 @@ import triton
 import triton.language as tl
 
 from kvstrata.kv.gpu.rounding import EXACT
-
-ROWS = 16
+from kvstrata.kv.gpu.rows import ROWS, store_tile
 
 
 @triton.jit
-def _kivi_decode(codes, parameters, window, read_window, slots, out, count, code_bytes, param_rows_per_token,
+def _kivi_decode(codes, parameters, window, read_window, slots, out, count, code_bytes, groups_per_token,
                  BLOCK_SIZE: tl.constexpr, WIDTH: tl.constexpr, PADDED: tl.constexpr, BITS: tl.constexpr,
                  PER_BLOCK: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
     """PER_BLOCK: params per block channel (keys: params [blocks, WIDTH, 2]); else per token and group of GROUP
@@ -33,7 +32,7 @@ def _kivi_decode(codes, parameters, window, read_window, slots, out, count, code
     if PER_BLOCK:
         param = parameters + (block[:, None] * WIDTH + channels[None, :]) * 2
     else:
-        param = parameters + (slot[:, None] * param_rows_per_token + (channels // GROUP)[None, :]) * 2
+        param = parameters + (slot[:, None] * groups_per_token + (channels // GROUP)[None, :]) * 2
     low = tl.load(param, mask=inside, other=0.0).to(tl.float32)
     step = tl.load(param + 1, mask=inside, other=0.0).to(tl.float32)
     values = low + code.to(tl.float32) * step
@@ -41,8 +40,7 @@ def _kivi_decode(codes, parameters, window, read_window, slots, out, count, code
     young = window_slot >= 0
     recent = window + ((window_slot * BLOCK_SIZE + slot % BLOCK_SIZE) * WIDTH)[:, None] + channels[None, :]
     values = tl.where(young[:, None], tl.load(recent, mask=inside & young[:, None], other=0.0).to(tl.float32), values)
-    tl.store(out + rows[:, None].to(tl.int64) * WIDTH + channels[None, :], values.to(out.dtype.element_ty),
-             mask=inside)
+    store_tile(out, rows, real, real, channels, values, WIDTH)  # padding rows read any slot: kept as read
 
 
 def kivi_decode(codes: torch.Tensor, params: torch.Tensor, window: torch.Tensor, read_window: torch.Tensor,
@@ -54,7 +52,7 @@ def kivi_decode(codes: torch.Tensor, params: torch.Tensor, window: torch.Tensor,
     out = torch.empty(len(slots), width, dtype=dtype, device=codes.device)
     if len(slots):
         _kivi_decode[(triton.cdiv(len(slots), ROWS),)](
-            codes, params, window, read_window, slots, out, len(slots), codes.shape[1],
-            params.shape[1], window.shape[1], width, triton.next_power_of_2(width), bits,
+            codes, params, window, read_window, slots.contiguous(), out, len(slots), codes.shape[1],
+            0 if value_group is None else params.shape[1], window.shape[1], width, triton.next_power_of_2(width), bits,
             value_group is None, value_group or 1, ROWS, **EXACT)
     return out

@@ -4,10 +4,10 @@ from which kv/gpu/sparse_append.py appends them to the sparse pages.
 
 One program per token. Every rounding is the torch encoder's: float32 for values and codes, float64 for the groups'
 ranges and steps, float16 minimums rounded down and steps up, half to even, no fused multiply-add. Keys have the mean
-key taken off first, rotated to their position where it was (the angle computed in the kernel, where the torch path
-looks it up in a table of the same values: the two may differ in float32's last bit). Where a value leaves float16's
-range the torch encoder raises; this one stores NaN parameters (or an infinite float16 outlier), and the request
-fails alone when attention reads them, as for an int8 or int4 record.
+key taken off first, rotated to their position where it was, with the cos and sin of RoPE's tables that the torch
+path reads. Where a value is NaN or leaves float16's range the torch encoder raises; this one stores NaN parameters
+(or an infinite float16 outlier), and the request fails alone when attention reads them, as for an int8 or int4
+record.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstrata.kv.formats.oaken import codec
 from kvstrata.kv.gpu.oaken_rows import BLOCK, mean_key_at
-from kvstrata.kv.gpu.rounding import EXACT, float16_toward, round_half_even, store_float16
+from kvstrata.kv.gpu.rounding import EXACT, float16_toward, has_nan, round_half_even, store_float16
 
-LEVELS = tl.constexpr(15)  # the largest 4-bit code
+LEVELS = tl.constexpr(codec.LEVELS)  # the largest 4-bit code
 
 
 @triton.jit
@@ -39,7 +40,7 @@ def _zero_between_codes(low, high):
 
 @triton.jit
 def _oaken_encode(x, positions, slots, records, entries, entry_bytes, bounds, shift_low, shift_high, slot_of_group,
-                  mean, inv_freq, record_bytes, max_token_bytes, WIDTH: tl.constexpr, PADDED: tl.constexpr,
+                  mean, cos, sin, record_bytes, max_token_bytes, WIDTH: tl.constexpr, PADDED: tl.constexpr,
                   GROUPS: tl.constexpr, DENSE_GROUP: tl.constexpr, SHIFTED: tl.constexpr,
                   FLOAT16_OUTLIERS: tl.constexpr, ENTRY_BYTES: tl.constexpr, ADD_MEAN: tl.constexpr,
                   HEAD_DIM: tl.constexpr):
@@ -49,7 +50,8 @@ def _oaken_encode(x, positions, slots, records, entries, entry_bytes, bounds, sh
     values = tl.load(x + token * WIDTH + channels, mask=inside, other=0.0)
     if ADD_MEAN:
         position = tl.load(positions + token)
-        values = values - mean_key_at(mean, inv_freq, position, channels, inside, HEAD_DIM, ADD_MEAN == 2)
+        values = values - mean_key_at(mean, cos, sin, position, channels, inside, HEAD_DIM, ADD_MEAN == 2)
+    not_a_number = has_nan(values, 0)  # the torch encoder refuses NaN; here the token's parameters become NaN
 
     # group by the thresholds, the shifted value and its side (groups.assign_groups, groups.group_shift)
     group = tl.zeros((PADDED,), dtype=tl.int32)
@@ -82,6 +84,7 @@ def _oaken_encode(x, positions, slots, records, entries, entry_bytes, bounds, sh
             min_g = tl.where(both_sides, zero_min, min_g)
             step_g = tl.where(both_sides, zero_step, step_g)
         step_g = float16_toward(step_g, True)
+        min_g = tl.where(not_a_number, float("nan"), min_g)
         store_float16(record + half + 4 * g, min_g, True)
         store_float16(record + half + 4 * g + 2, step_g, True)
         minimum = tl.where(group == g, min_g.to(tl.float32), minimum)
@@ -122,13 +125,14 @@ def _oaken_encode(x, positions, slots, records, entries, entry_bytes, bounds, sh
 
 
 def oaken_encode(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, records: torch.Tensor,
-                 tables: tuple, layout: dict, mean: torch.Tensor,
-                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 tables: tuple, layout: dict, mean: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode float32 x [N, width] (tokens at `positions` [N]) and write their dense records at `slots` [N] of one
     layer's `records`; returns their sparse entries, one scratch row [N, width * entry_bytes] per token, and each
     token's count of entry bytes (int32 [N]). `tables` are the encoder's (codec.encoder_tables: bounds, shift lo,
     shift hi, slot of group, [groups, dense group, dense group shifted, float16 outliers]); `layout` names
-    entry_bytes, add_mean (0, 1, or 2: rotated to the position) and head_dim."""
+    entry_bytes, add_mean (0, 1, or 2: rotated to the position) and head_dim; `mean` [width] and RoPE's cos and sin
+    tables [positions, head_dim] serve add_mean."""
     width = x.shape[1]
     bounds, shift_low, shift_high, slot_of_group, (groups, dense_group, shifted, float16_outliers) = tables
     max_token_bytes = width * layout["entry_bytes"]
@@ -136,8 +140,8 @@ def oaken_encode(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
     entry_bytes = torch.empty(len(x), dtype=torch.int32, device=x.device)
     if len(x):
         _oaken_encode[(len(x),)](
-            x, positions, slots, records, entries, entry_bytes, bounds, shift_low, shift_high, slot_of_group, mean,
-            inv_freq, records.shape[1], max_token_bytes, width, triton.next_power_of_2(width), groups, dense_group,
-            bool(shifted), bool(float16_outliers), layout["entry_bytes"], layout["add_mean"], layout["head_dim"],
+            x, positions.contiguous(), slots.contiguous(), records, entries, entry_bytes, bounds, shift_low, shift_high,
+            slot_of_group, mean, cos, sin, records.shape[1], max_token_bytes, width, triton.next_power_of_2(width),
+            groups, dense_group, bool(shifted), bool(float16_outliers), layout["entry_bytes"], layout["add_mean"], layout["head_dim"],
             **EXACT)
     return entries, entry_bytes

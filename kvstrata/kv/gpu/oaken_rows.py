@@ -3,7 +3,8 @@
 A program decodes ROWS tokens: first every value from the dense record (the dense group's 4-bit codes), then, after a
 barrier, the outliers from the token's sparse entries, found through its block's sparse pages (kv/sparse_pages.py),
 overwrite theirs. Keys get the model's mean key back, rotated to their position after RoPE where it was subtracted
-there (kv/formats/oaken/format.py); keys quantized before RoPE are not read here (the torch path reads them).
+there (kv/formats/oaken/format.py), from RoPE's tables as the torch path reads them; keys quantized before RoPE are not
+read here (the torch path reads them).
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstrata.kv.formats.oaken import codec
 from kvstrata.kv.gpu.rounding import EXACT, float16_at
+from kvstrata.kv.gpu.rows import ROWS, gathered_tile, store_tile
 
-ROWS = 16
-BLOCK = tl.constexpr(64)  # values addressed by one entry's 6-bit index
+BLOCK = tl.constexpr(codec.BLOCK)  # values addressed by one entry's 6-bit index
 
 
 @triton.jit
-def mean_key_at(mean, inv_freq, position, channel, mask, HEAD_DIM: tl.constexpr, ROTATED: tl.constexpr):
-    """The mean key's value at `channel`, rotated to `position` as RoPE rotates (halves layout) where ROTATED; the
-    angle is computed as RotaryEmbedding.cos_sin computes it (position times the channel pair's frequency)."""
+def mean_key_at(mean, cos, sin, position, channel, mask, HEAD_DIM: tl.constexpr, ROTATED: tl.constexpr):
+    """The mean key's value at `channel`, rotated to `position` as RoPE rotates (halves layout) where ROTATED, with
+    the angles' cos and sin read from RoPE's tables [positions, HEAD_DIM] (the ones the torch path reads)."""
     value = tl.load(mean + channel, mask=mask, other=0.0)
     if ROTATED:
         half: tl.constexpr = HEAD_DIM // 2
@@ -29,25 +31,20 @@ def mean_key_at(mean, inv_freq, position, channel, mask, HEAD_DIM: tl.constexpr,
         partner = tl.where(within < half, channel + half, channel - half)
         rotated = tl.load(mean + partner, mask=mask, other=0.0)
         rotated = tl.where(within < half, -rotated, rotated)
-        angle = position.to(tl.float32) * tl.load(inv_freq + within % half, mask=mask, other=0.0)
-        value = value * tl.cos(angle) + rotated * tl.sin(angle)
+        angle = position.to(tl.int64) * HEAD_DIM + within
+        value = value * tl.load(cos + angle, mask=mask, other=0.0) + rotated * tl.load(sin + angle, mask=mask, other=0.0)
     return value
 
 
 @triton.jit
 def _oaken_decode(records, slots, positions, pages, block_pages, token_offset, token_count, key_group, key_sign,
-                  key_threshold, mean, inv_freq, out, count, record_bytes, max_pages, shift_low, shift_high,
+                  key_threshold, mean, cos, sin, out, count, record_bytes, max_pages, shift_low, shift_high,
                   page_bytes, WIDTH: tl.constexpr, PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   GROUPS: tl.constexpr, DENSE_GROUP: tl.constexpr, SHIFTED: tl.constexpr, ENTRY_BYTES: tl.constexpr,
                   FLOAT16_OUTLIERS: tl.constexpr, ADD_MEAN: tl.constexpr, HEAD_DIM: tl.constexpr,
                   ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows, real, valid, position, slot = gathered_tile(slots, positions, count, ROWS)
     channels = tl.arange(0, PADDED)
-    real = rows < count
-    position = tl.load(positions + rows, mask=real, other=-1)
-    valid = real & (position >= 0)
-    position = tl.maximum(position, 0)
-    slot = tl.load(slots + rows, mask=valid, other=0).to(tl.int64)
     record = records + slot * record_bytes
     inside = valid[:, None] & (channels < WIDTH)[None, :]
     half: tl.constexpr = WIDTH // 2
@@ -60,11 +57,8 @@ def _oaken_decode(records, slots, positions, pages, block_pages, token_offset, t
     if SHIFTED:
         values += tl.where(values >= 0, shift_high, shift_low)
     if ADD_MEAN:
-        values += mean_key_at(mean, inv_freq, position[:, None], channels[None, :], inside, HEAD_DIM, ADD_MEAN == 2)
-    values = tl.where(valid[:, None], values, 0.0)
-    destination = out + rows[:, None].to(tl.int64) * WIDTH
-    tl.store(destination + channels[None, :], values.to(out.dtype.element_ty),
-             mask=real[:, None] & (channels < WIDTH)[None, :])
+        values += mean_key_at(mean, cos, sin, position[:, None], channels[None, :], inside, HEAD_DIM, ADD_MEAN == 2)
+    store_tile(out, rows, real, valid, channels, values, WIDTH)
     tl.debug_barrier()  # the outliers below overwrite values stored above, maybe by other threads
 
     # entry e of a token belongs to the 64-value block b whose running outlier count first exceeds e
@@ -98,8 +92,8 @@ def _oaken_decode(records, slots, positions, pages, block_pages, token_offset, t
         outliers = outliers * tl.load(key_sign + key, mask=present, other=1.0) + \
             tl.load(key_threshold + key, mask=present, other=0.0)
     if ADD_MEAN:
-        outliers += mean_key_at(mean, inv_freq, position[:, None], channel, present, HEAD_DIM, ADD_MEAN == 2)
-    tl.store(destination + channel, outliers.to(out.dtype.element_ty), mask=present)
+        outliers += mean_key_at(mean, cos, sin, position[:, None], channel, present, HEAD_DIM, ADD_MEAN == 2)
+    tl.store(out + rows[:, None].to(tl.int64) * WIDTH + channel, outliers.to(out.dtype.element_ty), mask=present)
 
 
 @triton.jit
@@ -110,20 +104,21 @@ def _sparse_byte(pages, block_pages, slot, logical, mask, max_pages, page_bytes,
 
 
 def oaken_decode(records: torch.Tensor, pages: list[torch.Tensor], tables: list[torch.Tensor], shift: list[float],
-                 layout: dict, mean: torch.Tensor, inv_freq: torch.Tensor, slots: torch.Tensor,
+                 layout: dict, mean: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values [M, width] of the tokens at `slots` [M] (positions [M]; -1: padding, zeros) from one layer's dense
     records [slots, record_bytes] and sparse `pages` (SparsePages.layer_tensors). `tables` and `shift` are the
     format's reader tables (kv/formats/oaken/codec.py reader_tables); `layout` names width, block_size, groups,
     dense_group, entry_bytes, float16_outliers, page_bytes, add_mean (0, 1, or 2: rotated to the position) and
-    head_dim; `mean` [width] and RoPE's frequencies `inv_freq` [head_dim / 2] serve add_mean."""
+    head_dim; `mean` [width] and RoPE's cos and sin tables [positions, head_dim] (covering every position) serve
+    add_mean."""
     width = layout["width"]
     out = torch.empty(len(slots), width, dtype=dtype, device=records.device)
     if not len(slots):
         return out
     data, block_pages, token_offset, token_count = pages
     _oaken_decode[(triton.cdiv(len(slots), ROWS),)](
-        records, slots, positions, data, block_pages, token_offset, token_count, *tables, mean, inv_freq, out,
+        records, slots.contiguous(), positions.contiguous(), data, block_pages, token_offset, token_count, *tables, mean, cos, sin, out,
         len(slots), records.shape[1], block_pages.shape[1], shift[1], shift[2], layout["page_bytes"], width,
         triton.next_power_of_2(width), layout["block_size"], layout["groups"], layout["dense_group"],
         bool(shift[0]), layout["entry_bytes"], layout["float16_outliers"], layout["add_mean"], layout["head_dim"],

@@ -7,7 +7,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FLOAT16_MAX = tl.constexpr(65504.0)
+from kvstrata.kv.formats import float16_params
+
+FLOAT16_MAX = tl.constexpr(float16_params.FLOAT16_MAX)
 # Launch option of every kernel here: no fused multiply-add, which rounds a product and a sum once where torch's
 # separate operations round twice (an encoder would otherwise pick another code, now and then).
 EXACT = {"enable_fp_fusion": False}
@@ -42,7 +44,9 @@ def float16_toward(x, up: tl.constexpr):
         bits = tl.where(wrong, tl.where(bits >= 0, bits + 1, bits - 1), bits)
     else:
         wrong = nearest.to(x.dtype) > x
-        bits = tl.where(wrong, tl.where(bits > 0, bits - 1, tl.where(bits == 0, -32767, bits + 1)), bits)
+        # toward -inf: the magnitude shrinks for positive values and grows for negative ones and -0 (x < +0 never
+        # rounds to +0)
+        bits = tl.where(wrong, tl.where(bits > 0, bits - 1, bits + 1), bits)
     rounded = bits.to(tl.float16, bitcast=True)
     return tl.where(tl.abs(x) <= FLOAT16_MAX, rounded, float("nan"))
 
@@ -54,3 +58,9 @@ def round_half_even(x):
     fraction = x - below
     odd = (below - 2.0 * tl.floor(below * 0.5)) == 1.0
     return tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), below + 1.0, below)
+
+
+@triton.jit
+def has_nan(x, axis: tl.constexpr):
+    """Whether x holds a NaN along `axis`: on a GPU tl.max and tl.min skip NaN, where torch's amax and amin return it."""
+    return tl.max((x != x).to(tl.int32), axis=axis) > 0  # noqa: PLR0124 (NaN alone differs from itself)

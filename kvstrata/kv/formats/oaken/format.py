@@ -13,6 +13,8 @@ after decoding: most of a key's range is that mean, which a per-token scale woul
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvstrata.errors import KvstrataError
@@ -30,7 +32,11 @@ from kvstrata.kv.formats.oaken.groups import OakenConfig
 from kvstrata.kv.formats.oaken.thresholds import OakenThresholds
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
 
-_EMPTY = torch.empty(0)  # a kernel argument that is not used
+
+@functools.cache
+def _unused(device: torch.device) -> torch.Tensor:
+    """What the GPU kernels take for a tensor argument their configuration does not read."""
+    return torch.empty(0, device=device)
 
 
 class OakenFormat(KVFormat):
@@ -38,12 +44,16 @@ class OakenFormat(KVFormat):
     has_sparse = True
 
     def __init__(self, num_kv_heads: int, head_dim: int, thresholds: OakenThresholds, config: OakenConfig,
-                 keys: str = "post-rope", rotary: RotaryEmbedding | None = None, center_keys: bool = True):
+                 keys: str = "post-rope", rotary: RotaryEmbedding | None = None, center_keys: bool = True,
+                 max_positions: int | None = None):
         super().__init__(num_kv_heads * head_dim)
         self.head_shape = (num_kv_heads, head_dim)
         self.config = config
         self.keys = keys
         self.rotary = rotary  # None: no RoPE (OPT), keys are the same before and after
+        # the longest sequence the engine runs: the GPU kernels read RoPE's tables this long for the mean key's
+        # rotation, since they cannot grow them on demand without waiting for the device (None: no GPU path)
+        self.max_positions = max_positions
         self._cos_sin_table: tuple[torch.Tensor, torch.Tensor] | None = None  # per position, grown on demand
         self._reader_tables: dict[tuple[int, str], tuple[list[torch.Tensor], list[float]]] = {}  # per (layer, kind)
         self._encoder_tables: dict[tuple[int, str], tuple] = {}  # per (layer, kind)
@@ -132,37 +142,38 @@ class OakenFormat(KVFormat):
 
     def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
         """The GPU encoder (kv/gpu/oaken_encode.py) and sparse-page writer, for scales per token and keys quantized
-        after RoPE."""
+        after RoPE (centered keys also need `max_positions`)."""
         from kvstrata.kv.gpu import oaken_encode  # imports Triton: only where the GPU kernels run
 
         center, rotate_back = self._key_transform()
-        if self.config.scales != "token" or rotate_back:
+        if self.config.scales != "token" or rotate_back or (center == 2 and self.max_positions is None):
             return False
+        cos, sin = self._cos_sin_rows(self.max_positions if center == 2 else 0, k.device)
         for kind, x in (("k", k), ("v", v)):
             if (layer, kind) not in self._encoder_tables:
                 self._encoder_tables[layer, kind] = encoder_tables(self.bounds[layer, kind], self.config, k.device)
             add_mean = center if kind == "k" else 0
             entries, entry_bytes = oaken_encode.oaken_encode(
                 x, positions, slots, records[kind], self._encoder_tables[layer, kind], self._gpu_layout(add_mean),
-                self._layer_mean_key(layer, k.device) if add_mean else _EMPTY.to(k.device),
-                self._inv_freq_on(k.device) if add_mean == 2 else _EMPTY.to(k.device))
+                self._layer_mean_key(layer, k.device) if add_mean else _unused(k.device), cos, sin)
             sparse[kind].append_on_gpu(layer, slots, entries, entry_bytes)
         return True
 
     def gather_on_gpu(self, layer, kind, records, sparse, slots, positions, dtype):
-        """The GPU reader decodes each row as `decode` does; keys quantized before RoPE it leaves to the torch path."""
+        """The GPU reader decodes each row as `decode` does; keys quantized before RoPE it leaves to the torch path, as
+        it does centered keys where the format does not know the longest sequence (`max_positions`)."""
         from kvstrata.kv.gpu import oaken_rows  # imports Triton: only where the GPU kernels run
 
         add_mean, rotate_key = self._key_transform() if kind == "k" else (0, False)
-        if rotate_key:
+        if rotate_key or (add_mean == 2 and self.max_positions is None):
             return None
         if (layer, kind) not in self._reader_tables:
             self._reader_tables[layer, kind] = reader_tables(self.bounds[layer, kind], self.config, records.device)
         tables, shift = self._reader_tables[layer, kind]
-        inv_freq = self._inv_freq_on(records.device) if add_mean == 2 else _EMPTY.to(records.device)
+        cos, sin = self._cos_sin_rows(self.max_positions if add_mean == 2 else 0, records.device)
         layout = {**self._gpu_layout(add_mean), "block_size": sparse.block_size, "page_bytes": sparse.page_bytes}
-        mean = self._layer_mean_key(layer, records.device) if add_mean else _EMPTY.to(records.device)
-        return oaken_rows.oaken_decode(records, sparse.layer_tensors(layer), tables, shift, layout, mean, inv_freq,
+        mean = self._layer_mean_key(layer, records.device) if add_mean else _unused(records.device)
+        return oaken_rows.oaken_decode(records, sparse.layer_tensors(layer), tables, shift, layout, mean, cos, sin,
                                        slots, positions, dtype)
 
     def _gpu_layout(self, add_mean: int) -> dict:
@@ -210,12 +221,6 @@ class OakenFormat(KVFormat):
             return mean
         # the one mean broadcast against each position's angles: no [N, W] copy of it is rotated
         return apply_rope(mean.view(1, *self.head_shape), *self._cos_sin(positions)).reshape(len(positions), -1)
-
-    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
-        """RoPE's frequencies [head_dim / 2], moved to `device` once."""
-        if self.rotary.inv_freq.device != device:
-            self.rotary.inv_freq = self.rotary.inv_freq.to(device)
-        return self.rotary.inv_freq
 
     def _key_mean_on(self, device: torch.device) -> torch.Tensor:
         """The mean keys [layers, width], moved to `device` once."""
