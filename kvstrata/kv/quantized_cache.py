@@ -36,7 +36,7 @@ class QuantizedPagedKVCache(KVStorage):
         self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
         # on the CPU, formats with a compiled writer encode and write a layer's new K/V in one call
         self.store_kernel = paged_decode.kernel() if device.type == "cpu" else None
-        # on a GPU, formats with Triton kernels (kv/gpu) encode, and decode what is gathered, in one launch each
+        # on a GPU, formats with Triton kernels (kv/gpu) encode, and decode what is gathered, a launch or two each
         self.gpu_kernels = in_place_decode and gpu.runs_on(device)
         self.sparse: dict[str, SparsePages] = {}
         if kv_format.has_sparse:

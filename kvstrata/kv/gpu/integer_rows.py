@@ -1,8 +1,8 @@
 """int8 and int4 records (kv/formats/integer.py) decoded and encoded by Triton, one launch per layer and K/V.
 
-A program of a decode handles ROWS tokens (kv/gpu/rows.py) and writes each token's values, in the caller's dtype; padding
-rows (position -1) come back as zeros. Encoding writes the same bytes as the torch encoder (the tests hold them equal);
-a token holding NaN gets NaN parameters, as torch's amax and amin give them.
+A program of a decode handles ROWS tokens (kv/gpu/rows.py) and writes each token's values, in the caller's dtype;
+padding rows (position -1) come back as zeros. Encoding writes the same bytes as the torch encoder (the tests hold
+them equal); a token holding NaN gets NaN parameters, as torch's amax and amin give them.
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ def int8_decode(records: torch.Tensor, slots: torch.Tensor, positions: torch.Ten
     records [slots, width + 2]."""
     out = torch.empty(len(slots), width, dtype=dtype, device=records.device)
     if len(slots):
-        _int8_decode[(triton.cdiv(len(slots), ROWS),)](records, slots.contiguous(), positions.contiguous(), out, len(slots), records.shape[1],
-                                                       width, triton.next_power_of_2(width), ROWS, **EXACT)
+        _int8_decode[(triton.cdiv(len(slots), ROWS),)](records, slots.contiguous(), positions.contiguous(), out,
+                                                       len(slots), records.shape[1], width,
+                                                       triton.next_power_of_2(width), ROWS, **EXACT)
     return out
 
 
@@ -112,9 +113,9 @@ def int4_decode(records: torch.Tensor, slots: torch.Tensor, positions: torch.Ten
     """As `int8_decode`, from int4 records (nibbles, then a float16 minimum and step per group of `group` values)."""
     out = torch.empty(len(slots), width, dtype=dtype, device=records.device)
     if len(slots):
-        _int4_decode[(triton.cdiv(len(slots), ROWS),)](records, slots.contiguous(), positions.contiguous(), out, len(slots), records.shape[1],
-                                                       width, triton.next_power_of_2(width), group, code_bytes, ROWS,
-                                                       **EXACT)
+        _int4_decode[(triton.cdiv(len(slots), ROWS),)](records, slots.contiguous(), positions.contiguous(), out,
+                                                       len(slots), records.shape[1], width,
+                                                       triton.next_power_of_2(width), group, code_bytes, ROWS, **EXACT)
     return out
 
 
@@ -122,5 +123,5 @@ def int4_encode(x: torch.Tensor, slots: torch.Tensor, records: torch.Tensor, gro
     """As `int8_encode`, into int4 records."""
     groups = -(-x.shape[1] // group)
     if len(x):
-        _int4_encode[(len(x),)](x, slots.contiguous(), records, x.shape[1], group, groups, triton.next_power_of_2(groups),
-                                code_bytes, records.shape[1], **EXACT)
+        _int4_encode[(len(x),)](x, slots.contiguous(), records, x.shape[1], group, groups,
+                                triton.next_power_of_2(groups), code_bytes, records.shape[1], **EXACT)

@@ -142,6 +142,7 @@ def oaken_encode(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
         _oaken_encode[(len(x),)](
             x, positions.contiguous(), slots.contiguous(), records, entries, entry_bytes, bounds, shift_low, shift_high,
             slot_of_group, mean, cos, sin, records.shape[1], max_token_bytes, width, triton.next_power_of_2(width),
-            groups, dense_group, bool(shifted), bool(float16_outliers), layout["entry_bytes"], layout["add_mean"], layout["head_dim"],
+            groups, dense_group, bool(shifted), bool(float16_outliers), layout["entry_bytes"], layout["add_mean"],
+            layout["head_dim"],
             **EXACT)
     return entries, entry_bytes

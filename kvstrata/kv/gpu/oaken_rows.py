@@ -32,7 +32,8 @@ def mean_key_at(mean, cos, sin, position, channel, mask, HEAD_DIM: tl.constexpr,
         rotated = tl.load(mean + partner, mask=mask, other=0.0)
         rotated = tl.where(within < half, -rotated, rotated)
         angle = position.to(tl.int64) * HEAD_DIM + within
-        value = value * tl.load(cos + angle, mask=mask, other=0.0) + rotated * tl.load(sin + angle, mask=mask, other=0.0)
+        cos_at = tl.load(cos + angle, mask=mask, other=0.0)
+        value = value * cos_at + rotated * tl.load(sin + angle, mask=mask, other=0.0)
     return value
 
 
@@ -118,8 +119,9 @@ def oaken_decode(records: torch.Tensor, pages: list[torch.Tensor], tables: list[
         return out
     data, block_pages, token_offset, token_count = pages
     _oaken_decode[(triton.cdiv(len(slots), ROWS),)](
-        records, slots.contiguous(), positions.contiguous(), data, block_pages, token_offset, token_count, *tables, mean, cos, sin, out,
-        len(slots), records.shape[1], block_pages.shape[1], shift[1], shift[2], layout["page_bytes"], width,
+        records, slots.contiguous(), positions.contiguous(), data, block_pages, token_offset, token_count, *tables,
+        mean, cos, sin, out, len(slots), records.shape[1], block_pages.shape[1], shift[1], shift[2],
+        layout["page_bytes"], width,
         triton.next_power_of_2(width), layout["block_size"], layout["groups"], layout["dense_group"],
         bool(shift[0]), layout["entry_bytes"], layout["float16_outliers"], layout["add_mean"], layout["head_dim"],
         ROWS, **EXACT)

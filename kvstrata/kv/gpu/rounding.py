@@ -62,5 +62,6 @@ def round_half_even(x):
 
 @triton.jit
 def has_nan(x, axis: tl.constexpr):
-    """Whether x holds a NaN along `axis`: on a GPU tl.max and tl.min skip NaN, where torch's amax and amin return it."""
+    """Whether x holds a NaN along `axis`: on a GPU tl.max and tl.min skip NaN, where torch's amax and amin return
+    it."""
     return tl.max((x != x).to(tl.int32), axis=axis) > 0  # noqa: PLR0124 (NaN alone differs from itself)

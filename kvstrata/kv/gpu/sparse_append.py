@@ -4,8 +4,8 @@ per layer and K/V, with no wait for the device.
 Tokens of one block come in slot order and next to each other (a sequence's tokens of a step), so one program per
 token starts, and the first token of each block's run writes the whole run in order: each token's offset and count,
 the pages the block needs next (taken from the layer's free-page stack with an atomic decrement), then its bytes.
-The caller makes sure beforehand that the stack holds the pages the call can need (SparsePages.append_on_gpu): the kernel
-does not check, and an empty stack would hand page 0 out again.
+The caller makes sure beforehand that the stack holds the pages the call can need (SparsePages.append_on_gpu): the
+kernel does not check, and an empty stack would hand page 0 out again.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from kvstrata.kv.gpu.rounding import EXACT
 
 @triton.jit
 def _sparse_append(slots, entries, entry_bytes, count, pages, block_pages, block_fill, token_offset, token_count,
-                   free_stack, free_count, max_token_bytes, max_pages, BLOCK_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr,
+                   free_stack, free_count, max_token_bytes, max_pages, BLOCK_SIZE: tl.constexpr,
+                   PAGE_BYTES: tl.constexpr,
                    BYTES: tl.constexpr):
     token = tl.program_id(0)
     block = tl.load(slots + token) // BLOCK_SIZE
@@ -60,7 +61,7 @@ def sparse_append(layer_pages: list[torch.Tensor], slots: torch.Tensor, entries:
     `layer_pages` is one layer's SparsePages.writer_tensors."""
     data, block_pages, block_fill, token_offset, token_count, free_stack, free_count = layer_pages
     if len(slots):
-        _sparse_append[(len(slots),)](slots.contiguous(), entries, entry_bytes, len(slots), data, block_pages, block_fill,
-                                      token_offset, token_count, free_stack, free_count, entries.shape[1],
+        _sparse_append[(len(slots),)](slots.contiguous(), entries, entry_bytes, len(slots), data, block_pages,
+                                      block_fill, token_offset, token_count, free_stack, free_count, entries.shape[1],
                                       block_pages.shape[1], block_size, page_bytes,
                                       triton.next_power_of_2(entries.shape[1]), **EXACT)
