@@ -131,7 +131,8 @@ def test_oaken_kernels_match_the_codec(config, width, centered):
     cos, sin = torch.cat((angles, angles), dim=-1).cos(), torch.cat((angles, angles), dim=-1).sin()
     quantized = x
     if centered:  # what the torch path quantizes: the key minus the mean key rotated to its position
-        mean_at = apply_rope(mean.view(1, -1, head_dim), cos[positions, None], sin[positions, None]).reshape(len(x), width)
+        mean_at = apply_rope(mean.view(1, -1, head_dim), cos[positions, None], sin[positions, None])
+        mean_at = mean_at.reshape(len(x), width)
         quantized = x - mean_at
     finite = torch.arange(len(x)) != 5
     want = codec.encode_tokens(quantized[finite], bounds, config)
