@@ -253,10 +253,12 @@ class KiviPagedKVCache(KVStorage):
         if self.gpu_kernels:
             from kvstrata.kv.gpu import kivi_rows  # imports Triton: only where the GPU kernels run
 
-            keys = kivi_rows.kivi_decode(self.key_codes[layer], self.key_params[layer], self.window_k[layer],
-                                         self._read_window, slots, self.bits, None, dtype)
-            values = kivi_rows.kivi_decode(self.value_codes[layer], self.value_params[layer], self.window_v[layer],
-                                           self._read_window, slots, self.bits, self.value_group, dtype)
+            with torch.profiler.record_function("kvstrata::gpu_gather_kivi"):  # host time, in profiles
+                keys = kivi_rows.kivi_decode(self.key_codes[layer], self.key_params[layer], self.window_k[layer],
+                                             self._read_window, slots, self.bits, None, dtype)
+                values = kivi_rows.kivi_decode(self.value_codes[layer], self.value_params[layer],
+                                               self.window_v[layer], self._read_window, slots, self.bits,
+                                               self.value_group, dtype)
             return keys.view(shape), values.view(shape)
         blocks = slots // self.block_size
         key_params = self.key_params[layer, blocks].float()  # a key channel's params are its block's

@@ -65,8 +65,10 @@ class QuantizedPagedKVCache(KVStorage):
     def store(self, layer, slots, positions, k, v) -> None:
         k, v = (x.reshape(x.shape[0], -1).float().contiguous() for x in (k, v))
         layer_records = {kind: records[layer] for kind, records in self.records.items()}
-        if self.gpu_kernels and self.format.store_on_gpu(layer, slots, positions, k, v, layer_records, self.sparse):
-            return
+        if self.gpu_kernels:
+            with torch.profiler.record_function(f"kvstrata::gpu_store_{self.format.name}"):  # host time, in profiles
+                if self.format.store_on_gpu(layer, slots, positions, k, v, layer_records, self.sparse):
+                    return
         if self.store_kernel is not None and self.format.store_in_place(
                 self.store_kernel, layer, slots, positions, k, v, layer_records, self.sparse):
             return
@@ -87,9 +89,11 @@ class QuantizedPagedKVCache(KVStorage):
     def gather(self, layer, slots, positions, dtype):
         """Padding rows (position -1) come back as zeros. Every row is decoded, padding at slot 0 and
         position 0, rather than picking out the real rows: that would wait for the device to count them."""
-        gathered = self._gather_on_gpu(layer, slots, positions, dtype) if self.gpu_kernels else None
-        if gathered is not None:
-            return gathered
+        if self.gpu_kernels:
+            with torch.profiler.record_function(f"kvstrata::gpu_gather_{self.format.name}"):  # host time, in profiles
+                gathered = self._gather_on_gpu(layer, slots, positions, dtype)
+            if gathered is not None:
+                return gathered
         valid = (positions >= 0).reshape(-1, 1)
         wanted = torch.where(valid[:, 0], slots.reshape(-1), 0)
         at = positions.reshape(-1).clamp(min=0)
