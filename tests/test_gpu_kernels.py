@@ -6,6 +6,7 @@ CPU in Triton's interpreter (tests/conftest.py). tests/test_cuda.py runs the eng
 import pytest
 import torch
 
+from kvstrata import SamplingParams
 from kvstrata.kv.formats.integer import Int4Format, Int8Format
 from kvstrata.kv.formats.oaken import codec
 from kvstrata.kv.formats.oaken.groups import OakenConfig
@@ -30,6 +31,22 @@ def prefilled(tiny_llama_kv64, oaken_calibrations, case, lens, gpu_kernels):
     seqs = [prefill_in_chunks(engine, torch.randint(3, 320, (n,), generator=gen).tolist(), 32, seq_id=i)[1]
             for i, n in enumerate(lens)]
     return engine, seqs
+
+
+@pytest.mark.parametrize("case", ["int8", "int4", "kivi2", "oaken"])
+def test_engine_generates_the_same_on_the_gpu_kernels(case, tiny_llama_kv64, oaken_calibrations):
+    """Greedy output over prefill chunks and many decode steps (KIVI's blocks leave its window, Oaken's pages fill)
+    with every store and read of the cache on the GPU kernels equals the torch path's."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 40)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    on_kernels = build(tiny_llama_kv64, oaken_calibrations, case, device=DEVICE)
+    storage = on_kernels.engine.kv_cache
+    storage.gpu_kernels = True
+    storage.decode_kernel = None  # on the CPU, decodes too read through the kernels' gather
+    on_torch_path = build(tiny_llama_kv64, oaken_calibrations, case, device=DEVICE, paged_kernel=False)
+    assert [o.token_ids for o in on_kernels.generate(prompts, params)] == \
+        [o.token_ids for o in on_torch_path.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("case", QUANTIZED)
