@@ -1,7 +1,8 @@
-"""The GPU kernels (kv/gpu, Triton) against the torch path on the same cache: every format's records written by its
-GPU encoder are the torch encoder's bytes, and the tokens its GPU reader gathers are those the torch path decodes,
-over real cache contents (prefilled by the tiny model) and padding rows. On a GPU they run there; without one, on the
-CPU in Triton's interpreter (tests/conftest.py). tests/test_cuda.py runs the engine on them on a GPU."""
+"""The GPU kernels (kv/gpu, Triton) against the torch path: the engine generates the same on them; every format's
+records written by its GPU encoder are the torch encoder's bytes, and the tokens its GPU reader gathers are those the
+torch path decodes, over real cache contents (prefilled by the tiny model) and padding rows; Oaken's kernels match
+the codec on wider tokens. On a GPU they run there; without one, on the CPU in Triton's interpreter
+(tests/conftest.py). tests/test_cuda.py also runs the engine on them on a GPU, against the CPU."""
 
 import pytest
 import torch
