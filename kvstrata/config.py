@@ -129,8 +129,8 @@ class EngineConfig:
         default=True,
         metadata=_option("the KV kernels: on the CPU, decode attention reads the cache's blocks where they lie, in "
                          "every --kv-format (compiled C++); on a GPU, the quantized formats encode and decode with "
-                         "Triton kernels, a launch or two per layer and K/V (both measured faster); off: torch operations "
-                         "encode, gather and decode, then torch's batched products"),
+                         "Triton kernels, a launch or two per layer and K/V (both measured faster); off: torch "
+                         "operations encode, gather and decode, then torch's batched products"),
     )
     kv_offload: str = field(
         default="none",

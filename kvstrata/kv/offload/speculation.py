@@ -23,8 +23,8 @@ def select_tokens(scores: torch.Tensor, cached: torch.Tensor, alpha: float, max_
     keys of n sequences; cached [n, Tk]: the keys that may be chosen; always [n, Tk]: keys every KV head reads
     besides (the recent window). At least one token is chosen wherever one is cached.
 
-    Nothing here waits for the device: the top-k takes at least as many tokens as the cap allows the widest row, and each
-    sequence keeps its own count of them (on a GPU each value read back would stall the layer's launches)."""
+    Nothing here waits for the device: the top-k takes at least as many tokens as the cap allows the widest row, and
+    each sequence keeps its own count of them (on a GPU each value read back would stall the layer's launches)."""
     kv_heads, n, _, width = scores.shape
     scores = scores.masked_fill(~cached[None, :, None], float("-inf"))
     top = scores.amax(-1, keepdim=True)

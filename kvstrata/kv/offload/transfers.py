@@ -84,8 +84,8 @@ class WorkingBuffers:
 
     def copy(self, name: str, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """A copy of host tensor `x` in buffer `name` with x's shape, and its strides where its elements fill their
-        span (heads-outermost gathers stay that way); valid until the buffer is used again. On a GPU, issued on `stream` where given (else the current
-        one); the caller orders its readers after it."""
+        span (heads-outermost gathers stay that way); valid until the buffer is used again. On a GPU, issued on
+        `stream` where given (else the current one); the caller orders its readers after it."""
         if self.device.type == "cuda":
             x = x.pin_memory()
         flat = self._flat.get(name)
