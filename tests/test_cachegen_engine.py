@@ -9,7 +9,7 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.cachegen.codec import decode_tensor, encode_tensor
 from kvstrata.cachegen.context import SavedContext
 from kvstrata.cachegen.errors import ForeignModelError
-from kvstrata.cachegen.levels import IMPORTANCE_LEVELS
+from kvstrata.cachegen.levels import TRANSFORM_LEVELS
 from kvstrata.cachegen.profile import CodecProfile, calibrate
 from kvstrata.cachegen.token_importance import observed_importance, token_codes
 from kvstrata.cli.main import main
@@ -140,15 +140,16 @@ def test_profiled_levels_need_their_profile(llm, context_ids, emma_text, tmp_pat
         SavedContext(llm.engine, tmp_path / "p.kv")
     saved = SavedContext(llm.engine, tmp_path / "p.kv", profile=loaded)
     settings = saved.file.record(0, "high").settings
-    assert settings == IMPORTANCE_LEVELS["high"]
-    # What was written: steps from the profile's sensitivity and the tokens' importance over the whole context.
+    assert settings == TRANSFORM_LEVELS["high"]
+    # What was written: steps from the profile's sensitivity and the tokens' importance over the whole context,
+    # over the components of the profile's transforms.
     k, v = compute_kv(llm.engine, context_ids)
     importance = observed_importance(llm.engine, context_ids, k, v)
     for kind, exact, decoded in zip(("k", "v"), (k, v), saved.decode_chunk(0)):
         flat = exact[:, :50].reshape(exact.shape[0], 50, -1)
         sections = encode_tensor(flat, settings, kind, getattr(loaded, kind),
                                  token_codes=token_codes(importance, kind)[:, :50])
-        expected = decode_tensor(sections, settings, tuple(flat.shape), kind)
+        expected = decode_tensor(sections, settings, tuple(flat.shape), kind, getattr(loaded, kind))
         assert torch.equal(decoded, expected.reshape(decoded.shape))
 
 

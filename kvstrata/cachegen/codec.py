@@ -7,11 +7,13 @@ range coders (entropy.py), or "symbols" bit-packed for raw storage.
 Coder groups (papers/cachegen.md §2.3): with per-(layer, channel) models, each layer's anchors
 share one model and each (layer, channel) has its own for the differences; with a global model,
 anchors and differences have one model each. Steps per token (`token_steps`) add one group per layer, its
-tokens' codes, after the others.
+tokens' codes, after the others. With `transform`, what is quantized and coded is each KV head's
+decorrelated components (transform.py), and the decoder turns them back with the same profile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,9 +34,11 @@ from kvstrata.cachegen.quantize import (
     quantize_uniform,
     uniform_levels,
 )
+from kvstrata.errors import KvstrataError
 
 if TYPE_CHECKING:  # the profile module runs the model (calibration); the codec only calls a profile's methods
     from kvstrata.cachegen.profile import TensorProfile
+    from kvstrata.cachegen.transform import ChannelTransform
 
 MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
 
@@ -42,14 +46,23 @@ MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
 def encode_tensor(
     x: torch.Tensor, settings: CodecSettings, kind: str, profile: TensorProfile | None = None,
     steps: tuple[torch.Tensor, torch.Tensor] | None = None, token_codes: torch.Tensor | None = None,
+    first_position: int = 0,
 ) -> dict[str, bytes]:
     """`kind`: "k" or "v" (the settings may code them differently). `profile`: the model's profile of this
-    tensor, needed by profiled coder models and by allocation "sensitivity", whose steps it gives unless
-    `steps` (layer steps [L] and channel codes [L, C], for a slice of the layers) are given. `token_codes`
-    [L, T]: each token's step code, for settings with `token_steps` (token_importance.py makes them)."""
+    tensor, needed by profiled coder models, by allocation "sensitivity", whose steps it gives unless
+    `steps` (layer steps [L] and channel codes [L, C], for a slice of the layers) are given, and by
+    `transform`. `token_codes` [L, T]: each token's step code, for settings with `token_steps`
+    (token_importance.py makes them). `first_position`: the chunk's first token's position in its context
+    (a transform codes keys before RoPE)."""
     x = x.float().cpu()
     if not torch.isfinite(x).all():
         raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
+    if settings.transform:
+        if steps is not None:
+            raise ValueError("settings with transform take their steps from the profile, not `steps`")
+        transform = _transform_of(profile)  # the chunk's first token, its 8-bit anchor, stays as it is
+        x = torch.cat((x[:, :1], transform.forward(x[:, 1:], first_position + 1)), dim=1)
+        steps = profile.component_steps(settings.bins[0])
     if settings.quantizer == "uniform":
         symbols = quantize_uniform(x, settings.bits)
         sections = {"scales": symbols.scale.numpy().tobytes()}
@@ -88,8 +101,12 @@ def encode_tensor(
 
 def decode_tensor(
     sections: dict[str, bytes], settings: CodecSettings, shape: tuple[int, int, int], kind: str,
-    profile: TensorProfile | None = None,
+    profile: TensorProfile | None = None, first_position: int = 0,
 ) -> torch.Tensor:
+    if settings.transform:
+        transform = _transform_of(profile)
+        coded = decode_tensor(sections, dataclasses.replace(settings, transform=False), shape, kind, profile)
+        return torch.cat((coded[:, :1], transform.inverse(coded[:, 1:], first_position + 1)), dim=1)
     num_layers, num_tokens, channels = shape
     scales = sections["scales"]
     if settings.quantizer == "uniform":
@@ -124,6 +141,13 @@ def decode_tensor(
             raise CorruptStreamError(f"a decoded token code lies outside [-{TOKEN_CODE_LIMIT}, {TOKEN_CODE_LIMIT}]")
         symbols.token_codes = torch.from_numpy(token_codes.astype(np.int8))
     return dequantize_cachegen(symbols, num_tokens, differences)
+
+
+def _transform_of(profile: TensorProfile | None) -> ChannelTransform:
+    if profile is None or profile.transform is None:
+        raise KvstrataError("settings with transform need the model's profile of version 5 (kvstrata calibrate "
+                            "cachegen), which holds the transforms")
+    return profile.transform
 
 
 def _unit_bins(settings: CodecSettings, steps: torch.Tensor, profile: TensorProfile) -> torch.Tensor:

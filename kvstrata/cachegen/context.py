@@ -48,10 +48,12 @@ def chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
 
 
 def _best_settings(level: str, profile: CodecProfile | None) -> CodecSettings:
-    """With the model's profile, a CacheGen level's steps come from its sensitivity and each token's importance,
-    and its coder models are counted per chunk; a model without a profile gets steps by layer third (measured:
+    """With the model's profile, a CacheGen level's steps come from its sensitivity and each token's importance
+    (over each KV head's decorrelated components where the profile holds transforms), and its coder models are
+    counted per chunk; a model without a profile gets steps by layer third (measured:
     docs/BENCHMARKS.md, "CacheGen codec")."""
-    settings = settings_for(level, profiled=profile is not None, token_steps=True)
+    settings = settings_for(level, profiled=profile is not None, token_steps=True,
+                            transform=profile is not None and profile.k.transform is not None)
     if profile is None or settings.quantizer != "cachegen" or settings.models != "layer-channel" or settings.token_steps:
         return settings
     return dataclasses.replace(settings, source="profiled")
@@ -98,7 +100,7 @@ def save_context(
             for name, x in (("k", k), ("v", v)):
                 codes = codes_by_kind[name][:, first:end] if codec.token_steps else None
                 encoded = encode_tensor(_flat(x[:, first:end]), codec, name, profile and getattr(profile, name),
-                                        token_codes=codes)
+                                        token_codes=codes, first_position=first)
                 sections.update({f"{name}.{part}": data for part, data in encoded.items()})
             records.append(Record(index, level, codec, 0, {}, ""))
             payloads.append(sections)
@@ -157,7 +159,7 @@ class SavedContext:
             parts = {key.split(".", 1)[1]: data for key, data in sections.items() if key.startswith(f"{name}.")}
             profile = getattr(self.profile, name) if self.profile else None
             try:
-                x = decode_tensor(parts, record.settings, shape, name, profile)
+                x = decode_tensor(parts, record.settings, shape, name, profile, first_position=first)
             except KeyError as exc:
                 raise KvstrataError(f"chunk {chunk} at level {record.level} lacks section {name}.{exc}") from None
             out.append(x.reshape(self.shape.num_layers, end - first, self.shape.num_kv_heads, self.shape.head_dim))

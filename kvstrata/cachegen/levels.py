@@ -14,11 +14,13 @@ docs/BENCHMARKS.md ("Beyond Austen").
 Saved contexts go one step further (IMPORTANCE_LEVELS, `token_steps`): each token's step also follows the
 attention the context's last tokens pay it (token_importance.py), finer where later queries look. The bins
 are those of the sensitivity levels over 0.75, so `medium` stays near its size; chosen on the tuning texts
-(docs/BENCHMARKS.md, "Steps per token").
+(docs/BENCHMARKS.md, "Steps per token"). Where the profile holds transforms, saved contexts code each KV head's
+decorrelated components instead of its channels (TRANSFORM_LEVELS, transform.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from kvstrata.errors import KvstrataError
@@ -40,6 +42,7 @@ class CodecSettings:
     source: str = "chunk"  # models counted per chunk (shipped in the stream) or profiled offline
     allocation: str = "thirds"  # cachegen: steps by layer third (bins) or from the profiled sensitivity
     token_steps: bool = False  # cachegen: each token's step scaled by a code in the stream (its importance)
+    transform: bool = False  # cachegen: each KV head's channels decorrelated first (transform.py; needs the profile)
 
     def __post_init__(self) -> None:
         _require(self.quantizer in QUANTIZERS, f"quantizer {self.quantizer!r} is not one of {QUANTIZERS}")
@@ -70,6 +73,12 @@ class CodecSettings:
             f"token_steps needs allocation 'sensitivity', differences 'none' and source 'chunk'; got "
             f"{self.allocation!r}, {self.differences!r}, {self.source!r}",
         )
+        _require(
+            not self.transform or (self.allocation == "sensitivity" and self.differences == "none"
+                                   and self.source == "chunk"),
+            f"transform needs allocation 'sensitivity', differences 'none' and source 'chunk'; got "
+            f"{self.allocation!r}, {self.differences!r}, {self.source!r}",
+        )
 
     def differences_for(self, kind: str) -> bool:
         """Whether the K ("k") or V ("v") tensor is coded as differences from anchors."""
@@ -84,6 +93,8 @@ class CodecSettings:
             data = {**data, "allocation": "thirds"}
         if isinstance(data, dict) and "token_steps" not in data:  # written before steps per token existed
             data = {**data, "token_steps": False}
+        if isinstance(data, dict) and "transform" not in data:  # written before transform coding existed
+            data = {**data, "transform": False}
         if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
             raise KvstrataError(f"codec settings {data!r:.200} do not have the fields {sorted(cls.__dataclass_fields__)}")
         return cls(**{**data, "bins": tuple(data["bins"]) if isinstance(data["bins"], list) else data["bins"]})
@@ -114,6 +125,14 @@ IMPORTANCE_LEVELS: dict[str, CodecSettings] = {
     name: CodecSettings(bins=(b, b, b), differences="none", allocation="sensitivity", token_steps=True)
     for name, b in (("high", 0.5), ("medium", 1.0), ("low", 2.0))
 }
+# Where the profile holds each KV head's transform (version 5): the same, coded as decorrelated components
+# (transform.py). One bin costs about the loss it did per value, but the components pack the variance into
+# fewer symbols, so the bins are set for the sizes: medium at least 3.5x smaller than 8 bits on the tuning
+# texts (docs/BENCHMARKS.md, "Transform coding").
+TRANSFORM_LEVELS: dict[str, CodecSettings] = {
+    name: dataclasses.replace(IMPORTANCE_LEVELS[name], bins=(b, b, b), transform=True)
+    for name, b in (("high", 0.4), ("medium", 0.8), ("low", 1.6))
+}
 BASELINES: dict[str, CodecSettings] = {
     f"uniform{bits}{suffix}": CodecSettings(quantizer="uniform", bits=bits, models=models)
     for bits in (8, 4, 3)
@@ -122,11 +141,16 @@ BASELINES: dict[str, CodecSettings] = {
 ALL_LEVELS = {**LEVELS, **BASELINES}
 
 
-def settings_for(level: str, profiled: bool = False, token_steps: bool = False) -> CodecSettings:
-    """A level's settings; with `profiled` (the model has a profile), a CacheGen level's sensitivity form, and with
-    `token_steps` as well (the caller codes each token's importance), its steps-per-token form."""
+def settings_for(level: str, profiled: bool = False, token_steps: bool = False, transform: bool = False
+                 ) -> CodecSettings:
+    """A level's settings; with `profiled` (the model has a profile), a CacheGen level's sensitivity form; with
+    `token_steps` as well (the caller codes each token's importance), its steps-per-token form; and with
+    `transform` too (the profile holds transforms and the caller knows the chunk's positions), its transform
+    form."""
     if level not in ALL_LEVELS:
         raise KvstrataError(f"level {level!r} is not one of {', '.join(ALL_LEVELS)}")
     if not profiled or level not in SENSITIVITY_LEVELS:
         return ALL_LEVELS[level]
-    return IMPORTANCE_LEVELS[level] if token_steps and level in IMPORTANCE_LEVELS else SENSITIVITY_LEVELS[level]
+    if not token_steps or level not in IMPORTANCE_LEVELS:
+        return SENSITIVITY_LEVELS[level]
+    return TRANSFORM_LEVELS[level] if transform else IMPORTANCE_LEVELS[level]

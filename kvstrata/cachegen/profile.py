@@ -9,7 +9,8 @@ floor, so symbols the profile never saw stay codable.
 
 The profile also records, per (layer, channel) of K and of V, how much an error costs the tokens that
 read the cache (sensitivity.py) and each layer's mean RMS; the sensitivity levels set their steps from
-them (quantize.py, "Steps from sensitivity").
+them (quantize.py, "Steps from sensitivity"). From version 5 it also holds each KV head's decorrelating
+transform of K and of V (transform.py), fitted on the same windows as the coder models.
 """
 
 from __future__ import annotations
@@ -36,12 +37,16 @@ from kvstrata.cachegen.quantize import (
     steps_from_sensitivity,
 )
 from kvstrata.cachegen.sensitivity import measure_sensitivity
+from kvstrata.cachegen.transform import ChannelTransform, MomentBuilder, transform_weights
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.errors import KvstrataError
+from kvstrata.model.config import LLAMA_FAMILY
+from kvstrata.model.rotary import rope_inverse_frequencies
 
 PROFILE_FORMAT = "kvstrata-cachegen-profile"
 SHIPPED_PROFILES = Path(__file__).parent / "profiles"  # <model fingerprint>.npz, made by `kvstrata calibrate cachegen`
-PROFILE_VERSION = 4  # 3: key importance; 4: sensitivity of K and V and each layer's RMS instead
+PROFILE_VERSION = 5  # 3: key importance; 4: sensitivity of K and V and each layer's RMS instead; 5: transforms
+READABLE_VERSIONS = (4, 5)  # a version-4 profile has no transforms
 FIT_NAMES = ("loc", "scale", "anchor_counts")
 TENSOR_NAMES = ("sigma", "sensitivity")
 FLOOR = 1e-6  # probability mass spread over every symbol of a group's range
@@ -60,12 +65,24 @@ class TensorProfile:
     direct: SymbolFit  # for coding the values themselves
     sigma: np.ndarray  # [L]: each layer's anchor-difference RMS, the unit of the fits and of bins
     sensitivity: np.ndarray  # [L, C]: mean squared loss gradient per cached value (sensitivity.py)
+    transform: ChannelTransform | None = None  # each KV head's decorrelating transform (transform.py)
 
     def steps(self, bin_size: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer steps [L] and channel codes [L, C] from the sensitivity, scaled so that the steps' geometric
         mean in units of each layer's RMS is `bin_size`."""
-        unit = np.exp2(np.mean(np.log2(self.sigma)[:, None] + 0.5 * np.log2(np.maximum(self.sensitivity, 1e-30))))
-        return steps_from_sensitivity(torch.from_numpy(self.sensitivity), bin_size * float(unit))
+        return steps_from_sensitivity(torch.from_numpy(self.sensitivity), bin_size * self._unit())
+
+    def component_steps(self, bin_size: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer steps [L] and channel codes [L, C] for the transform's components: one step for all, the
+        sensitivity steps' in weighted units (transform.py), so that a bin costs about the same loss per value."""
+        num_layers, channels = self.sensitivity.shape
+        return torch.full((num_layers,), bin_size * self._unit()), torch.zeros(num_layers, channels, dtype=torch.int8)
+
+    def _unit(self) -> float:
+        """The geometric mean over (layer, channel) of RMS x sqrt(sensitivity): a value's typical size in weighted
+        units."""
+        return float(np.exp2(np.mean(np.log2(self.sigma)[:, None]
+                                     + 0.5 * np.log2(np.maximum(self.sensitivity, 1e-30)))))
 
     def unit_bins(self, steps: torch.Tensor) -> torch.Tensor:
         """Absolute layer steps [L] in units of the profiled RMS (the bins of the profiled models)."""
@@ -129,6 +146,13 @@ class CodecProfile:
         arrays = {f"{kind}_{coding}_{name}": getattr(getattr(getattr(self, kind), coding), name)
                   for kind in ("k", "v") for coding in ("differences", "direct") for name in FIT_NAMES}
         arrays.update({f"{kind}_{name}": getattr(getattr(self, kind), name) for kind in ("k", "v") for name in TENSOR_NAMES})
+        for kind in ("k", "v"):
+            transform = getattr(self, kind).transform
+            if transform is not None:
+                arrays.update({f"{kind}_transform_mean": transform.mean,
+                               f"{kind}_transform_rotation": transform.rotation})
+                if transform.inverse_frequencies is not None:
+                    arrays[f"{kind}_transform_inverse_frequencies"] = transform.inverse_frequencies
         np.savez_compressed(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
         return buffer.getvalue()
 
@@ -143,8 +167,8 @@ class CodecProfile:
                 arrays = {name: data[name] for name in data.files if name != "meta"}
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:  # ValueError covers bad JSON
             raise CorruptStreamError(f"{path} is not a CacheGen profile: {exc}") from None
-        if meta.get("format") != PROFILE_FORMAT or meta.get("version") != PROFILE_VERSION:
-            raise CorruptStreamError(f"{path} is not a version-{PROFILE_VERSION} CacheGen profile")
+        if meta.get("format") != PROFILE_FORMAT or meta.get("version") not in READABLE_VERSIONS:
+            raise CorruptStreamError(f"{path} is not a CacheGen profile of version {' or '.join(map(str, READABLE_VERSIONS))}")
         if meta.get("fingerprint") != fingerprint:
             raise ForeignModelError(
                 f"the profile {path} was made for model {meta.get('fingerprint')}, not the loaded model {fingerprint}"
@@ -154,9 +178,26 @@ class CodecProfile:
                                               for coding in ("differences", "direct")),
                                             *(arrays[f"{kind}_{name}"] for name in TENSOR_NAMES))
                         for kind in ("k", "v")}
+            if meta["version"] >= 5:
+                for kind, profile in profiles.items():
+                    profile.transform = _stored_transform(arrays, kind, profile.sensitivity)
         except KeyError as exc:
             raise CorruptStreamError(f"{path} lacks the array {exc}") from None
         return cls(fingerprint, profiles["k"], profiles["v"], int(meta["num_windows"]))
+
+
+def _stored_transform(arrays: dict[str, np.ndarray], kind: str, sensitivity: np.ndarray) -> ChannelTransform:
+    mean, rotation = arrays[f"{kind}_transform_mean"], arrays[f"{kind}_transform_rotation"]
+    frequencies = arrays.get(f"{kind}_transform_inverse_frequencies")
+    num_layers, num_heads, dim = mean.shape if mean.ndim == 3 else (0, 0, 0)
+    if (mean.ndim != 3 or rotation.shape != (num_layers, num_heads, dim, dim)
+            or sensitivity.shape != (num_layers, num_heads * dim)
+            or (frequencies is not None and frequencies.shape != (dim // 2,))
+            or not all(np.isfinite(a).all() for a in (mean, rotation, frequencies) if a is not None)):
+        raise CorruptStreamError(f"the profile's {kind} transform does not fit its sensitivity "
+                                 f"{sensitivity.shape} or holds a non-finite number")
+    weight = transform_weights(sensitivity, num_heads, frequencies is not None)
+    return ChannelTransform(weight, mean.astype(np.float32), rotation.astype(np.float32), frequencies)
 
 
 class _FitBuilder:
@@ -183,9 +224,11 @@ class _FitBuilder:
 class ProfileBuilder:
     """Accumulates windows of K or V [L, T, C] into a TensorProfile."""
 
-    def __init__(self):
+    def __init__(self, moments: MomentBuilder | None = None):
+        """`moments`: to fit the tensor's transform as well (it needs the KV heads and RoPE's frequencies)."""
         self.fits = {True: _FitBuilder(), False: _FitBuilder()}  # keyed by `differences`
         self.sigmas = []
+        self.moments = moments
 
     def add(self, x: torch.Tensor) -> None:
         x = x.float()
@@ -199,24 +242,31 @@ class ProfileBuilder:
             else:
                 values = x[:, 1:]
             fit.add(values / symbols.step[:, None, None], symbols.anchors)
+        if self.moments is not None:
+            self.moments.add(x)
 
     def build(self, sensitivity: np.ndarray) -> TensorProfile:
         sigma = torch.stack(self.sigmas).mean(0).numpy().astype(np.float32)
-        return TensorProfile(self.fits[True].build(), self.fits[False].build(), sigma, sensitivity.astype(np.float32))
+        sensitivity = sensitivity.astype(np.float32)
+        return TensorProfile(self.fits[True].build(), self.fits[False].build(), sigma, sensitivity,
+                             self.moments and self.moments.build(sensitivity))
 
 
 def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, progress: bool = True,
               sensitivity_windows: int = 16, sensitivity_context: int = 1024, sensitivity_scored: int = 256
               ) -> CodecProfile:
-    """Profile the coder models over `windows` windows of `window_tokens` tokens spread over `token_ids`, and
-    the sensitivity over `sensitivity_windows` windows of a context and the tokens scored after it."""
+    """Profile the coder models and the transforms over `windows` windows of `window_tokens` tokens spread over
+    `token_ids`, and the sensitivity over `sensitivity_windows` windows of a context and the tokens scored after it."""
     if windows < 1 or window_tokens < 2 * GROUP_SIZE or len(token_ids) < window_tokens:
         raise KvstrataError(
             f"calibration needs at least one window of at least {2 * GROUP_SIZE} tokens from a text that long; got "
             f"{windows} windows of {window_tokens} tokens from {len(token_ids)} tokens"
         )
     starts = np.linspace(0, len(token_ids) - window_tokens, windows).astype(int)
-    builders = {"k": ProfileBuilder(), "v": ProfileBuilder()}
+    config = engine.loaded.config
+    rotary = rope_inverse_frequencies(config).double().numpy() if config.architecture in LLAMA_FAMILY else None
+    builders = {"k": ProfileBuilder(MomentBuilder(config.num_kv_heads, rotary)),
+                "v": ProfileBuilder(MomentBuilder(config.num_kv_heads, None))}
     for start in tqdm(starts, desc="calibrating cachegen", disable=not progress):
         k, v = compute_kv(engine, token_ids[start : start + window_tokens])
         for name, x in (("k", k), ("v", v)):

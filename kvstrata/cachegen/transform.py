@@ -1,0 +1,131 @@
+"""Transform coding: each KV head's channels decorrelated before they are quantized.
+
+Steps from sensitivity (quantize.py) treat every channel apart, but a KV head's channels are correlated, and
+keys before RoPE lie close to a few directions. A transform that turns each head's vector into uncorrelated
+components packs its variance into a few of them, and a component with little variance costs almost no bits
+at a given step (papers/cachegen.md §2.2 quantizes channel by channel; this stage is ours).
+
+Per (layer, KV head), with x the head's vector (a key first turned back by RoPE's angle at its position):
+
+    y = w * x          w = sqrt(sensitivity), so an error e in y costs about e^2 in any channel
+    z = R^T (y - m)    m: the calibration mean of y; R: the eigenvectors of y's calibration covariance
+
+R is orthogonal, so squared error in z is squared error in y: one step for every component is, as the
+sensitivity steps are channel by channel, the rate-distortion optimum of uniform quantizers, now over
+uncorrelated components (a Karhunen-Loeve transform in sensitivity-weighted units). RoPE mixes channel i with
+channel i + D/2, so a key's two channels share the mean of their sensitivities. m and R come from the
+calibration text (profile.py); the decoder inverts the transform with the same profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from kvstrata.model.rotary import apply_rope, undo_rope
+
+SENSITIVITY_FLOOR = 1e-6  # of the head's mean: a channel no loss was seen on is still coded at a finite step
+
+
+def transform_weights(sensitivity: np.ndarray, num_heads: int, rotary: bool) -> np.ndarray:
+    """w [L, H, D] from a tensor's sensitivity [L, H * D]; `rotary`: keys coded before RoPE."""
+    f = sensitivity.astype(np.float64).reshape(sensitivity.shape[0], num_heads, -1)
+    if rotary:
+        half = f.shape[-1] // 2
+        f = 0.5 * (f + np.roll(f, half, axis=-1))
+    return np.sqrt(np.maximum(f, SENSITIVITY_FLOOR * f.mean(axis=-1, keepdims=True)))
+
+
+def rope_angles(inverse_frequencies: np.ndarray, first_position: int, num_tokens: int,
+                dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, D] of RoPE at positions first_position ... first_position + T - 1 (angles in float64:
+    positions run to hundreds of thousands)."""
+    positions = torch.arange(first_position, first_position + num_tokens, dtype=torch.float64)
+    freqs = positions[:, None] * torch.from_numpy(inverse_frequencies).double()[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@dataclass
+class ChannelTransform:
+    weight: np.ndarray  # [L, H, D], float64 (from the profile's sensitivity: transform_weights)
+    mean: np.ndarray  # [L, H, D], weighted units, float32 as stored
+    rotation: np.ndarray  # [L, H, D, D], float32 as stored: orthogonal, column j is component j
+    inverse_frequencies: np.ndarray | None  # RoPE's [D / 2] for keys coded before RoPE; None: coded as cached
+
+    def forward(self, x: torch.Tensor, first_position: int) -> torch.Tensor:
+        """Components [L, T, H * D] of x [L, T, H * D] whose first token sits at `first_position`. In float32, as
+        one product per layer with the heads' matrices on its diagonal: a chunk's inverse is on the time to first
+        token."""
+        encode, offset, _, _ = self._matrices
+        x = self._checked(x)
+        if self.inverse_frequencies is not None:
+            x = self._rotate(x, first_position, undo_rope)
+        return torch.baddbmm(offset, x, encode)
+
+    def inverse(self, z: torch.Tensor, first_position: int) -> torch.Tensor:
+        _, _, decode, mean = self._matrices
+        x = torch.baddbmm(mean, self._checked(z), decode)
+        if self.inverse_frequencies is not None:
+            x = self._rotate(x, first_position, apply_rope)
+        return x
+
+    @cached_property
+    def _matrices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """z = x E + e and x = z F + f per layer, [L, H * D, H * D] block-diagonal and [L, 1, H * D], float32:
+        E = diag(w) R, e = -m R, F = R^T diag(1 / w), f = m / w (head by head)."""
+        weight = torch.from_numpy(self.weight)
+        rotation = torch.from_numpy(self.rotation).double()
+        mean = torch.from_numpy(self.mean).double()
+        num_layers, num_heads, dim = weight.shape
+        encode = torch.zeros(num_layers, num_heads * dim, num_heads * dim, dtype=torch.float64)
+        decode = torch.zeros_like(encode)
+        for head in range(num_heads):
+            block = slice(head * dim, (head + 1) * dim)
+            encode[:, block, block] = weight[:, head, :, None] * rotation[:, head]
+            decode[:, block, block] = rotation[:, head].transpose(-1, -2) / weight[:, head, None, :]
+        offset = -torch.einsum("lhd,lhde->lhe", mean, rotation)
+        return (encode.float(), offset.reshape(num_layers, 1, -1).float(), decode.float(),
+                (mean / weight).reshape(num_layers, 1, -1).float())
+
+    def _rotate(self, x: torch.Tensor, first_position: int, rope) -> torch.Tensor:
+        cos, sin = rope_angles(self.inverse_frequencies, first_position, x.shape[1], torch.float32)
+        return rope(x.reshape(*x.shape[:2], -1, cos.shape[-1]), cos, sin).reshape(x.shape)
+
+    def _checked(self, x: torch.Tensor) -> torch.Tensor:
+        num_layers, num_heads, dim = self.weight.shape
+        if x.dim() != 3 or x.shape[0] != num_layers or x.shape[2] != num_heads * dim:
+            raise ValueError(f"a tensor of shape {tuple(x.shape)} does not fit a transform of {num_layers} layers x "
+                             f"{num_heads} heads x {dim}")
+        return x.float()
+
+
+class MomentBuilder:
+    """Sums of pre-RoPE vectors and their outer products per (layer, head), over calibration windows."""
+
+    def __init__(self, num_heads: int, inverse_frequencies: np.ndarray | None):
+        self.num_heads, self.inverse_frequencies = num_heads, inverse_frequencies
+        self.count, self.sum, self.products = 0, 0.0, 0.0
+
+    def add(self, x: torch.Tensor) -> None:
+        """x [L, T, H * D] of a window starting at position 0; its first token (the attention sink, coded at 8
+        bits as the chunk's anchor) is left out."""
+        heads = x.double().reshape(x.shape[0], x.shape[1], self.num_heads, -1)
+        if self.inverse_frequencies is not None:
+            heads = undo_rope(heads, *rope_angles(self.inverse_frequencies, 0, x.shape[1]))
+        heads = heads[:, 1:]
+        self.count += heads.shape[1]
+        self.sum = self.sum + heads.sum(dim=1)
+        self.products = self.products + torch.einsum("lthd,lthe->lhde", heads, heads)
+
+    def build(self, sensitivity: np.ndarray) -> ChannelTransform:
+        weight = transform_weights(sensitivity, self.num_heads, self.inverse_frequencies is not None)
+        w = torch.from_numpy(weight)
+        mean = self.sum / self.count
+        covariance = self.products / self.count - mean[..., :, None] * mean[..., None, :]
+        weighted = covariance * w[..., :, None] * w[..., None, :]
+        _, rotation = torch.linalg.eigh(weighted)
+        return ChannelTransform(weight, (mean * w).float().numpy(), rotation.float().numpy(), self.inverse_frequencies)
