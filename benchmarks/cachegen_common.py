@@ -33,7 +33,7 @@ class Window:
 
     def __init__(self, engine, name: str, offset_chars: int = 50_000):
         text = ALL_TEXTS[name].read_text(encoding="utf-8")[offset_chars : offset_chars + 40_000]
-        self.name = name
+        self.name, self.offset_chars = name, offset_chars
         self.token_ids = engine.tokenize(text)[: CONTEXT_TOKENS + SCORED_TOKENS]
         self.k, self.v = compute_kv(engine, self.token_ids[:CONTEXT_TOKENS])
         self.scorer = CacheScorer(engine)
@@ -74,7 +74,8 @@ def round_trip(x: torch.Tensor, settings: CodecSettings, kind: str, chunk_tokens
     for start in range(0, tokens, chunk_tokens):
         chunk = x[:, start : start + chunk_tokens].reshape(layers, -1, x.shape[2] * x.shape[3])
         sections = encode_tensor(chunk, settings, kind, profile,
-                                 token_codes=None if codes is None else codes[:, start : start + chunk_tokens])
+                                 token_codes=None if codes is None else codes[:, start : start + chunk_tokens],
+                                 first_position=start)
         size += sum(len(data) for data in sections.values())
-        pieces.append(decode_tensor(sections, settings, tuple(chunk.shape), kind, profile))
+        pieces.append(decode_tensor(sections, settings, tuple(chunk.shape), kind, profile, first_position=start))
     return torch.cat(pieces, dim=1).reshape(x.shape), size

@@ -1,6 +1,7 @@
 """CacheGen size against quality on the default model (docs/BENCHMARKS.md, "CacheGen codec").
 
-    .venv/bin/python -m benchmarks.cachegen_quality --part corpora [--levels medium,high] > benchmarks/results/cachegen_quality_corpora.json
+    .venv/bin/python -m benchmarks.cachegen_quality --part corpora [--levels medium,high] [--forms importance,transform] \
+        [--windows-per-text 3] > benchmarks/results/cachegen_quality_corpora.json
     .venv/bin/python -m benchmarks.cachegen_quality --part austen > benchmarks/results/cachegen_quality.json
 
 For 3,072-token contexts (two 1,536-token chunks each): bytes per token, bits per value, perplexity of the
@@ -9,8 +10,9 @@ next 512 tokens read through the decoded cache, and greedy agreement with the un
 `corpora`: seven texts, five the codec's choices were made on (Emma, Persuasion, KJV Acts, the Python
 logging cookbook, Python's argparse module) and two held out (KJV 1 Samuel, the Python tutorial); every
 level with its steps by layer third, from the shipped profile's sensitivity (calibrated on Pride and
-Prejudice), and from that sensitivity and each token's importance (saved contexts' form), against 8-bit and
-4-bit uniform quantization, per text.
+Prejudice), from that sensitivity and each token's importance, and the same over each KV head's decorrelated
+components (the profile's transforms: saved contexts' form), against 8-bit and 4-bit uniform quantization, per
+text (one window from character 50,000, or up to three, 16,000 characters apart).
 `austen`: Emma and Persuasion, every level and baseline without channel weighting, the paper's ablation
 (§7.5), offline profiled against per-chunk counted coder models (each text coded with a profile
 calibrated on the other novel), and the quality loss when one layer third is quantized coarsely (Insight 2).
@@ -25,9 +27,24 @@ import sys
 
 import numpy as np
 
-from benchmarks.cachegen_common import HELD_OUT_TEXTS, TEXTS, TUNING_TEXTS, Window, round_trip
+from benchmarks.cachegen_common import (
+    CONTEXT_TOKENS,
+    HELD_OUT_TEXTS,
+    SCORED_TOKENS,
+    TEXTS,
+    TUNING_TEXTS,
+    Window,
+    round_trip,
+)
 from kvstrata.bench.report import engine_info, machine_info, sig
-from kvstrata.cachegen.levels import ALL_LEVELS, IMPORTANCE_LEVELS, LEVELS, SENSITIVITY_LEVELS, CodecSettings
+from kvstrata.cachegen.levels import (
+    ALL_LEVELS,
+    IMPORTANCE_LEVELS,
+    LEVELS,
+    SENSITIVITY_LEVELS,
+    TRANSFORM_LEVELS,
+    CodecSettings,
+)
 from kvstrata.cachegen.profile import calibrate, shipped_profile
 from kvstrata.llm import LLM
 
@@ -57,7 +74,8 @@ def evaluate(windows: list[Window], settings: CodecSettings, profiles=None) -> d
         "perplexity": sig(float(np.mean([r["perplexity"] for r in rows]))),
         "agreement": sig(float(np.mean([r["agreement"] for r in rows]))),
         "kl": sig(float(np.mean([r["kl"] for r in rows]))),
-        "per_text": {w.name: {k: sig(v) for k, v in r.items()} for w, r in zip(windows, rows)},
+        "per_window": [{"text": w.name, "offset_chars": w.offset_chars, **{k: sig(v) for k, v in r.items()}}
+                       for w, r in zip(windows, rows)],
     }
 
 
@@ -70,22 +88,30 @@ def smallest_within_1pct(rows: dict[str, dict], eight_bit: dict) -> dict | None:
     return {"level": name, "bits_per_value": bits, "size_ratio_vs_8bit": sig(eight_bit["bits_per_value"] / bits)}
 
 
-def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS)) -> dict:
-    """`levels` with steps by layer third, from sensitivity, and from sensitivity and each token's importance (what
-    saved contexts use) on the tuning and the held-out texts."""
+FORMS = ("plain", "sensitivity", "importance", "transform")  # a level's rows in `corpora`
+WINDOW_SPACING = 16_000  # characters between a text's windows (a window's 3,584 tokens take ~11-15,000)
+
+
+def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS), forms: tuple[str, ...] = FORMS,
+            windows_per_text: int = 1) -> dict:
+    """`levels` with steps by layer third ("plain"), from sensitivity, from sensitivity and each token's importance,
+    and the same over each KV head's decorrelated components ("transform": what saved contexts use), on the tuning
+    and the held-out texts, `windows_per_text` windows each."""
     shipped = shipped_profile(engine.model_fingerprint)
     roles = {name: "tuning" for name in TUNING_TEXTS} | {name: "held-out" for name in HELD_OUT_TEXTS}
-    windows = [Window(engine, name) for name in roles]
-    exact = {w.name: sig(w.quality(w.k, w.v)["perplexity"]) for w in windows}
+    windows = {name: [Window(engine, name, 50_000 + i * WINDOW_SPACING) for i in range(windows_per_text)]
+               for name in roles}
+    exact = {name: sig(float(np.mean([w.quality(w.k, w.v)["perplexity"] for w in ws]))) for name, ws in windows.items()}
     rows = {name: ALL_LEVELS[name] for name in ("uniform8", "uniform4-ac")}
     for level in levels:
-        rows[level] = LEVELS[level]
-        rows[f"{level}+sensitivity"] = SENSITIVITY_LEVELS[level]
-        if level in IMPORTANCE_LEVELS:
-            rows[f"{level}+importance"] = IMPORTANCE_LEVELS[level]
+        forms_of_level = {"plain": LEVELS[level], "sensitivity": SENSITIVITY_LEVELS[level],
+                          "importance": IMPORTANCE_LEVELS.get(level), "transform": TRANSFORM_LEVELS.get(level)}
+        for form in forms:
+            if forms_of_level[form] is not None:
+                rows[level if form == "plain" else f"{level}+{form}"] = forms_of_level[form]
     per_text = {}
     for name, settings in rows.items():
-        per_text[name] = {w.name: evaluate([w], settings, {w.name: shipped}) for w in windows}
+        per_text[name] = {text: evaluate(ws, settings, {text: shipped}) for text, ws in windows.items()}
         print(name, {t: r["perplexity"] for t, r in per_text[name].items()}, file=sys.stderr, flush=True)
     against_8bit = {
         name: {text: {"size_ratio_vs_8bit": sig(per_text["uniform8"][text]["bits_per_value"] / row["bits_per_value"]),
@@ -94,18 +120,20 @@ def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS)) -> dict:
         for name, texts in per_text.items()
     }
     return {
-        "workload": {"texts": roles, "context_tokens": windows[0].k.shape[1], "scored_tokens": 512,
+        "workload": {"texts": roles, "windows_per_text": windows_per_text, "window_spacing_chars": WINDOW_SPACING,
+                     "context_tokens": CONTEXT_TOKENS, "scored_tokens": SCORED_TOKENS,
                      "chunk_tokens": 1536, "coder_models": "counted per chunk",
                      "sensitivity": "shipped profile (calibrated on Pride and Prejudice)",
-                     "importance": "attention of the context's last 128 tokens (kvstrata/cachegen/token_importance.py)"},
+                     "importance": "attention of the context's last 128 tokens (kvstrata/cachegen/token_importance.py)",
+                     "transform": "each KV head's decorrelating transform from the shipped profile (transform.py)"},
         "uncompressed_perplexity": exact,
         "levels": {name: {text: {k: row[k] for k in ("bits_per_value", "bytes_per_token", "perplexity", "agreement", "kl")}
                           for text, row in texts.items()} for name, texts in per_text.items()},
         "against_8bit": against_8bit,
         "smallest_within_1pct_of_8bit": {
-            w.name: smallest_within_1pct({name: texts[w.name] for name, texts in per_text.items()},
-                                         per_text["uniform8"][w.name])
-            for w in windows
+            text: smallest_within_1pct({name: texts[text] for name, texts in per_text.items()},
+                                       per_text["uniform8"][text])
+            for text in windows
         },
     }
 
@@ -147,13 +175,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("corpora", "austen"), default="corpora")
     parser.add_argument("--levels", default=",".join(LEVELS), help="corpora: the CacheGen levels (default: all)")
+    parser.add_argument("--forms", default=",".join(FORMS), help=f"corpora: each level's forms (default: {','.join(FORMS)})")
+    parser.add_argument("--windows-per-text", type=int, default=1, help="corpora: windows per text (default: 1)")
     args = parser.parse_args()
     levels = tuple(level.strip() for level in args.levels.split(",") if level.strip())
+    forms = tuple(form.strip() for form in args.forms.split(",") if form.strip())
     if any(level not in LEVELS for level in levels):
         parser.error(f"--levels {args.levels!r}: each must be one of {', '.join(LEVELS)}")
+    if not forms or any(form not in FORMS for form in forms):
+        parser.error(f"--forms {args.forms!r}: each must be one of {', '.join(FORMS)}")
+    if not 1 <= args.windows_per_text <= 3:
+        parser.error(f"--windows-per-text {args.windows_per_text}: 1 to 3 (the shortest text holds three)")
     engine = LLM(threads=2).engine
     report = {"machine": machine_info(), "engine": engine_info(engine), "part": args.part,
-              **(corpora(engine, levels) if args.part == "corpora" else austen(engine))}
+              **(corpora(engine, levels, forms, args.windows_per_text) if args.part == "corpora" else austen(engine))}
     print(json.dumps(report, indent=2))
 
 
