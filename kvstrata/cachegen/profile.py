@@ -15,11 +15,13 @@ transform of K and of V (transform.py), fitted on the same windows as the coder 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
 import zipfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -135,8 +137,9 @@ class CodecProfile:
     v: TensorProfile
     num_windows: int
 
-    @property
+    @cached_property
     def digest(self) -> str:
+        """Of the serialized profile; kept, since serializing compresses megabytes of transforms."""
         return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
 
     def to_bytes(self) -> bytes:
@@ -277,7 +280,9 @@ def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, pr
                         builders["v"].build(sensitivity_v), len(starts))
 
 
+@functools.cache
 def shipped_profile(fingerprint: str) -> CodecProfile | None:
-    """The profile that ships with kvstrata for this model, if there is one."""
+    """The profile that ships with kvstrata for this model, if there is one (read once per process: every
+    saved context opened reads it)."""
     path = SHIPPED_PROFILES / f"{fingerprint}.npz"
     return CodecProfile.load(path, fingerprint) if path.exists() else None
