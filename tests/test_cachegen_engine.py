@@ -171,3 +171,32 @@ def test_cli_save_inspect_generate(tiny_llama, tmp_path, capsys, emma_text):
                  *engine]) == 0
     assert main(["kv", "inspect", str(tmp_path / "context.txt")]) == 2
     assert "not a kvstrata KV file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_opt"])
+def test_transform_coded_chunks_are_coded_at_their_positions(model, emma_text, tmp_path, request):
+    """Keys are coded before RoPE where the model has it (OPT has none), each chunk at its own position in the
+    context: every chunk of a saved context decodes to what coding it alone at that position gives."""
+    llm = LLM(str(request.getfixturevalue(model)), kv_cache_memory="8MiB", threads=1)
+    token_ids = llm.engine.tokenize(emma_text[:20000])
+    profile = calibrate(llm.engine, token_ids, windows=3, window_tokens=64, progress=False, sensitivity_windows=2,
+                        sensitivity_context=48, sensitivity_scored=16)
+    rotary = model == "tiny_llama"
+    assert (profile.k.transform.inverse_frequencies is not None) == rotary
+    assert profile.v.transform.inverse_frequencies is None
+    context = token_ids[1000:1150]
+    llm.save_context(context, tmp_path / "c.kv", levels=["high"], chunk_tokens=50, profile=profile)
+    saved = SavedContext(llm.engine, tmp_path / "c.kv", profile=profile)
+    k, v = compute_kv(llm.engine, context)
+    importance = observed_importance(llm.engine, context, k, v)
+    for chunk, (first, end) in enumerate(saved.chunk_bounds):
+        settings = saved.file.record(chunk, "high").settings
+        assert settings == TRANSFORM_LEVELS["high"]
+        for kind, exact, decoded in zip(("k", "v"), (k, v), saved.decode_chunk(chunk)):
+            flat = exact[:, first:end].reshape(exact.shape[0], end - first, -1)
+            sections = encode_tensor(flat, settings, kind, getattr(profile, kind),
+                                     token_codes=token_codes(importance, kind)[:, first:end], first_position=first)
+            expected = decode_tensor(sections, settings, tuple(flat.shape), kind, getattr(profile, kind), first)
+            assert torch.equal(decoded, expected.reshape(decoded.shape))
+            elsewhere = decode_tensor(sections, settings, tuple(flat.shape), kind, getattr(profile, kind), first + 7)
+            assert torch.equal(elsewhere, expected) == (kind == "v" or not rotary)
