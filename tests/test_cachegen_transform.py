@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,13 +13,13 @@ import torch
 from kvstrata.cachegen import codec, quantize
 from kvstrata.cachegen.errors import CorruptStreamError
 from kvstrata.cachegen.levels import IMPORTANCE_LEVELS, TRANSFORM_LEVELS, CodecSettings, settings_for
-from kvstrata.cachegen.profile import CodecProfile, ProfileBuilder, TensorProfile
+from kvstrata.cachegen.profile import CodecProfile, ProfileBuilder, TensorProfile, shipped_profile
 from kvstrata.cachegen.transform import MomentBuilder, rope_angles
 from kvstrata.errors import KvstrataError
 from kvstrata.model.rotary import apply_rope
 
 LAYERS, HEADS, DIM = 3, 2, 8
-FREQUENCIES = 1.0 / 100.0 ** (np.arange(0, DIM, 2) / DIM)
+FREQUENCIES = (1.0 / 100.0 ** (np.arange(0, DIM, 2) / DIM)).astype(np.float32)  # as rope_inverse_frequencies gives
 MEDIUM = TRANSFORM_LEVELS["medium"]
 
 
@@ -129,29 +131,92 @@ def test_transform_needs_the_profile_and_its_settings():
                                    ) == IMPORTANCE_LEVELS["low"]  # written before transforms existed
 
 
-def test_profiles_keep_their_transforms_and_refuse_broken_ones(tmp_path):
+def test_profiles_keep_their_transforms(tmp_path):
     profile = CodecProfile("abcd1234abcd1234", profile_of("k"), profile_of("v"), 4)
     profile.save(tmp_path / "p.npz")
     loaded = CodecProfile.load(tmp_path / "p.npz", "abcd1234abcd1234")
-    assert loaded.digest == profile.digest
+    assert loaded.digest == profile.digest and loaded.has_transforms
     for kind in ("k", "v"):
         mine, theirs = getattr(profile, kind).transform, getattr(loaded, kind).transform
         assert np.array_equal(mine.rotation, theirs.rotation) and np.array_equal(mine.mean, theirs.mean)
         assert np.array_equal(mine.weight, theirs.weight)
     assert loaded.v.transform.inverse_frequencies is None
     assert np.array_equal(loaded.k.transform.inverse_frequencies, FREQUENCIES)
-    # A version-4 profile (no transforms) still loads, and codes without them.
+    x = correlated(40, seed=3, rotary=True)
+    settings = dataclasses.replace(MEDIUM, token_steps=False)
+    sections = codec.encode_tensor(x, settings, "k", profile.k, first_position=9)
+    assert torch.equal(codec.decode_tensor(sections, settings, tuple(x.shape), "k", loaded.k, 9),
+                       codec.decode_tensor(sections, settings, tuple(x.shape), "k", profile.k, 9))
+
+
+def test_a_profile_without_transforms_is_written_as_version_4():
+    """So a version-4 profile keeps its digest, which the files coded with it name."""
+    profile = CodecProfile("abcd1234abcd1234", profile_of("k"), profile_of("v"), 4)
     old = CodecProfile("abcd1234abcd1234", *(dataclasses.replace(p, transform=None) for p in (profile.k, profile.v)), 4)
-    with np.load(tmp_path / "p.npz") as data:
-        arrays = {name: data[name] for name in data.files if "transform" not in name}
-    arrays["meta"] = np.frombuffer(bytes(arrays["meta"]).replace(b'"version": 5', b'"version": 4'), dtype=np.uint8)
-    np.savez(tmp_path / "v4.npz", **arrays)
-    assert CodecProfile.load(tmp_path / "v4.npz", "abcd1234abcd1234").k.transform is None
-    assert old.k.transform is None
-    # A rotation of the wrong shape is refused by name.
-    with np.load(tmp_path / "p.npz") as data:
+    with np.load(io.BytesIO(old.to_bytes())) as data:
+        assert b'"version": 4' in bytes(data["meta"]) and not any("transform" in name for name in data.files)
+    assert old.digest != profile.digest
+    with pytest.raises(ValueError, match="both K and V"):
+        CodecProfile("abcd1234abcd1234", profile.k, old.v, 4).to_bytes()
+
+
+def test_the_profile_shipped_before_the_transforms_still_opens_its_contexts():
+    """Contexts saved with the replaced version-4 profile name its digest; the reader finds it among the replaced."""
+    fingerprint, digest = "787d6421b9f1d1d8", "1cb4bb796675571a"
+    replaced = shipped_profile(fingerprint, digest)
+    assert replaced.digest == digest and not replaced.has_transforms
+    current = shipped_profile(fingerprint)
+    assert current.has_transforms and current.digest != digest
+    assert shipped_profile(fingerprint, "0" * 16) is current
+
+
+def broken(tmp_path, change) -> Path:
+    profile = CodecProfile("abcd1234abcd1234", profile_of("k"), profile_of("v"), 4)
+    with np.load(io.BytesIO(profile.to_bytes())) as data:
         arrays = {name: data[name] for name in data.files}
-    arrays["k_transform_rotation"] = arrays["k_transform_rotation"][..., :4]
+    change(arrays)
     np.savez(tmp_path / "bad.npz", **arrays)
-    with pytest.raises(CorruptStreamError, match="k transform"):
-        CodecProfile.load(tmp_path / "bad.npz", "abcd1234abcd1234")
+    return tmp_path / "bad.npz"
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda a: a.update(k_transform_rotation=a["k_transform_rotation"][..., :4]), ["k_transform_rotation", "shape"]),
+    (lambda a: a.update(v_transform_rotation=2 * a["v_transform_rotation"]), ["v_transform_rotation", "orthogonal"]),
+    (lambda a: a["v_transform_mean"].__setitem__((0, 0, 0), np.nan), ["v_transform_mean", "non-finite"]),
+    (lambda a: a.update(k_transform_inverse_frequencies=a["k_transform_inverse_frequencies"][:2]),
+     ["k_transform_inverse_frequencies", "shape"]),
+    (lambda a: a.pop("k_transform_inverse_frequencies"), ["lacks", "k_transform_inverse_frequencies"]),
+    (lambda a: a.pop("v_transform_mean"), ["lacks", "v_transform_mean"]),
+    (lambda a: a["k_sensitivity"].__setitem__((1, slice(0, DIM)), 0.0), ["k_sensitivity", "whole head"]),
+], ids=["rotation-shape", "not-orthogonal", "nan-mean", "frequencies-shape", "no-frequencies", "no-mean",
+        "dead-head"])
+def test_broken_transforms_are_refused_by_name(tmp_path, change, words):
+    with pytest.raises(CorruptStreamError) as err:
+        CodecProfile.load(broken(tmp_path, change), "abcd1234abcd1234")
+    for word in words:
+        assert word in str(err.value)
+    assert "bad.npz" in str(err.value)
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_chunks_of_one_or_two_tokens(tokens):
+    profile = profile_of("k")
+    x = correlated(tokens, seed=4, rotary=True)
+    settings = dataclasses.replace(MEDIUM, token_steps=False)
+    sections = codec.encode_tensor(x, settings, "k", profile, first_position=1536)
+    decoded = codec.decode_tensor(sections, settings, tuple(x.shape), "k", profile, 1536)
+    assert decoded.shape == x.shape and torch.isfinite(decoded).all()
+
+
+@pytest.mark.parametrize("position", [-1, 2.0, True, "3"])
+def test_a_bad_first_position_is_named(position):
+    x = correlated(5, seed=4, rotary=True)
+    with pytest.raises(ValueError, match="first_position") as err:
+        codec.encode_tensor(x, dataclasses.replace(MEDIUM, token_steps=False), "k", profile_of("k"),
+                            first_position=position)
+    assert repr(position) in str(err.value)
+
+
+def test_settings_flags_must_be_booleans():
+    with pytest.raises(KvstrataError, match="transform must be true or false, got 'false'"):
+        CodecSettings.from_json({**MEDIUM.to_json(), "transform": "false"})

@@ -57,10 +57,12 @@ def encode_tensor(
     x = x.float().cpu()
     if not torch.isfinite(x).all():
         raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
+    _check_position(first_position)
     if settings.transform:
         if steps is not None:
             raise ValueError("settings with transform take their steps from the profile, not `steps`")
-        transform = _transform_of(profile)  # the chunk's first token, its 8-bit anchor, stays as it is
+        transform = _transform_of(profile)
+        # The chunk's first token, its 8-bit anchor, stays as it is.
         x = torch.cat((x[:, :1], transform.forward(x[:, 1:], first_position + 1)), dim=1)
         steps = profile.component_steps(settings.bins[0])
     if settings.quantizer == "uniform":
@@ -81,7 +83,7 @@ def encode_tensor(
             raise ValueError(f"settings with token_steps={settings.token_steps} take token codes only with it")
         symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences, steps, token_codes)
         sections = {"scales": symbols.anchor_scale.numpy().tobytes() + symbols.step.numpy().tobytes()}
-        if steps is not None:
+        if steps is not None and not settings.transform:  # a transform's components share one step: codes all 0
             sections["channels"] = symbols.channel_codes.numpy().tobytes()
         groups = _cachegen_groups(symbols, settings.models)
         if token_codes is not None:
@@ -103,6 +105,7 @@ def decode_tensor(
     sections: dict[str, bytes], settings: CodecSettings, shape: tuple[int, int, int], kind: str,
     profile: TensorProfile | None = None, first_position: int = 0,
 ) -> torch.Tensor:
+    _check_position(first_position)
     if settings.transform:
         transform = _transform_of(profile)
         coded = decode_tensor(sections, dataclasses.replace(settings, transform=False), shape, kind, profile)
@@ -141,6 +144,12 @@ def decode_tensor(
             raise CorruptStreamError(f"a decoded token code lies outside [-{TOKEN_CODE_LIMIT}, {TOKEN_CODE_LIMIT}]")
         symbols.token_codes = torch.from_numpy(token_codes.astype(np.int8))
     return dequantize_cachegen(symbols, num_tokens, differences)
+
+
+def _check_position(first_position) -> None:
+    if isinstance(first_position, bool) or not isinstance(first_position, int) or first_position < 0:
+        raise ValueError(f"first_position must be a non-negative integer (the chunk's first token's position), got "
+                         f"{first_position!r}")
 
 
 def _transform_of(profile: TensorProfile | None) -> ChannelTransform:

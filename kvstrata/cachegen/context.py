@@ -53,7 +53,7 @@ def _best_settings(level: str, profile: CodecProfile | None) -> CodecSettings:
     counted per chunk; a model without a profile gets steps by layer third (measured:
     docs/BENCHMARKS.md, "CacheGen codec")."""
     settings = settings_for(level, profiled=profile is not None, token_steps=True,
-                            transform=profile is not None and profile.k.transform is not None)
+                            transform=profile is not None and profile.has_transforms)
     if profile is None or settings.quantizer != "cachegen" or settings.models != "layer-channel" or settings.token_steps:
         return settings
     return dataclasses.replace(settings, source="profiled")
@@ -118,7 +118,7 @@ class SavedContext:
         self.shape = model_shape(engine)
         self.file.check_model(self.shape)
         if self.file.header.profile is not None and profile is None:
-            profile = shipped_profile(self.shape.fingerprint)
+            profile = shipped_profile(self.shape.fingerprint, self.file.header.profile)
         self.profile = profile
         if self.file.header.profile is not None and (profile is None or profile.digest != self.file.header.profile):
             raise KvstrataError(

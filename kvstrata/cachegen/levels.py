@@ -20,8 +20,7 @@ decorrelated components instead of its channels (TRANSFORM_LEVELS, transform.py)
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kvstrata.errors import KvstrataError
 
@@ -55,6 +54,8 @@ class CodecSettings:
             f"bins must be three positive numbers, got {self.bins!r}",
         )
         _require(isinstance(self.bits, int) and 2 <= self.bits <= 8, f"bits must be in [2, 8], got {self.bits!r}")
+        for name in ("token_steps", "transform"):
+            _require(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         _require(self.models != "raw" or self.quantizer == "uniform", "only the uniform quantizer stores raw symbols")
         _require(
             self.allocation == "thirds" or (self.quantizer == "cachegen" and len(set(self.bins)) == 1),
@@ -130,7 +131,7 @@ IMPORTANCE_LEVELS: dict[str, CodecSettings] = {
 # fewer symbols, so the bins are set for the sizes: medium at least 3.5x smaller than 8 bits on the tuning
 # texts (docs/BENCHMARKS.md, "Transform coding").
 TRANSFORM_LEVELS: dict[str, CodecSettings] = {
-    name: dataclasses.replace(IMPORTANCE_LEVELS[name], bins=(b, b, b), transform=True)
+    name: replace(IMPORTANCE_LEVELS[name], bins=(b, b, b), transform=True)
     for name, b in (("high", 0.4), ("medium", 0.8), ("low", 1.6))
 }
 BASELINES: dict[str, CodecSettings] = {

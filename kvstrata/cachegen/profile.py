@@ -21,7 +21,6 @@ import io
 import json
 import zipfile
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +77,8 @@ class TensorProfile:
         """Layer steps [L] and channel codes [L, C] for the transform's components: one step for all, the
         sensitivity steps' in weighted units (transform.py), so that a bin costs about the same loss per value."""
         num_layers, channels = self.sensitivity.shape
-        return torch.full((num_layers,), bin_size * self._unit()), torch.zeros(num_layers, channels, dtype=torch.int8)
+        return (torch.full((num_layers,), bin_size * self._unit(), dtype=torch.float32),
+                torch.zeros(num_layers, channels, dtype=torch.int8))
 
     def _unit(self) -> float:
         """The geometric mean over (layer, channel) of RMS x sqrt(sensitivity): a value's typical size in weighted
@@ -137,25 +137,33 @@ class CodecProfile:
     v: TensorProfile
     num_windows: int
 
-    @cached_property
+    @functools.cached_property
     def digest(self) -> str:
         """Of the serialized profile; kept, since serializing compresses megabytes of transforms."""
         return hashlib.sha256(self.to_bytes()).hexdigest()[:16]
 
+    @property
+    def has_transforms(self) -> bool:
+        return self.k.transform is not None and self.v.transform is not None
+
     def to_bytes(self) -> bytes:
+        """Version 5 with transforms, else version 4 (as written before transforms existed, so a version-4
+        profile keeps its digest and the files coded with it still name it)."""
+        if (self.k.transform is None) != (self.v.transform is None):
+            raise ValueError("a profile holds transforms for both K and V or for neither")
         buffer = io.BytesIO()
-        meta = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "fingerprint": self.fingerprint,
-                "num_windows": self.num_windows, "group_size": GROUP_SIZE}
+        meta = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION if self.has_transforms else 4,
+                "fingerprint": self.fingerprint, "num_windows": self.num_windows, "group_size": GROUP_SIZE}
         arrays = {f"{kind}_{coding}_{name}": getattr(getattr(getattr(self, kind), coding), name)
                   for kind in ("k", "v") for coding in ("differences", "direct") for name in FIT_NAMES}
         arrays.update({f"{kind}_{name}": getattr(getattr(self, kind), name) for kind in ("k", "v") for name in TENSOR_NAMES})
-        for kind in ("k", "v"):
-            transform = getattr(self, kind).transform
-            if transform is not None:
-                arrays.update({f"{kind}_transform_mean": transform.mean,
-                               f"{kind}_transform_rotation": transform.rotation})
-                if transform.inverse_frequencies is not None:
-                    arrays[f"{kind}_transform_inverse_frequencies"] = transform.inverse_frequencies
+        if self.has_transforms:
+            meta["rotary_keys"] = self.k.transform.inverse_frequencies is not None
+            for kind in ("k", "v"):
+                transform = getattr(self, kind).transform
+                arrays.update({f"{kind}_transform_mean": transform.mean, f"{kind}_transform_rotation": transform.rotation})
+            if meta["rotary_keys"]:
+                arrays["k_transform_inverse_frequencies"] = self.k.transform.inverse_frequencies
         np.savez_compressed(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
         return buffer.getvalue()
 
@@ -182,23 +190,40 @@ class CodecProfile:
                                             *(arrays[f"{kind}_{name}"] for name in TENSOR_NAMES))
                         for kind in ("k", "v")}
             if meta["version"] >= 5:
+                frequencies = arrays["k_transform_inverse_frequencies"] if meta.get("rotary_keys") is True else None
                 for kind, profile in profiles.items():
-                    profile.transform = _stored_transform(arrays, kind, profile.sensitivity)
+                    profile.transform = _stored_transform(path, arrays, kind, profile.sensitivity,
+                                                          frequencies if kind == "k" else None)
         except KeyError as exc:
             raise CorruptStreamError(f"{path} lacks the array {exc}") from None
         return cls(fingerprint, profiles["k"], profiles["v"], int(meta["num_windows"]))
 
 
-def _stored_transform(arrays: dict[str, np.ndarray], kind: str, sensitivity: np.ndarray) -> ChannelTransform:
+def _stored_transform(path, arrays: dict[str, np.ndarray], kind: str, sensitivity: np.ndarray,
+                      frequencies: np.ndarray | None) -> ChannelTransform:
+    """The `kind` transform of a version-5 profile, checked: a wrong one would decode every cache wrongly."""
     mean, rotation = arrays[f"{kind}_transform_mean"], arrays[f"{kind}_transform_rotation"]
-    frequencies = arrays.get(f"{kind}_transform_inverse_frequencies")
-    num_layers, num_heads, dim = mean.shape if mean.ndim == 3 else (0, 0, 0)
-    if (mean.ndim != 3 or rotation.shape != (num_layers, num_heads, dim, dim)
-            or sensitivity.shape != (num_layers, num_heads * dim)
-            or (frequencies is not None and frequencies.shape != (dim // 2,))
-            or not all(np.isfinite(a).all() for a in (mean, rotation, frequencies) if a is not None)):
-        raise CorruptStreamError(f"the profile's {kind} transform does not fit its sensitivity "
-                                 f"{sensitivity.shape} or holds a non-finite number")
+
+    def require(condition: bool, problem: str) -> None:
+        if not condition:
+            raise CorruptStreamError(f"{path}: {problem}")
+
+    require(mean.ndim == 3, f"{kind}_transform_mean has shape {mean.shape}, expected (layers, kv_heads, head_dim)")
+    num_layers, num_heads, dim = mean.shape
+    require(rotation.shape == (num_layers, num_heads, dim, dim),
+            f"{kind}_transform_rotation has shape {rotation.shape}, expected {(num_layers, num_heads, dim, dim)}")
+    require(sensitivity.shape == (num_layers, num_heads * dim),
+            f"{kind}_sensitivity has shape {sensitivity.shape}, expected {(num_layers, num_heads * dim)}")
+    require(frequencies is None or frequencies.shape == (dim // 2,),
+            f"k_transform_inverse_frequencies has shape {getattr(frequencies, 'shape', None)}, expected {(dim // 2,)}")
+    for name, array in ((f"{kind}_transform_mean", mean), (f"{kind}_transform_rotation", rotation),
+                        ("k_transform_inverse_frequencies", frequencies), (f"{kind}_sensitivity", sensitivity)):
+        require(array is None or np.isfinite(array).all(), f"{name} holds a non-finite number")
+    per_head = sensitivity.reshape(num_layers, num_heads, dim)
+    require(bool((per_head >= 0).all() and (per_head.max(axis=-1) > 0).all()),
+            f"{kind}_sensitivity is negative somewhere or zero over a whole head")
+    gram = np.einsum("lhdi,lhdj->lhij", rotation.astype(np.float64), rotation.astype(np.float64))
+    require(float(np.abs(gram - np.eye(dim)).max()) < 1e-3, f"{kind}_transform_rotation is not orthogonal")
     weight = transform_weights(sensitivity, num_heads, frequencies is not None)
     return ChannelTransform(weight, mean.astype(np.float32), rotation.astype(np.float32), frequencies)
 
@@ -251,8 +276,8 @@ class ProfileBuilder:
     def build(self, sensitivity: np.ndarray) -> TensorProfile:
         sigma = torch.stack(self.sigmas).mean(0).numpy().astype(np.float32)
         sensitivity = sensitivity.astype(np.float32)
-        return TensorProfile(self.fits[True].build(), self.fits[False].build(), sigma, sensitivity,
-                             self.moments and self.moments.build(sensitivity))
+        transform = self.moments.build(sensitivity) if self.moments is not None else None
+        return TensorProfile(self.fits[True].build(), self.fits[False].build(), sigma, sensitivity, transform)
 
 
 def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, progress: bool = True,
@@ -267,7 +292,7 @@ def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, pr
         )
     starts = np.linspace(0, len(token_ids) - window_tokens, windows).astype(int)
     config = engine.loaded.config
-    rotary = rope_inverse_frequencies(config).double().numpy() if config.architecture in LLAMA_FAMILY else None
+    rotary = rope_inverse_frequencies(config).numpy() if config.architecture in LLAMA_FAMILY else None
     builders = {"k": ProfileBuilder(MomentBuilder(config.num_kv_heads, rotary)),
                 "v": ProfileBuilder(MomentBuilder(config.num_kv_heads, None))}
     for start in tqdm(starts, desc="calibrating cachegen", disable=not progress):
@@ -280,9 +305,17 @@ def calibrate(engine, token_ids: list[int], windows: int, window_tokens: int, pr
                         builders["v"].build(sensitivity_v), len(starts))
 
 
+def shipped_profile(fingerprint: str, digest: str | None = None) -> CodecProfile | None:
+    """The profile that ships with kvstrata for this model, if there is one; with `digest`, the shipped one of that
+    digest if it was replaced by a newer one (SHIPPED_PROFILES/replaced/<fingerprint>-<digest>.npz, kept so that
+    contexts saved with it still open), else the current one."""
+    replaced = SHIPPED_PROFILES / "replaced" / f"{fingerprint}-{digest}.npz"
+    path = replaced if digest is not None and replaced.exists() else SHIPPED_PROFILES / f"{fingerprint}.npz"
+    return _read_shipped(path, fingerprint) if path.exists() else None
+
+
 @functools.cache
-def shipped_profile(fingerprint: str) -> CodecProfile | None:
-    """The profile that ships with kvstrata for this model, if there is one (read once per process: every
-    saved context opened reads it)."""
-    path = SHIPPED_PROFILES / f"{fingerprint}.npz"
-    return CodecProfile.load(path, fingerprint) if path.exists() else None
+def _read_shipped(path: Path, fingerprint: str) -> CodecProfile:
+    """Once per process (every saved context opened asks for it). Callers share the object: nothing changes a
+    profile once built."""
+    return CodecProfile.load(path, fingerprint)

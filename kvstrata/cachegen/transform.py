@@ -31,7 +31,8 @@ SENSITIVITY_FLOOR = 1e-6  # of the head's mean: a channel no loss was seen on is
 
 
 def transform_weights(sensitivity: np.ndarray, num_heads: int, rotary: bool) -> np.ndarray:
-    """w [L, H, D] from a tensor's sensitivity [L, H * D]; `rotary`: keys coded before RoPE."""
+    """w [L, H, D] from a tensor's sensitivity [L, H * D] (finite, non-negative, some in every head: the profile
+    checks); `rotary`: keys coded before RoPE."""
     f = sensitivity.astype(np.float64).reshape(sensitivity.shape[0], num_heads, -1)
     if rotary:
         half = f.shape[-1] // 2
@@ -39,14 +40,14 @@ def transform_weights(sensitivity: np.ndarray, num_heads: int, rotary: bool) -> 
     return np.sqrt(np.maximum(f, SENSITIVITY_FLOOR * f.mean(axis=-1, keepdims=True)))
 
 
-def rope_angles(inverse_frequencies: np.ndarray, first_position: int, num_tokens: int,
-                dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, 1, D] of RoPE at positions first_position ... first_position + T - 1 (angles in float64:
-    positions run to hundreds of thousands)."""
-    positions = torch.arange(first_position, first_position + num_tokens, dtype=torch.float64)
-    freqs = positions[:, None] * torch.from_numpy(inverse_frequencies).double()[None, :]
+def rope_angles(inverse_frequencies: np.ndarray, first_position: int, num_tokens: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, D] of RoPE at positions first_position ... first_position + T - 1, computed as the
+    model computes them (model/rotary.py, float32), so that undoing RoPE gives back the key before it."""
+    positions = torch.arange(first_position, first_position + num_tokens).float()
+    freqs = positions[:, None] * torch.from_numpy(inverse_frequencies).float()[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return angles.cos(), angles.sin()
 
 
 @dataclass
@@ -58,49 +59,39 @@ class ChannelTransform:
 
     def forward(self, x: torch.Tensor, first_position: int) -> torch.Tensor:
         """Components [L, T, H * D] of x [L, T, H * D] whose first token sits at `first_position`. In float32, as
-        one product per layer with the heads' matrices on its diagonal: a chunk's inverse is on the time to first
-        token."""
+        one product per (layer, head) with the weights and the mean folded in: a chunk's inverse is on the time
+        to first token."""
         encode, offset, _, _ = self._matrices
-        x = self._checked(x)
+        heads = self._heads(x)
         if self.inverse_frequencies is not None:
-            x = self._rotate(x, first_position, undo_rope)
-        return torch.baddbmm(offset, x, encode)
+            heads = undo_rope(heads, *rope_angles(self.inverse_frequencies, first_position, x.shape[1]))
+        return (torch.einsum("lthd,lhde->lthe", heads, encode) + offset).reshape(x.shape)
 
     def inverse(self, z: torch.Tensor, first_position: int) -> torch.Tensor:
         _, _, decode, mean = self._matrices
-        x = torch.baddbmm(mean, self._checked(z), decode)
+        heads = torch.einsum("lthe,lhed->lthd", self._heads(z), decode) + mean
         if self.inverse_frequencies is not None:
-            x = self._rotate(x, first_position, apply_rope)
-        return x
+            heads = apply_rope(heads, *rope_angles(self.inverse_frequencies, first_position, z.shape[1]))
+        return heads.reshape(z.shape)
 
     @cached_property
     def _matrices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """z = x E + e and x = z F + f per layer, [L, H * D, H * D] block-diagonal and [L, 1, H * D], float32:
-        E = diag(w) R, e = -m R, F = R^T diag(1 / w), f = m / w (head by head)."""
+        """Per (layer, head), z = x E + e and x = z F + f, float32: E = diag(w) R and F = R^T diag(1 / w)
+        [L, H, D, D], e = -m R and f = m / w [L, 1, H, D] (broadcast over tokens)."""
         weight = torch.from_numpy(self.weight)
         rotation = torch.from_numpy(self.rotation).double()
         mean = torch.from_numpy(self.mean).double()
-        num_layers, num_heads, dim = weight.shape
-        encode = torch.zeros(num_layers, num_heads * dim, num_heads * dim, dtype=torch.float64)
-        decode = torch.zeros_like(encode)
-        for head in range(num_heads):
-            block = slice(head * dim, (head + 1) * dim)
-            encode[:, block, block] = weight[:, head, :, None] * rotation[:, head]
-            decode[:, block, block] = rotation[:, head].transpose(-1, -2) / weight[:, head, None, :]
+        encode = weight[..., :, None] * rotation
+        decode = rotation.transpose(-1, -2) / weight[..., None, :]
         offset = -torch.einsum("lhd,lhde->lhe", mean, rotation)
-        return (encode.float(), offset.reshape(num_layers, 1, -1).float(), decode.float(),
-                (mean / weight).reshape(num_layers, 1, -1).float())
+        return encode.float(), offset[:, None].float(), decode.float(), (mean / weight)[:, None].float()
 
-    def _rotate(self, x: torch.Tensor, first_position: int, rope) -> torch.Tensor:
-        cos, sin = rope_angles(self.inverse_frequencies, first_position, x.shape[1], torch.float32)
-        return rope(x.reshape(*x.shape[:2], -1, cos.shape[-1]), cos, sin).reshape(x.shape)
-
-    def _checked(self, x: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
         num_layers, num_heads, dim = self.weight.shape
         if x.dim() != 3 or x.shape[0] != num_layers or x.shape[2] != num_heads * dim:
             raise ValueError(f"a tensor of shape {tuple(x.shape)} does not fit a transform of {num_layers} layers x "
                              f"{num_heads} heads x {dim}")
-        return x.float()
+        return x.float().reshape(num_layers, x.shape[1], num_heads, dim)
 
 
 class MomentBuilder:
@@ -113,10 +104,10 @@ class MomentBuilder:
     def add(self, x: torch.Tensor) -> None:
         """x [L, T, H * D] of a window starting at position 0; its first token (the attention sink, coded at 8
         bits as the chunk's anchor) is left out."""
-        heads = x.double().reshape(x.shape[0], x.shape[1], self.num_heads, -1)
+        heads = x.float().reshape(x.shape[0], x.shape[1], self.num_heads, -1)
         if self.inverse_frequencies is not None:
             heads = undo_rope(heads, *rope_angles(self.inverse_frequencies, 0, x.shape[1]))
-        heads = heads[:, 1:]
+        heads = heads[:, 1:].double()
         self.count += heads.shape[1]
         self.sum = self.sum + heads.sum(dim=1)
         self.products = self.products + torch.einsum("lthd,lthe->lhde", heads, heads)
