@@ -80,14 +80,15 @@ def test_throughput(tiny_llama, tmp_path, capsys):
     assert systems == ["sarathi", "prefill-first", "static", "transformers"]
     assert report["workload"]["output_tokens"] == 30
     for r in report["results"]:
-        assert r["total_tokens_per_s"] == pytest.approx(r["prefill_tokens_per_s"] + r["decode_tokens_per_s"], rel=1e-3)
+        assert r["total_tokens_per_s"] == pytest.approx(r["prefill_tokens_per_s"] + r["decode_tokens_per_s"], rel=2e-3)
         assert r["p50_ttft_ms"] <= r["p99_ttft_ms"] and r["p50_e2e_ms"] >= r["p50_ttft_ms"] and r["peak_rss_mib"] > 0
         if "scheduler" in r:  # kvstrata's rows say how far the KV pools grew past the budget: fp32's never do
             assert r["kv_grown_bytes"] == 0
     rates = {s: r["total_tokens_per_s"] for s, r in zip(systems, report["results"])}
-    assert report["ratios"]["sarathi_vs_transformers"] == pytest.approx(rates["sarathi"] / rates["transformers"], abs=2e-3)
+    # Rates and ratios are each rounded to 4 significant digits: relative tolerances (a ratio of 5 moves by 0.005).
+    assert report["ratios"]["sarathi_vs_transformers"] == pytest.approx(rates["sarathi"] / rates["transformers"], rel=2e-3)
     assert report["speedup_vs_transformers"] == pytest.approx(
-        max(rates[s] for s in systems[:3]) / rates["transformers"], abs=2e-3)
+        max(rates[s] for s in systems[:3]) / rates["transformers"], rel=2e-3)
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
