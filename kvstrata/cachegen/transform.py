@@ -25,7 +25,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from kvstrata.model.rotary import apply_rope, undo_rope
+from kvstrata.model.rotary import apply_rope, rope_cos_sin, undo_rope
 
 SENSITIVITY_FLOOR = 1e-6  # of the head's mean: a channel no loss was seen on is still coded at a finite step
 
@@ -42,12 +42,10 @@ def transform_weights(sensitivity: np.ndarray, num_heads: int, rotary: bool) -> 
 
 def rope_angles(inverse_frequencies: np.ndarray, first_position: int, num_tokens: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, 1, D] of RoPE at positions first_position ... first_position + T - 1, computed as the
-    model computes them (model/rotary.py, float32), so that undoing RoPE gives back the key before it."""
-    positions = torch.arange(first_position, first_position + num_tokens).float()
-    freqs = positions[:, None] * torch.from_numpy(inverse_frequencies).float()[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    return angles.cos(), angles.sin()
+    """cos and sin [T, 1, D] of RoPE at positions first_position ... first_position + T - 1, as the model computes
+    them, so that undoing RoPE gives back the key before it."""
+    positions = torch.arange(first_position, first_position + num_tokens)
+    return rope_cos_sin(torch.from_numpy(inverse_frequencies), positions, torch.float32)
 
 
 @dataclass

@@ -42,9 +42,15 @@ class RotaryEmbedding:
         """cos and sin of shape [T, 1, head_dim] for the packed tokens' positions."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+        return rope_cos_sin(self.inv_freq, positions, dtype)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, head_dim] at `positions` for RoPE's inverse frequencies [head_dim / 2], angles in fp32."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
