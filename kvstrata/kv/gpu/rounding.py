@@ -10,8 +10,8 @@ import triton.language as tl
 from kvstrata.kv.formats import float16_params
 
 FLOAT16_MAX = tl.constexpr(float16_params.FLOAT16_MAX)
-# Launch option of every kernel here: no fused multiply-add, which rounds a product and a sum once where torch's
-# separate operations round twice (an encoder would otherwise pick another code, now and then).
+# Launch option of every kernel here that computes: no fused multiply-add, which rounds a product and a sum
+# once where torch's separate operations round twice (an encoder would otherwise pick another code, now and then).
 EXACT = {"enable_fp_fusion": False}
 
 

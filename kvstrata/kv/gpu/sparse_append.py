@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstrata.kv.gpu.rounding import EXACT
-
 
 @triton.jit
 def _sparse_append(slots, entries, entry_bytes, count, pages, block_pages, block_fill, token_offset, token_count,
@@ -64,4 +62,4 @@ def sparse_append(layer_pages: list[torch.Tensor], slots: torch.Tensor, entries:
         _sparse_append[(len(slots),)](slots.contiguous(), entries, entry_bytes, len(slots), data, block_pages,
                                       block_fill, token_offset, token_count, free_stack, free_count, entries.shape[1],
                                       block_pages.shape[1], block_size, page_bytes,
-                                      triton.next_power_of_2(entries.shape[1]), **EXACT)
+                                      triton.next_power_of_2(entries.shape[1]))

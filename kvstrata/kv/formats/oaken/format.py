@@ -13,8 +13,6 @@ after decoding: most of a key's range is that mean, which a per-token scale woul
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kvstrata.errors import KvstrataError
@@ -31,12 +29,6 @@ from kvstrata.kv.formats.oaken.codec import (
 from kvstrata.kv.formats.oaken.groups import OakenConfig
 from kvstrata.kv.formats.oaken.thresholds import OakenThresholds
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
-
-
-@functools.cache
-def _unused(device: torch.device) -> torch.Tensor:
-    """What the GPU kernels take for a tensor argument their configuration does not read."""
-    return torch.empty(0, device=device)
 
 
 class OakenFormat(KVFormat):
@@ -97,11 +89,7 @@ class OakenFormat(KVFormat):
         puts them, then `encode` and the storage's writes, with the same bytes."""
         if self.config.scales != "token" or k.device.type != "cpu" or not len(k):
             return False
-        tables = {}
-        for kind in "kv":
-            if (layer, kind) not in self._encoder_tables:
-                self._encoder_tables[layer, kind] = encoder_tables(self.bounds[layer, kind], self.config, k.device)
-            tables[kind] = self._encoder_tables[layer, kind]
+        tables = {kind: self._encoder_table(layer, kind, k.device) for kind in "kv"}
         center, rotate_back = self._key_transform()
         positions = positions.long().contiguous()
         cos, sin = self._cos_sin_rows(int(positions.max()) + 1 if center == 2 or rotate_back else 0, k.device)
@@ -126,9 +114,7 @@ class OakenFormat(KVFormat):
         device = q.device
         tables, shifts = {}, {}
         for kind in "kv":
-            if (layer, kind) not in self._reader_tables:
-                self._reader_tables[layer, kind] = reader_tables(self.bounds[layer, kind], self.config, device)
-            tables[kind], shifts[kind] = self._reader_tables[layer, kind]
+            tables[kind], shifts[kind] = self._reader_table(layer, kind, device)
         add_mean, rotate_key = self._key_transform()
         cos, sin = self._cos_sin_rows(int(context_lens.max()) if add_mean == 2 or rotate_key else 0, device)
         page_bytes = sparse["k"].page_bytes
@@ -150,12 +136,10 @@ class OakenFormat(KVFormat):
             return False
         cos, sin = self._cos_sin_rows(self.max_positions if center == 2 else 0, k.device)
         for kind, x in (("k", k), ("v", v)):
-            if (layer, kind) not in self._encoder_tables:
-                self._encoder_tables[layer, kind] = encoder_tables(self.bounds[layer, kind], self.config, k.device)
-            add_mean = center if kind == "k" else 0
+            add_mean = center if kind == "k" else 0  # the kernels read the mean key only where it is added back
             entries, entry_bytes = oaken_encode.oaken_encode(
-                x, positions, slots, records[kind], self._encoder_tables[layer, kind], self._gpu_layout(add_mean),
-                self._layer_mean_key(layer, k.device) if add_mean else _unused(k.device), cos, sin)
+                x, positions, slots, records[kind], self._encoder_table(layer, kind, k.device),
+                self._gpu_layout(add_mean), self._layer_mean_key(layer, k.device), cos, sin)
             sparse[kind].append_on_gpu(layer, slots, entries, entry_bytes)
         return True
 
@@ -167,14 +151,23 @@ class OakenFormat(KVFormat):
         add_mean, rotate_key = self._key_transform() if kind == "k" else (0, False)
         if rotate_key or (add_mean == 2 and self.max_positions is None):
             return None
-        if (layer, kind) not in self._reader_tables:
-            self._reader_tables[layer, kind] = reader_tables(self.bounds[layer, kind], self.config, records.device)
-        tables, shift = self._reader_tables[layer, kind]
+        tables, shift = self._reader_table(layer, kind, records.device)
         cos, sin = self._cos_sin_rows(self.max_positions if add_mean == 2 else 0, records.device)
         layout = {**self._gpu_layout(add_mean), "block_size": sparse.block_size, "page_bytes": sparse.page_bytes}
-        mean = self._layer_mean_key(layer, records.device) if add_mean else _unused(records.device)
-        return oaken_rows.oaken_decode(records, sparse.layer_tensors(layer), tables, shift, layout, mean, cos, sin,
-                                       slots, positions, dtype)
+        return oaken_rows.oaken_decode(records, sparse.layer_tensors(layer), tables, shift, layout,
+                                       self._layer_mean_key(layer, records.device), cos, sin, slots, positions, dtype)
+
+    def _encoder_table(self, layer: int, kind: str, device: torch.device):
+        """The compiled and GPU encoders' tables of (layer, kind), built on first use."""
+        if (layer, kind) not in self._encoder_tables:
+            self._encoder_tables[layer, kind] = encoder_tables(self.bounds[layer, kind], self.config, device)
+        return self._encoder_tables[layer, kind]
+
+    def _reader_table(self, layer: int, kind: str, device: torch.device):
+        """The compiled and GPU readers' tables and shift of (layer, kind), built on first use."""
+        if (layer, kind) not in self._reader_tables:
+            self._reader_tables[layer, kind] = reader_tables(self.bounds[layer, kind], self.config, device)
+        return self._reader_tables[layer, kind]
 
     def _gpu_layout(self, add_mean: int) -> dict:
         """What the GPU kernels take about the records: width, groups, dense group, entry bytes, float16 outliers,
