@@ -13,39 +13,13 @@ import torch
 from kvstrata.cachegen import codec, quantize
 from kvstrata.cachegen.errors import CorruptStreamError
 from kvstrata.cachegen.levels import IMPORTANCE_LEVELS, TRANSFORM_LEVELS, CodecSettings, settings_for
-from kvstrata.cachegen.profile import CodecProfile, ProfileBuilder, TensorProfile, shipped_profile
-from kvstrata.cachegen.transform import MomentBuilder, rope_angles
+from kvstrata.cachegen.profile import CodecProfile, TensorProfile, shipped_profile
+from kvstrata.cachegen.transform import rope_angles
 from kvstrata.errors import KvstrataError
 from kvstrata.model.rotary import apply_rope
+from tests.transform_cases import DIM, FREQUENCIES, HEADS, LAYERS, codec_profile, correlated, profile_of
 
-LAYERS, HEADS, DIM = 3, 2, 8
-FREQUENCIES = (1.0 / 100.0 ** (np.arange(0, DIM, 2) / DIM)).astype(np.float32)  # as rope_inverse_frequencies gives
 MEDIUM = TRANSFORM_LEVELS["medium"]
-
-
-def correlated(tokens: int, seed: int, rotary: bool) -> torch.Tensor:
-    """[L, T, H * D] whose heads' vectors (before RoPE, for keys) lie near two directions, plus a large offset;
-    keys then rotated by RoPE at positions 0 ... T - 1, as a cache holds them."""
-    g = torch.Generator().manual_seed(seed)
-    basis = torch.randn(LAYERS, HEADS, 2, DIM, generator=torch.Generator().manual_seed(99))
-    heads = torch.einsum("lthr,lhrd->lthd", 3 * torch.randn(LAYERS, tokens, HEADS, 2, generator=g), basis)
-    heads = heads + 0.05 * torch.randn(LAYERS, tokens, HEADS, DIM, generator=g) + 2.0
-    if rotary:
-        heads = apply_rope(heads.double(), *rope_angles(FREQUENCIES, 0, tokens)).float()
-    return heads.reshape(LAYERS, tokens, HEADS * DIM)
-
-
-def sensitivity(seed: int = 5) -> np.ndarray:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.rand(LAYERS, HEADS * DIM, generator=g) + 0.1).numpy()
-
-
-def profile_of(kind: str, windows: int = 4, tokens: int = 200) -> TensorProfile:
-    rotary = kind == "k"
-    builder = ProfileBuilder(MomentBuilder(HEADS, FREQUENCIES if rotary else None))
-    for seed in range(windows):
-        builder.add(correlated(tokens, seed, rotary))
-    return builder.build(sensitivity())
 
 
 @pytest.mark.parametrize("kind", ["k", "v"])
@@ -132,7 +106,7 @@ def test_transform_needs_the_profile_and_its_settings():
 
 
 def test_profiles_keep_their_transforms(tmp_path):
-    profile = CodecProfile("abcd1234abcd1234", profile_of("k"), profile_of("v"), 4)
+    profile = codec_profile()
     profile.save(tmp_path / "p.npz")
     loaded = CodecProfile.load(tmp_path / "p.npz", "abcd1234abcd1234")
     assert loaded.digest == profile.digest and loaded.has_transforms
@@ -151,7 +125,7 @@ def test_profiles_keep_their_transforms(tmp_path):
 
 def test_a_profile_without_transforms_is_written_as_version_4():
     """So a version-4 profile keeps its digest, which the files coded with it name."""
-    profile = CodecProfile("abcd1234abcd1234", profile_of("k"), profile_of("v"), 4)
+    profile = codec_profile()
     old = CodecProfile("abcd1234abcd1234", *(dataclasses.replace(p, transform=None) for p in (profile.k, profile.v)), 4)
     with np.load(io.BytesIO(old.to_bytes())) as data:
         assert b'"version": 4' in bytes(data["meta"]) and not any("transform" in name for name in data.files)
@@ -171,7 +145,7 @@ def test_the_profile_shipped_before_the_transforms_still_opens_its_contexts():
 
 
 def broken(tmp_path, change) -> Path:
-    profile = CodecProfile("abcd1234abcd1234", profile_of("k"), profile_of("v"), 4)
+    profile = codec_profile()
     with np.load(io.BytesIO(profile.to_bytes())) as data:
         arrays = {name: data[name] for name in data.files}
     change(arrays)

@@ -5,10 +5,15 @@ import random
 
 import pytest
 
+from kvstrata.cachegen.profile import calibrate
 from kvstrata.config import EngineConfig
+from kvstrata.engine import llm_engine
+from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.store.forms import written_form
+from kvstrata.kv.store.objects import unpack_object
 
 CHUNK = 32
 # Six 200-token prompts, asked twice: the device pool (480 KiB: 640 tokens, 3 prompts) cannot keep them all.
@@ -164,6 +169,34 @@ def test_lossy_forms_serve_from_the_store(tiny_llama, tmp_path):
         outputs = run_rounds(engine)
         assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
         assert engine.kv_store.stats.loaded_tokens > 0
+
+
+def test_chunks_are_coded_over_components_at_their_positions(tiny_llama, emma_text, monkeypatch):
+    """Where the model's profile holds transforms, the store's CacheGen objects are coded over them, each chunk at
+    its position in the prompt (keys before RoPE), and such objects live in a namespace naming the profile."""
+    calibrating = make_engine(tiny_llama)
+    profile = calibrate(calibrating, calibrating.tokenize(emma_text[:20000]), windows=3, window_tokens=64,
+                        progress=False, sensitivity_windows=2, sensitivity_context=48, sensitivity_scored=16)
+    monkeypatch.setattr(llm_engine, "shipped_profile", lambda fingerprint: profile)
+    engine = make_engine(tiny_llama, kv_store="host:64MiB", kv_store_format="high")
+    assert engine.kv_store.store.shape.namespace.endswith(f"cachegen-{profile.digest}/")
+    outputs = run_rounds(engine)
+    assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
+    assert engine.kv_store.stats.loaded_tokens > 0 and engine.kv_store.store.stats.corrupt_objects == 0
+    store, prompt = engine.kv_store.store, PROMPTS[0]
+    k, v = compute_kv(engine, prompt)
+    reader = written_form("high+transform", profile)
+    for index, key in enumerate(engine.kv_store.chunk_keys(prompt, len(prompt) // CHUNK)):
+        objects = store.read(store.find(key, CHUNK)).objects
+        got_k, got_v, written, position = store._decode(key, objects, CHUNK)
+        assert (written, position) == ({"high+transform"}, index * CHUNK)
+        span = slice(index * CHUNK, (index + 1) * CHUNK)
+        for got, exact in ((got_k, k[:, span]), (got_v, v[:, span])):
+            assert (got - exact).pow(2).mean() < 0.05 * exact.pow(2).mean()
+        # decoded as if it sat elsewhere, a key comes back turned by the wrong angles
+        header, payload = unpack_object(objects["k.1"], store.shape.namespace, key, "k.1")
+        shifted = reader.decode(payload, header.shape, "k", 1, store.shape.num_layers, position + 5)
+        assert (shifted - k[1, span]).pow(2).mean() > 5 * (got_k[1] - k[1, span]).pow(2).mean()
 
 
 def test_an_aborted_request_leaves_while_its_chunks_load(tiny_llama, tmp_path):

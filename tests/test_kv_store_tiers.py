@@ -77,7 +77,7 @@ def test_sensitivity_steps_are_read_back_by_a_form_that_knows_no_profile():
     writer = stored_form("medium", torch.float32, profile)
     payload = writer.encode(x, "k", 1, 3)
     assert payload != stored_form("medium", torch.float32).encode(x, "k", 1, 3)
-    back = written_form("medium", profiled=True).decode(payload, (TOKENS, 2, 8), "k", 1, 3)
+    back = written_form("medium", profile).decode(payload, (TOKENS, 2, 8), "k", 1, 3)
     assert torch.equal(back, writer.decode(payload, (TOKENS, 2, 8), "k", 1, 3))
     # a reader that codes K as anchor differences expects other groups: the rANS stream does not fit them
     with pytest.raises(CorruptObject, match="corrupt rANS stream"):

@@ -46,25 +46,26 @@ MAX_TABLE = 1 << 20  # the widest symbol range a count table may describe
 def encode_tensor(
     x: torch.Tensor, settings: CodecSettings, kind: str, profile: TensorProfile | None = None,
     steps: tuple[torch.Tensor, torch.Tensor] | None = None, token_codes: torch.Tensor | None = None,
-    first_position: int = 0,
+    first_position: int = 0, transform: ChannelTransform | None = None,
 ) -> dict[str, bytes]:
     """`kind`: "k" or "v" (the settings may code them differently). `profile`: the model's profile of this
     tensor, needed by profiled coder models, by allocation "sensitivity", whose steps it gives unless
     `steps` (layer steps [L] and channel codes [L, C], for a slice of the layers) are given, and by
     `transform`. `token_codes` [L, T]: each token's step code, for settings with `token_steps`
     (token_importance.py makes them). `first_position`: the chunk's first token's position in its context
-    (a transform codes keys before RoPE)."""
+    (a transform codes keys before RoPE). `transform`: for a slice of the layers, with that slice's `steps`
+    (default: the profile's, with its component steps)."""
     x = x.float().cpu()
     if not torch.isfinite(x).all():
         raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
     _check_position(first_position)
     if settings.transform:
-        if steps is not None:
-            raise ValueError("settings with transform take their steps from the profile, not `steps`")
-        transform = _transform_of(profile)
+        if (transform is None) != (steps is None):
+            raise ValueError("a transform for a slice of the layers comes with that slice's steps, and only with them")
+        transform = transform or _transform_of(profile)
         # The chunk's first token, its 8-bit anchor, stays as it is.
         x = torch.cat((x[:, :1], transform.forward(x[:, 1:], first_position + 1)), dim=1)
-        steps = profile.component_steps(settings.bins[0])
+        steps = steps or profile.component_steps(settings.bins[0])
     if settings.quantizer == "uniform":
         symbols = quantize_uniform(x, settings.bits)
         sections = {"scales": symbols.scale.numpy().tobytes()}
@@ -103,11 +104,12 @@ def encode_tensor(
 
 def decode_tensor(
     sections: dict[str, bytes], settings: CodecSettings, shape: tuple[int, int, int], kind: str,
-    profile: TensorProfile | None = None, first_position: int = 0,
+    profile: TensorProfile | None = None, first_position: int = 0, transform: ChannelTransform | None = None,
 ) -> torch.Tensor:
+    """`transform`: for a tensor of a slice of the layers (default: the profile's)."""
     _check_position(first_position)
     if settings.transform:
-        transform = _transform_of(profile)
+        transform = transform or _transform_of(profile)
         coded = decode_tensor(sections, dataclasses.replace(settings, transform=False), shape, kind, profile)
         return torch.cat((coded[:, :1], transform.inverse(coded[:, 1:], first_position + 1)), dim=1)
     num_layers, num_tokens, channels = shape

@@ -134,6 +134,14 @@ TRANSFORM_LEVELS: dict[str, CodecSettings] = {
     name: replace(IMPORTANCE_LEVELS[name], bins=(b, b, b), transform=True)
     for name, b in (("high", 0.4), ("medium", 0.8), ("low", 1.6))
 }
+# The KV store's objects, coded when a chunk is computed (no later queries to weigh its tokens by): the
+# sensitivity levels over components, without steps per token. Objects of one layer and 256 tokens with one coder
+# model each lose more than saved contexts at a bin, so the bins were set on the same tuning texts for `medium` to
+# stay within 1% of 8 bits there (docs/BENCHMARKS.md, "Transform coding in the KV store").
+COMPONENT_LEVELS: dict[str, CodecSettings] = {
+    name: replace(SENSITIVITY_LEVELS[name], bins=(b, b, b), transform=True)
+    for name, b in (("high", 0.3), ("medium", 0.6), ("low", 1.2))
+}
 BASELINES: dict[str, CodecSettings] = {
     f"uniform{bits}{suffix}": CodecSettings(quantizer="uniform", bits=bits, models=models)
     for bits in (8, 4, 3)
@@ -145,13 +153,15 @@ ALL_LEVELS = {**LEVELS, **BASELINES}
 def settings_for(level: str, profiled: bool = False, token_steps: bool = False, transform: bool = False
                  ) -> CodecSettings:
     """A level's settings; with `profiled` (the model has a profile), a CacheGen level's sensitivity form; with
-    `token_steps` as well (the caller codes each token's importance), its steps-per-token form; and with
-    `transform` too (the profile holds transforms and the caller knows the chunk's positions), its transform
-    form."""
+    `token_steps` (the caller codes each token's importance), its steps-per-token form; with `transform` (the
+    profile holds transforms and the caller knows the chunk's positions), its form over components. A level
+    that has no such form (near-lossless) keeps the last one it has."""
     if level not in ALL_LEVELS:
         raise KvstrataError(f"level {level!r} is not one of {', '.join(ALL_LEVELS)}")
     if not profiled or level not in SENSITIVITY_LEVELS:
         return ALL_LEVELS[level]
-    if not token_steps or level not in IMPORTANCE_LEVELS:
-        return SENSITIVITY_LEVELS[level]
-    return TRANSFORM_LEVELS[level] if transform else IMPORTANCE_LEVELS[level]
+    if token_steps and level in IMPORTANCE_LEVELS:
+        return TRANSFORM_LEVELS[level] if transform else IMPORTANCE_LEVELS[level]
+    if transform and not token_steps and level in COMPONENT_LEVELS:
+        return COMPONENT_LEVELS[level]
+    return SENSITIVITY_LEVELS[level]

@@ -72,6 +72,13 @@ class ChannelTransform:
             heads = apply_rope(heads, *rope_angles(self.inverse_frequencies, first_position, z.shape[1]))
         return heads.reshape(z.shape)
 
+    def layer(self, index: int) -> ChannelTransform:
+        """The transform of one layer alone, for a tensor of that layer only (a KV store object)."""
+        if not 0 <= index < len(self.weight):
+            raise ValueError(f"layer {index} is not one of the transform's {len(self.weight)}")
+        span = slice(index, index + 1)
+        return ChannelTransform(self.weight[span], self.mean[span], self.rotation[span], self.inverse_frequencies)
+
     @cached_property
     def _matrices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per (layer, head), z = x E + e and x = z F + f, float32: E = diag(w) R and F = R^T diag(1 / w)

@@ -92,8 +92,10 @@ def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str
     probes = probe_kv_heads(model_config.num_heads, model_config.num_kv_heads) if probe_keys else 0
     if probe_keys:  # chunks holding probe keys are another kind of object: engines that read them find only those
         namespace += f"probe{probes}/"
+    if profile is not None and profile.has_transforms:  # objects coded over its components decode only with it
+        namespace += f"cachegen-{profile.digest}/"
     shape = StoreShape(namespace, model_config.num_layers, model_config.num_kv_heads, model_config.head_dim)
-    return TieredStore(tiers, tier_forms, shape, profiled=profile is not None, probe_kv_heads=probes, heat=heat)
+    return TieredStore(tiers, tier_forms, shape, profile=profile, probe_kv_heads=probes, heat=heat)
 
 
 class KVStoreLink:
@@ -431,19 +433,20 @@ class KVStoreLink:
             self._release(size)
             return
         self.stats.chunks_queued += fitting
-        self._write_thread.submit(self._write, self.chunk_keys(seq.token_ids, end)[first:], k, v, size)
+        self._write_thread.submit(self._write, self.chunk_keys(seq.token_ids, end)[first:], first * self.chunk_tokens,
+                                  k, v, size)
 
     def _read(self, block_table: list[int], first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, end - first, kv_heads, head_dim] of one sequence's tokens, as float32 on the CPU."""
         layers = [self.kv_cache.read(layer, block_table, end, first) for layer in range(self.kv_cache.num_layers)]
         return torch.stack([k.cpu() for k, _ in layers]), torch.stack([v.cpu() for _, v in layers])
 
-    def _write(self, keys: list[str], k: torch.Tensor, v: torch.Tensor, size: int) -> None:
-        """On the write thread: each chunk to every tier that lacks it."""
+    def _write(self, keys: list[str], position: int, k: torch.Tensor, v: torch.Tensor, size: int) -> None:
+        """On the write thread: each chunk to every tier that lacks it (the first one's first token at `position`)."""
         try:
             for index, key in enumerate(keys):
                 span = slice(index * self.chunk_tokens, (index + 1) * self.chunk_tokens)
-                self.store.put(key, k[:, span], v[:, span])
+                self.store.put(key, k[:, span], v[:, span], position=position + span.start)
         except Exception:
             log.exception("writing chunks to the KV store failed; they are skipped")
         finally:

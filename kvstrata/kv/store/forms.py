@@ -3,8 +3,11 @@ CacheGen level (papers/cachegen.md; kvstrata/cachegen/codec.py), one layer per o
 read a subset of layers. The `levels` form writes a chunk once in each of float16 and the CacheGen levels,
 so a loader streaming it picks the level of every chunk as the link allows (CacheGen §4).
 
-Each object names its form in its header (`StoredForm.name`: float32, float16, bfloat16 or a level), so a
-reader decodes whatever form a chunk was written in, whichever form it writes itself.
+Each object names its form in its header (`StoredForm.name`: float32, float16, bfloat16, a level, or a level
+coded over each KV head's decorrelated components, "<level>+transform"), so a reader decodes whatever form a
+chunk was written in, whichever form it writes itself. The transform (kvstrata/cachegen/transform.py) needs the
+chunk's first position (keys are coded before RoPE) and the model's profile to decode; a chunk whose tokens are
+not in order (a reordered IMPRESS node's) is coded over its channels.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import struct
 from abc import ABC, abstractmethod
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvstrata.cachegen.codec import decode_tensor, encode_tensor
-from kvstrata.cachegen.levels import CACHEGEN_LEVELS, settings_for
+from kvstrata.cachegen.levels import CACHEGEN_LEVELS, COMPONENT_LEVELS, settings_for
 from kvstrata.cachegen.quantize import layer_bins
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.errors import CorruptObject
@@ -30,18 +34,25 @@ LEVELS_FORM = "levels"
 STORE_FORMS = (*FLOAT_FORMS, *CACHEGEN_LEVELS, LEVELS_FORM)  # what --kv-store-format takes
 STREAMED_LEVELS = ("float16", *CACHEGEN_LEVELS)  # what the levels form writes, best quality first
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # as written
+TRANSFORM_SUFFIX = "+transform"  # of a level coded over each KV head's decorrelated components
 _SECTION = struct.Struct("<HI")  # name length, data length
 
 
 class StoredForm(ABC):
     name: str
 
-    @abstractmethod
-    def encode(self, x: torch.Tensor, kind: str, layer: int, num_layers: int) -> bytes:
-        """Bytes of x [tokens, kv_heads, head_dim], the `kind` ("k" or "v") of `layer`."""
+    def at(self, position: int | None) -> StoredForm:
+        """The form this one writes a chunk in whose first token sits at `position` in its context (None: the
+        chunk's tokens are not in order)."""
+        return self
 
     @abstractmethod
-    def decode(self, payload: bytes, shape: tuple[int, ...], kind: str, layer: int, num_layers: int) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, kind: str, layer: int, num_layers: int, position: int | None = None) -> bytes:
+        """Bytes of x [tokens, kv_heads, head_dim], the `kind` ("k" or "v") of `layer`, first token at `position`."""
+
+    @abstractmethod
+    def decode(self, payload: bytes, shape: tuple[int, ...], kind: str, layer: int, num_layers: int,
+               position: int | None = None) -> torch.Tensor:
         """x [tokens, kv_heads, head_dim] (float32) back from `encode`'s bytes; CorruptObject if they do not fit."""
 
 
@@ -49,10 +60,10 @@ class FloatForm(StoredForm):
     def __init__(self, dtype: torch.dtype):
         self.name, self.dtype = str(dtype).removeprefix("torch."), dtype
 
-    def encode(self, x, kind, layer, num_layers):
+    def encode(self, x, kind, layer, num_layers, position=None):
         return x.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
 
-    def decode(self, payload, shape, kind, layer, num_layers):
+    def decode(self, payload, shape, kind, layer, num_layers, position=None):
         expected = self.dtype.itemsize * _count(shape)
         if len(payload) != expected:
             raise CorruptObject(f"a {self.name} object of shape {shape} holds {len(payload)} bytes, expected {expected}")
@@ -66,30 +77,67 @@ class CacheGenForm(StoredForm):
     """One layer coded alone, and one coder model for its anchors and one for the rest, counted per object.
     Per-(layer, channel) models would ship one count table and cost one coder call per channel in every
     256-token object; decoding is on the time-to-first-token path. With the model's profile, the layer's
-    steps come from its sensitivity (the steps travel in the object, so a reader needs no profile); without
-    one, the level's bin for the layer's third."""
+    steps come from its sensitivity (the steps travel in the object, so a reader needs no profile unless the
+    object is coded over transformed components); without one, the level's bin for the layer's third."""
 
-    def __init__(self, level: str, profile: CodecProfile | None = None, profiled: bool = False):
-        """`profile`: the model's, to write with steps from its sensitivity; `profiled` alone: to read what such a
-        writer wrote (K is then coded directly)."""
-        self.name = level
-        profiled = profiled or profile is not None
-        self.settings = dataclasses.replace(settings_for(level, profiled=profiled), models="global")
-        self.steps = ({kind: getattr(profile, kind).steps(self.settings.bins[0]) for kind in ("k", "v")}
-                      if profile is not None else None)
+    def __init__(self, level: str, profile: CodecProfile | None = None, profiled: bool = False,
+                 transform: bool = False):
+        """`profile`: the model's, to write with steps from its sensitivity, and to write or read components of
+        its transforms (`transform`); `profiled` alone: to read what such a writer wrote over channels (K is then
+        coded directly)."""
+        if transform and (profile is None or not profile.has_transforms):
+            raise ValueError("a CacheGen form coded over transformed components needs a profile holding transforms")
+        self.name = level + (TRANSFORM_SUFFIX if transform else "")
+        self.level, self.profile = level, profile
+        self.settings = dataclasses.replace(
+            settings_for(level, profiled=profiled or profile is not None, transform=transform), models="global")
+
+    def at(self, position):
+        if (position is None or self.settings.transform or self.profile is None or not self.profile.has_transforms
+                or self.level not in COMPONENT_LEVELS):
+            return self
+        return self._transformed
+
+    @cached_property
+    def _transformed(self) -> CacheGenForm:
+        return CacheGenForm(self.level, self.profile, transform=True)
+
+    @cached_property
+    def _steps(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """Layer steps and channel codes per kind, from the profile's sensitivity (None without a profile)."""
+        if self.profile is None:
+            return None
+        bin_size = self.settings.bins[0]
+        return {kind: (getattr(self.profile, kind).component_steps(bin_size) if self.settings.transform
+                       else getattr(self.profile, kind).steps(bin_size)) for kind in ("k", "v")}
+
+    @cached_property
+    def _transforms(self) -> dict[str, list]:
+        """Each layer's transform per kind, for objects of one layer."""
+        return {kind: [getattr(self.profile, kind).transform.layer(layer)
+                       for layer in range(len(self.profile.k.sigma))] for kind in ("k", "v")}
 
     def _layer_settings(self, layer: int, num_layers: int):
         step = float(layer_bins(self.settings.bins, num_layers)[layer])
         return dataclasses.replace(self.settings, bins=(step, step, step))
 
-    def encode(self, x, kind, layer, num_layers):
+    def _coding(self, kind: str, layer: int, position: int | None) -> dict:
+        """encode_tensor's and decode_tensor's arguments for a transform: the chunk's position and its layer's
+        transform."""
+        if not self.settings.transform:
+            return {}
+        if position is None:
+            raise CorruptObject(f"a {self.name} object names no position for its first token")
+        return {"first_position": position, "transform": self._transforms[kind][layer]}
+
+    def encode(self, x, kind, layer, num_layers, position=None):
         tokens, heads, dim = x.shape
-        steps = tuple(part[layer : layer + 1] for part in self.steps[kind]) if self.steps else None
+        steps = tuple(part[layer : layer + 1] for part in self._steps[kind]) if self._steps else None
         sections = encode_tensor(x.reshape(1, tokens, heads * dim), self._layer_settings(layer, num_layers), kind,
-                                 steps=steps)
+                                 steps=steps, **self._coding(kind, layer, position))
         return b"".join(_SECTION.pack(len(n), len(d)) + n.encode() + d for n, d in sections.items())
 
-    def decode(self, payload, shape, kind, layer, num_layers):
+    def decode(self, payload, shape, kind, layer, num_layers, position=None):
         if len(shape) != 3:
             raise CorruptObject(f"a {self.name} object has shape {shape}, expected (tokens, kv_heads, head_dim)")
         sections, offset = {}, 0
@@ -104,8 +152,10 @@ class CacheGenForm(StoredForm):
             sections[name] = payload[offset + name_len : offset + name_len + data_len]
             offset += name_len + data_len
         tokens, heads, dim = shape
+        coding = self._coding(kind, layer, position)
         try:
-            x = decode_tensor(sections, self._layer_settings(layer, num_layers), (1, tokens, heads * dim), kind)
+            x = decode_tensor(sections, self._layer_settings(layer, num_layers), (1, tokens, heads * dim), kind,
+                              **coding)
         except Exception as exc:  # the checksum held, so this is a stream of another codec version
             raise CorruptObject(f"a {self.name} object could not be decoded: {type(exc).__name__}: {exc}") from exc
         if not torch.isfinite(x).all():
@@ -122,6 +172,10 @@ class LeveledForm:
     def __init__(self, profile: CodecProfile | None = None):
         self.levels: list[StoredForm] = [FloatForm(torch.float16),
                                          *(CacheGenForm(level, profile) for level in CACHEGEN_LEVELS)]
+
+    def at(self, position: int | None) -> LeveledForm:
+        """Itself: each level takes the chunk's position as it writes (StoredForm.at)."""
+        return self
 
 
 def _count(shape: tuple[int, ...]) -> int:
@@ -144,13 +198,18 @@ def stored_form(name: str, compute_dtype: torch.dtype,
     raise KvstrataError(f"kv_store_format {name!r} is not one of {', '.join(STORE_FORMS)}")
 
 
-def written_form(name: str, profiled: bool = False) -> StoredForm:
-    """The form an object's header names, as an engine whose model has a profile (`profiled`) or none writes it;
-    CorruptObject if no such form exists."""
+def written_form(name: str, profile: CodecProfile | None = None) -> StoredForm:
+    """The form an object's header names, as an engine with the model's profile `profile` (or none) writes it;
+    CorruptObject if no such form exists or it needs transforms the profile lacks."""
     if name in FLOAT_DTYPES:
         return FloatForm(FLOAT_DTYPES[name])
-    if name in CACHEGEN_LEVELS:
-        return CacheGenForm(name, profiled=profiled)
+    level = name.removesuffix(TRANSFORM_SUFFIX)
+    if level in CACHEGEN_LEVELS and name == level:
+        return CacheGenForm(level, profiled=profile is not None)
+    if level in COMPONENT_LEVELS:
+        if profile is None or not profile.has_transforms:
+            raise CorruptObject(f"an object in the form {name!r} needs the model's profile with transforms to decode")
+        return CacheGenForm(level, profile, transform=True)
     raise CorruptObject(f"an object names the stored form {name!r}, which this version does not know")
 
 

@@ -27,6 +27,7 @@ class ObjectHeader:
     name: str  # "k.<layer>" or "v.<layer>"
     form: str  # how the payload is coded (forms.py: float32, float16, bfloat16 or a CacheGen level)
     shape: tuple[int, ...]  # of the decoded tensor: (tokens, kv_heads, head_dim)
+    position: int | None = None  # of its first token in its context; None: its tokens are not in order
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -59,9 +60,11 @@ def unpack_object(data: bytes, namespace: str, chunk: str, name: str) -> tuple[O
     try:
         fields = json.loads(head)
         header = ObjectHeader(fields["namespace"], fields["chunk"], fields["name"], str(fields["form"]),
-                              tuple(int(size) for size in fields["shape"]))
+                              tuple(int(size) for size in fields["shape"]), fields.get("position"))
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptObject(f"{where} has an unreadable header: {exc}") from None
+    if header.position is not None and (type(header.position) is not int or header.position < 0):
+        raise CorruptObject(f"{where} names the position {header.position!r}, not a non-negative integer")
     if (header.namespace, header.chunk, header.name) != (namespace, chunk, name):
         raise CorruptObject(f"{where} holds {header.name} of chunk {header.chunk[:16]} in namespace "
                             f"{header.namespace!r}, not this model and stored form's ({namespace!r})")

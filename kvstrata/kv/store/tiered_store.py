@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from kvstrata.kv.store.errors import CorruptObject, StoreUnavailable
 from kvstrata.kv.store.forms import STREAMED_LEVELS, FloatForm, LeveledForm, StoredForm, written_form
 from kvstrata.kv.store.objects import ObjectHeader, pack_object, unpack_object
 from kvstrata.kv.store.tier import Objects, Tier
+
+if TYPE_CHECKING:  # the profile module calibrates by running the model; the store only reads a profile
+    from kvstrata.cachegen.profile import CodecProfile
 
 log = logging.getLogger("kvstrata.kv.store")
 MANIFEST = "levels"  # the object of a chunk stored at several levels that gives each level's size in bytes
@@ -81,10 +85,11 @@ class StoreStats:
 
 class TieredStore:
     def __init__(self, tiers: list[Tier], forms: list[StoredForm | LeveledForm], shape: StoreShape,
-                 defer: Callable[[Callable[[], None], int], None] | None = None, profiled: bool = False,
+                 defer: Callable[[Callable[[], None], int], None] | None = None, profile: CodecProfile | None = None,
                  probe_kv_heads: int = 0, heat: ChunkHeat | None = None):
-        """`profiled`: the model has a CacheGen profile, so CacheGen objects were written with its steps (every engine
-        of one model and kvstrata version agrees; the objects' version says which). `probe_kv_heads`: also write,
+        """`profile`: the model's CacheGen profile, if it has one: CacheGen objects were then written with its steps
+        (every engine of one model and kvstrata version agrees; the objects' version says which), and those coded
+        over its transforms' components decode with it (the namespace names it: kv_store_link.py). `probe_kv_heads`: also write,
         per layer, the keys of KV heads 0 .. n-1 in float16 ("p.<layer>", outside any level), which IMPRESS reads
         to choose a layer's tokens before reading any K or V (engine/important_prefix_load.py). `heat`: the uses
         and important shares of chunks that the tiers' eviction policies rank by (the one they were built with)."""
@@ -93,7 +98,8 @@ class TieredStore:
         self.tiers = tiers
         self.forms = forms  # what each tier writes
         self.shape = shape
-        self.profiled = profiled
+        self.profile = profile
+        self._readers: dict[str, StoredForm] = {}  # the forms objects' headers name, as read (written_form)
         # Runs work a fetch need not wait for (copying a hit to the tiers above; the bytes it holds); default: now.
         self.defer = defer or (lambda work, size: work())
         self.stats = StoreStats()
@@ -192,7 +198,7 @@ class TieredStore:
         tier = self.tiers[index]
         start = time.perf_counter()
         try:
-            k, v, written = self._decode(key, fetched.objects, num_tokens)
+            k, v, written, position = self._decode(key, fetched.objects, num_tokens)
         except CorruptObject:
             self._drop(tier, key)
             raise
@@ -201,7 +207,7 @@ class TieredStore:
         self._count_use(fetched.located, None)
         if index > 0:
             size = fetched.num_bytes + 2 * k.numel() * k.element_size()
-            self.defer(lambda: self._promote(index, key, fetched.objects, written, k, v), size)
+            self.defer(lambda: self._promote(index, key, fetched.objects, written, k, v, position), size)
         return k, v
 
     def fetch(self, key: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -212,12 +218,12 @@ class TieredStore:
         return None if fetched is None else self.decode(fetched, num_tokens)
 
     def _promote(self, index: int, key: str, objects: Objects, written: set[str], k: torch.Tensor,
-                 v: torch.Tensor) -> None:
+                 v: torch.Tensor, position: int | None) -> None:
         """Copy a chunk found in tier `index` to the tiers above that lack it, re-encoded where their form differs."""
         for upper, form in zip(self.tiers[:index], self.forms):
             if not self._holds(upper, key):
-                reusable = self._has_probes(objects) and written == {form.name}
-                self._put(upper, key, objects if reusable else self.encode(key, k, v, form))
+                reusable = self._has_probes(objects) and written == {form.at(position).name}
+                self._put(upper, key, objects if reusable else self.encode(key, k, v, form, position=position))
 
     def _has_probes(self, objects: Objects) -> bool:
         """Whether read objects can be written elsewhere as they are: a read of K and V leaves probe keys out."""
@@ -225,18 +231,22 @@ class TieredStore:
 
     def _decode(self, key: str, objects: Objects, num_tokens: int | None):
         """K and V from a chunk's objects, each decoded in the form its header names (`num_tokens`: the length
-        the chunk must have; None takes it from the first object), and the set of forms they were in."""
-        layers, written = {"k": [], "v": []}, set()
+        the chunk must have; None takes it from the first object), the set of forms they were in, and the position
+        of the chunk's first token (None: not in order)."""
+        layers, written, positions = {"k": [], "v": []}, set(), set()
         for layer in range(self.shape.num_layers):
             for kind in "kv":
                 name = f"{kind}.{layer}"
                 if name not in objects:
                     raise CorruptObject(f"chunk {key[:16]} lacks its object {name}")
-                x, form = self.decode_object(key, name, objects[name], num_tokens)
+                x, header = self.decode_object(key, name, objects[name], num_tokens)
                 num_tokens = x.shape[0]
-                written.add(form)
+                written.add(header.form)
+                positions.add(header.position)
                 layers[kind].append(x)
-        return torch.stack(layers["k"]), torch.stack(layers["v"]), written
+        if len(positions) != 1:
+            raise CorruptObject(f"the objects of chunk {key[:16]} name different positions: {sorted(map(str, positions))}")
+        return torch.stack(layers["k"]), torch.stack(layers["v"]), written, positions.pop()
 
     def read_objects(self, where: Located, names: list[str], num_tokens: int
                      ) -> tuple[dict[str, torch.Tensor], int] | None:
@@ -253,10 +263,11 @@ class TieredStore:
             self._drop(self.tiers[where.tier], where.key)
             raise
 
-    def decode_object(self, key: str, name: str, data: bytes, num_tokens: int | None) -> tuple[torch.Tensor, str]:
+    def decode_object(self, key: str, name: str, data: bytes, num_tokens: int | None
+                      ) -> tuple[torch.Tensor, ObjectHeader]:
         """One object of chunk `key` ("k.<layer>", "v.<layer>" or a probe's "p.<layer>"), checked and decoded to
-        float32 [num_tokens (None: as its header says), heads, head_dim], and the form it was written in;
-        CorruptObject if it is not whole or not that object (the caller drops the chunk)."""
+        float32 [num_tokens (None: as its header says), heads, head_dim], and its header (the form it was written
+        in, its position); CorruptObject if it is not whole or not that object (the caller drops the chunk)."""
         kind, layer = name.split(".")[0], int(name.split(".")[1])
         header, payload = unpack_object(data, self.shape.namespace, key, name)
         num_tokens = header.shape[0] if num_tokens is None and header.shape else num_tokens
@@ -264,8 +275,11 @@ class TieredStore:
         want = (num_tokens, heads, self.shape.head_dim)
         if header.shape != want:
             raise CorruptObject(f"object {name} of chunk {key[:16]} has shape {header.shape}, expected {want}")
-        form = written_form(header.form, self.profiled)
-        return form.decode(payload, want, "k" if kind == "p" else kind, layer, self.shape.num_layers), header.form
+        form = self._readers.get(header.form)
+        if form is None:  # raises CorruptObject for a form this version or profile cannot read
+            form = self._readers.setdefault(header.form, written_form(header.form, self.profile))
+        kind = "k" if kind == "p" else kind
+        return form.decode(payload, want, kind, layer, self.shape.num_layers, header.position), header
 
     def count_hit(self, where: Located, num_tokens: int) -> None:
         """The `num_tokens` tokens of a located chunk served a load: a hit of its tier, a miss of those above."""
@@ -314,16 +328,17 @@ class TieredStore:
             log.warning("%s", exc)
 
     def encode(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm | LeveledForm,
-               probes: bool = True) -> Objects:
-        """The objects of chunk `key` in `form` from K and V [layers, tokens, kv_heads, head_dim]; in the levels
-        form, each level's objects under "<level>/<name>" and a manifest of their sizes; the probe keys, if the
-        store writes them and `probes`, in float16 under their own names."""
+               probes: bool = True, position: int | None = None) -> Objects:
+        """The objects of chunk `key` in `form` from K and V [layers, tokens, kv_heads, head_dim] whose first token
+        sits at `position` in its context (None: the tokens are not in order); in the levels form, each level's
+        objects under "<level>/<name>" and a manifest of their sizes; the probe keys, if the store writes them and
+        `probes`, in float16 under their own names."""
         objects = self.probe_objects(key, k) if probes else {}
         if not isinstance(form, LeveledForm):
-            return {**self._encode_form(key, k, v, form), **objects}
+            return {**self._encode_form(key, k, v, form, position), **objects}
         sizes = {}
         for level in form.levels:
-            encoded = self._encode_form(key, k, v, level)
+            encoded = self._encode_form(key, k, v, level, position)
             sizes[level.name] = sum(len(data) for data in encoded.values())
             objects.update({level_field(level.name, name): data for name, data in encoded.items()})
         header = ObjectHeader(self.shape.namespace, key, MANIFEST, form.name, ())
@@ -339,26 +354,30 @@ class TieredStore:
             objects[name] = pack_object(header, PROBE_FORM.encode(x, "k", layer, self.shape.num_layers))
         return objects
 
-    def _encode_form(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm) -> Objects:
+    def _encode_form(self, key: str, k: torch.Tensor, v: torch.Tensor, form: StoredForm, position: int | None
+                     ) -> Objects:
         start = time.perf_counter()
         objects = {}
+        form = form.at(position)
         for layer in range(self.shape.num_layers):
             for kind, x in (("k", k[layer]), ("v", v[layer])):
                 name = f"{kind}.{layer}"
-                payload = form.encode(x, kind, layer, self.shape.num_layers)
-                header = ObjectHeader(self.shape.namespace, key, name, form.name, tuple(x.shape))
+                payload = form.encode(x, kind, layer, self.shape.num_layers, position)
+                header = ObjectHeader(self.shape.namespace, key, name, form.name, tuple(x.shape), position)
                 objects[name] = pack_object(header, payload)
         self.stats.encode_seconds += time.perf_counter() - start
         return objects
 
-    def put(self, key: str, k: torch.Tensor, v: torch.Tensor, probes: bool = True) -> None:
-        """Write chunk `key` to every tier that lacks it (encoded once per form; `probes`: with the probe keys, if
-        the store writes them); a tier that fails is counted and skipped."""
+    def put(self, key: str, k: torch.Tensor, v: torch.Tensor, probes: bool = True, position: int | None = None
+            ) -> None:
+        """Write chunk `key`, whose first token sits at `position` in its context (None: its tokens are not in
+        order), to every tier that lacks it (encoded once per form; `probes`: with the probe keys, if the store
+        writes them); a tier that fails is counted and skipped."""
         encoded: dict[str, Objects] = {}
         for tier, form in zip(self.tiers, self.forms):
             if not self._holds(tier, key):
                 if form.name not in encoded:
-                    encoded[form.name] = self.encode(key, k, v, form, probes)
+                    encoded[form.name] = self.encode(key, k, v, form, probes, position)
                 self._put(tier, key, encoded[form.name])
 
     # --- records: small objects kept beside the chunks under keys of their own (kv/impress/node_reordering.py) ---
@@ -426,9 +445,10 @@ class TieredStore:
         if not self._holds(tier, key):
             try:
                 objects = _best_level(read())
-                k, v, written = self._decode(key, objects, None)
-                if written != {self.forms[below].name} or not self._has_probes(objects):
-                    objects = self.encode(key, k, v, self.forms[below])
+                k, v, written, position = self._decode(key, objects, None)
+                form = self.forms[below]
+                if written != {form.at(position).name} or not self._has_probes(objects):
+                    objects = self.encode(key, k, v, form, position=position)
             except Exception:  # an unreadable or corrupt chunk is simply not moved down
                 log.exception("chunk %s could not be read to move it down", key[:16])
                 return
