@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from kvstrata.data import EMMA
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.eval.cache_scorer import CacheScorer
 from kvstrata.kv.preloaded import PreloadedKV
+from kvstrata.kv.store.forms import StoredForm
 
 DATA = Path(__file__).parent / "data"
 PERSUASION = DATA / "persuasion.txt"
@@ -79,3 +81,29 @@ def round_trip(x: torch.Tensor, settings: CodecSettings, kind: str, chunk_tokens
         size += sum(len(data) for data in sections.values())
         pieces.append(decode_tensor(sections, settings, tuple(chunk.shape), kind, profile, first_position=start))
     return torch.cat(pieces, dim=1).reshape(x.shape), size
+
+
+@dataclass(frozen=True)
+class StoreObjects:
+    """K or V coded as the KV store writes it: one object per (256-token chunk, layer), one coder model each, by a
+    store form (kvstrata/kv/store/forms.py); `positioned`: each chunk's position known (coded over components where
+    the form has them), else as a chunk whose tokens are not in order (over channels)."""
+
+    form: StoredForm
+    positioned: bool
+    chunk_tokens: int = 256
+
+    def round_trip(self, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, int]:
+        """x [L, T, H, D] decoded, and the objects' payload bytes (each object's header, about 200 bytes, apart)."""
+        num_layers, tokens = x.shape[:2]
+        decoded, size = torch.empty_like(x), 0
+        for start in range(0, tokens, self.chunk_tokens):
+            position = start if self.positioned else None
+            form = self.form.at(position)
+            for layer in range(num_layers):
+                piece = x[layer, start : start + self.chunk_tokens]
+                payload = form.encode(piece, kind, layer, num_layers, position)
+                size += len(payload)
+                decoded[layer, start : start + self.chunk_tokens] = form.decode(
+                    payload, tuple(piece.shape), kind, layer, num_layers, position)
+        return decoded, size

@@ -11,8 +11,9 @@ next 512 tokens read through the decoded cache, and greedy agreement with the un
 logging cookbook, Python's argparse module) and two held out (KJV 1 Samuel, the Python tutorial); every
 level with its steps by layer third, from the shipped profile's sensitivity (calibrated on Pride and
 Prejudice), from that sensitivity and each token's importance, and the same over each KV head's decorrelated
-components (the profile's transforms: saved contexts' form), against 8-bit and 4-bit uniform quantization, per
-text (one window from character 50,000, or up to three, 16,000 characters apart).
+components (the profile's transforms: saved contexts' form), and as the KV store's objects (one per layer and
+256 tokens) over channels and over components, against 8-bit and 4-bit uniform quantization, per text (one window
+from character 50,000, or up to three, 16,000 characters apart).
 `austen`: Emma and Persuasion, every level and baseline without channel weighting, the paper's ablation
 (§7.5), offline profiled against per-chunk counted coder models (each text coded with a profile
 calibrated on the other novel), and the quality loss when one layer third is quantized coarsely (Insight 2).
@@ -26,6 +27,7 @@ import json
 import sys
 
 import numpy as np
+import torch
 
 from benchmarks.cachegen_common import (
     CONTEXT_TOKENS,
@@ -33,12 +35,14 @@ from benchmarks.cachegen_common import (
     SCORED_TOKENS,
     TEXTS,
     TUNING_TEXTS,
+    StoreObjects,
     Window,
     round_trip,
 )
 from kvstrata.bench.report import engine_info, machine_info, sig
 from kvstrata.cachegen.levels import (
     ALL_LEVELS,
+    COMPONENT_LEVELS,
     IMPORTANCE_LEVELS,
     LEVELS,
     SENSITIVITY_LEVELS,
@@ -46,6 +50,7 @@ from kvstrata.cachegen.levels import (
     CodecSettings,
 )
 from kvstrata.cachegen.profile import calibrate, shipped_profile
+from kvstrata.kv.store.forms import stored_form
 from kvstrata.llm import LLM
 
 ABLATION = {
@@ -58,13 +63,19 @@ ABLATION = {
 COARSE_THIRD = {"none": (0.5, 0.5, 0.5), "first": (3, 0.5, 0.5), "middle": (0.5, 3, 0.5), "last": (0.5, 0.5, 3)}
 
 
-def evaluate(windows: list[Window], settings: CodecSettings, profiles=None) -> dict:
-    """`profiles`: each window's CodecProfile by text name, for profiled models or sensitivity steps."""
+def evaluate(windows: list[Window], settings: CodecSettings | StoreObjects, profiles=None) -> dict:
+    """`settings`: the codec's, for chunks of 1,536 tokens, or the KV store's objects. `profiles`: each window's
+    CodecProfile by text name, for profiled models or sensitivity steps."""
     rows = []
     for window in windows:
         profile = profiles[window.name] if profiles else None
-        k, k_bytes = round_trip(window.k, settings, "k", profile=profile and profile.k, importance=window.importance)
-        v, v_bytes = round_trip(window.v, settings, "v", profile=profile and profile.v, importance=window.importance)
+        if isinstance(settings, StoreObjects):
+            (k, k_bytes), (v, v_bytes) = settings.round_trip(window.k, "k"), settings.round_trip(window.v, "v")
+        else:
+            k, k_bytes = round_trip(window.k, settings, "k", profile=profile and profile.k,
+                                    importance=window.importance)
+            v, v_bytes = round_trip(window.v, settings, "v", profile=profile and profile.v,
+                                    importance=window.importance)
         rows.append({"bytes": k_bytes + v_bytes, "values": 2 * window.k.numel(), "tokens": window.k.shape[1],
                      **window.quality(k, v)})
     size = sum(r["bytes"] for r in rows)
@@ -88,15 +99,17 @@ def smallest_within_1pct(rows: dict[str, dict], eight_bit: dict) -> dict | None:
     return {"level": name, "bits_per_value": bits, "size_ratio_vs_8bit": sig(eight_bit["bits_per_value"] / bits)}
 
 
-FORMS = ("plain", "sensitivity", "importance", "transform")  # a level's rows in `corpora`
+# A level's rows in `corpora`: the codec's forms, then the KV store's objects over channels and over components.
+FORMS = ("plain", "sensitivity", "importance", "transform", "store-channels", "store-components")
 WINDOW_SPACING = 16_000  # characters between a text's windows (a window's 3,584 tokens take ~11-15,000)
 
 
 def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS), forms: tuple[str, ...] = FORMS,
             windows_per_text: int = 1) -> dict:
     """`levels` with steps by layer third ("plain"), from sensitivity, from sensitivity and each token's importance,
-    and the same over each KV head's decorrelated components ("transform": what saved contexts use), on the tuning
-    and the held-out texts, `windows_per_text` windows each."""
+    and the same over each KV head's decorrelated components ("transform": what saved contexts use), and as the KV
+    store's objects over channels and over components, on the tuning and the held-out texts, `windows_per_text`
+    windows each."""
     shipped = shipped_profile(engine.model_fingerprint)
     roles = {name: "tuning" for name in TUNING_TEXTS} | {name: "held-out" for name in HELD_OUT_TEXTS}
     windows = {name: [Window(engine, name, 50_000 + i * WINDOW_SPACING) for i in range(windows_per_text)]
@@ -104,8 +117,12 @@ def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS), forms: tuple[str, .
     exact = {name: sig(float(np.mean([w.quality(w.k, w.v)["perplexity"] for w in ws]))) for name, ws in windows.items()}
     rows = {name: ALL_LEVELS[name] for name in ("uniform8", "uniform4-ac")}
     for level in levels:
+        store_form = stored_form(level, torch.float32, shipped)
         forms_of_level = {"plain": LEVELS[level], "sensitivity": SENSITIVITY_LEVELS[level],
-                          "importance": IMPORTANCE_LEVELS.get(level), "transform": TRANSFORM_LEVELS.get(level)}
+                          "importance": IMPORTANCE_LEVELS.get(level), "transform": TRANSFORM_LEVELS.get(level),
+                          "store-channels": StoreObjects(store_form, positioned=False),
+                          "store-components": StoreObjects(store_form, positioned=True)
+                          if level in COMPONENT_LEVELS else None}
         for form in forms:
             if forms_of_level[form] is not None:
                 rows[level if form == "plain" else f"{level}+{form}"] = forms_of_level[form]
@@ -125,7 +142,9 @@ def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS), forms: tuple[str, .
                      "chunk_tokens": 1536, "coder_models": "counted per chunk",
                      "sensitivity": "shipped profile (calibrated on Pride and Prejudice)",
                      "importance": "attention of the context's last 128 tokens (kvstrata/cachegen/token_importance.py)",
-                     "transform": "each KV head's decorrelating transform from the shipped profile (transform.py)"},
+                     "transform": "each KV head's decorrelating transform from the shipped profile (transform.py)",
+                     "store": "objects of one layer and 256 tokens, one coder model each (kv/store/forms.py); "
+                              "payload bytes"},
         "uncompressed_perplexity": exact,
         "levels": {name: {text: {k: row[k] for k in ("bits_per_value", "bytes_per_token", "perplexity", "agreement", "kl")}
                           for text, row in texts.items()} for name, texts in per_text.items()},
