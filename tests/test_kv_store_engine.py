@@ -4,6 +4,7 @@ below the device pool replace prefill, and every failure of the store is absorbe
 import random
 
 import pytest
+import torch
 
 from kvstrata.cachegen.profile import calibrate
 from kvstrata.config import EngineConfig
@@ -197,6 +198,18 @@ def test_chunks_are_coded_over_components_at_their_positions(tiny_llama, emma_te
         header, payload = unpack_object(objects["k.1"], store.shape.namespace, key, "k.1")
         shifted = reader.decode(payload, header.shape, "k", 1, store.shape.num_layers, position + 5)
         assert (shifted - k[1, span]).pow(2).mean() > 5 * (got_k[1] - k[1, span]).pow(2).mean()
+
+
+def test_the_store_s_threads_leave_the_engine_s_thread_count_alone(tiny_llama, tmp_path):
+    """The decode and write threads run torch on one thread each; the engine's forward keeps its own count."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="480KiB", threads=2,
+                                    kv_store_chunk_tokens=CHUNK, kv_store="host:64MiB", kv_store_format="medium"))
+    run_rounds(engine)
+    assert engine.kv_store.stats.loaded_tokens > 0 and torch.get_num_threads() == 2
+    link = engine.kv_store
+    counts = [thread.submit(torch.get_num_threads).result()
+              for thread in (link._load_thread, link._decode_thread, link._write_thread)]
+    assert counts == [2, 1, 1]
 
 
 def test_an_aborted_request_leaves_while_its_chunks_load(tiny_llama, tmp_path):

@@ -30,6 +30,7 @@ from kvstrata.engine.important_prefix_load import (
     ImportantLoadStats,
     load_important_prefix,
 )
+from kvstrata.engine.torch_threads import use_torch_threads
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.impress.node_reordering import Reorderer
 from kvstrata.kv.impress.prefix_selection import probe_kv_heads
@@ -116,9 +117,15 @@ class KVStoreLink:
         self.root = store.shape.namespace.encode()
         self.stats = LinkStats()
         self._loads: dict[str, tuple[object, Future]] = {}
-        self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-load")
-        self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-decode")
-        self._write_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-write")
+        # Decoding and encoding run many small torch ops per object: off the main thread, each spread over the
+        # engine's threads runs about twice as slowly as on one, so those threads use one each; the load thread
+        # (IMPRESS scores a prefix's tokens there) keeps the engine's count (torch_threads.py).
+        self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-load",
+                                               initializer=use_torch_threads, initargs=(torch.get_num_threads(),))
+        self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-decode",
+                                                 initializer=use_torch_threads, initargs=(1,))
+        self._write_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-write",
+                                                initializer=use_torch_threads, initargs=(1,))
         self._pending_write_bytes = 0
         self._lock = threading.Lock()
         reorders = important is not None and important.method == "impress" and important.reorder_seconds > 0

@@ -31,6 +31,7 @@ from kvstrata.engine.sampler import finite_rows, sample
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
 from kvstrata.engine.sequence import Sequence, SequenceStatus
+from kvstrata.engine.torch_threads import keep_torch_threads, use_torch_threads
 from kvstrata.errors import KvstrataError, RequestFailed
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
@@ -61,7 +62,8 @@ def _device(name: str) -> torch.device:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        torch.set_num_threads(config.threads or os.cpu_count() or 1)
+        self.threads = config.threads or os.cpu_count() or 1
+        use_torch_threads(self.threads)
         self.device = _device(config.device)
         dtype = getattr(torch, config.dtype)
         self.loaded = loaded or load_model(config.model, self.device, dtype, config.weights)
@@ -321,6 +323,7 @@ class LLMEngine:
         forward pass belongs to no one request: the step's requests end with "error", every other request
         goes on (nothing of the step was committed, so their caches are as before it).
         """
+        keep_torch_threads(self.threads)  # the KV store's threads set their own: a stepping thread keeps the engine's
         if self.kv_store is not None:
             self._schedule_loaded()
         try:

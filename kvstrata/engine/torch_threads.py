@@ -1,0 +1,23 @@
+"""How many threads this thread's torch ops use.
+
+torch keeps the count per thread, and a process-wide one besides: a thread that has not yet asked for its count
+or run a parallel op takes the process-wide count (the last that any thread set) when it first does. So a thread
+that sets its own count first takes the process-wide one, and a thread that must keep a count re-asserts it where
+another thread may have set one before its first op (the server's engine thread: LLMEngine.step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def use_torch_threads(count: int) -> None:
+    """Run this thread's torch ops on `count` threads."""
+    torch.get_num_threads()  # this thread takes the process-wide count now, not at its first op after ours
+    torch.set_num_threads(count)
+
+
+def keep_torch_threads(count: int) -> None:
+    """`use_torch_threads(count)` unless this thread already runs on `count` (cheap enough for every step)."""
+    if torch.get_num_threads() != count:
+        use_torch_threads(count)
