@@ -74,7 +74,7 @@ def test_the_position_undoes_rope_so_a_wrong_one_decodes_worse():
     right = form.decode(payload, tuple(k.shape), "k", 1, LAYERS, 60)
     wrong = form.decode(payload, tuple(k.shape), "k", 1, LAYERS, 0)
     assert (right - k).pow(2).mean() * 10 < (wrong - k).pow(2).mean()
-    with pytest.raises(CorruptObject, match="names no position"):
+    with pytest.raises(CorruptObject, match="need a position"):
         form.decode(payload, tuple(k.shape), "k", 1, LAYERS, None)
 
 

@@ -62,9 +62,7 @@ def encode_tensor(
     if settings.transform:
         if (transform is None) != (steps is None):
             raise ValueError("a transform for a slice of the layers comes with that slice's steps, and only with them")
-        transform = transform or _transform_of(profile)
-        # The chunk's first token, its 8-bit anchor, stays as it is.
-        x = torch.cat((x[:, :1], transform.forward(x[:, 1:], first_position + 1)), dim=1)
+        x = to_components(x, transform or _transform_of(profile), first_position)
         steps = steps or profile.component_steps(settings.bins[0])
     if settings.quantizer == "uniform":
         symbols = quantize_uniform(x, settings.bits)
@@ -109,9 +107,8 @@ def decode_tensor(
     """`transform`: for a tensor of a slice of the layers (default: the profile's)."""
     _check_position(first_position)
     if settings.transform:
-        transform = transform or _transform_of(profile)
         coded = decode_tensor(sections, dataclasses.replace(settings, transform=False), shape, kind, profile)
-        return torch.cat((coded[:, :1], transform.inverse(coded[:, 1:], first_position + 1)), dim=1)
+        return from_components(coded, transform or _transform_of(profile), first_position)
     num_layers, num_tokens, channels = shape
     scales = sections["scales"]
     if settings.quantizer == "uniform":
@@ -146,6 +143,22 @@ def decode_tensor(
             raise CorruptStreamError(f"a decoded token code lies outside [-{TOKEN_CODE_LIMIT}, {TOKEN_CODE_LIMIT}]")
         symbols.token_codes = torch.from_numpy(token_codes.astype(np.int8))
     return dequantize_cachegen(symbols, num_tokens, differences)
+
+
+def to_components(x: torch.Tensor, transform: ChannelTransform, first_position: int) -> torch.Tensor:
+    """x [L, T, C] of a chunk whose first token sits at `first_position`, over each KV head's components; the
+    chunk's first token, its 8-bit anchor, stays as it is (transformed with the rest and put back: one copy of
+    the tensor fewer than transforming the rest alone)."""
+    z = transform.forward(x, first_position)
+    z[:, 0] = x[:, 0]
+    return z
+
+
+def from_components(coded: torch.Tensor, transform: ChannelTransform, first_position: int) -> torch.Tensor:
+    """to_components undone (a tensor of several layers at once costs one product per head for them all)."""
+    x = transform.inverse(coded, first_position)
+    x[:, 0] = coded[:, 0]
+    return x
 
 
 def _check_position(first_position) -> None:

@@ -72,11 +72,13 @@ class ChannelTransform:
             heads = apply_rope(heads, *rope_angles(self.inverse_frequencies, first_position, z.shape[1]))
         return heads.reshape(z.shape)
 
-    def layer(self, index: int) -> ChannelTransform:
-        """The transform of one layer alone, for a tensor of that layer only (a KV store object)."""
-        if not 0 <= index < len(self.weight):
-            raise ValueError(f"layer {index} is not one of the transform's {len(self.weight)}")
-        span = slice(index, index + 1)
+    def layers(self, first: int, end: int) -> ChannelTransform:
+        """The transform of layers first ... end - 1 alone, for a tensor of those layers only (KV store objects)."""
+        if not 0 <= first < end <= len(self.weight):
+            raise ValueError(f"layers {first} to {end - 1} are not among the transform's {len(self.weight)}")
+        if (first, end) == (0, len(self.weight)):
+            return self
+        span = slice(first, end)
         return ChannelTransform(self.weight[span], self.mean[span], self.rotation[span], self.inverse_frequencies)
 
     @cached_property

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstrata.cachegen.codec import decode_tensor, encode_tensor
+from kvstrata.cachegen.codec import decode_tensor, encode_tensor, from_components
 from kvstrata.cachegen.levels import CACHEGEN_LEVELS, COMPONENT_LEVELS, settings_for
 from kvstrata.cachegen.quantize import layer_bins
 from kvstrata.errors import KvstrataError
@@ -28,6 +28,7 @@ from kvstrata.kv.store.errors import CorruptObject
 
 if TYPE_CHECKING:  # the profile module calibrates by running the model; a form only reads a profile's steps
     from kvstrata.cachegen.profile import CodecProfile
+    from kvstrata.cachegen.transform import ChannelTransform
 
 FLOAT_FORMS = {"raw": None, "fp16": torch.float16}  # raw: the dtype the K/V were computed in
 LEVELS_FORM = "levels"
@@ -55,6 +56,13 @@ class StoredForm(ABC):
                position: int | None = None) -> torch.Tensor:
         """x [tokens, kv_heads, head_dim] (float32) back from `encode`'s bytes; CorruptObject if they do not fit."""
 
+    def decode_layers(self, payloads: dict[int, bytes], shape: tuple[int, ...], kind: str, num_layers: int,
+                      position: int | None = None) -> torch.Tensor:
+        """[len(payloads), tokens, kv_heads, head_dim]: the objects of one chunk's layers (layer -> payload, in
+        order), as `decode` gives each."""
+        return torch.stack([self.decode(payload, shape, kind, layer, num_layers, position)
+                            for layer, payload in payloads.items()])
+
 
 class FloatForm(StoredForm):
     def __init__(self, dtype: torch.dtype):
@@ -68,7 +76,7 @@ class FloatForm(StoredForm):
         if len(payload) != expected:
             raise CorruptObject(f"a {self.name} object of shape {shape} holds {len(payload)} bytes, expected {expected}")
         x = torch.frombuffer(bytearray(payload), dtype=self.dtype).reshape(shape).float()
-        if not torch.isfinite(x).all():
+        if not _all_finite(x):
             raise CorruptObject(f"a {self.name} object holds NaN or inf values")
         return x
 
@@ -89,6 +97,7 @@ class CacheGenForm(StoredForm):
             raise ValueError("a CacheGen form coded over transformed components needs a profile holding transforms")
         self.name = level + (TRANSFORM_SUFFIX if transform else "")
         self.level, self.profile = level, profile
+        self._transform_slices: dict[tuple[str, int, int], ChannelTransform] = {}
         self.settings = dataclasses.replace(
             settings_for(level, profiled=profiled or profile is not None, transform=transform), models="global")
 
@@ -111,35 +120,57 @@ class CacheGenForm(StoredForm):
         return {kind: (getattr(self.profile, kind).component_steps(bin_size) if self.settings.transform
                        else getattr(self.profile, kind).steps(bin_size)) for kind in ("k", "v")}
 
-    @cached_property
-    def _transforms(self) -> dict[str, list]:
-        """Each layer's transform per kind, for objects of one layer."""
-        return {kind: [getattr(self.profile, kind).transform.layer(layer)
-                       for layer in range(len(self.profile.k.sigma))] for kind in ("k", "v")}
-
     def _layer_settings(self, layer: int, num_layers: int):
         step = float(layer_bins(self.settings.bins, num_layers)[layer])
         return dataclasses.replace(self.settings, bins=(step, step, step))
 
-    def _coding(self, kind: str, layer: int, position: int | None) -> dict:
-        """encode_tensor's and decode_tensor's arguments for a transform: the chunk's position and its layer's
-        transform."""
-        if not self.settings.transform:
-            return {}
-        if position is None:
-            raise CorruptObject(f"a {self.name} object names no position for its first token")
-        return {"first_position": position, "transform": self._transforms[kind][layer]}
+    def _layer_transform(self, kind: str, first: int, end: int) -> ChannelTransform:
+        """The profile's transform of `kind` for layers first ... end - 1, kept (its products are built once)."""
+        key = (kind, first, end)
+        if key not in self._transform_slices:
+            self._transform_slices[key] = getattr(self.profile, kind).transform.layers(first, end)
+        return self._transform_slices[key]
 
     def encode(self, x, kind, layer, num_layers, position=None):
         tokens, heads, dim = x.shape
         steps = tuple(part[layer : layer + 1] for part in self._steps[kind]) if self._steps else None
+        coding = {}
+        if self.settings.transform:
+            if position is None:
+                raise ValueError(f"a {self.name} object is written at its chunk's position (StoredForm.at)")
+            coding = {"first_position": position, "transform": self._layer_transform(kind, layer, layer + 1)}
         sections = encode_tensor(x.reshape(1, tokens, heads * dim), self._layer_settings(layer, num_layers), kind,
-                                 steps=steps, **self._coding(kind, layer, position))
+                                 steps=steps, **coding)
         return b"".join(_SECTION.pack(len(n), len(d)) + n.encode() + d for n, d in sections.items())
 
     def decode(self, payload, shape, kind, layer, num_layers, position=None):
+        return self.decode_layers({layer: payload}, shape, kind, num_layers, position)[0]
+
+    def decode_layers(self, payloads, shape, kind, num_layers, position=None):
+        """Over components, the symbols of every object first, then one inverse transform for all its layers
+        (per object, its small products would cost as much as decoding the symbols)."""
         if len(shape) != 3:
             raise CorruptObject(f"a {self.name} object has shape {shape}, expected (tokens, kv_heads, head_dim)")
+        tokens, heads, dim = shape
+        layers = list(payloads)
+        if self.settings.transform and (position is None or layers != list(range(layers[0], layers[-1] + 1))):
+            raise CorruptObject(f"{self.name} objects of layers {layers} at position {position} cannot be decoded "
+                                f"together: they need a position and consecutive layers")
+        coded = []
+        for layer, payload in payloads.items():
+            settings = dataclasses.replace(self._layer_settings(layer, num_layers), transform=False)
+            try:
+                coded.append(decode_tensor(self._sections(payload), settings, (1, tokens, heads * dim), kind))
+            except Exception as exc:  # the checksum held, so this is a stream of another codec version
+                raise CorruptObject(f"a {self.name} object could not be decoded: {type(exc).__name__}: {exc}") from exc
+        x = torch.cat(coded)
+        if self.settings.transform:
+            x = from_components(x, self._layer_transform(kind, layers[0], layers[-1] + 1), position)
+        if not _all_finite(x):
+            raise CorruptObject(f"a {self.name} object decodes to NaN or inf values")
+        return x.reshape(len(layers), tokens, heads, dim)
+
+    def _sections(self, payload: bytes) -> dict[str, bytes]:
         sections, offset = {}, 0
         while offset < len(payload):
             if offset + _SECTION.size > len(payload):
@@ -151,16 +182,7 @@ class CacheGenForm(StoredForm):
             name = payload[offset : offset + name_len].decode("ascii", "replace")
             sections[name] = payload[offset + name_len : offset + name_len + data_len]
             offset += name_len + data_len
-        tokens, heads, dim = shape
-        coding = self._coding(kind, layer, position)
-        try:
-            x = decode_tensor(sections, self._layer_settings(layer, num_layers), (1, tokens, heads * dim), kind,
-                              **coding)
-        except Exception as exc:  # the checksum held, so this is a stream of another codec version
-            raise CorruptObject(f"a {self.name} object could not be decoded: {type(exc).__name__}: {exc}") from exc
-        if not torch.isfinite(x).all():
-            raise CorruptObject(f"a {self.name} object decodes to NaN or inf values")
-        return x.reshape(shape)
+        return sections
 
 
 class LeveledForm:
@@ -176,6 +198,12 @@ class LeveledForm:
     def at(self, position: int | None) -> LeveledForm:
         """Itself: each level takes the chunk's position as it writes (StoredForm.at)."""
         return self
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether x holds no NaN or inf, in one pass (a sum that overflows counts as not: values that large are not
+    a cache's)."""
+    return bool(torch.isfinite(x.sum()))
 
 
 def _count(shape: tuple[int, ...]) -> int:

@@ -230,23 +230,26 @@ class TieredStore:
         return all(name in objects for name in self.probe_names)
 
     def _decode(self, key: str, objects: Objects, num_tokens: int | None):
-        """K and V from a chunk's objects, each decoded in the form its header names (`num_tokens`: the length
-        the chunk must have; None takes it from the first object), the set of forms they were in, and the position
-        of the chunk's first token (None: not in order)."""
-        layers, written, positions = {"k": [], "v": []}, set(), set()
-        for layer in range(self.shape.num_layers):
-            for kind in "kv":
+        """K and V from a chunk's objects, decoded in the form their headers name (`num_tokens`: the length the
+        chunk must have; None takes it from the first object), the set of forms they were in, and the position
+        of the chunk's first token (None: not in order). A chunk's objects are written together, in one form
+        at one position: each kind's layers are decoded in one call (StoredForm.decode_layers)."""
+        payloads: dict[str, dict[int, bytes]] = {"k": {}, "v": {}}
+        headers = []
+        for kind in "kv":
+            for layer in range(self.shape.num_layers):
                 name = f"{kind}.{layer}"
                 if name not in objects:
                     raise CorruptObject(f"chunk {key[:16]} lacks its object {name}")
-                x, header = self.decode_object(key, name, objects[name], num_tokens)
-                num_tokens = x.shape[0]
-                written.add(header.form)
-                positions.add(header.position)
-                layers[kind].append(x)
-        if len(positions) != 1:
-            raise CorruptObject(f"the objects of chunk {key[:16]} name different positions: {sorted(map(str, positions))}")
-        return torch.stack(layers["k"]), torch.stack(layers["v"]), written, positions.pop()
+                header, payloads[kind][layer], want = self._unpack(key, name, objects[name], num_tokens)
+                num_tokens = want[0]
+                headers.append(header)
+        if len({(header.form, header.position) for header in headers}) != 1:
+            raise CorruptObject(f"the objects of chunk {key[:16]} name different forms or positions")
+        form, position = headers[0].form, headers[0].position
+        k, v = (self._reader(form).decode_layers(payloads[kind], want, kind, self.shape.num_layers, position)
+                for kind in "kv")
+        return k, v, {form}, position
 
     def read_objects(self, where: Located, names: list[str], num_tokens: int
                      ) -> tuple[dict[str, torch.Tensor], int] | None:
@@ -268,18 +271,29 @@ class TieredStore:
         """One object of chunk `key` ("k.<layer>", "v.<layer>" or a probe's "p.<layer>"), checked and decoded to
         float32 [num_tokens (None: as its header says), heads, head_dim], and its header (the form it was written
         in, its position); CorruptObject if it is not whole or not that object (the caller drops the chunk)."""
+        header, payload, want = self._unpack(key, name, data, num_tokens)
         kind, layer = name.split(".")[0], int(name.split(".")[1])
+        kind = "k" if kind == "p" else kind
+        return self._reader(header.form).decode(payload, want, kind, layer, self.shape.num_layers,
+                                                header.position), header
+
+    def _unpack(self, key: str, name: str, data: bytes, num_tokens: int | None
+                ) -> tuple[ObjectHeader, bytes, tuple[int, int, int]]:
+        """An object's header and payload, checked (objects.py), and the shape it decodes to."""
         header, payload = unpack_object(data, self.shape.namespace, key, name)
         num_tokens = header.shape[0] if num_tokens is None and header.shape else num_tokens
-        heads = self.probe_kv_heads if kind == "p" else self.shape.kv_heads
+        heads = self.probe_kv_heads if name.startswith("p.") else self.shape.kv_heads
         want = (num_tokens, heads, self.shape.head_dim)
         if header.shape != want:
             raise CorruptObject(f"object {name} of chunk {key[:16]} has shape {header.shape}, expected {want}")
-        form = self._readers.get(header.form)
-        if form is None:  # raises CorruptObject for a form this version or profile cannot read
-            form = self._readers.setdefault(header.form, written_form(header.form, self.profile))
-        kind = "k" if kind == "p" else kind
-        return form.decode(payload, want, kind, layer, self.shape.num_layers, header.position), header
+        return header, payload, want
+
+    def _reader(self, form_name: str) -> StoredForm:
+        """The form an object's header names, as read (CorruptObject for one this version or profile cannot read)."""
+        form = self._readers.get(form_name)
+        if form is None:
+            form = self._readers.setdefault(form_name, written_form(form_name, self.profile))
+        return form
 
     def count_hit(self, where: Located, num_tokens: int) -> None:
         """The `num_tokens` tokens of a located chunk served a load: a hit of its tier, a miss of those above."""
