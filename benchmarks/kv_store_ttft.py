@@ -7,7 +7,9 @@
 of context + question when it is recomputed (a fresh engine, no store) and when a fresh engine finds it in
 Redis in each stored form (written there by another engine first); the perplexity of the 512 tokens after the
 context, scored through KV fetched from the store, against scoring through recomputed KV. TTFT counts from
-the request's arrival: lookup, fetch and decode of stored KV included.
+the request's arrival: lookup, fetch and decode of stored KV included. Perplexities are scored with the same
+weights in float32 (`--weights fp32`): the default int4 kernels take activations in bfloat16, whose rounding
+moves one window's perplexity by up to about 1% when the KV changes by float rounding alone.
 
 `reuse`: passages of 2,000-4,000 tokens from three texts, each asked several questions in random order (fixed
 seed), one request at a time, with a device KV budget that holds about two passages; TTFT p50/p99, each tier's
@@ -83,13 +85,14 @@ def stored_kv(reader: LLMEngine, context: list[int]) -> list[PreloadedKV]:
 def run_target(forms: list[str], redis: RedisServer) -> dict:
     results = {}
     recompute_engine = engine()
+    scorer = engine(weights="fp32")  # exact arithmetic: the rows differ by their KV alone
     for name in ("emma", "python_tutorial"):
         ids = window(recompute_engine, name)
         context = ids[:CONTEXT_TOKENS]
         prompt = context + recompute_engine.tokenize(QUESTIONS[0])
         recomputed = first_token(engine(), prompt)
-        row = {"prompt_tokens": len(prompt), "recompute_ttft_s": recomputed.metrics.ttft,
-               "recompute_perplexity": perplexity(recompute_engine, ids, []), "forms": {}}
+        row = {"prompt_tokens": len(prompt), "recompute_ttft_s": recomputed.metrics.ttft, "perplexity_weights": "fp32",
+               "recompute_perplexity": perplexity(scorer, ids, []), "forms": {}}
         for form in forms:
             store = {"kv_store": redis.url, "kv_store_format": form}
             redis.flush()
@@ -107,7 +110,7 @@ def run_target(forms: list[str], redis: RedisServer) -> dict:
                 "encode_s": writer.kv_store.store.stats.encode_seconds,
                 "same_first_token": loaded.token_ids == recomputed.token_ids,
             }
-            quality = perplexity(reader, ids, stored_kv(reader, context))  # fetches again: after the counters
+            quality = perplexity(scorer, ids, stored_kv(reader, context))  # fetches again: after the counters
             row["forms"][form].update(perplexity=quality, perplexity_vs_recompute=quality / row["recompute_perplexity"] - 1)
             print(name, form, json.dumps(row["forms"][form]), file=sys.stderr, flush=True)
         results[name] = row
