@@ -21,6 +21,7 @@ Redis is a real redis-server on loopback, started here; its link is loopback (no
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -112,6 +113,10 @@ def run_target(forms: list[str], redis: RedisServer) -> dict:
             }
             quality = perplexity(scorer, ids, stored_kv(reader, context))  # fetches again: after the counters
             row["forms"][form].update(perplexity=quality, perplexity_vs_recompute=quality / row["recompute_perplexity"] - 1)
+            writer.close()  # each form's engines run alone: the earlier ones' threads and memory are gone
+            reader.close()
+            del writer, reader
+            gc.collect()
             print(name, form, json.dumps(row["forms"][form]), file=sys.stderr, flush=True)
         results[name] = row
     return results
