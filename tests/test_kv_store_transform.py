@@ -117,3 +117,19 @@ def test_the_levels_form_writes_each_level_over_components_where_it_has_them():
     fetched = store.read(where, level="low")
     for got, exact in zip(store.decode(fetched, TOKENS), chunk_at(30)):
         assert (got - exact).pow(2).mean() < 0.1 * exact.pow(2).mean()  # low: the coarsest level
+
+
+def test_a_chunk_read_at_two_levels_decodes_each_run_of_layers_in_its_own_form():
+    """A streamed load reads its first chunk's first layers at the best level (its probe), the rest at the level
+    it then chooses: one chunk, objects in two forms."""
+    profile = codec_profile()
+    store = store_over(HostTier(10**7), forms=["levels"], profile=profile)
+    k, v = chunk_at(40)
+    store.put("c0", k, v, position=40)
+    where = store.find("c0", TOKENS)
+    probe = store.read(where, level="float16", layers=range(1))
+    got_k, got_v = store.decode(probe.joined(store.read(where, level="medium", layers=range(1, LAYERS))), TOKENS)
+    assert torch.allclose(got_k[0], k[0], atol=2e-2) and torch.allclose(got_v[0], v[0], atol=2e-2)  # float16
+    whole_k, whole_v = store.decode(store.read(where, level="medium"), TOKENS)
+    assert torch.equal(got_k[1:], whole_k[1:]) and torch.equal(got_v[1:], whole_v[1:])
+    assert store.stats.corrupt_objects == 0

@@ -15,7 +15,8 @@ Saved contexts go one step further (IMPORTANCE_LEVELS, `token_steps`): each toke
 attention the context's last tokens pay it (token_importance.py), finer where later queries look. The bins
 are those of the sensitivity levels over 0.75, so `medium` stays near its size; chosen on the tuning texts
 (docs/BENCHMARKS.md, "Steps per token"). Where the profile holds transforms, saved contexts code each KV head's
-decorrelated components instead of its channels (TRANSFORM_LEVELS, transform.py).
+decorrelated components instead of its channels (TRANSFORM_LEVELS, transform.py), and so do the KV store's
+objects, without steps per token (COMPONENT_LEVELS).
 """
 
 from __future__ import annotations

@@ -232,24 +232,27 @@ class TieredStore:
     def _decode(self, key: str, objects: Objects, num_tokens: int | None):
         """K and V from a chunk's objects, decoded in the form their headers name (`num_tokens`: the length the
         chunk must have; None takes it from the first object), the set of forms they were in, and the position
-        of the chunk's first token (None: not in order). A chunk's objects are written together, in one form
-        at one position: each kind's layers are decoded in one call (StoredForm.decode_layers)."""
-        payloads: dict[str, dict[int, bytes]] = {"k": {}, "v": {}}
-        headers = []
+        of the chunk's first token (None: not in order). Consecutive layers in one form are decoded in one call
+        (StoredForm.decode_layers); a streamed chunk's first layers may come at another level (its probe)."""
+        runs: dict[str, list[tuple[str, dict[int, bytes]]]] = {"k": [], "v": []}  # (form, layer -> payload)
+        positions = set()
         for kind in "kv":
             for layer in range(self.shape.num_layers):
                 name = f"{kind}.{layer}"
                 if name not in objects:
                     raise CorruptObject(f"chunk {key[:16]} lacks its object {name}")
-                header, payloads[kind][layer], want = self._unpack(key, name, objects[name], num_tokens)
+                header, payload, want = self._unpack(key, name, objects[name], num_tokens)
                 num_tokens = want[0]
-                headers.append(header)
-        if len({(header.form, header.position) for header in headers}) != 1:
-            raise CorruptObject(f"the objects of chunk {key[:16]} name different forms or positions")
-        form, position = headers[0].form, headers[0].position
-        k, v = (self._reader(form).decode_layers(payloads[kind], want, kind, self.shape.num_layers, position)
-                for kind in "kv")
-        return k, v, {form}, position
+                positions.add(header.position)
+                if not runs[kind] or runs[kind][-1][0] != header.form:
+                    runs[kind].append((header.form, {}))
+                runs[kind][-1][1][layer] = payload
+        if len(positions) != 1:
+            raise CorruptObject(f"the objects of chunk {key[:16]} name different positions: {sorted(map(str, positions))}")
+        position = positions.pop()
+        k, v = (_joined([self._reader(form).decode_layers(payloads, want, kind, self.shape.num_layers, position)
+                         for form, payloads in runs[kind]]) for kind in "kv")
+        return k, v, {form for kind in "kv" for form, _ in runs[kind]}, position
 
     def read_objects(self, where: Located, names: list[str], num_tokens: int
                      ) -> tuple[dict[str, torch.Tensor], int] | None:
@@ -480,6 +483,10 @@ class TieredStore:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _best_level(objects: Objects) -> Objects:
