@@ -64,8 +64,9 @@ COARSE_THIRD = {"none": (0.5, 0.5, 0.5), "first": (3, 0.5, 0.5), "middle": (0.5,
 
 
 def evaluate(windows: list[Window], settings: CodecSettings | StoreObjects, profiles=None) -> dict:
-    """`settings`: the codec's, for chunks of 1,536 tokens, or the KV store's objects. `profiles`: each window's
-    CodecProfile by text name, for profiled models or sensitivity steps."""
+    """`settings`: the codec's, for chunks of 1,536 tokens, or the KV store's objects (which carry their own
+    profile). `profiles`: each window's CodecProfile by text name, for the codec's profiled models or sensitivity
+    steps."""
     rows = []
     for window in windows:
         profile = profiles[window.name] if profiles else None
@@ -122,7 +123,7 @@ def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS), forms: tuple[str, .
                           "importance": IMPORTANCE_LEVELS.get(level), "transform": TRANSFORM_LEVELS.get(level),
                           "store-channels": StoreObjects(store_form, positioned=False),
                           "store-components": StoreObjects(store_form, positioned=True)
-                          if level in COMPONENT_LEVELS else None}
+                          if level in COMPONENT_LEVELS and shipped is not None and shipped.has_transforms else None}
         for form in forms:
             if forms_of_level[form] is not None:
                 rows[level if form == "plain" else f"{level}+{form}"] = forms_of_level[form]

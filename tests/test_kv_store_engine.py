@@ -2,6 +2,7 @@
 below the device pool replace prefill, and every failure of the store is absorbed."""
 
 import random
+import threading
 
 import pytest
 import torch
@@ -210,6 +211,13 @@ def test_the_store_s_threads_leave_the_engine_s_thread_count_alone(tiny_llama, t
     counts = [thread.submit(torch.get_num_threads).result()
               for thread in (link._load_thread, link._decode_thread, link._write_thread)]
     assert counts == [2, 1, 1]
+    # A thread that has run no torch op yet (the server's engine thread) steps the engine on the engine's count
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2))
+    stepped = []
+    thread = threading.Thread(target=lambda: stepped.append((engine.step(), torch.get_num_threads())[1]))
+    thread.start()
+    thread.join()
+    assert stepped == [2]
 
 
 def test_an_aborted_request_leaves_while_its_chunks_load(tiny_llama, tmp_path):

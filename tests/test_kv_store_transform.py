@@ -3,6 +3,9 @@ need the chunk's position and the model's profile, and a store without them stil
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -11,7 +14,7 @@ from kvstrata.kv.store.disk_tier import DiskTier
 from kvstrata.kv.store.errors import CorruptObject
 from kvstrata.kv.store.forms import stored_form, written_form
 from kvstrata.kv.store.host_tier import HostTier
-from kvstrata.kv.store.objects import unpack_object
+from kvstrata.kv.store.objects import MAGIC, PREAMBLE, VERSION, _digest, unpack_object
 from kvstrata.kv.store.tiered_store import StoreShape, TieredStore
 from tests.transform_cases import DIM, HEADS, LAYERS, codec_profile, correlated
 
@@ -42,7 +45,7 @@ def test_store_levels_over_components_are_the_sensitivity_levels_with_a_transfor
     for level, settings in COMPONENT_LEVELS.items():
         assert settings_for(level, profiled=True, transform=True) == settings
         assert settings.transform and not settings.token_steps
-        assert settings.bins[0] < SENSITIVITY_LEVELS[level].bins[0]  # coarser per bin than channels: see levels.py
+        assert settings.bins[0] < SENSITIVITY_LEVELS[level].bins[0]  # smaller bins: a bin over components loses more
     # near-lossless keeps its channel steps: it promises every value's precision
     assert settings_for("near-lossless", profiled=True, transform=True) == SENSITIVITY_LEVELS["near-lossless"]
 
@@ -131,5 +134,24 @@ def test_a_chunk_read_at_two_levels_decodes_each_run_of_layers_in_its_own_form()
     got_k, got_v = store.decode(probe.joined(store.read(where, level="medium", layers=range(1, LAYERS))), TOKENS)
     assert torch.allclose(got_k[0], k[0], atol=2e-2) and torch.allclose(got_v[0], v[0], atol=2e-2)  # float16
     whole_k, whole_v = store.decode(store.read(where, level="medium"), TOKENS)
-    assert torch.equal(got_k[1:], whole_k[1:]) and torch.equal(got_v[1:], whole_v[1:])
+    assert torch.allclose(got_k[1:], whole_k[1:], atol=1e-5) and torch.allclose(got_v[1:], whole_v[1:], atol=1e-5)
     assert store.stats.corrupt_objects == 0
+
+
+def test_objects_written_before_positions_still_read_and_a_bad_position_is_refused():
+    host = HostTier(10**7)
+    store = store_over(host, forms=["medium"], profile=codec_profile())
+    k, v = chunk_at(0)
+    store.put("c0", k, v)  # over channels
+    head, payload = unpack_object(host.get("c0", ["k.1"])["k.1"], SHAPE.namespace, "c0", "k.1")
+    fields = {name: value for name, value in dataclasses.asdict(head).items() if name != "position"}
+    old = json.dumps(fields, separators=(",", ":")).encode()  # a header as the previous version wrote it
+    data = PREAMBLE.pack(MAGIC, VERSION, len(old), _digest(old, payload)) + old + payload
+    assert unpack_object(data, SHAPE.namespace, "c0", "k.1")[0].position is None
+    assert torch.equal(store.decode_object("c0", "k.1", data, TOKENS), store.decode_object(
+        "c0", "k.1", host.get("c0", ["k.1"])["k.1"], TOKENS))
+    for bad in (-1, 2**40, 1.5, "7"):
+        header = json.dumps({**fields, "position": bad}, separators=(",", ":")).encode()
+        data = PREAMBLE.pack(MAGIC, VERSION, len(header), _digest(header, payload)) + header + payload
+        with pytest.raises(CorruptObject, match="names the position"):
+            unpack_object(data, SHAPE.namespace, "c0", "k.1")

@@ -163,6 +163,6 @@ def settings_for(level: str, profiled: bool = False, token_steps: bool = False, 
         return ALL_LEVELS[level]
     if token_steps and level in IMPORTANCE_LEVELS:
         return TRANSFORM_LEVELS[level] if transform else IMPORTANCE_LEVELS[level]
-    if transform and not token_steps and level in COMPONENT_LEVELS:
+    if transform and level in COMPONENT_LEVELS:
         return COMPONENT_LEVELS[level]
     return SENSITIVITY_LEVELS[level]

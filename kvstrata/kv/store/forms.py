@@ -159,13 +159,17 @@ class CacheGenForm(StoredForm):
         coded = []
         for layer, payload in payloads.items():
             settings = dataclasses.replace(self._layer_settings(layer, num_layers), transform=False)
+            sections = self._sections(payload)
             try:
-                coded.append(decode_tensor(self._sections(payload), settings, (1, tokens, heads * dim), kind))
+                coded.append(decode_tensor(sections, settings, (1, tokens, heads * dim), kind))
             except Exception as exc:  # the checksum held, so this is a stream of another codec version
                 raise CorruptObject(f"a {self.name} object could not be decoded: {type(exc).__name__}: {exc}") from exc
         x = torch.cat(coded)
         if self.settings.transform:
-            x = from_components(x, self._layer_transform(kind, layers[0], layers[-1] + 1), position)
+            try:
+                x = from_components(x, self._layer_transform(kind, layers[0], layers[-1] + 1), position)
+            except (ValueError, RuntimeError) as exc:  # layers or heads the profile does not have
+                raise CorruptObject(f"{self.name} objects do not fit the profile's transforms: {exc}") from exc
         if not _all_finite(x):
             raise CorruptObject(f"a {self.name} object decodes to NaN or inf values")
         return x.reshape(len(layers), tokens, heads, dim)

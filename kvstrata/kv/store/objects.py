@@ -17,6 +17,7 @@ from kvstrata.kv.store.errors import CorruptObject
 
 MAGIC = b"KVSO"
 VERSION = 3  # 2: CacheGen objects may carry per-channel step codes; 3: K coded directly, steps from sensitivity
+MAX_POSITION = 2**31  # of a chunk's first token: beyond any context a model here attends over
 PREAMBLE = struct.Struct("<4sBH16s")  # magic, version, header length, blake2b-128 of header + payload
 
 
@@ -25,9 +26,10 @@ class ObjectHeader:
     namespace: str  # model fingerprint and the device cache's stored form
     chunk: str  # the chunk's chained token hash, hex
     name: str  # "k.<layer>" or "v.<layer>"
-    form: str  # how the payload is coded (forms.py: float32, float16, bfloat16 or a CacheGen level)
+    form: str  # how the payload is coded (forms.py: float32, float16, bfloat16, a CacheGen level, "<level>+transform")
     shape: tuple[int, ...]  # of the decoded tensor: (tokens, kv_heads, head_dim)
-    position: int | None = None  # of its first token in its context; None: its tokens are not in order
+    position: int | None = None  # of its first token in its context; None: not recorded (tokens not in order, a
+    # manifest, a probe, or an object written before positions were)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -63,8 +65,8 @@ def unpack_object(data: bytes, namespace: str, chunk: str, name: str) -> tuple[O
                               tuple(int(size) for size in fields["shape"]), fields.get("position"))
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptObject(f"{where} has an unreadable header: {exc}") from None
-    if header.position is not None and (type(header.position) is not int or header.position < 0):
-        raise CorruptObject(f"{where} names the position {header.position!r}, not a non-negative integer")
+    if header.position is not None and (type(header.position) is not int or not 0 <= header.position < MAX_POSITION):
+        raise CorruptObject(f"{where} names the position {header.position!r}, not an integer in [0, {MAX_POSITION})")
     if (header.namespace, header.chunk, header.name) != (namespace, chunk, name):
         raise CorruptObject(f"{where} holds {header.name} of chunk {header.chunk[:16]} in namespace "
                             f"{header.namespace!r}, not this model and stored form's ({namespace!r})")

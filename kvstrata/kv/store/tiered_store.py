@@ -263,22 +263,20 @@ class TieredStore:
         if fetched is None:
             return None
         try:
-            return {name: self.decode_object(where.key, name, fetched.objects[name], num_tokens)[0]
+            return {name: self.decode_object(where.key, name, fetched.objects[name], num_tokens)
                     for name in names}, fetched.num_bytes
         except CorruptObject:
             self._drop(self.tiers[where.tier], where.key)
             raise
 
-    def decode_object(self, key: str, name: str, data: bytes, num_tokens: int | None
-                      ) -> tuple[torch.Tensor, ObjectHeader]:
-        """One object of chunk `key` ("k.<layer>", "v.<layer>" or a probe's "p.<layer>"), checked and decoded to
-        float32 [num_tokens (None: as its header says), heads, head_dim], and its header (the form it was written
-        in, its position); CorruptObject if it is not whole or not that object (the caller drops the chunk)."""
+    def decode_object(self, key: str, name: str, data: bytes, num_tokens: int | None) -> torch.Tensor:
+        """One object of chunk `key` ("k.<layer>", "v.<layer>" or a probe's "p.<layer>"), checked and decoded, in
+        the form and at the position its header names, to float32 [num_tokens (None: as its header says), heads,
+        head_dim]; CorruptObject if it is not whole or not that object (the caller drops the chunk)."""
         header, payload, want = self._unpack(key, name, data, num_tokens)
         kind, layer = name.split(".")[0], int(name.split(".")[1])
         kind = "k" if kind == "p" else kind
-        return self._reader(header.form).decode(payload, want, kind, layer, self.shape.num_layers,
-                                                header.position), header
+        return self._reader(header.form).decode(payload, want, kind, layer, self.shape.num_layers, header.position)
 
     def _unpack(self, key: str, name: str, data: bytes, num_tokens: int | None
                 ) -> tuple[ObjectHeader, bytes, tuple[int, int, int]]:
