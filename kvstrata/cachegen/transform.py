@@ -73,13 +73,21 @@ class ChannelTransform:
         return heads.reshape(z.shape)
 
     def layers(self, first: int, end: int) -> ChannelTransform:
-        """The transform of layers first ... end - 1 alone, for a tensor of those layers only (KV store objects)."""
+        """The transform of layers first ... end - 1 alone, for a tensor of those layers only (KV store objects);
+        kept, so every reader and writer of those layers shares its products."""
         if not 0 <= first < end <= len(self.weight):
             raise ValueError(f"layers {first} to {end - 1} are not among the transform's {len(self.weight)}")
         if (first, end) == (0, len(self.weight)):
             return self
-        span = slice(first, end)
-        return ChannelTransform(self.weight[span], self.mean[span], self.rotation[span], self.inverse_frequencies)
+        if (first, end) not in self._slices:
+            span = slice(first, end)
+            self._slices[first, end] = ChannelTransform(self.weight[span], self.mean[span], self.rotation[span],
+                                                        self.inverse_frequencies)
+        return self._slices[first, end]
+
+    @cached_property
+    def _slices(self) -> dict[tuple[int, int], ChannelTransform]:
+        return {}
 
     @cached_property
     def _matrices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

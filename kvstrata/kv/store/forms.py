@@ -97,7 +97,6 @@ class CacheGenForm(StoredForm):
             raise ValueError("a CacheGen form coded over transformed components needs a profile holding transforms")
         self.name = level + (TRANSFORM_SUFFIX if transform else "")
         self.level, self.profile = level, profile
-        self._transform_slices: dict[tuple[str, int, int], ChannelTransform] = {}
         self.settings = dataclasses.replace(
             settings_for(level, profiled=profiled or profile is not None, transform=transform), models="global")
 
@@ -125,11 +124,7 @@ class CacheGenForm(StoredForm):
         return dataclasses.replace(self.settings, bins=(step, step, step))
 
     def _layer_transform(self, kind: str, first: int, end: int) -> ChannelTransform:
-        """The profile's transform of `kind` for layers first ... end - 1, kept (its products are built once)."""
-        key = (kind, first, end)
-        if key not in self._transform_slices:
-            self._transform_slices[key] = getattr(self.profile, kind).transform.layers(first, end)
-        return self._transform_slices[key]
+        return getattr(self.profile, kind).transform.layers(first, end)
 
     def encode(self, x, kind, layer, num_layers, position=None):
         tokens, heads, dim = x.shape

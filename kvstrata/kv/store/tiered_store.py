@@ -222,12 +222,15 @@ class TieredStore:
         """Copy a chunk found in tier `index` to the tiers above that lack it, re-encoded where their form differs."""
         for upper, form in zip(self.tiers[:index], self.forms):
             if not self._holds(upper, key):
-                reusable = self._has_probes(objects) and written == {form.at(position).name}
-                self._put(upper, key, objects if reusable else self.encode(key, k, v, form, position=position))
+                self._put(upper, key, self._objects_in(form, key, objects, written, k, v, position))
 
-    def _has_probes(self, objects: Objects) -> bool:
-        """Whether read objects can be written elsewhere as they are: a read of K and V leaves probe keys out."""
-        return all(name in objects for name in self.probe_names)
+    def _objects_in(self, form: StoredForm | LeveledForm, key: str, objects: Objects, written: set[str],
+                    k: torch.Tensor, v: torch.Tensor, position: int | None) -> Objects:
+        """A chunk's objects for a tier writing `form`: those read, where they are in that form and hold the probe
+        keys (a read of K and V leaves them out), else K and V encoded again."""
+        if all(name in objects for name in self.probe_names) and written == {form.at(position).name}:
+            return objects
+        return self.encode(key, k, v, form, position=position)
 
     def _decode(self, key: str, objects: Objects, num_tokens: int | None):
         """K and V from a chunk's objects, decoded in the form their headers name (`num_tokens`: the length the
@@ -461,9 +464,7 @@ class TieredStore:
             try:
                 objects = _best_level(read())
                 k, v, written, position = self._decode(key, objects, None)
-                form = self.forms[below]
-                if written != {form.at(position).name} or not self._has_probes(objects):
-                    objects = self.encode(key, k, v, form, position=position)
+                objects = self._objects_in(self.forms[below], key, objects, written, k, v, position)
             except Exception:  # an unreadable or corrupt chunk is simply not moved down
                 log.exception("chunk %s could not be read to move it down", key[:16])
                 return
