@@ -202,15 +202,17 @@ def test_chunks_are_coded_over_components_at_their_positions(tiny_llama, emma_te
 
 
 def test_the_store_s_threads_leave_the_engine_s_thread_count_alone(tiny_llama, tmp_path):
-    """The decode and write threads run torch on one thread each; the engine's forward keeps its own count."""
+    """The decoder and write threads run torch on one thread each, as many decoders as the engine has threads;
+    the engine's forward keeps its own count."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="480KiB", threads=2,
                                     kv_store_chunk_tokens=CHUNK, kv_store="host:64MiB", kv_store_format="medium"))
     run_rounds(engine)
     assert engine.kv_store.stats.loaded_tokens > 0 and torch.get_num_threads() == 2
     link = engine.kv_store
     counts = [thread.submit(torch.get_num_threads).result()
-              for thread in (link._load_thread, link._decode_thread, link._write_thread)]
+              for thread in (link._load_thread, link._decoders, link._write_thread)]
     assert counts == [2, 1, 1]
+    assert link._decoders._max_workers == link.estimate.decoders == 2
     # A thread that has run no torch op yet (the server's engine thread) steps the engine on the engine's count
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2))
     stepped = []

@@ -160,6 +160,17 @@ def test_a_slow_decoder_counts_where_it_is_slower_than_the_link():
     assert option_seconds("low", [SIZES], 256, link) == pytest.approx(0.00057 + 0.3)  # not measured: as "high"
 
 
+def test_two_decoders_share_the_chunks_and_the_backlog():
+    one, two = (LinkEstimate(1000 * MBPS, {"high": 0.3}, decoders=n) for n in (1, 2))
+    # four chunks read in 1.2 ms each: one decoder takes them in turn from the first read, two take two each
+    # from the second
+    assert option_seconds("high", [SIZES] * 4, 256, one) == pytest.approx(0.0012 + 4 * 0.3)
+    assert option_seconds("high", [SIZES] * 4, 256, two) == pytest.approx(0.0024 + 2 * 0.3)
+    # 0.6 s of decoding queued: split between two decoders, 0.3 s each before the new chunk's turn
+    assert option_seconds("high", [SIZES], 256, two, decode_backlog=0.6) == pytest.approx(0.6)
+    assert option_seconds("high", [SIZES], 256, one, decode_backlog=0.6) == pytest.approx(0.9)
+
+
 def test_a_link_that_drops_mid_load_is_followed_one_chunk_late_and_adaptation_meets_the_objective():
     def drop(t):
         return 100 * MBPS if t < 0.1 else 10 * MBPS

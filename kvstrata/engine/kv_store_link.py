@@ -111,19 +111,21 @@ class KVStoreLink:
         self.chunk_tokens = chunk_tokens
         self.ttft_slo = ttft_slo  # seconds from a request's arrival to its first token: what streaming aims at
         self.level = level  # "auto" or the level every chunk stored at several levels is read at
-        self.estimate = LinkEstimate(prefill=prefill or PrefillSpeed())
+        decoders = torch.get_num_threads()  # one chunk per core: the rANS coder runs without the GIL
+        self.estimate = LinkEstimate(prefill=prefill or PrefillSpeed(), decoders=decoders)
         self.kv_manager = kv_manager
         self.kv_cache = kv_cache
         self.root = store.shape.namespace.encode()
         self.stats = LinkStats()
         self._loads: dict[str, tuple[object, Future]] = {}
         # Decoding and encoding run many small torch ops per object: off the main thread, each spread over the
-        # engine's threads runs about twice as slowly as on one, so those threads use one each; the load thread
-        # (IMPRESS scores a prefix's tokens there) keeps the engine's count (torch_threads.py).
+        # engine's threads runs about twice as slowly as on one, so those threads use one each (and chunks are
+        # decoded side by side, as many as the engine has threads); the load thread (IMPRESS scores a prefix's
+        # tokens there) keeps the engine's count (torch_threads.py).
         self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-load",
                                                initializer=use_torch_threads, initargs=(torch.get_num_threads(),))
-        self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-decode",
-                                                 initializer=use_torch_threads, initargs=(1,))
+        self._decoders = ThreadPoolExecutor(decoders, thread_name_prefix="kvstrata-store-decode",
+                                            initializer=use_torch_threads, initargs=(1,))
         self._write_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-write",
                                                 initializer=use_torch_threads, initargs=(1,))
         self._pending_write_bytes = 0
@@ -158,7 +160,7 @@ class KVStoreLink:
     def _load(self, seq, keys: list[str], first: int) -> list[PreloadedKV]:
         """On the load thread: the chunks from `first` on, up to the first one no tier holds, as ranges of KV.
         Each chunk stored at several levels is read at the level `_pick` chooses, or left to be recomputed from
-        its text; chunk i is decoded on the decode thread while chunk i + 1 is read. A chunk that turns out
+        its text; the chunks read are decoded on the decoder threads while the next one is read. A chunk that turns out
         corrupt is recomputed; an unreachable tier ends the load (the rest is recomputed)."""
         self.store.begin_load()
         found = self._find(keys[first:])
@@ -204,7 +206,7 @@ class KVStoreLink:
             if level is not None:
                 self._measure_read(fetched, found[index:], chunk, level, recomputed, seconds_left, backlog)
             whole = fetched if probe is None else probe.joined(fetched)
-            decoding[chunk] = self._decode_thread.submit(self._decode, whole, level)
+            decoding[chunk] = self._decoders.submit(self._decode, whole, level)
             levels[chunk] = level
         ranges = self._ranges(decoding)
         if ranges:
@@ -335,7 +337,7 @@ class KVStoreLink:
         self.estimate.bytes_per_second = measured
 
     def _decode(self, fetched: Fetched, level: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """On the decode thread: K and V of a read chunk; None if it is corrupt (it is recomputed)."""
+        """On a decoder thread: K and V of a read chunk; None if it is corrupt (it is recomputed)."""
         start = time.perf_counter()
         try:
             kv = self.store.decode(fetched, self.chunk_tokens)
@@ -490,6 +492,6 @@ class KVStoreLink:
         if self.reorderer is not None:
             self.reorderer.stop()
         self._load_thread.shutdown(wait=False, cancel_futures=True)
-        self._decode_thread.shutdown(wait=False, cancel_futures=True)
+        self._decoders.shutdown(wait=False, cancel_futures=True)
         self._write_thread.shutdown(wait=True)
         self.store.close()

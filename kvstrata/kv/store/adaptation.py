@@ -3,8 +3,9 @@
 stored levels best first.
 
 For the next chunk, an option's cost is what loading every remaining chunk that way would take, at the
-throughput the last chunk read got (assumed to hold). Reading and decoding are two resources working side by
-side (chunk i is decoded while chunk i + 1 is read), so the load is simulated chunk by chunk (plan_seconds);
+throughput the last chunk read got (assumed to hold). Reading and decoding work side by side (chunks already
+read are decoded, by as many decoders as the link has, while the next one is read), so the load is simulated
+chunk by chunk (plan_seconds);
 text costs its tokens' prefill, after the load, at their place in the context (prefill_speed.py). The best
 option whose cost, with the tokens recomputed anyway, fits in the time left before the objective is chosen; if
 none fits, the quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
@@ -37,6 +38,7 @@ class LinkEstimate:
     prefill: PrefillSpeed = field(default_factory=PrefillSpeed)  # the engine's recent prefill speed
     after_load_seconds: float = 0.0  # from a load's end to the first token, prefill aside (placing the KV, ...)
     plan_errors: tuple[float, ...] = ()  # of recent loads: actual / predicted seconds from the first choice on
+    decoders: int = 1  # chunks decoded side by side (decode_seconds is what one takes with the others busy)
 
     def observe_plan(self, predicted: float, actual: float) -> None:
         """A load's first choice predicted `predicted` seconds to its first token; it took `actual`. (A new tuple
@@ -65,9 +67,11 @@ def plan_seconds(plan: list[str], remaining: list[dict[str, int]], chunk_tokens:
                  decode_backlog: float = 0.0, first_token: int = 0) -> float | None:
     """What loading the remaining chunks (bytes of each level, per chunk; the first one starts at token
     `first_token`) with options `plan` (one per chunk) takes: chunks are read one after another, each decoded
-    once read and once the decodes before it are done (those of chunks already read take `decode_backlog`),
-    and chunks left to text are prefilled after the load. None if it cannot be told yet."""
-    read_end, decode_end, text = 0.0, decode_backlog, PrefillWork()
+    once read by the first of the link's decoders to be free (the chunks already read keep them busy for
+    `decode_backlog` seconds between them), and chunks left to text are prefilled after the load. None if it
+    cannot be told yet."""
+    read_end, text = 0.0, PrefillWork()
+    decoders_free = [decode_backlog / link.decoders] * link.decoders  # when each decoder is next free
     for index, (option, sizes) in enumerate(zip(plan, remaining)):
         if option == TEXT:
             text += PrefillWork.span(first_token + index * chunk_tokens, chunk_tokens)
@@ -75,9 +79,10 @@ def plan_seconds(plan: list[str], remaining: list[dict[str, int]], chunk_tokens:
         if link.bytes_per_second is None:
             return None
         read_end += sizes.get(option, min(sizes.values())) / link.bytes_per_second
-        decode_end = max(decode_end, read_end) + decode_seconds(option, link)
+        first_free = min(range(link.decoders), key=decoders_free.__getitem__)
+        decoders_free[first_free] = max(decoders_free[first_free], read_end) + decode_seconds(option, link)
     prefill = link.prefill.seconds(text) if text.tokens else 0.0
-    return None if prefill is None else decode_end + prefill
+    return None if prefill is None else max(decoders_free) + prefill
 
 
 def option_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -103,6 +104,7 @@ class TieredStore:
         # Runs work a fetch need not wait for (copying a hit to the tiers above; the bytes it holds); default: now.
         self.defer = defer or (lambda work, size: work())
         self.stats = StoreStats()
+        self._counting = threading.Lock()  # chunks are decoded, and their hits counted, on several threads at once
         self.heat = heat or ChunkHeat()
         self.heat.on_aged.append(lambda: [tier.rescore() for tier in self.tiers])
         for below, tier in enumerate(tiers[1:], start=1):
@@ -202,7 +204,8 @@ class TieredStore:
         except CorruptObject:
             self._drop(tier, key)
             raise
-        self.stats.decode_seconds += time.perf_counter() - start
+        with self._counting:
+            self.stats.decode_seconds += time.perf_counter() - start
         self.count_hit(fetched.located, num_tokens)
         self._count_use(fetched.located, None)
         if index > 0:
@@ -301,9 +304,10 @@ class TieredStore:
 
     def count_hit(self, where: Located, num_tokens: int) -> None:
         """The `num_tokens` tokens of a located chunk served a load: a hit of its tier, a miss of those above."""
-        self.tiers[where.tier].stats.hit_tokens += num_tokens
-        for upper in self.tiers[: where.tier]:
-            upper.stats.miss_tokens += num_tokens
+        with self._counting:
+            self.tiers[where.tier].stats.hit_tokens += num_tokens
+            for upper in self.tiers[: where.tier]:
+                upper.stats.miss_tokens += num_tokens
 
     def note_use(self, where: Located, num_tokens: int, important_share: float | None) -> None:
         """A load used some objects of a located object set (a chunk, a reordered node's physical chunk or
@@ -320,11 +324,12 @@ class TieredStore:
     def _count_use(self, where: Located, important_share: float | None) -> None:
         weight = self.heat.record(where.key, important_share)
         tier = self.tiers[where.tier]
-        tier.stats.chunk_hits += 1
-        tier.stats.important_hits += weight
-        for upper in self.tiers[: where.tier]:
-            upper.stats.chunk_misses += 1
-            upper.stats.important_misses += weight
+        with self._counting:
+            tier.stats.chunk_hits += 1
+            tier.stats.important_hits += weight
+            for upper in self.tiers[: where.tier]:
+                upper.stats.chunk_misses += 1
+                upper.stats.important_misses += weight
         tier.used(where.key)
 
     def _copy_up(self, where: Located, uppers: list[Tier]) -> None:
