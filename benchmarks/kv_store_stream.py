@@ -106,7 +106,7 @@ def miss_share(times: list[float], slo: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--slos", default="2.0,2.5,3.0,3.5", help="time-to-first-token objectives, seconds")
+    parser.add_argument("--slos", default="1.0,1.25,1.5,2.0,2.5", help="time-to-first-token objectives, seconds")
     parser.add_argument("--per-text", type=int, default=2, help="contexts per text")
     parser.add_argument("--traces", default=",".join(TRACES), help=f"of {', '.join(TRACES)}")
     args = parser.parse_args()

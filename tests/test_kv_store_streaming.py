@@ -171,6 +171,24 @@ def test_two_decoders_share_the_chunks_and_the_backlog():
     assert option_seconds("high", [SIZES], 256, one, decode_backlog=0.6) == pytest.approx(0.9)
 
 
+def test_when_nothing_fits_levels_are_mixed_where_a_mix_is_quicker_than_any_one_level():
+    # 1 Gbps: 15 float16 chunks take 0.71 s to read, 15 low ones 0.68 s for two decoders to decode
+    link = LinkEstimate(125 * MBPS, {"float16": 0.03, "low": 0.09}, decoders=2)
+    chunks, read_end, decoders_free, options = 15, 0.0, [0.0, 0.0], []
+    for index in range(chunks):  # each chunk chosen as a load would: after the previous read, with its backlog
+        backlog = sum(max(free - read_end, 0.0) for free in decoders_free)
+        option = choose_option([SIZES] * (chunks - index), 256, 0.1, link, decode_backlog=backlog)
+        options.append(option)
+        read_end += SIZES[option] / link.bytes_per_second
+        first_free = decoders_free.index(min(decoders_free))
+        decoders_free[first_free] = max(decoders_free[first_free], read_end) + link.decode_seconds[option]
+    fixed = {level: option_seconds(level, [SIZES] * chunks, 256, link) for level in SIZES}
+    assert {"float16", "low"} <= set(options)
+    assert max(decoders_free) < 0.8 * min(fixed.values())
+    # the link alone, or the decoders alone, set every fixed level's time: nothing to mix, the fewest bytes
+    assert choose_option([SIZES] * chunks, 256, 0.1, LinkEstimate(125 * MBPS, {}, decoders=2)) == "low"
+
+
 def test_a_link_that_drops_mid_load_is_followed_one_chunk_late_and_adaptation_meets_the_objective():
     def drop(t):
         return 100 * MBPS if t < 0.1 else 10 * MBPS

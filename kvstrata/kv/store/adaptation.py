@@ -8,7 +8,8 @@ read are decoded, by as many decoders as the link has, while the next one is rea
 chunk by chunk (plan_seconds);
 text costs its tokens' prefill, after the load, at their place in the context (prefill_speed.py). The best
 option whose cost, with the tokens recomputed anyway, fits in the time left before the objective is chosen; if
-none fits, the quickest. Before any throughput is known, a level is DEFAULT_LEVEL.
+none fits, the quickest, looking one chunk ahead (quickest_option: chosen again at every chunk, this mixes
+levels). Before any throughput is known, a level is DEFAULT_LEVEL.
 
 The estimates err (decoding shares the cores with the reads and the engine, reads jitter), and a plan that
 uses every second it believes it has lands just past the objective. So each load's first plan is checked
@@ -105,11 +106,26 @@ def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_le
             return option
     if link.bytes_per_second is None:
         return DEFAULT_LEVEL if DEFAULT_LEVEL in remaining[0] else next(iter(remaining[0]))
-    # Of equal costs (levels alike in decoding, the slowest part), the fewer bytes: on this machine their reads
-    # take CPU from the decoder too. (Mixing levels when nothing fits, a float16 read while the decoder catches
-    # up, was tried at commit f191030: at 0.1 Gbps its loads came out slower than fixed "low".)
-    known = {option: cost for option, cost in costs.items() if cost is not None}
-    return min(known, key=lambda option: (known[option], -QUALITY_ORDER.index(option)))
+    return quickest_option(remaining, chunk_tokens, link, decode_backlog, first_token)
+
+
+def quickest_option(remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
+                    decode_backlog: float = 0.0, first_token: int = 0) -> str:
+    """The option for remaining[0] after which the load can end soonest, the rest going at whichever one option
+    is then quickest. Chosen again at every chunk, this mixes levels where a mix is quicker than any one level:
+    while the decoders lag behind the link, a chunk read at float16 (little to decode) uses the link's spare
+    time, and a CacheGen level again once the link is the slower of the two."""
+    options = [TEXT, *remaining[0]]
+    ends = {}
+    for option in options:
+        plans = ([option, *[rest] * (len(remaining) - 1)] for rest in options)
+        known = [seconds for plan in plans
+                 if (seconds := plan_seconds(plan, remaining, chunk_tokens, link, decode_backlog, first_token))
+                 is not None]
+        if known:
+            ends[option] = min(known)
+    # Of equal ends, the fewer bytes: on this machine reads take CPU from the decoders too.
+    return min(ends, key=lambda option: (ends[option], -QUALITY_ORDER.index(option)))
 
 
 def quality_rank(option: str) -> int:
