@@ -12,6 +12,7 @@ from kvstrata.kv.store.adaptation import (
     TEXT,
     LinkEstimate,
     choose_option,
+    fitting_option,
     option_seconds,
     quality_rank,
 )
@@ -96,9 +97,9 @@ def stream(trace, slo: float, chunks: int = 8, decide=choose_option, prefill_per
             continue
         rate = trace(now)
         now += SIZES[option] / rate
-        allowed = choose_option(remaining, 256, slo - (now - SIZES[option] / rate),
-                                LinkEstimate(rate, {}, PrefillSpeed(per_token=prefill_per_token)), fixed)
-        below.append(quality_rank(allowed) < quality_rank(option))
+        allowed = fitting_option(remaining, 256, slo - (now - SIZES[option] / rate),
+                                 LinkEstimate(rate, {}, PrefillSpeed(per_token=prefill_per_token)), fixed)
+        below.append(allowed is not None and quality_rank(allowed) < quality_rank(option))
         link.bytes_per_second = rate
     return options, now + recomputed * prefill_per_token, below
 
@@ -200,6 +201,15 @@ def test_a_link_that_drops_mid_load_is_followed_one_chunk_late_and_adaptation_me
     # then the levels that still fit.
     assert options[1:4] == ["float16"] * 3 and options[4] == "low" and set(options[5:]) <= {"low", "medium", TEXT}
     assert stream(drop, slo=slo, decide=fixed("float16"))[1] > slo
+
+
+def test_a_chunk_read_as_the_link_rises_is_below_what_its_read_allowed_unless_nothing_fitted():
+    options, _, below = stream(lambda t: 5 * MBPS if t < 0.3 else 100 * MBPS, slo=1.0)
+    rise = below.index(True)  # chosen on the slow estimate, read at the fast rate; the next chunk catches up
+    assert options[rise] == "low" and below.count(True) == 1 and options[rise + 1] == "float16"
+    # over a link too slow for any option, the quickest is taken and no quality was allowed
+    options, took, below = stream(lambda t: 2 * MBPS, slo=0.5)
+    assert took > 0.5 and not any(below)
 
 
 # --- the emulated link ------------------------------------------------------------------------

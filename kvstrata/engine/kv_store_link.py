@@ -41,6 +41,7 @@ from kvstrata.kv.store.adaptation import (
     LinkEstimate,
     choose_option,
     decode_seconds,
+    fitting_option,
     option_seconds,
     quality_rank,
 )
@@ -289,19 +290,19 @@ class KVStoreLink:
         return work + PrefillWork.span(position, end - position)
 
     def _pick(self, remaining: list[Located], chunk: int, recomputed: PrefillWork, seconds_left: float | None,
-              backlog: float = 0.0, link: LinkEstimate | None = None) -> str:
+              backlog: float = 0.0) -> str:
         """The level (or TEXT) of remaining[0], chunk number `chunk`, stored at several levels: the fixed
         `--kv-store-level`, the best one without `--ttft-slo`, else the adaptive choice (adaptation.py) for
         `seconds_left`, given the prefill `recomputed` anyway, `backlog` seconds of decoding queued and the link
-        as last measured (or as `link` says)."""
+        as last measured."""
         levels = remaining[0].level_bytes
         if self.level != "auto":
             return self.level if self.level in levels else next(iter(levels))
         if seconds_left is None:
             return next(iter(levels))
-        link = link or self.estimate
-        fixed, sizes = self._plan_inputs(remaining, recomputed, link)
-        return choose_option(sizes, self.chunk_tokens, seconds_left, link, fixed, backlog, chunk * self.chunk_tokens)
+        fixed, sizes = self._plan_inputs(remaining, recomputed, self.estimate)
+        return choose_option(sizes, self.chunk_tokens, seconds_left, self.estimate, fixed, backlog,
+                             chunk * self.chunk_tokens)
 
     def _plan_seconds(self, option: str, remaining: list[Located], chunk: int, recomputed: PrefillWork,
                       backlog: float) -> float | None:
@@ -325,14 +326,17 @@ class KVStoreLink:
 
     def _measure_read(self, fetched: Fetched, remaining: list[Located], chunk: int, level: str,
                       recomputed: PrefillWork, seconds_left: float | None, backlog: float) -> None:
-        """The throughput the read got becomes the estimate for the next chunk. A choice below what that throughput
-        allowed (judged as `_pick` would have with it, at the same moment) is counted: the price of the estimate
-        lagging one chunk behind the link."""
+        """The throughput the read got becomes the estimate for the next chunk. A choice below the quality that
+        throughput allowed (the best option that would have fit the objective with it, at the same moment) is
+        counted: the price of the estimate lagging one chunk behind the link. Where no option would have fit,
+        the link allowed no quality and the choice was the quickest: nothing is counted."""
         measured = fetched.num_bytes / max(fetched.seconds, 1e-6)
         if self.level == "auto" and seconds_left is not None:
             hindsight = dataclasses.replace(self.estimate, bytes_per_second=measured)
-            allowed = self._pick(remaining, chunk, recomputed, seconds_left, backlog, hindsight)
-            if quality_rank(allowed) < quality_rank(level):
+            fixed, sizes = self._plan_inputs(remaining, recomputed, hindsight)
+            allowed = fitting_option(sizes, self.chunk_tokens, seconds_left, hindsight, fixed, backlog,
+                                     chunk * self.chunk_tokens)
+            if allowed is not None and quality_rank(allowed) < quality_rank(level):
                 self.stats.chunks_below_allowed += 1
         self.estimate.bytes_per_second = measured
 

@@ -97,16 +97,24 @@ def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_le
     """The option for remaining[0] (which starts at token `first_token`): text or one of its levels (keys of its
     sizes, best first). `seconds_left`: until the objective; `fixed_seconds`: what the load takes whatever is
     chosen (tokens recomputed anyway); `decode_backlog`: decoding the chunks already read."""
-    options = [TEXT, *remaining[0]]
-    budget = seconds_left / link.plan_factor()
-    costs = {option: option_seconds(option, remaining, chunk_tokens, link, decode_backlog, first_token)
-             for option in options}
-    for option in options:
-        if costs[option] is not None and fixed_seconds + costs[option] <= budget:
-            return option
+    fitting = fitting_option(remaining, chunk_tokens, seconds_left, link, fixed_seconds, decode_backlog, first_token)
+    if fitting is not None:
+        return fitting
     if link.bytes_per_second is None:
         return DEFAULT_LEVEL if DEFAULT_LEVEL in remaining[0] else next(iter(remaining[0]))
     return quickest_option(remaining, chunk_tokens, link, decode_backlog, first_token)
+
+
+def fitting_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_left: float, link: LinkEstimate,
+                   fixed_seconds: float = 0.0, decode_backlog: float = 0.0, first_token: int = 0) -> str | None:
+    """The best option whose cost for every remaining chunk (stretched by the learned margin) fits in the time
+    left: the quality the link allows (choose_option); None if none fits."""
+    budget = seconds_left / link.plan_factor()
+    for option in (TEXT, *remaining[0]):
+        cost = option_seconds(option, remaining, chunk_tokens, link, decode_backlog, first_token)
+        if cost is not None and fixed_seconds + cost <= budget:
+            return option
+    return None
 
 
 def quickest_option(remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
