@@ -132,6 +132,15 @@ def test_nothing_fits_so_the_quickest_option_is_taken():
     assert choose_option([SIZES], 256, 0.1, LinkEstimate(0.1 * MBPS, {}, PrefillSpeed(per_token=1e-6))) == TEXT  # text quicker than bytes
 
 
+def test_decode_times_are_averaged_so_one_slow_chunk_does_not_swap_the_levels():
+    link = LinkEstimate(1000 * MBPS)
+    link.observe_decode("float16", 0.03)
+    link.observe_decode("low", 0.09)
+    link.observe_decode("float16", 0.11)  # one float16 chunk decoded while the other decoder held the core
+    assert link.decode_seconds == {"float16": pytest.approx(0.07), "low": 0.09}
+    assert choose_option([SIZES] * 4, 256, 0.01, link) == "float16"  # nothing fits: still the quicker one
+
+
 def test_plans_are_stretched_by_the_worst_error_of_recent_loads():
     link = LinkEstimate(8 * MBPS, {}, PrefillSpeed(per_token=0.002))
     assert link.plan_factor() == FIRST_PLAN_FACTOR

@@ -350,7 +350,7 @@ class KVStoreLink:
             self._count_load_failure()
             return None
         if level is not None:
-            self.estimate.decode_seconds[level] = time.perf_counter() - start
+            self.estimate.observe_decode(level, time.perf_counter() - start)
         return kv
 
     def _ranges(self, decoding: dict[int, Future]) -> list[PreloadedKV]:

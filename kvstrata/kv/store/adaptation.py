@@ -35,11 +35,18 @@ FIRST_PLAN_FACTOR = 1 / 0.9  # before any load was checked: 10% of the time left
 @dataclass
 class LinkEstimate:
     bytes_per_second: float | None = None  # what the last chunk read got
-    decode_seconds: dict[str, float] = field(default_factory=dict)  # per chunk, by level, as last measured
+    decode_seconds: dict[str, float] = field(default_factory=dict)  # per chunk, by level (observe_decode)
     prefill: PrefillSpeed = field(default_factory=PrefillSpeed)  # the engine's recent prefill speed
     after_load_seconds: float = 0.0  # from a load's end to the first token, prefill aside (placing the KV, ...)
     plan_errors: tuple[float, ...] = ()  # of recent loads: actual / predicted seconds from the first choice on
     decoders: int = 1  # chunks decoded side by side (decode_seconds is what one takes with the others busy)
+
+    def observe_decode(self, level: str, seconds: float) -> None:
+        """A chunk at `level` took `seconds` to decode. Averaged with the earlier ones, half and half: one chunk's
+        time moves with what the other decoder and the reads do meanwhile, and a level that looked quicker by
+        that noise alone would be chosen over one that is not."""
+        previous = self.decode_seconds.get(level)
+        self.decode_seconds[level] = seconds if previous is None else 0.5 * (previous + seconds)
 
     def observe_plan(self, predicted: float, actual: float) -> None:
         """A load's first choice predicted `predicted` seconds to its first token; it took `actual`. (A new tuple
@@ -55,8 +62,9 @@ class LinkEstimate:
 
 
 def decode_seconds(level: str, link: LinkEstimate) -> float:
-    """A level's decode time per chunk as last measured; not yet measured, that of the slowest measured level of
-    the same codec (CacheGen levels all decode every symbol, so their times are alike), else nothing."""
+    """A level's decode time per chunk as measured (LinkEstimate.observe_decode); not yet measured, that of the
+    slowest measured level of the same codec (CacheGen levels all decode every symbol, so their times are
+    alike), else nothing."""
     if level in link.decode_seconds:
         return link.decode_seconds[level]
     same_codec = [seconds for other, seconds in link.decode_seconds.items()
