@@ -209,10 +209,11 @@ def test_the_store_s_threads_leave_the_engine_s_thread_count_alone(tiny_llama, t
     run_rounds(engine)
     assert engine.kv_store.stats.loaded_tokens > 0 and torch.get_num_threads() == 2
     link = engine.kv_store
-    counts = [thread.submit(torch.get_num_threads).result()
-              for thread in (link._load_thread, link._decoders, link._write_thread)]
-    assert counts == [2, 1, 1]
-    assert link._decoders._max_workers == link.estimate.decoders == 2
+    counts = [thread.submit(torch.get_num_threads).result() for thread in (link._load_thread, link._write_thread)]
+    assert counts == [2, 1]
+    both = threading.Barrier(2, timeout=10)  # each task waits for the other: they run on the two decoder threads
+    decoders = [link._decoders.submit(lambda: (both.wait(), torch.get_num_threads())[1]) for _ in range(2)]
+    assert [decoder.result() for decoder in decoders] == [1, 1] and link.estimate.decoders == 2
     # A thread that has run no torch op yet (the server's engine thread) steps the engine on the engine's count
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2))
     stepped = []

@@ -2,7 +2,7 @@
 the background, hold the request back until its chunks are fetched and decoded, and write the chunks a
 prefill computed down to the store, also in the background. Chunks stored at several levels are streamed:
 each one is read at the level the link allows before the time-to-first-token objective, or recomputed from
-its text (kv/store/adaptation.py), and decoding one overlaps reading the next.
+its text (kv/store/adaptation.py), and the chunks read are decoded, several at once, while the next is read.
 
 Neither direction can fail a request: a store that is unreachable, slow or holds a corrupt object only
 means that the request's tokens are prefilled from their text, and a failed write is counted and skipped.
@@ -39,11 +39,10 @@ from kvstrata.kv.storage import KVStorage
 from kvstrata.kv.store.adaptation import (
     TEXT,
     LinkEstimate,
+    below_allowed,
     choose_option,
     decode_seconds,
-    fitting_option,
-    option_seconds,
-    quality_rank,
+    planned_seconds,
 )
 from kvstrata.kv.store.chunk_heat import ChunkHeat
 from kvstrata.kv.store.emulated_link import EmulatedLink, parse_trace
@@ -173,17 +172,17 @@ class KVStoreLink:
         recomputed = PrefillWork.span(loads_end, seq.num_tokens - loads_end)  # prefilled whatever happens
         decoding: dict[int, Future] = {}
         levels: dict[int, str | None] = {}  # of the chunks read
+        started: dict[int, float] = {}  # when each chunk's decoding began (set by the decoder threads)
         planned = False  # whether this load's first adaptive choice was made (its prediction is checked later)
         for index, where in enumerate(found):
             chunk = first + index
             probe = self._probe(where) if index == 0 and self._adapts(where) else None
             level, seconds_left = None, self._seconds_left(seq)
             if where.level_bytes is not None:
-                backlog = sum(decode_seconds(levels[i], self.estimate) for i, f in decoding.items()
-                              if not f.done() and levels[i] is not None)
-                level = self._pick(found[index:], chunk, recomputed, seconds_left, backlog)
+                busy = self._decoders_busy(decoding, levels, started)
+                level = self._pick(found[index:], chunk, recomputed, seconds_left, busy)
                 if not planned and self._adapts(where):
-                    predicted = self._plan_seconds(level, found[index:], chunk, recomputed, backlog)
+                    predicted = self._plan_seconds(level, found[index:], chunk, recomputed, seconds_left, busy)
                     seq.store_plan = None if predicted is None else (time.perf_counter(), predicted)
                     planned = True
                 self.stats.chunks_by_option[level] = self.stats.chunks_by_option.get(level, 0) + 1
@@ -205,9 +204,9 @@ class KVStoreLink:
                 recomputed += self._chunk_prefill(chunk)
                 continue
             if level is not None:
-                self._measure_read(fetched, found[index:], chunk, level, recomputed, seconds_left, backlog)
+                self._measure_read(fetched, found[index:], chunk, level, recomputed, seconds_left, busy)
             whole = fetched if probe is None else probe.joined(fetched)
-            decoding[chunk] = self._decoders.submit(self._decode, whole, level)
+            decoding[chunk] = self._decoders.submit(self._decode, whole, level, started, chunk)
             levels[chunk] = level
         ranges = self._ranges(decoding)
         if ranges:
@@ -290,59 +289,75 @@ class KVStoreLink:
         return work + PrefillWork.span(position, end - position)
 
     def _pick(self, remaining: list[Located], chunk: int, recomputed: PrefillWork, seconds_left: float | None,
-              backlog: float = 0.0) -> str:
+              busy: tuple[float, ...] = ()) -> str:
         """The level (or TEXT) of remaining[0], chunk number `chunk`, stored at several levels: the fixed
         `--kv-store-level`, the best one without `--ttft-slo`, else the adaptive choice (adaptation.py) for
-        `seconds_left`, given the prefill `recomputed` anyway, `backlog` seconds of decoding queued and the link
-        as last measured."""
+        `seconds_left`, given the prefill `recomputed` anyway, the decoders `busy` for that long with the chunks
+        already read, and the link as last measured."""
         levels = remaining[0].level_bytes
         if self.level != "auto":
             return self.level if self.level in levels else next(iter(levels))
         if seconds_left is None:
             return next(iter(levels))
-        fixed, sizes = self._plan_inputs(remaining, recomputed, self.estimate)
-        return choose_option(sizes, self.chunk_tokens, seconds_left, self.estimate, fixed, backlog,
-                             chunk * self.chunk_tokens)
+        return choose_option(*self._plan_inputs(remaining, chunk, seconds_left, self.estimate, recomputed, busy))
 
     def _plan_seconds(self, option: str, remaining: list[Located], chunk: int, recomputed: PrefillWork,
-                      backlog: float) -> float | None:
-        """What the estimates say the rest of the load takes, to the first token, with every remaining chunk at
-        `option`; None while they cannot tell (prefill speed or the option's decode time not measured yet: a
-        first load's plan is a guess, and its error says nothing of the estimates)."""
+                      seconds_left: float, busy: tuple[float, ...]) -> float | None:
+        """What the estimates say the rest of the load takes, to the first token, with `option` chosen for
+        remaining[0] (adaptation.planned_seconds); None while they cannot tell (prefill speed or the option's
+        decode time not measured yet: a first load's plan is a guess, and its error says nothing of the
+        estimates)."""
         link = self.estimate
         if link.prefill.seconds(recomputed) is None or (option != TEXT and decode_seconds(option, link) == 0.0):
             return None
-        fixed, sizes = self._plan_inputs(remaining, recomputed, link)
-        seconds = option_seconds(option, sizes, self.chunk_tokens, link, backlog, chunk * self.chunk_tokens)
-        return None if seconds is None else fixed + seconds
+        return planned_seconds(option, *self._plan_inputs(remaining, chunk, seconds_left, link, recomputed, busy))
 
-    @staticmethod
-    def _plan_inputs(remaining: list[Located], recomputed: PrefillWork,
-                     link: LinkEstimate) -> tuple[float, list[dict[str, int]]]:
-        """What a load takes whatever is chosen (the prefill left anyway, what follows the load), and the bytes of
-        each level of the remaining chunks stored at several levels."""
+    def _plan_inputs(self, remaining: list[Located], chunk: int, seconds_left: float, link: LinkEstimate,
+                     recomputed: PrefillWork, busy: tuple[float, ...]) -> tuple:
+        """The planner's arguments (adaptation.py) after the option: the bytes of each level of the remaining
+        chunks stored at several levels, the chunk size, the time left, the link, what the load takes whatever is
+        chosen (the prefill left anyway, what follows the load), the decoders' busy times and the first token."""
         fixed = link.after_load_seconds + (link.prefill.seconds(recomputed) or 0.0)
-        return fixed, [where.level_bytes for where in remaining if where.level_bytes is not None]
+        sizes = [where.level_bytes for where in remaining if where.level_bytes is not None]
+        return sizes, self.chunk_tokens, seconds_left, link, fixed, busy, chunk * self.chunk_tokens
+
+    def _decoders_busy(self, decoding: dict[int, Future], levels: dict[int, str | None],
+                       started: dict[int, float]) -> tuple[float, ...]:
+        """Seconds until each decoder is done with the chunks read so far, as the estimates tell: a chunk being
+        decoded takes what its level's time leaves of it, and those queued go, in the order they were read, to
+        the first decoder free (chunks not stored at several levels are not counted: their time is unknown)."""
+        now = time.perf_counter()
+        busy, queued = [], []
+        for chunk, future in decoding.items():
+            if future.done() or levels[chunk] is None:
+                continue
+            seconds = decode_seconds(levels[chunk], self.estimate)
+            if chunk in started:
+                busy.append(max(seconds - (now - started[chunk]), 0.0))
+            else:
+                queued.append(seconds)
+        busy += [0.0] * (self.estimate.decoders - len(busy))
+        for seconds in queued:
+            busy[busy.index(min(busy))] += seconds
+        return tuple(busy)
 
     def _measure_read(self, fetched: Fetched, remaining: list[Located], chunk: int, level: str,
-                      recomputed: PrefillWork, seconds_left: float | None, backlog: float) -> None:
+                      recomputed: PrefillWork, seconds_left: float | None, busy: tuple[float, ...]) -> None:
         """The throughput the read got becomes the estimate for the next chunk. A choice below the quality that
-        throughput allowed (the best option that would have fit the objective with it, at the same moment) is
-        counted: the price of the estimate lagging one chunk behind the link. Where no option would have fit,
-        the link allowed no quality and the choice was the quickest: nothing is counted."""
+        throughput allowed (adaptation.below_allowed, at the same moment) is counted: the price of the estimate
+        lagging one chunk behind the link."""
         measured = fetched.num_bytes / max(fetched.seconds, 1e-6)
         if self.level == "auto" and seconds_left is not None:
             hindsight = dataclasses.replace(self.estimate, bytes_per_second=measured)
-            fixed, sizes = self._plan_inputs(remaining, recomputed, hindsight)
-            allowed = fitting_option(sizes, self.chunk_tokens, seconds_left, hindsight, fixed, backlog,
-                                     chunk * self.chunk_tokens)
-            if allowed is not None and quality_rank(allowed) < quality_rank(level):
+            if below_allowed(level, *self._plan_inputs(remaining, chunk, seconds_left, hindsight, recomputed, busy)):
                 self.stats.chunks_below_allowed += 1
         self.estimate.bytes_per_second = measured
 
-    def _decode(self, fetched: Fetched, level: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """On a decoder thread: K and V of a read chunk; None if it is corrupt (it is recomputed)."""
-        start = time.perf_counter()
+    def _decode(self, fetched: Fetched, level: str | None, started: dict[int, float],
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """On a decoder thread: K and V of read chunk number `chunk` (its start noted in `started`); None if it
+        is corrupt (it is recomputed)."""
+        start = started[chunk] = time.perf_counter()
         try:
             kv = self.store.decode(fetched, self.chunk_tokens)
         except CorruptObject as exc:

@@ -4,8 +4,8 @@ torch keeps the count per thread, and a process-wide one besides: a thread that 
 or run a parallel op takes the process-wide count (the last that any thread set) when it first does. So a thread
 that sets its own count first takes the process-wide one, and a thread that must keep a count re-asserts it where
 another thread may have set one before its first op (the server's engine thread: LLMEngine.step). A thread
-that sets none (IMPRESS's reorderer) runs on whatever count was set last: after the KV store's decode thread
-starts, one.
+that sets none (IMPRESS's reorderer) runs on whatever count was set last: after the KV store's decoder
+threads start, one.
 """
 
 from __future__ import annotations

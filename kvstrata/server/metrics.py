@@ -133,7 +133,8 @@ class KVStoreCollector:
             yield family
         store, link = self.link.store.stats, self.link.stats
         for name, value, doc in (
-            ("decode_seconds", store.decode_seconds, "Time spent checking and decoding fetched chunks"),
+            ("decode_seconds", store.decode_seconds,
+             "Time spent checking and decoding fetched chunks (summed over the decoder threads)"),
             ("encode_seconds", store.encode_seconds, "Time spent encoding chunks to write"),
             ("corrupt_objects", store.corrupt_objects, "Stored chunks that failed their check (dropped, recomputed)"),
             ("load_failures", link.load_failures, "Loads cut short by a tier failure (the rest was recomputed)"),

@@ -5,20 +5,22 @@ stored levels best first.
 For the next chunk, an option's cost is what loading every remaining chunk that way would take, at the
 throughput the last chunk read got (assumed to hold). Reading and decoding work side by side (chunks already
 read are decoded, by as many decoders as the link has, while the next one is read), so the load is simulated
-chunk by chunk (plan_seconds);
-text costs its tokens' prefill, after the load, at their place in the context (prefill_speed.py). The best
+chunk by chunk (plan_seconds); text costs its tokens' prefill, after the load, at their place in the context
+(prefill_speed.py). The best
 option whose cost, with the tokens recomputed anyway, fits in the time left before the objective is chosen; if
 none fits, the quickest, looking one chunk ahead (quickest_option: chosen again at every chunk, this mixes
 levels). Before any throughput is known, a level is DEFAULT_LEVEL.
 
 The estimates err (decoding shares the cores with the reads and the engine, reads jitter), and a plan that
 uses every second it believes it has lands just past the objective. So each load's first plan is checked
-against the time its first token actually took, and costs are stretched by the worst of the recent loads'
-ratios (LinkEstimate.plan_factor): the margin is what this machine's estimates have been missing by.
+against the time its first token actually took (planned_seconds), and costs are stretched by the worst of
+the recent loads' ratios (LinkEstimate.plan_factor): the margin is what this machine's estimates have been
+missing by. After each read, a chunk sent below what that read's throughput allowed is told (below_allowed).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstrata.cachegen.levels import CACHEGEN_LEVELS
@@ -46,7 +48,9 @@ class LinkEstimate:
         time moves with what the other decoder and the reads do meanwhile, and a level that looked quicker by
         that noise alone would be chosen over one that is not."""
         previous = self.decode_seconds.get(level)
-        self.decode_seconds[level] = seconds if previous is None else 0.5 * (previous + seconds)
+        average = seconds if previous is None else 0.5 * (previous + seconds)
+        # a new dict each time: decoder threads write it while the load thread reads it
+        self.decode_seconds = {**self.decode_seconds, level: average}
 
     def observe_plan(self, predicted: float, actual: float) -> None:
         """A load's first choice predicted `predicted` seconds to its first token; it took `actual`. (A new tuple
@@ -73,14 +77,14 @@ def decode_seconds(level: str, link: LinkEstimate) -> float:
 
 
 def plan_seconds(plan: list[str], remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
-                 decode_backlog: float = 0.0, first_token: int = 0) -> float | None:
+                 decoders_busy: Sequence[float] = (), first_token: int = 0) -> float | None:
     """What loading the remaining chunks (bytes of each level, per chunk; the first one starts at token
     `first_token`) with options `plan` (one per chunk) takes: chunks are read one after another, each decoded
-    once read by the first of the link's decoders to be free (the chunks already read keep them busy for
-    `decode_backlog` seconds between them), and chunks left to text are prefilled after the load. None if it
-    cannot be told yet."""
+    once read by the first of the link's decoders to be free (`decoders_busy`: seconds until each is done with
+    the chunks already read; those not named are free), and chunks left to text are prefilled after the load.
+    None if it cannot be told yet."""
     read_end, text = 0.0, PrefillWork()
-    decoders_free = [decode_backlog / link.decoders] * link.decoders  # when each decoder is next free
+    decoders_free = [*decoders_busy, *[0.0] * (link.decoders - len(decoders_busy))]  # when each is next free
     for index, (option, sizes) in enumerate(zip(plan, remaining)):
         if option == TEXT:
             text += PrefillWork.span(first_token + index * chunk_tokens, chunk_tokens)
@@ -88,60 +92,102 @@ def plan_seconds(plan: list[str], remaining: list[dict[str, int]], chunk_tokens:
         if link.bytes_per_second is None:
             return None
         read_end += sizes.get(option, min(sizes.values())) / link.bytes_per_second
-        first_free = min(range(link.decoders), key=decoders_free.__getitem__)
+        first_free = decoders_free.index(min(decoders_free))
         decoders_free[first_free] = max(decoders_free[first_free], read_end) + decode_seconds(option, link)
     prefill = link.prefill.seconds(text) if text.tokens else 0.0
-    return None if prefill is None else max(decoders_free) + prefill
+    return None if prefill is None else max(decoders_free, default=0.0) + prefill
 
 
 def option_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
-                   decode_backlog: float = 0.0, first_token: int = 0) -> float | None:
+                   decoders_busy: Sequence[float] = (), first_token: int = 0) -> float | None:
     """What loading every remaining chunk as `option` takes (plan_seconds)."""
-    return plan_seconds([option] * len(remaining), remaining, chunk_tokens, link, decode_backlog, first_token)
+    return plan_seconds([option] * len(remaining), remaining, chunk_tokens, link, decoders_busy, first_token)
 
 
 def choose_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_left: float, link: LinkEstimate,
-                  fixed_seconds: float = 0.0, decode_backlog: float = 0.0, first_token: int = 0) -> str:
+                  fixed_seconds: float = 0.0, decoders_busy: Sequence[float] = (), first_token: int = 0) -> str:
     """The option for remaining[0] (which starts at token `first_token`): text or one of its levels (keys of its
     sizes, best first). `seconds_left`: until the objective; `fixed_seconds`: what the load takes whatever is
-    chosen (tokens recomputed anyway); `decode_backlog`: decoding the chunks already read."""
-    fitting = fitting_option(remaining, chunk_tokens, seconds_left, link, fixed_seconds, decode_backlog, first_token)
+    chosen (tokens recomputed anyway); `decoders_busy`: how long each decoder is busy with the chunks already
+    read."""
+    fitting = fitting_option(remaining, chunk_tokens, seconds_left, link, fixed_seconds, decoders_busy, first_token)
     if fitting is not None:
         return fitting
     if link.bytes_per_second is None:
         return DEFAULT_LEVEL if DEFAULT_LEVEL in remaining[0] else next(iter(remaining[0]))
-    return quickest_option(remaining, chunk_tokens, link, decode_backlog, first_token)
+    return quickest_option(remaining, chunk_tokens, link, decoders_busy, first_token)
 
 
 def fitting_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_left: float, link: LinkEstimate,
-                   fixed_seconds: float = 0.0, decode_backlog: float = 0.0, first_token: int = 0) -> str | None:
+                   fixed_seconds: float = 0.0, decoders_busy: Sequence[float] = (),
+                   first_token: int = 0) -> str | None:
     """The best option whose cost for every remaining chunk (stretched by the learned margin) fits in the time
     left: the quality the link allows (choose_option); None if none fits."""
     budget = seconds_left / link.plan_factor()
     for option in (TEXT, *remaining[0]):
-        cost = option_seconds(option, remaining, chunk_tokens, link, decode_backlog, first_token)
+        cost = option_seconds(option, remaining, chunk_tokens, link, decoders_busy, first_token)
         if cost is not None and fixed_seconds + cost <= budget:
             return option
     return None
 
 
 def quickest_option(remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
-                    decode_backlog: float = 0.0, first_token: int = 0) -> str:
-    """The option for remaining[0] after which the load can end soonest, the rest going at whichever one option
-    is then quickest. Chosen again at every chunk, this mixes levels where a mix is quicker than any one level:
-    while the decoders lag behind the link, a chunk read at float16 (little to decode) uses the link's spare
-    time, and a CacheGen level again once the link is the slower of the two."""
-    options = [TEXT, *remaining[0]]
-    ends = {}
-    for option in options:
-        plans = ([option, *[rest] * (len(remaining) - 1)] for rest in options)
-        known = [seconds for plan in plans
-                 if (seconds := plan_seconds(plan, remaining, chunk_tokens, link, decode_backlog, first_token))
-                 is not None]
-        if known:
-            ends[option] = min(known)
+                    decoders_busy: Sequence[float] = (), first_token: int = 0) -> str:
+    """The option for remaining[0] after which the load can end soonest (lookahead_seconds). Chosen again at every
+    chunk, this mixes levels where a mix is quicker than any one level: while the decoders lag behind the link,
+    a chunk read at float16 (little to decode) uses the link's spare time, and a CacheGen level again once the
+    link is the slower of the two."""
+    ends = {option: seconds for option in _undominated([TEXT, *remaining[0]], remaining[0], link)
+            if (seconds := lookahead_seconds(option, remaining, chunk_tokens, link, decoders_busy, first_token))
+            is not None}
     # Of equal ends, the fewer bytes: on this machine reads take CPU from the decoders too.
     return min(ends, key=lambda option: (ends[option], -QUALITY_ORDER.index(option)))
+
+
+def lookahead_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int, link: LinkEstimate,
+                      decoders_busy: Sequence[float] = (), first_token: int = 0) -> float | None:
+    """What the load takes with remaining[0] at `option` and the rest at whichever one option is then quickest;
+    None if it cannot be told yet."""
+    ends = [seconds for rest in _undominated([TEXT, *remaining[0]], remaining[0], link)
+            if (seconds := plan_seconds([option, *[rest] * (len(remaining) - 1)], remaining, chunk_tokens, link,
+                                        decoders_busy, first_token)) is not None]
+    return min(ends, default=None)
+
+
+def _undominated(options: list[str], sizes: dict[str, int], link: LinkEstimate) -> list[str]:
+    """The options that can make a load quicker: text, and the levels no other level beats in bytes and in decode
+    time both (a load's time never falls when a chunk's bytes or decode time grow)."""
+    costs = {option: (sizes[option], decode_seconds(option, link)) for option in options if option != TEXT}
+
+    def dominated(option: str) -> bool:
+        return any(other != costs[option] and other[0] <= costs[option][0] and other[1] <= costs[option][1]
+                   for other in costs.values())
+
+    return [option for option in options if option == TEXT or not dominated(option)]
+
+
+def planned_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens: int, seconds_left: float,
+                    link: LinkEstimate, fixed_seconds: float = 0.0, decoders_busy: Sequence[float] = (),
+                    first_token: int = 0) -> float | None:
+    """What choosing `option` for remaining[0] plans for the rest of the load, to its end (held against the time it
+    took: LinkEstimate.observe_plan): every remaining chunk at that option where it was the one that fits, else
+    (the quickest, looking ahead) the lookahead's plan. None if it cannot be told yet."""
+    fits = fitting_option(remaining, chunk_tokens, seconds_left, link, fixed_seconds, decoders_busy,
+                          first_token) == option
+    seconds = (option_seconds if fits else lookahead_seconds)(option, remaining, chunk_tokens, link, decoders_busy,
+                                                              first_token)
+    return None if seconds is None else fixed_seconds + seconds
+
+
+def below_allowed(option: str, remaining: list[dict[str, int]], chunk_tokens: int, seconds_left: float,
+                  measured: LinkEstimate, fixed_seconds: float = 0.0, decoders_busy: Sequence[float] = (),
+                  first_token: int = 0) -> bool:
+    """Whether `option`, chosen for remaining[0], is below the quality the link as its own read `measured` it
+    allowed: the best option that would have fit the time left with that throughput. Where none would have
+    fit, the link allowed no quality and the quickest was right: False."""
+    allowed = fitting_option(remaining, chunk_tokens, seconds_left, measured, fixed_seconds, decoders_busy,
+                             first_token)
+    return allowed is not None and quality_rank(allowed) < quality_rank(option)
 
 
 def quality_rank(option: str) -> int:

@@ -76,7 +76,7 @@ class Fetched:
 
 @dataclass
 class StoreStats:
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # summed over the threads decoding (may exceed the wall time they took)
     encode_seconds: float = 0.0
     corrupt_objects: int = 0  # objects that failed their check: dropped, their tokens recomputed
 
@@ -104,7 +104,8 @@ class TieredStore:
         # Runs work a fetch need not wait for (copying a hit to the tiers above; the bytes it holds); default: now.
         self.defer = defer or (lambda work, size: work())
         self.stats = StoreStats()
-        self._counting = threading.Lock()  # chunks are decoded, and their hits counted, on several threads at once
+        # The counters that decoding updates (hits, misses, uses, corrupt objects), on several threads at once
+        self._counting = threading.Lock()
         self.heat = heat or ChunkHeat()
         self.heat.on_aged.append(lambda: [tier.rescore() for tier in self.tiers])
         for below, tier in enumerate(tiers[1:], start=1):
@@ -129,8 +130,9 @@ class TieredStore:
         `num_tokens` in every tier, if no tier holds it. A corrupt manifest drops the chunk (CorruptObject)."""
         index = self.locate(key)
         if index is None:
-            for tier in self.tiers:
-                tier.stats.miss_tokens += num_tokens
+            with self._counting:
+                for tier in self.tiers:
+                    tier.stats.miss_tokens += num_tokens
             return None
         if not isinstance(self.forms[index], LeveledForm):
             return Located(key, index)
@@ -343,8 +345,9 @@ class TieredStore:
                 upper.stats.chunks_promoted += 1
 
     def _drop(self, tier: Tier, key: str) -> None:
-        self.stats.corrupt_objects += 1
-        tier.stats.errors += 1
+        with self._counting:
+            self.stats.corrupt_objects += 1
+            tier.stats.errors += 1
         try:
             tier.remove(key)
         except StoreUnavailable as exc:
