@@ -5,6 +5,11 @@ purpose. Every reply is compared with greedy output computed without any store (
     .venv/bin/python -m benchmarks.kv_store_faults > benchmarks/results/kv_store_faults.json
 
 Needs root: the disk tier lives on a small tmpfs mounted here, so that it really runs out of space.
+
+Weights are float32 by default (`--weights`): outputs are compared token for token, and the default int4
+kernels take activations in bfloat16, whose rounding can change a greedy token with the requests that share a
+step, with or without a store. `--no-store` serves the same workload without a store (the faults still hit
+Redis), the control that shows how many outputs differ for that reason alone.
 """
 
 from __future__ import annotations
@@ -110,8 +115,10 @@ def main() -> None:
     parser.add_argument("--passages", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tmpfs", default="48M", help="size of the disk tier's filesystem (it fills up)")
+    parser.add_argument("--weights", default="fp32", help="the engines' --weights (see above)")
+    parser.add_argument("--no-store", action="store_true", help="serve without a store: the control")
     args = parser.parse_args()
-    llm = LLM(threads=2)
+    llm = LLM(threads=2, weights=args.weights)
     prompts = workload(llm, args.passages, args.requests, args.seed)
     started = time.perf_counter()
     reference = {p: o.text for p, o in zip(prompts, llm.generate(prompts, SamplingParams(temperature=0,
@@ -126,10 +133,11 @@ def main() -> None:
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
         spec = f"disk:{disk_dir}:1GiB,{server.url}"  # the budget exceeds the filesystem: writes hit ENOSPC
+        store = [] if args.no_store else ["--kv-store", spec, "--kv-store-timeout-ms", "500"]
         # 100 MiB of device KV holds about 2,300 tokens: three passages; the rest is found below or recomputed.
         process = subprocess.Popen([sys.executable, "-m", "kvstrata.cli.main", "serve", "--port", str(port),
                                     "--threads", "2", "--kv-cache-memory", "100MiB", "--max-model-len", "1024",
-                                    "--kv-store", spec, "--kv-store-timeout-ms", "500", "--served-model-name", "kvstrata"],
+                                    "--weights", args.weights, *store, "--served-model-name", "kvstrata"],
                                    stdout=sys.stderr)  # its access log must not mix with the JSON
         try:
             wait_healthy(base_url, 300)
@@ -152,7 +160,7 @@ def main() -> None:
     mismatched = [i for i, (p, t) in enumerate(zip(prompts, texts)) if t is not None and t != reference[p]]
     report = {
         "machine": machine_info(), "clients": args.clients, "requests": len(prompts), "distinct_prompts":
-        len(set(prompts)), "max_tokens": MAX_TOKENS, "kv_store": spec.replace(scratch, "<tmp>"),
+        len(set(prompts)), "max_tokens": MAX_TOKENS, "kv_store": None if args.no_store else spec.replace(scratch, "<tmp>"), "weights": args.weights,
         "disk_filesystem": f"tmpfs {args.tmpfs}", "faults": fault_log, "failed_requests": len(failed),
         "outputs_differing_from_no_store": len(mismatched), "seconds": seconds,
         "reference_seconds_offline": reference_seconds, "store_metrics": metrics, "df_at_end": disk_use,

@@ -160,8 +160,8 @@ class KVStoreLink:
     def _load(self, seq, keys: list[str], first: int) -> list[PreloadedKV]:
         """On the load thread: the chunks from `first` on, up to the first one no tier holds, as ranges of KV.
         Each chunk stored at several levels is read at the level `_pick` chooses, or left to be recomputed from
-        its text; the chunks read are decoded on the decoder threads while the next one is read. A chunk that turns out
-        corrupt is recomputed; an unreachable tier ends the load (the rest is recomputed)."""
+        its text; the chunks read are decoded on the decoder threads while the next one is read. A chunk that
+        turns out corrupt is recomputed; an unreachable tier ends the load (the rest is recomputed)."""
         self.store.begin_load()
         found = self._find(keys[first:])
         if self.important is not None and first == 0 and found and all(w.level_bytes is None for w in found):

@@ -6,10 +6,9 @@ For the next chunk, an option's cost is what loading every remaining chunk that 
 throughput the last chunk read got (assumed to hold). Reading and decoding work side by side (chunks already
 read are decoded, by as many decoders as the link has, while the next one is read), so the load is simulated
 chunk by chunk (plan_seconds); text costs its tokens' prefill, after the load, at their place in the context
-(prefill_speed.py). The best
-option whose cost, with the tokens recomputed anyway, fits in the time left before the objective is chosen; if
-none fits, the quickest, looking one chunk ahead (quickest_option: chosen again at every chunk, this mixes
-levels). Before any throughput is known, a level is DEFAULT_LEVEL.
+(prefill_speed.py). The best option whose cost, with the tokens recomputed anyway, fits in the time left
+before the objective is chosen; if none fits, the quickest, looking one chunk ahead (quickest_option: chosen
+again at every chunk, this mixes levels). Before any throughput is known, a level is DEFAULT_LEVEL.
 
 The estimates err (decoding shares the cores with the reads and the engine, reads jitter), and a plan that
 uses every second it believes it has lands just past the objective. So each load's first plan is checked
