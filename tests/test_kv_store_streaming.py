@@ -349,7 +349,7 @@ def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_ser
     outputs = run_rounds(reader, rounds=1)
     assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
     chosen = reader.kv_store.stats.chunks_by_option
-    # (float16 chunks may be mixed in when nothing fits and decoding lags behind the link: a minority)
+    # (float16 chunks may be mixed in when nothing fits and decoding lags behind the link: a few)
     assert sum(chosen.values()) == len(PROMPTS) * (199 // CHUNK) and chosen.get("float16", 0) < len(PROMPTS)
     # Each load's first plan was held against the time its first token took, but the first load's: it chose
     # before any decode time was measured, so its plan was a guess.
