@@ -136,8 +136,9 @@ def quickest_option(remaining: list[dict[str, int]], chunk_tokens: int, link: Li
     chunk, this mixes levels where a mix is quicker than any one level: while the decoders lag behind the link,
     a chunk read at float16 (little to decode) uses the link's spare time, and a CacheGen level again once the
     link is the slower of the two."""
-    ends = {option: seconds for option in _undominated([TEXT, *remaining[0]], remaining[0], link)
-            if (seconds := lookahead_seconds(option, remaining, chunk_tokens, link, decoders_busy, first_token))
+    options = _undominated([TEXT, *remaining[0]], remaining[0], link)
+    ends = {option: seconds for option in options
+            if (seconds := _lookahead(option, options, remaining, chunk_tokens, link, decoders_busy, first_token))
             is not None}
     # Of equal ends, the fewer bytes: on this machine reads take CPU from the decoders too.
     return min(ends, key=lambda option: (ends[option], -QUALITY_ORDER.index(option)))
@@ -147,7 +148,14 @@ def lookahead_seconds(option: str, remaining: list[dict[str, int]], chunk_tokens
                       decoders_busy: Sequence[float] = (), first_token: int = 0) -> float | None:
     """What the load takes with remaining[0] at `option` and the rest at whichever one option is then quickest;
     None if it cannot be told yet."""
-    ends = [seconds for rest in _undominated([TEXT, *remaining[0]], remaining[0], link)
+    rests = _undominated([TEXT, *remaining[0]], remaining[0], link)
+    return _lookahead(option, rests, remaining, chunk_tokens, link, decoders_busy, first_token)
+
+
+def _lookahead(option: str, rests: list[str], remaining: list[dict[str, int]], chunk_tokens: int,
+               link: LinkEstimate, decoders_busy: Sequence[float], first_token: int) -> float | None:
+    """lookahead_seconds, the rest of the load at each of `rests` in turn."""
+    ends = [seconds for rest in rests
             if (seconds := plan_seconds([option, *[rest] * (len(remaining) - 1)], remaining, chunk_tokens, link,
                                         decoders_busy, first_token)) is not None]
     return min(ends, default=None)
