@@ -85,7 +85,7 @@ def round_trip(x: torch.Tensor, settings: CodecSettings, kind: str, chunk_tokens
 
 @dataclass(frozen=True)
 class StoreObjects:
-    """K or V coded as the KV store writes it: one object per (256-token chunk, layer), one coder model each, by a
+    """K or V coded as the KV store writes it: one object per (256-token chunk, layer), its coder models fitted, by a
     store form (kvstrata/kv/store/forms.py); `positioned`: each chunk's position known (coded over components where
     the form has them), else as a chunk whose tokens are not in order (over channels)."""
 

@@ -144,8 +144,8 @@ def corpora(engine, levels: tuple[str, ...] = tuple(LEVELS), forms: tuple[str, .
                      "sensitivity": "shipped profile (calibrated on Pride and Prejudice)",
                      "importance": "attention of the context's last 128 tokens (kvstrata/cachegen/token_importance.py)",
                      "transform": "each KV head's decorrelating transform from the shipped profile (transform.py)",
-                     "store": "objects of one layer and 256 tokens, one coder model each (kv/store/forms.py); "
-                              "payload bytes"},
+                     "store": "objects of one layer and 256 tokens, coder models fitted per channel or component "
+                              "(kv/store/forms.py); payload bytes"},
         "uncompressed_perplexity": exact,
         "levels": {name: {text: {k: row[k] for k in ("bits_per_value", "bytes_per_token", "perplexity", "agreement", "kl")}
                           for text, row in texts.items()} for name, texts in per_text.items()},

@@ -22,6 +22,8 @@ ABLATIONS = {
     "no-differences": CodecSettings(differences="none"),
     "global-models": CodecSettings(models="global"),
     "uniform4-global": CodecSettings(quantizer="uniform", bits=4, models="global"),
+    "fitted-models": CodecSettings(source="fitted"),
+    "fitted-direct": CodecSettings(differences="none", source="fitted", sink_anchor_only=True),
 }
 SETTINGS = {**ALL_LEVELS, **ABLATIONS}
 PROFILED = CodecSettings(source="profiled")
@@ -197,8 +199,11 @@ def test_unpack_bits_refuses_wrong_length(bits):
         ({"quantizer": "lossy"}, ["lossy"]),
         ({"models": "raw"}, ["raw"]),
         ({"source": "profiled", "models": "global"}, ["profiled", "global"]),
+        ({"source": "fitted", "quantizer": "uniform"}, ["fitted", "uniform"]),
+        ({"sink_anchor_only": 1}, ["sink_anchor_only", "1"]),
     ],
-    ids=["negative-bin", "two-bins", "bits-9", "bits-1", "quantizer", "raw-cachegen", "profiled-global"],
+    ids=["negative-bin", "two-bins", "bits-9", "bits-1", "quantizer", "raw-cachegen", "profiled-global",
+         "fitted-uniform", "sink-anchor-not-bool"],
 )
 def test_invalid_settings_name_the_value(kwargs, words):
     with pytest.raises(KvstrataError) as err:

@@ -75,8 +75,10 @@ def test_the_position_undoes_rope_so_a_wrong_one_decodes_worse():
     k = chunk_at(60)[0][1]
     payload = form.encode(k, "k", 1, LAYERS, 60)
     right = form.decode(payload, tuple(k.shape), "k", 1, LAYERS, 60)
-    wrong = form.decode(payload, tuple(k.shape), "k", 1, LAYERS, 0)
+    wrong = form.decode(payload, tuple(k.shape), "k", 1, LAYERS, 30)
     assert (right - k).pow(2).mean() * 10 < (wrong - k).pow(2).mean()
+    with pytest.raises(CorruptObject, match="anchor scales"):  # at 0 the first token would be an anchor
+        form.decode(payload, tuple(k.shape), "k", 1, LAYERS, 0)
     with pytest.raises(CorruptObject, match="need a position"):
         form.decode(payload, tuple(k.shape), "k", 1, LAYERS, None)
 

@@ -1,8 +1,8 @@
 """One K or V tensor of a chunk [layers, tokens, channels] to named byte sections and back.
 
 Sections: "scales" (the quantizer's scales), "channels" (CacheGen's per-channel step codes, present
-when the steps come from sensitivity), "models" (count tables, or symbol ranges for
-profiled models; absent for raw storage) and the symbols: "rans" or "symbols" as coded by one of the two
+when the steps come from sensitivity), "models" (count tables, symbol ranges for
+profiled models, or fitted models' parameters: fitted_models.py; absent for raw storage) and the symbols: "rans" or "symbols" as coded by one of the two
 range coders (entropy.py), or "symbols" bit-packed for raw storage.
 Coder groups (papers/cachegen.md §2.3): with per-(layer, channel) models, each layer's anchors
 share one model and each (layer, channel) has its own for the differences; with a global model,
@@ -21,6 +21,7 @@ import torch
 
 from kvstrata.cachegen import entropy
 from kvstrata.cachegen.errors import CorruptStreamError
+from kvstrata.cachegen.fitted_models import FittedModels
 from kvstrata.cachegen.levels import CodecSettings
 from kvstrata.cachegen.quantize import (
     TOKEN_CODE_LIMIT,
@@ -53,16 +54,17 @@ def encode_tensor(
     `steps` (layer steps [L] and channel codes [L, C], for a slice of the layers) are given, and by
     `transform`. `token_codes` [L, T]: each token's step code, for settings with `token_steps`
     (token_importance.py makes them). `first_position`: the chunk's first token's position in its context
-    (a transform codes keys before RoPE). `transform`: for a slice of the layers, with that slice's `steps`
+    (a transform codes keys before RoPE; settings with `sink_anchor_only` anchor only at 0). `transform`: for a slice of the layers, with that slice's `steps`
     (default: the profile's, with its component steps)."""
     x = x.float().cpu()
     if not torch.isfinite(x).all():
         raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
     _check_position(first_position)
+    anchored = anchors_first_token(settings, first_position)
     if settings.transform:
         if (transform is None) != (steps is None):
             raise ValueError("a transform for a slice of the layers comes with that slice's steps, and only with them")
-        x = to_components(x, transform or _transform_of(profile), first_position)
+        x = to_components(x, transform or _transform_of(profile), first_position, anchored)
         steps = steps or profile.component_steps(settings.bins[0])
     if settings.quantizer == "uniform":
         symbols = quantize_uniform(x, settings.bits)
@@ -80,8 +82,10 @@ def encode_tensor(
                 steps = profile.steps(settings.bins[0])
         if settings.token_steps != (token_codes is not None):
             raise ValueError(f"settings with token_steps={settings.token_steps} take token codes only with it")
-        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences, steps, token_codes)
-        sections = {"scales": symbols.anchor_scale.numpy().tobytes() + symbols.step.numpy().tobytes()}
+        symbols = quantize_cachegen(x, layer_bins(settings.bins, x.shape[0]), differences, steps, token_codes,
+                                    anchored)
+        anchor_scales = symbols.anchor_scale.numpy().tobytes() if symbols.anchored else b""
+        sections = {"scales": anchor_scales + symbols.step.numpy().tobytes()}
         if steps is not None and not settings.transform:  # a transform's components share one step: codes all 0
             sections["channels"] = symbols.channel_codes.numpy().tobytes()
         groups = _cachegen_groups(symbols, settings.models)
@@ -91,6 +95,10 @@ def encode_tensor(
         models = profile.models_for(groups, _unit_bins(settings, symbols.step, profile), differences,
                                     symbols.channel_codes)
         sections["models"] = entropy.write_ranges(groups)
+    elif settings.source == "fitted":
+        fitted = FittedModels.fit(groups)
+        sections["models"] = fitted.to_bytes()
+        groups, models = fitted.coded(groups)
     else:
         counted = [entropy.counted_model(g) for g in groups]
         models = [m for m, _ in counted]
@@ -106,9 +114,11 @@ def decode_tensor(
 ) -> torch.Tensor:
     """`transform`: for a tensor of a slice of the layers (default: the profile's)."""
     _check_position(first_position)
+    anchored = anchors_first_token(settings, first_position)
     if settings.transform:
-        coded = decode_tensor(sections, dataclasses.replace(settings, transform=False), shape, kind, profile)
-        return from_components(coded, transform or _transform_of(profile), first_position)
+        coded = decode_tensor(sections, dataclasses.replace(settings, transform=False), shape, kind, profile,
+                              first_position)
+        return from_components(coded, transform or _transform_of(profile), first_position, anchored)
     num_layers, num_tokens, channels = shape
     scales = sections["scales"]
     if settings.quantizer == "uniform":
@@ -124,9 +134,10 @@ def decode_tensor(
             raise CorruptStreamError(f"a decoded symbol lies outside [-{qmax}, {qmax}]")
         return dequantize_uniform(UniformSymbols(scale, torch.from_numpy(values.astype(np.int32))))
     differences = settings.differences_for(kind)
-    num_anchors = len(anchor_positions(num_tokens, differences))
-    anchor_bytes = 2 * num_layers * channels
-    anchor_scale = torch.from_numpy(_array(scales[:anchor_bytes], np.float16, (num_layers, channels), "anchor scales"))
+    num_anchors = len(anchor_positions(num_tokens, differences)) if differences or anchored else 0
+    anchor_bytes = 2 * num_layers * channels if num_anchors else 0
+    anchor_scale = (torch.from_numpy(_array(scales[:anchor_bytes], np.float16, (num_layers, channels), "anchor scales"))
+                    if num_anchors else torch.ones(num_layers, channels, dtype=torch.float16))
     step = torch.from_numpy(_array(scales[anchor_bytes:], np.float32, (num_layers,), "steps"))
     codes = (torch.from_numpy(_array(sections["channels"], np.int8, (num_layers, channels), "channels"))
              if "channels" in sections else torch.zeros(num_layers, channels, dtype=torch.int8))
@@ -145,19 +156,29 @@ def decode_tensor(
     return dequantize_cachegen(symbols, num_tokens, differences)
 
 
-def to_components(x: torch.Tensor, transform: ChannelTransform, first_position: int) -> torch.Tensor:
-    """x [L, T, C] of a chunk whose first token sits at `first_position`, over each KV head's components; the
-    chunk's first token, its 8-bit anchor, stays as it is (transformed with the rest and put back: one copy of
-    the tensor fewer than transforming the rest alone)."""
+def anchors_first_token(settings: CodecSettings, first_position: int) -> bool:
+    """Whether a tensor coded without differences keeps its chunk's first token as an 8-bit anchor: always, unless
+    the settings anchor only the attention sink (`sink_anchor_only`) and the chunk starts after it."""
+    return not settings.sink_anchor_only or first_position == 0
+
+
+def to_components(x: torch.Tensor, transform: ChannelTransform, first_position: int,
+                  anchored: bool = True) -> torch.Tensor:
+    """x [L, T, C] of a chunk whose first token sits at `first_position`, over each KV head's components; where
+    `anchored`, the chunk's first token, its 8-bit anchor, stays as it is (transformed with the rest and put back:
+    one copy of the tensor fewer than transforming the rest alone)."""
     z = transform.forward(x, first_position)
-    z[:, 0] = x[:, 0]
+    if anchored:
+        z[:, 0] = x[:, 0]
     return z
 
 
-def from_components(coded: torch.Tensor, transform: ChannelTransform, first_position: int) -> torch.Tensor:
+def from_components(coded: torch.Tensor, transform: ChannelTransform, first_position: int,
+                    anchored: bool = True) -> torch.Tensor:
     """to_components undone (a tensor of several layers at once costs one product per head for them all)."""
     x = transform.inverse(coded, first_position)
-    x[:, 0] = coded[:, 0]
+    if anchored:
+        x[:, 0] = coded[:, 0]
     return x
 
 
@@ -185,6 +206,10 @@ def _unit_bins(settings: CodecSettings, steps: torch.Tensor, profile: TensorProf
 def _decode_symbols(sections, settings: CodecSettings, sizes: list[int], profile, differences: bool,
                     channel_codes, steps=None) -> np.ndarray:
     """Every coder group's symbols, concatenated in group order."""
+    if settings.source == "fitted":
+        fitted = FittedModels.from_bytes(sections["models"], len(sizes))
+        run_sizes, models = fitted.runs(sizes)
+        return fitted.groups_from_runs(entropy.decode_symbols(sections, models, run_sizes), sizes)
     if settings.source == "profiled":
         ranges = entropy.read_ranges(sections["models"], len(sizes))
         models = profile.models_for_ranges(ranges, _unit_bins(settings, steps, profile), differences, channel_codes)

@@ -28,7 +28,7 @@ from kvstrata.errors import KvstrataError
 QUANTIZERS = ("cachegen", "uniform")
 MODELS = ("layer-channel", "global", "raw")
 DIFFERENCES = ("kv", "k", "none")
-SOURCES = ("chunk", "profiled")
+SOURCES = ("chunk", "profiled", "fitted")
 ALLOCATIONS = ("thirds", "sensitivity")
 
 
@@ -39,10 +39,11 @@ class CodecSettings:
     differences: str = "k"  # cachegen: which of K and V are coded as differences from their group's anchor
     bits: int = 8  # uniform: bits per value
     models: str = "layer-channel"  # one coder model per (layer, channel), one for everything, or no coder
-    source: str = "chunk"  # models counted per chunk (shipped in the stream) or profiled offline
+    source: str = "chunk"  # models counted per chunk (shipped in the stream), profiled offline, or fitted per chunk
     allocation: str = "thirds"  # cachegen: steps by layer third (bins) or from the profiled sensitivity
     token_steps: bool = False  # cachegen: each token's step scaled by a code in the stream (its importance)
     transform: bool = False  # cachegen: each KV head's channels decorrelated first (transform.py; needs the profile)
+    sink_anchor_only: bool = False  # cachegen: without differences, only a chunk at position 0 has an 8-bit anchor
 
     def __post_init__(self) -> None:
         _require(self.quantizer in QUANTIZERS, f"quantizer {self.quantizer!r} is not one of {QUANTIZERS}")
@@ -55,7 +56,7 @@ class CodecSettings:
             f"bins must be three positive numbers, got {self.bins!r}",
         )
         _require(isinstance(self.bits, int) and 2 <= self.bits <= 8, f"bits must be in [2, 8], got {self.bits!r}")
-        for name in ("token_steps", "transform"):
+        for name in ("token_steps", "transform", "sink_anchor_only"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
         _require(self.models != "raw" or self.quantizer == "uniform", "only the uniform quantizer stores raw symbols")
         _require(
@@ -65,7 +66,7 @@ class CodecSettings:
         )
         _require(
             self.source == "chunk" or (self.quantizer == "cachegen" and self.models == "layer-channel"),
-            f"source 'profiled' needs the cachegen quantizer and per-(layer, channel) models; got "
+            f"source {self.source!r} needs the cachegen quantizer and per-(layer, channel) models; got "
             f"quantizer {self.quantizer!r}, models {self.models!r}",
         )
 
@@ -77,8 +78,8 @@ class CodecSettings:
         )
         _require(
             not self.transform or (self.allocation == "sensitivity" and self.differences == "none"
-                                   and self.source == "chunk"),
-            f"transform needs allocation 'sensitivity', differences 'none' and source 'chunk'; got "
+                                   and self.source in ("chunk", "fitted")),
+            f"transform needs allocation 'sensitivity', differences 'none' and source 'chunk' or 'fitted'; got "
             f"{self.allocation!r}, {self.differences!r}, {self.source!r}",
         )
 
@@ -97,6 +98,8 @@ class CodecSettings:
             data = {**data, "token_steps": False}
         if isinstance(data, dict) and "transform" not in data:  # written before transform coding existed
             data = {**data, "transform": False}
+        if isinstance(data, dict) and "sink_anchor_only" not in data:  # written when every chunk had an anchor
+            data = {**data, "sink_anchor_only": False}
         if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
             raise KvstrataError(f"codec settings {data!r:.200} do not have the fields {sorted(cls.__dataclass_fields__)}")
         return cls(**{**data, "bins": tuple(data["bins"]) if isinstance(data["bins"], list) else data["bins"]})
@@ -136,9 +139,10 @@ TRANSFORM_LEVELS: dict[str, CodecSettings] = {
     for name, b in (("high", 0.4), ("medium", 0.8), ("low", 1.6))
 }
 # The KV store's objects, coded when a chunk is computed (no later queries to weigh its tokens by): the
-# sensitivity levels over components, without steps per token. Objects of one layer and 256 tokens with one coder
-# model each lose more than saved contexts at a bin, so the bins were set on the same tuning texts for `medium` to
-# stay within 1% of 8 bits there (docs/BENCHMARKS.md, "Transform coding in the KV store").
+# sensitivity levels over components, without steps per token. Objects of one layer and 256 tokens lose more than
+# saved contexts at a bin, so the bins were set on the same tuning texts for `medium` to stay within 1% of 8 bits
+# there (docs/BENCHMARKS.md, "Transform coding in the KV store"). The store codes them with fitted coder models and
+# an anchor only in a context's first chunk (kv/store/forms.py).
 COMPONENT_LEVELS: dict[str, CodecSettings] = {
     name: replace(SENSITIVITY_LEVELS[name], bins=(b, b, b), transform=True)
     for name, b in (("high", 0.3), ("medium", 0.6), ("low", 1.2))

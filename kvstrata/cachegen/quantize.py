@@ -19,7 +19,9 @@ an octave (int8), so the decoder needs no profile.
 Without differences (for V by default: on the default model V is nearly independent token to token,
 so a difference has about twice a value's variance; docs/BENCHMARKS.md), tokens are quantized
 directly with the same step, and only the chunk's first token is an 8-bit anchor: a context's first
-token is the attention sink, whose error every later query reads.
+token is the attention sink, whose error every later query reads. A caller that knows the chunk starts
+after its context's first token may leave the anchor out (`anchored=False`): its first token is then coded
+like the rest, and no anchor scales travel.
 
 Steps per token: a stream may also carry one code per (layer, token) that scales the token's steps by
 2 ** (-code / TOKEN_CODE_STEPS), finer for the tokens later queries read most (token_importance.py); only for
@@ -74,10 +76,16 @@ class CacheGenSymbols:
         steps = self.channel_steps()[:, None]
         return steps if self.token_codes is None else steps * token_multipliers(self.token_codes)[..., None]
 
+    @property
+    def anchored(self) -> bool:
+        return self.anchors.shape[1] > 0
+
     def rest_steps(self, num_tokens: int, differences: bool) -> torch.Tensor:
         """The steps of the non-anchor tokens [L, T - A, C] (or [L, 1, C])."""
         steps = self.steps()
-        return steps if self.token_codes is None else steps[:, _non_anchor_mask(num_tokens, differences)]
+        if self.token_codes is None:
+            return steps
+        return steps[:, _non_anchor_mask(num_tokens, differences)] if self.anchored else steps
 
 
 def steps_from_sensitivity(sensitivity: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +125,9 @@ def _non_anchor_mask(num_tokens: int, differences: bool = True) -> torch.Tensor:
 
 
 def _quantize_anchors(anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """8-bit symbols [L, A, C] with one scale per (layer, channel)."""
+    """8-bit symbols [L, A, C] with one scale per (layer, channel) (scales of 1 where there are no anchors)."""
+    if anchors.shape[1] == 0:
+        return torch.ones(anchors.shape[0], anchors.shape[2], dtype=torch.float16), anchors.clone()
     scale = _stored_scale(anchors.abs().amax(dim=1) / ANCHOR_LEVELS)
     return scale, torch.round(anchors / scale.float()[:, None]).clamp(-ANCHOR_LEVELS, ANCHOR_LEVELS)
 
@@ -130,10 +140,11 @@ def differences_from_anchors(x: torch.Tensor, anchors_hat: torch.Tensor) -> torc
 
 def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor | None, differences: bool = True,
                       steps: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      token_codes: torch.Tensor | None = None) -> CacheGenSymbols:
+                      token_codes: torch.Tensor | None = None, anchored: bool = True) -> CacheGenSymbols:
     """`bins` [L]: each layer's step in units of its anchor-difference RMS, one step for all its channels;
     or `steps`: absolute layer steps [L] and channel codes [L, C] (steps_from_sensitivity), with `token_codes`
-    [L, T] (int8 in [-TOKEN_CODE_LIMIT, TOKEN_CODE_LIMIT]) scaling each token's steps."""
+    [L, T] (int8 in [-TOKEN_CODE_LIMIT, TOKEN_CODE_LIMIT]) scaling each token's steps. `anchored`: without
+    differences, whether the first token is an 8-bit anchor (with differences, every group has one)."""
     num_layers, num_tokens, channels = x.shape
     if token_codes is not None and (differences or token_codes.shape != (num_layers, num_tokens)
                                     or token_codes.int().abs().max() > TOKEN_CODE_LIMIT):
@@ -151,8 +162,9 @@ def quantize_cachegen(x: torch.Tensor, bins: torch.Tensor | None, differences: b
     if differences:
         symbols = CacheGenSymbols(anchor_scale, step, codes, anchor_symbols.int(), diffs)
     else:
-        first_scale, first_symbols = _quantize_anchors(x[:, :1])
-        rest = x[:, _non_anchor_mask(num_tokens, False)]
+        first = 1 if anchored else 0
+        first_scale, first_symbols = _quantize_anchors(x[:, :first])
+        rest = x[:, first:]
         symbols = CacheGenSymbols(first_scale, step, codes, first_symbols.int(), rest, token_codes)
     symbols.rest = torch.round(symbols.rest / symbols.rest_steps(num_tokens, differences)).int()
     return symbols
@@ -177,7 +189,8 @@ def cachegen_error_bound(symbols: CacheGenSymbols, num_tokens: int, differences:
     """The largest error each element may have [L, T, C] (exact arithmetic; float32 adds ~1e-7 relative)."""
     num_layers, _, channels = symbols.rest.shape
     bound = (symbols.steps() / 2).expand(num_layers, num_tokens, channels).clone()
-    bound[:, anchor_positions(num_tokens, differences)] = (symbols.anchor_scale.float() / 2)[:, None]
+    if symbols.anchored:
+        bound[:, anchor_positions(num_tokens, differences)] = (symbols.anchor_scale.float() / 2)[:, None]
     return bound
 
 

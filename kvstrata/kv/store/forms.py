@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstrata.cachegen.codec import decode_tensor, encode_tensor, from_components
+from kvstrata.cachegen.codec import anchors_first_token, decode_tensor, encode_tensor, from_components
 from kvstrata.cachegen.levels import CACHEGEN_LEVELS, COMPONENT_LEVELS, settings_for
 from kvstrata.cachegen.quantize import layer_bins
 from kvstrata.errors import KvstrataError
@@ -82,11 +82,11 @@ class FloatForm(StoredForm):
 
 
 class CacheGenForm(StoredForm):
-    """One layer coded alone, and one coder model for its anchors and one for the rest, counted per object.
-    Per-(layer, channel) models would ship one count table and cost one coder call per channel in every
-    256-token object; decoding is on the time-to-first-token path. With the model's profile, the layer's
-    steps come from its sensitivity (the steps travel in the object, so a reader needs no profile unless the
-    object is coded over transformed components); without one, the level's bin for the layer's third."""
+    """One layer coded alone, with a coder model fitted per channel or component (cachegen/fitted_models.py: a
+    count table per channel would cost more than the symbols it saves in a 256-token object), and an 8-bit anchor
+    only in a context's first chunk, whose first token is the attention sink. With the model's profile, the
+    layer's steps come from its sensitivity (the steps travel in the object, so a reader needs no profile unless
+    the object is coded over transformed components); without one, the level's bin for the layer's third."""
 
     def __init__(self, level: str, profile: CodecProfile | None = None, profiled: bool = False,
                  transform: bool = False):
@@ -98,7 +98,8 @@ class CacheGenForm(StoredForm):
         self.name = level + (TRANSFORM_SUFFIX if transform else "")
         self.level, self.profile = level, profile
         self.settings = dataclasses.replace(
-            settings_for(level, profiled=profiled or profile is not None, transform=transform), models="global")
+            settings_for(level, profiled=profiled or profile is not None, transform=transform),
+            models="layer-channel", source="fitted", sink_anchor_only=True)
 
     def at(self, position):
         if (position is None or self.settings.transform or self.profile is None or not self.profile.has_transforms
@@ -133,9 +134,9 @@ class CacheGenForm(StoredForm):
         if self.settings.transform:
             if position is None:
                 raise ValueError(f"a {self.name} object is written at its chunk's position (StoredForm.at)")
-            coding = {"first_position": position, "transform": self._layer_transform(kind, layer, layer + 1)}
+            coding = {"transform": self._layer_transform(kind, layer, layer + 1)}
         sections = encode_tensor(x.reshape(1, tokens, heads * dim), self._layer_settings(layer, num_layers), kind,
-                                 steps=steps, **coding)
+                                 steps=steps, first_position=position or 0, **coding)
         return b"".join(_SECTION.pack(len(n), len(d)) + n.encode() + d for n, d in sections.items())
 
     def decode(self, payload, shape, kind, layer, num_layers, position=None):
@@ -156,13 +157,15 @@ class CacheGenForm(StoredForm):
             settings = dataclasses.replace(self._layer_settings(layer, num_layers), transform=False)
             sections = self._sections(payload)
             try:
-                coded.append(decode_tensor(sections, settings, (1, tokens, heads * dim), kind))
+                coded.append(decode_tensor(sections, settings, (1, tokens, heads * dim), kind,
+                                           first_position=position or 0))
             except Exception as exc:  # the checksum held, so this is a stream of another codec version
                 raise CorruptObject(f"a {self.name} object could not be decoded: {type(exc).__name__}: {exc}") from exc
         x = torch.cat(coded)
         if self.settings.transform:
             try:
-                x = from_components(x, self._layer_transform(kind, layers[0], layers[-1] + 1), position)
+                x = from_components(x, self._layer_transform(kind, layers[0], layers[-1] + 1), position,
+                                    anchors_first_token(self.settings, position))
             except (ValueError, RuntimeError) as exc:  # layers or heads the profile does not have
                 raise CorruptObject(f"{self.name} objects do not fit the profile's transforms: {exc}") from exc
         if not _all_finite(x):

@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 from kvstrata.kv.store.errors import CorruptObject
 
 MAGIC = b"KVSO"
-VERSION = 3  # 2: CacheGen objects may carry per-channel step codes; 3: K coded directly, steps from sensitivity
+# 2: CacheGen objects may carry per-channel step codes; 3: K coded directly, steps from sensitivity; 4: fitted coder
+# models (cachegen/fitted_models.py), and an 8-bit anchor only in a context's first chunk
+VERSION = 4
 MAX_POSITION = 2**31  # of a chunk's first token: beyond any context a model here attends over
 PREAMBLE = struct.Struct("<4sBH16s")  # magic, version, header length, blake2b-128 of header + payload
 

@@ -1,0 +1,114 @@
+"""Coder models fitted per chunk (kvstrata/cachegen/fitted_models.py) and the anchor only a context's first chunk
+keeps: lossless, near the groups' own entropy where one shared model is not, and a bad parameter block refused."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.cachegen import codec, entropy, quantize
+from kvstrata.cachegen.errors import CorruptStreamError
+from kvstrata.cachegen.fitted_models import FittedModels, gaussian_table
+from kvstrata.cachegen.levels import CodecSettings
+
+FITTED = CodecSettings(differences="none", source="fitted", sink_anchor_only=True)
+
+
+def spread_groups(seed: int = 0) -> list[np.ndarray]:
+    """Rounded Gaussians whose spreads span three orders of magnitude, with offset means, one empty group and one
+    constant group, as a transform's components are."""
+    rng = np.random.default_rng(seed)
+    groups = [np.round(rng.normal(rng.uniform(-3, 3), 10 ** rng.uniform(-1, 2), size=255)).astype(np.int32)
+              for _ in range(40)]
+    return [*groups, np.zeros(0, dtype=np.int32), np.full(255, 7, dtype=np.int32)]
+
+
+def coded_bytes(groups: list[np.ndarray], models: list[entropy.SymbolModel]) -> int:
+    return len(entropy.encode_groups(groups, models)[1])
+
+
+def own_entropy_bytes(groups: list[np.ndarray]) -> float:
+    """What a model per group that knew its exact histogram would need, tables free."""
+    bits = 0.0
+    for group in groups:
+        if group.size:
+            counts = np.bincount(group - group.min())
+            p = counts[counts > 0] / group.size
+            bits -= float((counts[counts > 0] * np.log2(p)).sum())
+    return bits / 8
+
+
+def test_fitted_runs_decode_to_the_groups_and_cost_near_their_own_entropy():
+    groups = spread_groups()
+    fitted = FittedModels.fit(groups)
+    runs, models = fitted.coded(groups)
+    assert len(models) < len(groups)  # groups sharing a spread and a mean's fraction share one model
+    _, data = entropy.encode_groups(runs, models)
+    sizes = [g.size for g in groups]
+    parsed = FittedModels.from_bytes(fitted.to_bytes(), len(groups))
+    run_sizes, run_models = parsed.runs(sizes)
+    flat = entropy.decode_symbols({entropy.COMPILED_SECTION if entropy.compiled_coder() else
+                                   entropy.CONSTRICTION_SECTION: data}, run_models, run_sizes)
+    assert np.array_equal(parsed.groups_from_runs(flat, sizes), np.concatenate(groups))
+    fitted_size = len(data) + len(fitted.to_bytes())
+    one_model = coded_bytes([np.concatenate(groups)], [entropy.counted_model(np.concatenate(groups))[0]])
+    assert fitted_size < 0.8 * one_model
+    assert fitted_size < 1.1 * own_entropy_bytes(groups) + 64
+
+
+def test_gaussian_tables_are_centred_on_the_mean_s_fraction_and_read_only():
+    centred, quarter = gaussian_table(0, 0, 8), gaussian_table(0, 1, 8)
+    assert centred.sum() == pytest.approx(1) and int(np.argmax(centred)) == 8
+    assert np.allclose(centred, centred[::-1])
+    assert quarter[9] > centred[9] and quarter[7] < centred[7]
+    with pytest.raises(ValueError):
+        centred[0] = 1.0
+
+
+def parameters(reach: int, spreads: list[int]) -> bytes:
+    rows = np.zeros(len(spreads), dtype=[("mean", "<i4"), ("spread", "i1")])
+    rows["spread"] = spreads
+    return zlib.compress(np.int32(reach).astype("<i4").tobytes() + rows.tobytes())
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"not deflated", "inflate"),
+    (parameters(8, [0, 0]), "hold"),  # three groups expected
+    (parameters(12, [0, 0, 0]), "reach 12"),  # not a power of two
+    (parameters(8, [0, 90, 0]), "spread codes"),
+])
+def test_a_bad_parameter_block_is_refused(data, words):
+    with pytest.raises(CorruptStreamError, match=words):
+        FittedModels.from_bytes(data, 3)
+
+
+def chunk(tokens: int = 40, channels: int = 12, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(-1, 1.5, channels)
+    return torch.randn(2, tokens, channels, generator=generator) * scales + 3
+
+
+def test_only_a_context_s_first_chunk_keeps_its_first_token_as_an_anchor():
+    x = chunk()
+    layers, tokens, channels = x.shape
+    for position, anchored in ((0, True), (256, False)):
+        sections = codec.encode_tensor(x, FITTED, "v", first_position=position)
+        assert len(sections["scales"]) == 4 * layers + (2 * layers * channels if anchored else 0)
+        decoded = codec.decode_tensor(sections, FITTED, tuple(x.shape), "v", first_position=position)
+        symbols = quantize.quantize_cachegen(x, codec.layer_bins(FITTED.bins, layers), False, anchored=anchored)
+        assert torch.equal(decoded, quantize.dequantize_cachegen(symbols, tokens, False))
+        bound = quantize.cachegen_error_bound(symbols, tokens, False)
+        assert ((decoded - x).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+    # an unanchored chunk's first token is coded like the rest, at its step
+    step = float(symbols.step[0])
+    assert (decoded[0, 0] - x[0, 0]).abs().max() <= step / 2 * (1 + 1e-5)
+    with pytest.raises(CorruptStreamError, match="section holds"):
+        codec.decode_tensor(sections, FITTED, tuple(x.shape), "v", first_position=0)
+
+
+def test_settings_written_before_the_sink_anchor_option_read_as_anchored():
+    old = {k: v for k, v in CodecSettings().to_json().items() if k != "sink_anchor_only"}
+    assert CodecSettings.from_json(old).sink_anchor_only is False
