@@ -23,10 +23,11 @@ from kvstrata.cachegen.levels import CodecSettings
 from kvstrata.errors import KvstrataError
 
 MAGIC = b"KVSTRATA-KV\x00"
-VERSION = 6  # 2: settings name which of K and V are coded as anchor differences; 3: "channels" step codes;
+VERSION = 7  # 2: settings name which of K and V are coded as anchor differences; 3: "channels" step codes;
 # 4: settings name the step allocation; 5: settings name token_steps (codes per token after the other groups);
-# 6: settings name transform (components of the profile's transforms)
-READABLE_VERSIONS = (2, 3, 4, 5, 6)  # a version-2 file has no "channels" section: one step per layer
+# 6: settings name transform (components of the profile's transforms); 7: settings name sink_anchor_only and may
+# name fitted coder models
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)  # a version-2 file has no "channels" section: one step per layer
 PREAMBLE = struct.Struct("<12sHI")  # magic, version, header length
 DIGEST_BYTES = 16
 MAX_HEADER = 1 << 28
