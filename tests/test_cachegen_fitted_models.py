@@ -41,18 +41,21 @@ def own_entropy_bytes(groups: list[np.ndarray]) -> float:
     return bits / 8
 
 
-def test_fitted_runs_decode_to_the_groups_and_cost_near_their_own_entropy():
+@pytest.mark.parametrize("coder", ["compiled", "constriction"])
+def test_fitted_models_decode_to_the_groups_and_cost_near_their_own_entropy(coder, monkeypatch):
+    if coder == "constriction":
+        monkeypatch.setattr(entropy, "compiled_coder", lambda: None)
+    elif entropy.compiled_coder() is None:
+        pytest.skip("the compiled coder could not be built here")
     groups = spread_groups()
     fitted = FittedModels.fit(groups)
-    runs, models = fitted.coded(groups)
-    assert len(models) < len(groups)  # groups sharing a spread and a mean's fraction share one model
-    _, data = entropy.encode_groups(runs, models)
+    models, group_models = fitted.models
+    assert len(models) < len(groups) and len(group_models) == len(groups)  # groups sharing codes share a model
+    section, data = entropy.encode_groups([g - o for g, o in zip(groups, fitted.offsets())], models, group_models)
     sizes = [g.size for g in groups]
     parsed = FittedModels.from_bytes(fitted.to_bytes(), len(groups))
-    run_sizes, run_models = parsed.runs(sizes)
-    flat = entropy.decode_symbols({entropy.COMPILED_SECTION if entropy.compiled_coder() else
-                                   entropy.CONSTRICTION_SECTION: data}, run_models, run_sizes)
-    assert np.array_equal(parsed.groups_from_runs(flat, sizes), np.concatenate(groups))
+    flat = entropy.decode_symbols({section: data}, *parsed.models[:1], sizes, parsed.models[1])
+    assert np.array_equal(flat + np.repeat(parsed.offsets(), sizes), np.concatenate(groups))
     fitted_size = len(data) + len(fitted.to_bytes())
     one_model = coded_bytes([np.concatenate(groups)], [entropy.counted_model(np.concatenate(groups))[0]])
     assert fitted_size < 0.8 * one_model
@@ -68,17 +71,18 @@ def test_gaussian_tables_are_centred_on_the_mean_s_fraction_and_read_only():
         centred[0] = 1.0
 
 
-def parameters(reach: int, spreads: list[int]) -> bytes:
+def parameters(spreads: list[int], reach_bits: list[int]) -> bytes:
     rows = np.zeros(len(spreads), dtype=[("mean", "<i4"), ("spread", "i1")])
     rows["spread"] = spreads
-    return zlib.compress(np.int32(reach).astype("<i4").tobytes() + rows.tobytes())
+    return zlib.compress(rows.tobytes() + np.array(reach_bits, dtype=np.uint8).tobytes())
 
 
 @pytest.mark.parametrize("data, words", [
     (b"not deflated", "inflate"),
-    (parameters(8, [0, 0]), "hold"),  # three groups expected
-    (parameters(12, [0, 0, 0]), "reach 12"),  # not a power of two
-    (parameters(8, [0, 90, 0]), "spread codes"),
+    (parameters([0, 0], []), "too few"),  # three groups expected
+    (parameters([0, 0, 1], [4]), "1 reaches for 2 models"),
+    (parameters([0, 0, 0], [21]), "beyond"),
+    (parameters([0, 90, 0], [3, 3]), "spread code"),
 ])
 def test_a_bad_parameter_block_is_refused(data, words):
     with pytest.raises(CorruptStreamError, match=words):

@@ -91,6 +91,7 @@ def encode_tensor(
         groups = _cachegen_groups(symbols, settings.models)
         if token_codes is not None:
             groups.extend(token_codes.numpy().astype(np.int32))
+    group_models = None  # each group its own model
     if settings.source == "profiled":
         models = profile.models_for(groups, _unit_bins(settings, symbols.step, profile), differences,
                                     symbols.channel_codes)
@@ -98,12 +99,13 @@ def encode_tensor(
     elif settings.source == "fitted":
         fitted = FittedModels.fit(groups)
         sections["models"] = fitted.to_bytes()
-        groups, models = fitted.coded(groups)
+        groups = [g.reshape(-1) - offset for g, offset in zip(groups, fitted.offsets())]
+        models, group_models = fitted.models
     else:
         counted = [entropy.counted_model(g) for g in groups]
         models = [m for m, _ in counted]
         sections["models"] = entropy.write_count_tables([c for _, c in counted], [m.lo for m in models])
-    coder_section, symbols = entropy.encode_groups(groups, models)
+    coder_section, symbols = entropy.encode_groups(groups, models, group_models)
     sections[coder_section] = symbols
     return sections
 
@@ -208,8 +210,8 @@ def _decode_symbols(sections, settings: CodecSettings, sizes: list[int], profile
     """Every coder group's symbols, concatenated in group order."""
     if settings.source == "fitted":
         fitted = FittedModels.from_bytes(sections["models"], len(sizes))
-        run_sizes, models = fitted.runs(sizes)
-        return fitted.groups_from_runs(entropy.decode_symbols(sections, models, run_sizes), sizes)
+        models, group_models = fitted.models
+        return entropy.decode_symbols(sections, models, sizes, group_models, fitted.offsets())
     if settings.source == "profiled":
         ranges = entropy.read_ranges(sections["models"], len(sizes))
         models = profile.models_for_ranges(ranges, _unit_bins(settings, steps, profile), differences, channel_codes)

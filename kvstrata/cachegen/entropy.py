@@ -1,8 +1,9 @@
 """Lossless coding of integer symbols with a range (ANS) coder.
 
-Symbols come in groups; each group is coded with its own probability model over the integer
-range [lo, lo + len(probabilities)). A model is either counted from the group itself (its table
-of counts travels in the stream) or given from an offline profile (only its range travels).
+Symbols come in groups; each group is coded with a probability model over the integer range
+[lo, lo + len(probabilities)), its own or one it shares with other groups (`group_models`). A model is
+counted from the group itself (its table of counts travels in the stream), given from an offline profile
+(only its range travels), or fitted (fitted_models.py: a few parameters travel).
 
 Two coders, named by the section that holds their output: "rans", the compiled coder
 (kernels/rans.cpp: one call per tensor, without the GIL; a chunk decodes 1.6-1.9x faster end to end,
@@ -61,34 +62,53 @@ def counted_model(group: np.ndarray) -> tuple[SymbolModel, np.ndarray]:
     return SymbolModel(lo, counts / counts.sum()), counts
 
 
-def encode_groups(groups: list[np.ndarray], models: list[SymbolModel]) -> tuple[str, bytes]:
-    """The section name of the coder used (COMPILED_SECTION where it builds) and the coded symbols."""
+def encode_groups(groups: list[np.ndarray], models: list[SymbolModel],
+                  group_models: np.ndarray | None = None) -> tuple[str, bytes]:
+    """The section name of the coder used (COMPILED_SECTION where it builds) and the coded symbols; group i is
+    coded with models[group_models[i]] (default: models[i])."""
+    group_models = _group_models(group_models, len(groups))
     coder = compiled_coder()
     if coder is None:
-        return CONSTRICTION_SECTION, _constriction_encode(groups, models)
-    symbols = np.concatenate([g.reshape(-1) - m.lo for g, m in zip(groups, models)] or [np.zeros(0)])
-    words = coder.rans_encode(torch.from_numpy(symbols.astype(np.int32)), *_layout(models, [g.size for g in groups]))
+        return CONSTRICTION_SECTION, _constriction_encode(groups, [models[m] for m in group_models])
+    symbols = np.concatenate([g.reshape(-1) - models[m].lo for g, m in zip(groups, group_models)] or [np.zeros(0)])
+    words = coder.rans_encode(torch.from_numpy(symbols.astype(np.int32)),
+                              *_layout(models, [g.size for g in groups], group_models))
     return COMPILED_SECTION, words.numpy().view(np.uint32).astype("<u4", copy=False).tobytes()
 
 
-def decode_symbols(sections: dict[str, bytes], models: list[SymbolModel], sizes: list[int]) -> np.ndarray:
-    """Every group's symbols, concatenated (int32), from whichever coder's section `sections` holds."""
+def decode_symbols(sections: dict[str, bytes], models: list[SymbolModel], sizes: list[int],
+                   group_models: np.ndarray | None = None, group_offsets: np.ndarray | None = None) -> np.ndarray:
+    """Every group's symbols, concatenated (int32), from whichever coder's section `sections` holds; group i
+    under models[group_models[i]] (default: models[i]), plus group_offsets[i] (what the encoder took off it)."""
+    group_models = _group_models(group_models, len(sizes))
+    offsets = np.array([m.lo for m in models], dtype=np.int64)[group_models]
+    if group_offsets is not None:
+        offsets = offsets + group_offsets
     if COMPILED_SECTION in sections:
-        return _compiled_decode(sections[COMPILED_SECTION], models, sizes)
+        return _compiled_decode(sections[COMPILED_SECTION], models, sizes, group_models, offsets)
     if CONSTRICTION_SECTION in sections:
+        symbols = _constriction_decode(sections[CONSTRICTION_SECTION], [models[m] for m in group_models], sizes)
         return np.concatenate([np.zeros(0, dtype=np.int32),
-                               *_constriction_decode(sections[CONSTRICTION_SECTION], models, sizes)])
+                               *(s + (o - models[m].lo) for s, o, m in zip(symbols, offsets, group_models))])
     raise CorruptStreamError(f"the stream has no coded symbols (a section named one of {', '.join(CODER_SECTIONS)})")
 
 
-def _layout(models: list[SymbolModel], sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group sizes, model lengths and every model's probabilities concatenated, as the compiled coder takes them."""
-    lengths = torch.tensor([len(m.probabilities) for m in models], dtype=torch.int64)
-    probabilities = np.concatenate([m.probabilities for m in models] or [np.zeros(0)]).astype(np.float64)
-    return torch.tensor(sizes, dtype=torch.int64), lengths, torch.from_numpy(probabilities)
+def _group_models(group_models: np.ndarray | None, num_groups: int) -> np.ndarray:
+    return np.arange(num_groups, dtype=np.int64) if group_models is None else np.asarray(group_models, np.int64)
 
 
-def _compiled_decode(data: bytes, models: list[SymbolModel], sizes: list[int]) -> np.ndarray:
+def _layout(models: list[SymbolModel], sizes: list[int], group_models: np.ndarray
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group sizes, each group's model, model lengths and every model's probabilities concatenated, as the compiled
+    coder takes them."""
+    lengths = np.array([len(m.probabilities) for m in models], dtype=np.int64)
+    probabilities = np.concatenate([m.probabilities for m in models] or [np.zeros(0)]).astype(np.float64, copy=False)
+    return (torch.from_numpy(np.asarray(sizes, dtype=np.int64)), torch.from_numpy(group_models),
+            torch.from_numpy(lengths), torch.from_numpy(probabilities))
+
+
+def _compiled_decode(data: bytes, models: list[SymbolModel], sizes: list[int], group_models: np.ndarray,
+                     offsets: np.ndarray) -> np.ndarray:
     coder = compiled_coder()
     if coder is None:
         raise CorruptStreamError("the stream was coded with the compiled rANS coder, which could not be built on this "
@@ -97,10 +117,10 @@ def _compiled_decode(data: bytes, models: list[SymbolModel], sizes: list[int]) -
         raise CorruptStreamError(f"an entropy-coded section of {len(data)} bytes is not whole 32-bit words")
     words = torch.from_numpy(np.frombuffer(data, dtype="<u4").astype(np.uint32).view(np.int32))
     try:
-        symbols = coder.rans_decode(words, *_layout(models, sizes)).numpy()
+        return coder.rans_decode(words, *_layout(models, sizes, group_models),
+                                 torch.from_numpy(offsets.astype(np.int32))).numpy()
     except (ValueError, RuntimeError) as exc:  # a stream that does not decode, or models it cannot hold
         raise CorruptStreamError(str(exc).splitlines()[0]) from None
-    return symbols + np.repeat(np.array([m.lo for m in models], dtype=np.int32), sizes)
 
 
 def _constriction_encode(groups: list[np.ndarray], models: list[SymbolModel]) -> bytes:

@@ -7,8 +7,11 @@ transform's components (transform.py) differ in spread by orders of magnitude, a
 costs far more than a model per component (docs/BENCHMARKS.md, "Fitted coder models"). A fitted model costs five
 bytes per group before deflation: the group's mean in quarters of a symbol, and its spread (the RMS about that
 mean) as a code, 2 ** (code / SPREAD_CODE_STEPS). Groups that share a spread code and a mean's fraction share one
-model and are coded one after another, so a chunk builds a few tens of models, not one per channel. Both sides
-compute a model from its code alone, with the same double arithmetic.
+model (the coder builds each once: entropy.py), so a chunk builds a few tens of models, not one per channel; each
+model covers the symbols its groups reach (a power of two each side, one byte per model), so a narrow one is a
+short table. Both sides compute a model from its codes alone, in float64: a reader whose erf differed in the
+last bit could build another table, and its stream would then fail the coder's final-state check (a corrupt
+stream, never wrong values).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from kvstrata.cachegen.errors import CorruptStreamError
 SPREAD_CODE_STEPS = 4  # a spread code is a quarter octave: a model at most 9% too wide or narrow
 SPREAD_CODES = (-16, 64)  # spreads from 1/16 of a symbol (a constant group) to 2^16 symbols
 MEAN_STEPS = 4  # a mean is coded in quarters of a symbol
-MAX_REACH = 1 << 20  # the farthest a symbol may lie from its group's mean
+MAX_REACH_BITS = 20  # a symbol lies at most 2^20 from the whole part of its group's mean
 _PARAMETERS = np.dtype([("mean", "<i4"), ("spread", "i1")])
 
 
@@ -35,7 +38,7 @@ _PARAMETERS = np.dtype([("mean", "<i4"), ("spread", "i1")])
 class FittedModels:
     means: np.ndarray  # int64 [groups]: each group's mean, in 1 / MEAN_STEPS of a symbol
     spreads: np.ndarray  # int64 [groups]: each group's spread code
-    reach: int  # a power of two at least every |symbol - mean|: every model covers [-reach, reach]
+    reach_bits: np.ndarray  # int64 [models]: model m covers [-2^bits, 2^bits] about its groups' means' whole parts
 
     @classmethod
     def fit(cls, groups: list[np.ndarray]) -> FittedModels:
@@ -47,17 +50,21 @@ class FittedModels:
         centered = flat - np.repeat(means / MEAN_STEPS, sizes)
         rms = np.sqrt(np.bincount(owner, centered * centered, len(groups)) / counts)
         spreads = np.round(SPREAD_CODE_STEPS * np.log2(np.maximum(rms, 2.0 ** (SPREAD_CODES[0] / SPREAD_CODE_STEPS))))
-        farthest = float(np.abs(centered).max(initial=0.0)) + 1
-        if farthest > MAX_REACH:
-            raise ValueError(f"a coder group's symbols lie {farthest:.0f} from its mean, beyond the fitted models' "
-                             f"{MAX_REACH}")
-        return cls(means, np.clip(spreads, *SPREAD_CODES).astype(np.int64), 1 << math.ceil(math.log2(farthest)))
+        spreads = np.clip(spreads, *SPREAD_CODES).astype(np.int64)
+        _, group_models = _model_keys(means, spreads)
+        farthest = np.zeros(int(group_models.max(initial=-1)) + 1)
+        np.maximum.at(farthest, group_models[owner], np.abs(flat - np.repeat(np.floor_divide(means, MEAN_STEPS), sizes)))
+        reach_bits = np.ceil(np.log2(farthest + 1)).astype(np.int64)
+        if (reach_bits > MAX_REACH_BITS).any():
+            raise ValueError(f"a coder group's symbols lie {farthest.max():.0f} from its mean, beyond the fitted "
+                             f"models' 2^{MAX_REACH_BITS}")
+        return cls(means, spreads, reach_bits)
 
     def to_bytes(self) -> bytes:
-        """The reach (int32), then each group's mean (int32) and spread code (int8), deflated."""
+        """Each group's mean (int32) and spread code (int8), then each model's reach bits (uint8), deflated."""
         parameters = np.empty(len(self.means), dtype=_PARAMETERS)
         parameters["mean"], parameters["spread"] = self.means, self.spreads
-        return zlib.compress(np.int32(self.reach).astype("<i4").tobytes() + parameters.tobytes(), 6)
+        return zlib.compress(parameters.tobytes() + self.reach_bits.astype(np.uint8).tobytes(), 6)
 
     @classmethod
     def from_bytes(cls, data: bytes, num_groups: int) -> FittedModels:
@@ -65,55 +72,46 @@ class FittedModels:
             raw = zlib.decompress(data)
         except zlib.error as exc:
             raise CorruptStreamError(f"the fitted models do not inflate: {exc}") from None
-        if len(raw) != 4 + num_groups * _PARAMETERS.itemsize:
-            raise CorruptStreamError(f"the fitted models hold {len(raw)} bytes, expected "
-                                     f"{4 + num_groups * _PARAMETERS.itemsize} for {num_groups} groups")
-        reach = int(np.frombuffer(raw[:4], dtype="<i4")[0])
-        parameters = np.frombuffer(raw[4:], dtype=_PARAMETERS)
-        spreads = parameters["spread"].astype(np.int64)
-        if (not 1 <= reach <= MAX_REACH or reach & (reach - 1)
-                or ((spreads < SPREAD_CODES[0]) | (spreads > SPREAD_CODES[1])).any()):
-            raise CorruptStreamError(f"the fitted models' reach {reach} or spread codes lie outside what a writer "
-                                     f"writes (a power of two to {MAX_REACH}; codes {SPREAD_CODES[0]} to "
-                                     f"{SPREAD_CODES[1]})")
-        return cls(parameters["mean"].astype(np.int64), spreads, reach)
+        group_bytes = num_groups * _PARAMETERS.itemsize
+        if len(raw) < group_bytes:
+            raise CorruptStreamError(f"the fitted models hold {len(raw)} bytes, too few for {num_groups} groups")
+        parameters = np.frombuffer(raw[:group_bytes], dtype=_PARAMETERS)
+        means, spreads = parameters["mean"].astype(np.int64), parameters["spread"].astype(np.int64)
+        if ((spreads < SPREAD_CODES[0]) | (spreads > SPREAD_CODES[1])).any():
+            raise CorruptStreamError(f"a fitted model's spread code lies outside {SPREAD_CODES[0]} to "
+                                     f"{SPREAD_CODES[1]}")
+        fitted = cls(means, spreads, np.frombuffer(raw[group_bytes:], dtype=np.uint8).astype(np.int64))
+        num_models = len(fitted._keys[0])
+        if len(fitted.reach_bits) != num_models or (fitted.reach_bits > MAX_REACH_BITS).any():
+            raise CorruptStreamError(f"the fitted models give {len(fitted.reach_bits)} reaches for {num_models} "
+                                     f"models, or one beyond 2^{MAX_REACH_BITS}")
+        return fitted
 
-    def coded(self, groups: list[np.ndarray]) -> tuple[list[np.ndarray], list[SymbolModel]]:
-        """The symbols to code, one run per model (each group less its mean's whole part), and each run's model."""
-        order, starts, models = self._runs
-        offsets = np.floor_divide(self.means, MEAN_STEPS)
-        runs = [np.concatenate([groups[i].reshape(-1).astype(np.int64) - offsets[i] for i in members])
-                for members in np.split(order, starts[1:])]
-        return runs, models
-
-    def runs(self, sizes: list[int]) -> tuple[list[int], list[SymbolModel]]:
-        """For a decoder: each run's size (the groups' `sizes` given), and its model."""
-        order, starts, models = self._runs
-        return np.add.reduceat(np.asarray(sizes, dtype=np.int64)[order], starts).tolist() if len(order) else [], models
-
-    def groups_from_runs(self, flat: np.ndarray, sizes: list[int]) -> np.ndarray:
-        """The decoded runs `flat` back as every group's symbols, in group order, concatenated."""
-        sizes = np.asarray(sizes, dtype=np.int64)
-        order = self._runs[0]
-        coded_start = np.empty(len(sizes), dtype=np.int64)
-        coded_start[order] = np.cumsum(sizes[order]) - sizes[order]
-        shift = coded_start - (np.cumsum(sizes) - sizes)
-        return flat[np.arange(int(sizes.sum())) + np.repeat(shift, sizes)] + np.repeat(
-            np.floor_divide(self.means, MEAN_STEPS).astype(flat.dtype), sizes)
+    def offsets(self) -> np.ndarray:
+        """What each group's symbols are coded less: the whole part of its mean."""
+        return np.floor_divide(self.means, MEAN_STEPS)
 
     @functools.cached_property
-    def _runs(self) -> tuple[np.ndarray, np.ndarray, list[SymbolModel]]:
-        """The groups in the order they are coded (by model: spread code and mean's fraction, in their own order
-        within one model), where each model's run starts in that order, and the runs' models."""
-        keys = self.spreads * MEAN_STEPS + np.mod(self.means, MEAN_STEPS)
-        order = np.argsort(keys, kind="stable")
-        starts = np.flatnonzero(np.diff(keys[order], prepend=keys[order][:1] - 1))
-        models = [SymbolModel(-self.reach, gaussian_table(int(key) // MEAN_STEPS, int(key) % MEAN_STEPS, self.reach))
-                  for key in keys[order][starts]]
-        return order, starts, models
+    def models(self) -> tuple[list[SymbolModel], np.ndarray]:
+        """One model per (spread code, mean's fraction) the groups have, and each group's model (an index)."""
+        keys, group_models = self._keys
+        models = [SymbolModel(-(1 << int(bits)), gaussian_table(int(key) // MEAN_STEPS, int(key) % MEAN_STEPS,
+                                                                1 << int(bits)))
+                  for key, bits in zip(keys, self.reach_bits)]
+        return models, group_models
+
+    @functools.cached_property
+    def _keys(self) -> tuple[np.ndarray, np.ndarray]:
+        return _model_keys(self.means, self.spreads)
 
 
-@functools.lru_cache(maxsize=1024)
+def _model_keys(means: np.ndarray, spreads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (spread code, mean's fraction) keys, sorted, and each group's index among them."""
+    keys, group_models = np.unique(spreads * MEAN_STEPS + np.mod(means, MEAN_STEPS), return_inverse=True)
+    return keys, group_models.astype(np.int64).reshape(-1)
+
+
+@functools.lru_cache(maxsize=4096)
 def gaussian_table(spread: int, fraction: int, reach: int) -> np.ndarray:
     """Probabilities of the integers -reach ... reach under a Gaussian about fraction / MEAN_STEPS of RMS
     2 ** (spread / SPREAD_CODE_STEPS), each the mass of its unit bin (the coder gives every symbol some frequency,

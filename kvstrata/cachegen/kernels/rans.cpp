@@ -1,6 +1,7 @@
-// rANS coding of groups of integer symbols, each group with its own static model (entropy.py): the compiled
-// coder of CacheGen's streams. Every group of a tensor is coded in one call, without the GIL, where
-// constriction's coder took one Python call (and model) per group.
+// rANS coding of groups of integer symbols, each group under one of a list of static models (entropy.py): the
+// compiled coder of CacheGen's streams. Every group of a tensor is coded in one call, without the GIL, where
+// constriction's coder took one Python call (and model) per group. Several groups may share a model (fitted
+// models: fitted_models.py); each model is built once per call.
 //
 // A model is a probability vector over symbols 0 .. n-1; both sides quantize it to integer frequencies that sum
 // to 2^24, every symbol at least 1 (frequencies()), with the same double arithmetic, so encoder and decoder
@@ -69,43 +70,85 @@ Model build_model(const double* probabilities, int64_t n, bool with_lookup) {
   return model;
 }
 
-void check_layout(const torch::Tensor& sizes, const torch::Tensor& lengths, const torch::Tensor& probabilities) {
-  TORCH_CHECK(sizes.dtype() == torch::kInt64 && lengths.dtype() == torch::kInt64 && sizes.dim() == 1 &&
-              sizes.sizes() == lengths.sizes(), "sizes and model lengths: int64 [groups]");
-  TORCH_CHECK(probabilities.dtype() == torch::kFloat64 && probabilities.dim() == 1 && probabilities.is_contiguous(),
-              "probabilities: float64, every model's concatenated");
-  TORCH_CHECK(lengths.sum().item<int64_t>() == probabilities.numel(), "model lengths do not cover the probabilities");
-  TORCH_CHECK((sizes >= 0).all().item<bool>() && (lengths >= 1).all().item<bool>(), "negative sizes or empty models");
+bool is_vector(const torch::Tensor& t, torch::ScalarType dtype) {
+  return t.dtype() == dtype && t.dim() == 1 && t.is_contiguous();
 }
+
+// Checked with plain loops: the arrays are small, and torch reductions would cost more than the check (the decoder
+// runs beside others, and each torch call holds the GIL). Returns the number of symbols.
+int64_t check_layout(const torch::Tensor& sizes, const torch::Tensor& group_models, const torch::Tensor& lengths,
+                     const torch::Tensor& probabilities) {
+  TORCH_CHECK(is_vector(sizes, torch::kInt64) && is_vector(group_models, torch::kInt64) &&
+              sizes.numel() == group_models.numel(), "sizes and group models: int64 [groups]");
+  TORCH_CHECK(is_vector(lengths, torch::kInt64), "model lengths: int64 [models]");
+  TORCH_CHECK(is_vector(probabilities, torch::kFloat64), "probabilities: float64, every model's concatenated");
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  int64_t covered = 0;
+  for (int64_t m = 0; m < lengths.numel(); ++m) {
+    TORCH_CHECK(length[m] >= 1, "an empty model");
+    covered += length[m];
+  }
+  TORCH_CHECK(covered == probabilities.numel(), "model lengths do not cover the probabilities");
+  const int64_t* size = sizes.data_ptr<int64_t>();
+  const int64_t* model_of = group_models.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t g = 0; g < sizes.numel(); ++g) {
+    TORCH_CHECK(size[g] >= 0, "a negative group size");
+    TORCH_CHECK(model_of[g] >= 0 && model_of[g] < lengths.numel(), "a group names a model that does not exist");
+    total += size[g];
+  }
+  return total;
+}
+
+// Each model built once, when a group first uses it.
+class Models {
+ public:
+  Models(const torch::Tensor& lengths, const torch::Tensor& probabilities, bool with_lookup)
+      : length_(lengths.data_ptr<int64_t>()), probability_(probabilities.data_ptr<double>()),
+        first_(lengths.numel() + 1, 0), built_(lengths.numel()), with_lookup_(with_lookup) {
+    for (int64_t m = 0; m < lengths.numel(); ++m) first_[m + 1] = first_[m] + length_[m];
+  }
+
+  int64_t length(int64_t m) const { return length_[m]; }
+
+  const Model& get(int64_t m) {
+    if (built_[m].start.empty()) built_[m] = build_model(probability_ + first_[m], length_[m], with_lookup_);
+    return built_[m];
+  }
+
+ private:
+  const int64_t* length_;
+  const double* probability_;
+  std::vector<int64_t> first_;
+  std::vector<Model> built_;
+  bool with_lookup_;
+};
 
 }  // namespace
 
-torch::Tensor rans_encode(torch::Tensor symbols, torch::Tensor sizes, torch::Tensor lengths,
-                          torch::Tensor probabilities) {
-  check_layout(sizes, lengths, probabilities);
-  TORCH_CHECK(symbols.dtype() == torch::kInt32 && symbols.dim() == 1 && symbols.is_contiguous() &&
-              symbols.numel() == sizes.sum().item<int64_t>(), "symbols: int32 [sum of sizes]");
+torch::Tensor rans_encode(torch::Tensor symbols, torch::Tensor sizes, torch::Tensor group_models,
+                          torch::Tensor lengths, torch::Tensor probabilities) {
+  const int64_t total = check_layout(sizes, group_models, lengths, probabilities);
+  TORCH_CHECK(is_vector(symbols, torch::kInt32) && symbols.numel() == total, "symbols: int32 [sum of sizes]");
   const int64_t groups = sizes.numel();
   const int64_t* size = sizes.data_ptr<int64_t>();
-  const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t* model_of = group_models.data_ptr<int64_t>();
   const int32_t* symbol = symbols.data_ptr<int32_t>();
-  const double* probability = probabilities.data_ptr<double>();
+  Models models(lengths, probabilities, false);
   std::vector<uint32_t> words;  // written backwards: reversed at the end
   {
     pybind11::gil_scoped_release unlocked;
-    std::vector<int64_t> first_symbol(groups + 1, 0), first_probability(groups + 1, 0);
-    for (int64_t g = 0; g < groups; ++g) {
-      first_symbol[g + 1] = first_symbol[g] + size[g];
-      first_probability[g + 1] = first_probability[g] + length[g];
-    }
+    std::vector<int64_t> first_symbol(groups + 1, 0);
+    for (int64_t g = 0; g < groups; ++g) first_symbol[g + 1] = first_symbol[g] + size[g];
     words.reserve(static_cast<size_t>(first_symbol[groups] / 4 + 16));
     uint64_t state = kLow;
     for (int64_t g = groups - 1; g >= 0; --g) {
       if (size[g] == 0) continue;
-      const Model model = build_model(probability + first_probability[g], length[g], false);
+      const Model& model = models.get(model_of[g]);
+      const int64_t n = models.length(model_of[g]);
       for (int64_t i = first_symbol[g + 1] - 1; i >= first_symbol[g]; --i) {
         const int64_t s = symbol[i];
-        TORCH_CHECK(s >= 0 && s < length[g], "symbol ", s, " outside its model's range [0, ", length[g], ")");
+        TORCH_CHECK(s >= 0 && s < n, "symbol ", s, " outside its model's range [0, ", n, ")");
         const uint64_t frequency = model.frequency(s);
         const uint64_t limit = ((kLow >> kPrecision) << 32) * frequency;
         if (state >= limit) {
@@ -124,15 +167,20 @@ torch::Tensor rans_encode(torch::Tensor symbols, torch::Tensor sizes, torch::Ten
   return out;
 }
 
-torch::Tensor rans_decode(torch::Tensor words, torch::Tensor sizes, torch::Tensor lengths,
-                          torch::Tensor probabilities) {
-  check_layout(sizes, lengths, probabilities);
-  TORCH_CHECK(words.dtype() == torch::kInt32 && words.dim() == 1 && words.is_contiguous(), "words: int32 [n]");
+// Each decoded symbol comes back plus its group's offset (the model's lowest symbol, and what else the caller
+// took off the group), so the caller adds nothing.
+torch::Tensor rans_decode(torch::Tensor words, torch::Tensor sizes, torch::Tensor group_models,
+                          torch::Tensor lengths, torch::Tensor probabilities, torch::Tensor group_offsets) {
+  const int64_t total = check_layout(sizes, group_models, lengths, probabilities);
+  TORCH_CHECK(is_vector(words, torch::kInt32), "words: int32 [n]");
+  TORCH_CHECK(is_vector(group_offsets, torch::kInt32) && group_offsets.numel() == sizes.numel(),
+              "group offsets: int32 [groups]");
   const int64_t groups = sizes.numel();
-  auto out = torch::empty({sizes.sum().item<int64_t>()}, torch::kInt32);
+  auto out = torch::empty({total}, torch::kInt32);
   const int64_t* size = sizes.data_ptr<int64_t>();
-  const int64_t* length = lengths.data_ptr<int64_t>();
-  const double* probability = probabilities.data_ptr<double>();
+  const int64_t* model_of = group_models.data_ptr<int64_t>();
+  const int32_t* offset = group_offsets.data_ptr<int32_t>();
+  Models models(lengths, probabilities, true);
   const auto* stream = reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>());
   const int64_t num_words = words.numel();
   int32_t* symbol = out.data_ptr<int32_t>();
@@ -141,11 +189,9 @@ torch::Tensor rans_decode(torch::Tensor words, torch::Tensor sizes, torch::Tenso
     pybind11::gil_scoped_release unlocked;
     int64_t next = 2;
     uint64_t state = whole ? (uint64_t{stream[0]} << 32) | stream[1] : 0;
-    const double* model_probabilities = probability;
     for (int64_t g = 0; g < groups && whole; ++g) {
-      const int64_t n = length[g];
       if (size[g] > 0) {
-        const Model model = build_model(model_probabilities, n, true);
+        const Model& model = models.get(model_of[g]);
         for (int64_t i = 0; i < size[g]; ++i) {
           const uint32_t slot = static_cast<uint32_t>(state & (kTotal - 1));
           uint32_t s = model.lookup[slot >> model.shift];
@@ -161,10 +207,9 @@ torch::Tensor rans_decode(torch::Tensor words, torch::Tensor sizes, torch::Tenso
             }
             state = (state << 32) | stream[next++];
           }
-          *symbol++ = static_cast<int32_t>(s);
+          *symbol++ = static_cast<int32_t>(s) + offset[g];
         }
       }
-      model_probabilities += n;
     }
     whole = whole && next == num_words && state == kLow;
   }
@@ -175,6 +220,6 @@ torch::Tensor rans_decode(torch::Tensor words, torch::Tensor sizes, torch::Tenso
 }  // namespace kvstrata
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rans_encode", &kvstrata::rans_encode, "rANS words of groups of symbols, each group under its own model");
+  m.def("rans_encode", &kvstrata::rans_encode, "rANS words of groups of symbols, each group under the model it names");
   m.def("rans_decode", &kvstrata::rans_decode, "the symbols of rans_encode's words");
 }

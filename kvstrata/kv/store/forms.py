@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.cachegen.codec import anchors_first_token, decode_tensor, encode_tensor, from_components
-from kvstrata.cachegen.levels import CACHEGEN_LEVELS, COMPONENT_LEVELS, settings_for
+from kvstrata.cachegen.levels import CACHEGEN_LEVELS, COMPONENT_LEVELS, CodecSettings, settings_for
 from kvstrata.cachegen.quantize import layer_bins
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.errors import CorruptObject
@@ -120,9 +120,20 @@ class CacheGenForm(StoredForm):
         return {kind: (getattr(self.profile, kind).component_steps(bin_size) if self.settings.transform
                        else getattr(self.profile, kind).steps(bin_size)) for kind in ("k", "v")}
 
-    def _layer_settings(self, layer: int, num_layers: int):
-        step = float(layer_bins(self.settings.bins, num_layers)[layer])
-        return dataclasses.replace(self.settings, bins=(step, step, step))
+    def _layer_settings(self, layer: int, num_layers: int, coded: bool = False) -> CodecSettings:
+        """The settings `layer` is written with; `coded`: as its symbols are read (without the transform, which
+        decode_layers undoes for all layers at once). Kept: settings check themselves as they are made, which
+        would cost as much as a small object's symbols."""
+        key = (layer, num_layers, coded)
+        if key not in self._settings_of_layers:
+            step = float(layer_bins(self.settings.bins, num_layers)[layer])
+            self._settings_of_layers[key] = dataclasses.replace(
+                self.settings, bins=(step, step, step), transform=self.settings.transform and not coded)
+        return self._settings_of_layers[key]
+
+    @cached_property
+    def _settings_of_layers(self) -> dict[tuple[int, int, bool], CodecSettings]:
+        return {}
 
     def _layer_transform(self, kind: str, first: int, end: int) -> ChannelTransform:
         return getattr(self.profile, kind).transform.layers(first, end)
@@ -154,7 +165,7 @@ class CacheGenForm(StoredForm):
                                 f"together: they need a position and consecutive layers")
         coded = []
         for layer, payload in payloads.items():
-            settings = dataclasses.replace(self._layer_settings(layer, num_layers), transform=False)
+            settings = self._layer_settings(layer, num_layers, coded=True)
             sections = self._sections(payload)
             try:
                 coded.append(decode_tensor(sections, settings, (1, tokens, heads * dim), kind,
