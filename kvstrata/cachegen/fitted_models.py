@@ -4,14 +4,17 @@ stream.
 A chunk's counted models (entropy.counted_model) ship one count table per group, which a KV store object of one
 layer and 256 tokens cannot afford per channel, so it used to share one table across all its channels. But a
 transform's components (transform.py) differ in spread by orders of magnitude, and one model for all of them
-costs far more than a model per component (docs/BENCHMARKS.md, "Fitted coder models"). A fitted model costs five
-bytes per group before deflation: the group's mean in quarters of a symbol, and its spread (the RMS about that
-mean) as a code, 2 ** (code / SPREAD_CODE_STEPS). Groups that share a spread code and a mean's fraction share one
-model (the coder builds each once: entropy.py), so a chunk builds a few tens of models, not one per channel; each
-model covers the symbols its groups reach (a power of two each side, one byte per model), so a narrow one is a
-short table. Both sides compute a model from its codes alone, in float64: a reader whose erf differed in the
-last bit could build another table, and its stream would then fail the coder's final-state check (a corrupt
-stream, never wrong values).
+costs far more than a model per component (docs/BENCHMARKS.md, "Fitted coder models in the KV store").
+
+A fitted model costs five bytes per group before deflation: the group's mean in quarters of a symbol, and its
+spread (the RMS about that mean) as a code, 2 ** (code / SPREAD_CODE_STEPS). Groups that share a spread code and a
+mean's fraction share one model (the coder builds each once: entropy.py), so a chunk builds a few tens of models,
+not one per channel. Each model covers the symbols its groups reach (a power of two each side, one byte per
+model), so a narrow one is a short table.
+
+Both sides compute a model from its codes alone, in float64. A reader whose erf differed in the last bit could
+build another table; its stream would then all but surely fail the coder's final-state check, and the object be
+dropped as corrupt.
 """
 
 from __future__ import annotations
