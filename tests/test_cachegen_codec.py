@@ -43,16 +43,18 @@ def kv_tensor(layers: int = 6, tokens: int = 57, channels: int = 16, seed: int =
     return x
 
 
-def quantized(x: torch.Tensor, settings: CodecSettings, kind: str,
-              profile: TensorProfile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quantizer's own reconstruction (what decoding must return exactly) and each element's error bound."""
+def quantized(x: torch.Tensor, settings: CodecSettings, kind: str, profile: TensorProfile | None = None,
+              first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizer's own reconstruction (what decoding must return exactly) and each element's error bound, for
+    a chunk whose first token sits at `first_position`."""
     if settings.quantizer == "uniform":
         symbols = quantize.quantize_uniform(x, settings.bits)
         bound = (symbols.scale.float() / 2)[..., None].expand_as(x)
         return quantize.dequantize_uniform(symbols), bound
     differences = settings.differences_for(kind)
     steps = profile.steps(settings.bins[0]) if settings.allocation == "sensitivity" else None
-    symbols = quantize.quantize_cachegen(x, codec.layer_bins(settings.bins, x.shape[0]), differences, steps)
+    symbols = quantize.quantize_cachegen(x, codec.layer_bins(settings.bins, x.shape[0]), differences, steps,
+                                         anchored=codec.anchors_first_token(settings, first_position))
     return (quantize.dequantize_cachegen(symbols, x.shape[1], differences),
             quantize.cachegen_error_bound(symbols, x.shape[1], differences))
 
@@ -201,9 +203,11 @@ def test_unpack_bits_refuses_wrong_length(bits):
         ({"source": "profiled", "models": "global"}, ["profiled", "global"]),
         ({"source": "fitted", "quantizer": "uniform"}, ["fitted", "uniform"]),
         ({"sink_anchor_only": 1}, ["sink_anchor_only", "1"]),
+        ({"sink_anchor_only": True, "differences": "kv"}, ["sink_anchor_only", "kv"]),
+        ({"sink_anchor_only": True, "quantizer": "uniform"}, ["sink_anchor_only", "uniform"]),
     ],
     ids=["negative-bin", "two-bins", "bits-9", "bits-1", "quantizer", "raw-cachegen", "profiled-global",
-         "fitted-uniform", "sink-anchor-not-bool"],
+         "fitted-uniform", "sink-anchor-not-bool", "sink-anchor-all-differences", "sink-anchor-uniform"],
 )
 def test_invalid_settings_name_the_value(kwargs, words):
     with pytest.raises(KvstrataError) as err:
@@ -236,7 +240,8 @@ def test_profiled_models_round_trip(outlier_factor):
 
 SHAPE = ModelShape("abcd1234abcd1234", 3, 2, 4)
 CHUNKS = [(0, 13), (13, 23)]
-FILE_SETTINGS = {"medium": ALL_LEVELS["medium"], "uniform4": ALL_LEVELS["uniform4"], "profiled": PROFILED}
+FILE_SETTINGS = {"medium": ALL_LEVELS["medium"], "uniform4": ALL_LEVELS["uniform4"], "profiled": PROFILED,
+                 "fitted": ABLATIONS["fitted-direct"]}
 
 
 def context_tensors() -> dict[str, torch.Tensor]:
@@ -258,7 +263,8 @@ def context_file(profiles: dict[str, TensorProfile]) -> tuple[KVFileHeader, list
             payloads.append({
                 f"{kind}.{name}": data
                 for kind, x in tensors.items()
-                for name, data in codec.encode_tensor(x[:, start:end], settings, kind, profiles[kind]).items()
+                for name, data in codec.encode_tensor(x[:, start:end], settings, kind, profiles[kind],
+                                                      first_position=start).items()
             })
     token_ids = list(range(1000, 1000 + CHUNKS[-1][1]))
     return KVFileHeader(SHAPE, token_ids, list(CHUNKS), "profile-digest", records), payloads
@@ -275,7 +281,8 @@ def decode_file(data: bytes, profiles: dict[str, TensorProfile]) -> tuple:
         shape = (model.num_layers, end - start, model.num_kv_heads * model.head_dim)
         for kind in ("k", "v"):
             mine = {name.removeprefix(f"{kind}."): b for name, b in sections.items() if name.startswith(f"{kind}.")}
-            tensors[record.chunk, record.level, kind] = codec.decode_tensor(mine, record.settings, shape, kind, profiles[kind])
+            tensors[record.chunk, record.level, kind] = codec.decode_tensor(mine, record.settings, shape, kind,
+                                                                            profiles[kind], first_position=start)
     return kv.header.token_ids, kv.header.chunk_bounds, tensors
 
 
@@ -311,7 +318,8 @@ def test_kv_file_round_trip(saved_context):
     _, _, tensors = decode_file(path.read_bytes(), profiles)
     for (chunk, level, kind), decoded in tensors.items():
         start, end = CHUNKS[chunk]
-        assert torch.equal(decoded, quantized(originals[kind][:, start:end], FILE_SETTINGS[level], kind)[0])
+        assert torch.equal(decoded, quantized(originals[kind][:, start:end], FILE_SETTINGS[level], kind,
+                                              first_position=start)[0])
 
 
 def test_kv_file_refuses_other_models(saved_context):

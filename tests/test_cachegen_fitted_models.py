@@ -49,17 +49,38 @@ def test_fitted_models_decode_to_the_groups_and_cost_near_their_own_entropy(code
         pytest.skip("the compiled coder could not be built here")
     groups = spread_groups()
     fitted = FittedModels.fit(groups)
-    models, group_models = fitted.models
+    models, group_models = fitted.coder_models
     assert len(models) < len(groups) and len(group_models) == len(groups)  # groups sharing codes share a model
     section, data = entropy.encode_groups([g - o for g, o in zip(groups, fitted.offsets())], models, group_models)
     sizes = [g.size for g in groups]
     parsed = FittedModels.from_bytes(fitted.to_bytes(), len(groups))
-    flat = entropy.decode_symbols({section: data}, *parsed.models[:1], sizes, parsed.models[1])
-    assert np.array_equal(flat + np.repeat(parsed.offsets(), sizes), np.concatenate(groups))
+    flat = entropy.decode_symbols({section: data}, parsed.coder_models.models, sizes,
+                                  parsed.coder_models.group_models, parsed.offsets())
+    assert flat.dtype == np.int32 and np.array_equal(flat, np.concatenate(groups))
     fitted_size = len(data) + len(fitted.to_bytes())
     one_model = coded_bytes([np.concatenate(groups)], [entropy.counted_model(np.concatenate(groups))[0]])
     assert fitted_size < 0.8 * one_model
     assert fitted_size < 1.1 * own_entropy_bytes(groups) + 64
+
+
+def test_the_compiled_coder_refuses_a_group_naming_no_model_or_offsets_that_overflow():
+    coder = entropy.compiled_coder()
+    if coder is None:
+        pytest.skip("the compiled coder could not be built here")
+    model = entropy.SymbolModel(0, np.array([0.5, 0.5]))
+    _, data = entropy.encode_groups([np.array([0, 1, 1], dtype=np.int32)], [model])
+    words = torch.from_numpy(np.frombuffer(data, dtype=np.int32).copy())
+    sizes, lengths, probabilities = torch.tensor([3]), torch.tensor([2]), torch.tensor([0.5, 0.5], dtype=torch.float64)
+    offsets = torch.zeros(1, dtype=torch.int32)
+    assert coder.rans_decode(words, sizes, torch.tensor([0]), lengths, probabilities, offsets).tolist() == [0, 1, 1]
+    for bad_model in (1, -1):
+        with pytest.raises(RuntimeError, match="names a model"):
+            coder.rans_decode(words, sizes, torch.tensor([bad_model]), lengths, probabilities, offsets)
+    with pytest.raises(ValueError, match="beyond 32-bit"):
+        coder.rans_decode(words, sizes, torch.tensor([0]), lengths, probabilities,
+                          torch.tensor([2**31 - 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="group offsets"):
+        coder.rans_decode(words, sizes, torch.tensor([0]), lengths, probabilities, torch.zeros(2, dtype=torch.int32))
 
 
 def test_gaussian_tables_are_centred_on_the_mean_s_fraction_and_read_only():
@@ -77,16 +98,20 @@ def parameters(spreads: list[int], reach_bits: list[int]) -> bytes:
     return zlib.compress(rows.tobytes() + np.array(reach_bits, dtype=np.uint8).tobytes())
 
 
-@pytest.mark.parametrize("data, words", [
-    (b"not deflated", "inflate"),
-    (parameters([0, 0], []), "too few"),  # three groups expected
-    (parameters([0, 0, 1], [4]), "1 reaches for 2 models"),
-    (parameters([0, 0, 0], [21]), "beyond"),
-    (parameters([0, 90, 0], [3, 3]), "spread code"),
+WIDE_SPREADS = list(range(-16, 64, 2))  # 40 groups, 40 models
+
+
+@pytest.mark.parametrize("data, num_groups, words", [
+    (b"not deflated", 3, "inflate"),
+    (parameters([0, 0], []), 3, "too few"),
+    (parameters([0, 0, 1], [4]), 3, "1 reaches for 2 models"),
+    (parameters([0, 0, 0], [17]), 3, "2\\^17 symbols"),
+    (parameters(WIDE_SPREADS, [16] * len(WIDE_SPREADS)), len(WIDE_SPREADS), "entries"),  # 40 tables of 2^17 + 1
+    (parameters([0, 90, 0], [3, 3]), 3, "spread code"),
 ])
-def test_a_bad_parameter_block_is_refused(data, words):
+def test_a_bad_parameter_block_is_refused(data, num_groups, words):
     with pytest.raises(CorruptStreamError, match=words):
-        FittedModels.from_bytes(data, 3)
+        FittedModels.from_bytes(data, num_groups)
 
 
 def chunk(tokens: int = 40, channels: int = 12, seed: int = 1) -> torch.Tensor:
@@ -95,13 +120,15 @@ def chunk(tokens: int = 40, channels: int = 12, seed: int = 1) -> torch.Tensor:
     return torch.randn(2, tokens, channels, generator=generator) * scales + 3
 
 
-def test_only_a_context_s_first_chunk_keeps_its_first_token_as_an_anchor():
-    x = chunk()
-    layers, tokens, channels = x.shape
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("tokens", [1, 40, 256])
+def test_only_a_context_s_first_chunk_keeps_its_first_token_as_an_anchor(kind, tokens):
+    x = chunk(tokens)
+    layers, _, channels = x.shape
     for position, anchored in ((0, True), (256, False)):
-        sections = codec.encode_tensor(x, FITTED, "v", first_position=position)
+        sections = codec.encode_tensor(x, FITTED, kind, first_position=position)
         assert len(sections["scales"]) == 4 * layers + (2 * layers * channels if anchored else 0)
-        decoded = codec.decode_tensor(sections, FITTED, tuple(x.shape), "v", first_position=position)
+        decoded = codec.decode_tensor(sections, FITTED, tuple(x.shape), kind, first_position=position)
         symbols = quantize.quantize_cachegen(x, codec.layer_bins(FITTED.bins, layers), False, anchored=anchored)
         assert torch.equal(decoded, quantize.dequantize_cachegen(symbols, tokens, False))
         bound = quantize.cachegen_error_bound(symbols, tokens, False)
@@ -110,7 +137,7 @@ def test_only_a_context_s_first_chunk_keeps_its_first_token_as_an_anchor():
     step = float(symbols.step[0])
     assert (decoded[0, 0] - x[0, 0]).abs().max() <= step / 2 * (1 + 1e-5)
     with pytest.raises(CorruptStreamError, match="section holds"):
-        codec.decode_tensor(sections, FITTED, tuple(x.shape), "v", first_position=0)
+        codec.decode_tensor(sections, FITTED, tuple(x.shape), kind, first_position=0)
 
 
 def test_settings_written_before_the_sink_anchor_option_read_as_anchored():

@@ -1,9 +1,9 @@
 """One K or V tensor of a chunk [layers, tokens, channels] to named byte sections and back.
 
 Sections: "scales" (the quantizer's scales), "channels" (CacheGen's per-channel step codes, present
-when the steps come from sensitivity), "models" (count tables, symbol ranges for
-profiled models, or fitted models' parameters: fitted_models.py; absent for raw storage) and the symbols: "rans" or "symbols" as coded by one of the two
-range coders (entropy.py), or "symbols" bit-packed for raw storage.
+when the steps come from sensitivity), "models" (count tables, symbol ranges for profiled models, or fitted
+models' parameters: fitted_models.py; absent for raw storage) and the symbols: "rans" or "symbols" as coded
+by one of the two range coders (entropy.py), or "symbols" bit-packed for raw storage.
 Coder groups (papers/cachegen.md §2.3): with per-(layer, channel) models, each layer's anchors
 share one model and each (layer, channel) has its own for the differences; with a global model,
 anchors and differences have one model each. Steps per token (`token_steps`) add one group per layer, its
@@ -54,8 +54,8 @@ def encode_tensor(
     `steps` (layer steps [L] and channel codes [L, C], for a slice of the layers) are given, and by
     `transform`. `token_codes` [L, T]: each token's step code, for settings with `token_steps`
     (token_importance.py makes them). `first_position`: the chunk's first token's position in its context
-    (a transform codes keys before RoPE; settings with `sink_anchor_only` anchor only at 0). `transform`: for a slice of the layers, with that slice's `steps`
-    (default: the profile's, with its component steps)."""
+    (a transform codes keys before RoPE; settings with `sink_anchor_only` anchor only at 0). `transform`: for
+    a slice of the layers, with that slice's `steps` (default: the profile's, with its component steps)."""
     x = x.float().cpu()
     if not torch.isfinite(x).all():
         raise ValueError("the KV tensor holds NaN or inf values; such a cache cannot be encoded")
@@ -100,7 +100,7 @@ def encode_tensor(
         fitted = FittedModels.fit(groups)
         sections["models"] = fitted.to_bytes()
         groups = [g.reshape(-1) - offset for g, offset in zip(groups, fitted.offsets())]
-        models, group_models = fitted.models
+        models, group_models = fitted.coder_models
     else:
         counted = [entropy.counted_model(g) for g in groups]
         models = [m for m, _ in counted]
@@ -210,7 +210,7 @@ def _decode_symbols(sections, settings: CodecSettings, sizes: list[int], profile
     """Every coder group's symbols, concatenated in group order."""
     if settings.source == "fitted":
         fitted = FittedModels.from_bytes(sections["models"], len(sizes))
-        models, group_models = fitted.models
+        models, group_models = fitted.coder_models
         return entropy.decode_symbols(sections, models, sizes, group_models, fitted.offsets())
     if settings.source == "profiled":
         ranges = entropy.read_ranges(sections["models"], len(sizes))

@@ -89,7 +89,8 @@ def decode_symbols(sections: dict[str, bytes], models: list[SymbolModel], sizes:
     if CONSTRICTION_SECTION in sections:
         symbols = _constriction_decode(sections[CONSTRICTION_SECTION], [models[m] for m in group_models], sizes)
         return np.concatenate([np.zeros(0, dtype=np.int32),
-                               *(s + (o - models[m].lo) for s, o, m in zip(symbols, offsets, group_models))])
+                               *(s + (o - models[m].lo) for s, o, m in zip(symbols, offsets, group_models))]
+                              ).astype(np.int32)
     raise CorruptStreamError(f"the stream has no coded symbols (a section named one of {', '.join(CODER_SECTIONS)})")
 
 
@@ -116,6 +117,8 @@ def _compiled_decode(data: bytes, models: list[SymbolModel], sizes: list[int], g
     if len(data) % 4:
         raise CorruptStreamError(f"an entropy-coded section of {len(data)} bytes is not whole 32-bit words")
     words = torch.from_numpy(np.frombuffer(data, dtype="<u4").astype(np.uint32).view(np.int32))
+    if len(offsets) and (offsets.min() < np.iinfo(np.int32).min or offsets.max() > np.iinfo(np.int32).max):
+        raise CorruptStreamError("a coder group's symbols would lie outside 32-bit integers")
     try:
         return coder.rans_decode(words, *_layout(models, sizes, group_models),
                                  torch.from_numpy(offsets.astype(np.int32))).numpy()

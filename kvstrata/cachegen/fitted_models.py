@@ -23,6 +23,7 @@ import functools
 import math
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,8 +34,15 @@ from kvstrata.cachegen.errors import CorruptStreamError
 SPREAD_CODE_STEPS = 4  # a spread code is a quarter octave: a model at most 9% too wide or narrow
 SPREAD_CODES = (-16, 64)  # spreads from 1/16 of a symbol (a constant group) to 2^16 symbols
 MEAN_STEPS = 4  # a mean is coded in quarters of a symbol
-MAX_REACH_BITS = 20  # a symbol lies at most 2^20 from the whole part of its group's mean
+MAX_REACH_BITS = 16  # a symbol lies at most 2^16 from the whole part of its group's mean
+MAX_TABLE_ENTRIES = 1 << 22  # of all of a chunk's models together: a corrupt stream cannot ask for more memory
+CACHED_REACH = 1 << 10  # tables up to this reach are kept for the next chunk
 _PARAMETERS = np.dtype([("mean", "<i4"), ("spread", "i1")])
+
+
+class CoderModels(NamedTuple):
+    models: list[SymbolModel]  # one per (spread code, mean's fraction) the groups have
+    group_models: np.ndarray  # int64 [groups]: each group's model, an index into `models`
 
 
 @dataclass(frozen=True)
@@ -50,18 +58,20 @@ class FittedModels:
         owner = np.repeat(np.arange(len(groups)), sizes)
         counts = np.maximum(sizes, 1)
         means = np.round(MEAN_STEPS * np.bincount(owner, flat, len(groups)) / counts).astype(np.int64)
+        if np.abs(means).max(initial=0) >= 2**31:
+            raise ValueError("a coder group's mean lies beyond what 32 bits hold in quarters of a symbol")
         centered = flat - np.repeat(means / MEAN_STEPS, sizes)
         rms = np.sqrt(np.bincount(owner, centered * centered, len(groups)) / counts)
         spreads = np.round(SPREAD_CODE_STEPS * np.log2(np.maximum(rms, 2.0 ** (SPREAD_CODES[0] / SPREAD_CODE_STEPS))))
         spreads = np.clip(spreads, *SPREAD_CODES).astype(np.int64)
         _, group_models = _model_keys(means, spreads)
         farthest = np.zeros(int(group_models.max(initial=-1)) + 1)
-        np.maximum.at(farthest, group_models[owner], np.abs(flat - np.repeat(np.floor_divide(means, MEAN_STEPS), sizes)))
-        reach_bits = np.ceil(np.log2(farthest + 1)).astype(np.int64)
-        if (reach_bits > MAX_REACH_BITS).any():
-            raise ValueError(f"a coder group's symbols lie {farthest.max():.0f} from its mean, beyond the fitted "
-                             f"models' 2^{MAX_REACH_BITS}")
-        return cls(means, spreads, reach_bits)
+        whole_means = np.repeat(np.floor_divide(means, MEAN_STEPS), sizes)
+        np.maximum.at(farthest, group_models[owner], np.abs(flat - whole_means))
+        fitted = cls(means, spreads, np.ceil(np.log2(farthest + 1)).astype(np.int64))
+        if problem := fitted._too_wide():
+            raise ValueError(f"a chunk's symbols are too spread for fitted models: {problem}")
+        return fitted
 
     def to_bytes(self) -> bytes:
         """Each group's mean (int32) and spread code (int8), then each model's reach bits (uint8), deflated."""
@@ -85,9 +95,11 @@ class FittedModels:
                                      f"{SPREAD_CODES[1]}")
         fitted = cls(means, spreads, np.frombuffer(raw[group_bytes:], dtype=np.uint8).astype(np.int64))
         num_models = len(fitted._keys[0])
-        if len(fitted.reach_bits) != num_models or (fitted.reach_bits > MAX_REACH_BITS).any():
+        if len(fitted.reach_bits) != num_models:
             raise CorruptStreamError(f"the fitted models give {len(fitted.reach_bits)} reaches for {num_models} "
-                                     f"models, or one beyond 2^{MAX_REACH_BITS}")
+                                     f"models")
+        if problem := fitted._too_wide():
+            raise CorruptStreamError(f"the fitted models are wider than a writer writes: {problem}")
         return fitted
 
     def offsets(self) -> np.ndarray:
@@ -95,17 +107,25 @@ class FittedModels:
         return np.floor_divide(self.means, MEAN_STEPS)
 
     @functools.cached_property
-    def models(self) -> tuple[list[SymbolModel], np.ndarray]:
-        """One model per (spread code, mean's fraction) the groups have, and each group's model (an index)."""
+    def coder_models(self) -> CoderModels:
         keys, group_models = self._keys
         models = [SymbolModel(-(1 << int(bits)), gaussian_table(int(key) // MEAN_STEPS, int(key) % MEAN_STEPS,
                                                                 1 << int(bits)))
                   for key, bits in zip(keys, self.reach_bits)]
-        return models, group_models
+        return CoderModels(models, group_models)
 
     @functools.cached_property
     def _keys(self) -> tuple[np.ndarray, np.ndarray]:
         return _model_keys(self.means, self.spreads)
+
+    def _too_wide(self) -> str | None:
+        """What exceeds MAX_REACH_BITS or MAX_TABLE_ENTRIES, if anything."""
+        if (self.reach_bits > MAX_REACH_BITS).any():
+            return f"a model reaches 2^{int(self.reach_bits.max())} symbols, beyond 2^{MAX_REACH_BITS}"
+        entries = int((2 * (1 << self.reach_bits) + 1).sum())
+        if entries > MAX_TABLE_ENTRIES:
+            return f"the models' tables hold {entries} entries, beyond {MAX_TABLE_ENTRIES}"
+        return None
 
 
 def _model_keys(means: np.ndarray, spreads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -114,11 +134,19 @@ def _model_keys(means: np.ndarray, spreads: np.ndarray) -> tuple[np.ndarray, np.
     return keys, group_models.astype(np.int64).reshape(-1)
 
 
-@functools.lru_cache(maxsize=4096)
 def gaussian_table(spread: int, fraction: int, reach: int) -> np.ndarray:
     """Probabilities of the integers -reach ... reach under a Gaussian about fraction / MEAN_STEPS of RMS
     2 ** (spread / SPREAD_CODE_STEPS), each the mass of its unit bin (the coder gives every symbol some frequency,
-    so a table may be all but zero far out). Read-only: shared through the cache."""
+    so a table may be all but zero far out). Read-only: narrow tables are shared through a cache."""
+    return _cached_table(spread, fraction, reach) if reach <= CACHED_REACH else _table(spread, fraction, reach)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_table(spread: int, fraction: int, reach: int) -> np.ndarray:
+    return _table(spread, fraction, reach)
+
+
+def _table(spread: int, fraction: int, reach: int) -> np.ndarray:
     sigma = 2.0 ** (spread / SPREAD_CODE_STEPS)
     edges = torch.arange(-reach, reach + 2, dtype=torch.float64) - 0.5 - fraction / MEAN_STEPS
     cdf = 0.5 * torch.erf(edges / (sigma * math.sqrt(2.0)))

@@ -58,6 +58,11 @@ class CodecSettings:
         _require(isinstance(self.bits, int) and 2 <= self.bits <= 8, f"bits must be in [2, 8], got {self.bits!r}")
         for name in ("token_steps", "transform", "sink_anchor_only"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        _require(
+            not self.sink_anchor_only or (self.quantizer == "cachegen" and self.differences != "kv"),
+            f"sink_anchor_only needs the cachegen quantizer and a tensor coded without differences; got quantizer "
+            f"{self.quantizer!r}, differences {self.differences!r}",
+        )
         _require(self.models != "raw" or self.quantizer == "uniform", "only the uniform quantizer stores raw symbols")
         _require(
             self.allocation == "thirds" or (self.quantizer == "cachegen" and len(set(self.bins)) == 1),

@@ -180,6 +180,11 @@ torch::Tensor rans_decode(torch::Tensor words, torch::Tensor sizes, torch::Tenso
   const int64_t* size = sizes.data_ptr<int64_t>();
   const int64_t* model_of = group_models.data_ptr<int64_t>();
   const int32_t* offset = group_offsets.data_ptr<int32_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK_VALUE(int64_t{offset[g]} + length[model_of[g]] - 1 <= INT32_MAX,
+                      "corrupt rANS stream: a group's symbols would lie beyond 32-bit integers");
+  }
   Models models(lengths, probabilities, true);
   const auto* stream = reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>());
   const int64_t num_words = words.numel();

@@ -147,7 +147,7 @@ class CacheGenForm(StoredForm):
                 raise ValueError(f"a {self.name} object is written at its chunk's position (StoredForm.at)")
             coding = {"transform": self._layer_transform(kind, layer, layer + 1)}
         sections = encode_tensor(x.reshape(1, tokens, heads * dim), self._layer_settings(layer, num_layers), kind,
-                                 steps=steps, first_position=position or 0, **coding)
+                                 steps=steps, first_position=_coded_position(position), **coding)
         return b"".join(_SECTION.pack(len(n), len(d)) + n.encode() + d for n, d in sections.items())
 
     def decode(self, payload, shape, kind, layer, num_layers, position=None):
@@ -169,7 +169,7 @@ class CacheGenForm(StoredForm):
             sections = self._sections(payload)
             try:
                 coded.append(decode_tensor(sections, settings, (1, tokens, heads * dim), kind,
-                                           first_position=position or 0))
+                                           first_position=_coded_position(position)))
             except Exception as exc:  # the checksum held, so this is a stream of another codec version
                 raise CorruptObject(f"a {self.name} object could not be decoded: {type(exc).__name__}: {exc}") from exc
         x = torch.cat(coded)
@@ -211,6 +211,12 @@ class LeveledForm:
     def at(self, position: int | None) -> LeveledForm:
         """Itself: each level takes the chunk's position as it writes (StoredForm.at)."""
         return self
+
+
+def _coded_position(position: int | None) -> int:
+    """The position a chunk's symbols are coded at: its own, or 0 for a chunk whose tokens are not in order (None),
+    which may hold a context's first token anywhere, so its first token keeps its 8-bit anchor."""
+    return 0 if position is None else position
 
 
 def _all_finite(x: torch.Tensor) -> bool:
