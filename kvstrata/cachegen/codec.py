@@ -91,7 +91,7 @@ def encode_tensor(
         groups = _cachegen_groups(symbols, settings.models)
         if token_codes is not None:
             groups.extend(token_codes.numpy().astype(np.int32))
-    group_models = None  # each group its own model
+    group_models = group_offsets = None  # each group its own model, coded as it is
     if settings.source == "profiled":
         models = profile.models_for(groups, _unit_bins(settings, symbols.step, profile), differences,
                                     symbols.channel_codes)
@@ -99,13 +99,13 @@ def encode_tensor(
     elif settings.source == "fitted":
         fitted = FittedModels.fit(groups)
         sections["models"] = fitted.to_bytes()
-        groups = [g.reshape(-1) - offset for g, offset in zip(groups, fitted.offsets())]
         models, group_models = fitted.coder_models
+        group_offsets = fitted.offsets()
     else:
         counted = [entropy.counted_model(g) for g in groups]
         models = [m for m, _ in counted]
         sections["models"] = entropy.write_count_tables([c for _, c in counted], [m.lo for m in models])
-    coder_section, symbols = entropy.encode_groups(groups, models, group_models)
+    coder_section, symbols = entropy.encode_groups(groups, models, group_models, group_offsets)
     sections[coder_section] = symbols
     return sections
 

@@ -62,11 +62,13 @@ def counted_model(group: np.ndarray) -> tuple[SymbolModel, np.ndarray]:
     return SymbolModel(lo, counts / counts.sum()), counts
 
 
-def encode_groups(groups: list[np.ndarray], models: list[SymbolModel],
-                  group_models: np.ndarray | None = None) -> tuple[str, bytes]:
+def encode_groups(groups: list[np.ndarray], models: list[SymbolModel], group_models: np.ndarray | None = None,
+                  group_offsets: np.ndarray | None = None) -> tuple[str, bytes]:
     """The section name of the coder used (COMPILED_SECTION where it builds) and the coded symbols; group i is
-    coded with models[group_models[i]] (default: models[i])."""
+    coded less group_offsets[i] (default: 0) with models[group_models[i]] (default: models[i])."""
     group_models = _group_models(group_models, len(groups))
+    if group_offsets is not None:
+        groups = [g.reshape(-1) - offset for g, offset in zip(groups, group_offsets)]
     coder = compiled_coder()
     if coder is None:
         return CONSTRICTION_SECTION, _constriction_encode(groups, [models[m] for m in group_models])
