@@ -11,7 +11,8 @@ Per trace, every fixed level (float16 is the raw float16 baseline) runs once, an
 adaptation (`--kv-store-level auto --ttft-slo S`) once per objective; recompute (no store) is measured once,
 since no link is involved. Reported: TTFT of every request (from its arrival: lookup, fetch, decode and the
 prefill of what was not loaded), the share of requests over each objective, the chunks per level and, for
-adaptation, the chunks read below the level the throughput of their own read allowed.
+adaptation, the chunks read below the level the throughput of their own read allowed and those finished at
+another level after the link slowed during their read.
 
 Each engine first loads one context that is not scored, so that its estimates of prefill speed, throughput
 and decode time start from a measurement, as they would in a server that has been running.
@@ -86,7 +87,7 @@ def run_reader(redis: RedisServer, trace: str, asked: list[list[int]], warm_up: 
     reader = engine(kv_store=redis.url, kv_store_format="levels", kv_store_link_gbps=trace, **options)
     ttft(reader, warm_up)
     link = reader.kv_store
-    before = dict(link.stats.chunks_by_option), link.stats.chunks_below_allowed
+    before = dict(link.stats.chunks_by_option), link.stats.chunks_below_allowed, link.stats.chunks_switched
     times = [ttft(reader, prompt) for prompt in asked]
     chunks = {level: count - before[0].get(level, 0) for level, count in link.stats.chunks_by_option.items()}
     chunks = {level: count for level, count in chunks.items() if count}
@@ -94,6 +95,7 @@ def run_reader(redis: RedisServer, trace: str, asked: list[list[int]], warm_up: 
     row = {"ttft_s": times, "chunks_by_option": chunks,
            "mean_quality_rank": sum(quality_rank(o) * n for o, n in chunks.items()) / max(total, 1),
            "chunks_below_allowed": link.stats.chunks_below_allowed - before[1],
+           "chunks_switched": link.stats.chunks_switched - before[2],
            "last_throughput_mbps": (link.estimate.bytes_per_second or 0) * 8 / 1e6,
            "plan_errors": list(link.estimate.plan_errors)}  # the last loads' actual / predicted seconds
     reader.close()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstrata.engine.kv_store_link import KVStoreLink
+from kvstrata.engine.kv_store_link import PIECE_BYTES, KVStoreLink
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.adaptation import (
     DEFAULT_LEVEL,
@@ -30,7 +30,7 @@ from kvstrata.kv.store.host_tier import HostTier
 from kvstrata.kv.store.objects import ObjectHeader, pack_object
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.kv.store.redis_tier import RedisTier
-from kvstrata.kv.store.tiered_store import MANIFEST
+from kvstrata.kv.store.tiered_store import MANIFEST, Fetched, Located
 from tests.test_kv_store_engine import CHUNK, PROMPTS, make_engine, run_rounds, tier_hits
 from tests.test_kv_store_tiers import SHAPE, TOKENS, chunk_kv, store_over
 
@@ -257,6 +257,49 @@ def test_a_load_s_first_plan_is_the_one_its_choice_follows():
     quickest = choose_option(remaining, 256, 0.1, link, 0.5)
     planned = planned_seconds(quickest, remaining, 256, 0.1, link, 0.5)
     assert planned < 0.5 + min(option_seconds(level, remaining, 256, link) for level in SIZES)
+
+
+
+def link_reading(read_seconds, pick):
+    """A KVStoreLink adapting to a 5 s objective over a store of 4-layer chunks, whose reads take
+    `read_seconds(reads so far)`, and whose choice for a chunk's rest is `pick` (it records each read and the
+    sizes each choice was asked about)."""
+    reads, asked = [], []
+
+    def read(where, level, layers):
+        reads.append((level, layers))
+        objects = {f"{kind}.{layer}": bytes(where.level_bytes[level] // 8) for layer in layers for kind in "kv"}
+        return Fetched(where, objects, read_seconds(len(reads)))
+
+    store = SimpleNamespace(shape=SimpleNamespace(namespace="ns/", num_layers=4), read=read, close=lambda: None)
+    link = KVStoreLink(store, 256, kv_manager=None, kv_cache=None, ttft_slo=5.0)
+    link._pick = lambda remaining, *args: asked.append(remaining[0].level_bytes) or pick
+    link.estimate.bytes_per_second = 1e9
+    return link, reads, asked
+
+
+def test_a_link_that_slows_during_a_chunk_s_read_sends_the_rest_of_it_at_the_level_chosen_again():
+    sizes = {"float16": 4 * PIECE_BYTES, "low": PIECE_BYTES // 2}  # a float16 layer is one piece
+    chunk, seq = Located("c", 0, sizes), SimpleNamespace(arrival_time=time.perf_counter())
+    # The second piece takes a second: the last two layers go at the level chosen again, in one piece.
+    link, reads, asked = link_reading(lambda n: 1.0 if n == 2 else 1e-3, "low")
+    fetched, level = link._read_chunk([chunk], 0, "float16", 0, PrefillWork(), seq, ())
+    assert reads == [("float16", range(1)), ("float16", range(1, 2)), ("low", range(2, 4))]
+    assert level == "low" and link.stats.chunks_switched == 1 and sorted(fetched.objects) == [
+        f"{kind}.{layer}" for kind in "kv" for layer in range(4)]
+    assert asked == [{"float16": 2 * PIECE_BYTES, "low": PIECE_BYTES // 4}]  # the chunk's last two layers
+    assert link.estimate.bytes_per_second == pytest.approx(PIECE_BYTES / 4 / 1e-3)  # the last piece's
+    link.close()
+    # A link that jitters (each piece at 0.7 of the estimate) has not slowed: nothing is chosen again.
+    link, reads, asked = link_reading(lambda n: PIECE_BYTES / 0.7e9, "low")
+    assert link._read_chunk([chunk], 0, "float16", 1, PrefillWork(), seq, ())[1] == "float16"
+    assert reads == [("float16", range(layer, layer + 1)) for layer in range(1, 4)] and asked == []
+    link.close()
+    # Chosen again, the chunk is left to be recomputed from its text: nothing of it is kept.
+    link, reads, asked = link_reading(lambda n: 1.0, TEXT)
+    assert link._read_chunk([chunk], 0, "float16", 0, PrefillWork(), seq, ()) == (None, TEXT)
+    assert len(reads) == 1
+    link.close()
 
 
 # --- the emulated link ------------------------------------------------------------------------

@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstrata.kv.store")
 MAX_PENDING_WRITE_BYTES = 512 * 2**20  # snapshots waiting to be written; beyond this, writes are skipped
 PROBE_BYTES = 256 * 2**10  # a load's first read, at the best level, that tells the link before any choice
+PIECE_BYTES = 2**20  # an adapting chunk is read in pieces of about this size (KVStoreLink._read_chunk)
+SLOWED = 0.5  # a piece that got less than this share of the throughput estimated: the link slowed (not jitter)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class LinkStats:
     writes_skipped: int = 0  # chunks not written: the write backlog was full, or reading them failed
     chunks_by_option: dict[str, int] = field(default_factory=dict)  # chunks stored at several levels: as loaded
     chunks_below_allowed: int = 0  # loaded below what the throughput that chunk's read got allowed (adaptation.py)
+    chunks_switched: int = 0  # finished at another level after the link slowed during their read (by their last)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -185,13 +188,14 @@ class KVStoreLink:
                     predicted = self._plan_seconds(level, found[index:], chunk, recomputed, seconds_left, busy)
                     seq.store_plan = None if predicted is None else (time.perf_counter(), predicted)
                     planned = True
-                self.stats.chunks_by_option[level] = self.stats.chunks_by_option.get(level, 0) + 1
                 if level == TEXT:
+                    self._count_option(TEXT)
                     recomputed += self._chunk_prefill(chunk)
                     continue
-            rest = None if probe is None else range(len(probe.objects) // 2, self.store.shape.num_layers)
+            first_layer = 0 if probe is None else len(probe.objects) // 2
             try:
-                fetched = self.store.read(where, level, rest)
+                fetched, read_at = self._read_chunk(found[index:], chunk, level, first_layer, recomputed, seq,
+                                                    busy if level is not None else ())
             except StoreUnavailable as exc:
                 log.warning("a KV store load stopped at chunk %s, the rest is recomputed: %s", where.key[:16], exc)
                 self._count_load_failure()
@@ -199,15 +203,18 @@ class KVStoreLink:
             except CorruptObject as exc:
                 log.warning("chunk %s of the KV store is corrupt and is recomputed: %s", where.key[:16], exc)
                 self._count_load_failure()
-                fetched = None
+                fetched, read_at = None, level
+            if read_at is not None:
+                self._count_option(read_at)
             if fetched is None:
                 recomputed += self._chunk_prefill(chunk)
                 continue
-            if level is not None:
-                self._measure_read(fetched, found[index:], chunk, level, recomputed, seconds_left, busy)
+            if self._adapts(where):
+                self._count_below_allowed(fetched, found[index:], chunk, level, recomputed, seconds_left, busy)
             whole = fetched if probe is None else probe.joined(fetched)
-            decoding[chunk] = self._decoders.submit(self._decode, whole, level, started, chunk)
-            levels[chunk] = level
+            timed = read_at if read_at == level else None  # a chunk read at two levels says nothing of either's time
+            decoding[chunk] = self._decoders.submit(self._decode, whole, timed, started, chunk)
+            levels[chunk] = read_at
         ranges = self._ranges(decoding)
         if ranges:
             seq.store_load_end = (time.perf_counter(), self._recomputed(ranges, first * self.chunk_tokens,
@@ -273,7 +280,7 @@ class KVStoreLink:
         except (StoreUnavailable, CorruptObject):
             return None
         if probe is not None:
-            self.estimate.bytes_per_second = probe.num_bytes / max(probe.seconds, 1e-6)
+            self.estimate.bytes_per_second = probe.bytes_per_second
         return probe
 
     def _chunk_prefill(self, chunk: int) -> PrefillWork:
@@ -341,17 +348,55 @@ class KVStoreLink:
             busy[busy.index(min(busy))] += seconds
         return tuple(busy)
 
-    def _measure_read(self, fetched: Fetched, remaining: list[Located], chunk: int, level: str,
-                      recomputed: PrefillWork, seconds_left: float | None, busy: tuple[float, ...]) -> None:
-        """The throughput the read got becomes the estimate for the next chunk. A choice below the quality that
-        throughput allowed (adaptation.below_allowed, at the same moment) is counted: the price of the estimate
-        lagging one chunk behind the link."""
-        measured = fetched.num_bytes / max(fetched.seconds, 1e-6)
-        if self.level == "auto" and seconds_left is not None:
-            hindsight = dataclasses.replace(self.estimate, bytes_per_second=measured)
-            if below_allowed(level, *self._plan_inputs(remaining, chunk, seconds_left, hindsight, recomputed, busy)):
-                self.stats.chunks_below_allowed += 1
-        self.estimate.bytes_per_second = measured
+    def _read_chunk(self, remaining: list[Located], chunk: int, level: str | None, first_layer: int,
+                    recomputed: PrefillWork, seq, busy: tuple[float, ...]) -> tuple[Fetched | None, str | None]:
+        """Layers `first_layer` on of remaining[0], chunk number `chunk`, at `level` (None: a chunk stored in one
+        form), and the option its last layers were read at; None for the objects if the chunk went away
+        meanwhile, or if it is left to be recomputed after all (TEXT). A chunk whose level adapts is read in
+        pieces of about PIECE_BYTES: when a piece gets less than SLOWED of the throughput estimated, the rest of
+        the chunk goes to the option chosen again from that piece's throughput, among those no larger (fewer
+        bytes are what a slower link rewards; the layers read stay at their level and are decoded as such), so
+        a link that drops during a large chunk's read costs one piece at the old level, not the whole chunk.
+        Every read's throughput becomes the estimate for the next."""
+        where, num_layers = remaining[0], self.store.shape.num_layers
+        if not self._adapts(where):
+            fetched = self.store.read(where, level, range(first_layer, num_layers))
+            if fetched is not None and level is not None:
+                self.estimate.bytes_per_second = fetched.bytes_per_second
+            return fetched, level
+        fetched, start = None, first_layer
+        while start < num_layers:
+            per_layer = where.level_bytes[level] / num_layers
+            layers = range(start, min(start + max(int(PIECE_BYTES // per_layer), 1), num_layers))
+            piece = self.store.read(where, level, layers)
+            if piece is None:
+                return None, level
+            fetched, start = piece if fetched is None else fetched.joined(piece), layers.stop
+            estimated, self.estimate.bytes_per_second = self.estimate.bytes_per_second, piece.bytes_per_second
+            if start < num_layers and estimated is not None and piece.bytes_per_second < SLOWED * estimated:
+                size_now = where.level_bytes[level]
+                rest = dataclasses.replace(where, level_bytes={option: size * (num_layers - start) // num_layers
+                                                               for option, size in where.level_bytes.items()
+                                                               if size <= size_now})
+                switched = self._pick([rest, *remaining[1:]], chunk, recomputed, self._seconds_left(seq), busy)
+                if switched == TEXT:
+                    return None, TEXT
+                if switched != level:
+                    self.stats.chunks_switched += 1
+                    level = switched
+        return fetched, level
+
+    def _count_option(self, option: str) -> None:
+        self.stats.chunks_by_option[option] = self.stats.chunks_by_option.get(option, 0) + 1
+
+    def _count_below_allowed(self, fetched: Fetched, remaining: list[Located], chunk: int, level: str,
+                             recomputed: PrefillWork, seconds_left: float, busy: tuple[float, ...]) -> None:
+        """A chunk chosen at `level` below the quality the throughput of its own read (`fetched`) allowed
+        (adaptation.below_allowed, at the moment it was chosen) is counted: the price of the estimate lagging
+        one read behind the link."""
+        hindsight = dataclasses.replace(self.estimate, bytes_per_second=fetched.bytes_per_second)
+        if below_allowed(level, *self._plan_inputs(remaining, chunk, seconds_left, hindsight, recomputed, busy)):
+            self.stats.chunks_below_allowed += 1
 
     def _decode(self, fetched: Fetched, level: str | None, started: dict[int, float],
                 chunk: int) -> tuple[torch.Tensor, torch.Tensor] | None:

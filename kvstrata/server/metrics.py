@@ -142,12 +142,14 @@ class KVStoreCollector:
         ):
             yield self._counter(f"kvstrata:kv_store_{name}", doc, value)
         family = CounterMetricFamily("kvstrata:kv_store_streamed_chunks", "Chunks stored at several levels, by the "
-                                     "level they were read at (text: recomputed)", labels=["model_name", "level"])
+                                     "level their last layers were read at (text: recomputed)", labels=["model_name", "level"])
         for level, count in sorted(self.link.stats.chunks_by_option.copy().items()):  # copy: atomic
             family.add_metric([self.model_name, level], count)
         yield family
         yield self._counter("kvstrata:kv_store_chunks_below_allowed", "Streamed chunks read below the level the "
                             "throughput of their own read allowed", self.link.stats.chunks_below_allowed)
+        yield self._counter("kvstrata:kv_store_chunks_switched", "Streamed chunks finished at another level after "
+                            "the link slowed during their read", self.link.stats.chunks_switched)
         if self.link.important is not None:
             yield from self._important_loads()
 

@@ -69,6 +69,11 @@ class Fetched:
     def num_bytes(self) -> int:
         return sum(len(data) for data in self.objects.values())
 
+    @property
+    def bytes_per_second(self) -> float:
+        """The throughput the read got."""
+        return self.num_bytes / max(self.seconds, 1e-6)
+
     def joined(self, rest: Fetched) -> Fetched:
         """This read's objects and those of `rest`, a later read of the same chunk's other layers."""
         return Fetched(self.located, {**self.objects, **rest.objects}, self.seconds + rest.seconds)
