@@ -97,7 +97,8 @@ def run_reader(redis: RedisServer, trace: str, asked: list[list[int]], warm_up: 
            "chunks_below_allowed": link.stats.chunks_below_allowed - before[1],
            "chunks_switched": link.stats.chunks_switched - before[2],
            "last_throughput_mbps": (link.estimate.bytes_per_second or 0) * 8 / 1e6,
-           "plan_errors": list(link.estimate.plan_errors)}  # the last loads' actual / predicted seconds
+           "plan_errors": list(link.estimate.plan_errors),  # the last loads' actual / predicted seconds
+           "overshoots_s": list(link.estimate.overshoots)}  # and seconds past their last choice's stretched plan
     reader.close()
     return row
 

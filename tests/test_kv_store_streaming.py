@@ -166,6 +166,23 @@ def test_plans_are_stretched_by_the_worst_error_of_recent_loads():
     assert len(link.plan_errors) == PLAN_ERRORS_KEPT and link.plan_factor() == 1.0
 
 
+
+def test_the_worst_recent_overshoot_of_a_load_s_last_choice_is_kept_back_from_the_time_left():
+    link = LinkEstimate(8 * MBPS, {}, PrefillSpeed(per_token=0.002), plan_errors=(1.0,))
+    assert link.reserve_seconds() == 0.0 and choose_option([SIZES] * 8, 256, 0.89, link) == "medium"  # 0.88 s
+    link.observe_overshoot(-0.2)  # a load whose first token came early: nothing to keep back
+    assert link.reserve_seconds() == 0.0
+    link.observe_overshoot(0.05)  # one that came 50 ms past its last choice's plan
+    assert link.reserve_seconds() == pytest.approx(0.05)
+    assert choose_option([SIZES] * 8, 256, 0.89, link) == "low"  # medium's 0.88 s does not fit 0.84
+    assert not below_allowed("low", [SIZES] * 8, 256, 0.89, link)  # what the link allowed: told with the reserve
+    assert below_allowed("low", [SIZES] * 8, 256, 0.89, LinkEstimate(8 * MBPS, {}, link.prefill, plan_errors=(1.0,)))
+    for _ in range(PLAN_ERRORS_KEPT - 1):
+        link.observe_overshoot(0.0)
+    assert link.reserve_seconds() == pytest.approx(0.05)  # still among the recent loads
+    link.observe_overshoot(0.0)
+    assert link.reserve_seconds() == 0.0
+
 def test_a_slow_decoder_counts_where_it_is_slower_than_the_link():
     link = LinkEstimate(1000 * MBPS, {"float16": 0.01, "high": 0.3})
     # float16: read (5.9 ms), decode (10 ms) while the second is read, decode the second: 25.9 ms.
@@ -290,11 +307,13 @@ def test_a_link_that_slows_during_a_chunk_s_read_sends_the_rest_of_it_at_the_lev
     assert asked == [{"float16": 2 * PIECE_BYTES, "low": PIECE_BYTES // 4}]  # the chunk's last two layers
     assert link.estimate.bytes_per_second == pytest.approx(PIECE_BYTES / 4 / 1e-3)  # the last piece's
     link.close()
-    # A link that jitters (each piece at 0.7 of the estimate) has not slowed: nothing is chosen again.
-    link, reads, asked = link_reading(lambda n: PIECE_BYTES / 0.7e9, "low")
-    assert link._read_chunk([chunk], 0, "float16", 1, PrefillWork(), seq, ())[1] == "float16"
-    assert reads == [("float16", range(layer, layer + 1)) for layer in range(1, 4)] and asked == []
-    link.close()
+    # A link that jitters (each piece at 0.7 of the estimate) has not slowed, and reads too short to tell the
+    # link from the cores' other work (a third of the estimate, in 3.5 ms) tell nothing: nothing is chosen again.
+    for throughput in (0.7e9, 0.3e9):
+        link, reads, asked = link_reading(lambda n, rate=throughput: PIECE_BYTES / rate, "low")
+        assert link._read_chunk([chunk], 0, "float16", 1, PrefillWork(), seq, ())[1] == "float16"
+        assert reads == [("float16", range(layer, layer + 1)) for layer in range(1, 4)] and asked == []
+        link.close()
     # Chosen again, the chunk is left to be recomputed from its text: nothing of it is kept.
     link, reads, asked = link_reading(lambda n: 1.0, TEXT)
     assert link._read_chunk([chunk], 0, "float16", 0, PrefillWork(), seq, ()) == (None, TEXT)
@@ -398,6 +417,7 @@ def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_ser
     # before any decode time was measured, so its plan was a guess.
     assert len(reader.kv_store.estimate.plan_errors) == len(PROMPTS) - 1
     assert all(error > 0 for error in reader.kv_store.estimate.plan_errors)
+    assert reader.kv_store.estimate.overshoots  # and their last choices' plans, stretched, against it too
     # What followed each load besides its prefill (estimated at 1 s a token here, so nothing is left of it).
     assert reader.kv_store.estimate.after_load_seconds == 0.0
     reader.kv_store.estimate.prefill = PrefillSpeed(per_token=0.001)

@@ -61,6 +61,7 @@ MAX_PENDING_WRITE_BYTES = 512 * 2**20  # snapshots waiting to be written; beyond
 PROBE_BYTES = 256 * 2**10  # a load's first read, at the best level, that tells the link before any choice
 PIECE_BYTES = 2**20  # an adapting chunk is read in pieces of about this size (KVStoreLink._read_chunk)
 SLOWED = 0.5  # a piece that got less than this share of the throughput estimated: the link slowed (not jitter)
+SLOW_PIECE_SECONDS = 0.01  # unless it took less: such a read is loopback and the cores' other work, not the link
 
 
 @dataclass
@@ -184,10 +185,13 @@ class KVStoreLink:
             if where.level_bytes is not None:
                 busy = self._decoders_busy(decoding, levels, started)
                 level = self._pick(found[index:], chunk, recomputed, seconds_left, busy)
-                if not planned and self._adapts(where):
+                if self._adapts(where) and (not planned or index == len(found) - 1):  # its first and last choice
                     predicted = self._plan_seconds(level, found[index:], chunk, recomputed, seconds_left, busy)
-                    seq.store_plan = None if predicted is None else (time.perf_counter(), predicted)
-                    planned = True
+                    plan = None if predicted is None else (time.perf_counter(), predicted)
+                    if not planned:
+                        seq.store_plan, planned = plan, True
+                    elif plan is not None:
+                        seq.store_last_plan = (plan[0], plan[1] * self.estimate.plan_factor())
                 if level == TEXT:
                     self._count_option(TEXT)
                     recomputed += self._chunk_prefill(chunk)
@@ -353,11 +357,11 @@ class KVStoreLink:
         """Layers `first_layer` on of remaining[0], chunk number `chunk`, at `level` (None: a chunk stored in one
         form), and the option its last layers were read at; None for the objects if the chunk went away
         meanwhile, or if it is left to be recomputed after all (TEXT). A chunk whose level adapts is read in
-        pieces of about PIECE_BYTES: when a piece gets less than SLOWED of the throughput estimated, the rest of
-        the chunk goes to the option chosen again from that piece's throughput, among those no larger (fewer
-        bytes are what a slower link rewards; the layers read stay at their level and are decoded as such), so
-        a link that drops during a large chunk's read costs one piece at the old level, not the whole chunk.
-        Every read's throughput becomes the estimate for the next."""
+        pieces of about PIECE_BYTES: when a piece gets less than SLOWED of the throughput estimated (and took
+        SLOW_PIECE_SECONDS at least), the rest of the chunk goes to the option chosen again from that piece's
+        throughput, among those no larger (fewer bytes are what a slower link rewards; the layers read stay at
+        their level and are decoded as such), so a link that drops during a large chunk's read costs one piece
+        at the old level, not the whole chunk. Every read's throughput becomes the estimate for the next."""
         where, num_layers = remaining[0], self.store.shape.num_layers
         if not self._adapts(where):
             fetched = self.store.read(where, level, range(first_layer, num_layers))
@@ -373,7 +377,8 @@ class KVStoreLink:
                 return None, level
             fetched, start = piece if fetched is None else fetched.joined(piece), layers.stop
             estimated, self.estimate.bytes_per_second = self.estimate.bytes_per_second, piece.bytes_per_second
-            if start < num_layers and estimated is not None and piece.bytes_per_second < SLOWED * estimated:
+            slowed = estimated is not None and piece.bytes_per_second < SLOWED * estimated
+            if start < num_layers and slowed and piece.seconds >= SLOW_PIECE_SECONDS:
                 size_now = where.level_bytes[level]
                 rest = dataclasses.replace(where, level_bytes={option: size * (num_layers - start) // num_layers
                                                                for option, size in where.level_bytes.items()
@@ -432,8 +437,8 @@ class KVStoreLink:
         self.estimate.prefill.observe(work, seconds)
 
     def observe_first_token(self, seq, now: float) -> None:
-        """`seq`, loaded from the store, got its first token at `now`: what follows a load, and by how much the
-        load's first plan erred, are learned."""
+        """`seq`, loaded from the store, got its first token at `now`: what follows a load, by how much the load's
+        first plan erred, and how far past the stretched plan of its last choice it came, are learned."""
         if seq.store_load_end is not None:
             self.observe_after_load(now - seq.store_load_end[0], seq.store_load_end[1])
             seq.store_load_end = None
@@ -441,6 +446,10 @@ class KVStoreLink:
             decided, predicted = seq.store_plan
             self.estimate.observe_plan(predicted, now - decided)
             seq.store_plan = None
+        if seq.store_last_plan is not None:
+            decided, stretched = seq.store_last_plan
+            self.estimate.observe_overshoot(now - decided - stretched)
+            seq.store_last_plan = None
 
     def observe_after_load(self, seconds: float, recomputed: PrefillWork) -> None:
         """A request's first token came `seconds` after its load ended, `recomputed` prefilled then: what follows

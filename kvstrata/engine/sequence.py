@@ -49,6 +49,7 @@ class Sequence:
     num_store_tokens: int = 0  # prompt tokens whose KV the KV store (below the device pool) supplied
     store_load_end: tuple[float, PrefillWork] | None = None  # when its store load ended, the prefill it left
     store_plan: tuple[float, float] | None = None  # its store load's first adaptive choice: when, seconds predicted
+    store_last_plan: tuple[float, float] | None = None  # and its last: when, seconds predicted and stretched
     cache_salt: bytes | None = None  # separates prefix-cache entries built on preloaded KV
     num_preemptions: int = 0
     output_text: str = ""

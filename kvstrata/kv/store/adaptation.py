@@ -14,7 +14,11 @@ The estimates err (decoding shares the cores with the reads and the engine, read
 uses every second it believes it has lands just past the objective. So each load's first plan is checked
 against the time its first token actually took (planned_seconds), and costs are stretched by the worst of
 the recent loads' ratios (LinkEstimate.plan_factor): the margin is what this machine's estimates have been
-missing by. After each read, a chunk sent below what that read's throughput allowed is told (below_allowed).
+missing by. That margin shrinks with the time left, while what follows a load's last choice (the last
+decodes, the prefill of the tokens after the load, the step that samples) jitters by seconds that do not:
+so each load's last choice, stretched, is checked too, and the worst recent overshoot is kept back from the
+time left (LinkEstimate.reserve_seconds). After each read, a chunk sent below what that read's throughput
+allowed is told (below_allowed).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class LinkEstimate:
     prefill: PrefillSpeed = field(default_factory=PrefillSpeed)  # the engine's recent prefill speed
     after_load_seconds: float = 0.0  # from a load's end to the first token, prefill aside (placing the KV, ...)
     plan_errors: tuple[float, ...] = ()  # of recent loads: actual / predicted seconds from the first choice on
+    overshoots: tuple[float, ...] = ()  # of recent loads: seconds past the stretched plan of the last choice
     decoders: int = 1  # chunks decoded side by side (decode_seconds is what one takes with the others busy)
 
     def observe_decode(self, level: str, seconds: float) -> None:
@@ -56,6 +61,16 @@ class LinkEstimate:
         each time: the load thread reads it while the engine thread writes.)"""
         if predicted > 0:
             self.plan_errors = (*self.plan_errors[-(PLAN_ERRORS_KEPT - 1):], actual / predicted)
+
+    def observe_overshoot(self, seconds: float) -> None:
+        """A load's first token came `seconds` after what its last choice planned, stretched by plan_factor
+        (negative: before)."""
+        self.overshoots = (*self.overshoots[-(PLAN_ERRORS_KEPT - 1):], seconds)
+
+    def reserve_seconds(self) -> float:
+        """Kept back from the time left before any plan is held against it: the worst recent overshoot, never
+        below 0."""
+        return max((0.0, *self.overshoots))
 
     def plan_factor(self) -> float:
         """By how much a plan's seconds are stretched before they are held against the time left: the worst
@@ -121,8 +136,8 @@ def fitting_option(remaining: list[dict[str, int]], chunk_tokens: int, seconds_l
                    fixed_seconds: float = 0.0, decoders_busy: Sequence[float] = (),
                    first_token: int = 0) -> str | None:
     """The best option whose cost for every remaining chunk (stretched by the learned margin) fits in the time
-    left: the quality the link allows (choose_option); None if none fits."""
-    budget = seconds_left / link.plan_factor()
+    left less the reserve: the quality the link allows (choose_option); None if none fits."""
+    budget = (seconds_left - link.reserve_seconds()) / link.plan_factor()
     for option in (TEXT, *remaining[0]):
         cost = option_seconds(option, remaining, chunk_tokens, link, decoders_busy, first_token)
         if cost is not None and fixed_seconds + cost <= budget:
