@@ -403,8 +403,8 @@ class LLMEngine:
         return [seq for seq, ok in zip(to_sample, keep) if ok], logits[torch.tensor(keep, device=logits.device)], failed
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:
-        if seq.store_load_end is not None or seq.store_plan is not None or seq.store_last_plan is not None:
-            # its first token after a store load
+        after_load = (seq.store_load_end, seq.store_plan, seq.store_last_plan)
+        if any(told is not None for told in after_load):  # its first token after a store load
             self.kv_store.observe_first_token(seq, now)
         try:
             self.outputs.append_token(seq, token, logprobs, now)

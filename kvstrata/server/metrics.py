@@ -142,7 +142,8 @@ class KVStoreCollector:
         ):
             yield self._counter(f"kvstrata:kv_store_{name}", doc, value)
         family = CounterMetricFamily("kvstrata:kv_store_streamed_chunks", "Chunks stored at several levels, by the "
-                                     "level their last layers were read at (text: recomputed)", labels=["model_name", "level"])
+                                     "level their last layers were read at (text: recomputed)",
+                                     labels=["model_name", "level"])
         for level, count in sorted(self.link.stats.chunks_by_option.copy().items()):  # copy: atomic
             family.add_metric([self.model_name, level], count)
         yield family
