@@ -166,7 +166,6 @@ def test_plans_are_stretched_by_the_worst_error_of_recent_loads():
     assert len(link.plan_errors) == PLAN_ERRORS_KEPT and link.plan_factor() == 1.0
 
 
-
 def test_the_worst_recent_overshoot_of_a_load_s_last_choice_is_kept_back_from_the_time_left():
     link = LinkEstimate(8 * MBPS, {}, PrefillSpeed(per_token=0.002), plan_errors=(1.0,))
     assert link.reserve_seconds() == 0.0 and choose_option([SIZES] * 8, 256, 0.89, link) == "medium"  # 0.88 s
@@ -182,6 +181,7 @@ def test_the_worst_recent_overshoot_of_a_load_s_last_choice_is_kept_back_from_th
     assert link.reserve_seconds() == pytest.approx(0.05)  # still among the recent loads
     link.observe_overshoot(0.0)
     assert link.reserve_seconds() == 0.0
+
 
 def test_a_slow_decoder_counts_where_it_is_slower_than_the_link():
     link = LinkEstimate(1000 * MBPS, {"float16": 0.01, "high": 0.3})
@@ -274,7 +274,6 @@ def test_a_load_s_first_plan_is_the_one_its_choice_follows():
     quickest = choose_option(remaining, 256, 0.1, link, 0.5)
     planned = planned_seconds(quickest, remaining, 256, 0.1, link, 0.5)
     assert planned < 0.5 + min(option_seconds(level, remaining, 256, link) for level in SIZES)
-
 
 
 def link_reading(read_seconds, pick):
