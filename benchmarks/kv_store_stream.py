@@ -3,18 +3,20 @@
     python -m benchmarks.kv_store_stream > benchmarks/results/kv_store_stream.json
 
 Contexts of 4,000 tokens (Emma, Persuasion, the Python tutorial, KJV Acts), plus a question each, are written
-to a real Redis server (loopback, started here) in the `levels` form by one engine. Fresh engines then ask
-them again, one request at a time, with the Redis link emulated by a token bucket over each bandwidth trace
+to a real Redis server (loopback, started here) in the `levels` form by one engine. One reading engine then
+asks them again, one request at a time, with the Redis link emulated by a token bucket over each bandwidth trace
 (`--kv-store-link-gbps`: the bytes travel for real, then each read waits for the emulated link; the trace
 restarts at every load; the two random traces redraw the rate every 0.2 s, as the paper's per-chunk draws).
-Per trace, every fixed level (float16 is the raw float16 baseline) runs once, and
-adaptation (`--kv-store-level auto --ttft-slo S`) once per objective; recompute (no store) is measured once,
-since no link is involved. Reported: TTFT of every request (from its arrival: lookup, fetch, decode and the
-prefill of what was not loaded), the share of requests over each objective, the chunks per level and, for
-adaptation, the chunks read below the level the throughput of their own read allowed and those finished at
-another level after the link slowed during their read.
+Per trace, every fixed level (float16 is the raw float16 baseline) and adaptation (`--kv-store-level auto
+--ttft-slo S`) at each objective are policies, each with a link of its own (its own estimates and counters) on
+the same engine: request by request, every policy asks the same prompt, in a seeded shuffled order, the device
+pool's cached prefixes forgotten before each, so that the policies share weights, pool, memory and the machine's
+drifts. Recompute (no store) is measured once on that engine, since no link is involved. Reported: TTFT of every
+request (from its arrival: lookup, fetch, decode and the prefill of what was not loaded), the share of requests
+over each objective, the chunks per level and, for adaptation, the chunks read below the level the throughput of
+their own read allowed and those finished at another level after the link slowed during their read.
 
-Each engine first loads one context that is not scored, so that its estimates of prefill speed, throughput
+Each policy first loads one context that is not scored, so that its estimates of prefill speed, throughput
 and decode time start from a measurement, as they would in a server that has been running.
 """
 
@@ -60,7 +62,9 @@ def engine(**options) -> LLMEngine:
 
 
 def ttft(engine: LLMEngine, token_ids: list[int]) -> float:
-    """One request alone, one token; its time to first token from arrival."""
+    """One request alone, one token, after the device pool forgot its cached prefixes; its time to first token
+    from arrival."""
+    engine.reset_prefix_cache()
     engine.add_request(token_ids, SamplingParams(temperature=0, max_tokens=1))
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -83,24 +87,39 @@ def prompts(tokenizer: LLMEngine, per_text: int) -> list[list[int]]:
     return result
 
 
-def run_reader(redis: RedisServer, trace: str, asked: list[list[int]], warm_up: list[int], **options) -> dict:
-    reader = engine(kv_store=redis.url, kv_store_format="levels", kv_store_link_gbps=trace, **options)
-    ttft(reader, warm_up)
-    link = reader.kv_store
-    before = dict(link.stats.chunks_by_option), link.stats.chunks_below_allowed, link.stats.chunks_switched
-    times = [ttft(reader, prompt) for prompt in asked]
-    chunks = {level: count - before[0].get(level, 0) for level, count in link.stats.chunks_by_option.items()}
-    chunks = {level: count for level, count in chunks.items() if count}
-    total = sum(chunks.values())
-    row = {"ttft_s": times, "chunks_by_option": chunks,
-           "mean_quality_rank": sum(quality_rank(o) * n for o, n in chunks.items()) / max(total, 1),
-           "chunks_below_allowed": link.stats.chunks_below_allowed - before[1],
-           "chunks_switched": link.stats.chunks_switched - before[2],
-           "last_throughput_mbps": (link.estimate.bytes_per_second or 0) * 8 / 1e6,
-           "plan_errors": list(link.estimate.plan_errors),  # the last loads' actual / predicted seconds
-           "overshoots_s": list(link.estimate.overshoots)}  # and seconds past their last choice's stretched plan
-    reader.close()
-    return row
+def with_link(reader: LLMEngine, link, token_ids: list[int]) -> float:
+    reader.use_kv_store_link(link)
+    return ttft(reader, token_ids)
+
+
+def run_policies(reader: LLMEngine, trace: str, policies: dict[str, dict], asked: list[list[int]],
+                 warm_up: list[int], order: random.Random) -> dict[str, dict]:
+    """Every policy (name: EngineConfig changes) on a link of its own over `trace`, request by request."""
+    links = {name: reader.make_kv_store_link(kv_store_link_gbps=trace, **changes) for name, changes in policies.items()}
+    for link in links.values():
+        with_link(reader, link, warm_up)
+    before = {name: (dict(link.stats.chunks_by_option), link.stats.chunks_below_allowed, link.stats.chunks_switched)
+              for name, link in links.items()}
+    times = {name: [] for name in links}
+    for prompt in asked:
+        for name in order.sample(list(links), len(links)):
+            times[name].append(with_link(reader, links[name], prompt))
+    reader.use_kv_store_link(None)
+    rows = {}
+    for name, link in links.items():
+        link.close()
+        by_option, below, switched = before[name]
+        chunks = {level: count - by_option.get(level, 0) for level, count in link.stats.chunks_by_option.items()}
+        chunks = {level: count for level, count in chunks.items() if count}
+        total = sum(chunks.values())
+        rows[name] = {"ttft_s": times[name], "chunks_by_option": chunks,
+                      "mean_quality_rank": sum(quality_rank(o) * n for o, n in chunks.items()) / max(total, 1),
+                      "chunks_below_allowed": link.stats.chunks_below_allowed - below,
+                      "chunks_switched": link.stats.chunks_switched - switched,
+                      "last_throughput_mbps": (link.estimate.bytes_per_second or 0) * 8 / 1e6,
+                      "plan_errors": list(link.estimate.plan_errors),  # the last loads' actual / predicted seconds
+                      "overshoots_s": list(link.estimate.overshoots)}  # seconds past their last choice's stretched plan
+    return rows
 
 
 def miss_share(times: list[float], slo: float) -> float:
@@ -112,9 +131,13 @@ def main() -> None:
     parser.add_argument("--slos", default="1.0,1.25,1.5,2.0,2.5", help="time-to-first-token objectives, seconds")
     parser.add_argument("--per-text", type=int, default=2, help="contexts per text")
     parser.add_argument("--traces", default=",".join(TRACES), help=f"of {', '.join(TRACES)}")
+    parser.add_argument("--seed", type=int, default=0, help="the policies' order for each request")
     args = parser.parse_args()
     slos = [float(s) for s in args.slos.split(",")]
     traces = {name: TRACES[name] for name in args.traces.split(",")}
+    policies = {level: {"kv_store_level": level, "ttft_slo": None} for level in STREAMED_LEVELS}
+    policies |= {f"adaptive@{slo}s": {"kv_store_level": "auto", "ttft_slo": slo} for slo in slos}
+    order = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as scratch:
         redis = RedisServer(Path(scratch)).start()
         try:
@@ -124,24 +147,20 @@ def main() -> None:
             for prompt in all_prompts:
                 ttft(writer, prompt)
             writer.close()  # waits for its writes
-            plain = engine()  # recompute, timed without the writer's encoding beside it
-            ttft(plain, warm_up)
-            recompute = [ttft(plain, prompt) for prompt in asked]
+            reader = engine(kv_store=redis.url, kv_store_format="levels")
+            with_link(reader, None, warm_up)
+            recompute = [with_link(reader, None, prompt) for prompt in asked]
             report = {"machine": machine_info(), "link": "emulated: token bucket over each trace, bytes over loopback",
                       "context_tokens": CONTEXT_TOKENS, "requests_per_run": len(asked), "slos_s": slos,
+                      "policy_order": f"shuffled per request, random.Random({args.seed})",
                       "recompute": {"ttft_s": recompute, "miss_share": {str(s): miss_share(recompute, s) for s in slos}},
                       "traces": {}}
             for name, trace in traces.items():
-                runs = {}
-                for level in STREAMED_LEVELS:
-                    runs[level] = run_reader(redis, trace, asked, warm_up, kv_store_level=level)
-                    runs[level]["miss_share"] = {str(s): miss_share(runs[level]["ttft_s"], s) for s in slos}
-                    print(name, level, json.dumps(runs[level]), file=sys.stderr, flush=True)
-                for slo in slos:
-                    row = run_reader(redis, trace, asked, warm_up, ttft_slo=slo)
-                    row["miss_share"] = {str(slo): miss_share(row["ttft_s"], slo)}
-                    runs[f"adaptive@{slo}s"] = row
-                    print(name, slo, json.dumps(row), file=sys.stderr, flush=True)
+                runs = run_policies(reader, trace, policies, asked, warm_up, order)
+                for policy, row in runs.items():
+                    row["miss_share"] = {str(s): miss_share(row["ttft_s"], s) for s in slos
+                                         if policy in STREAMED_LEVELS or policy == f"adaptive@{s}s"}
+                    print(name, policy, json.dumps(row), file=sys.stderr, flush=True)
                 report["traces"][name] = {"trace_gbps": trace, "runs": runs}
             report["summary"] = summary(report, slos)
         finally:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvstrata.engine.kv_store_link import PIECE_BYTES, KVStoreLink
+from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.store.adaptation import (
     DEFAULT_LEVEL,
@@ -422,6 +423,24 @@ def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_ser
     reader.kv_store.estimate.prefill = PrefillSpeed(per_token=0.001)
     reader.kv_store.observe_after_load(0.5, PrefillWork(tokens=100, pairs=5000))
     assert reader.kv_store.estimate.after_load_seconds == pytest.approx(0.4)
+
+
+def test_links_with_their_own_policies_take_turns_on_one_engine(tiny_llama, reference, redis_server):
+    run_rounds(make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels"), rounds=1)
+    reader = make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels")
+    low, raw = (reader.make_kv_store_link(kv_store_level=level) for level in ("low", "float16"))
+    assert (low.level, raw.level, reader.kv_store.level) == ("low", "float16", "auto")
+    outputs = {}
+    for name, link in (("low", low), ("float16", raw), ("no store", None)):
+        reader.use_kv_store_link(link)
+        reader.reset_prefix_cache()  # else the prompts are found in the device pool
+        outputs[name] = run_rounds(reader, rounds=1)
+    chunks = len(PROMPTS) * (199 // CHUNK)
+    assert (low.stats.chunks_by_option, raw.stats.chunks_by_option) == ({"low": chunks}, {"float16": chunks})
+    assert outputs["float16"] == outputs["no store"] == reference
+    reader.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1))
+    with pytest.raises(KvstrataError, match="only when no request is unfinished"):
+        reader.use_kv_store_link(low)
 
 
 def test_a_load_probes_the_link_before_choosing_its_first_chunk(tiny_llama, redis_server):

@@ -87,7 +87,7 @@ class LLMEngine:
             namespace=f"{self.model_fingerprint}/{self._weights_tag()}/{stored_form(config, dtype)}/".encode(),
         )
         self.attention.attach_block_pool(self.kv_manager.pool)
-        self.kv_store = self._make_kv_store(dtype)  # tiers below the device pool, or None
+        self.kv_store = self.make_kv_store_link()  # tiers below the device pool, or None
         self.scheduler = self._make_scheduler()
         self.runner = ModelRunner(self.loaded.model, self.attention, config.block_size, self.device,
                                   max_blocks_per_seq=-(-self.max_model_len // config.block_size),
@@ -123,8 +123,12 @@ class LLMEngine:
             )
         return num_blocks
 
-    def _make_kv_store(self, dtype: torch.dtype) -> KVStoreLink | None:
-        c = self.config
+    def make_kv_store_link(self, **changes) -> KVStoreLink | None:
+        """A link to the KV store this engine's config names, with `changes` (EngineConfig fields: another link
+        trace, level or objective) applied; None without a store. Each link has its own connections, estimates
+        and counters; `use_kv_store_link` puts one in use."""
+        c = dataclasses.replace(self.config, **changes) if changes else self.config
+        dtype = getattr(torch, c.dtype)
         if not c.kv_store:
             return None
         if not c.enable_prefix_caching:
@@ -280,6 +284,14 @@ class LLMEngine:
             return None
         seq.finish_reason = "abort"
         return self._finish(seq, time.perf_counter())
+
+    def use_kv_store_link(self, link: KVStoreLink | None) -> None:
+        """Serve the next requests through `link` (from `make_kv_store_link`), or with no store; only between
+        requests, since a load in flight belongs to its link. The streaming benchmark compares policies on one
+        engine so: the same weights, pool and memory for every policy."""
+        if self.has_unfinished_requests():
+            raise KvstrataError("the KV store link can change only when no request is unfinished")
+        self.kv_store = link
 
     def reset_prefix_cache(self) -> int:
         """Forget the prefixes the device pool caches in blocks no request holds (the KV store keeps its copies),
