@@ -220,22 +220,38 @@ def test_a_load_tells_each_decoder_s_busy_time_from_the_chunks_started_and_queue
     assert busy == pytest.approx((0.06 + 0.02, 0.1), abs=0.01)
 
 
-def test_when_nothing_fits_levels_are_mixed_where_a_mix_is_quicker_than_any_one_level():
-    # 1 Gbps: 15 float16 chunks take 0.71 s to read, 15 low ones 0.68 s for two decoders to decode
-    link = LinkEstimate(125 * MBPS, {"float16": 0.03, "low": 0.09}, decoders=2)
-    chunks, read_end, decoders_free, options = 15, 0.0, [0.0, 0.0], []
-    for index in range(chunks):  # each chunk chosen as a load would: after the previous read, decoders busy
+def load_when_nothing_fits(link: LinkEstimate, chunks: int = 15) -> tuple[list[str], float]:
+    """Each chunk's option chosen as a load would (after the previous read, the decoders busy) with no time left,
+    and when the load ends, the estimates being right."""
+    read_end, decoders_free, options = 0.0, [0.0] * link.decoders, []
+    for index in range(chunks):
         busy = tuple(max(free - read_end, 0.0) for free in decoders_free)
-        option = choose_option([SIZES] * (chunks - index), 256, 0.1, link, decoders_busy=busy)
+        option = choose_option([SIZES] * (chunks - index), 256, 0.0, link, decoders_busy=busy)
         options.append(option)
         read_end += SIZES[option] / link.bytes_per_second
         first_free = decoders_free.index(min(decoders_free))
         decoders_free[first_free] = max(decoders_free[first_free], read_end) + link.decode_seconds[option]
-    fixed = {level: option_seconds(level, [SIZES] * chunks, 256, link) for level in SIZES}
+    return options, max(decoders_free)
+
+
+def test_when_nothing_fits_levels_are_mixed_where_a_mix_is_quicker_than_any_one_level():
+    # 1 Gbps: 15 float16 chunks take 0.71 s to read, 15 low ones 0.68 s for two decoders to decode
+    link = LinkEstimate(125 * MBPS, {"float16": 0.03, "low": 0.09}, decoders=2)
+    options, took = load_when_nothing_fits(link)
+    fixed = {level: option_seconds(level, [SIZES] * 15, 256, link) for level in SIZES}
     assert {"float16", "low"} <= set(options)
-    assert max(decoders_free) < 0.8 * min(fixed.values())
+    assert took < 0.8 * min(fixed.values())
     # the link alone, or the decoders alone, set every fixed level's time: nothing to mix, the fewest bytes
-    assert choose_option([SIZES] * chunks, 256, 0.1, LinkEstimate(125 * MBPS, {}, decoders=2)) == "low"
+    assert choose_option([SIZES] * 15, 256, 0.1, LinkEstimate(125 * MBPS, {}, decoders=2)) == "low"
+
+
+def test_of_two_cachegen_levels_the_one_with_fewer_bytes_is_never_the_slower_whatever_their_measured_times():
+    # 0.1 Gbps: a low chunk is read in 46 ms, a medium one in 70 ms, while each of two decoders takes 0.2 s a chunk
+    # (medium measured 0.18 s: the cores' other work); float16 takes 0.47 s to read.
+    link = LinkEstimate(12.5 * MBPS, {"low": 0.2, "medium": 0.18, "float16": 0.02}, decoders=2)
+    assert option_seconds("medium", [SIZES] * 15, 256, link) < option_seconds("low", [SIZES] * 15, 256, link)
+    options, _ = load_when_nothing_fits(link)
+    assert "medium" not in options and "low" in options
 
 
 def test_a_link_that_drops_mid_load_is_followed_one_chunk_late_and_adaptation_meets_the_objective():

@@ -178,12 +178,17 @@ def _lookahead(option: str, rests: list[str], remaining: list[dict[str, int]], c
 
 def _undominated(options: list[str], sizes: dict[str, int], link: LinkEstimate) -> list[str]:
     """The options that can make a load quicker: text, and the levels no other level beats in bytes and in decode
-    time both (a load's time never falls when a chunk's bytes or decode time grow)."""
+    time both (a load's time never falls when a chunk's bytes or decode time grow). A CacheGen level is also beaten
+    by any CacheGen level with fewer bytes, whatever their measured times: the levels code the same symbols, so
+    fewer bits never decode slower, and a level that measured quicker by the cores' other work alone would send
+    more bytes for nothing."""
     costs = {option: (sizes[option], decode_seconds(option, link)) for option in options if option != TEXT}
 
     def dominated(option: str) -> bool:
-        return any(other != costs[option] and other[0] <= costs[option][0] and other[1] <= costs[option][1]
-                   for other in costs.values())
+        fewer_cachegen_bytes = option in CACHEGEN_LEVELS and any(
+            other in CACHEGEN_LEVELS and sizes[other] < sizes[option] for other in costs)
+        return fewer_cachegen_bytes or any(other != costs[option] and other[0] <= costs[option][0]
+                                           and other[1] <= costs[option][1] for other in costs.values())
 
     return [option for option in options if option == TEXT or not dominated(option)]
 
