@@ -88,6 +88,7 @@ def prompts(tokenizer: LLMEngine, per_text: int) -> list[list[int]]:
 
 
 def with_link(reader: LLMEngine, link, token_ids: list[int]) -> float:
+    """`ttft` through `link` (None: recompute)."""
     reader.use_kv_store_link(link)
     return ttft(reader, token_ids)
 
@@ -148,6 +149,7 @@ def main() -> None:
                 ttft(writer, prompt)
             writer.close()  # waits for its writes
             reader = engine(kv_store=redis.url, kv_store_format="levels")
+            reader.kv_store.close()  # its own link goes unused: each policy gets one (run_policies), recompute none
             with_link(reader, None, warm_up)
             recompute = [with_link(reader, None, prompt) for prompt in asked]
             report = {"machine": machine_info(), "link": "emulated: token bucket over each trace, bytes over loopback",
