@@ -183,12 +183,13 @@ def _undominated(options: list[str], sizes: dict[str, int], link: LinkEstimate) 
     fewer bits never decode slower, and a level that measured quicker by the cores' other work alone would send
     more bytes for nothing."""
     costs = {option: (sizes[option], decode_seconds(option, link)) for option in options if option != TEXT}
+    fewest_cachegen_bytes = min((sizes[option] for option in costs if option in CACHEGEN_LEVELS), default=None)
 
     def dominated(option: str) -> bool:
-        fewer_cachegen_bytes = option in CACHEGEN_LEVELS and any(
-            other in CACHEGEN_LEVELS and sizes[other] < sizes[option] for other in costs)
-        return fewer_cachegen_bytes or any(other != costs[option] and other[0] <= costs[option][0]
-                                           and other[1] <= costs[option][1] for other in costs.values())
+        if option in CACHEGEN_LEVELS and sizes[option] > fewest_cachegen_bytes:
+            return True
+        return any(other != costs[option] and other[0] <= costs[option][0] and other[1] <= costs[option][1]
+                   for other in costs.values())
 
     return [option for option in options if option == TEXT or not dominated(option)]
 
