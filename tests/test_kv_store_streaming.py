@@ -32,6 +32,7 @@ from kvstrata.kv.store.objects import ObjectHeader, pack_object
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.kv.store.redis_tier import RedisTier
 from kvstrata.kv.store.tiered_store import MANIFEST, Fetched, Located
+from kvstrata.server.metrics import ServerMetrics
 from tests.test_kv_store_engine import CHUNK, PROMPTS, make_engine, run_rounds, tier_hits
 from tests.test_kv_store_tiers import SHAPE, TOKENS, chunk_kv, store_over
 
@@ -446,13 +447,20 @@ def test_links_with_their_own_policies_take_turns_on_one_engine(tiny_llama, refe
     reader = make_engine(tiny_llama, kv_store=redis_server.url, kv_store_format="levels")
     low, raw = (reader.make_kv_store_link(kv_store_level=level) for level in ("low", "float16"))
     assert (low.level, raw.level, reader.kv_store.level) == ("low", "float16", "auto")
-    outputs = {}
+    metrics = ServerMetrics("test-model", reader)
+    outputs, scraped = {}, {}
     for name, link in (("low", low), ("float16", raw), ("no store", None)):
         reader.use_kv_store_link(link)
         reader.reset_prefix_cache()  # else the prompts are found in the device pool
         outputs[name] = run_rounds(reader, rounds=1)
+        scraped[name] = metrics.render().decode()
     chunks = len(PROMPTS) * (199 // CHUNK)
     assert (low.stats.chunks_by_option, raw.stats.chunks_by_option) == ({"low": chunks}, {"float16": chunks})
+    # /metrics tells the counters of the link in use when scraped
+    streamed = 'kvstrata:kv_store_streamed_chunks_total{{level="{}",model_name="test-model"}} {}.0'
+    assert streamed.format("low", chunks) in scraped["low"] and "float16" not in scraped["low"]
+    assert streamed.format("float16", chunks) in scraped["float16"] and '"low"' not in scraped["float16"]
+    assert "kvstrata:kv_store_" not in scraped["no store"]
     assert outputs["float16"] == outputs["no store"] == reference
     reader.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1))
     with pytest.raises(KvstrataError, match="only when no request is unfinished"):

@@ -7,6 +7,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from kvstrata.engine.kv_store_link import KVStoreLink
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
 
@@ -118,41 +119,45 @@ TIER_COUNTERS = (
 
 
 class KVStoreCollector:
-    """Reads the engine's KV store counters when /metrics is scraped (plain numbers, safe to read from the
-    server's thread while the engine thread updates them)."""
+    """Reads the counters of the engine's KV store link when /metrics is scraped (plain numbers, safe to read from
+    the server's thread while the engine thread updates them): the link in use then (use_kv_store_link may have
+    changed it; with none, nothing)."""
 
     def __init__(self, engine: LLMEngine, model_name: str):
-        self.link = engine.kv_store
+        self.engine = engine
         self.model_name = model_name
 
     def collect(self):
+        link = self.engine.kv_store  # once: the scrape reads one link throughout
+        if link is None:
+            return
         for name, field, doc in TIER_COUNTERS:
             family = CounterMetricFamily(f"kvstrata:kv_store_{name}", doc, labels=["model_name", "tier"])
-            for tier in self.link.store.tiers:
+            for tier in link.store.tiers:
                 family.add_metric([self.model_name, tier.name], getattr(tier.stats, field))
             yield family
-        store, link = self.link.store.stats, self.link.stats
+        store, stats = link.store.stats, link.stats
         for name, value, doc in (
             ("decode_seconds", store.decode_seconds,
              "Time spent checking and decoding fetched chunks (summed over the decoder threads)"),
             ("encode_seconds", store.encode_seconds, "Time spent encoding chunks to write"),
             ("corrupt_objects", store.corrupt_objects, "Stored chunks that failed their check (dropped, recomputed)"),
-            ("load_failures", link.load_failures, "Loads cut short by a tier failure (the rest was recomputed)"),
-            ("writes_skipped", link.writes_skipped, "Chunks not written (write backlog full or unreadable)"),
+            ("load_failures", stats.load_failures, "Loads cut short by a tier failure (the rest was recomputed)"),
+            ("writes_skipped", stats.writes_skipped, "Chunks not written (write backlog full or unreadable)"),
         ):
             yield self._counter(f"kvstrata:kv_store_{name}", doc, value)
         family = CounterMetricFamily("kvstrata:kv_store_streamed_chunks", "Chunks stored at several levels, by the "
                                      "level their last layers were read at (text: recomputed)",
                                      labels=["model_name", "level"])
-        for level, count in sorted(self.link.stats.chunks_by_option.copy().items()):  # copy: atomic
+        for level, count in sorted(stats.chunks_by_option.copy().items()):  # copy: atomic
             family.add_metric([self.model_name, level], count)
         yield family
         yield self._counter("kvstrata:kv_store_chunks_below_allowed", "Streamed chunks read below the level the "
-                            "throughput of their own read allowed", self.link.stats.chunks_below_allowed)
+                            "throughput of their own read allowed", stats.chunks_below_allowed)
         yield self._counter("kvstrata:kv_store_chunks_switched", "Streamed chunks finished at another level after "
-                            "the link slowed during their read", self.link.stats.chunks_switched)
-        if self.link.important is not None:
-            yield from self._important_loads()
+                            "the link slowed during their read", stats.chunks_switched)
+        if link.important is not None:
+            yield from self._important_loads(link)
 
     def _counter(self, name: str, doc: str, value: float, **labels: str) -> CounterMetricFamily:
         """One counter of this model, with `labels` beside the model's name."""
@@ -160,9 +165,9 @@ class KVStoreCollector:
         family.add_metric([self.model_name, *labels.values()], value)
         return family
 
-    def _important_loads(self):
+    def _important_loads(self, link: KVStoreLink):
         """`--prefix-loading impress|h2o-keys`: what the loads by importance read and chose."""
-        stats = self.link.important_stats
+        stats = link.important_stats
         for name, value, doc in (
             ("loads", stats.loads, "Requests whose stored prefix was loaded by importance"),
             ("layers", stats.layers, "Layer choices those loads made"),
@@ -172,4 +177,4 @@ class KVStoreCollector:
             ("offered_tokens", stats.tokens_offered, "Prefix tokens times layers of those loads"),
             ("chosen_tokens", stats.tokens_read, "Prefix tokens times layers that those loads chose to read"),
         ):
-            yield self._counter(f"kvstrata:prefix_loading_{name}", doc, value, method=self.link.important.method)
+            yield self._counter(f"kvstrata:prefix_loading_{name}", doc, value, method=link.important.method)
