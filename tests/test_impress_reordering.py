@@ -224,6 +224,24 @@ def test_the_engine_reads_a_reordered_prefix_as_it_read_it_before(tiny_llama, tm
     assert importance_key(next(iter(store.stored_keys("m."))).removeprefix("m.")) in store.stored_keys("s.")
 
 
+def test_the_store_command_runs_a_pass_now(tiny_llama, tmp_path, capsys):
+    from kvstrata.cli.main import main
+
+    prefix_ids = random_prompt(7, NODE_CHUNKS * 8)
+    prompts = [prefix_ids + random_prompt(seed, 20) for seed in (8, 9)]
+    generate(tiny_llama, tmp_path, prompts[:1])  # stores the prefix
+    generate(tiny_llama, tmp_path, prompts)  # loads it by importance: its node's record
+    options = ["--model", str(tiny_llama), "--kv-store", f"disk:{tmp_path}/kv:64MiB", "--kv-store-chunk-tokens", "8",
+               "--kv-cache-memory", "480KiB", "--threads", "1"]
+    assert main(["kv", "store", "reorder", *options]) == 0
+    assert capsys.readouterr().out.startswith("reordered 1 of the 1 nodes with recorded importance")
+    assert len(engine(tiny_llama, tmp_path).kv_store.store.stored_keys("m.")) == 1  # the node's map
+    assert main(["kv", "store", "reorder", *options]) == 0  # no load since: nothing new to sort by
+    assert capsys.readouterr().out.startswith("reordered 0 of the 1 nodes")
+    assert main(["kv", "store", "reorder", "--model", str(tiny_llama)]) == 2
+    assert "kvstrata kv store reorder needs the store: --kv-store" in capsys.readouterr().err
+
+
 def test_the_reorder_period_is_checked(tiny_llama):
     with pytest.raises(KvstrataError, match="impress_reorder_seconds"):
         EngineConfig(model=str(tiny_llama), impress_reorder_seconds=-1)

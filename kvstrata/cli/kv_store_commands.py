@@ -1,10 +1,13 @@
-"""`kvstrata kv store stats | clear`: what a KV store (`--kv-store`) holds, per tier, and emptying it."""
+"""`kvstrata kv store stats | clear | reorder`: what a KV store (`--kv-store`) holds, per tier; emptying it; one
+IMPRESS reordering pass over it now."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
+from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.kv.store.spec import EXAMPLE
 
 
@@ -18,6 +21,14 @@ def add_kv_store_commands(kv_commands) -> None:
     for parser in (stats, clear):
         parser.add_argument("--kv-store", required=True, help=f"the store's tiers, as the engine takes them: {EXAMPLE}")
     stats.add_argument("--json", action="store_true", help="print exactly one JSON document")
+    reorder = store.add_parser(
+        "reorder", help="one IMPRESS reordering pass over the store's nodes, now",
+        description="Sort every stored node's tokens per layer by the importance its IMPRESS loads recorded and "
+                    "rewrite it (kv/impress/node_reordering.py), as a server with --prefix-loading impress does every "
+                    "--impress-reorder-seconds. Takes the engine's options: the model and --kv-store-chunk-tokens "
+                    "must be those of the engines that wrote the store (nodes of other models or chunk sizes are "
+                    "left alone).")
+    add_engine_arguments(reorder)
 
 
 def run_kv_store(args: argparse.Namespace) -> None:
@@ -33,6 +44,9 @@ def run_kv_store(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> None:
     from kvstrata.kv.store.spec import parse_tiers
 
+    if args.store == "reorder":
+        _reorder(args)
+        return
     tiers = parse_tiers(args.kv_store)
     try:
         if args.store == "clear":
@@ -51,3 +65,24 @@ def _run(args: argparse.Namespace) -> None:
     finally:
         for tier in tiers:
             tier.close()
+
+
+def _reorder(args: argparse.Namespace) -> None:
+    from kvstrata.engine.llm_engine import LLMEngine
+    from kvstrata.errors import KvstrataError
+    from kvstrata.kv.impress.node_reordering import importance_key, reorder_all
+
+    config = engine_config_from_args(args)
+    if config.kv_store is None:
+        raise KvstrataError(f"kvstrata kv store reorder needs the store: --kv-store, e.g. {EXAMPLE}")
+    # the store as an IMPRESS engine opens it (its probe keys), without the periodic pass of its own
+    engine = LLMEngine(dataclasses.replace(config, prefix_loading="impress", impress_reorder_seconds=0))
+    try:
+        store = engine.kv_store.store
+        recorded = len(store.stored_keys(importance_key("")))  # every node's importance record
+        rewritten = reorder_all(store, engine.kv_store.chunk_tokens)
+    finally:
+        engine.close()
+    others = " (the others had no load since their last pass, belong to another model or chunk size, or lack a " \
+             "chunk)" if rewritten < recorded else ""
+    print(f"reordered {rewritten} of the {recorded} nodes with recorded importance{others}")
