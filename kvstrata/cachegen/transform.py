@@ -92,14 +92,17 @@ class ChannelTransform:
     @cached_property
     def _matrices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per (layer, head), z = x E + e and x = z F + f, float32: E = diag(w) R and F = R^T diag(1 / w)
-        [L, H, D, D], e = -m R and f = m / w [L, 1, H, D] (broadcast over tokens)."""
+        [L, H, D, D], e = -m R and f = m / w [L, 1, H, D] (broadcast over tokens). Contiguous whatever the layout
+        of the profile's arrays (a calibrated rotation is transposed, a loaded one is not): products over other
+        strides take other kernels, which round differently, and a reader must decode what the writer would."""
         weight = torch.from_numpy(self.weight)
         rotation = torch.from_numpy(self.rotation).double()
         mean = torch.from_numpy(self.mean).double()
         encode = weight[..., :, None] * rotation
         decode = rotation.transpose(-1, -2) / weight[..., None, :]
         offset = -torch.einsum("lhd,lhde->lhe", mean, rotation)
-        return encode.float(), offset[:, None].float(), decode.float(), (mean / weight)[:, None].float()
+        matrices = encode, offset[:, None], decode, (mean / weight)[:, None]
+        return tuple(matrix.float().contiguous() for matrix in matrices)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         num_layers, num_heads, dim = self.weight.shape
