@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_factory import KV_FORMATS as KV_FORMAT_REGISTRY
 from kvstrata.kv.impress.important_tokens import SHARED_SET_RULES
-from kvstrata.kv.impress.prefix_selection import PREFIX_LOADING
+from kvstrata.kv.impress.prefix_selection import ATTENDED, PREFIX_LOADING
 from kvstrata.kv.offload.infinigen import InfiniGenSettings
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.store.emulated_link import parse_trace
@@ -269,8 +269,15 @@ class EngineConfig:
     impress_rule: str = field(
         default="vote",
         metadata=_option("prefix loading impress: the one set every head reads where the probe heads agree: vote (the "
-                         "tokens most probe heads chose, ties by their summed scores), union, or first (the first "
-                         "probe head's)", choices=SHARED_SET_RULES),
+                         "tokens most probe heads chose, ties by their summed scores), union, first (the first "
+                         "probe head's), or chunks (whole stored chunks, those holding the most probe score first: a "
+                         "layer reads its share of the prefix's K and V and no more)", choices=SHARED_SET_RULES),
+    )
+    impress_attend: str = field(
+        default="read",
+        metadata=_option("prefix loading impress|h2o-keys: which loaded prefix tokens a layer attends to: read (every "
+                         "token of the chunks it read, the chosen tokens' chunk-mates included: they cost no extra "
+                         "read) or chosen (only the chosen tokens, as the IMPRESS paper)", choices=ATTENDED),
     )
     impress_reorder_seconds: float = field(
         default=600.0,
@@ -297,6 +304,7 @@ class EngineConfig:
                    ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
                    ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS),
                    ("prefix_loading", PREFIX_LOADINGS), ("impress_rule", SHARED_SET_RULES),
+                   ("impress_attend", ATTENDED),
                    ("kv_store_eviction", EVICTION_POLICIES))
         for name, allowed in choices:
             if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):

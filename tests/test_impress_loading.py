@@ -40,22 +40,31 @@ def test_a_ratio_of_one_gives_the_full_load_s_greedy_output(tiny_llama, tmp_path
     assert engine.kv_store.important_stats.tokens_read == engine.kv_store.important_stats.tokens_offered
 
 
-@pytest.mark.parametrize("method,rule", [("impress", "vote"), ("impress", "union"), ("h2o-keys", "vote")])
-def test_the_request_attends_to_what_its_layers_chose_in_prefill_and_decode(tiny_llama, tmp_path, method, rule):
+@pytest.mark.parametrize("method,rule,attend,ratio", [
+    ("impress", "vote", "chosen", 0.3), ("impress", "union", "chosen", 0.3), ("h2o-keys", "vote", "chosen", 0.3),
+    # attending every token read: a smaller share, so that some layer still leaves a chunk unread
+    ("impress", "vote", "read", 0.05), ("impress", "chunks", "read", 0.3), ("h2o-keys", "vote", "read", 0.05)])
+def test_the_request_attends_to_what_its_layers_chose_in_prefill_and_decode(tiny_llama, tmp_path, method, rule,
+                                                                             attend, ratio):
     """The engine's greedy tokens after a partial load equal a reference's: the new tokens over the whole prefix's
-    K/V, each layer reading only the tokens a selector over the whole keys chooses from the prompt's new tokens."""
-    options = {"prefix_loading": method, "impress_ratio": 0.3, "impress_rule": rule}
+    K/V, each layer reading only the tokens a selector over the whole keys chooses from the prompt's new tokens
+    (with "read", those and the rest of their stored chunks)."""
+    options = {"prefix_loading": method, "impress_ratio": ratio, "impress_rule": rule, "impress_attend": attend}
     engine, outputs = stored_then_loaded(tiny_llama, tmp_path, options, options)
     stats = engine.kv_store.important_stats
     assert stats.loads == len(PROMPTS) and stats.tokens_read < stats.tokens_offered
+    # the chunks rule chooses whole chunks: nothing to add to them
+    assert (stats.tokens_read > stats.tokens_chosen) == (attend == "read" and rule != "chunks")
     model = engine.runner.model
     prefix = (len(PROMPTS[0]) - 1) // CHUNK * CHUNK
+    chunks = [torch.arange(prefix) // CHUNK] * model.config.num_layers
     partial = 0
     for index, prompt in enumerate(PROMPTS):
         generated = outputs[f"0-{index}"]
         k, v = compute_kv(engine, prompt[:prefix])
         new = prompt[prefix:] + generated[:-1]
-        selector = PrefixSelector(list(k), method, 0.3, len(prompt) - prefix, rule=rule)
+        selector = PrefixSelector(list(k), method, ratio, len(prompt) - prefix, rule=rule, read_units=chunks,
+                                  attend=attend)
         with torch.inference_mode():
             hidden = model(torch.tensor(new), torch.arange(prefix, prefix + len(new)),
                            AttendOverContext(list(k), list(v), selector), None)
@@ -87,7 +96,7 @@ def test_chunks_without_probe_keys_are_not_found_by_impress_nor_harmed(tiny_llam
 def test_a_reused_block_keeps_its_unread_tokens_and_a_new_one_does_not(tiny_llama, tmp_path):
     """Requests over the same prompts again, found in the device pool this time, read what the first ones' loads
     chose (same outputs, no new load); once the blocks are handed out for new content, no mask is left."""
-    options = {"prefix_loading": "impress", "impress_ratio": 0.3}
+    options = {"prefix_loading": "impress", "impress_ratio": 0.3, "impress_attend": "chosen"}
     run_rounds(make_engine(tiny_llama, kv_store=disk(tmp_path), **options), rounds=1)
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="4MiB", threads=1, kv_store=disk(tmp_path),
                                     kv_store_chunk_tokens=CHUNK, **options))
@@ -119,7 +128,7 @@ def test_the_server_reports_fallbacks_bytes_and_chunks_read(tiny_llama, tmp_path
     assert f"kvstrata:prefix_loading_loads_total{labels} 1.0" in metrics
     layers = 3
     assert f"kvstrata:prefix_loading_layers_total{labels} {layers}.0" in metrics
-    for name in ("fallbacks", "read_bytes", "chunk_reads", "chosen_tokens"):
+    for name in ("fallbacks", "read_bytes", "chunk_reads", "chosen_tokens", "attended_tokens"):
         assert f"kvstrata:prefix_loading_{name}_total{labels}" in metrics
 
 
@@ -131,6 +140,7 @@ def test_the_server_reports_fallbacks_bytes_and_chunks_read(tiny_llama, tmp_path
     ({"prefix_loading": "impress", "kv_store": "host:1MiB", "impress_ratio": 1.5}, "impress_ratio 1.5"),
     ({"prefix_loading": "some"}, "prefix_loading 'some' is not one of full, impress, h2o-keys"),
     ({"impress_rule": "majority"}, "impress_rule 'majority'"),
+    ({"impress_attend": "all"}, "impress_attend 'all' is not one of read, chosen"),
 ])
 def test_bad_prefix_loading_options_are_named(options, message):
     with pytest.raises(KvstrataError, match=message):

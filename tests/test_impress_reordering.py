@@ -12,6 +12,7 @@ from kvstrata.engine.important_prefix_load import ChunkGone, StorePrefix
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.impress.important_tokens import read_with
 from kvstrata.kv.impress.node_reordering import (
     NODE_CHUNKS,
     importance_key,
@@ -89,6 +90,26 @@ def test_reads_through_the_map_equal_the_logical_rows_and_touch_fewer_chunks(nod
     assert after.chunk_reads == NODE_CHUNKS // 4 < before.chunk_reads
     everything = torch.ones(TOKENS, dtype=torch.bool)
     assert torch.equal(after.chosen_kv(0, everything)[0], k[0])
+
+
+def test_a_reordered_node_is_read_in_its_physical_chunks(node):
+    """A token's read unit is the physical chunk holding it: once the important quarter of a node shares a quarter
+    of its chunks, reading their chunk-mates too adds nothing to it, where the logical chunks add most of the node."""
+    store, keys, _, _ = node
+    important = torch.zeros(TOKENS, dtype=torch.bool)
+    important[torch.randperm(TOKENS)[: TOKENS // 4]] = True
+    before = prefix(store, keys)
+    assert torch.equal(before.read_units(1), torch.arange(TOKENS) // CHUNK)
+    assert read_with(important, before.read_units(1)).sum() > 2 * important.sum()
+    record_importance(store, keys[-1], keys, important.float().expand(LAYERS, -1))
+    reorder_node(store, keys[-1], CHUNK)
+    after = prefix(store, keys)
+    units = after.read_units(1)
+    assert torch.equal(units, after.segments[0][1][1].physical[1] // CHUNK)
+    assert torch.equal(read_with(important, units), important)
+    one = torch.zeros(TOKENS, dtype=torch.bool)
+    one[0] = True
+    assert read_with(one, units).sum() == CHUNK and torch.equal(read_with(one, units), units == units[0])
 
 
 def test_a_prefix_with_a_tail_reads_the_node_through_its_map_and_the_tail_as_stored(node):
@@ -197,8 +218,8 @@ def engine(model, tmp_path, **options) -> LLMEngine:
                                   impress_reorder_seconds=0, **options))
 
 
-def generate(model, tmp_path, prompts) -> tuple[list[list[int]], LLMEngine]:
-    fresh = engine(model, tmp_path)
+def generate(model, tmp_path, prompts, **options) -> tuple[list[list[int]], LLMEngine]:
+    fresh = engine(model, tmp_path, **options)
     for index, prompt in enumerate(prompts):
         fresh.add_request(prompt, SamplingParams(temperature=0, max_tokens=6), request_id=str(index))
     outputs = {}
@@ -209,16 +230,18 @@ def generate(model, tmp_path, prompts) -> tuple[list[list[int]], LLMEngine]:
 
 
 def test_the_engine_reads_a_reordered_prefix_as_it_read_it_before(tiny_llama, tmp_path):
-    """Reordering moves bytes, never changes what a layer reads: the same greedy output before and after the pass,
-    from fewer (chunk, layer) reads."""
+    """Reordering moves bytes, never changes what a layer chooses: attending only the chosen tokens, the same greedy
+    output before and after the pass, from fewer (chunk, layer) reads. (Attending every token read, the chosen
+    tokens' chunk-mates change with the chunks: test_a_reordered_node_is_read_in_its_physical_chunks.)"""
     prefix_ids = random_prompt(7, NODE_CHUNKS * 8)
     prompts = [prefix_ids + random_prompt(seed, 20) for seed in (8, 9)]
     generate(tiny_llama, tmp_path, prompts[:1])  # stores the prefix
-    before, loaded = generate(tiny_llama, tmp_path, prompts)  # loads it by importance, recording what was read
+    # loads it by importance, recording what was read
+    before, loaded = generate(tiny_llama, tmp_path, prompts, impress_attend="chosen")
     assert loaded.kv_store.important_stats.loads == 2
     store = engine(tiny_llama, tmp_path).kv_store.store
     assert store.stored_keys("s.") and reorder_all(store, 8) == 1
-    after, reloaded = generate(tiny_llama, tmp_path, prompts)
+    after, reloaded = generate(tiny_llama, tmp_path, prompts, impress_attend="chosen")
     assert after == before
     assert reloaded.kv_store.important_stats.chunk_reads < loaded.kv_store.important_stats.chunk_reads
     assert importance_key(next(iter(store.stored_keys("m."))).removeprefix("m.")) in store.stored_keys("s.")

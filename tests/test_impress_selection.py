@@ -17,6 +17,7 @@ from kvstrata.kv.impress.important_tokens import (
     mean_pairwise_jaccard,
     prefix_scores,
     random_jaccard,
+    read_with,
     select_layer_tokens,
     shared_set,
     top_sets,
@@ -93,8 +94,33 @@ def test_vote_tops_up_by_summed_scores_and_other_rules():
     assert shared_set(scores, sets, 3, "vote").nonzero().flatten().tolist() == [0, 4, 5]
     assert shared_set(scores, sets, 3, "union").nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
     assert shared_set(scores, sets, 3, "first").nonzero().flatten().tolist() == [0, 1, 2]
-    with pytest.raises(KvstrataError, match="'majority' is not one of vote, union, first"):
+    with pytest.raises(KvstrataError, match="'majority' is not one of vote, union, first, chunks"):
         shared_set(scores, sets, 3, "majority")
+
+
+def test_the_chunks_rule_takes_whole_units_by_summed_score_until_it_holds_the_count():
+    scores = torch.tensor([
+        [5, 4, 0, 0, 1, 0, 3, 3],
+        [5, 0, 0, 4, 1, 0, 3, 3],
+    ])
+    units = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # unit sums: 14, 4, 2, 12
+    sets = top_sets(scores, 3)
+    assert shared_set(scores, sets, 2, "chunks", units).nonzero().flatten().tolist() == [0, 1]
+    assert shared_set(scores, sets, 3, "chunks", units).nonzero().flatten().tolist() == [0, 1, 6, 7]
+    assert shared_set(scores, sets, 5, "chunks", units).nonzero().flatten().tolist() == [0, 1, 2, 3, 6, 7]
+    # without units each token is its own: the tokens with the highest summed scores
+    assert shared_set(scores, sets, 3, "chunks").nonzero().flatten().tolist() == [0, 6, 7]
+
+
+def test_reading_with_a_chosen_token_brings_its_whole_unit():
+    units = torch.tensor([3, 3, 0, 0, 1, 1, 1])
+    assert read_with(mask(7, [0, 5]), units).nonzero().flatten().tolist() == [0, 1, 4, 5, 6]
+    assert not read_with(mask(7, []), units).any()
+    selector = PrefixSelector([torch.zeros(7, 3, 8)], "impress", 0.25, selection_rows=1, read_units=[units],
+                              attend="read")
+    selector.decisions = {0: LayerSelection(mask(7, [0]), 1.0, 0.3, False)}
+    # with read units a chosen token costs its whole unit: 2 of 7 tokens read
+    assert selector.read_share(9, 3) == pytest.approx(1 / 6 + 2 / 7 * 5 / 6)
 
 
 def test_ratio_one_reads_everything_and_bad_ratios_are_named():
@@ -140,8 +166,10 @@ def test_read_share_counts_probe_keys_and_the_chosen_tokens():
     assert h2o.read_share(9, 3) == pytest.approx(0.5 + 0.5 * 0.25)
     with pytest.raises(KvstrataError, match="prefix loading 'lru' is not one of impress, h2o-keys"):
         PrefixSelector([], "lru", 0.25, 1)
-    with pytest.raises(KvstrataError, match="shared-set rule 'majority' is not one of vote, union, first"):
+    with pytest.raises(KvstrataError, match="shared-set rule 'majority' is not one of vote, union, first, chunks"):
         PrefixSelector([], "impress", 0.25, 1, rule="majority")
+    with pytest.raises(KvstrataError, match="attended prefix tokens 'all' are not one of read, chosen"):
+        PrefixSelector([], "impress", 0.25, 1, attend="all")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@ tokens prefilled on the store's load thread, layer by layer, reading per layer o
 needs (kv/impress/prefix_prefill.py): IMPRESS reads the probe KV head's keys of every chunk, then K and V of
 the chunks holding a chosen token (of every chunk where the probe heads disagree); keys-only H2O reads every
 key, then V of the chunks holding a chosen token. A chunk is the unit of a read, so a chosen token costs its
-whole chunk's object (read amplification, counted in `ImportantLoadStats`). A node of the prefix that was
+whole chunk's object (read amplification, counted in `ImportantLoadStats`); under `--impress-attend read` (the
+default) the layer attends to every token of the chunks it read, since their chunk-mates cost nothing more. A node of the prefix that was
 reordered (kv/impress/node_reordering.py) is read through its map: its probe keys from one sidecar per layer,
 the chosen tokens from the physical chunks holding them; each IMPRESS load adds its scores to the running
 importance the next reordering sorts by. Every object set a load read counts as used, with the share of its
@@ -43,6 +44,7 @@ class ImportantLoading:
     method: str  # "impress" or "h2o-keys"
     ratio: float  # the share of the prefix each layer's choice keeps (--impress-ratio)
     rule: str  # how IMPRESS merges the probe heads' sets (--impress-rule)
+    attend: str  # every token of the chunks a layer read ("read") or only the chosen ones (--impress-attend)
     model: torch.nn.Module  # the engine's model: forward(ids, positions, policy, batch)
     device: torch.device
     reorder_seconds: float = 0.0  # IMPRESS: the period of the store's reordering pass (0: never)
@@ -56,7 +58,8 @@ class ImportantLoadStats:
     bytes_read: int = 0  # every object those loads read, probe keys included
     chunk_reads: int = 0  # (chunk, layer) pairs whose K or V was read
     tokens_offered: int = 0  # prefix tokens x layers
-    tokens_read: int = 0  # chosen tokens summed over layers (what attention reads)
+    tokens_chosen: int = 0  # tokens the layers' rule chose, summed over layers
+    tokens_read: int = 0  # tokens read and attended, summed over layers (the chosen ones' chunk-mates too)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -148,36 +151,54 @@ class StorePrefix:
             raise ChunkGone(f"{key[:40]} is gone")
         return Located(key, tier)
 
-    def chosen_kv(self, layer: int, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_units(self, layer: int) -> torch.Tensor:
+        """Each prefix token's chunk in `layer`: its logical chunk, or in a reordered node the physical chunk holding
+        it (numbered from the node's first chunk, so no two chunks read share a number)."""
+        units = torch.arange(self.num_tokens) // self.chunk_tokens
+        for chunks, reordered in self.segments:
+            if reordered is not None:
+                tokens = slice(chunks.start * self.chunk_tokens, chunks.stop * self.chunk_tokens)
+                units[tokens] = chunks.start + reordered[1].physical[layer].long() // self.chunk_tokens
+        return units
+
+    def chosen_kv(self, layer: int, chosen: torch.Tensor, important: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        important = chosen if important is None else important
         if layer in self._keys:  # keys-only H2O read every key to score
-            (v,) = self._chosen_rows(self.found, chosen.view(len(self.found), -1), [f"v.{layer}"], count=False)
+            (v,) = self._chosen_rows(self.found, chosen.view(len(self.found), -1), important, [f"v.{layer}"],
+                                     count=False)
             return self._keys.pop(layer)[chosen], v
         names, size, parts = [f"k.{layer}", f"v.{layer}"], self.chunk_tokens, []
         for chunks, reordered in self.segments:
-            span = chosen[chunks.start * size : chunks.stop * size]
+            tokens = slice(chunks.start * size, chunks.stop * size)
+            span = chosen[tokens]
             if reordered is None:
-                parts.append(self._chosen_rows([self.found[c] for c in chunks], span.view(len(chunks), size), names))
+                parts.append(self._chosen_rows([self.found[c] for c in chunks], span.view(len(chunks), size),
+                                               important[tokens], names))
                 continue
             node, node_map = reordered
-            positions = node_map.physical[layer][span]  # where each chosen token sits, in logical order
+            physical = node_map.physical[layer]
+            positions = physical[span]  # where each chosen token sits, in logical order
             touched = (positions // size).unique()
             located = [self._located(physical_key(node, node_map.version, int(j))) for j in touched]
             rows = torch.searchsorted(touched, positions // size) * size + positions % size
             self.chunk_reads += len(touched)
             k, v = self._read(located, names)
-            self._chose(located, (positions // size).bincount()[touched].tolist())
+            self._chose(located, (physical[important[tokens]] // size).bincount(minlength=len(span) // size)
+                        [touched].tolist())
             parts.append((k[rows], v[rows]))
         return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
 
-    def _chosen_rows(self, chunks: list[Located], chosen: torch.Tensor, names: list[str], count: bool = True):
+    def _chosen_rows(self, chunks: list[Located], chosen: torch.Tensor, important: torch.Tensor, names: list[str],
+                     count: bool = True):
         """Objects `names` of the chosen tokens (`chosen`: a mask [chunks, chunk tokens]), reading each chunk that
-        holds one."""
+        holds one; `important` (a mask over the same tokens, flat) is what the rule chose of them."""
         touched = chosen.any(1)
         if count:
             self.chunk_reads += int(touched.sum())
         read_chunks = [where for where, hit in zip(chunks, touched.tolist()) if hit]
         read = self._read(read_chunks, names)
-        self._chose(read_chunks, chosen[touched].sum(1).tolist())
+        self._chose(read_chunks, important.view(chosen.shape)[touched].sum(1).tolist())
         return [x[chosen[touched].flatten()] for x in read]
 
 
@@ -190,8 +211,8 @@ def load_important_prefix(loading: ImportantLoading, store: TieredStore, found: 
     config = loading.model.config
     prefix = StorePrefix(store, found, chunk_tokens, loading.method)
     new = token_ids[prefix.num_tokens :]
-    policy = PrefillOverChosenPrefix(prefix, loading.method, loading.ratio, loading.rule, config.num_layers,
-                                     (config.num_kv_heads, config.head_dim), len(new), len(new))
+    policy = PrefillOverChosenPrefix(prefix, loading.method, loading.ratio, loading.rule, loading.attend,
+                                     config.num_layers, (config.num_kv_heads, config.head_dim), len(new), len(new))
     positions = torch.arange(prefix.num_tokens, len(token_ids), device=loading.device)
     loading.model(torch.tensor(new, device=loading.device), positions, policy, None)
     for where in found:
@@ -208,6 +229,7 @@ def load_important_prefix(loading: ImportantLoading, store: TieredStore, found: 
     stats.bytes_read += prefix.bytes_read
     stats.chunk_reads += prefix.chunk_reads
     stats.tokens_offered += prefix.num_tokens * len(decisions)
+    stats.tokens_chosen += sum(int(d.important.sum()) for d in decisions)
     stats.tokens_read += sum(int(d.tokens.sum()) for d in decisions)
     return policy.preloaded()
 

@@ -141,7 +141,7 @@ class LLMEngine:
         layer_weights = multiplied_weights(self.loaded.model.layers)  # counted by shape: int4 weights are buffers
         prefill = PrefillSpeed.for_model(mc.num_layers, mc.num_heads, mc.head_dim, layer_weights)
         important = None if c.prefix_loading == "full" else ImportantLoading(
-            c.prefix_loading, float(c.impress_ratio), c.impress_rule, self.loaded.model, self.device,
+            c.prefix_loading, float(c.impress_ratio), c.impress_rule, c.impress_attend, self.loaded.model, self.device,
             float(c.impress_reorder_seconds))
         return KVStoreLink(store, c.kv_store_chunk_tokens, self.kv_manager, self.kv_cache, prefill, c.ttft_slo,
                            c.kv_store_level, important)

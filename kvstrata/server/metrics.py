@@ -175,6 +175,8 @@ class KVStoreCollector:
             ("read_bytes", stats.bytes_read, "Bytes those loads read (probe keys, K, V)"),
             ("chunk_reads", stats.chunk_reads, "(chunk, layer) pairs whose K or V those loads read"),
             ("offered_tokens", stats.tokens_offered, "Prefix tokens times layers of those loads"),
-            ("chosen_tokens", stats.tokens_read, "Prefix tokens times layers that those loads chose to read"),
+            ("chosen_tokens", stats.tokens_chosen, "Prefix tokens times layers that those loads' rule chose"),
+            ("attended_tokens", stats.tokens_read,
+             "Prefix tokens times layers that those loads read and attend to (the chosen ones' chunk-mates too)"),
         ):
             yield self._counter(f"kvstrata:prefix_loading_{name}", doc, value, method=link.important.method)

@@ -6,6 +6,9 @@ head's top ceil(r * n) tokens form its important set. Where the probe heads agre
 similarity of their sets reaches t = (r / (2 - r)) ** alpha, r the actual share k / n, r / (2 - r) the value
 two random sets of that size reach), one shared set serves every head of the layer; otherwise the layer reads
 its whole prefix (a fallback).
+
+A stored prefix is read in units (its chunks), so a chosen token brings its unit's other tokens along at no extra
+read: `read_with` widens a choice to whole units, and the "chunks" rule chooses whole units to begin with.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from kvstrata.errors import KvstrataError
 
 ALPHA = 0.6  # the paper's best exponent of the threshold
-SHARED_SET_RULES = ("vote", "union", "first")
+SHARED_SET_RULES = ("vote", "union", "first", "chunks")
 
 
 def prefix_scores(q_new: torch.Tensor, prefix_k: torch.Tensor, new_k: torch.Tensor) -> torch.Tensor:
@@ -80,14 +83,19 @@ def check_rule(rule: str) -> None:
         raise KvstrataError(f"shared-set rule {rule!r} is not one of {', '.join(SHARED_SET_RULES)}")
 
 
-def shared_set(scores: torch.Tensor, sets: torch.Tensor, count: int, rule: str = "vote") -> torch.Tensor:
+def shared_set(scores: torch.Tensor, sets: torch.Tensor, count: int, rule: str = "vote",
+               units: torch.Tensor | None = None) -> torch.Tensor:
     """One important set [n] for every head of the layer from the probe heads' sets [probes, n]. "vote": the
     tokens most probe heads chose, ranked by the number of votes and then by the summed probe scores, `count` of
-    them; "union": every token some probe head chose; "first": the first probe head's set."""
+    them; "union": every token some probe head chose; "first": the first probe head's set; "chunks": whole read
+    units (`units` [n], each token's; one per token when None), those holding the most summed probe score first,
+    until they hold `count` tokens."""
     if rule == "union":
         return sets.any(0)
     if rule == "first":
         return sets[0].clone()
+    if rule == "chunks":
+        return _richest_units(scores.sum(0), torch.arange(sets.shape[1]) if units is None else units, count)
     check_rule(rule)
     votes = sets.sum(0).double()
     summed = scores.sum(0).double()
@@ -97,19 +105,42 @@ def shared_set(scores: torch.Tensor, sets: torch.Tensor, count: int, rule: str =
     return chosen
 
 
+def _richest_units(scores: torch.Tensor, units: torch.Tensor, count: int) -> torch.Tensor:
+    """The tokens [n] of the units holding the most of `scores` [n], taken in that order until at least `count`
+    tokens are."""
+    units = units.long()
+    mass = torch.zeros(int(units.max()) + 1, dtype=torch.float64).index_add_(0, units, scores.double())
+    sizes = units.bincount(minlength=len(mass))
+    order = mass.argsort(descending=True)
+    taken = order[: int((sizes[order].cumsum(0) < count).sum()) + 1]
+    return torch.isin(units, taken)
+
+
+def read_with(tokens: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """Every token [n] of the read units (`units` [n], each token's) that hold one of `tokens` (a mask [n])."""
+    return torch.isin(units, units[tokens])
+
+
 @dataclass
 class LayerSelection:
-    """A layer's decision: `tokens` (a mask [n]) is what it reads, every prefix token when it falls back."""
+    """A layer's decision: `tokens` (a mask [n]) is what it reads, every prefix token when it falls back;
+    `important` what its rule chose (`tokens` may add the rest of their read units)."""
 
     tokens: torch.Tensor
     jaccard: float
     threshold: float
     fallback: bool
+    important: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.important is None:
+            self.important = self.tokens
 
 
-def select_layer_tokens(scores: torch.Tensor, ratio: float, alpha: float = ALPHA, rule: str = "vote"
-                        ) -> LayerSelection:
-    """The decision for one layer from its probe heads' scores [probes, n]."""
+def select_layer_tokens(scores: torch.Tensor, ratio: float, alpha: float = ALPHA, rule: str = "vote",
+                        units: torch.Tensor | None = None) -> LayerSelection:
+    """The decision for one layer from its probe heads' scores [probes, n]; `units` [n]: each token's read unit,
+    for the "chunks" rule."""
     num_tokens = scores.shape[1]
     count = important_count(ratio, num_tokens)
     sets = top_sets(scores, count)
@@ -117,4 +148,4 @@ def select_layer_tokens(scores: torch.Tensor, ratio: float, alpha: float = ALPHA
     threshold = agreement_threshold(count / num_tokens, alpha)
     if jaccard < threshold:
         return LayerSelection(torch.ones(num_tokens, dtype=torch.bool), jaccard, threshold, True)
-    return LayerSelection(shared_set(scores, sets, count, rule), jaccard, threshold, False)
+    return LayerSelection(shared_set(scores, sets, count, rule, units), jaccard, threshold, False)

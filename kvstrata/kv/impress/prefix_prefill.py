@@ -1,7 +1,7 @@
 """A request's new tokens prefilled over a stored prefix of which each layer reads only what it needs (IMPRESS §3,
 papers/impress.md): in every layer, the selector scores the prefix from what it has read so far (the probe keys,
-or every key for keys-only H2O), the prefix source then reads the chosen tokens' K and V, and the new tokens
-attend over those plus themselves. The model runs layer after layer, so each layer's choice sees the queries
+or every key for keys-only H2O), the prefix source then reads the chosen tokens' K and V (with `attend` "read",
+those of every token of the stored chunks holding them), and the new tokens attend over those plus themselves. The model runs layer after layer, so each layer's choice sees the queries
 that the layers before it produced from their own chosen tokens.
 
 What the prefill leaves is what the paged cache receives: K and V of the prefix (zeros where a layer did not read
@@ -29,29 +29,37 @@ class StoredPrefix(Protocol):
     def scoring_keys(self, layer: int) -> torch.Tensor:
         """What the selector scores with in `layer`: the probe KV heads' keys, or every key [n, heads, D]."""
 
-    def chosen_kv(self, layer: int, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [chosen.sum(), kv_heads, D] of the tokens `chosen` (a mask [n]) in `layer`, in order."""
+    def read_units(self, layer: int) -> torch.Tensor:
+        """The unit (stored chunk) each prefix token is read in, in `layer` [n]."""
+
+    def chosen_kv(self, layer: int, chosen: torch.Tensor, important: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [chosen.sum(), kv_heads, D] of the tokens `chosen` (a mask [n]) in `layer`, in order;
+        `important` (a mask [n]; default: all of `chosen`) is what the layer's rule chose of them, for the
+        store's use counts."""
 
 
-class _ScoringKeys:
-    """`PrefixSelector`'s per-layer keys, read from the prefix when a layer asks."""
+class _PerLayer:
+    """One of the prefix's per-layer reads, indexed by layer, as `PrefixSelector` asks for them."""
 
-    def __init__(self, prefix: StoredPrefix):
-        self.prefix = prefix
+    def __init__(self, read):
+        self.read = read
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        return self.prefix.scoring_keys(layer)
+        return self.read(layer)
 
 
 class PrefillOverChosenPrefix(AttentionPolicy):
     """New tokens at positions n, n+1, ... of one sequence, over a prefix of n tokens read per layer as `method`
-    ("impress" or "h2o-keys") chooses, from the first `selection_rows` new tokens."""
+    ("impress" or "h2o-keys") chooses, from the first `selection_rows` new tokens; `attend`: every token of the
+    chunks read ("read") or only the chosen ones ("chosen")."""
 
-    def __init__(self, prefix: StoredPrefix, method: str, ratio: float, rule: str, num_layers: int,
+    def __init__(self, prefix: StoredPrefix, method: str, ratio: float, rule: str, attend: str, num_layers: int,
                  kv_shape: tuple[int, int], num_new: int, selection_rows: int):
         super().__init__(storage=None)
         self.prefix = prefix
-        self.selector = PrefixSelector(_ScoringKeys(prefix), method, ratio, selection_rows, rule=rule)
+        self.selector = PrefixSelector(_PerLayer(prefix.scoring_keys), method, ratio, selection_rows, rule=rule,
+                                       read_units=_PerLayer(prefix.read_units), attend=attend)
         n = prefix.num_tokens
         self.k = torch.zeros(num_layers, n + num_new, *kv_shape)
         self.v = torch.zeros_like(self.k)
@@ -67,7 +75,7 @@ class PrefillOverChosenPrefix(AttentionPolicy):
     def attention(self, layer, q, k_new, v_new, batch):
         n = self.prefix.num_tokens
         chosen = self.selector(layer, q, k_new).cpu()
-        k, v = self.prefix.chosen_kv(layer, chosen)
+        k, v = self.prefix.chosen_kv(layer, chosen, self.selector.decisions[layer].important)
         positions = chosen.nonzero()[:, 0]
         self.k[layer, positions], self.v[layer, positions] = k, v
         self.k[layer, n:], self.v[layer, n:] = k_new.float().cpu(), v_new.float().cpu()
