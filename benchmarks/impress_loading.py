@@ -71,10 +71,10 @@ def drop_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
-def store_prefix(loaded, base: dict, prompt: list[int]) -> None:
-    """An earlier engine stores the prompt's prefix."""
+def store_prefix(loaded, base: dict, token_ids: list[int]) -> None:
+    """An earlier engine stores the chunks of `token_ids` (a prompt's prefix and what follows it)."""
     writer = LLMEngine(EngineConfig(**base), loaded=loaded)
-    first_token(writer, prompt[: -QUESTION_TOKENS], 1)
+    first_token(writer, token_ids, 1)
     writer.kv_store.flush()
     writer.kv_store.close()
 
@@ -85,7 +85,7 @@ def reorder_after(loaded, base: dict, warm_prompts, chunk_tokens: int) -> int:
     written = set()
     for prefix, prompt in warm_prompts:
         if prefix not in written:
-            store_prefix(loaded, base, prompt)
+            store_prefix(loaded, base, prompt[:-QUESTION_TOKENS])
             written.add(prefix)
         engine = LLMEngine(EngineConfig(**base), loaded=loaded)
         first_token(engine, prompt, 1)
@@ -110,7 +110,7 @@ def run_system(loaded, options: dict, prompts, gen_tokens: int, reference: list[
         written = {prefix for prefix, _ in warm_prompts}
     for index, (prefix, prompt) in enumerate(prompts):
         if "kv_store" in options and prefix not in written:
-            store_prefix(loaded, base, prompt)
+            store_prefix(loaded, base, prompt[:-QUESTION_TOKENS])
             written.add(prefix)
         if disk_dir is not None:
             drop_page_cache(disk_dir)

@@ -167,7 +167,7 @@ class KVStoreLink:
         its text; the chunks read are decoded on the decoder threads while the next one is read. A chunk that
         turns out corrupt is recomputed; an unreachable tier ends the load (the rest is recomputed)."""
         self.store.begin_load()
-        found = self._find(keys[first:])
+        found = self.find(keys[first:])
         if self.important is not None and first == 0 and found and all(w.level_bytes is None for w in found):
             ranges = self._load_important(seq, found)
             if ranges is not None:
@@ -248,7 +248,7 @@ class KVStoreLink:
         with self._lock:
             self.stats.load_failures += 1
 
-    def _find(self, keys: list[str]) -> list[Located]:
+    def find(self, keys: list[str]) -> list[Located]:
         """Where each chunk is, up to the first one no tier holds (or that cannot be looked up)."""
         found = []
         for key in keys:
