@@ -34,7 +34,9 @@ from kvstrata.bench.report import machine_info
 from kvstrata.bench.stats import summarize
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.kv.impress.important_tokens import SHARED_SET_RULES
 from kvstrata.kv.impress.node_reordering import reorder_all
+from kvstrata.kv.impress.prefix_selection import ATTENDED
 
 DATA = Path(__file__).parent / "data"
 TEXTS = {"persuasion": DATA / "persuasion.txt", "python_tutorial": DATA / "python_tutorial.txt"}
@@ -152,9 +154,18 @@ def main() -> None:
     parser.add_argument("--link-gbps", default="1")
     parser.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk: the unit of a read")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--impress-rule", default="vote", choices=SHARED_SET_RULES)
+    parser.add_argument("--impress-attend", default="read", choices=ATTENDED,
+                        help="the selective systems attend every token of the chunks read, or only the chosen ones")
+    parser.add_argument("--systems", default=None,
+                        help="only these systems, comma-separated (e.g. 'full,impress+reorder r=0.25'; recompute "
+                             "always runs, as every row's reference)")
+    parser.add_argument("--tiers", default="disk,redis")
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
+    tiers = args.tiers.split(",")
     report = {"machine": machine_info(), "prefix_tokens": args.prefix_tokens, "questions": args.questions,
+              "impress_rule": args.impress_rule, "impress_attend": args.impress_attend,
               "chunk_tokens": args.chunk_tokens, "link_gbps_modeled": args.link_gbps, "texts": {}}
     with tempfile.TemporaryDirectory() as scratch:
         redis = RedisServer(Path(scratch)).start()
@@ -168,9 +179,13 @@ def main() -> None:
                 rows = {}
                 rows["recompute"], reference = run_system(loaded, {}, prompts, args.gen_tokens, None, None)
                 methods = [("full", {"prefix_loading": "full"})]
-                methods += [(f"{method} r={ratio}", {"prefix_loading": method, "impress_ratio": ratio})
+                methods += [(f"{method} r={ratio}", {"prefix_loading": method, "impress_ratio": ratio,
+                                                     "impress_rule": args.impress_rule,
+                                                     "impress_attend": args.impress_attend})
                             for ratio in ratios for method in ("h2o-keys", "impress", "impress+reorder")]
-                for tier in ("disk", "redis"):
+                if args.systems is not None:
+                    methods = [(name, options) for name, options in methods if name in args.systems.split(",")]
+                for tier in tiers:
                     for method, options in methods:
                         if tier == "disk":
                             directory = Path(scratch) / f"disk-{name}-{method.replace(' ', '_')}"
@@ -193,7 +208,7 @@ def main() -> None:
                 recompute = rows["recompute"]["p50_ttft_ms"]
                 for row in rows.values():
                     row["p50_ttft_speedup_vs_recompute"] = round(recompute / row["p50_ttft_ms"], 3)
-                for tier in ("disk", "redis"):
+                for tier in tiers if any(name == "full" for name, _ in methods) else ():
                     full = rows[f"{tier} full"]["bytes_read"]
                     for key, row in rows.items():
                         if key.startswith(tier):

@@ -130,7 +130,10 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.25,0.5")
     parser.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk: the unit of a read")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--systems", default=None,
+                        help="only these systems, separated by ';' (e.g. 'impress chunks;impress chunks +reorder')")
     args = parser.parse_args()
+    systems = [s for s in SYSTEMS if args.systems is None or s[0] in args.systems.split(";")]
     prompt_len = args.prefix_tokens + args.prompt_tokens
     report = {"machine": machine_info(), "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens,
               "scored_tokens": args.scored_tokens, "chunk_tokens": args.chunk_tokens, "texts": {}}
@@ -144,7 +147,7 @@ def main() -> None:
             recompute_nll = sum(-r.gather(1, t[:, None]).mean().item() for r, t in zip(reference, targets))
             rows = {"recompute": {"perplexity": math.exp(recompute_nll / len(measured))}}
             for ratio in (float(r) for r in args.ratios.split(",")):
-                for system, options, reordered in SYSTEMS:
+                for system, options, reordered in systems:
                     start = time.perf_counter()
                     key = f"{system} r={ratio}"
                     directory = Path(scratch) / f"{name}-{key}".replace(" ", "_").replace(",", "")
