@@ -4,12 +4,12 @@ needs (kv/impress/prefix_prefill.py): IMPRESS reads the probe KV head's keys of 
 the chunks holding a chosen token (of every chunk where the probe heads disagree); keys-only H2O reads every
 key, then V of the chunks holding a chosen token. A chunk is the unit of a read, so a chosen token costs its
 whole chunk's object (read amplification, counted in `ImportantLoadStats`); under `--impress-attend read` (the
-default) the layer attends to every token of the chunks it read, since their chunk-mates cost nothing more. A node of the prefix that was
-reordered (kv/impress/node_reordering.py) is read through its map: its probe keys from one sidecar per layer,
-the chosen tokens from the physical chunks holding them; each IMPRESS load adds its scores to the running
-importance the next reordering sorts by. Every object set a load read counts as used, with the share of its
-(token, layer) pairs chosen, for the store's eviction policies (kv/store/eviction.py), and is copied to the tiers
-above that would keep it.
+default) the layer attends to every token of the chunks it read, since their chunk-mates cost nothing more. A
+node of the prefix that was reordered (kv/impress/node_reordering.py) is read through its map: its probe keys
+from one sidecar per layer, the chosen tokens from the physical chunks holding them; each IMPRESS load adds its
+scores to the running importance the next reordering sorts by. Every object set a load read counts as used,
+with the share of its (token, layer) pairs chosen, for the store's eviction policies (kv/store/eviction.py), and
+is copied to the tiers above that would keep it.
 
 The request then joins the scheduler with the prefix and its new tokens' KV preloaded and only its last token
 to compute. Under `full`, when part of the prefix is in the device pool already, when a chunk found is stored at
@@ -158,7 +158,7 @@ class StorePrefix:
         for chunks, reordered in self.segments:
             if reordered is not None:
                 tokens = slice(chunks.start * self.chunk_tokens, chunks.stop * self.chunk_tokens)
-                units[tokens] = chunks.start + reordered[1].physical[layer].long() // self.chunk_tokens
+                units[tokens] = chunks.start + reordered[1].physical[layer] // self.chunk_tokens
         return units
 
     def chosen_kv(self, layer: int, chosen: torch.Tensor, important: torch.Tensor | None = None

@@ -1,8 +1,9 @@
 """A request's new tokens prefilled over a stored prefix of which each layer reads only what it needs (IMPRESS §3,
 papers/impress.md): in every layer, the selector scores the prefix from what it has read so far (the probe keys,
 or every key for keys-only H2O), the prefix source then reads the chosen tokens' K and V (with `attend` "read",
-those of every token of the stored chunks holding them), and the new tokens attend over those plus themselves. The model runs layer after layer, so each layer's choice sees the queries
-that the layers before it produced from their own chosen tokens.
+those of every token of the stored chunks holding them), and the new tokens attend over those plus themselves.
+The model runs layer after layer, so each layer's choice sees the queries that the layers before it produced
+from their own chosen tokens.
 
 What the prefill leaves is what the paged cache receives: K and V of the prefix (zeros where a layer did not read
 a token) and of the new tokens, and per layer the prefix tokens it did not read (`PreloadedKV.unread`), which
