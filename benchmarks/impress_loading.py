@@ -106,7 +106,7 @@ def run_system(loaded, options: dict, prompts, gen_tokens: int, reference: list[
     written = set()
     ttfts, agreement, first_same, outputs = [], [], [], []
     totals = {"bytes_read": 0, "chunk_reads": 0, "layers": 0, "fallbacks": 0, "tokens_offered": 0,
-              "tokens_read": 0, "loaded_requests": 0}
+              "tokens_chosen": 0, "tokens_read": 0, "loaded_requests": 0}
     if warm_prompts:
         totals["nodes_reordered"] = reorder_after(loaded, base, warm_prompts, options["kv_store_chunk_tokens"])
         written = {prefix for prefix, _ in warm_prompts}
@@ -127,7 +127,7 @@ def run_system(loaded, options: dict, prompts, gen_tokens: int, reference: list[
             link = engine.kv_store
             totals["loaded_requests"] += link.stats.requests_loaded
             if link.important is not None:
-                for key in ("chunk_reads", "layers", "fallbacks", "tokens_offered", "tokens_read"):
+                for key in ("chunk_reads", "layers", "fallbacks", "tokens_offered", "tokens_chosen", "tokens_read"):
                     totals[key] += getattr(link.important_stats, key)
             totals["bytes_read"] += sum(tier.stats.bytes_read for tier in link.store.tiers)
             link.close()
@@ -135,7 +135,8 @@ def run_system(loaded, options: dict, prompts, gen_tokens: int, reference: list[
            "bytes_read_per_request": totals["bytes_read"] / len(prompts)}
     if totals["layers"]:
         row["fallback_share"] = totals["fallbacks"] / totals["layers"]
-        row["chosen_token_share"] = totals["tokens_read"] / totals["tokens_offered"]
+        row["chosen_token_share"] = totals["tokens_chosen"] / totals["tokens_offered"]
+        row["attended_token_share"] = totals["tokens_read"] / totals["tokens_offered"]
     if reference is not None:
         row["greedy_agreement_vs_recompute"] = sum(agreement) / len(agreement)
         row["first_token_same_as_recompute"] = sum(first_same) / len(first_same)
