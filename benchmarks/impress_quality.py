@@ -93,7 +93,7 @@ def run_system(loaded, options: dict, measured: list[list[int]], warm, prompt_le
     row: dict = {}
     if warm is not None:
         row["nodes_reordered"] = reorder_after(loaded, options, warm, options["kv_store_chunk_tokens"])
-    nll, agreement, bytes_read, full_bytes, totals = [], [], 0, 0, ImportantLoadStats()
+    nll, agreement, full_bytes, totals = [], [], 0, ImportantLoadStats()
     for window, expected in zip(measured, reference):
         prompt = window[:prompt_len]
         if warm is None:
@@ -101,9 +101,9 @@ def run_system(loaded, options: dict, measured: list[list[int]], warm, prompt_le
         engine = LLMEngine(EngineConfig(**options), loaded=loaded)  # after the writes: its disk index holds them
         link = engine.kv_store
         found = link.find(link.chunk_keys(prompt, prefix_tokens // link.chunk_tokens))
-        assert len(found) * link.chunk_tokens == prefix_tokens, "the prefix was not found whole in the store"
+        if len(found) * link.chunk_tokens != prefix_tokens:
+            raise RuntimeError(f"the store holds {len(found)} chunks of a {prefix_tokens}-token prefix")
         kv = load_important_prefix(link.important, link.store, found, link.chunk_tokens, prompt, totals)
-        bytes_read = totals.bytes_read
         full_bytes += every_chunk_bytes(engine, prompt[:prefix_tokens])
         log_probs = scored_log_probs(engine, window, prompt_len, [kv])
         link.close()
@@ -112,7 +112,8 @@ def run_system(loaded, options: dict, measured: list[list[int]], warm, prompt_le
         agreement.append((log_probs.argmax(-1) == expected.argmax(-1)).float().mean().item())
     return {**row, "perplexity": math.exp(sum(nll) / len(nll)), "mean_nll": sum(nll) / len(nll),
             "top1_agreement_vs_recompute": sum(agreement) / len(agreement),
-            "bytes_vs_every_chunk": bytes_read / full_bytes, "bytes_read_per_load": bytes_read / len(measured),
+            "bytes_vs_every_chunk": totals.bytes_read / full_bytes,
+            "bytes_read_per_load": totals.bytes_read / len(measured),
             "every_chunk_bytes_per_load": full_bytes / len(measured),
             "chunk_reads_per_load": totals.chunk_reads / totals.loads,
             "fallback_share": totals.fallbacks / totals.layers,
