@@ -1,7 +1,7 @@
 """Which GEMM wins at which batch: the default model's linear layers (`--weights auto`: GGUF blocks on kvstrata's
 integer dot products, model/block_linear.py) against the same blocks on torch's packed int4 kernel, the same
-weights as dense float32 and dense bfloat16 matrices, and the engine's path for many rows (the blocks widened to
-bfloat16 for each call, then a dense bfloat16 product).
+weights as dense float32 and dense bfloat16 matrices, and the engine's path for many rows (the blocks widened for
+each call, then a dense product: in bfloat16 where the CPU has bfloat16 dot products, else in float32).
 
     .venv/bin/python -m benchmarks.gemm_forms
 
@@ -25,7 +25,7 @@ import torch
 from kvstrata.bench.report import machine_info, sig
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.model.block_linear import BLOCK, BlockLinear, dense_for_many_rows
+from kvstrata.model.block_linear import BLOCK, BlockLinear, widened_dtype
 from kvstrata.model.group_quantized import GroupQuantized
 from kvstrata.model.quantized_linear import Int4Linear
 
@@ -64,7 +64,8 @@ def main() -> None:
     layers = [m for m in model.modules() if isinstance(m, BlockLinear) and m is not model.lm_head]
     torch_layers = [torch_int4(layer) for layer in layers]
     with torch.inference_mode():
-        dense = [layer._dense_weight().float() for layer in layers]  # W [out, in]
+        # W [out, in], copied: _dense_weight() is a scratch buffer shared by every layer of its shape
+        dense = [layer._dense_weight().to(torch.float32, copy=True) for layer in layers]
         dense_bf16 = [w.bfloat16() for w in dense]
         weights = sum(w.numel() for w in dense)
 
@@ -73,7 +74,7 @@ def main() -> None:
             return [xs[w.shape[1]] @ w.t() for w in dense_bf16]
 
         def widened_per_call(xs):
-            xs = as_bf16(xs)
+            xs = {width: x.to(widened_dtype()) for width, x in xs.items()}
             return [xs[layer.in_features] @ layer._dense_weight().t() for layer in layers]
 
         def dot_products(xs):
@@ -85,9 +86,8 @@ def main() -> None:
             "torch int4 kernel": lambda xs: [layer(xs[layer.in_features]) for layer in torch_layers],
             "fp32 dense": lambda xs: [xs[w.shape[1]] @ w.t() for w in dense],
             "bf16 dense": bf16_dense,
+            f"{'bf16' if widened_dtype() == torch.bfloat16 else 'fp32'} widened per call": widened_per_call,
         }
-        if dense_for_many_rows():
-            forms["bf16 widened per call"] = widened_per_call
         rows = []
         for m in map(int, args.rows.split(",")):
             inputs = {layer.in_features: torch.randn(m, layer.in_features) for layer in layers}

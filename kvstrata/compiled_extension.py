@@ -3,7 +3,7 @@ set), and `python -m kvstrata.compiled_extension` builds them all now (the READM
 
 Three extensions: the KV kernels (kv/kernels/: decode attention read where the cache lies, Oaken's encoder, the
 sparse-page writer), the weight kernels (model/kernels/: products over GGUF's quantized blocks, and their widening to
-bfloat16 for prefill-sized products) and CacheGen's rANS coder (cachegen/kernels/). A loader returns None where its extension cannot be built (no
+dense weights for prefill-sized products) and CacheGen's rANS coder (cachegen/kernels/). A loader returns None where its extension cannot be built (no
 compiler): callers then take their torch path (the coder: constriction's).
 """
 

@@ -84,8 +84,7 @@ def test_bad_hidden_states_are_refused_by_name(tiny_gguf_style):
         model.native_decode(x, positions.repeat(2), step)
 
 
-def test_many_rows_go_layer_by_layer_where_the_products_turn_dense(monkeypatch):
-    monkeypatch.setattr(block_linear, "dense_for_many_rows", lambda: True)
+def test_many_rows_go_layer_by_layer_where_the_products_turn_dense():
     assert NativeDecode.takes(torch.zeros(block_linear.DENSE_FROM_ROWS - 1, 8))
     assert not NativeDecode.takes(torch.zeros(block_linear.DENSE_FROM_ROWS, 8))
     assert not NativeDecode.takes(torch.zeros(4, 8, dtype=torch.bfloat16))

@@ -4,6 +4,7 @@ group-quantized checkpoint loaded in every weight format."""
 import json
 import logging
 import shutil
+import threading
 
 import gguf
 import numpy as np
@@ -125,20 +126,28 @@ def test_a_non_finite_activation_makes_its_own_row_nan(type_name, instruction_se
 
 
 @needs_block_kernels
-@pytest.mark.skipif(not block_linear.dense_for_many_rows(), reason="no bfloat16 dot products on this CPU")
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
-def test_many_rows_take_the_widened_weights_and_few_the_dot_products(monkeypatch, type_name, scale_dtype):
+@pytest.mark.parametrize("widened", [torch.bfloat16, torch.float32])
+def test_many_rows_take_the_widened_weights_and_few_the_dot_products(monkeypatch, type_name, scale_dtype, widened):
     torch.manual_seed(4)
     _, read = gguf_quantized(torch.randn(128, 96) * 0.05, type_name)
     read = _scales_in(read, scale_dtype)
     bias = torch.randn(128) * 0.01
     linear = BlockLinear(read, bias)
     assert linear.scales.dtype == scale_dtype
-    torch.testing.assert_close(linear._dense_weight(), read.dequantize().bfloat16(), rtol=2**-8, atol=0)
+    monkeypatch.setattr(block_linear, "widened_dtype", lambda: widened)
+    monkeypatch.setattr(block_linear, "_scratch", threading.local())  # no buffer left from another dtype
+    exact = read.dequantize()
+    in_bf16 = widened == torch.bfloat16
+    # code * scale + min, rounded into the widened type (in float32 a fused multiply-add may round it once where
+    # dequantize rounds twice: a few ulps of the weights' scale where min nearly cancels the product)
+    tolerance = {"rtol": 2**-8, "atol": 0} if in_bf16 else {"rtol": 1e-6, "atol": 1e-7}
+    torch.testing.assert_close(linear._dense_weight(), exact.to(widened), **tolerance)
     many = torch.randn(block_linear.DENSE_FROM_ROWS, 96)
     dense = linear(many)
-    assert _relative_error(dense, F.linear(many, read.dequantize(), bias)) < KERNEL_RELATIVE_ERROR
+    assert dense.dtype == torch.float32
+    assert _relative_error(dense, F.linear(many, exact, bias)) < (KERNEL_RELATIVE_ERROR if in_bf16 else 1e-5)
 
     def refuse(self):
         raise AssertionError("a product of few rows widened the weights")

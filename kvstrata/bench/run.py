@@ -44,7 +44,8 @@ def run_roofline(args: argparse.Namespace) -> None:
     engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_prefix_caching=False))
     model, config = engine.loaded.model, engine.loaded.config
     gemm_rates = {"fp32": gemm_gflops(engine.device)}
-    if block_linear.dense_for_many_rows() and any(isinstance(m, block_linear.BlockLinear) for m in model.modules()):
+    if (block_linear.widened_dtype() == torch.bfloat16
+            and any(isinstance(m, block_linear.BlockLinear) for m in model.modules())):
         gemm_rates["bf16"] = gemm_gflops(engine.device, dtype=torch.bfloat16)  # prefill-sized products over blocks
     gflops = max(gemm_rates.values())  # the limit: the fastest GEMM the engine's products may run on
     bandwidth = read_bandwidth_gbs(engine.device)

@@ -6,7 +6,8 @@ float first, which on a 2-core CPU makes the step bound by arithmetic; the compi
 row of activations to int8 per block of 32 (as llama.cpp does) and takes one integer dot product per block, so the
 step reads the weights about as fast as memory delivers them. 4-bit blocks (GGUF Q4_0 / Q4_1: code * scale + min)
 and signed 8-bit blocks (Q8_0: code * scale) are both kept as shipped; products of many rows (prefill chunks) widen
-a layer's weights to bfloat16 for the call and run oneDNN's GEMM, where this CPU multiplies bfloat16 natively.
+a layer's weights for the call and run a dense GEMM: in bfloat16 where the CPU multiplies bfloat16 natively, in
+float32 elsewhere (an AVX2 CPU's float32 GEMM is about twice the dot products' rate from 128 rows).
 Without a compiler, or for other layouts, the layers run on torch's int4 kernel (quantized_linear.Int4Linear).
 """
 
@@ -24,8 +25,9 @@ from kvstrata.model.group_quantized import GroupQuantized
 
 BLOCK = 32
 KERNELS = Path(__file__).parent / "kernels"
-# from here the bfloat16 GEMM's gain pays for widening the weights (benchmarks/gemm_forms.py: 1.1x at 128 rows,
-# 1.3-1.4x at 256 and 1,024 against torch's int4 kernel, which the dot products match at 32 rows)
+# from here a dense GEMM's gain pays for widening the weights (benchmarks/gemm_forms.py: bfloat16 1.1x at 128 rows,
+# 1.3-1.4x at 256 and 1,024 against torch's int4 kernel, which the dot products match at 32 rows; float32 on an
+# AVX2 CPU in docs/BENCHMARKS.md, "Prefill-sized products without bfloat16 dot products")
 DENSE_FROM_ROWS = 128
 
 
@@ -45,7 +47,7 @@ def _register_fakes() -> None:
     def _(x, codes, scales, mins, bits):
         return x.new_empty(x.shape[0], codes.shape[0])
 
-    @torch.library.register_fake("kvstrata_weights::block_to_bfloat16")
+    @torch.library.register_fake("kvstrata_weights::block_to_dense")
     def _(codes, scales, mins, bits, out):
         return None
 
@@ -57,9 +59,11 @@ def fits(weight) -> bool:
 
 
 @functools.cache
-def dense_for_many_rows() -> bool:
-    """Whether products of many rows take the widened bfloat16 GEMM: where the CPU has bfloat16 dot products."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+def widened_dtype() -> torch.dtype:
+    """What products of many rows widen the weights to: bfloat16 where the CPU has bfloat16 dot products (without
+    them oneDNN's bfloat16 GEMM is several times slower than float32's), float32 elsewhere."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if native else torch.float32
 
 
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -104,18 +108,20 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if len(flat) >= DENSE_FROM_ROWS and dense_for_many_rows():
-            out = flat.to(torch.bfloat16) @ self._dense_weight().t()
+        if len(flat) >= DENSE_FROM_ROWS:
+            weight = self._dense_weight()
+            out = flat.to(weight.dtype) @ weight.t()
         else:
             out = torch.ops.kvstrata_weights.block_linear(flat.float(), self.codes, self.scales, self.mins, self.bits)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
     def _dense_weight(self) -> torch.Tensor:
-        """bfloat16 [out, in], valid until the next call for a weight of this shape on this thread."""
+        """The weights as widened_dtype() [out, in], valid until the next call for a weight of this shape on this
+        thread."""
         shape = (self.out_features, self.in_features)
         buffers = _scratch.__dict__.setdefault("by_shape", {})
         if shape not in buffers:
-            buffers[shape] = torch.empty(shape, dtype=torch.bfloat16)
-        torch.ops.kvstrata_weights.block_to_bfloat16(self.codes, self.scales, self.mins, self.bits, buffers[shape])
+            buffers[shape] = torch.empty(shape, dtype=widened_dtype())
+        torch.ops.kvstrata_weights.block_to_dense(self.codes, self.scales, self.mins, self.bits, buffers[shape])
         return buffers[shape]

@@ -51,7 +51,7 @@ class NativeDecode:
     def takes(x: torch.Tensor) -> bool:
         """Whether this step's hidden states go through the loop: float32, and fewer rows than the products switch
         to dense GEMMs at (block_linear.DENSE_FROM_ROWS)."""
-        return x.dtype == torch.float32 and (len(x) < DENSE_FROM_ROWS or not block_linear.dense_for_many_rows())
+        return x.dtype == torch.float32 and len(x) < DENSE_FROM_ROWS
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, step: FusedDecode) -> torch.Tensor:
         """The final norm of the last layer's output [n, hidden] for hidden states x [n, hidden] at `positions` [n]

@@ -223,12 +223,11 @@ bool allow_avx512(bool allowed) { return avx512_allowed.exchange(allowed); }
 
 namespace {
 
-template <typename S>
-void widen(const uint8_t* bytes, const S* scale, const S* min, int64_t bits, int64_t n, int64_t blocks,
-           c10::BFloat16* w) {
+template <typename S, typename W>
+void widen(const uint8_t* bytes, const S* scale, const S* min, int64_t bits, int64_t n, int64_t blocks, W* w) {
   at::parallel_for(0, n * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      c10::BFloat16* dst = w + i * kBlock;  // block i is columns [32 (i % blocks), +32) of row i / blocks
+      W* dst = w + i * kBlock;  // block i is columns [32 (i % blocks), +32) of row i / blocks
       const float s = to_float(scale[i]);
       if (bits == 4) {
         const uint8_t* block = bytes + i * 16;
@@ -245,17 +244,12 @@ void widen(const uint8_t* bytes, const S* scale, const S* min, int64_t bits, int
   });
 }
 
-}  // namespace
-
-// The weights as dense bfloat16 [N, K] into `out`, for products of many rows (prefill chunks), where oneDNN's
-// bfloat16 GEMM outruns the dot products by more than widening a layer's weights per call costs.
-void block_to_bfloat16(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits, torch::Tensor out) {
-  const int64_t n = codes.size(0), k = check_block_weight("block_to_bfloat16", codes, scales, mins, bits);
-  const int64_t blocks = k / kBlock;
-  TORCH_CHECK(out.dtype() == torch::kBFloat16 && out.is_contiguous() && out.size(0) == n && out.size(1) == k,
-              "block_to_bfloat16: out must be bfloat16 [N, K]");
+template <typename W>
+void widen_into(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& mins, int64_t bits,
+                int64_t blocks, torch::Tensor& out) {
   const auto* bytes = static_cast<const uint8_t*>(codes.data_ptr());
-  auto* w = out.data_ptr<c10::BFloat16>();
+  const int64_t n = codes.size(0);
+  auto* w = out.data_ptr<W>();
   if (scales.dtype() == torch::kFloat16) {
     const auto* min = bits == 4 ? static_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
     widen(bytes, static_cast<const uint16_t*>(scales.data_ptr()), min, bits, n, blocks, w);
@@ -264,15 +258,32 @@ void block_to_bfloat16(torch::Tensor codes, torch::Tensor scales, torch::Tensor 
   }
 }
 
+}  // namespace
+
+// The weights as dense bfloat16 or float32 [N, K] into `out`, for products of many rows (prefill chunks), where a
+// dense GEMM (oneDNN's bfloat16 one where the CPU has bfloat16 dot products, float32 elsewhere) outruns the dot
+// products by more than widening a layer's weights per call costs.
+void block_to_dense(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits, torch::Tensor out) {
+  const int64_t n = codes.size(0), k = check_block_weight("block_to_dense", codes, scales, mins, bits);
+  TORCH_CHECK((out.dtype() == torch::kBFloat16 || out.dtype() == torch::kFloat32) && out.is_contiguous() &&
+                  out.size(0) == n && out.size(1) == k,
+              "block_to_dense: out must be bfloat16 or float32 [N, K]");
+  if (out.dtype() == torch::kBFloat16) {
+    widen_into<c10::BFloat16>(codes, scales, mins, bits, k / kBlock, out);
+  } else {
+    widen_into<float>(codes, scales, mins, bits, k / kBlock, out);
+  }
+}
+
 }  // namespace kvstrata
 
 TORCH_LIBRARY(kvstrata_weights, m) {
   m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
-  m.def("block_to_bfloat16(Tensor codes, Tensor scales, Tensor mins, int bits, Tensor(a!) out) -> ()");
+  m.def("block_to_dense(Tensor codes, Tensor scales, Tensor mins, int bits, Tensor(a!) out) -> ()");
   m.def("allow_avx512(bool allowed) -> bool", &kvstrata::allow_avx512);
 }
 
 TORCH_LIBRARY_IMPL(kvstrata_weights, CPU, m) {
   m.impl("block_linear", &kvstrata::block_linear);
-  m.impl("block_to_bfloat16", &kvstrata::block_to_bfloat16);
+  m.impl("block_to_dense", &kvstrata::block_to_dense);
 }
