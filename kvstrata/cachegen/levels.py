@@ -129,8 +129,8 @@ SENSITIVITY_LEVELS: dict[str, CodecSettings] = {
     for name, b in (("near-lossless", 0.075), ("high", 0.375), ("medium", 0.75), ("low", 1.5))
 }
 # The same names for saved contexts, whose tokens' steps follow their importance: bins over 0.75 (see above).
-# Not near-lossless: it promises every token's precision (greedy output unchanged), which moving precision
-# from some tokens to others would break.
+# Not near-lossless: it promises every token's precision (greedy output unchanged where the products do not round
+# their activations, docs/DESIGN.md), which moving precision from some tokens to others would break.
 IMPORTANCE_LEVELS: dict[str, CodecSettings] = {
     name: CodecSettings(bins=(b, b, b), differences="none", allocation="sensitivity", token_steps=True)
     for name, b in (("high", 0.5), ("medium", 1.0), ("low", 2.0))
