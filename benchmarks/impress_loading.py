@@ -209,11 +209,12 @@ def main() -> None:
                 recompute = rows["recompute"]["p50_ttft_ms"]
                 for row in rows.values():
                     row["p50_ttft_speedup_vs_recompute"] = round(recompute / row["p50_ttft_ms"], 3)
-                for tier in tiers if any(name == "full" for name, _ in methods) else ():
-                    full = rows[f"{tier} full"]["bytes_read"]
-                    for key, row in rows.items():
-                        if key.startswith(tier):
-                            row["bytes_vs_full"] = round(row["bytes_read"] / full, 4)
+                if any(name == "full" for name, _ in methods):  # bytes against full's, where it ran
+                    for tier in tiers:
+                        full = rows[f"{tier} full"]["bytes_read"]
+                        for key, row in rows.items():
+                            if key.startswith(tier):
+                                row["bytes_vs_full"] = round(row["bytes_read"] / full, 4)
                 report["texts"][name] = rows
         finally:
             redis.stop()
