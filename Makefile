@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml Makefile $(wildcard kvstrata/kv/kernels/*.cpp kvstrata/
 demo: $(STAMP)
 	$(BIN)/kvstrata generate "In two sentences, why do language models need a KV cache?" --chat --max-tokens 96
 
+# Two workers (pytest-xdist), each file's tests on one worker in file order: on a 2-core machine the suite takes
+# about half as long as one process (much of it is Triton's interpreter and HTTP round trips, one core each).
 test: $(STAMP) redis-server
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 redis-server:
 	@command -v redis-server >/dev/null || { \
