@@ -11,6 +11,8 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.context_attention import AttendOverContext
 from kvstrata.kv.impress.prefix_selection import PrefixSelector
+from kvstrata.kv.store.disk_tier import chunk_file_bytes, read_chunk_file
+from kvstrata.kv.store.tiered_store import probe_name
 from tests.test_kv_store_engine import CHUNK, PROMPTS, make_engine, run_rounds
 
 
@@ -91,6 +93,24 @@ def test_chunks_without_probe_keys_are_not_found_by_impress_nor_harmed(tiny_llam
     whole = make_engine(tiny_llama, kv_store=disk(tmp_path))  # the chunks written without probe keys are still there
     assert run_rounds(whole, rounds=1) == first_round
     assert whole.kv_store.stats.requests_loaded == len(PROMPTS)
+
+
+def test_a_corrupt_probe_key_fails_that_load_alone_and_drops_its_chunk(tiny_llama, tmp_path, first_round):
+    """The probe keys of every layer are read in one go and decoded layer by layer: one altered in the last layer
+    still drops its chunk, and the request is recomputed from its text, equal to the first round."""
+    options = {"prefix_loading": "impress", "impress_ratio": 0.3}
+    run_rounds(make_engine(tiny_llama, kv_store=disk(tmp_path), **options), rounds=1)
+    fresh = make_engine(tiny_llama, kv_store=disk(tmp_path), **options)
+    path = min((tmp_path / "kv").glob("*.kvc"))
+    objects = read_chunk_file(path, None)
+    late = probe_name(fresh.loaded.config.num_layers - 1)
+    whole = objects[late]
+    objects[late] = whole[:-1] + bytes([whole[-1] ^ 1])
+    path.write_bytes(chunk_file_bytes(objects))
+    assert run_rounds(fresh, rounds=1) == first_round
+    assert fresh.kv_store.store.stats.corrupt_objects == 1 and fresh.kv_store.stats.load_failures == 1
+    fresh.kv_store.flush()
+    assert read_chunk_file(path, [late])[late] == whole  # dropped, then stored again from the recomputed prompt
 
 
 def test_a_reused_block_keeps_its_unread_tokens_and_a_new_one_does_not(tiny_llama, tmp_path):

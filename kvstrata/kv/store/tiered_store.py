@@ -275,9 +275,13 @@ class TieredStore:
         fetched = self.read(where, names=names)
         if fetched is None:
             return None
+        return {name: self.decode_read(where, name, fetched.objects[name], num_tokens)
+                for name in names}, fetched.num_bytes
+
+    def decode_read(self, where: Located, name: str, data: bytes, num_tokens: int | None) -> torch.Tensor:
+        """`decode_object` of an object read from `where`; a corrupt one drops its chunk (CorruptObject)."""
         try:
-            return {name: self.decode_object(where.key, name, fetched.objects[name], num_tokens)
-                    for name in names}, fetched.num_bytes
+            return self.decode_object(where.key, name, data, num_tokens)
         except CorruptObject:
             self._drop(self.tiers[where.tier], where.key)
             raise
