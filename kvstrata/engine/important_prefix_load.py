@@ -140,7 +140,7 @@ class StorePrefix:
                      ) -> list[tuple[Located, dict[str, bytes], int]]:
         """The probe keys of `chunks` in every layer, as stored (each layer's decoded when it scores): from each
         chunk, or from a reordered node's sidecar, in one read each. Every layer scores, so reading them all at
-        once reads no more bytes than a read per layer would, in a 30th of the reads."""
+        once reads the same bytes as a read per layer would, in one read where those took one per layer."""
         names = [probe_name(layer) for layer in range(self.store.shape.num_layers)]
         if reordered is None:
             sources = [(self.found[c], self.chunk_tokens, 0) for c in chunks]
