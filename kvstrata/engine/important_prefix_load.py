@@ -104,14 +104,11 @@ class StorePrefix:
             self.segments.append((range(start, len(found)), None))
 
     def _read(self, chunks: list[Located], names: list[str]) -> list[torch.Tensor]:
-        """Objects `names` of each of `chunks` (one read per chunk), each concatenated over the chunks (no rows
-        for no chunks)."""
+        """Objects `names` of each of `chunks` (one read per chunk, several at a time), each concatenated over the
+        chunks (no rows for no chunks)."""
         shape = self.store.shape
-        parts: list[list[torch.Tensor]] = [
-            [torch.zeros(0, self.store.probe_kv_heads if name.startswith("p.") else shape.kv_heads, shape.head_dim)]
-            for name in names]
-        for where in chunks:
-            got = self.store.read_objects(where, names, self.chunk_tokens)
+        parts: list[list[torch.Tensor]] = [[torch.zeros(0, shape.kv_heads, shape.head_dim)] for _ in names]
+        for where, got in zip(chunks, self.store.read_objects_of(chunks, names, self.chunk_tokens)):
             if got is None:
                 raise ChunkGone(f"chunk {where.key[:16]} no longer holds {names}")
             for part, name in zip(parts, names):
@@ -141,7 +138,7 @@ class StorePrefix:
         """The probe keys of `chunks` in every layer, as stored (each layer's decoded when it scores): from each
         chunk, or from a reordered node's sidecar, in one read each. Every layer scores, so reading them all at
         once reads the same bytes as a read per layer would, in one read where those took one per layer."""
-        names = [probe_name(layer) for layer in range(self.store.shape.num_layers)]
+        names = self.store.probe_names
         if reordered is None:
             sources = [(self.found[c], self.chunk_tokens, 0) for c in chunks]
         else:
