@@ -17,7 +17,7 @@ from kvstrata.kv.store.host_tier import HostTier
 from kvstrata.kv.store.objects import ObjectHeader, pack_object, unpack_object
 from kvstrata.kv.store.redis_tier import RedisTier
 from kvstrata.kv.store.spec import parse_tiers
-from kvstrata.kv.store.tiered_store import Located, StoreShape, TieredStore
+from kvstrata.kv.store.tiered_store import StoreShape, TieredStore
 
 SHAPE = StoreShape("model-a/fp32@float32/", num_layers=3, kv_heads=2, head_dim=8)
 TOKENS = 32
@@ -241,30 +241,6 @@ def test_a_corrupt_object_is_dropped_from_its_tier(tmp_path):
         store.fetch("c0", TOKENS)
     assert not disk.contains("c0") and store.stats.corrupt_objects == 1
     assert store.fetch("c0", TOKENS) is None
-
-
-def test_several_chunks_read_at_once_come_back_in_order_and_counted(tmp_path):
-    disk = DiskTier(tmp_path, 10**8)
-    store = store_over(disk)
-    for c in range(6):
-        store.put(f"c{c}", *chunk_kv(c))
-    chunks = [Located(f"c{c}", 0) for c in (4, 0, 5, 2, 1, 3)]
-    got = store.read_objects_of(chunks, ["k.1", "v.2"], TOKENS)
-    for where, (objects, num_bytes) in zip(chunks, got):
-        k, v = chunk_kv(int(where.key[1:]))
-        assert torch.equal(objects["k.1"], k[1]) and torch.equal(objects["v.2"], v[2])
-    assert disk.stats.bytes_read == sum(num_bytes for _, num_bytes in got) > 0
-    disk.remove("c5")
-    assert store.read_objects_of(chunks, ["k.0"], TOKENS)[2] is None  # gone meanwhile
-    path = tmp_path / "c2.kvc"
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
-    path.write_bytes(bytes(data))
-    with pytest.raises(CorruptObject, match="checksum"):
-        store.read_objects_of(chunks, [f"{kind}.{layer}" for layer in range(SHAPE.num_layers) for kind in "kv"],
-                              TOKENS)
-    assert not disk.contains("c2") and store.stats.corrupt_objects == 1
-    store.close()
 
 
 def test_objects_of_another_namespace_are_not_served(tmp_path):

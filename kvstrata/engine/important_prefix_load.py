@@ -104,11 +104,12 @@ class StorePrefix:
             self.segments.append((range(start, len(found)), None))
 
     def _read(self, chunks: list[Located], names: list[str]) -> list[torch.Tensor]:
-        """Objects `names` of each of `chunks` (one read per chunk, several at a time), each concatenated over the
-        chunks (no rows for no chunks)."""
+        """Objects `names` of each of `chunks` (one read per chunk), each concatenated over the chunks (no rows
+        for no chunks)."""
         shape = self.store.shape
         parts: list[list[torch.Tensor]] = [[torch.zeros(0, shape.kv_heads, shape.head_dim)] for _ in names]
-        for where, got in zip(chunks, self.store.read_objects_of(chunks, names, self.chunk_tokens)):
+        for where in chunks:
+            got = self.store.read_objects(where, names, self.chunk_tokens)
             if got is None:
                 raise ChunkGone(f"chunk {where.key[:16]} no longer holds {names}")
             for part, name in zip(parts, names):

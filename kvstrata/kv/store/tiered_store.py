@@ -15,7 +15,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -33,7 +32,6 @@ if TYPE_CHECKING:  # the profile module calibrates by running the model; the sto
 log = logging.getLogger("kvstrata.kv.store")
 MANIFEST = "levels"  # the object of a chunk stored at several levels that gives each level's size in bytes
 PROBE_FORM = FloatForm(torch.float16)  # probe keys: only scored, so float16 whatever the chunk's form
-READS_AT_ONCE = 4  # read_objects_of's reads in flight
 
 
 def probe_name(layer: int) -> str:
@@ -120,7 +118,6 @@ class TieredStore:
         self.object_names = [f"{kind}.{layer}" for layer in range(shape.num_layers) for kind in "kv"]
         self.probe_kv_heads = probe_kv_heads
         self.probe_names = [probe_name(layer) for layer in range(shape.num_layers)] if probe_kv_heads else []
-        self._read_pool: ThreadPoolExecutor | None = None  # read_objects_of's, made at its first use
 
     def locate(self, key: str) -> int | None:
         """The index of the highest tier holding chunk `key`; an unreachable tier counts as not holding it."""
@@ -187,19 +184,17 @@ class TieredStore:
         seconds = time.perf_counter() - start
         if found is None:
             return None
+        tier.stats.fetch_seconds += seconds
         objects = {name: found[field] for name, field in zip(names, fields)}
         fetched = Fetched(where, objects, seconds)
-        with self._counting:  # read_objects_of reads on several threads
-            tier.stats.fetch_seconds += seconds
-            tier.stats.bytes_read += fetched.num_bytes
+        tier.stats.bytes_read += fetched.num_bytes
         return fetched
 
     def _get(self, tier: Tier, key: str, names: list[str]) -> Objects | None:
         try:
             return tier.get(key, names)
         except StoreUnavailable:
-            with self._counting:
-                tier.stats.errors += 1
+            tier.stats.errors += 1
             raise
         except CorruptObject:
             self._drop(tier, key)
@@ -282,17 +277,6 @@ class TieredStore:
             return None
         return {name: self.decode_read(where, name, fetched.objects[name], num_tokens)
                 for name in names}, fetched.num_bytes
-
-    def read_objects_of(self, chunks: list[Located], names: list[str], num_tokens: int
-                        ) -> list[tuple[dict[str, torch.Tensor], int] | None]:
-        """`read_objects` of each of `chunks`, in order, four at a time: each read mostly waits on a disk or a
-        link, so a load that needs several small objects (IMPRESS's chosen chunks of a layer) need not wait
-        for them one after another. Raises what the first failed read raised."""
-        if len(chunks) <= 1:
-            return [self.read_objects(where, names, num_tokens) for where in chunks]
-        if self._read_pool is None:
-            self._read_pool = ThreadPoolExecutor(READS_AT_ONCE, thread_name_prefix="kvstrata-store-read")
-        return list(self._read_pool.map(lambda where: self.read_objects(where, names, num_tokens), chunks))
 
     def decode_read(self, where: Located, name: str, data: bytes, num_tokens: int | None) -> torch.Tensor:
         """`decode_object` of an object read from `where`; a corrupt one drops its chunk (CorruptObject)."""
@@ -513,8 +497,6 @@ class TieredStore:
             tier.clear()
 
     def close(self) -> None:
-        if self._read_pool is not None:
-            self._read_pool.shutdown()
         for tier in self.tiers:
             tier.close()
 
