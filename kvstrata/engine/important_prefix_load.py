@@ -128,7 +128,8 @@ class StorePrefix:
             if self._probes is None:
                 self._probes = [part for chunks, reordered in self.segments
                                 for part in self._read_probes(chunks, reordered)]
-            return torch.cat([self.store.decode_read(where, probe_name(layer), objects[probe_name(layer)], tokens)
+            name = probe_name(layer)
+            return torch.cat([self.store.decode_read(where, name, objects[name], tokens)
                               for where, objects, tokens in self._probes])
         (self._keys[layer],) = self._read(self.found, [f"k.{layer}"])
         self.chunk_reads += len(self.found)
