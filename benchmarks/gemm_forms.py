@@ -1,7 +1,9 @@
 """Which GEMM wins at which batch: the default model's linear layers (`--weights auto`: GGUF blocks on kvstrata's
-integer dot products, model/block_linear.py) against the same blocks on torch's packed int4 kernel, the same
-weights as dense float32 and dense bfloat16 matrices, and the engine's path for many rows (the blocks widened for
-each call, then a dense product: in bfloat16 where the CPU has bfloat16 dot products, else in float32).
+integer dot products, model/block_linear.py) against the same blocks widened row by row inside the kernel (the
+engine's path from 4 rows on CPUs without AVX-512 VNNI, model/kernels/widened_rows.cpp; timed from 4 rows, on any
+CPU), on torch's packed int4 kernel, the same weights as dense float32 and dense bfloat16 matrices, and the
+engine's path for many rows (the blocks widened for each call, then a dense product: in bfloat16 where the CPU has
+bfloat16 dot products, else in float32).
 
     .venv/bin/python -m benchmarks.gemm_forms
 
@@ -16,6 +18,7 @@ activations to int8 per block of 32. Issue 17 asks to pick the fastest kernel pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -38,6 +41,18 @@ def median_ms(run, inputs, repeats: int) -> float:
         run(inputs)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
+
+
+@contextlib.contextmanager
+def kernel_paths(avx512: bool, widened_rows: bool):
+    """The block kernels' choice of path, for one form's timing."""
+    ops = torch.ops.kvstrata_weights
+    before = ops.allow_avx512(avx512), ops.allow_widened_rows(widened_rows)
+    try:
+        yield
+    finally:
+        ops.allow_avx512(before[0])
+        ops.allow_widened_rows(before[1])
 
 
 def as_bf16(inputs: dict) -> dict:
@@ -77,12 +92,21 @@ def main() -> None:
             xs = {width: x.to(widened_dtype()) for width, x in xs.items()}
             return [xs[layer.in_features] @ layer._dense_weight().t() for layer in layers]
 
-        def dot_products(xs):
+        def block_kernel(xs):
             return [torch.ops.kvstrata_weights.block_linear(xs[layer.in_features], layer.codes, layer.scales,
                                                             layer.mins, layer.bits) for layer in layers]
 
+        def dot_products(xs):
+            with kernel_paths(avx512=True, widened_rows=False):
+                return block_kernel(xs)
+
+        def widened_rows(xs):
+            with kernel_paths(avx512=False, widened_rows=True):
+                return block_kernel(xs)
+
         forms = {
             "int8 dot products": dot_products,
+            "fp32 widened rows": widened_rows,
             "torch int4 kernel": lambda xs: [layer(xs[layer.in_features]) for layer in torch_layers],
             "fp32 dense": lambda xs: [xs[w.shape[1]] @ w.t() for w in dense],
             "bf16 dense": bf16_dense,
@@ -92,10 +116,11 @@ def main() -> None:
         for m in map(int, args.rows.split(",")):
             inputs = {layer.in_features: torch.randn(m, layer.in_features) for layer in layers}
             row: dict = {"rows": m}
-            for name, run in forms.items():
-                ms = median_ms(run, inputs, args.repeats)
+            timed = [name for name in forms if m >= 4 or forms[name] is not widened_rows]  # the kernel's rows
+            for name in timed:
+                ms = median_ms(forms[name], inputs, args.repeats)
                 row[name] = {"ms": sig(ms), "gflops": sig(2 * m * weights / ms / 1e6)}
-            row["fastest"] = min(forms, key=lambda name: row[name]["ms"])
+            row["fastest"] = min(timed, key=lambda name: row[name]["ms"])
             rows.append(row)
     print(json.dumps({"benchmark": "gemm_forms", "machine": machine_info(), "model": engine.loaded.name,
                       "linear_weights": weights, "layers": len(layers), "results": rows}, indent=2))

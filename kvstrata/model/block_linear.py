@@ -5,8 +5,10 @@ A decode step multiplies a few rows of activations by every weight. torch's int4
 float first, which on a 2-core CPU makes the step bound by arithmetic; the compiled kernel instead quantizes each
 row of activations to int8 per block of 32 (as llama.cpp does) and takes one integer dot product per block, so the
 step reads the weights about as fast as memory delivers them. 4-bit blocks (GGUF Q4_0 / Q4_1: code * scale + min)
-and signed 8-bit blocks (Q8_0: code * scale) are both kept as shipped; products of many rows (prefill chunks) widen
-a layer's weights for the call and run a dense GEMM: in bfloat16 where the CPU multiplies bfloat16 natively, in
+and signed 8-bit blocks (Q8_0: code * scale) are both kept as shipped. Where the CPU has no AVX-512 VNNI, products
+of 4 to 127 rows (batched decode steps) widen each weight row once into a small float32 buffer and multiply every
+row there, inside the same kernel (model/kernels/widened_rows.cpp). Products of many rows (prefill chunks) widen a
+layer's weights for the call and run a dense GEMM: in bfloat16 where the CPU multiplies bfloat16 natively, in
 float32 elsewhere (on an AVX2 CPU, widening included, 1.4x the dot products' rate at 128 rows, 2.3x at 1,024).
 Without a compiler, or for other layouts, the layers run on torch's int4 kernel (quantized_linear.Int4Linear).
 """
@@ -33,7 +35,8 @@ DENSE_FROM_ROWS = 128
 
 @functools.cache
 def kernel():
-    compiled = load_extension("kvstrata_weight_kernels", [KERNELS / "block_dot.cpp", KERNELS / "decode_layers.cpp"],
+    compiled = load_extension("kvstrata_weight_kernels", [KERNELS / "block_dot.cpp", KERNELS / "widened_rows.cpp",
+                                                         KERNELS / "decode_layers.cpp"],
                               what="weight kernels")
     if compiled is not None:
         _register_fakes()

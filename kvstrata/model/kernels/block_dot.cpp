@@ -14,6 +14,9 @@
 //   scales, mins: float32 [N, K / 32], or float16 where every value is one (GGUF stores them so): a 4-bit weight
 //          then reads 0.625 byte instead of 0.75, and a decode step is bound by the bytes it reads.
 // With x's block quantized as dx * qx: sum_j w_j x_j = scale dx (codes . qx) + min dx (sum of qx).
+//
+// Without AVX-512 VNNI, products of kWidenedFromRows rows or more go to widened_rows.cpp instead (float32
+// multiply-adds over each weight row widened once), which outruns these dot products there from 4 rows.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -23,8 +26,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "block_product.h"
+#include "widen_blocks.h"
 
 namespace kvstrata {
 
@@ -33,6 +39,9 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsTogether = 4;  // activation rows that share one read of a weight block
 constexpr int64_t kPrefetchRows = 32;  // weight rows read ahead of the product
+// from this many rows the AVX2 path's products run widened (widened_rows.cpp: at 4 rows 1.3-1.5x the dot products'
+// rate on a 2-core AMD EPYC, at 1 and 2 rows slower; docs/BENCHMARKS.md)
+constexpr int64_t kWidenedFromRows = 4;
 
 // Each row of activations as int8 codes per block of 32, in the order the weights' codes are read:
 //   after 4-bit weights: per group of four blocks, 64 bytes of columns 0-15 of each block, then 64 of columns
@@ -50,10 +59,6 @@ int64_t code_position(int bits, int64_t block, int64_t j) {
   if (bits == 8) return block * kBlock + j;
   return (block / 4) * 128 + (j / 16) * 64 + (block % 4) * 16 + j % 16;
 }
-
-// Scales and mins as float32, or float16 given as their bits (a raw type, see below)
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) { return _cvtsh_ss(v); }
 
 // Raw pointers only below the target pragma: an inline function of a library type instantiated there could be
 // emitted with AVX-512 instructions and then shared with the AVX2 path.
@@ -87,8 +92,10 @@ namespace avx2 {
 
 namespace {
 
-// Tests turn the AVX-512 path off to check the AVX2 one on a CPU that has both.
+// Tests turn the AVX-512 path off to check the AVX2 one on a CPU that has both, and the widened rows off to check
+// the dot products at every number of rows (benchmarks too, to time them).
 std::atomic<bool> avx512_allowed{true};
+std::atomic<bool> widened_rows_allowed{true};
 
 bool avx512_path() {
   static const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
@@ -198,7 +205,9 @@ int64_t check_block_weight(const char* op, const at::Tensor& codes, const at::Te
 
 void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
                    bool half_scales, int bits, int64_t n, float* y) {
-  if (half_scales) {
+  if (m >= kWidenedFromRows && widened_rows_allowed && !avx512_path()) {
+    widened_rows_product(x, m, k, codes, scales, mins, half_scales, bits, n, y);
+  } else if (half_scales) {
     product<uint16_t>(x, m, k, codes, scales, mins, bits, n, y);
   } else {
     product<float>(x, m, k, codes, scales, mins, bits, n, y);
@@ -221,25 +230,25 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 // Whether the products may take the AVX-512 path where the CPU has it; returns the previous setting.
 bool allow_avx512(bool allowed) { return avx512_allowed.exchange(allowed); }
 
+// Whether products of kWidenedFromRows rows or more may run widened where the dot products are AVX2's; returns the
+// previous setting.
+bool allow_widened_rows(bool allowed) { return widened_rows_allowed.exchange(allowed); }
+
 namespace {
 
 template <typename S, typename W>
 void widen(const uint8_t* bytes, const S* scale, const S* min, int64_t bits, int64_t n, int64_t blocks, W* w) {
-  at::parallel_for(0, n * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      W* dst = w + i * kBlock;  // block i is columns [32 (i % blocks), +32) of row i / blocks
-      const float s = to_float(scale[i]);
+  const int64_t k = blocks * kBlock, row_bytes = k * bits / 8;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(std::is_same_v<W, float> ? 0 : k);  // a row before its bfloat16 rounding
+    for (int64_t row = begin; row < end; ++row) {
+      float* out = std::is_same_v<W, float> ? reinterpret_cast<float*>(w + row * k) : widened.data();
       if (bits == 4) {
-        const uint8_t* block = bytes + i * 16;
-        const float z = to_float(min[i]);
-        for (int64_t j = 0; j < 16; ++j) {
-          dst[j] = static_cast<float>(block[j] & 15) * s + z;
-          dst[16 + j] = static_cast<float>(block[j] >> 4) * s + z;
-        }
+        widen_row<4>(bytes + row * row_bytes, scale + row * blocks, min + row * blocks, blocks, out);
       } else {
-        const auto* block = reinterpret_cast<const int8_t*>(bytes) + i * kBlock;
-        for (int64_t j = 0; j < kBlock; ++j) dst[j] = static_cast<float>(block[j]) * s;
+        widen_row<8>(bytes + row * row_bytes, scale + row * blocks, min, blocks, out);
       }
+      if constexpr (!std::is_same_v<W, float>) std::copy(widened.begin(), widened.end(), w + row * k);
     }
   });
 }
@@ -281,6 +290,7 @@ TORCH_LIBRARY(kvstrata_weights, m) {
   m.def("block_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
   m.def("block_to_dense(Tensor codes, Tensor scales, Tensor mins, int bits, Tensor(a!) out) -> ()");
   m.def("allow_avx512(bool allowed) -> bool", &kvstrata::allow_avx512);
+  m.def("allow_widened_rows(bool allowed) -> bool", &kvstrata::allow_widened_rows);
 }
 
 TORCH_LIBRARY_IMPL(kvstrata_weights, CPU, m) {
