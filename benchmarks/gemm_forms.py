@@ -18,7 +18,6 @@ activations to int8 per block of 32. Issue 17 asks to pick the fastest kernel pe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
@@ -28,7 +27,7 @@ import torch
 from kvstrata.bench.report import machine_info, sig
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.model.block_linear import BLOCK, BlockLinear, widened_dtype
+from kvstrata.model.block_linear import BLOCK, BlockLinear, kernel_paths, widened_dtype
 from kvstrata.model.group_quantized import GroupQuantized
 from kvstrata.model.quantized_linear import Int4Linear
 
@@ -41,18 +40,6 @@ def median_ms(run, inputs, repeats: int) -> float:
         run(inputs)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
-
-
-@contextlib.contextmanager
-def kernel_paths(avx512: bool, widened_rows: bool):
-    """The block kernels' choice of path, for one form's timing."""
-    ops = torch.ops.kvstrata_weights
-    before = ops.allow_avx512(avx512), ops.allow_widened_rows(widened_rows)
-    try:
-        yield
-    finally:
-        ops.allow_avx512(before[0])
-        ops.allow_widened_rows(before[1])
 
 
 def as_bf16(inputs: dict) -> dict:

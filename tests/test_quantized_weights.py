@@ -80,21 +80,15 @@ def _block_reference(x: torch.Tensor, read) -> torch.Tensor:
 def instruction_set(request):
     """The kernels' integer dot products at every number of rows (widened rows off), on their AVX-512 path (where
     the CPU has it) or their AVX2 one."""
-    avx512_before = torch.ops.kvstrata_weights.allow_avx512(request.param == "avx512")
-    widened_before = torch.ops.kvstrata_weights.allow_widened_rows(False)
-    yield request.param
-    torch.ops.kvstrata_weights.allow_avx512(avx512_before)
-    torch.ops.kvstrata_weights.allow_widened_rows(widened_before)
+    with block_linear.kernel_paths(avx512=request.param == "avx512", widened_rows=False):
+        yield request.param
 
 
 @pytest.fixture
 def widened_rows():
     """The AVX2 path with its widened rows, which it takes from 4 rows (on any CPU: AVX-512 off)."""
-    avx512_before = torch.ops.kvstrata_weights.allow_avx512(False)
-    widened_before = torch.ops.kvstrata_weights.allow_widened_rows(True)
-    yield
-    torch.ops.kvstrata_weights.allow_avx512(avx512_before)
-    torch.ops.kvstrata_weights.allow_widened_rows(widened_before)
+    with block_linear.kernel_paths(avx512=False, widened_rows=True):
+        yield
 
 
 def _scales_in(read, dtype: torch.dtype):
@@ -107,6 +101,16 @@ def _scales_in(read, dtype: torch.dtype):
     return GroupQuantized(read.codes, read.scales * nudge, offsets, read.bits, read.group_size)
 
 
+def _block_layer(type_name: str, columns: int, scale_dtype: torch.dtype, seed: int):
+    """A random layer of 82 output rows (beyond the kernels' tiles of four, and of three) as GGUF blocks with its
+    scales in `scale_dtype`: (the blocks read, a bias, the BlockLinear)."""
+    torch.manual_seed(seed)
+    _, read = gguf_quantized(torch.randn(82, columns) * 0.05, type_name)
+    read = _scales_in(read, scale_dtype)
+    bias = torch.randn(82) * 0.01
+    return read, bias, BlockLinear(read, bias)
+
+
 @needs_block_kernels
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 # 4-bit runs in groups of four blocks, 8-bit in pairs on AVX-512: one group; a group and a pair; three blocks
@@ -115,11 +119,7 @@ def _scales_in(read, dtype: torch.dtype):
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, columns, rows, scale_dtype,
                                                                      instruction_set):
-    torch.manual_seed(5)
-    _, read = gguf_quantized(torch.randn(82, columns) * 0.05, type_name)  # 82: output rows beyond tiles of four
-    read = _scales_in(read, scale_dtype)
-    bias = torch.randn(82) * 0.01
-    linear = BlockLinear(read, bias)
+    read, bias, linear = _block_layer(type_name, columns, scale_dtype, seed=5)
     assert linear.scales.dtype == scale_dtype
     x = torch.randn(rows, columns)
     got = linear(x)
@@ -130,12 +130,16 @@ def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, c
 
 @needs_block_kernels
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
-def test_a_non_finite_activation_makes_its_own_row_nan(type_name, instruction_set):
+@pytest.mark.parametrize("path", ["avx512", "avx2", "widened rows"])
+def test_a_non_finite_activation_spoils_its_own_row_alone(type_name, path):
     _, read = gguf_quantized(torch.randn(16, 64) * 0.05, type_name)
-    x = torch.randn(3, 64)
+    x = torch.randn(5, 64)
     x[1, 40] = float("inf")
-    out = BlockLinear(read, None)(x)
-    assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+    with block_linear.kernel_paths(avx512=path == "avx512", widened_rows=path == "widened rows"):
+        out = BlockLinear(read, None)(x)
+    assert out[[0, 2, 3, 4]].isfinite().all()
+    # the dot products make it NaN; float32 products, inf or NaN as the weights' signs fall
+    assert out[1].isnan().all() if path != "widened rows" else not out[1].isfinite().any()
 
 
 @needs_block_kernels
@@ -145,11 +149,7 @@ def test_a_non_finite_activation_makes_its_own_row_nan(type_name, instruction_se
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_widened_rows_multiply_the_dequantized_weights_in_float32(type_name, columns, rows, scale_dtype,
                                                                    widened_rows):
-    torch.manual_seed(6)
-    _, read = gguf_quantized(torch.randn(82, columns) * 0.05, type_name)  # 82: weight rows beyond tiles of three
-    read = _scales_in(read, scale_dtype)
-    bias = torch.randn(82) * 0.01
-    linear = BlockLinear(read, bias)
+    read, bias, linear = _block_layer(type_name, columns, scale_dtype, seed=6)
     x = torch.randn(rows, columns)
     exact = F.linear(x.double(), read.dequantize().double(), bias.double())
     # float32 sums of exact products (the int8 activations of the dot products are a hundred times further off)
@@ -157,16 +157,6 @@ def test_widened_rows_multiply_the_dequantized_weights_in_float32(type_name, col
     few = x[:3]  # below four rows the dot products stay
     torch.testing.assert_close(linear(few).double(), _block_reference(few, read) + bias.double(), rtol=1e-5,
                                atol=1e-5)
-
-
-@needs_block_kernels
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
-def test_a_non_finite_activation_leaves_the_other_widened_rows_finite(type_name, widened_rows):
-    _, read = gguf_quantized(torch.randn(16, 64) * 0.05, type_name)
-    x = torch.randn(5, 64)
-    x[1, 40] = float("inf")
-    out = BlockLinear(read, None)(x)
-    assert not out[1].isfinite().any() and out[[0, 2, 3, 4]].isfinite().all()
 
 
 @needs_block_kernels
