@@ -39,8 +39,8 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsTogether = 4;  // activation rows that share one read of a weight block
 constexpr int64_t kPrefetchRows = 32;  // weight rows read ahead of the product
-// from this many rows the AVX2 path's products run widened (widened_rows.cpp: at 4 rows 1.3-1.5x the dot products'
-// rate on a 2-core AMD EPYC, at 1 and 2 rows slower; docs/BENCHMARKS.md)
+// from this many rows the AVX2 path's products run widened (widened_rows.cpp; on a 2-core AMD EPYC 1.16x the dot
+// products' rate at 4 rows, 1.7-2.5x from 8, slower at 1 and 2: docs/BENCHMARKS.md)
 constexpr int64_t kWidenedFromRows = 4;
 
 // Each row of activations as int8 codes per block of 32, in the order the weights' codes are read:

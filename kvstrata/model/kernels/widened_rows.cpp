@@ -1,12 +1,13 @@
 // Products of a handful of rows (decode steps of 4 to 127 sequences) over GGUF-style blocks, in float32: each
-// weight row is widened once into a buffer of a few kilobytes (widen_blocks.h) and multiplied there by every row of
+// weight row is widened once into a small buffer (widen_blocks.h) and multiplied there by every row of
 // the activations with fused multiply-adds.
 //
 // Why, beside the integer dot products (block_dot.cpp): without VNNI, a 32-column block costs those two integer
-// multiplies per activation row (maddubs, madd) plus a float scale, and they stay at 35-47 GFLOP/s from 4 rows up
-// on a 2-core AVX2 CPU; widening costs about as much as the dot products of one row, once per weight row whatever
-// the number of activation rows, and the float multiply-adds that follow run at 50-100 GFLOP/s there. The
-// activations are not rounded to int8 either: these products are float32 products of the dequantized weights.
+// multiplies per activation row (maddubs, madd) plus a float scale, and they stay at 42-48 GFLOP/s from 4 rows up
+// on a 2-core AMD EPYC (AVX2); widening is paid once per weight row whatever the number of activation rows, and
+// with the float multiply-adds that follow, the products run at 49-118 GFLOP/s from 4 to 128 rows there
+// (docs/BENCHMARKS.md). The activations are not rounded to int8 either:
+// these products are float32 products of the dequantized weights.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -67,7 +68,7 @@ void product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S
   const int64_t blocks = k / 32, row_bytes = k * Bits / 8;
   const int64_t groups = (n + kWeightRows - 1) / kWeightRows;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> widened;  // kWeightRows x k: a few kilobytes, in L1 while it is used
+    thread_local std::vector<float> widened;  // kWeightRows x k: 18 KB at 1,536 columns, within L1 while used
     widened.resize(kWeightRows * k);
     for (int64_t group = begin; group < end; ++group) {
       const int64_t first = group * kWeightRows, count = std::min(kWeightRows, n - first);
