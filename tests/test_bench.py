@@ -2,6 +2,7 @@
 and its figures hang together (no timing is asserted)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,15 @@ def test_a_block_head_sharing_the_embeddings_codes_is_read_every_step(tiny_gguf_
     head_bytes = sum(t.numel() * t.element_size() for t in head.buffers())
     final_norm = tied.norm.weight.numel() * 4
     assert decode_read_bytes(tied) == layers + head_bytes + final_norm
+
+
+def test_machine_info_names_the_cpu_model_and_the_features_that_pick_kernel_paths():
+    from kvstrata.bench.report import machine_info
+
+    info = machine_info()
+    assert isinstance(info["cpu_capability"], str) and info["cpu_capability"]
+    assert set(info["cpu_features"]) <= {"vnni", "avx512_bf16", "amx_tile"}
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.exists() else []
+    assert info["cpu_model"] == (names[0] if names else None)

@@ -14,14 +14,31 @@ from kvstrata.engine.llm_engine import LLMEngine
 
 
 def machine_info() -> dict:
+    """What a figure was measured on. The CPU's model and the instructions that choose the kernels' paths (AVX-512
+    VNNI: the weights' dot products; bfloat16 and AMX: the dense widening's dtype) are part of it, since the same
+    benchmark can cross its target on one x86-64 CPU and not on another."""
     return {
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_features": [name for name, held in (("vnni", torch.cpu._is_vnni_supported()),
+                                                 ("avx512_bf16", torch.cpu._is_avx512_bf16_supported()),
+                                                 ("amx_tile", torch.cpu._is_amx_tile_supported())) if held],
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name as Linux reports it; None where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def engine_info(engine: LLMEngine) -> dict:
