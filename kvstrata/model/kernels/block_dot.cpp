@@ -176,9 +176,13 @@ namespace {
 template <typename S>
 void product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
              int bits, int64_t n, float* y) {
-  const QuantizedRows& q = quantize_rows(x, m, k, bits);
   const auto* s = static_cast<const S*>(scales);
   const auto* z = static_cast<const S*>(mins);
+  if (m >= kWidenedFromRows && widened_rows_allowed && !avx512_path()) {
+    widened_rows_product(x, m, k, codes, s, z, bits, n, y);
+    return;
+  }
+  const QuantizedRows& q = quantize_rows(x, m, k, bits);
   if (bits == 4) {
     dispatch<4>(q, m, codes, s, z, k, n, y);
   } else {
@@ -205,9 +209,7 @@ int64_t check_block_weight(const char* op, const at::Tensor& codes, const at::Te
 
 void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
                    bool half_scales, int bits, int64_t n, float* y) {
-  if (m >= kWidenedFromRows && widened_rows_allowed && !avx512_path()) {
-    widened_rows_product(x, m, k, codes, scales, mins, half_scales, bits, n, y);
-  } else if (half_scales) {
+  if (half_scales) {
     product<uint16_t>(x, m, k, codes, scales, mins, bits, n, y);
   } else {
     product<float>(x, m, k, codes, scales, mins, bits, n, y);

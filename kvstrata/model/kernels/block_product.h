@@ -12,10 +12,11 @@ namespace kvstrata {
 void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
                    bool half_scales, int bits, int64_t n, float* y);
 
-// The same product in float32 over each weight row widened once (widened_rows.cpp); block_product takes it for
-// enough rows where the CPU has no AVX-512 VNNI.
-void widened_rows_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales,
-                          const void* mins, bool half_scales, int bits, int64_t n, float* y);
+// The same product in float32 over each weight row widened once (widened_rows.cpp), scales and mins of type S (float,
+// or uint16_t holding float16); block_product takes it for enough rows where the CPU has no AVX-512 VNNI.
+template <typename S>
+void widened_rows_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S* scales, const S* mins,
+                          int bits, int64_t n, float* y);
 
 // Checks a block weight's tensors against that layout (bad input raises naming `op`); returns K.
 int64_t check_block_weight(const char* op, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,

@@ -86,27 +86,21 @@ void product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S
   });
 }
 
-template <typename S>
-void product_of(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales, const void* mins,
-                int bits, int64_t n, float* y) {
-  const auto* s = static_cast<const S*>(scales);
-  const auto* z = static_cast<const S*>(mins);
-  if (bits == 4) {
-    product<4>(x, m, k, codes, s, z, n, y);
-  } else {
-    product<8>(x, m, k, codes, s, z, n, y);
-  }
-}
-
 }  // namespace
 
-void widened_rows_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const void* scales,
-                          const void* mins, bool half_scales, int bits, int64_t n, float* y) {
-  if (half_scales) {
-    product_of<uint16_t>(x, m, k, codes, scales, mins, bits, n, y);
+template <typename S>
+void widened_rows_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S* scales, const S* mins,
+                          int bits, int64_t n, float* y) {
+  if (bits == 4) {
+    product<4>(x, m, k, codes, scales, mins, n, y);
   } else {
-    product_of<float>(x, m, k, codes, scales, mins, bits, n, y);
+    product<8>(x, m, k, codes, scales, mins, n, y);
   }
 }
+
+template void widened_rows_product<float>(const float*, int64_t, int64_t, const uint8_t*, const float*,
+                                          const float*, int, int64_t, float*);
+template void widened_rows_product<uint16_t>(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*,
+                                             const uint16_t*, int, int64_t, float*);
 
 }  // namespace kvstrata
