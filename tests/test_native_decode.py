@@ -8,7 +8,7 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.kv.fused_decode import FusedDecode
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.model import block_linear
-from kvstrata.model.llama import decode_all_layers
+from kvstrata.model.llama import after_attention, before_attention, decode_all_layers
 from kvstrata.model.native_decode import NativeDecode
 from tests.helpers import greedy_mixed_batches
 
@@ -82,6 +82,59 @@ def test_bad_hidden_states_are_refused_by_name(tiny_gguf_style):
         model.native_decode(x[:, :32], positions, step)
     with pytest.raises(RuntimeError, match=r"positions must be \[n\], one per row"):
         model.native_decode(x, positions.repeat(2), step)
+
+
+@needs_kernels
+@torch.inference_mode()
+def test_the_layer_halves_compute_what_the_torch_layer_halves_compute(tiny_gguf_style):
+    """Rows at positions 0, 15 and 70 through the first and the last layer: q, k, v before attention and the
+    layer's output after it, as llama.py's before_attention and after_attention compute them over the same blocks."""
+    model = new_engine(tiny_gguf_style).loaded.model
+    gen = torch.Generator().manual_seed(1)
+    x = model.embed_tokens(torch.randint(0, model.config.vocab_size, (3,), generator=gen))
+    cos, sin = model.rotary.cos_sin(torch.tensor([0, 15, 70]), x.dtype)
+    before, after = model.native_decode.dense_parts
+    for layer in (model.layers[0], model.layers[-1]):
+        for got, want in zip(before(layer, x, cos, sin), before_attention(layer, x, cos, sin), strict=True):
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)  # as above: an int8 code may round apart
+        attended = torch.randn(3, model.config.num_heads, model.config.head_dim, generator=gen)
+        torch.testing.assert_close(after(layer, x, attended), after_attention(layer, x, attended), rtol=2e-3,
+                                   atol=2e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_other_formats_run_the_layer_halves_and_generate_what_the_torch_layers_generate(tiny_gguf_style, kv_format,
+                                                                                         monkeypatch):
+    """A quantized cache has no one-operator step: its steps run the compiled halves of each layer around the
+    format's own store and reader, and generate the tokens of the torch layers."""
+    calls = []
+    original = NativeDecode._before_attention
+
+    def counted(self, layer, x, *args):
+        calls.append((layer.layer, len(x)))
+        return original(self, layer, x, *args)
+
+    monkeypatch.setattr(NativeDecode, "_before_attention", counted)
+    engine = new_engine(tiny_gguf_style, kv_format=kv_format)
+    tokens = greedy_mixed_batches(engine)
+    layers = len(engine.loaded.model.layers)
+    assert [layer for layer, _ in calls[:layers]] == list(range(layers))  # every layer, in order
+    assert len(calls) > 10 * layers and 3 in {rows for _, rows in calls}  # every step; decodes of 3 at once among them
+    assert tokens == greedy_mixed_batches(new_engine(tiny_gguf_style, kv_format=kv_format, native_decode=False))
+
+
+@needs_kernels
+def test_bad_layer_inputs_are_refused_by_name(tiny_gguf_style):
+    model = new_engine(tiny_gguf_style).loaded.model
+    x, positions, _ = a_step(model, [5, 9])
+    cos, sin = model.rotary.cos_sin(positions, x.dtype)
+    with pytest.raises(RuntimeError, match=r"layer 7 out of range: the model has 3"):
+        model.native_decode.layers.before_attention(7, x, cos, sin)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be float32 \[n, \(1,\) 16\]"):
+        model.native_decode.layers.before_attention(0, x, cos[:1], sin[:1])
+    with pytest.raises(RuntimeError, match=r"the attention output must be float32 \[n, 4, 16\]"):
+        model.native_decode.layers.after_attention(0, x, torch.zeros(2, 4, 8))
 
 
 def test_many_rows_go_layer_by_layer_where_the_products_turn_dense():

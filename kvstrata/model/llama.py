@@ -97,8 +97,9 @@ class LlamaDecoderLayer(nn.Module):
         # The dense parts, replaced by compiled versions under --compile; attention stays eager.
         self.dense_parts = (before_attention, after_attention)
 
-    def forward(self, x, cos, sin, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
-        before, after = self.dense_parts
+    def forward(self, x, cos, sin, kv: AttentionPolicy, batch: AttentionBatch, dense_parts=None) -> torch.Tensor:
+        """`dense_parts`: what runs before and after attention instead of this layer's own (the compiled loop's)."""
+        before, after = dense_parts or self.dense_parts
         q, k, v = before(self, x, cos, sin)
         kv.on_layer_input(self.layer, x, batch)
         return after(self, x, kv.attention(self.layer, q, k, v, batch))
@@ -120,14 +121,15 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] of the packed tokens."""
         x = self.embed_tokens(input_ids)
         fused = kv.fused_decode(batch, x.dtype)
-        if fused is not None and self.native_decode is not None and self.native_decode.takes(x):
-            return self.native_decode(x, positions, fused)  # RoPE and the final norm included
+        native = self.native_decode if self.native_decode is not None and self.native_decode.takes(x) else None
+        if fused is not None and native is not None:
+            return native(x, positions, fused)  # RoPE and the final norm included
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if fused is not None:
             x = self.decode_all_layers(self, x, cos, sin, fused)
         else:
             for layer in self.layers:
-                x = layer(x, cos, sin, kv, batch)
+                x = layer(x, cos, sin, kv, batch, native.dense_parts if native is not None else None)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """A step of decodes through every layer in one call of the weights' compiled kernels (model/kernels/
 decode_layers.cpp): for a model whose products all run on GGUF blocks (block_linear.py) and whose KV policy offers
-the one-operator store-and-attend (kv/fused_decode.py).
+the one-operator store-and-attend (kv/fused_decode.py). Under any other KV policy or format, the same kernels run
+each layer's work before and after attention (`dense_parts`), and the policy's attention runs between them.
 
 On a small model a batch-1 decode step is half products, half a few hundred small operations (norms, RoPE,
 residuals, the attention call), and each of those costs torch microseconds of dispatch and allocation whether it
@@ -58,3 +59,16 @@ class NativeDecode:
         (RoPE's angles are computed inside); stores every layer's new K/V in the step's pools."""
         return self.layers.forward(x, positions, step.k_pools, step.v_pools, step.slots, step.block_tables,
                                    step.context_lens)
+
+    @property
+    def dense_parts(self):
+        """A layer's work before and after attention, as llama.py's before_attention and after_attention take and
+        return it, in the compiled kernels."""
+        return self._before_attention, self._after_attention
+
+    def _before_attention(self, layer, x, cos, sin):
+        q, k, v = self.layers.before_attention(layer.layer, x, cos, sin)
+        return q, k, v
+
+    def _after_attention(self, layer, x, attended):
+        return self.layers.after_attention(layer.layer, x, attended)

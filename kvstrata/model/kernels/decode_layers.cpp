@@ -1,7 +1,12 @@
 // A step of decodes through every layer of a Llama-family model in one call (model/native_decode.py says when the
 // engine takes it). Each layer computes what model/llama.py's before_attention, store_and_attend and
-// after_attention compute (up to the order of float sums and fused multiply-adds): RMSNorm, the q/k/v product, RoPE, the KV kernels' store-and-attend operator, the output
-// product and residual, RMSNorm, the gate/up product, SiLU(gate) * up, the down product and residual.
+// after_attention compute (up to the order of float sums and fused multiply-adds): RMSNorm, the q/k/v product,
+// RoPE, the KV kernels' store-and-attend operator, the output product and residual, RMSNorm, the gate/up product,
+// SiLU(gate) * up, the down product and residual.
+//
+// Where the step's attention is not one operator (a quantized cache's store, a policy that selects tokens), the
+// model calls the layer's two halves from Python instead (before_attention, after_attention), with the KV
+// policy's attention between them.
 //
 // Why: at batch 1 the products over the blocks take about half of a step; the rest is a few hundred small
 // operations, each of which costs torch (eager or compiled) microseconds of dispatch, allocation and thread
@@ -120,8 +125,7 @@ class DecodeLayers {
   // layer's output [n, hidden]; the pools hold every layer's new K/V.
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor k_pools, at::Tensor v_pools, at::Tensor slots,
                      at::Tensor block_tables, at::Tensor context_lens) {
-    TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_ && x.is_cpu(),
-                "DecodeLayers: x must be float32 [n, ", hidden_, "] on the CPU");
+    check_hidden(x);
     const int64_t n = x.size(0), dim = head_dim_;
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == n, "DecodeLayers: positions must be [n], one per row");
     const at::Tensor position_values = positions.to(at::kLong).contiguous();
@@ -130,37 +134,100 @@ class DecodeLayers {
     at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
     at::Tensor q = at::empty({n, heads_, dim}, x.options()), k = at::empty({n, kv_heads_, dim}, x.options()),
                v = at::empty({n, kv_heads_, dim}, x.options());
-    std::vector<float> normed(n * hidden_), qkv(n * (heads_ + 2 * kv_heads_) * dim), projected(n * hidden_),
-        gate_up(n * 2 * intermediate_), activated(n * intermediate_);
+    Scratch scratch(n, hidden_, (heads_ + 2 * kv_heads_) * dim, intermediate_);
     float* h = out.data_ptr<float>();
-    const float *cp = cos.data(), *sp = sin.data();
     const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
     for (size_t l = 0; l < layers_.size(); ++l) {
-      const Layer& layer = layers_[l];
-      rms_norm(h, layer.input_norm.data_ptr<float>(), n, hidden_, eps_, normed.data());
-      layer.qkv.apply(normed.data(), n, qkv.data());
-      split_and_rotate(qkv.data(), cp, sp, n, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>());
+      attention_inputs(layers_[l], h, cos.data(), sin.data(), n, q.data_ptr<float>(), k.data_ptr<float>(),
+                       v.data_ptr<float>(), scratch);
       const at::Tensor attended = store_and_attend(q, k, v, k_pools, v_pools, static_cast<int64_t>(l), slots,
                                                    block_tables, context_lens, scale);
-      layer.o.apply(attended.data_ptr<float>(), n, projected.data());
-      for (int64_t i = 0; i < n * hidden_; ++i) h[i] += projected[i];
-      rms_norm(h, layer.post_attention_norm.data_ptr<float>(), n, hidden_, eps_, normed.data());
-      layer.gate_up.apply(normed.data(), n, gate_up.data());
-      for (int64_t r = 0; r < n; ++r) {
-        const float* gate = gate_up.data() + r * 2 * intermediate_;
-        const float* up = gate + intermediate_;
-        for (int64_t i = 0; i < intermediate_; ++i) {
-          activated[r * intermediate_ + i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-        }
-      }
-      layer.down.apply(activated.data(), n, projected.data());
-      for (int64_t i = 0; i < n * hidden_; ++i) h[i] += projected[i];
+      finish_layer(layers_[l], h, attended.data_ptr<float>(), n, scratch);
     }
     rms_norm(h, final_norm_.data_ptr<float>(), n, hidden_, eps_, h);
     return out;
   }
 
+  // One layer's work up to attention, for a step whose attention runs elsewhere (a KV policy in Python): q, k
+  // (rotated) and v [n, heads or kv_heads, head_dim] of x [n, hidden] with RoPE's cos and sin [n, (1,) head_dim]
+  // (model/rotary.py's cos_sin).
+  std::vector<at::Tensor> before_attention(int64_t layer, at::Tensor x, at::Tensor cos, at::Tensor sin) {
+    const Layer& weights = layer_at(layer);
+    check_hidden(x);
+    const int64_t n = x.size(0), dim = head_dim_;
+    x = x.contiguous();
+    for (at::Tensor* angle : {&cos, &sin}) {
+      TORCH_CHECK(angle->dtype() == at::kFloat && angle->numel() == n * dim && angle->size(0) == n,
+                  "DecodeLayers: cos and sin must be float32 [n, (1,) ", dim, "]");
+      *angle = angle->contiguous();
+    }
+    at::Tensor q = at::empty({n, heads_, dim}, x.options()), k = at::empty({n, kv_heads_, dim}, x.options()),
+               v = at::empty({n, kv_heads_, dim}, x.options());
+    Scratch scratch(n, hidden_, (heads_ + 2 * kv_heads_) * dim, 0);
+    attention_inputs(weights, x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), n,
+                     q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), scratch);
+    return {q, k, v};
+  }
+
+  // The rest of the layer: x [n, hidden] after the output product and residual, the MLP and residual, given the
+  // attention output `attended` [n, heads, head_dim].
+  at::Tensor after_attention(int64_t layer, at::Tensor x, at::Tensor attended) {
+    const Layer& weights = layer_at(layer);
+    check_hidden(x);
+    const int64_t n = x.size(0);
+    TORCH_CHECK(attended.dtype() == at::kFloat && attended.numel() == n * heads_ * head_dim_ && attended.size(0) == n,
+                "DecodeLayers: the attention output must be float32 [n, ", heads_, ", ", head_dim_, "]");
+    at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
+    const at::Tensor attended_values = attended.contiguous();
+    Scratch scratch(n, hidden_, 0, intermediate_);
+    finish_layer(weights, out.data_ptr<float>(), attended_values.data_ptr<float>(), n, scratch);
+    return out;
+  }
+
  private:
+  // A step's intermediate rows: the normed input, the q/k/v and output products, the MLP's gate/up and activation.
+  struct Scratch {
+    std::vector<float> normed, qkv, projected, gate_up, activated;
+    Scratch(int64_t n, int64_t hidden, int64_t qkv_width, int64_t intermediate)
+        : normed(n * hidden), qkv(n * qkv_width), projected(n * hidden), gate_up(n * 2 * intermediate),
+          activated(n * intermediate) {}
+  };
+
+  // RMSNorm, the q/k/v product and RoPE of h [n, hidden] into q, k and v
+  void attention_inputs(const Layer& layer, const float* h, const float* cos, const float* sin, int64_t n, float* q,
+                        float* k, float* v, Scratch& scratch) const {
+    rms_norm(h, layer.input_norm.data_ptr<float>(), n, hidden_, eps_, scratch.normed.data());
+    layer.qkv.apply(scratch.normed.data(), n, scratch.qkv.data());
+    split_and_rotate(scratch.qkv.data(), cos, sin, n, q, k, v);
+  }
+
+  // h += the output product of `attended` [n, heads * head_dim]; then h += the MLP of RMSNorm(h)
+  void finish_layer(const Layer& layer, float* h, const float* attended, int64_t n, Scratch& scratch) const {
+    layer.o.apply(attended, n, scratch.projected.data());
+    for (int64_t i = 0; i < n * hidden_; ++i) h[i] += scratch.projected[i];
+    rms_norm(h, layer.post_attention_norm.data_ptr<float>(), n, hidden_, eps_, scratch.normed.data());
+    layer.gate_up.apply(scratch.normed.data(), n, scratch.gate_up.data());
+    for (int64_t r = 0; r < n; ++r) {
+      const float* gate = scratch.gate_up.data() + r * 2 * intermediate_;
+      const float* up = gate + intermediate_;
+      float* activated = scratch.activated.data() + r * intermediate_;
+      for (int64_t i = 0; i < intermediate_; ++i) activated[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    }
+    layer.down.apply(scratch.activated.data(), n, scratch.projected.data());
+    for (int64_t i = 0; i < n * hidden_; ++i) h[i] += scratch.projected[i];
+  }
+
+  const Layer& layer_at(int64_t layer) const {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "DecodeLayers: layer ", layer,
+                " out of range: the model has ", layers_.size());
+    return layers_[layer];
+  }
+
+  void check_hidden(const at::Tensor& x) const {
+    TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_ && x.is_cpu(),
+                "DecodeLayers: x must be float32 [n, ", hidden_, "] on the CPU");
+  }
+
   void check_norm(const at::Tensor& norm) const {
     TORCH_CHECK(norm.dtype() == at::kFloat && norm.is_contiguous() && norm.is_cpu() && norm.numel() == hidden_,
                 "DecodeLayers: norm weights must be float32 [hidden] on the CPU");
@@ -209,5 +276,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
                           at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
-      .def("forward", &kvstrata::DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &kvstrata::DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("before_attention", &kvstrata::DecodeLayers::before_attention,
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("after_attention", &kvstrata::DecodeLayers::after_attention,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
