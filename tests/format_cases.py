@@ -3,6 +3,8 @@ shared by the tests that compare one read path with another."""
 
 from __future__ import annotations
 
+import torch
+
 from kvstrata import LLM
 from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
 from tests.conftest import FOUR_GROUPS
@@ -25,3 +27,18 @@ def build(tiny_llama_kv64, oaken_calibrations, case: str, **options) -> LLM:
     ratios = FOUR_GROUPS if "oaken_ratios" in extra else DEFAULT_RATIOS
     return LLM(str(tiny_llama_kv64), kv_format=kv_format, kv_cache_memory="8MiB", threads=1, chunk_size=32,
                oaken_calibration=str(oaken_calibrations[ratios]), **extra, **options)
+
+
+NONFINITE_TOKENS = (5, 6)  # the rows of `extreme_tokens` that float16 parameters cannot hold
+
+
+def extreme_tokens(width: int, generator: torch.Generator) -> torch.Tensor:
+    """21 tokens [21, width] for an encoder: random ones, and a zero token (2), float16's largest values (3), tiny
+    values (4), a value beyond float16's range (5) and a NaN (6)."""
+    x = torch.randn(21, width, generator=generator) * 4
+    x[2] = 0
+    x[3, :5] = 60000.0
+    x[4] = 1e-6 * torch.randn(width, generator=generator)
+    x[5, 1] = 1e7
+    x[6, 2] = float("nan")
+    return x

@@ -14,7 +14,7 @@ from kvstrata.kv.formats.oaken.groups import OakenConfig
 from kvstrata.kv.slots import slots_of_positions
 from kvstrata.kv.sparse_pages import SparsePages
 from kvstrata.model.rotary import apply_rope
-from tests.format_cases import CASES, build
+from tests.format_cases import CASES, NONFINITE_TOKENS, build, extreme_tokens
 from tests.helpers import prefill_in_chunks
 from tests.test_oaken_codec import calibrated_bounds, kv
 
@@ -98,13 +98,7 @@ def test_integer_kernels_round_trip_like_the_torch_formats(width, group):
     """Records of another width than the tiny model's, with a padded last group, extreme and zero tokens; a value
     beyond float16's range, or NaN, leaves its token NaN (its codes may differ: NaN has no code)."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(21, width, generator=gen) * 4
-    x[2] = 0
-    x[3, :5] = 60000.0
-    x[4] = 1e-6 * torch.randn(width, generator=gen)
-    x[5, 1] = 1e7
-    x[6, 2] = float("nan")
-    x = x.to(DEVICE)
+    x = extreme_tokens(width, gen).to(DEVICE)
     for fmt, encode, decode in (
             (Int4Format(width, group), lambda x, s, r: integer_rows.int4_encode(x, s, r, group, -(-width // 2)),
              lambda r, s, p, d: integer_rows.int4_decode(r, s, p, width, group, -(-width // 2), d)),
@@ -116,13 +110,13 @@ def test_integer_kernels_round_trip_like_the_torch_formats(width, group):
         records = torch.zeros(40, fmt.record_bytes, dtype=torch.uint8, device=DEVICE)
         encode(x, slots, records)
         reference = fmt.encode(x, 0, "k", positions).dense
-        finite = (torch.arange(len(x), device=DEVICE) != 5) & (torch.arange(len(x), device=DEVICE) != 6)
+        finite = ~torch.isin(torch.arange(len(x), device=DEVICE), torch.tensor(NONFINITE_TOKENS, device=DEVICE))
         assert torch.equal(records[slots][finite], reference[finite])
         decoded = fmt.decode(reference, None, 0, "k", positions)
         decoded[7] = 0
         got = decode(records, slots, positions, torch.float32)
         torch.testing.assert_close(got[finite], decoded[finite], rtol=0, atol=0)
-        for token in (5, 6):
+        for token in NONFINITE_TOKENS:
             assert got[token].isnan().any() and decoded[token].isnan().any()
 
 

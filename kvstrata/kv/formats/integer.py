@@ -35,6 +35,11 @@ class Int8Format(KVFormat):
         codes = dense[:, : self.width].contiguous().view(torch.int8).float()
         return codes * params_from_bytes(dense[:, self.width :])
 
+    def store_in_place(self, kernel, layer, slots, positions, k, v, records, sparse):
+        """The compiled store (kv/kernels/integer_store.cpp): `encode`'s bytes, written at the slots."""
+        kernel.integer_store(k, v, slots, records["k"], records["v"], 8, 0)
+        return True
+
     def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size):
         return kernel.paged_decode_attention_int8(q, records["k"], records["v"], block_tables, context_lens,
                                                   block_size, self.width // q.shape[-1], q.shape[-1] ** -0.5)
@@ -79,6 +84,11 @@ class Int4Format(KVFormat):
         codes = torch.nn.functional.pad(codes, (0, self.padded - codes.shape[1])).view(-1, self.groups, self.group)
         params = params_from_bytes(dense[:, self.code_bytes :]).view(-1, self.groups, 2)
         return dequantize_asymmetric(codes, params, 2).view(dense.shape[0], -1)[:, : self.width]
+
+    def store_in_place(self, kernel, layer, slots, positions, k, v, records, sparse):
+        """The compiled store (kv/kernels/integer_store.cpp): `encode`'s bytes, written at the slots."""
+        kernel.integer_store(k, v, slots, records["k"], records["v"], 4, self.group)
+        return True
 
     def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size):
         return kernel.paged_decode_attention_int4(q, records["k"], records["v"], block_tables, context_lens,

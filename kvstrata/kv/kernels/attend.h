@@ -371,6 +371,8 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
                                         int64_t block, int64_t kv_heads, double scale);
 
+void integer_store(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_records, at::Tensor v_records,
+                   int64_t bits, int64_t group_size);
 int64_t sparse_write(std::vector<at::Tensor> layer_tensors, at::Tensor slots, at::Tensor bytes, at::Tensor counts,
                      int64_t block_size, int64_t page_bytes);
 std::vector<int64_t> oaken_store(at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor slots,

@@ -10,6 +10,8 @@
 // parameter or a float16 outlier leaves float16's finite range (the torch version then raises the clear error).
 #include "oaken_encode.h"
 
+#include "float16_params.h"
+
 #include "attend.h"
 
 #include <cstdint>
@@ -20,22 +22,6 @@ namespace kvstrata {
 
 constexpr int64_t kLevels = 15;  // the largest 4-bit code
 constexpr int64_t kIndexValues = 64;  // values addressed by one 6-bit index
-
-// The float16 (as bits) nearest `v` on the side of `up` (at or above) or not (at or below); round_float16 in
-// float16_params.py.
-inline uint16_t half_toward(double v, bool up) {
-  uint16_t bits = c10::Half(static_cast<float>(v)).x;
-  const double h = static_cast<double>(static_cast<float>(c10::Half(bits, c10::Half::from_bits())));
-  if (up ? h < v : h > v) {  // one step toward the side: magnitude grows away from zero, shrinks toward it
-    if ((bits & 0x7fff) == 0) return up ? 0x0001 : 0x8001;
-    const bool negative = bits & 0x8000;
-    bits = negative == up ? bits - 1 : bits + 1;
-  }
-  return bits;
-}
-
-inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
-inline bool half_finite(uint16_t bits) { return (bits & 0x7c00) != 0x7c00; }
 
 // _zero_between_codes: the finest grid over [lo, hi] (lo < 0 < hi) with zero halfway between two codes.
 inline std::pair<uint16_t, double> zero_between_codes(double lo, double hi) {

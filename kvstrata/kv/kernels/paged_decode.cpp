@@ -137,6 +137,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention read in place from KIVI's quantized blocks and its float16 window");
   m.def("paged_decode_attention_oaken", &kvstrata::paged_decode_attention_oaken,
         "decode attention read in place from Oaken's dense records and sparse pages");
+  m.def("integer_store", &kvstrata::integer_store, "int8's or int4's store of one layer's new K and V: encode, write");
   m.def("sparse_write", &kvstrata::sparse_write, "SparsePages.write for one layer (pages from its free stack)");
   m.def("oaken_store", &kvstrata::oaken_store, "Oaken's store of one layer's new K and V: encode and write both");
   m.def("infinigen_select", &kvstrata::infinigen_select,
