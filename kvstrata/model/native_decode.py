@@ -50,8 +50,8 @@ class NativeDecode:
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
-        """Whether this step's hidden states go through the loop: float32, and fewer rows than the products switch
-        to dense GEMMs at (block_linear.DENSE_FROM_ROWS)."""
+        """Whether this step's hidden states go through the compiled layers (the loop, or its halves): float32, and
+        fewer rows than the products switch to dense GEMMs at (block_linear.DENSE_FROM_ROWS)."""
         return x.dtype == torch.float32 and len(x) < DENSE_FROM_ROWS
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, step: FusedDecode) -> torch.Tensor:
@@ -67,8 +67,7 @@ class NativeDecode:
         return self._before_attention, self._after_attention
 
     def _before_attention(self, layer, x, cos, sin):
-        q, k, v = self.layers.before_attention(layer.layer, x, cos, sin)
-        return q, k, v
+        return tuple(self.layers.before_attention(layer.layer, x, cos, sin))
 
     def _after_attention(self, layer, x, attended):
         return self.layers.after_attention(layer.layer, x, attended)

@@ -1,6 +1,6 @@
 // The int8 and int4 formats' store of one layer's new K and V in one call (Int8Format / Int4Format.store_in_place):
 // each token encoded as kv/formats/integer.py encodes it, with the same bytes, and its record written at its slot.
-// The torch path spends a dozen operations per side on this, about as long as the layer's attention at batch 8.
+// The torch path runs dozens of small torch operators per side on this in every layer.
 //
 // int8: scale = absmax / 127 rounded up to float16, code = round(value / scale) in [-127, 127].
 // int4, per group of `group_size` values: minimum rounded down to float16, step = (maximum - minimum) / 15 rounded
