@@ -128,8 +128,9 @@ class LlamaForCausalLM(nn.Module):
         if fused is not None:
             x = self.decode_all_layers(self, x, cos, sin, fused)
         else:
+            dense_parts = native.dense_parts if native is not None else None
             for layer in self.layers:
-                x = layer(x, cos, sin, kv, batch, native.dense_parts if native is not None else None)
+                x = layer(x, cos, sin, kv, batch, dense_parts)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
