@@ -23,20 +23,21 @@ def random_pools(kv_heads=3, num_blocks=40, block=16, dim=64, seed=0):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("heads", "dim"), [(3, 64), (9, 64), (9, 72), (3, 20)])
-def test_kernel_equals_the_reference_attention_over_the_gathered_blocks(heads, dim):
+def test_kernel_equals_the_reference_attention_over_the_gathered_blocks(heads, dim, dtype):
     """Sequences of different lengths (one token, a block and one, full blocks) in padded tables, with MHA and GQA:
     the kernel's output equals the reference attention over the same blocks gathered by hand. Head sizes: 64 and 72
-    (float32 rows are read head by head, in slabs of 64 values and a rest), 20 (not a whole number of vectors: the
-    token-by-token loop)."""
-    k_pool, v_pool = random_pools(dim=dim)
+    (rows are read head by head, in slabs of 64 values and a rest), 20 (not a whole number of vectors: token by token
+    and value by value). float32 pools are read where they lie, float16 ones widened a tile of tokens at a time."""
+    k_pool, v_pool = (pool.to(dtype).float() for pool in random_pools(dim=dim))  # values float16 can hold
     lens = torch.tensor([1, 17, 48, 100])
     width = 7
     gen = torch.Generator().manual_seed(1)
     order = torch.randperm(40, generator=gen)
     tables = torch.stack([order[i * width : (i + 1) * width] for i in range(4)])
     q = torch.randn(4, heads, dim, generator=gen)
-    got = KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, dim**-0.5)
+    got = KERNEL.paged_decode_attention(q, k_pool.to(dtype), v_pool.to(dtype), tables, lens, dim**-0.5)
     keys = whole_block_keys(tables, lens, 16)
     k = k_pool[:, tables].flatten(2, 3).permute(1, 2, 0, 3)  # [n, tokens, kv_heads, dim]
     v = v_pool[:, tables].flatten(2, 3).permute(1, 2, 0, 3)

@@ -42,8 +42,10 @@ inline void widen_halves(const void* halves, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = half_at(p + 2 * i);
 }
 
-// 2 * n_bytes 4-bit codes (value 2j in the low nibble of byte j, 2j + 1 in the high one) as low + code * step.
-inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out) {
+// 2 * n_bytes 4-bit codes (value 2j in the low nibble of byte j, 2j + 1 in the high one) as finish(low + code * step),
+// finish taking and giving 8 floats (a scalar tail goes through lane 0).
+template <typename Finish>
+inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out, Finish finish) {
   const __m256 lows = _mm256_set1_ps(low), steps = _mm256_set1_ps(step);
   const __m128i mask = _mm_set1_epi8(15);
   int64_t j = 0;
@@ -52,13 +54,19 @@ inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, floa
     const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
     const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
     const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
-    _mm256_storeu_ps(out + 2 * j, _mm256_fmadd_ps(first, steps, lows));
-    _mm256_storeu_ps(out + 2 * j + 8, _mm256_fmadd_ps(second, steps, lows));
+    _mm256_storeu_ps(out + 2 * j, finish(_mm256_fmadd_ps(first, steps, lows)));
+    _mm256_storeu_ps(out + 2 * j + 8, finish(_mm256_fmadd_ps(second, steps, lows)));
   }
   for (; j < n_bytes; ++j) {
-    out[2 * j] = low + static_cast<float>(bytes[j] & 15) * step;
-    out[2 * j + 1] = low + static_cast<float>(bytes[j] >> 4) * step;
+    for (int i = 0; i < 2; ++i) {
+      const float x = low + static_cast<float>((bytes[j] >> (4 * i)) & 15) * step;
+      out[2 * j + i] = _mm256_cvtss_f32(finish(_mm256_set1_ps(x)));
+    }
   }
+}
+
+inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out) {
+  widen_nibbles(bytes, n_bytes, low, step, out, [](__m256 x) { return x; });
 }
 
 // e^x of 8 floats: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 (ln 2 in two parts, so that r keeps its
@@ -112,26 +120,40 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return total;
 }
 
-// The slot of a sequence's token t: block table entry t / block, offset t % block.
-inline int64_t slot_of(const int64_t* table, int64_t block, int64_t t) { return table[t / block] * block + t % block; }
-
-// slot_of for many tokens of one block size (>= 1): a shift and a mask where it is a power of two (it is by
-// default), since a division per row read is a visible share of a loop that reads rows one by one.
+// The slot of a sequence's token t (block table entry t / block, offset t % block) for many tokens of one block size
+// (>= 1): a shift and a mask where it is a power of two (it is by default), since a division per row read is a
+// visible share of a loop that reads rows one by one.
 struct BlockSlots {
   const int64_t block;
   const int shift = (block & (block - 1)) == 0 ? __builtin_ctzll(block) : -1;
 
-  int64_t of(const int64_t* table, int64_t t) const {
-    return shift < 0 ? slot_of(table, block, t) : (table[t >> shift] << shift) + (t & (block - 1));
-  }
+  int64_t entry(int64_t t) const { return shift < 0 ? t / block : t >> shift; }  // token t's block table entry
+  int64_t offset(int64_t t) const { return shift < 0 ? t % block : t & (block - 1); }  // and its place there
+  int64_t of(const int64_t* table, int64_t t) const { return table[entry(t)] * block + offset(t); }
 };
 
-// Whether a reader's rows stay where `key(t)` and `value(t)` point until the reader is gone (a float32 pool read in
-// place): a reader that decodes into a buffer (kStableRows absent or false) is asked for each row once.
+// Two kinds of reader. Stable rows (kStableRows true: a float32 pool read in place) hand back where a token's row
+// lies, `key(t)` and `value(t)`, and it stays there until the reader is gone. Other readers decode a token's row
+// into a place the caller gives, `key(t, out)` and `value(t, out)`, and may use out[row width], the float after
+// it, as a scratch place; the loop below decodes kTileTokens of them at a time, in order, into a DecodedTile, which
+// then reads as stable rows, so that both kinds share the arithmetic below.
 template <typename Rows, typename = void>
 struct stable_rows : std::false_type {};
 template <typename Rows>
 struct stable_rows<Rows, std::void_t<decltype(Rows::kStableRows)>> : std::bool_constant<Rows::kStableRows> {};
+
+// Tokens decoded together: a block of the default size. Their K (or V) rows of 3 KV heads of 64 take 12 KiB, within
+// the level-1 cache beside what the arithmetic reads.
+constexpr int64_t kTileTokens = 16;
+
+// Decoded rows of tokens [first, first + kTileTokens), `width` floats each, read as stable rows.
+struct DecodedTile {
+  static constexpr bool kStableRows = true;
+  const float* rows;
+  int64_t first, width;
+  const float* key(int64_t t) const { return rows + (t - first) * width; }
+  const float* value(int64_t t) const { return key(t); }
+};
 
 // The sums across lanes of eight vectors, as the lanes of one.
 inline __m256 sum_lanes_of_8(const __m256* x) {
@@ -140,13 +162,13 @@ inline __m256 sum_lanes_of_8(const __m256* x) {
   return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
 }
 
-// Scores of one query head (query: dim values, dim a multiple of 8) against tokens [first, last) of stable rows, at
-// `offset` in each key row: eight keys at a time, their dot products summed across lanes together.
+// Scores of one query head (query: dim values) against tokens [first, last) of stable rows, at `offset` in each key
+// row: where dim is a multiple of 8, eight keys at a time, their dot products summed across lanes together.
 template <typename Rows>
-void score_stable_rows(Rows& rows, const float* query, int64_t offset, int64_t first, int64_t last, int64_t dim,
-                       float scale, float* scores) {
+void score_stable_rows(const Rows& rows, const float* query, int64_t offset, int64_t first, int64_t last,
+                       int64_t dim, float scale, float* scores) {
   int64_t t = first;
-  for (; t + 8 <= last; t += 8) {
+  for (; dim % 8 == 0 && t + 8 <= last; t += 8) {
     const float* keys[8];
     for (int i = 0; i < 8; ++i) keys[i] = rows.key(t + i) + offset;
     __m256 sums[8];
@@ -160,12 +182,13 @@ void score_stable_rows(Rows& rows, const float* query, int64_t offset, int64_t f
   for (; t < last; ++t) scores[t - first] = dot(query, rows.key(t) + offset, dim) * scale;
 }
 
-// output[0 .. 8 * Lanes) = the sum over tokens [first, last) of weights[t - first] times the value row at `offset`,
+// output[0 .. 8 * Lanes) += the sum over tokens [first, last) of weights[t - first] times the value row at `offset`,
 // kept in registers over every token.
 template <int Lanes, typename Rows>
-void weigh_stable_rows(Rows& rows, const float* weights, int64_t offset, int64_t first, int64_t last, float* output) {
+void weigh_stable_rows(const Rows& rows, const float* weights, int64_t offset, int64_t first, int64_t last,
+                       float* output) {
   __m256 sums[Lanes];
-  for (auto& sum : sums) sum = _mm256_setzero_ps();
+  for (int c = 0; c < Lanes; ++c) sums[c] = _mm256_loadu_ps(output + 8 * c);
   for (int64_t t = first; t < last; ++t) {
     const float* value = rows.value(t) + offset;
     const __m256 weight = _mm256_set1_ps(weights[t - first]);
@@ -174,10 +197,19 @@ void weigh_stable_rows(Rows& rows, const float* weights, int64_t offset, int64_t
   for (int c = 0; c < Lanes; ++c) _mm256_storeu_ps(output + 8 * c, sums[c]);
 }
 
-// weigh_stable_rows over a head's dim values (a multiple of 8), 64 at a time.
+// weigh_stable_rows over a head's dim values: 64 at a time where dim is a multiple of 8, else value by value.
 template <typename Rows>
-void weigh_stable_rows(Rows& rows, const float* weights, int64_t offset, int64_t first, int64_t last, int64_t dim,
-                       float* output) {
+void weigh_stable_rows(const Rows& rows, const float* weights, int64_t offset, int64_t first, int64_t last,
+                       int64_t dim, float* output) {
+  if (dim % 8 != 0) {
+    for (int64_t t = first; t < last; ++t) {
+      const float* __restrict value = rows.value(t) + offset;
+      const float weight = weights[t - first];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) output[d] += weight * value[d];
+    }
+    return;
+  }
   for (int64_t d = 0; d < dim; d += 64) {
     switch (std::min<int64_t>(dim - d, 64) / 8) {
       case 1: weigh_stable_rows<1>(rows, weights, offset + d, first, last, output + d); break;
@@ -192,59 +224,68 @@ void weigh_stable_rows(Rows& rows, const float* weights, int64_t offset, int64_t
   }
 }
 
+// A worker's scratch: the scores of its item's heads and the decoded rows of a tile.
+struct SpanScratch {
+  std::vector<float> scores, tile;
+};
+
+// read(stable, a, b) over tokens [first, last): once over `rows` where they are stable, else tile by tile over the
+// tile's K rows (keys) or V rows (values), decoded by `rows` into the scratch's tile.
+template <typename Rows, typename Read>
+void in_tiles(Rows& rows, bool keys, int64_t first, int64_t last, int64_t width, SpanScratch& scratch, Read read) {
+  if constexpr (stable_rows<Rows>::value) {
+    read(rows, first, last);
+  } else {
+    scratch.tile.resize(kTileTokens * width + 1);  // and the last row's scratch place
+    for (int64_t a = first; a < last; a += kTileTokens) {
+      const int64_t b = std::min(last, a + kTileTokens);
+      for (int64_t t = a; t < b; ++t) {
+        float* row = scratch.tile.data() + (t - a) * width;
+        if (keys) {
+          rows.key(t, row);
+        } else {
+          rows.value(t, row);
+        }
+      }
+      read(DecodedTile{scratch.tile.data(), a, width}, a, b);
+    }
+  }
+}
+
 // Tokens [first, last) of one item of one sequence: `row_heads` KV heads, whose rows the reader hands back side by
 // side, and their `group` query heads each (query head g reads KV head g / group of the row). Leaves per query head
 // g its peak score peaks[g], the sum of its weights e^(score - peak) totals[g] and, in outputs, the weighted sum of
-// the values, not yet divided by the total. Stable rows (above) whose head size is a multiple of 8 are read head by
-// head, with a head's sums in registers; other readers' rows are asked for once per token, for every head at once.
+// the values, not yet divided by the total. Rows are read head by head, with a head's sums in registers.
 template <typename Rows>
 void attend_span(Rows& rows, const float* queries, float* outputs, int64_t first, int64_t last, int64_t group,
-                 int64_t row_heads, int64_t dim, float scale, std::vector<float>& scores, float* peaks, float* totals) {
-  const int64_t heads = group * row_heads, len = last - first;
-  const bool head_by_head = stable_rows<Rows>::value && dim % 8 == 0;
-  scores.resize(heads * len);
-  if (head_by_head) {
+                 int64_t row_heads, int64_t dim, float scale, SpanScratch& scratch, float* peaks, float* totals) {
+  const int64_t heads = group * row_heads, len = last - first, width = row_heads * dim;
+  scratch.scores.resize(heads * len);
+  float* scores = scratch.scores.data();
+  in_tiles(rows, true, first, last, width, scratch, [&](const auto& readable, int64_t a, int64_t b) {
     for (int64_t g = 0; g < heads; ++g) {
-      score_stable_rows(rows, queries + g * dim, g / group * dim, first, last, dim, scale, scores.data() + g * len);
+      score_stable_rows(readable, queries + g * dim, g / group * dim, a, b, dim, scale, scores + g * len + a - first);
     }
-  } else {
-    for (int64_t t = first; t < last; ++t) {
-      const float* __restrict key = rows.key(t);
-      for (int64_t g = 0; g < heads; ++g) {
-        scores[g * len + t - first] = dot(queries + g * dim, key + g / group * dim, dim) * scale;
-      }
-    }
-  }
+  });
   for (int64_t g = 0; g < heads; ++g) {
-    float* row = scores.data() + g * len;
+    float* row = scores + g * len;
     peaks[g] = *std::max_element(row, row + len);
     totals[g] = exp_minus_peak(row, len, peaks[g]);
   }
-  if (head_by_head) {
-    for (int64_t g = 0; g < heads; ++g) {
-      weigh_stable_rows(rows, scores.data() + g * len, g / group * dim, first, last, dim, outputs + g * dim);
-    }
-    return;
-  }
   std::fill(outputs, outputs + heads * dim, 0.0f);
-  for (int64_t t = first; t < last; ++t) {
-    const float* __restrict value = rows.value(t);
+  in_tiles(rows, false, first, last, width, scratch, [&](const auto& readable, int64_t a, int64_t b) {
     for (int64_t g = 0; g < heads; ++g) {
-      const float weight = scores[g * len + t - first];
-      const float* __restrict v = value + g / group * dim;
-      float* __restrict o = outputs + g * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) o[d] += weight * v[d];
+      weigh_stable_rows(readable, scores + g * len + a - first, g / group * dim, a, b, dim, outputs + g * dim);
     }
-  }
+  });
 }
 
 // The whole item: its first `len` tokens, outputs divided by their totals (peaks and totals: a place per head).
 template <typename Rows>
 void attend_head(Rows& rows, const float* queries, float* outputs, int64_t len, int64_t group, int64_t row_heads,
-                 int64_t dim, float scale, std::vector<float>& scores, std::vector<float>& peaks,
+                 int64_t dim, float scale, SpanScratch& scratch, std::vector<float>& peaks,
                  std::vector<float>& totals) {
-  attend_span(rows, queries, outputs, 0, len, group, row_heads, dim, scale, scores, peaks.data(), totals.data());
+  attend_span(rows, queries, outputs, 0, len, group, row_heads, dim, scale, scratch, peaks.data(), totals.data());
   for (int64_t g = 0; g < group * row_heads; ++g) {
     const float inverse = 1.0f / totals[g];
     for (int64_t d = 0; d < dim; ++d) outputs[g * dim + d] *= inverse;
@@ -303,12 +344,13 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
       (4 * threads + n * items - 1) / (n * items), 1, std::max<int64_t>(1, longest / kMinPartTokens));
   if (parts == 1) {
     at::parallel_for(0, n * items, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, peaks(item_heads), totals(item_heads);
+      SpanScratch scratch;
+      std::vector<float> peaks(item_heads), totals(item_heads);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t s = item / items, h = item % items * row_heads;
         auto rows = make_rows(tables + s * width, h, row_heads);
         attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, lens[s], group,
-                    row_heads, dim, static_cast<float>(scale), scores, peaks, totals);
+                    row_heads, dim, static_cast<float>(scale), scratch, peaks, totals);
       }
     });
     return out;
@@ -318,14 +360,14 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   const int64_t units = n * items * parts;
   std::vector<float> partial(units * item_heads * dim), peaks(units * item_heads), totals(units * item_heads);
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    SpanScratch scratch;
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t item = unit / parts, part = unit % parts, s = item / items, h = item % items * row_heads;
       const int64_t first = part * span_of(s), last = std::min(lens[s], first + span_of(s));
       if (first >= last) continue;
       auto rows = make_rows(tables + s * width, h, row_heads);
       attend_span(rows, qp + (s * heads + h * group) * dim, partial.data() + unit * item_heads * dim, first, last,
-                  group, row_heads, dim, static_cast<float>(scale), scores, peaks.data() + unit * item_heads,
+                  group, row_heads, dim, static_cast<float>(scale), scratch, peaks.data() + unit * item_heads,
                   totals.data() + unit * item_heads);
     }
   });

@@ -54,13 +54,14 @@ at::Tensor fetched_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tenso
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, peaks(group), totals(group);
+    SpanScratch scratch;
+    std::vector<float> peaks(group), totals(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / kv_heads, g = item % kv_heads;
       const int64_t first = first_row[g * n + s], len = row_count[g * n + s];
       SegmentRows segment_rows{kp + (g * rows + first) * dim, vp + (g * rows + first) * dim, dim};
       attend_head(segment_rows, qp + (s * heads + g * group) * dim, op + (s * heads + g * group) * dim, len, group,
-                  1, dim, static_cast<float>(scale), scores, peaks, totals);
+                  1, dim, static_cast<float>(scale), scratch, peaks, totals);
     }
   });
   return out;

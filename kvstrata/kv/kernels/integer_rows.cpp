@@ -1,4 +1,5 @@
-// Per-token integer records [slots, record_bytes] (kv/formats/integer.py), decoded one item's KV heads at a time:
+// Per-token integer records [slots, record_bytes] (kv/formats/integer.py), one item's KV heads of a token decoded
+// at a time:
 //   int8: kv_heads * dim codes, then the token's float16 scale: value = code * scale;
 //   int4: ceil(width / 2) bytes of nibbles (value i in byte i / 2, the low nibble for even i), then per group
 //         of `group_size` values a float16 (minimum, step): value = minimum + code * step.
@@ -11,47 +12,45 @@ struct RecordRows {
   const uint8_t* k;
   const uint8_t* v;
   const int64_t* table;
-  int64_t block, dim, record_bytes, head_offset;
-  std::vector<float> buffer;
+  BlockSlots slots;
+  int64_t dim, record_bytes, head_offset;
   const uint8_t* record(const uint8_t* records, int64_t t) const {
-    return records + slot_of(table, block, t) * record_bytes;
+    return records + slots.of(table, t) * record_bytes;
   }
 };
 
 struct Int8Rows : RecordRows {
   int64_t width;  // codes per record; the scale follows them
-  const float* decode(const uint8_t* records, int64_t t) {
+  void decode(const uint8_t* records, int64_t t, float* out) const {
     const uint8_t* rec = record(records, t);
     const float scale = half_at(rec + width);
     const int8_t* codes = reinterpret_cast<const int8_t*>(rec) + head_offset;
-    for (int64_t d = 0; d < dim; ++d) buffer[d] = static_cast<float>(codes[d]) * scale;
-    return buffer.data();
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(codes[d]) * scale;
   }
-  const float* key(int64_t t) { return decode(k, t); }
-  const float* value(int64_t t) { return decode(v, t); }
+  void key(int64_t t, float* out) const { decode(k, t, out); }
+  void value(int64_t t, float* out) const { decode(v, t, out); }
 };
 
 struct Int4Rows : RecordRows {
   int64_t code_bytes, group_size;  // the groups' (minimum, step) pairs follow the codes
-  const float* decode(const uint8_t* records, int64_t t) {
+  void decode(const uint8_t* records, int64_t t, float* out) const {
     const uint8_t* rec = record(records, t);
     for (int64_t d = 0; d < dim;) {  // group after group of the row's values
       const int64_t group = (head_offset + d) / group_size;
       const int64_t end = std::min(dim, (group + 1) * group_size - head_offset);
       const float low = half_at(rec + code_bytes + 4 * group), step = half_at(rec + code_bytes + 4 * group + 2);
       if ((head_offset + d) % 2 == 0 && (end - d) % 2 == 0) {  // whole bytes
-        widen_nibbles(rec + (head_offset + d) / 2, (end - d) / 2, low, step, buffer.data() + d);
+        widen_nibbles(rec + (head_offset + d) / 2, (end - d) / 2, low, step, out + d);
         d = end;
       }
       for (; d < end; ++d) {
         const int64_t i = head_offset + d;
-        buffer[d] = low + static_cast<float>((rec[i / 2] >> (4 * (i % 2))) & 15) * step;
+        out[d] = low + static_cast<float>((rec[i / 2] >> (4 * (i % 2))) & 15) * step;
       }
     }
-    return buffer.data();
   }
-  const float* key(int64_t t) { return decode(k, t); }
-  const float* value(int64_t t) { return decode(v, t); }
+  void key(int64_t t, float* out) const { decode(k, t, out); }
+  void value(int64_t t, float* out) const { decode(v, t, out); }
 };
 
 static void check_records(const at::Tensor& k, const at::Tensor& v, int64_t block, int64_t record_bytes,
@@ -72,8 +71,7 @@ at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_records, at::T
   const uint8_t* v = v_records.data_ptr<uint8_t>();
   return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale,
              [&](const int64_t* table, int64_t h, int64_t row_heads) {
-    return Int8Rows{{k, v, table, block, row_heads * dim, record_bytes, h * dim, std::vector<float>(row_heads * dim)},
-                    width};
+    return Int8Rows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, width};
   }, true);
 }
 
@@ -88,8 +86,7 @@ at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::T
   const uint8_t* v = v_records.data_ptr<uint8_t>();
   return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale,
              [&](const int64_t* table, int64_t h, int64_t row_heads) {
-    return Int4Rows{{k, v, table, block, row_heads * dim, record_bytes, h * dim, std::vector<float>(row_heads * dim)},
-                    code_bytes, group_size};
+    return Int4Rows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, code_bytes, group_size};
   }, true);
 }
 

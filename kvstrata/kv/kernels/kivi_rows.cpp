@@ -19,9 +19,10 @@ struct KiviRows {
   const at::Half* window_v;
   const int64_t* window_slot;
   const int64_t* table;
-  int64_t block, dim, width, value_group, head_offset;
-  std::vector<float> buffer, codes, params;
-  int64_t params_block = -1;  // the block whose key params `params` holds: 16 tokens share them
+  BlockSlots slots;
+  int64_t dim, width, value_group, head_offset;
+  std::vector<float> codes, key_minimum, key_step;
+  int64_t params_block = -1;  // the block whose key params key_minimum and key_step hold: 16 tokens share them
 
   // The row's codes of one token, as floats.
   void unpack(const uint8_t* token_codes) {
@@ -41,35 +42,44 @@ struct KiviRows {
       codes[d] = static_cast<float>((token_codes[c / kPerByte] >> (Bits * (c % kPerByte))) & kMask);
     }
   }
-  // The row where the block is still in the window, else nullptr.
-  const float* from_window(const at::Half* window, int64_t t) {
-    const int64_t w = window_slot[table[t / block]];
-    if (w < 0) return nullptr;
-    widen_halves(window + (w * block + t % block) * width + head_offset, dim, buffer.data());
-    return buffer.data();
+  // Whether the block is still in the window; if so, its row is widened into out.
+  bool from_window(const at::Half* window, int64_t t, float* out) const {
+    const int64_t w = window_slot[table[slots.entry(t)]];
+    if (w < 0) return false;
+    widen_halves(window + (w * slots.block + slots.offset(t)) * width + head_offset, dim, out);
+    return true;
   }
-  const float* key(int64_t t) {
-    if (const float* row = from_window(window_k, t)) return row;
-    const int64_t block_id = table[t / block];
-    if (block_id != params_block) {  // (minimum, step) per channel of the row
-      widen_halves(key_params + (block_id * width + head_offset) * 2, 2 * dim, params.data());
+  void key(int64_t t, float* out) {
+    if (from_window(window_k, t, out)) return;
+    const int64_t block_id = table[slots.entry(t)];
+    if (block_id != params_block) {  // (minimum, step) per channel of the row, each in an array of its own
+      const at::Half* params = key_params + (block_id * width + head_offset) * 2;
+      for (int64_t d = 0; d < dim; ++d) {
+        key_minimum[d] = static_cast<float>(params[2 * d]);
+        key_step[d] = static_cast<float>(params[2 * d + 1]);
+      }
       params_block = block_id;
     }
-    unpack(key_codes + slot_of(table, block, t) * (width * Bits / 8));
-    for (int64_t d = 0; d < dim; ++d) buffer[d] = params[2 * d] + codes[d] * params[2 * d + 1];
-    return buffer.data();
+    unpack(key_codes + slots.of(table, t) * (width * Bits / 8));
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) out[d] = key_minimum[d] + codes[d] * key_step[d];
   }
-  const float* value(int64_t t) {
-    if (const float* row = from_window(window_v, t)) return row;
-    const int64_t slot = slot_of(table, block, t);
-    unpack(value_codes + slot * (width * Bits / 8));
+  void value(int64_t t, float* out) {
+    if (from_window(window_v, t, out)) return;
+    const int64_t slot = slots.of(table, t);
+    const uint8_t* token_codes = value_codes + slot * (width * Bits / 8);
     const at::Half* token_params = value_params + slot * (width / value_group) * 2;
+    const bool whole_nibbles = Bits == 4 && head_offset % 2 == 0 && value_group % 2 == 0 && dim % 2 == 0;
+    if (!whole_nibbles) unpack(token_codes);
     for (int64_t d = 0; d < dim;) {  // group after group of the row's channels
       const int64_t g = (head_offset + d) / value_group, end = std::min(dim, (g + 1) * value_group - head_offset);
       const float low = static_cast<float>(token_params[2 * g]), step = static_cast<float>(token_params[2 * g + 1]);
-      for (; d < end; ++d) buffer[d] = low + codes[d] * step;
+      if (whole_nibbles) {  // straight from the codes' bytes
+        widen_nibbles(token_codes + (head_offset + d) / 2, (end - d) / 2, low, step, out + d);
+        d = end;
+      }
+      for (; d < end; ++d) out[d] = low + codes[d] * step;
     }
-    return buffer.data();
   }
 };
 
@@ -83,8 +93,8 @@ at::Tensor attend_kivi(const at::Tensor& q, const std::vector<at::Tensor>& keys,
     const int64_t row = row_heads * dim;
     return KiviRows<Bits>{keys[0].data_ptr<uint8_t>(), keys[1].data_ptr<at::Half>(), values[0].data_ptr<uint8_t>(),
                           values[1].data_ptr<at::Half>(), keys[2].data_ptr<at::Half>(), values[2].data_ptr<at::Half>(),
-                          window_slot.data_ptr<int64_t>(), table, block, row, width, value_group, h * dim,
-                          std::vector<float>(row), std::vector<float>(row), std::vector<float>(2 * row)};
+                          window_slot.data_ptr<int64_t>(), table, BlockSlots{block}, row, width, value_group, h * dim,
+                          std::vector<float>(row), std::vector<float>(row), std::vector<float>(row)};
   }, true);
 }
 

@@ -40,14 +40,16 @@ struct OakenSide {
 struct OakenRows {
   OakenSide k, v;
   const int64_t* table;
-  int64_t block, dim, head_dim, width, record_bytes, groups, dense_group, entry_bytes, page_bytes, head_offset;
+  BlockSlots slots;
+  BlockSlots sparse_places;  // a byte's place in the sparse data from its block's pages and its offset in them
+  int64_t dim, head_dim, width, record_bytes, groups, dense_group, entry_bytes, head_offset;
   bool fp16_outliers;
   int64_t add_mean;  // 0 none, 1 the mean key as it is, 2 rotated to the position
   bool rotate_key;
   const float* mean;  // the layer's mean key [width]
   const float* cos;   // [positions, dim]
   const float* sin;
-  std::vector<float> buffer, rotated;
+  std::vector<float> unrotated;  // a key quantized before RoPE, before its rotation (and a place after it)
   std::vector<uint8_t> scratch;
 
   // The `n` bytes of a token's sparse entries from logical offset `begin` within its block's pages: a pointer into
@@ -56,49 +58,51 @@ struct OakenRows {
   const uint8_t* sparse_bytes(const OakenSide& side, int64_t block_id, int64_t begin, int64_t n) {
     if (n == 0) return nullptr;  // a block without outliers may own no page
     const int64_t* pages = side.block_pages + block_id * side.pages_per_block;
-    if (begin / page_bytes == (begin + n - 1) / page_bytes) {
-      const uint8_t* bytes = side.sparse + pages[begin / page_bytes] * page_bytes + begin % page_bytes;
+    if (sparse_places.entry(begin) == sparse_places.entry(begin + n - 1)) {
+      const uint8_t* bytes = side.sparse + sparse_places.of(pages, begin);
       if (bytes + n + 8 <= side.sparse_end) return bytes;
     }
     scratch.assign(n + 8, 0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t at = begin + i;
-      scratch[i] = side.sparse[pages[at / page_bytes] * page_bytes + at % page_bytes];
-    }
+    for (int64_t i = 0; i < n; ++i) scratch[i] = side.sparse[sparse_places.of(pages, begin + i)];
     return scratch.data();
   }
 
-  const float* decode(const OakenSide& side, int64_t t) {
-    const int64_t slot = slot_of(table, block, t), block_id = table[t / block];
+  // Token t's row of one side into out: the dense values, then the outliers of the 64-value blocks the row covers
+  // (entries run in (block, index) order) in their places.
+  void decode(const OakenSide& side, int64_t t, float* out) {
+    const int64_t slot = slots.of(table, t), block_id = table[slots.entry(t)];
     const uint8_t* rec = side.records + slot * record_bytes;
     const uint8_t* params = rec + width / 2;
     const uint8_t* counts = params + 4 * groups;
-    widen_nibbles(rec + head_offset / 2, dim / 2, half_at(params + 4 * dense_group),
-                  half_at(params + 4 * dense_group + 2), buffer.data());
-    if (side.shifted) {
-      for (int64_t d = 0; d < dim; ++d) buffer[d] += buffer[d] >= 0 ? side.shift_hi : side.shift_lo;
+    const float low = half_at(params + 4 * dense_group), step_size = half_at(params + 4 * dense_group + 2);
+    if (side.shifted) {  // each dense value moved by its side's shift: lo below zero, hi at or above
+      const __m256 lo = _mm256_set1_ps(side.shift_lo), hi = _mm256_set1_ps(side.shift_hi), zero = _mm256_setzero_ps();
+      widen_nibbles(rec + head_offset / 2, dim / 2, low, step_size, out, [&](__m256 x) {
+        return _mm256_add_ps(x, _mm256_blendv_ps(lo, hi, _mm256_cmp_ps(x, zero, _CMP_GE_OQ)));
+      });
+    } else {
+      widen_nibbles(rec + head_offset / 2, dim / 2, low, step_size, out);
     }
-    // the outliers of the 64-value blocks the row covers; entries run in (block, index) order
     const int64_t first = head_offset / kBlockValues, last = (head_offset + dim - 1) / kBlockValues;
     int64_t skipped = 0, count = 0;
     for (int64_t b = 0; b < first; ++b) skipped += counts[b];
     for (int64_t b = first; b <= last; ++b) count += counts[b];
     const uint8_t* entry =
         sparse_bytes(side, block_id, side.token_offset[slot] + skipped * entry_bytes, count * entry_bytes);
-    if (count == 0) return buffer.data();
-    float* out = buffer.data() - head_offset;  // indexed by the value's place in the record
+    if (count == 0) return;
+    float* at = out - head_offset;  // indexed by the value's place in the record
     if (fp16_outliers) {
       for (int64_t b = first; b <= last; ++b) {
         for (int64_t e = 0; e < counts[b]; ++e, entry += entry_bytes) {
           const int64_t flat = b * kBlockValues + (entry[0] & 63);
-          if (flat >= head_offset && flat < head_offset + dim) out[flat] = half_at(entry + entry_bytes - 2);
+          if (flat >= head_offset && flat < head_offset + dim) at[flat] = half_at(entry + entry_bytes - 2);
         }
       }
-      return buffer.data();
+      return;
     }
     if (entry_bytes == 1) {
-      patch_one_byte_entries(side, rec, params, counts, entry, first, last);
-      return buffer.data();
+      patch_one_byte_entries(side, rec, params, counts, entry, first, last, out);
+      return;
     }
     float step[kMaxGroups], minimum[kMaxGroups];  // each group's parameters, widened once per row
     for (int64_t g = 0; g < groups; ++g) {
@@ -111,17 +115,17 @@ struct OakenRows {
         if (flat < head_offset || flat >= head_offset + dim) continue;
         const int64_t key = entry[1], g = side.key_group[key];
         const float code = static_cast<float>((rec[flat / 2] >> (4 * (flat % 2))) & 15);
-        out[flat] = (code * step[g] + minimum[g]) * side.key_sign[key] + side.key_threshold[key];
+        at[flat] = (code * step[g] + minimum[g]) * side.key_sign[key] + side.key_threshold[key];
       }
     }
-    return buffer.data();
   }
 
   // A row's outliers in one-byte entries (index | key << 6), 8 at a time, by the scalar loop's arithmetic:
   // (code * step + minimum) * sign + threshold, the code being the value's nibble in the record. Lanes past a
-  // block's entries or outside the row write to buffer[dim], a spare place; blocks first to last are the row's.
+  // block's entries or outside the row write to out[dim], the place after the row (a reader's scratch place: see
+  // in_tiles); blocks first to last are the row's.
   void patch_one_byte_entries(const OakenSide& side, const uint8_t* rec, const uint8_t* params, const uint8_t* counts,
-                              const uint8_t* entry, int64_t first, int64_t last) {
+                              const uint8_t* entry, int64_t first, int64_t last, float* out) {
     // (minimum, step) of 2 or 3 groups: 8 or 12 bytes, loaded without reading past them
     __m128i halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(params));
     if (groups == 3) {
@@ -134,28 +138,40 @@ struct OakenRows {
     const __m256 step = _mm256_permutevar8x32_ps(widened, side.key_step_lane);
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), head = _mm256_set1_epi32(head_offset);
     const __m256i spare = _mm256_set1_epi32(dim), none = _mm256_set1_epi32(-1);
-    const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+    const __m256i low6 = _mm256_set1_epi32(63);
+    const __m128i index_bits = _mm_set1_epi8(63), byte_bits = _mm_set1_epi8(31), nibble = _mm_set1_epi8(15);
+    const __m128i one = _mm_set1_epi8(1);
     alignas(32) float values[8];
     alignas(32) int32_t places[8];
     for (int64_t b = first; b <= last; entry += counts[b], ++b) {
       const __m256i block_start = _mm256_set1_epi32(b * kBlockValues);
+      // the block's 32 bytes of codes, in two halves that byte shuffles look up (faster than a gather)
+      const uint8_t* block_codes = rec + b * kBlockValues / 2;
+      const __m128i low_half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block_codes));
+      const __m128i high_half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block_codes + 16));
       for (int64_t e = 0; e < counts[b]; e += 8) {
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(entry + e)));
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(entry + e));
+        const __m256i bytes = _mm256_cvtepu8_epi32(raw);
         const __m256i flat = _mm256_add_epi32(block_start, _mm256_and_si256(bytes, low6));
         const __m256i key = _mm256_srli_epi32(bytes, 6);
         const __m256i place = _mm256_sub_epi32(flat, head);
         const __m256i live =
             _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(counts[b] - e), lanes),
                              _mm256_and_si256(_mm256_cmpgt_epi32(place, none), _mm256_cmpgt_epi32(spare, place)));
-        // 4 bytes from the value's nibble byte: within the record for any index of the block, live or not
-        const __m256i word = _mm256_i32gather_epi32(reinterpret_cast<const int*>(rec), _mm256_srli_epi32(flat, 1), 1);
-        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(word, _mm256_slli_epi32(_mm256_and_si256(flat, one), 2)), low4);
+        // the code of index i: byte i / 2 of the block, its high nibble where i is odd
+        const __m128i index = _mm_and_si128(raw, index_bits);
+        const __m128i byte_index = _mm_and_si128(_mm_srli_epi16(index, 1), byte_bits);
+        const __m128i byte = _mm_blendv_epi8(_mm_shuffle_epi8(low_half, byte_index),
+                                             _mm_shuffle_epi8(high_half, byte_index),
+                                             _mm_cmpgt_epi8(byte_index, _mm_set1_epi8(15)));
+        const __m128i odd = _mm_cmpeq_epi8(_mm_and_si128(index, one), one);
+        const __m256i code = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_blendv_epi8(byte, _mm_srli_epi16(byte, 4), odd), nibble));
         const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_permutevar8x32_ps(step, key),
                                          _mm256_permutevar8x32_ps(minimum, key));
         _mm256_store_ps(values, _mm256_fmadd_ps(x, _mm256_permutevar8x32_ps(side.key_sign8, key),
                                                 _mm256_permutevar8x32_ps(side.key_threshold8, key)));
         _mm256_store_si256(reinterpret_cast<__m256i*>(places), _mm256_blendv_epi8(spare, place, live));
-        for (int i = 0; i < 8; ++i) buffer[places[i]] = values[i];
+        for (int i = 0; i < 8; ++i) out[places[i]] = values[i];
       }
     }
   }
@@ -178,19 +194,18 @@ struct OakenRows {
     }
   }
 
-  const float* key(int64_t t) {
-    decode(k, t);
+  void key(int64_t t, float* out) {
+    float* key = rotate_key ? unrotated.data() : out;
+    decode(k, t, key);
     const float* m = mean + head_offset;
     if (add_mean == 1) {
-      for (int64_t d = 0; d < dim; ++d) buffer[d] += m[d];
+      for (int64_t d = 0; d < dim; ++d) key[d] += m[d];
     } else if (add_mean == 2) {
-      rope<true>(m, t, buffer.data());
+      rope<true>(m, t, key);
     }
-    if (!rotate_key) return buffer.data();
-    rope<false>(buffer.data(), t, rotated.data());
-    return rotated.data();
+    if (rotate_key) rope<false>(key, t, out);
   }
-  const float* value(int64_t t) { return decode(v, t); }
+  void value(int64_t t, float* out) { decode(v, t, out); }
 };
 
 static OakenSide side_of(const std::vector<at::Tensor>& t, const std::vector<double>& shift, int64_t slots) {
@@ -236,6 +251,7 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
                                         int64_t block, int64_t kv_heads, double scale) {
   TORCH_CHECK(layout.size() == 7, "paged_decode_attention_oaken: layout is 7 numbers");
   const int64_t groups = layout[0], dense_group = layout[1], entry_bytes = layout[2], page_bytes = layout[4];
+  TORCH_CHECK(page_bytes >= 1, "paged_decode_attention_oaken: pages of ", page_bytes, " bytes");
   const bool fp16_outliers = layout[3] != 0, rotate_key = layout[6] != 0;
   const int64_t add_mean = layout[5];
   const int64_t dim = q.size(2), width = kv_heads * dim, record_bytes = width / 2 + 4 * groups + width / kBlockValues;
@@ -265,10 +281,9 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
   const float* s = positional ? sin.data_ptr<float>() : nullptr;
   return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
              [&](const int64_t* table, int64_t h, int64_t row_heads) {
-    return OakenRows{k, v, table, block, row_heads * dim, dim, width, record_bytes, groups, dense_group, entry_bytes,
-                     page_bytes, h * dim, fp16_outliers, add_mean, rotate_key, mean, c, s,
-                     std::vector<float>(row_heads * dim + 1), std::vector<float>(row_heads * dim),
-                     std::vector<uint8_t>()};
+    return OakenRows{k, v, table, BlockSlots{block}, BlockSlots{page_bytes}, row_heads * dim, dim, width, record_bytes,
+                     groups, dense_group, entry_bytes, h * dim, fp16_outliers, add_mean, rotate_key, mean, c, s,
+                     std::vector<float>(rotate_key ? row_heads * dim + 1 : 0), std::vector<uint8_t>()};
   }, true);
 }
 

@@ -11,30 +11,36 @@
 
 namespace kvstrata {
 
-// K and V rows of one KV head of one sequence: float32 read where they lie, 16-bit floats widened into a buffer.
+// K and V rows of one KV head of one sequence in a pool of T.
 template <typename T>
-struct FloatRows {
-  static constexpr bool kStableRows = std::is_same_v<T, float>;  // float32 rows are read where they lie
+struct PoolRows {
   const T* k;
   const T* v;
   const int64_t* table;
   BlockSlots slots;
   int64_t dim, head_offset;  // head_offset: the head's first row in its pool
-  std::vector<float> buffer;  // where 16-bit rows are widened
-  const float* row(const T* pool, int64_t t) {
-    const T* at = pool + (head_offset + slots.of(table, t)) * dim;
-    if constexpr (std::is_same_v<T, float>) {
-      return at;
-    } else if constexpr (std::is_same_v<T, at::Half>) {
-      widen_halves(at, dim, buffer.data());
-      return buffer.data();
+  const T* row(const T* pool, int64_t t) const { return pool + (head_offset + slots.of(table, t)) * dim; }
+};
+
+// float32 rows are read where they lie; 16-bit ones widened where asked.
+template <typename T>
+struct FloatRows : PoolRows<T> {
+  void widen(const T* at, float* out) const {
+    if constexpr (std::is_same_v<T, at::Half>) {
+      widen_halves(at, this->dim, out);
     } else {
-      for (int64_t d = 0; d < dim; ++d) buffer[d] = static_cast<float>(at[d]);
-      return buffer.data();
+      for (int64_t d = 0; d < this->dim; ++d) out[d] = static_cast<float>(at[d]);
     }
   }
-  const float* key(int64_t t) { return row(k, t); }
-  const float* value(int64_t t) { return row(v, t); }
+  void key(int64_t t, float* out) const { widen(this->row(this->k, t), out); }
+  void value(int64_t t, float* out) const { widen(this->row(this->v, t), out); }
+};
+
+template <>
+struct FloatRows<float> : PoolRows<float> {
+  static constexpr bool kStableRows = true;
+  const float* key(int64_t t) const { return row(k, t); }
+  const float* value(int64_t t) const { return row(v, t); }
 };
 
 template <typename T>
@@ -48,8 +54,7 @@ at::Tensor attend_float(at::Tensor q, const at::Tensor& k_pool, const at::Tensor
   // a pool holds each KV head apart, so an item is always one head
   return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
              [&](const int64_t* table, int64_t h, int64_t /* row_heads: 1 */) {
-    return FloatRows<T>{k, v, table, BlockSlots{block}, dim, h * num_blocks * block,
-                        std::vector<float>(FloatRows<T>::kStableRows ? 0 : dim)};
+    return FloatRows<T>{{k, v, table, BlockSlots{block}, dim, h * num_blocks * block}};
   });
 }
 
