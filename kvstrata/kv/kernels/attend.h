@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace kvstrata {
@@ -224,6 +225,21 @@ void weigh_stable_rows(const Rows& rows, const float* weights, int64_t offset, i
   }
 }
 
+// Whether a decoding reader can start fetching a token's K or V bytes into the cache, `prefetch(keys, t)`: the loop
+// below asks it for the next tile's tokens before it decodes a tile, so that the records of a cache larger than the
+// processor's caches arrive while it works (blocks lie anywhere in the pool, too far apart for the hardware to guess).
+template <typename Rows, typename = void>
+struct prefetches : std::false_type {};
+template <typename Rows>
+struct prefetches<Rows, std::void_t<decltype(std::declval<Rows&>().prefetch(true, int64_t{}))>> : std::true_type {};
+
+// Every cache line of n bytes from p, asked for.
+inline void prefetch_bytes(const void* p, int64_t n) {
+  const char* bytes = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(bytes + i, _MM_HINT_T0);
+  _mm_prefetch(bytes + n - 1, _MM_HINT_T0);
+}
+
 // A worker's scratch: the scores of its item's heads and the decoded rows of a tile.
 struct SpanScratch {
   std::vector<float> scores, tile;
@@ -239,6 +255,9 @@ void in_tiles(Rows& rows, bool keys, int64_t first, int64_t last, int64_t width,
     scratch.tile.resize(kTileTokens * width + 1);  // and the last row's scratch place
     for (int64_t a = first; a < last; a += kTileTokens) {
       const int64_t b = std::min(last, a + kTileTokens);
+      if constexpr (prefetches<Rows>::value) {
+        for (int64_t t = b; t < std::min(last, b + kTileTokens); ++t) rows.prefetch(keys, t);
+      }
       for (int64_t t = a; t < b; ++t) {
         float* row = scratch.tile.data() + (t - a) * width;
         if (keys) {

@@ -17,6 +17,7 @@ struct RecordRows {
   const uint8_t* record(const uint8_t* records, int64_t t) const {
     return records + slots.of(table, t) * record_bytes;
   }
+  void prefetch(bool keys, int64_t t) const { prefetch_bytes(record(keys ? k : v, t), record_bytes); }
 };
 
 struct Int8Rows : RecordRows {

@@ -42,6 +42,19 @@ struct KiviRows {
       codes[d] = static_cast<float>((token_codes[c / kPerByte] >> (Bits * (c % kPerByte))) & kMask);
     }
   }
+  // Token t's codes (and a value's parameters), or its row in the window.
+  void prefetch(bool keys, int64_t t) const {
+    const int64_t w = window_slot[table[slots.entry(t)]];
+    if (w >= 0) {
+      prefetch_bytes((keys ? window_k : window_v) + (w * slots.block + slots.offset(t)) * width + head_offset,
+                     dim * sizeof(at::Half));
+      return;
+    }
+    const int64_t slot = slots.of(table, t);
+    prefetch_bytes((keys ? key_codes : value_codes) + slot * (width * Bits / 8), width * Bits / 8);
+    if (!keys) prefetch_bytes(value_params + slot * (width / value_group) * 2, (width / value_group) * 2 * sizeof(at::Half));
+  }
+
   // Whether the block is still in the window; if so, its row is widened into out.
   bool from_window(const at::Half* window, int64_t t, float* out) const {
     const int64_t w = window_slot[table[slots.entry(t)]];

@@ -67,6 +67,16 @@ struct OakenRows {
     return scratch.data();
   }
 
+  // Token t's record and the first of its sparse bytes.
+  void prefetch(bool keys, int64_t t) const {
+    const OakenSide& side = keys ? k : v;
+    const int64_t slot = slots.of(table, t);
+    prefetch_bytes(side.records + slot * record_bytes, record_bytes);
+    const int64_t* pages = side.block_pages + table[slots.entry(t)] * side.pages_per_block;
+    const int64_t begin = side.token_offset[slot];
+    if (side.token_count[slot] > 0) _mm_prefetch(side.sparse + sparse_places.of(pages, begin), _MM_HINT_T0);
+  }
+
   // Token t's row of one side into out: the dense values, then the outliers of the 64-value blocks the row covers
   // (entries run in (block, index) order) in their places.
   void decode(const OakenSide& side, int64_t t, float* out) {
