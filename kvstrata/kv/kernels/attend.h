@@ -1,9 +1,9 @@
 // Decode attention read in place from the paged KV cache, shared by every storage's reader: one query token per
 // sequence attends over the first context_lens[s] tokens of sequence s (token t at position t), found block by
 // block through its block table. Each storage supplies a `Rows` reader that hands back a token's K or V row of one
-// KV head (or, for whole-token records, of several side by side) as float32, decoding it into a small buffer where
-// the storage keeps another form; nothing else is copied (the torch path gathers, and for quantized storage
-// decodes, every block first).
+// KV head (or, for whole-token records, of several side by side) as float32, decoding it into a tile of a few
+// tokens' rows where the storage keeps another form; nothing else is copied (the torch path gathers, and for
+// quantized storage decodes, every block first).
 //
 // q [n, heads, dim] float32; block_tables [n, width] int64; context_lens [n] int64. Query head h reads KV head
 // h / (heads / kv_heads).
