@@ -52,7 +52,8 @@ struct KiviRows {
     }
     const int64_t slot = slots.of(table, t);
     prefetch_bytes((keys ? key_codes : value_codes) + slot * (width * Bits / 8), width * Bits / 8);
-    if (!keys) prefetch_bytes(value_params + slot * (width / value_group) * 2, (width / value_group) * 2 * sizeof(at::Half));
+    const int64_t params = (width / value_group) * 2;  // a token's value (minimum, step) pairs
+    if (!keys) prefetch_bytes(value_params + slot * params, params * sizeof(at::Half));
   }
 
   // Whether the block is still in the window; if so, its row is widened into out.

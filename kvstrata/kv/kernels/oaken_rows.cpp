@@ -175,7 +175,8 @@ struct OakenRows {
                                              _mm_shuffle_epi8(high_half, byte_index),
                                              _mm_cmpgt_epi8(byte_index, _mm_set1_epi8(15)));
         const __m128i odd = _mm_cmpeq_epi8(_mm_and_si128(index, one), one);
-        const __m256i code = _mm256_cvtepu8_epi32(_mm_and_si128(_mm_blendv_epi8(byte, _mm_srli_epi16(byte, 4), odd), nibble));
+        const __m128i codes = _mm_and_si128(_mm_blendv_epi8(byte, _mm_srli_epi16(byte, 4), odd), nibble);
+        const __m256i code = _mm256_cvtepu8_epi32(codes);
         const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_permutevar8x32_ps(step, key),
                                          _mm256_permutevar8x32_ps(minimum, key));
         _mm256_store_ps(values, _mm256_fmadd_ps(x, _mm256_permutevar8x32_ps(side.key_sign8, key),
