@@ -17,23 +17,6 @@ namespace kvstrata {
 constexpr int64_t kBlockValues = 64;  // values addressed by one 6-bit index
 constexpr int64_t kMaxGroups = 5;  // OakenConfig allows 2 to 5 groups
 
-// RoPE with one position's cos and sin rows c and s [head_dim] of each head's values among `n` (halves layout: value
-// d pairs with d + head_dim / 2), added to `out` (the rotated mean key) or written to it.
-template <bool Add>
-void rope_heads(const float* __restrict x, const float* __restrict c, const float* __restrict s, int64_t n,
-                int64_t head_dim, float* __restrict out) {
-  const int64_t half = head_dim / 2;
-  for (int64_t h = 0; h < n; h += head_dim) {
-#pragma omp simd
-    for (int64_t d = h; d < h + half; ++d) {
-      const float first = x[d] * c[d - h] - x[d + half] * s[d - h];
-      const float second = x[d + half] * c[d - h + half] + x[d] * s[d - h + half];
-      out[d] = Add ? out[d] + first : first;
-      out[d + half] = Add ? out[d + half] + second : second;
-    }
-  }
-}
-
 struct OakenSide {
   const uint8_t* records;
   const uint8_t* sparse;
@@ -66,7 +49,6 @@ struct OakenRows {
   const float* mean;  // the layer's mean key [width]
   const float* cos;   // [positions, dim]
   const float* sin;
-  const float* rotated_mean;  // the mean key rotated to each position [positions, width], or null: per token
   std::vector<float> unrotated;  // a key quantized before RoPE, before its rotation (and a place after it)
   std::vector<uint8_t> scratch;
 
@@ -205,10 +187,22 @@ struct OakenRows {
     }
   }
 
-  // rope_heads at position t over the row's heads.
+  // RoPE at position t of each head's values in the row (halves layout: value d pairs with d + head_dim / 2), added
+  // to `out` (the rotated mean key) or written to it (a key quantized before RoPE).
   template <bool Add>
   void rope(const float* __restrict x, int64_t t, float* __restrict out) const {
-    rope_heads<Add>(x, cos + t * head_dim, sin + t * head_dim, dim, head_dim, out);
+    const int64_t half = head_dim / 2;
+    const float* __restrict c = cos + t * head_dim;
+    const float* __restrict s = sin + t * head_dim;
+    for (int64_t h = 0; h < dim; h += head_dim) {
+#pragma omp simd
+      for (int64_t d = h; d < h + half; ++d) {
+        const float first = x[d] * c[d - h] - x[d + half] * s[d - h];
+        const float second = x[d + half] * c[d - h + half] + x[d] * s[d - h + half];
+        out[d] = Add ? out[d] + first : first;
+        out[d + half] = Add ? out[d + half] + second : second;
+      }
+    }
   }
 
   void key(int64_t t, float* out) {
@@ -217,10 +211,6 @@ struct OakenRows {
     const float* m = mean + head_offset;
     if (add_mean == 1) {
       for (int64_t d = 0; d < dim; ++d) key[d] += m[d];
-    } else if (add_mean == 2 && rotated_mean != nullptr) {
-      const float* rotated = rotated_mean + t * width + head_offset;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) key[d] += rotated[d];
     } else if (add_mean == 2) {
       rope<true>(m, t, key);
     }
@@ -294,31 +284,17 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
                     cos.dim() == 2 && cos.size(1) == dim && cos.is_contiguous() && sin.is_contiguous() &&
                     dim % 2 == 0,
                 "paged_decode_attention_oaken: cos and sin must be float32 [positions, dim]");
+    TORCH_CHECK(context_lens.numel() == 0 || context_lens.max().item<int64_t>() <= cos.size(0),
+                "paged_decode_attention_oaken: cos and sin cover too few positions");
   }
-  const int64_t longest = context_lens.numel() == 0 ? 0 : context_lens.max().item<int64_t>();
-  TORCH_CHECK(!positional || longest <= cos.size(0), "paged_decode_attention_oaken: cos and sin cover too few positions");
   const float* mean = add_mean != 0 ? key_mean.data_ptr<float>() : nullptr;
   const float* c = positional ? cos.data_ptr<float>() : nullptr;
   const float* s = positional ? sin.data_ptr<float>() : nullptr;
-  // Where several sequences read the mean key rotated to the same positions, it is rotated once per position here,
-  // not once per token of every sequence: into the calling thread's table, kept between calls and grown as needed
-  // (the workers below are handed its address).
-  static thread_local std::vector<float> rotated_table;
-  float* rotated = nullptr;
-  if (add_mean == 2 && q.size(0) >= 2) {
-    if (static_cast<int64_t>(rotated_table.size()) < longest * width) rotated_table.resize(longest * width);
-    rotated = rotated_table.data();
-    at::parallel_for(0, longest, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        rope_heads<false>(mean, c + p * dim, s + p * dim, width, dim, rotated + p * width);
-      }
-    });
-  }
   return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
              [&](const int64_t* table, int64_t h, int64_t row_heads) {
     return OakenRows{k, v, table, BlockSlots{block}, BlockSlots{page_bytes}, row_heads * dim, dim, width, record_bytes,
                      groups, dense_group, entry_bytes, h * dim, fp16_outliers, add_mean, rotate_key, mean, c, s,
-                     rotated, std::vector<float>(rotate_key ? row_heads * dim + 1 : 0), std::vector<uint8_t>()};
+                     std::vector<float>(rotate_key ? row_heads * dim + 1 : 0), std::vector<uint8_t>()};
   }, true);
 }
 
