@@ -52,8 +52,9 @@ struct KiviRows {
     }
     const int64_t slot = slots.of(table, t);
     prefetch_bytes((keys ? key_codes : value_codes) + slot * (width * Bits / 8), width * Bits / 8);
+    if (keys) return;  // a block's key params are read once per block
     const int64_t params = (width / value_group) * 2;  // a token's value (minimum, step) pairs
-    if (!keys) prefetch_bytes(value_params + slot * params, params * sizeof(at::Half));
+    prefetch_bytes(value_params + slot * params, params * sizeof(at::Half));
   }
 
   // Whether the block is still in the window; if so, its row is widened into out.
