@@ -433,13 +433,20 @@ TOKEN_CONFIGS = [c for c in CONFIGS if c.scales == "token"]
 @pytest.mark.parametrize("width", WIDTHS)
 def test_compiled_encoder_writes_the_same_bytes(config, width):
     """The compiled encoder (kv/kernels/oaken_encode.cpp) writes exactly encode_tokens' bytes, values on thresholds,
-    constant tokens, tokens on one side of zero and tiny values (float16 subnormal parameters) included."""
+    constant tokens, tokens on one side of zero, tiny values (float16 subnormal parameters) and zeros of both signs
+    (a range that ends at zero takes the sign of the first zero) included."""
     seeds = range(3)
     for seed in seeds:
         x, b = sample(config, width, seed, tokens=40)
         x[1] = 0.75  # one constant value: a zero step
         x[2] = x[2].abs() + 0.01  # every value on the high side
         x[3] *= 1e-6  # parameters among float16's subnormals
+        x[4, ::2], x[4, 1::2] = -0.0, 0.0  # zeros alone, -0.0 first
+        x[5, ::3], x[5, 1::3], x[5, 2::3] = 0.0, -0.0, 0.0  # +0.0 first
+        x[6] = x[6].abs()  # a range from zero up, with -0.0 met before +0.0
+        x[6, 9], x[6, 20], x[6, 40] = -0.0, 0.0, -0.0
+        x[7] = -x[7].abs()  # a range up to zero, with +0.0 met before -0.0
+        x[7, 3], x[7, 33] = 0.0, -0.0
         got = codec.encode_tokens_compiled(x, b, config)
         want = encode_tokens(x, b, config)
         assert got is not None
@@ -457,3 +464,15 @@ def test_compiled_encoder_leaves_out_of_range_values_to_the_clear_error():
         encode_tokens(x, DEFAULT_BOUNDS, config)
     assert codec.encode_tokens_compiled(x[:, :64] * 0, DEFAULT_BOUNDS, config) is not None
     assert codec.encode_tokens_compiled(x * 0, DEFAULT_BOUNDS, OakenConfig(scales="window")) is None  # not its job
+
+
+@pytest.mark.skipif(paged_decode.kernel() is None, reason="no C++ compiler: the compiled encoder could not be built")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("config", [OakenConfig(), OakenConfig(outliers="fp16")], ids=_id)
+def test_compiled_encoder_leaves_values_that_are_not_finite_to_the_clear_error(bad, config):
+    x, b = sample(config, 128, 0)
+    x[2, 70] = bad
+    dense, _, _ = paged_decode.kernel().oaken_encode(x, *codec.encoder_tables(b, config, x.device))
+    assert dense.numel() == 0
+    with pytest.raises(KvstrataError, match="NaN/inf"):
+        encode_tokens(x, b, config)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvstrata import SamplingParams
+from kvstrata.errors import KvstrataError
 from kvstrata.kv.sparse_pages import SparsePages
 from tests.format_cases import CASES, build
 
@@ -43,3 +44,17 @@ def test_compiled_store_writes_the_bytes_of_the_torch_path(case, tiny_llama_kv64
             assert torch.equal(getattr(a, name), getattr(b, name)), (kind, name)
         for layer in range(len(a.free_count)):
             assert a.free_pages(layer) == b.free_pages(layer)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_compiled_store_leaves_values_that_are_not_finite_to_the_clear_error(bad, tiny_llama_kv64, oaken_calibrations):
+    storage = build(tiny_llama_kv64, oaken_calibrations, OAKEN_CASES[0]).engine.kv_cache
+    if storage.store_kernel is None:
+        pytest.skip("no C++ compiler: the kernels could not be built")
+    heads, dim = storage.kv_shape
+    k, v = torch.randn(2, 2, heads, dim)
+    v[1, 0, 5] = bad
+    records = {kind: r.clone() for kind, r in storage.records.items()}
+    with pytest.raises(KvstrataError, match="NaN/inf"):
+        storage.store(0, torch.tensor([16, 17]), torch.tensor([0, 1]), k, v)
+    assert all(torch.equal(records[kind], storage.records[kind]) for kind in records)

@@ -12,6 +12,7 @@ import torch
 from kvstrata.kv import gpu
 from kvstrata.kv.formats.base import KVFormat
 from kvstrata.kv.kernels import paged_decode
+from kvstrata.kv.kernels.arguments import float32_rows
 from kvstrata.kv.slots import block_slots
 from kvstrata.kv.sparse_pages import SparsePages
 from kvstrata.kv.storage import KVStorage
@@ -31,6 +32,9 @@ class QuantizedPagedKVCache(KVStorage):
         slots = num_blocks * block_size
         self.records = {kind: torch.zeros(num_layers, slots, kv_format.record_bytes, dtype=torch.uint8, device=device)
                         for kind in ("k", "v")}
+        # each layer's records as the stores and readers take them, views made once rather than on every call
+        self._layer_records = [{kind: records[layer] for kind, records in self.records.items()}
+                               for layer in range(num_layers)]
         # on the CPU, decodes read the records where they lie, dequantizing one row at a time in the compiled
         # kernel (if it builds and the format has a reader); elsewhere every gathered token is decoded first
         self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
@@ -63,8 +67,8 @@ class QuantizedPagedKVCache(KVStorage):
             pages.release(blocks)
 
     def store(self, layer, slots, positions, k, v) -> None:
-        k, v = (x.reshape(x.shape[0], -1).float().contiguous() for x in (k, v))
-        layer_records = {kind: records[layer] for kind, records in self.records.items()}
+        k, v = float32_rows(k), float32_rows(v)
+        layer_records = self._layer_records[layer]
         if self.gpu_kernels:
             with torch.profiler.record_function(f"kvstrata::gpu_store_{self.format.name}"):  # host time, in profiles
                 if self.format.store_on_gpu(layer, slots, positions, k, v, layer_records, self.sparse):
@@ -72,9 +76,10 @@ class QuantizedPagedKVCache(KVStorage):
         if self.store_kernel is not None and self.format.store_in_place(
                 self.store_kernel, layer, slots, positions, k, v, layer_records, self.sparse):
             return
-        for kind, x in (("k", k), ("v", v)):
-            encoded = self.format.encode(x, layer, kind, positions)
-            self.records[kind][layer].index_copy_(0, slots, encoded.dense)
+        # both sides encoded before either is written: a value the format refuses leaves the cache as it was
+        encoded_sides = {kind: self.format.encode(x, layer, kind, positions) for kind, x in (("k", k), ("v", v))}
+        for kind, encoded in encoded_sides.items():
+            layer_records[kind].index_copy_(0, slots, encoded.dense)
             if kind in self.sparse:
                 self.sparse[kind].write(layer, slots, encoded.sparse, encoded.sparse_bytes)
 
@@ -83,7 +88,7 @@ class QuantizedPagedKVCache(KVStorage):
             return None
         with torch.profiler.record_function(f"kvstrata::paged_decode_attention_{self.format.name}"):  # in profiles
             return self.format.attend_in_place(
-                self.decode_kernel, layer, q, {kind: records[layer] for kind, records in self.records.items()},
+                self.decode_kernel, layer, q, self._layer_records[layer],
                 self.sparse, keys.block_tables, context_lens, self.block_size)
 
     def gather(self, layer, slots, positions, dtype):

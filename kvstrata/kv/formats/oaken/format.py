@@ -13,6 +13,8 @@ after decoding: most of a key's range is that mean, which a per-token scale woul
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvstrata.errors import KvstrataError
@@ -28,6 +30,7 @@ from kvstrata.kv.formats.oaken.codec import (
 )
 from kvstrata.kv.formats.oaken.groups import OakenConfig
 from kvstrata.kv.formats.oaken.thresholds import OakenThresholds
+from kvstrata.kv.kernels.arguments import int64_rows
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
 
 
@@ -47,6 +50,8 @@ class OakenFormat(KVFormat):
         # rotation, since they cannot grow them on demand without waiting for the device (None: no GPU path)
         self.max_positions = max_positions
         self._cos_sin_table: tuple[torch.Tensor, torch.Tensor] | None = None  # per position, grown on demand
+        self._cos_sin_flat: tuple[torch.Tensor, torch.Tensor] | None = None  # the same, [P, head_dim]
+        self._layer_mean_keys: tuple[torch.Tensor, ...] | None = None  # key_mean's rows, on the device last asked
         self._reader_tables: dict[tuple[int, str], tuple[list[torch.Tensor], list[float]]] = {}  # per (layer, kind)
         self._encoder_tables: dict[tuple[int, str], tuple] = {}  # per (layer, kind)
         self.key_mean = thresholds.k_mean if center_keys else None
@@ -91,14 +96,13 @@ class OakenFormat(KVFormat):
             return False
         tables = {kind: self._encoder_table(layer, kind, k.device) for kind in "kv"}
         center, rotate_back = self._key_transform()
-        positions = positions.long().contiguous()
-        cos, sin = self._cos_sin_rows(int(positions.max()) + 1 if center == 2 or rotate_back else 0, k.device)
+        positions, slots = int64_rows(positions), int64_rows(slots)
+        cos, sin = self._rope_rows(lambda: int(positions.max()) + 1, center == 2 or rotate_back, k.device)
         block_size, page_bytes = sparse["k"].block_size, sparse["k"].page_bytes
         layout = [*tables["k"][4], block_size, page_bytes, center, int(rotate_back)]
         while True:
             short = kernel.oaken_store(
-                k.contiguous(), v.contiguous(), positions, slots.long().contiguous(),
-                [records["k"], *sparse["k"].writer_tensors(layer), *tables["k"][:4]],
+                k, v, positions, slots, [records["k"], *sparse["k"].writer_tensors(layer), *tables["k"][:4]],
                 [records["v"], *sparse["v"].writer_tensors(layer), *tables["v"][:4]], layout,
                 self._layer_mean_key(layer, k.device), cos, sin)
             if short[0] < 0:  # a value out of float16's range: the torch path raises the clear error
@@ -116,7 +120,7 @@ class OakenFormat(KVFormat):
         for kind in "kv":
             tables[kind], shifts[kind] = self._reader_table(layer, kind, device)
         add_mean, rotate_key = self._key_transform()
-        cos, sin = self._cos_sin_rows(int(context_lens.max()) if add_mean == 2 or rotate_key else 0, device)
+        cos, sin = self._rope_rows(lambda: int(context_lens.max()), add_mean == 2 or rotate_key, device)
         page_bytes = sparse["k"].page_bytes
         layout = [self.config.num_groups, self.config.dense_group, sparse_entry_bytes(self.config),
                   int(self.config.outliers == "fp16"), page_bytes, add_mean, int(rotate_key)]
@@ -185,15 +189,25 @@ class OakenFormat(KVFormat):
 
     def _layer_mean_key(self, layer: int, device: torch.device) -> torch.Tensor:
         """Layer `layer`'s mean key [width] (empty without key centering)."""
-        return self._key_mean_on(device)[layer] if self.key_mean is not None else torch.empty(0, device=device)
+        if self.key_mean is None:
+            return torch.empty(0, device=device)
+        if self._layer_mean_keys is None or self._layer_mean_keys[0].device != device:
+            self._layer_mean_keys = self._key_mean_on(device).unbind(0)  # views, made once: every store reads one
+        return self._layer_mean_keys[layer]
 
     def _cos_sin_rows(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and sin tables [P, head_dim] covering positions below `size` (empty where size is 0)."""
         if not size:
             empty = torch.empty(0, device=device)
             return empty, empty
-        cos, sin = self._cos_sin_up_to(size, device)
-        return cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1)
+        self._cos_sin_up_to(size, device)
+        return self._cos_sin_flat
+
+    def _rope_rows(self, size: Callable[[], int], needed: bool, device: torch.device):
+        """`_cos_sin_rows` for the compiled kernels, which check that the tables cover every position they read:
+        `max_positions` long where the format knows the longest sequence, which spares finding the largest position
+        (`size()`) on every call; empty where the kernel reads no RoPE table (not `needed`)."""
+        return self._cos_sin_rows((self.max_positions or size()) if needed else 0, device)
 
     def _quantized_key(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """The vector Oaken quantizes for a key as the cache holds it."""
@@ -239,4 +253,5 @@ class OakenFormat(KVFormat):
         if table is None or len(table[0]) < size or table[0].device != device:
             grown = max(size, 2 * len(table[0]) if table is not None else 1024)
             table = self._cos_sin_table = self.rotary.cos_sin(torch.arange(grown, device=device), torch.float32)
+            self._cos_sin_flat = tuple(t.view(grown, -1) for t in table)
         return table
