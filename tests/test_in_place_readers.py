@@ -1,6 +1,7 @@
 """Every KV format's compiled in-place reader (kv/kernels) against the torch path on the same cache: the storage's
 decode attention read where the blocks lie equals the reference attention over the K/V the storage gathers and
-decodes, for sequences of mixed lengths over real cache contents (prefilled by the tiny model)."""
+decodes slot by slot, and whole-block keys read out by the reader (a prefill chunk's) equal the K/V gathered slot by
+slot, for sequences of mixed lengths over real cache contents (prefilled by the tiny model)."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tests.format_cases import CASES, build
 from tests.helpers import prefill_in_chunks
 
 KERNEL = paged_decode.kernel()
+FLOAT_POOLS = ("fp32", "fp16", "bf16")  # copied whole by block, not read by a reader
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernels could not be built")
 
 
@@ -30,24 +32,48 @@ def reader_threads(request):
 # 67 and 66; the 1-token sequence's parts after its first are empty)
 @pytest.mark.parametrize("lens", [[1, 20, 75, 150], [1, 200]], ids=["mixed", "split"])
 def test_in_place_reader_equals_the_torch_path(case, lens, reader_threads, tiny_llama_kv64, oaken_calibrations):
-    engine = build(tiny_llama_kv64, oaken_calibrations, case).engine
+    engine, keys = prefilled(tiny_llama_kv64, oaken_calibrations, case, lens)
     torch.set_num_threads(reader_threads)
-    storage = engine.kv_cache
-    assert storage.decode_kernel is KERNEL
+    storage, config = engine.kv_cache, engine.loaded.config
+    gen = torch.Generator().manual_seed(5)
+    for layer in (0, config.num_layers - 1):
+        q = torch.randn(len(lens), config.num_heads, config.head_dim, generator=gen) * 2
+        got = storage.attend_in_place(layer, q, keys, keys.context_lens)
+        k, v = storage.gather(layer, keys.slots, keys.positions, torch.float32)
+        want = attend(q[:, None], k, v, (keys.positions != -1)[:, None])[:, 0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def prefilled(tiny_llama_kv64, oaken_calibrations, case: str, lens: list[int]):
+    """An engine of `case` whose cache holds sequences of `lens` tokens, prefilled in chunks; their whole-block keys."""
+    engine = build(tiny_llama_kv64, oaken_calibrations, case).engine
+    assert engine.kv_cache.decode_kernel is KERNEL
     gen = torch.Generator().manual_seed(4)
     seqs = [prefill_in_chunks(engine, torch.randint(3, 320, (n,), generator=gen).tolist(), 32, seq_id=i)[1]
             for i, n in enumerate(lens)]
     width = max(len(s.block_table) for s in seqs)
     tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
-    context_lens = torch.tensor(lens)
-    keys = whole_block_keys(tables, context_lens, storage.block_size)
-    config = engine.loaded.config
-    for layer in (0, config.num_layers - 1):
-        q = torch.randn(len(lens), config.num_heads, config.head_dim, generator=gen) * 2
-        got = storage.attend_in_place(layer, q, keys, context_lens)
-        k, v = storage.gather_keys(layer, keys, torch.float32)
-        want = attend(q[:, None], k, v, (keys.positions != -1)[:, None])[:, 0]
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    return engine, whole_block_keys(tables, torch.tensor(lens), engine.kv_cache.block_size)
+
+
+@pytest.mark.parametrize("case", [case for case, (kv_format, _) in CASES.items() if kv_format not in FLOAT_POOLS])
+def test_whole_block_read_equals_the_torch_gather(case, reader_threads, tiny_llama_kv64, oaken_calibrations,
+                                                  monkeypatch):
+    """The reader's rows of whole-block keys (`gather_keys`, what a prefill chunk attends over) are the K/V the torch
+    path gathers and decodes slot by slot; the rows past each sequence's context are zeros."""
+    engine, keys = prefilled(tiny_llama_kv64, oaken_calibrations, case, [1, 20, 75, 150])
+    torch.set_num_threads(reader_threads)
+    storage = engine.kv_cache
+    valid = (keys.positions != -1)[..., None, None]
+    for layer in (0, engine.loaded.config.num_layers - 1):
+        with monkeypatch.context() as patch:  # the reader's rows, not the torch path's
+            patch.setattr(storage, "gather", None)
+            got = storage.gather_keys(layer, keys, torch.float32)
+        want = storage.gather(layer, keys.slots, keys.positions, torch.float32)
+        for read, gathered in zip(got, want):
+            assert read.shape == gathered.shape
+            torch.testing.assert_close(read * valid, gathered * valid, rtol=1e-5, atol=1e-5)
+            assert not read[~valid.expand_as(read)].any()
 
 
 @pytest.mark.parametrize("case", ["fp32", "fp16", "int8", "int4", "kivi2", "oaken"])

@@ -45,6 +45,11 @@ class CachedKeys:
         return self._positions
 
     @property
+    def context_lens(self) -> torch.Tensor | None:
+        """Whole-block keys' context lengths [n] (None for keys given slot by slot)."""
+        return self._context_lens
+
+    @property
     def width(self) -> int:
         return self.block_tables.shape[1] * self.block_size if self._positions is None else self._positions.shape[1]
 

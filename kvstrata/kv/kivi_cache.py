@@ -26,6 +26,7 @@ from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, unpack_codes
 from kvstrata.kv.kernels import paged_decode
+from kvstrata.kv.kernels.arguments import whole_block_rows
 from kvstrata.kv.slots import block_slots
 from kvstrata.kv.storage import KVStorage
 
@@ -243,9 +244,21 @@ class KiviPagedKVCache(KVStorage):
             return None
         with torch.profiler.record_function("kvstrata::paged_decode_attention_kivi"):  # named in profiles
             return self.decode_kernel.paged_decode_attention_kivi(
-                q, [self.key_codes[layer], self.key_params[layer], self.window_k[layer]],
-                [self.value_codes[layer], self.value_params[layer], self.window_v[layer]], self._read_window,
-                keys.block_tables, context_lens, self.bits, self.kv_shape[0], q.shape[-1] ** -0.5)
+                q, *self._reader_tensors(layer), self._read_window, keys.block_tables, context_lens, self.bits,
+                self.kv_shape[0], q.shape[-1] ** -0.5)
+
+    def gather_keys(self, layer, keys, dtype):
+        """Whole-block keys (a prefill chunk's) are decoded where they lie by the compiled reader (the decodes')."""
+        if keys.block_tables is None or self.decode_kernel is None:
+            return super().gather_keys(layer, keys, dtype)
+        read = self.decode_kernel.paged_read_kivi(*self._reader_tensors(layer), self._read_window, keys.block_tables,
+                                                  keys.context_lens, self.bits, *self.kv_shape)
+        return whole_block_rows(read, self.kv_shape, dtype)
+
+    def _reader_tensors(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The compiled reader's keys and values of a layer: [codes, params, window] each."""
+        return ([self.key_codes[layer], self.key_params[layer], self.window_k[layer]],
+                [self.value_codes[layer], self.value_params[layer], self.window_v[layer]])
 
     def gather(self, layer, slots, positions, dtype):
         shape = (*slots.shape, *self.kv_shape)

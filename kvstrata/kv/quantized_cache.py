@@ -12,7 +12,7 @@ import torch
 from kvstrata.kv import gpu
 from kvstrata.kv.formats.base import KVFormat
 from kvstrata.kv.kernels import paged_decode
-from kvstrata.kv.kernels.arguments import float32_rows
+from kvstrata.kv.kernels.arguments import float32_rows, whole_block_rows
 from kvstrata.kv.slots import block_slots
 from kvstrata.kv.sparse_pages import SparsePages
 from kvstrata.kv.storage import KVStorage
@@ -90,6 +90,16 @@ class QuantizedPagedKVCache(KVStorage):
             return self.format.attend_in_place(
                 self.decode_kernel, layer, q, self._layer_records[layer],
                 self.sparse, keys.block_tables, context_lens, self.block_size)
+
+    def gather_keys(self, layer, keys, dtype):
+        """Whole-block keys (a prefill chunk's) are decoded where they lie by the format's compiled reader, where the
+        decodes' is (`attend_in_place`) and the format has one."""
+        if keys.block_tables is not None and self.decode_kernel is not None:
+            read = self.format.read_in_place(self.decode_kernel, layer, self._layer_records[layer], self.sparse,
+                                             keys.block_tables, keys.context_lens, self.block_size)
+            if read is not None:
+                return whole_block_rows(read, self.kv_shape, dtype)
+        return super().gather_keys(layer, keys, dtype)
 
     def gather(self, layer, slots, positions, dtype):
         """Padding rows (position -1) come back as zeros. Every row is decoded, padding at slot 0 and

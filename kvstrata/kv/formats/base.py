@@ -68,6 +68,14 @@ class KVFormat(ABC):
         sparse pages (`sparse[kind]`) where they lie; None where the format has no such reader."""
         return None
 
+    def read_in_place(self, kernel, layer: int, records: dict[str, torch.Tensor], sparse: dict[str, SparsePages],
+                      block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V float32 [n, T, width] of every token of whole-block keys (T = the tables' width in tokens; zeros from
+        each sequence's context length on), decoded by the compiled `kernel`'s reader from this layer's records and
+        sparse pages where they lie, as `attend_in_place` reads them; None where the format has no such reader."""
+        return None
+
     def store_on_gpu(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, records: dict[str, torch.Tensor], sparse: dict[str, SparsePages]) -> bool:
         """`store_in_place` by the GPU kernels (kv/gpu), a launch or two per K/V and no wait for the device. False

@@ -44,6 +44,11 @@ class Int8Format(KVFormat):
         return kernel.paged_decode_attention_int8(q, records["k"], records["v"], block_tables, context_lens,
                                                   block_size, self.width // q.shape[-1], q.shape[-1] ** -0.5)
 
+    def read_in_place(self, kernel, layer, records, sparse, block_tables, context_lens, block_size):
+        # records are read whole: one "head" of all the token's values
+        return kernel.paged_read_int8(records["k"], records["v"], block_tables, context_lens, block_size, 1,
+                                      self.width)
+
     def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
         from kvstrata.kv.gpu import integer_rows  # imports Triton: only where the GPU kernels run
 
@@ -94,6 +99,10 @@ class Int4Format(KVFormat):
         return kernel.paged_decode_attention_int4(q, records["k"], records["v"], block_tables, context_lens,
                                                   block_size, self.width // q.shape[-1], self.group,
                                                   q.shape[-1] ** -0.5)
+
+    def read_in_place(self, kernel, layer, records, sparse, block_tables, context_lens, block_size):
+        return kernel.paged_read_int4(records["k"], records["v"], block_tables, context_lens, block_size, 1,
+                                      self.width, self.group)
 
     def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
         from kvstrata.kv.gpu import integer_rows  # imports Triton: only where the GPU kernels run

@@ -312,22 +312,28 @@ void attend_head(Rows& rows, const float* queries, float* outputs, int64_t len, 
 }
 
 // Checks shared by every storage; bad input must raise here, not inside the parallel region.
-inline void check_inputs(const at::Tensor& q, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                         int64_t kv_heads, int64_t block, int64_t num_blocks) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "paged_decode_attention: q must be float32 [n, heads, dim]");
-  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, "paged_decode_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
-              "paged_decode_attention: one block table and one context length per query");
+inline void check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block,
+                         int64_t num_blocks) {
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && context_lens.size(0) == block_tables.size(0),
+              "paged_decode_attention: one block table and one context length per sequence");
   const int64_t width = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t s = 0; s < q.size(0); ++s) {
+  for (int64_t s = 0; s < block_tables.size(0); ++s) {
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= width * block, "paged_decode_attention: context length out of range");
     for (int64_t b = 0; b < (lens[s] + block - 1) / block; ++b) {
       TORCH_CHECK(tables[s * width + b] >= 0 && tables[s * width + b] < num_blocks,
                   "paged_decode_attention: block id out of range");
     }
   }
+}
+
+inline void check_inputs(const at::Tensor& q, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                         int64_t kv_heads, int64_t block, int64_t num_blocks) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "paged_decode_attention: q must be float32 [n, heads, dim]");
+  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, "paged_decode_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_tables.size(0) == q.size(0), "paged_decode_attention: one block table per query");
+  check_tables(block_tables, context_lens, block, num_blocks);
 }
 
 // Where an item's tokens are split (below), the longest sequence's parts hold at least this many
@@ -414,6 +420,47 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   return out;
 }
 
+// Tokens of one sequence a work item of `read_rows` reads.
+constexpr int64_t kReadPartTokens = 256;
+
+// Every cached row of n sequences read out by make_rows' readers (whole-token ones: an item reads all kv_heads KV
+// heads of a token), for attention over more than one new token (a prefill chunk): K and V float32 [n, T, kv_heads *
+// dim], T = block_tables' width in tokens, row t of sequence s its token t, zeros from context_lens[s] on. A reader
+// may write one value past a row (its scratch place), so each row is decoded into a place of its own first.
+template <typename MakeRows>
+std::vector<at::Tensor> read_rows(at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t dim,
+                                  int64_t block, int64_t num_blocks, MakeRows make_rows) {
+  block_tables = block_tables.to(at::kLong).contiguous();
+  context_lens = context_lens.to(at::kLong).contiguous();
+  check_tables(block_tables, context_lens, block, num_blocks);
+  const int64_t n = block_tables.size(0), tokens = block_tables.size(1) * block, width = kv_heads * dim;
+  const int64_t parts = (tokens + kReadPartTokens - 1) / kReadPartTokens;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  std::vector<at::Tensor> out = {at::empty({n, tokens, width}, at::kFloat), at::empty({n, tokens, width}, at::kFloat)};
+  float* k = out[0].data_ptr<float>();
+  float* v = out[1].data_ptr<float>();
+  at::parallel_for(0, n * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width + 1);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t s = unit / parts, first = unit % parts * kReadPartTokens;
+      const int64_t last = std::min(tokens, first + kReadPartTokens), filled = std::clamp(lens[s], first, last);
+      auto rows = make_rows(tables + s * block_tables.size(1), 0, kv_heads);
+      for (int64_t t = first; t < filled; ++t) {
+        const int64_t at = (s * tokens + t) * width;
+        rows.key(t, row.data());
+        std::memcpy(k + at, row.data(), width * sizeof(float));
+        rows.value(t, row.data());
+        std::memcpy(v + at, row.data(), width * sizeof(float));
+      }
+      const int64_t tail = (s * tokens + filled) * width, tail_values = (last - filled) * width;
+      std::fill(k + tail, k + tail + tail_values, 0.0f);
+      std::fill(v + tail, v + tail + tail_values, 0.0f);
+    }
+  });
+  return out;
+}
+
 // The storages' entry points (one file each), bound in paged_decode.cpp.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
                                   at::Tensor context_lens, double scale);
@@ -431,6 +478,20 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
                                         std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos,
                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
                                         int64_t block, int64_t kv_heads, double scale);
+// The same readers' rows read out (read_rows): K and V of whole-block keys, for a prefill chunk's attention.
+std::vector<at::Tensor> paged_read_int8(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
+                                        at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim);
+std::vector<at::Tensor> paged_read_int4(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
+                                        at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,
+                                        int64_t group_size);
+std::vector<at::Tensor> paged_read_kivi(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                                        at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
+                                        int64_t bits, int64_t kv_heads, int64_t dim);
+std::vector<at::Tensor> paged_read_oaken(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                                         std::vector<double> key_shift, std::vector<double> value_shift,
+                                         std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos,
+                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
+                                         int64_t block, int64_t kv_heads, int64_t dim);
 
 void integer_store(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_records, at::Tensor v_records,
                    int64_t bits, int64_t group_size);

@@ -63,32 +63,57 @@ static void check_records(const at::Tensor& k, const at::Tensor& v, int64_t bloc
   TORCH_CHECK(block > 0 && k.size(0) % block == 0, what, ": slots must fill whole blocks");
 }
 
+// The readers of an item (make_rows for `run` and `read_rows`), once the records are checked.
+static auto int8_rows(const at::Tensor& k_records, const at::Tensor& v_records, int64_t block, int64_t kv_heads,
+                      int64_t dim, const char* what) {
+  const int64_t width = kv_heads * dim, record_bytes = width + 2;
+  check_records(k_records, v_records, block, record_bytes, what);
+  const uint8_t* k = k_records.data_ptr<uint8_t>();
+  const uint8_t* v = v_records.data_ptr<uint8_t>();
+  return [=](const int64_t* table, int64_t h, int64_t row_heads) {
+    return Int8Rows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, width};
+  };
+}
+
+static auto int4_rows(const at::Tensor& k_records, const at::Tensor& v_records, int64_t block, int64_t kv_heads,
+                      int64_t dim, int64_t group_size, const char* what) {
+  TORCH_CHECK(group_size > 0, what, ": group size must be positive");
+  const int64_t width = kv_heads * dim, code_bytes = (width + 1) / 2;
+  const int64_t record_bytes = code_bytes + 4 * ((width + group_size - 1) / group_size);
+  check_records(k_records, v_records, block, record_bytes, what);
+  const uint8_t* k = k_records.data_ptr<uint8_t>();
+  const uint8_t* v = v_records.data_ptr<uint8_t>();
+  return [=](const int64_t* table, int64_t h, int64_t row_heads) {
+    return Int4Rows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, code_bytes, group_size};
+  };
+}
+
 at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
                                        at::Tensor block_tables, at::Tensor context_lens, int64_t block,
                                        int64_t kv_heads, double scale) {
-  const int64_t dim = q.size(2), width = kv_heads * dim, record_bytes = width + 2;
-  check_records(k_records, v_records, block, record_bytes, "paged_decode_attention_int8");
-  const uint8_t* k = k_records.data_ptr<uint8_t>();
-  const uint8_t* v = v_records.data_ptr<uint8_t>();
-  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale,
-             [&](const int64_t* table, int64_t h, int64_t row_heads) {
-    return Int8Rows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, width};
-  }, true);
+  const auto rows = int8_rows(k_records, v_records, block, kv_heads, q.size(2), "paged_decode_attention_int8");
+  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true);
 }
 
 at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
                                        at::Tensor block_tables, at::Tensor context_lens, int64_t block,
                                        int64_t kv_heads, int64_t group_size, double scale) {
-  TORCH_CHECK(group_size > 0, "paged_decode_attention_int4: group size must be positive");
-  const int64_t dim = q.size(2), width = kv_heads * dim, code_bytes = (width + 1) / 2;
-  const int64_t record_bytes = code_bytes + 4 * ((width + group_size - 1) / group_size);
-  check_records(k_records, v_records, block, record_bytes, "paged_decode_attention_int4");
-  const uint8_t* k = k_records.data_ptr<uint8_t>();
-  const uint8_t* v = v_records.data_ptr<uint8_t>();
-  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale,
-             [&](const int64_t* table, int64_t h, int64_t row_heads) {
-    return Int4Rows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, code_bytes, group_size};
-  }, true);
+  const auto rows =
+      int4_rows(k_records, v_records, block, kv_heads, q.size(2), group_size, "paged_decode_attention_int4");
+  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true);
+}
+
+std::vector<at::Tensor> paged_read_int8(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
+                                        at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim) {
+  const auto rows = int8_rows(k_records, v_records, block, kv_heads, dim, "paged_read_int8");
+  return read_rows(block_tables, context_lens, kv_heads, dim, block, k_records.size(0) / block, rows);
+}
+
+std::vector<at::Tensor> paged_read_int4(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
+                                        at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,
+                                        int64_t group_size) {
+  const auto rows = int4_rows(k_records, v_records, block, kv_heads, dim, group_size, "paged_read_int4");
+  return read_rows(block_tables, context_lens, kv_heads, dim, block, k_records.size(0) / block, rows);
 }
 
 }  // namespace kvstrata

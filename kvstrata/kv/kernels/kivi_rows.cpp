@@ -98,59 +98,85 @@ struct KiviRows {
   }
 };
 
+// The readers of an item (make_rows for `run` and `read_rows`).
 template <int Bits>
-at::Tensor attend_kivi(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                       const at::Tensor& window_slot, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                       int64_t block, int64_t kv_heads, int64_t value_group, double scale) {
-  const int64_t dim = q.size(2), width = kv_heads * dim, num_blocks = keys[1].size(0);
-  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
-             [&](const int64_t* table, int64_t h, int64_t row_heads) {
+auto kivi_rows(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+               const at::Tensor& window_slot, int64_t block, int64_t dim, int64_t width, int64_t value_group) {
+  const uint8_t* key_codes = keys[0].data_ptr<uint8_t>();
+  const uint8_t* value_codes = values[0].data_ptr<uint8_t>();
+  const at::Half* key_params = keys[1].data_ptr<at::Half>();
+  const at::Half* value_params = values[1].data_ptr<at::Half>();
+  const at::Half* window_k = keys[2].data_ptr<at::Half>();
+  const at::Half* window_v = values[2].data_ptr<at::Half>();
+  const int64_t* slots = window_slot.data_ptr<int64_t>();
+  return [=](const int64_t* table, int64_t h, int64_t row_heads) {
     const int64_t row = row_heads * dim;
-    return KiviRows<Bits>{keys[0].data_ptr<uint8_t>(), keys[1].data_ptr<at::Half>(), values[0].data_ptr<uint8_t>(),
-                          values[1].data_ptr<at::Half>(), keys[2].data_ptr<at::Half>(), values[2].data_ptr<at::Half>(),
-                          window_slot.data_ptr<int64_t>(), table, BlockSlots{block}, row, width, value_group, h * dim,
-                          std::vector<float>(row), std::vector<float>(row), std::vector<float>(row)};
-  }, true);
+    return KiviRows<Bits>{key_codes, key_params, value_codes, value_params, window_k, window_v, slots, table,
+                          BlockSlots{block}, row, width, value_group, h * dim, std::vector<float>(row),
+                          std::vector<float>(row), std::vector<float>(row)};
+  };
+}
+
+// Checks a layer's codes, params and window; its value group (channels sharing a value's parameters).
+static int64_t check_kivi(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                          const at::Tensor& window_slot, int64_t bits, int64_t width, const char* what) {
+  TORCH_CHECK(keys.size() == 3 && values.size() == 3, what, ": keys and values are [codes, params, window] each");
+  TORCH_CHECK(bits == 2 || bits == 4, what, ": bits must be 2 or 4, got ", bits);
+  const at::Tensor &key_codes = keys[0], &key_params = keys[1], &window_k = keys[2];
+  const at::Tensor &value_codes = values[0], &value_params = values[1], &window_v = values[2];
+  for (const at::Tensor& t : {key_codes, key_params, window_k, value_codes, value_params, window_v, window_slot}) {
+    TORCH_CHECK(t.is_contiguous(), what, ": every tensor must be contiguous");
+  }
+  TORCH_CHECK(key_codes.scalar_type() == at::kByte && value_codes.scalar_type() == at::kByte &&
+                  key_codes.sizes() == value_codes.sizes() && key_codes.dim() == 2 &&
+                  key_codes.size(1) == width * bits / 8,
+              what, ": codes must be uint8 [slots, width * bits / 8]");
+  const int64_t num_blocks = key_params.size(0), block = num_blocks > 0 ? key_codes.size(0) / num_blocks : 0;
+  TORCH_CHECK(key_params.scalar_type() == at::kHalf && key_params.dim() == 3 && key_params.size(1) == width &&
+                  key_params.size(2) == 2 && block > 0 && block * num_blocks == key_codes.size(0),
+              what, ": key params must be float16 [blocks, width, 2] over whole blocks of codes");
+  TORCH_CHECK(value_params.scalar_type() == at::kHalf && value_params.dim() == 3 &&
+                  value_params.size(0) == key_codes.size(0) && value_params.size(2) == 2 &&
+                  value_params.size(1) > 0 && width % value_params.size(1) == 0,
+              what, ": value params must be float16 [slots, groups, 2]");
+  TORCH_CHECK(window_k.scalar_type() == at::kHalf && window_k.sizes() == window_v.sizes() && window_k.dim() == 3 &&
+                  window_k.size(1) == block && window_k.size(2) == width,
+              what, ": the window must be float16 [window_slots, block, width]");
+  TORCH_CHECK(window_slot.scalar_type() == at::kLong && window_slot.numel() == num_blocks,
+              what, ": one int64 window slot per block");
+  const int64_t* slots = window_slot.data_ptr<int64_t>();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    TORCH_CHECK(slots[b] < window_k.size(0), what, ": window slot out of range");
+  }
+  return width / value_params.size(1);
 }
 
 at::Tensor paged_decode_attention_kivi(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                                        at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
                                        int64_t bits, int64_t kv_heads, double scale) {
-  TORCH_CHECK(keys.size() == 3 && values.size() == 3,
-              "paged_decode_attention_kivi: keys and values are [codes, params, window] each");
-  TORCH_CHECK(bits == 2 || bits == 4, "paged_decode_attention_kivi: bits must be 2 or 4, got ", bits);
   const int64_t dim = q.size(2), width = kv_heads * dim;
-  const at::Tensor &key_codes = keys[0], &key_params = keys[1], &window_k = keys[2];
-  const at::Tensor &value_codes = values[0], &value_params = values[1], &window_v = values[2];
-  for (const at::Tensor& t : {key_codes, key_params, window_k, value_codes, value_params, window_v, window_slot}) {
-    TORCH_CHECK(t.is_contiguous(), "paged_decode_attention_kivi: every tensor must be contiguous");
+  const int64_t value_group = check_kivi(keys, values, window_slot, bits, width, "paged_decode_attention_kivi");
+  const int64_t num_blocks = keys[1].size(0), block = keys[0].size(0) / num_blocks;
+  if (bits == 2) {
+    return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
+               kivi_rows<2>(keys, values, window_slot, block, dim, width, value_group), true);
   }
-  TORCH_CHECK(key_codes.scalar_type() == at::kByte && value_codes.scalar_type() == at::kByte &&
-                  key_codes.sizes() == value_codes.sizes() && key_codes.dim() == 2 &&
-                  key_codes.size(1) == width * bits / 8,
-              "paged_decode_attention_kivi: codes must be uint8 [slots, width * bits / 8]");
-  const int64_t num_blocks = key_params.size(0), block = key_codes.size(0) / num_blocks;
-  TORCH_CHECK(key_params.scalar_type() == at::kHalf && key_params.dim() == 3 && key_params.size(1) == width &&
-                  key_params.size(2) == 2 && block * num_blocks == key_codes.size(0),
-              "paged_decode_attention_kivi: key params must be float16 [blocks, width, 2] over whole blocks of codes");
-  TORCH_CHECK(value_params.scalar_type() == at::kHalf && value_params.dim() == 3 &&
-                  value_params.size(0) == key_codes.size(0) && value_params.size(2) == 2 &&
-                  value_params.size(1) > 0 && width % value_params.size(1) == 0,
-              "paged_decode_attention_kivi: value params must be float16 [slots, groups, 2]");
-  TORCH_CHECK(window_k.scalar_type() == at::kHalf && window_k.sizes() == window_v.sizes() && window_k.dim() == 3 &&
-                  window_k.size(1) == block && window_k.size(2) == width,
-              "paged_decode_attention_kivi: the window must be float16 [window_slots, block, width]");
-  TORCH_CHECK(window_slot.scalar_type() == at::kLong && window_slot.numel() == num_blocks,
-              "paged_decode_attention_kivi: one int64 window slot per block");
-  const int64_t* slots = window_slot.data_ptr<int64_t>();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    TORCH_CHECK(slots[b] < window_k.size(0), "paged_decode_attention_kivi: window slot out of range");
+  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
+             kivi_rows<4>(keys, values, window_slot, block, dim, width, value_group), true);
+}
+
+std::vector<at::Tensor> paged_read_kivi(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                                        at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
+                                        int64_t bits, int64_t kv_heads, int64_t dim) {
+  const int64_t width = kv_heads * dim;
+  const int64_t value_group = check_kivi(keys, values, window_slot, bits, width, "paged_read_kivi");
+  const int64_t num_blocks = keys[1].size(0), block = keys[0].size(0) / num_blocks;
+  if (bits == 2) {
+    return read_rows(block_tables, context_lens, kv_heads, dim, block, num_blocks,
+                     kivi_rows<2>(keys, values, window_slot, block, dim, width, value_group));
   }
-  const int64_t value_group = width / value_params.size(1);
-  return bits == 2 ? attend_kivi<2>(q, keys, values, window_slot, block_tables, context_lens, block, kv_heads,
-                                    value_group, scale)
-                   : attend_kivi<4>(q, keys, values, window_slot, block_tables, context_lens, block, kv_heads,
-                                    value_group, scale);
+  return read_rows(block_tables, context_lens, kv_heads, dim, block, num_blocks,
+                   kivi_rows<4>(keys, values, window_slot, block, dim, width, value_group));
 }
 
 }  // namespace kvstrata

@@ -255,23 +255,24 @@ static OakenSide side_of(const std::vector<at::Tensor>& t, const std::vector<dou
   return side;
 }
 
-at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
-                                        std::vector<double> key_shift, std::vector<double> value_shift,
-                                        std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos,
-                                        at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
-                                        int64_t block, int64_t kv_heads, double scale) {
+// The readers of an item (make_rows for `run` and `read_rows`), once the sides, tables and layout are checked.
+static auto oaken_rows(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                       const std::vector<double>& key_shift, const std::vector<double>& value_shift,
+                       const std::vector<int64_t>& layout, const at::Tensor& key_mean, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& context_lens, int64_t block, int64_t kv_heads,
+                       int64_t dim) {
   TORCH_CHECK(layout.size() == 7, "paged_decode_attention_oaken: layout is 7 numbers");
   const int64_t groups = layout[0], dense_group = layout[1], entry_bytes = layout[2], page_bytes = layout[4];
   TORCH_CHECK(page_bytes >= 1, "paged_decode_attention_oaken: pages of ", page_bytes, " bytes");
   const bool fp16_outliers = layout[3] != 0, rotate_key = layout[6] != 0;
   const int64_t add_mean = layout[5];
-  const int64_t dim = q.size(2), width = kv_heads * dim, record_bytes = width / 2 + 4 * groups + width / kBlockValues;
+  const int64_t width = kv_heads * dim, record_bytes = width / 2 + 4 * groups + width / kBlockValues;
   TORCH_CHECK(width % kBlockValues == 0 && dim % 2 == 0 && groups >= 2 && groups <= 5 && dense_group >= 0 && dense_group < groups,
               "paged_decode_attention_oaken: a width that is a multiple of 64, an even head_dim and 2 to 5 groups");
   TORCH_CHECK(block > 0 && keys.size() == 8 && keys[0].dim() == 2 && keys[0].size(0) % block == 0 &&
                   keys[0].size(1) == record_bytes,
               "paged_decode_attention_oaken: records of ", record_bytes, " bytes over whole blocks");
-  const int64_t slots = keys[0].size(0), num_blocks = slots / block;
+  const int64_t slots = keys[0].size(0);
   const OakenSide k = side_of(keys, key_shift, slots), v = side_of(values, value_shift, slots);
   TORCH_CHECK(values[0].size(1) == record_bytes, "paged_decode_attention_oaken: K and V records differ");
   const bool positional = add_mean == 2 || rotate_key;
@@ -290,12 +291,31 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
   const float* mean = add_mean != 0 ? key_mean.data_ptr<float>() : nullptr;
   const float* c = positional ? cos.data_ptr<float>() : nullptr;
   const float* s = positional ? sin.data_ptr<float>() : nullptr;
-  return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
-             [&](const int64_t* table, int64_t h, int64_t row_heads) {
+  return [=](const int64_t* table, int64_t h, int64_t row_heads) {
     return OakenRows{k, v, table, BlockSlots{block}, BlockSlots{page_bytes}, row_heads * dim, dim, width, record_bytes,
                      groups, dense_group, entry_bytes, h * dim, fp16_outliers, add_mean, rotate_key, mean, c, s,
                      std::vector<float>(rotate_key ? row_heads * dim + 1 : 0), std::vector<uint8_t>()};
-  }, true);
+  };
+}
+
+at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                                        std::vector<double> key_shift, std::vector<double> value_shift,
+                                        std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos,
+                                        at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
+                                        int64_t block, int64_t kv_heads, double scale) {
+  const auto rows = oaken_rows(keys, values, key_shift, value_shift, layout, key_mean, cos, sin, context_lens, block,
+                               kv_heads, q.size(2));
+  return run(q, block_tables, context_lens, kv_heads, block, keys[0].size(0) / block, scale, rows, true);
+}
+
+std::vector<at::Tensor> paged_read_oaken(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                                         std::vector<double> key_shift, std::vector<double> value_shift,
+                                         std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos,
+                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
+                                         int64_t block, int64_t kv_heads, int64_t dim) {
+  const auto rows = oaken_rows(keys, values, key_shift, value_shift, layout, key_mean, cos, sin, context_lens, block,
+                               kv_heads, dim);
+  return read_rows(block_tables, context_lens, kv_heads, dim, block, keys[0].size(0) / block, rows);
 }
 
 }  // namespace kvstrata

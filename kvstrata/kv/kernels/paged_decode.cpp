@@ -142,6 +142,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention read in place from KIVI's quantized blocks and its float16 window");
   m.def("paged_decode_attention_oaken", &kvstrata::paged_decode_attention_oaken,
         "decode attention read in place from Oaken's dense records and sparse pages");
+  m.def("paged_read_int8", &kvstrata::paged_read_int8, "whole-block K and V decoded from int8 KV records");
+  m.def("paged_read_int4", &kvstrata::paged_read_int4, "whole-block K and V decoded from int4 KV records");
+  m.def("paged_read_kivi", &kvstrata::paged_read_kivi, "whole-block K and V decoded from KIVI's blocks and window");
+  m.def("paged_read_oaken", &kvstrata::paged_read_oaken,
+        "whole-block K and V decoded from Oaken's dense records and sparse pages");
   m.def("integer_store", &kvstrata::integer_store, "int8's or int4's store of one layer's new K and V: encode, write");
   m.def("sparse_write", &kvstrata::sparse_write, "SparsePages.write for one layer (pages from its free stack)");
   m.def("oaken_store", &kvstrata::oaken_store, "Oaken's store of one layer's new K and V: encode and write both");

@@ -115,20 +115,28 @@ class OakenFormat(KVFormat):
 
     def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size):
         """The compiled reader decodes each row as `decode` does, keys put back as `_cached_key` puts them."""
-        device = q.device
+        return kernel.paged_decode_attention_oaken(
+            q, *self._reader_arguments(layer, records, sparse, context_lens), block_tables, context_lens, block_size,
+            self.head_shape[0], q.shape[-1] ** -0.5)
+
+    def read_in_place(self, kernel, layer, records, sparse, block_tables, context_lens, block_size):
+        return kernel.paged_read_oaken(*self._reader_arguments(layer, records, sparse, context_lens), block_tables,
+                                       context_lens, block_size, *self.head_shape)
+
+    def _reader_arguments(self, layer, records, sparse, context_lens) -> list:
+        """What the compiled reader takes about this layer: each side's records, pages and tables, the shifts, the
+        layout, the mean key and RoPE's tables."""
+        device = records["k"].device
         tables, shifts = {}, {}
         for kind in "kv":
             tables[kind], shifts[kind] = self._reader_table(layer, kind, device)
         add_mean, rotate_key = self._key_transform()
         cos, sin = self._rope_rows(lambda: int(context_lens.max()), add_mean == 2 or rotate_key, device)
-        page_bytes = sparse["k"].page_bytes
         layout = [self.config.num_groups, self.config.dense_group, sparse_entry_bytes(self.config),
-                  int(self.config.outliers == "fp16"), page_bytes, add_mean, int(rotate_key)]
-        return kernel.paged_decode_attention_oaken(
-            q, [records["k"], *sparse["k"].layer_tensors(layer), *tables["k"]],
-            [records["v"], *sparse["v"].layer_tensors(layer), *tables["v"]], shifts["k"], shifts["v"], layout,
-            self._layer_mean_key(layer, device), cos, sin, block_tables, context_lens, block_size,
-            self.head_shape[0], q.shape[-1] ** -0.5)
+                  int(self.config.outliers == "fp16"), sparse["k"].page_bytes, add_mean, int(rotate_key)]
+        return [[records["k"], *sparse["k"].layer_tensors(layer), *tables["k"]],
+                [records["v"], *sparse["v"].layer_tensors(layer), *tables["v"]], shifts["k"], shifts["v"], layout,
+                self._layer_mean_key(layer, device), cos, sin]
 
     def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
         """The GPU encoder (kv/gpu/oaken_encode.py) and sparse-page writer, for scales per token and keys quantized
