@@ -26,12 +26,13 @@ from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, unpack_codes
 from kvstrata.kv.kernels import paged_decode
-from kvstrata.kv.kernels.arguments import whole_block_rows
+from kvstrata.kv.kernels.arguments import float32_rows, whole_block_rows
 from kvstrata.kv.slots import block_slots
 from kvstrata.kv.storage import KVStorage
 
 VALUE_GROUP = 32  # channels sharing a value's minimum and step
 PARAM_BYTES = 4  # float16 minimum + float16 step
+NO_ROWS = torch.empty(0, dtype=torch.long)  # the window store's "every row of the step"
 
 
 def window_slots_needed(max_num_seqs: int, chunk_size: int, residual: int, block_size: int) -> int:
@@ -50,8 +51,7 @@ class StepWrites:
     """Where a step's new tokens go, worked out once per step (`begin_step`) for every layer's `store`."""
 
     window_rows: torch.Tensor | None  # rows of the step's K/V written into the window (None: every row)
-    window_slots: torch.Tensor  # their window slot
-    offsets: torch.Tensor  # their offset in the block
+    window_places: torch.Tensor  # their row in a layer's window [window_slots * block_size, width]
     direct_blocks: torch.Tensor  # blocks the step fills that leave the window at once: quantized from its K/V
     direct_rows: torch.Tensor  # the rows of their tokens, block after block, in slot order
     completed_leaving: torch.Tensor  # window blocks the step completes that leave at its end
@@ -87,6 +87,8 @@ class KiviPagedKVCache(KVStorage):
         self._layers_quantized = 0  # layers whose leaving blocks are quantized already in this step
         # on the CPU, decodes read blocks and window where they lie, with the compiled kernel (if it builds)
         self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
+        # on the CPU, the compiled writer puts a layer's new K and V into the window in one call
+        self.store_kernel = paged_decode.kernel() if device.type == "cpu" else None
         # on a GPU, the gathered tokens are decoded by a Triton kernel (kv/gpu), one launch per K/V
         self.gpu_kernels = in_place_decode and gpu.runs_on(device)
 
@@ -211,8 +213,8 @@ class KiviPagedKVCache(KVStorage):
             direct_rows = direct.nonzero().flatten()
             direct_rows = direct_rows[torch.argsort(slots[direct_rows])]
         to_window = slots if window_rows is None else slots[window_rows]
-        self._writes = StepWrites(window_rows, self.window_slot[to_window // self.block_size],
-                                  to_window % self.block_size, direct_blocks, direct_rows, leaving[completed])
+        places = self.window_slot[to_window // self.block_size] * self.block_size + to_window % self.block_size
+        self._writes = StepWrites(window_rows, places, direct_blocks, direct_rows, leaving[completed])
         self._read_window = self.window_slot.index_fill(0, self._writes.completed_leaving, -1)
 
     def end_step(self) -> None:
@@ -229,13 +231,19 @@ class KiviPagedKVCache(KVStorage):
 
     def store(self, layer, slots, positions, k, v) -> None:
         plan = self._writes
-        k, v = k.reshape(len(slots), -1).half(), v.reshape(len(slots), -1).half()
-        rows = plan.window_rows
-        self.window_k[layer, plan.window_slots, plan.offsets] = k if rows is None else k[rows]
-        self.window_v[layer, plan.window_slots, plan.offsets] = v if rows is None else v[rows]
-        if len(plan.direct_blocks):
+        if self.store_kernel is not None:  # both sides in one call (kv/kernels/kivi_window_store.cpp)
+            k, v = float32_rows(k), float32_rows(v)
+            rows = plan.window_rows if plan.window_rows is not None else NO_ROWS
+            self.store_kernel.kivi_window_store(k, v, rows, plan.window_places, self.window_k, self.window_v, layer)
+        else:
+            k, v = k.reshape(len(slots), -1).half(), v.reshape(len(slots), -1).half()
+            rows = plan.window_rows
+            for window, x in ((self.window_k, k), (self.window_v, v)):
+                window[layer].view(-1, self.width)[plan.window_places] = x if rows is None else x[rows]
+        if len(plan.direct_blocks):  # quantized from float16 rows, as from the window
             shape = (len(plan.direct_blocks), self.block_size, self.width)
-            self._quantize(layer, plan.direct_blocks, k[plan.direct_rows].view(shape), v[plan.direct_rows].view(shape))
+            direct_k, direct_v = (x[plan.direct_rows].half().view(shape) for x in (k, v))
+            self._quantize(layer, plan.direct_blocks, direct_k, direct_v)
         self._quantize_blocks(layer, plan.completed_leaving)
         self._layers_quantized = layer + 1
 

@@ -497,6 +497,8 @@ void integer_store(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_re
                    int64_t bits, int64_t group_size);
 int64_t sparse_write(std::vector<at::Tensor> layer_tensors, at::Tensor slots, at::Tensor bytes, at::Tensor counts,
                      int64_t block_size, int64_t page_bytes);
+void kivi_window_store(at::Tensor k, at::Tensor v, at::Tensor rows, at::Tensor places, at::Tensor window_k,
+                       at::Tensor window_v, int64_t layer);
 std::vector<int64_t> oaken_store(at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor slots,
                                  std::vector<at::Tensor> k_side, std::vector<at::Tensor> v_side,
                                  std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos, at::Tensor sin);

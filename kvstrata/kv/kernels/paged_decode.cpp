@@ -150,6 +150,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("integer_store", &kvstrata::integer_store, "int8's or int4's store of one layer's new K and V: encode, write");
   m.def("sparse_write", &kvstrata::sparse_write, "SparsePages.write for one layer (pages from its free stack)");
   m.def("oaken_store", &kvstrata::oaken_store, "Oaken's store of one layer's new K and V: encode and write both");
+  m.def("kivi_window_store", &kvstrata::kivi_window_store, "KIVI's store of one layer's new K and V into its window");
   m.def("infinigen_select", &kvstrata::infinigen_select,
         "InfiniGen's speculated logits against the partial keys in place, and the tokens each KV head fetches");
   m.def("gather_rows", &kvstrata::gather_rows, "rows of float KV pools gathered per KV head, all pools in one call");

@@ -1,6 +1,7 @@
 """Loads the compiled CPU kernels of kv/, building them on first use: decode attention read where the cache lies
-(attend.h and one reader per storage), the int8 and int4 store, Oaken's encoder and fused store, the sparse-page
-writer, and InfiniGen's selection of the tokens a layer fetches, their gather and attention over them.
+(attend.h and one reader per storage) and their whole-block reads, the int8 and int4 store, Oaken's encoder and
+fused store, the sparse-page writer, KIVI's window store, and InfiniGen's selection of the tokens a layer fetches,
+their gather and attention over them.
 
 `kernel()` is None where they cannot be built (no C++ compiler): callers then take the torch path (gather and
 decode the blocks, then the reference attention; the torch encoder and writer). `python -m kvstrata.compiled_extension`
@@ -18,8 +19,9 @@ from kvstrata.kv import fused_decode
 NAME = "kvstrata_paged_decode"
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("paged_decode.cpp", "integer_rows.cpp", "integer_store.cpp", "kivi_rows.cpp",
-                                    "oaken_rows.cpp", "oaken_encode.cpp", "oaken_store.cpp", "sparse_write.cpp",
-                                    "infinigen_select.cpp", "gather_rows.cpp", "fetched_attention.cpp")]
+                                    "kivi_window_store.cpp", "oaken_rows.cpp", "oaken_encode.cpp", "oaken_store.cpp",
+                                    "sparse_write.cpp", "infinigen_select.cpp", "gather_rows.cpp",
+                                    "fetched_attention.cpp")]
 
 
 @functools.cache
