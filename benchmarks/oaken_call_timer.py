@@ -14,9 +14,12 @@ CACHE_CALLS = {
     "store (incl. encode)": [("kvstrata.kv.paged_cache", "PagedKVCache.store"),
                              ("kvstrata.kv.quantized_cache", "QuantizedPagedKVCache.store"),
                              ("kvstrata.kv.kivi_cache", "KiviPagedKVCache.store")],
-    # every read of a step's keys goes through one of these (the float storage copies whole blocks itself)
+    # every read of a step's keys goes through one of these (the float storage copies whole blocks itself; the
+    # quantized ones read whole blocks out with their compiled readers)
     "gather (incl. decode)": [("kvstrata.kv.storage", "KVStorage.gather_keys"),
-                              ("kvstrata.kv.paged_cache", "PagedKVCache.gather_keys")],
+                              ("kvstrata.kv.paged_cache", "PagedKVCache.gather_keys"),
+                              ("kvstrata.kv.quantized_cache", "QuantizedPagedKVCache.gather_keys"),
+                              ("kvstrata.kv.kivi_cache", "KiviPagedKVCache.gather_keys")],
     "encode": [("kvstrata.kv.formats.integer", "Int8Format.encode"), ("kvstrata.kv.formats.integer", "Int4Format.encode"),
                ("kvstrata.kv.formats.oaken.format", "OakenFormat.encode")],
     "decode": [("kvstrata.kv.formats.integer", "Int8Format.decode"), ("kvstrata.kv.formats.integer", "Int4Format.decode"),
@@ -35,16 +38,21 @@ class CallTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self._undo: list = []
+        self._inside: dict[str, bool] = defaultdict(bool)  # a call of the label is being timed
 
     def _wrap(self, label: str, function):
         @functools.wraps(function)
         def timed(*args, **kwargs):
+            if self._inside[label]:  # a wrapped method calling another of its label (an override its base's)
+                return function(*args, **kwargs)
+            self._inside[label] = True
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
                 self.seconds[label] += time.perf_counter() - start
                 self.counts[label] += 1
+                self._inside[label] = False
 
         return timed
 
