@@ -54,6 +54,9 @@ class OakenFormat(KVFormat):
         self._layer_mean_keys: tuple[torch.Tensor, ...] | None = None  # key_mean's rows, on the device last asked
         self._reader_tables: dict[tuple[int, str], tuple[list[torch.Tensor], list[float]]] = {}  # per (layer, kind)
         self._encoder_tables: dict[tuple[int, str], tuple] = {}  # per (layer, kind)
+        # per layer: the storage's tensors, and what the compiled store and reader take (_kept_for_layer)
+        self._kept_store_sides: dict[int, tuple] = {}
+        self._kept_reader_sides: dict[int, tuple] = {}
         self.key_mean = thresholds.k_mean if center_keys else None
         if center_keys and thresholds.k_mean.shape[1] != self.width:
             raise KvstrataError(f"the thresholds' mean key has {thresholds.k_mean.shape[1]} channels, the model's "
@@ -94,17 +97,13 @@ class OakenFormat(KVFormat):
         puts them, then `encode` and the storage's writes, with the same bytes."""
         if self.config.scales != "token" or k.device.type != "cpu" or not len(k):
             return False
-        tables = {kind: self._encoder_table(layer, kind, k.device) for kind in "kv"}
         center, rotate_back = self._key_transform()
         positions, slots = int64_rows(positions), int64_rows(slots)
         cos, sin = self._rope_rows(lambda: int(positions.max()) + 1, center == 2 or rotate_back, k.device)
-        block_size, page_bytes = sparse["k"].block_size, sparse["k"].page_bytes
-        layout = [*tables["k"][4], block_size, page_bytes, center, int(rotate_back)]
+        mean = self._layer_mean_key(layer, k.device)
         while True:
-            short = kernel.oaken_store(
-                k, v, positions, slots, [records["k"], *sparse["k"].writer_tensors(layer), *tables["k"][:4]],
-                [records["v"], *sparse["v"].writer_tensors(layer), *tables["v"][:4]], layout,
-                self._layer_mean_key(layer, k.device), cos, sin)
+            short = kernel.oaken_store(k, v, positions, slots, *self._store_sides(layer, records, sparse), mean, cos,
+                                       sin)
             if short[0] < 0:  # a value out of float16's range: the torch path raises the clear error
                 return False
             if not any(short):
@@ -112,6 +111,27 @@ class OakenFormat(KVFormat):
             for kind, pages in zip("kv", short):
                 if pages:
                     sparse[kind].grow(pages)
+
+    def _store_sides(self, layer, records, sparse) -> tuple[list, list, list[int]]:
+        """The compiled store's K and V sides ([records, the sparse pages' writer tensors, the encoder's tables]) and
+        layout for this layer."""
+        def build():
+            tables = {kind: self._encoder_table(layer, kind, records["k"].device) for kind in "kv"}
+            center, rotate_back = self._key_transform()
+            layout = [*tables["k"][4], sparse["k"].block_size, sparse["k"].page_bytes, center, int(rotate_back)]
+            return ([records["k"], *sparse["k"].writer_tensors(layer), *tables["k"][:4]],
+                    [records["v"], *sparse["v"].writer_tensors(layer), *tables["v"][:4]], layout)
+
+        return self._kept_for_layer(self._kept_store_sides, layer, records, sparse, build)
+
+    def _kept_for_layer(self, kept: dict, layer: int, records, sparse, build):
+        """`build()`'s arguments of this layer for a compiled kernel, built once and again only where the storage's
+        tensors are new (a sparse pool grew, another storage): every layer of every step passes them."""
+        tensors = (records["k"], records["v"], sparse["k"].writer_tensors(layer), sparse["v"].writer_tensors(layer))
+        entry = kept.get(layer)
+        if entry is None or any(now is not then for now, then in zip(tensors, entry[0])):
+            entry = kept[layer] = (tensors, build())
+        return entry[1]
 
     def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size):
         """The compiled reader decodes each row as `decode` does, keys put back as `_cached_key` puts them."""
@@ -127,16 +147,20 @@ class OakenFormat(KVFormat):
         """What the compiled reader takes about this layer: each side's records, pages and tables, the shifts, the
         layout, the mean key and RoPE's tables."""
         device = records["k"].device
-        tables, shifts = {}, {}
-        for kind in "kv":
-            tables[kind], shifts[kind] = self._reader_table(layer, kind, device)
         add_mean, rotate_key = self._key_transform()
+
+        def build():
+            tables, shifts = {}, {}
+            for kind in "kv":
+                tables[kind], shifts[kind] = self._reader_table(layer, kind, device)
+            layout = [self.config.num_groups, self.config.dense_group, sparse_entry_bytes(self.config),
+                      int(self.config.outliers == "fp16"), sparse["k"].page_bytes, add_mean, int(rotate_key)]
+            return [[records["k"], *sparse["k"].layer_tensors(layer), *tables["k"]],
+                    [records["v"], *sparse["v"].layer_tensors(layer), *tables["v"]], shifts["k"], shifts["v"], layout,
+                    self._layer_mean_key(layer, device)]
+
         cos, sin = self._rope_rows(lambda: int(context_lens.max()), add_mean == 2 or rotate_key, device)
-        layout = [self.config.num_groups, self.config.dense_group, sparse_entry_bytes(self.config),
-                  int(self.config.outliers == "fp16"), sparse["k"].page_bytes, add_mean, int(rotate_key)]
-        return [[records["k"], *sparse["k"].layer_tensors(layer), *tables["k"]],
-                [records["v"], *sparse["v"].layer_tensors(layer), *tables["v"]], shifts["k"], shifts["v"], layout,
-                self._layer_mean_key(layer, device), cos, sin]
+        return [*self._kept_for_layer(self._kept_reader_sides, layer, records, sparse, build), cos, sin]
 
     def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
         """The GPU encoder (kv/gpu/oaken_encode.py) and sparse-page writer, for scales per token and keys quantized
