@@ -399,3 +399,16 @@ def test_grown_bytes_count_the_window_slots_added():
     cache._take_slot()  # no slot free and no block pool to take one back from: the window grows
     assert cache.grown_slots > 0
     assert cache.grown_bytes() == cache.grown_slots * 2 * 2 * 16 * 64 * 2  # K and V, layers, block, width, float16
+
+
+def test_the_readers_views_follow_the_window_when_it_grows():
+    cache = KiviPagedKVCache(4, 32, num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=32,
+                             device=torch.device("cpu"), window_slots=1)
+    keys, values = cache._reader_tensors(1)
+    assert keys[2].data_ptr() == cache.window_k[1].data_ptr() and values[2].data_ptr() == cache.window_v[1].data_ptr()
+    cache._take_slot()
+    cache._take_slot()  # the window grows: new tensors
+    assert cache.grown_slots > 0
+    keys, values = cache._reader_tensors(1)
+    assert keys[2].shape == cache.window_k[1].shape and keys[2].data_ptr() == cache.window_k[1].data_ptr()
+    assert values[2].data_ptr() == cache.window_v[1].data_ptr()

@@ -81,6 +81,7 @@ class KiviPagedKVCache(KVStorage):
         self.grown_slots = 0
         self.block_pool: BlockPool | None = None  # which blocks no sequence holds (attach_block_pool)
         self._writes: StepWrites | None = None  # this step's (begin_step)
+        self._reader_views: tuple | None = None  # (the window they were made of, per layer: _reader_tensors)
         # each block's window slot as this step's reads see it: blocks leaving in this step are quantized in a
         # layer before that layer reads them (store comes first), so they read as quantized
         self._read_window = self.window_slot
@@ -264,9 +265,13 @@ class KiviPagedKVCache(KVStorage):
         return whole_block_rows(read, self.kv_shape, dtype)
 
     def _reader_tensors(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The compiled reader's keys and values of a layer: [codes, params, window] each."""
-        return ([self.key_codes[layer], self.key_params[layer], self.window_k[layer]],
-                [self.value_codes[layer], self.value_params[layer], self.window_v[layer]])
+        """The compiled reader's keys and values of a layer: [codes, params, window] each, views made once per layer
+        (every layer of every step passes them) and again after the window grows."""
+        if self._reader_views is None or self._reader_views[0] is not self.window_k:
+            views = [([self.key_codes[n], self.key_params[n], self.window_k[n]],
+                      [self.value_codes[n], self.value_params[n], self.window_v[n]]) for n in range(self.num_layers)]
+            self._reader_views = (self.window_k, views)
+        return self._reader_views[1][layer]
 
     def gather(self, layer, slots, positions, dtype):
         shape = (*slots.shape, *self.kv_shape)
