@@ -89,3 +89,13 @@ def test_engine_generates_the_same_with_and_without_the_reader(case, tiny_llama_
     assert without.engine.kv_cache.decode_kernel is None
     assert [o.token_ids for o in with_reader.generate(prompts, params)] == \
         [o.token_ids for o in without.generate(prompts, params)]
+
+
+def test_a_bad_read_is_refused_naming_the_read(tiny_llama_kv64, oaken_calibrations):
+    engine, keys = prefilled(tiny_llama_kv64, oaken_calibrations, "oaken", [20])
+    storage = engine.kv_cache
+    arguments = storage.format._reader_arguments(0, storage._layer_records[0], storage.sparse, keys.context_lens)
+    arguments[4] = arguments[4][:6]  # the layout, one number short
+    with pytest.raises(RuntimeError, match="paged_read_oaken: layout is 7 numbers"):
+        KERNEL.paged_read_oaken(*arguments, keys.block_tables, keys.context_lens, storage.block_size,
+                                *storage.format.head_shape)

@@ -219,20 +219,21 @@ struct OakenRows {
   void value(int64_t t, float* out) { decode(v, t, out); }
 };
 
-static OakenSide side_of(const std::vector<at::Tensor>& t, const std::vector<double>& shift, int64_t slots) {
+static OakenSide side_of(const std::vector<at::Tensor>& t, const std::vector<double>& shift, int64_t slots,
+                         const char* what) {
   TORCH_CHECK(t.size() == 8 && shift.size() == 3,
-              "paged_decode_attention_oaken: a side is 8 tensors and its shift (shifted, lo, hi)");
+              what, ": a side is 8 tensors and its shift (shifted, lo, hi)");
   TORCH_CHECK(t[0].scalar_type() == at::kByte && t[0].dim() == 2 && t[0].size(0) == slots && t[0].is_contiguous(),
-              "paged_decode_attention_oaken: records must be contiguous uint8 [slots, record_bytes] alike for K and V");
-  TORCH_CHECK(t[1].scalar_type() == at::kByte && t[1].is_contiguous(), "paged_decode_attention_oaken: sparse data");
+              what, ": records must be contiguous uint8 [slots, record_bytes] alike for K and V");
+  TORCH_CHECK(t[1].scalar_type() == at::kByte && t[1].is_contiguous(), what, ": sparse data");
   TORCH_CHECK(t[2].scalar_type() == at::kLong && t[2].dim() == 2 && t[2].is_contiguous(),
-              "paged_decode_attention_oaken: block pages must be int64 [blocks, pages]");
+              what, ": block pages must be int64 [blocks, pages]");
   TORCH_CHECK(t[3].scalar_type() == at::kInt && t[4].scalar_type() == at::kShort && t[3].numel() == slots &&
                   t[4].numel() == slots && t[3].is_contiguous() && t[4].is_contiguous(),
-              "paged_decode_attention_oaken: token offsets int32 and counts int16, one per slot");
+              what, ": token offsets int32 and counts int16, one per slot");
   TORCH_CHECK(t[5].scalar_type() == at::kLong && t[6].scalar_type() == at::kFloat &&
                   t[7].scalar_type() == at::kFloat && t[5].numel() == t[6].numel() && t[5].numel() == t[7].numel(),
-              "paged_decode_attention_oaken: key tables int64, float32, float32 of one size");
+              what, ": key tables int64, float32, float32 of one size");
   OakenSide side{t[0].data_ptr<uint8_t>(), t[1].data_ptr<uint8_t>(), t[1].data_ptr<uint8_t>() + t[1].numel(),
                  t[2].data_ptr<int64_t>(), t[3].data_ptr<int32_t>(), t[4].data_ptr<int16_t>(),
                  t[5].data_ptr<int64_t>(), t[6].data_ptr<float>(), t[7].data_ptr<float>(), shift[0] != 0,
@@ -260,33 +261,33 @@ static auto oaken_rows(const std::vector<at::Tensor>& keys, const std::vector<at
                        const std::vector<double>& key_shift, const std::vector<double>& value_shift,
                        const std::vector<int64_t>& layout, const at::Tensor& key_mean, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& context_lens, int64_t block, int64_t kv_heads,
-                       int64_t dim) {
-  TORCH_CHECK(layout.size() == 7, "paged_decode_attention_oaken: layout is 7 numbers");
+                       int64_t dim, const char* what) {
+  TORCH_CHECK(layout.size() == 7, what, ": layout is 7 numbers");
   const int64_t groups = layout[0], dense_group = layout[1], entry_bytes = layout[2], page_bytes = layout[4];
-  TORCH_CHECK(page_bytes >= 1, "paged_decode_attention_oaken: pages of ", page_bytes, " bytes");
+  TORCH_CHECK(page_bytes >= 1, what, ": pages of ", page_bytes, " bytes");
   const bool fp16_outliers = layout[3] != 0, rotate_key = layout[6] != 0;
   const int64_t add_mean = layout[5];
   const int64_t width = kv_heads * dim, record_bytes = width / 2 + 4 * groups + width / kBlockValues;
   TORCH_CHECK(width % kBlockValues == 0 && dim % 2 == 0 && groups >= 2 && groups <= 5 && dense_group >= 0 && dense_group < groups,
-              "paged_decode_attention_oaken: a width that is a multiple of 64, an even head_dim and 2 to 5 groups");
+              what, ": a width that is a multiple of 64, an even head_dim and 2 to 5 groups");
   TORCH_CHECK(block > 0 && keys.size() == 8 && keys[0].dim() == 2 && keys[0].size(0) % block == 0 &&
                   keys[0].size(1) == record_bytes,
-              "paged_decode_attention_oaken: records of ", record_bytes, " bytes over whole blocks");
+              what, ": records of ", record_bytes, " bytes over whole blocks");
   const int64_t slots = keys[0].size(0);
-  const OakenSide k = side_of(keys, key_shift, slots), v = side_of(values, value_shift, slots);
-  TORCH_CHECK(values[0].size(1) == record_bytes, "paged_decode_attention_oaken: K and V records differ");
+  const OakenSide k = side_of(keys, key_shift, slots, what), v = side_of(values, value_shift, slots, what);
+  TORCH_CHECK(values[0].size(1) == record_bytes, what, ": K and V records differ");
   const bool positional = add_mean == 2 || rotate_key;
   if (add_mean != 0) {
     TORCH_CHECK(key_mean.scalar_type() == at::kFloat && key_mean.numel() == width && key_mean.is_contiguous(),
-                "paged_decode_attention_oaken: the mean key must be float32 [width]");
+                what, ": the mean key must be float32 [width]");
   }
   if (positional) {
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
                     cos.dim() == 2 && cos.size(1) == dim && cos.is_contiguous() && sin.is_contiguous() &&
                     dim % 2 == 0,
-                "paged_decode_attention_oaken: cos and sin must be float32 [positions, dim]");
+                what, ": cos and sin must be float32 [positions, dim]");
     TORCH_CHECK(context_lens.numel() == 0 || context_lens.max().item<int64_t>() <= cos.size(0),
-                "paged_decode_attention_oaken: cos and sin cover too few positions");
+                what, ": cos and sin cover too few positions");
   }
   const float* mean = add_mean != 0 ? key_mean.data_ptr<float>() : nullptr;
   const float* c = positional ? cos.data_ptr<float>() : nullptr;
@@ -304,7 +305,7 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
                                         int64_t block, int64_t kv_heads, double scale) {
   const auto rows = oaken_rows(keys, values, key_shift, value_shift, layout, key_mean, cos, sin, context_lens, block,
-                               kv_heads, q.size(2));
+                               kv_heads, q.size(2), "paged_decode_attention_oaken");
   return run(q, block_tables, context_lens, kv_heads, block, keys[0].size(0) / block, scale, rows, true);
 }
 
@@ -314,7 +315,7 @@ std::vector<at::Tensor> paged_read_oaken(std::vector<at::Tensor> keys, std::vect
                                          at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
                                          int64_t block, int64_t kv_heads, int64_t dim) {
   const auto rows = oaken_rows(keys, values, key_shift, value_shift, layout, key_mean, cos, sin, context_lens, block,
-                               kv_heads, dim);
+                               kv_heads, dim, "paged_read_oaken");
   return read_rows(block_tables, context_lens, kv_heads, dim, block, keys[0].size(0) / block, rows);
 }
 
