@@ -15,6 +15,7 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError
 from kvstrata.kv import attention_policy
+from kvstrata.kv.attention_batch import whole_block_keys
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, pack_nibbles, unpack_codes, unpack_nibbles
 from kvstrata.kv.kivi_cache import KiviPagedKVCache, window_slots_needed
@@ -412,3 +413,36 @@ def test_the_readers_views_follow_the_window_when_it_grows():
     keys, values = cache._reader_tensors(1)
     assert keys[2].shape == cache.window_k[1].shape and keys[2].data_ptr() == cache.window_k[1].data_ptr()
     assert values[2].data_ptr() == cache.window_v[1].data_ptr()
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("threads", [1, 8], ids=["whole-token-items", "one-head-items"])
+def test_the_compiled_reader_reads_rows_of_any_width(bits, threads):
+    """KV heads of 12 (rows of 12 or 24 values, not whole vectors of 16 codes) read by the compiled reader equal the
+    torch decode, over random codes and parameters, with one block still in the float16 window."""
+    cache = KiviPagedKVCache(bits, 32, num_layers=1, num_blocks=6, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=12,
+                             device=torch.device("cpu"), window_slots=1)
+    if cache.decode_kernel is None:
+        pytest.skip("no C++ compiler: the kernels could not be built")
+    gen = torch.Generator().manual_seed(3)
+    for codes in (cache.key_codes, cache.value_codes):
+        codes.copy_(torch.randint(0, 256, codes.shape, generator=gen, dtype=torch.uint8))
+    for params in (cache.key_params, cache.value_params):
+        params[..., 0] = torch.randn(params.shape[:-1], generator=gen).half()
+        params[..., 1] = (torch.rand(params.shape[:-1], generator=gen) / 4).half()
+    cache.window_k.copy_(torch.randn(cache.window_k.shape, generator=gen).half())
+    cache.window_v.copy_(torch.randn(cache.window_v.shape, generator=gen).half())
+    cache.window_slot[4] = 0
+    tables = torch.tensor([[0, 1, 4], [2, 3, 5], [5, 0, 0], [3, 4, 0]])
+    lens = torch.tensor([40, 37, 9, 20])
+    keys = whole_block_keys(tables, lens, BLOCK_SIZE)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q = torch.randn(4, 6, 12, generator=gen)
+        got = cache.attend_in_place(0, q, keys, lens)
+    finally:
+        torch.set_num_threads(before)
+    k, v = cache.gather(0, keys.slots, keys.positions, torch.float32)
+    want = attend(q[:, None], k, v, (keys.positions != -1)[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

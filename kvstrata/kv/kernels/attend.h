@@ -43,31 +43,70 @@ inline void widen_halves(const void* halves, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = half_at(p + 2 * i);
 }
 
-// 2 * n_bytes 4-bit codes (value 2j in the low nibble of byte j, 2j + 1 in the high one) as finish(low + code * step),
-// finish taking and giving 8 floats (a scalar tail goes through lane 0).
+// The 16 4-bit codes of 8 bytes (value 2j in the low nibble of byte j, 2j + 1 in the high one) as floats, in order:
+// codes 0-7 in first, 8-15 in second.
+inline void nibble_codes(const uint8_t* bytes, __m256& first, __m256& second) {
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+  first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+  second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+}
+
+inline float nibble_at(const uint8_t* bytes, int64_t i) { return static_cast<float>((bytes[i / 2] >> (4 * (i % 2))) & 15); }
+
+// 2 * n_bytes 4-bit codes (laid out as nibble_codes reads them) as finish(low + code * step), finish taking and
+// giving 8 floats (a scalar tail goes through lane 0).
 template <typename Finish>
 inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out, Finish finish) {
   const __m256 lows = _mm256_set1_ps(low), steps = _mm256_set1_ps(step);
-  const __m128i mask = _mm_set1_epi8(15);
   int64_t j = 0;
   for (; j + 8 <= n_bytes; j += 8) {  // 8 bytes: 16 codes in order
-    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + j));
-    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-    const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
-    const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+    __m256 first, second;
+    nibble_codes(bytes + j, first, second);
     _mm256_storeu_ps(out + 2 * j, finish(_mm256_fmadd_ps(first, steps, lows)));
     _mm256_storeu_ps(out + 2 * j + 8, finish(_mm256_fmadd_ps(second, steps, lows)));
   }
-  for (; j < n_bytes; ++j) {
-    for (int i = 0; i < 2; ++i) {
-      const float x = low + static_cast<float>((bytes[j] >> (4 * i)) & 15) * step;
-      out[2 * j + i] = _mm256_cvtss_f32(finish(_mm256_set1_ps(x)));
-    }
+  for (int64_t i = 2 * j; i < 2 * n_bytes; ++i) {
+    out[i] = _mm256_cvtss_f32(finish(_mm256_set1_ps(low + nibble_at(bytes, i) * step)));
   }
 }
 
 inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out) {
   widen_nibbles(bytes, n_bytes, low, step, out, [](__m256 x) { return x; });
+}
+
+// 2 * n_bytes 4-bit codes as low[i] + code * step[i]: every value with a minimum and a step of its own.
+inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, const float* low, const float* step, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= n_bytes; j += 8) {
+    __m256 first, second;
+    nibble_codes(bytes + j, first, second);
+    const int64_t i = 2 * j;
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(first, _mm256_loadu_ps(step + i), _mm256_loadu_ps(low + i)));
+    _mm256_storeu_ps(out + i + 8, _mm256_fmadd_ps(second, _mm256_loadu_ps(step + i + 8), _mm256_loadu_ps(low + i + 8)));
+  }
+  for (int64_t i = 2 * j; i < 2 * n_bytes; ++i) out[i] = low[i] + nibble_at(bytes, i) * step[i];
+}
+
+// n (minimum, step) pairs of float16 (at any address) widened into two arrays.
+inline void widen_pairs(const void* pairs, int64_t n, float* minimum, float* step) {
+  const uint8_t* p = static_cast<const uint8_t*>(pairs);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {  // pairs 0-3 in a, 4-7 in b
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * i)));
+    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * i + 16)));
+    // in-lane shuffles give each 128-bit lane two pairs' worth of a and of b: [0 1 4 5 | 2 3 6 7], put in order
+    const auto ordered = [](__m256 x) {
+      return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8));
+    };
+    _mm256_storeu_ps(minimum + i, ordered(_mm256_shuffle_ps(a, b, 0x88)));
+    _mm256_storeu_ps(step + i, ordered(_mm256_shuffle_ps(a, b, 0xDD)));
+  }
+  for (; i < n; ++i) {
+    minimum[i] = half_at(p + 4 * i);
+    step[i] = half_at(p + 4 * i + 2);
+  }
 }
 
 // e^x of 8 floats: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 (ln 2 in two parts, so that r keeps its

@@ -68,14 +68,15 @@ struct KiviRows {
     if (from_window(window_k, t, out)) return;
     const int64_t block_id = table[slots.entry(t)];
     if (block_id != params_block) {  // (minimum, step) per channel of the row, each in an array of its own
-      const at::Half* params = key_params + (block_id * width + head_offset) * 2;
-      for (int64_t d = 0; d < dim; ++d) {
-        key_minimum[d] = static_cast<float>(params[2 * d]);
-        key_step[d] = static_cast<float>(params[2 * d + 1]);
-      }
+      widen_pairs(key_params + (block_id * width + head_offset) * 2, dim, key_minimum.data(), key_step.data());
       params_block = block_id;
     }
-    unpack(key_codes + slots.of(table, t) * (width * Bits / 8));
+    const uint8_t* token_codes = key_codes + slots.of(table, t) * (width * Bits / 8);
+    if (Bits == 4 && head_offset % 2 == 0 && dim % 2 == 0) {  // straight from the codes' bytes
+      widen_nibbles(token_codes + head_offset / 2, dim / 2, key_minimum.data(), key_step.data(), out);
+      return;
+    }
+    unpack(token_codes);
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d) out[d] = key_minimum[d] + codes[d] * key_step[d];
   }
