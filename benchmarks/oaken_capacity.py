@@ -7,12 +7,18 @@ Capacity: for every format, the engine's blocks x block size at `--budget` (KIVI
 full-precision window for `--max-num-seqs` sequences out of the budget). Throughput: at `--throughput-budget`,
 `--requests` requests with greedy `--output-len`-token outputs and prompts sized so the fp32 cache holds only
 `--fp32-batch` of them at once, all arriving at time 0, through kvstrata.bench.throughput.run_kvstrata
-(sarathi scheduler); output tokens/s per format and the ratio to fp32. During each run the cache's store / load,
+(sarathi scheduler); output tokens/s per format and the ratio to fp32. `requests_fitting_at_once` is the budget's
+arithmetic (requests of full length it holds); each run also reports how many sequences the scheduler ran at
+once, `most_sequences_in_a_step` (it admits on what a request holds now), and how often it took one out to make
+room, `preemptions` (that sequence's work is done again). During each run the cache's store / load,
 the formats' encode / decode and the attention math are timed by wrappers (benchmarks/oaken_call_timer.py), so
 the report says how much of the run went to dequantization; the few microseconds a wrapper adds per call are
 included, as is run_kvstrata's 2-token warm-up request. With `--both-orders` every format runs twice, in the listed
 order and then in the reverse order, and its rate is the mean of its two runs: this machine's speed drifts during a
-command, and a drift that is steady over the command then weighs on every format alike.
+command, and a drift that is steady over the command then weighs on every format alike. With `--paired` fp32 runs
+before and after every other format's run (fp32, a, fp32, b, fp32, ...; with `--both-orders`, then the formats again
+in reverse) and each run's ratio is to the mean of the two fp32 runs beside it: the speed of this machine can move
+by a fifth within one command, and the runs beside a format's are a minute from it, not several.
 """
 
 from __future__ import annotations
@@ -80,11 +86,48 @@ def mean_of_runs(listed: dict, reverse: dict) -> dict:
     """One format's two runs (listed order, reverse order): the mean rate, beside both runs' rows."""
     if "output_tokens_per_s" not in listed:
         return listed
-    rates = [listed["output_tokens_per_s"], reverse["output_tokens_per_s"]]
-    return {"format": listed["format"], "tokens_held": listed["tokens_held"],
-            "requests_fitting_at_once": listed["requests_fitting_at_once"],
-            "output_tokens_per_s": sig(sum(rates) / 2), "output_tokens_per_s_runs": rates,
-            "runs": {"listed_order": listed, "reverse_order": reverse}}
+    return {**summary([listed, reverse]), "runs": {"listed_order": listed, "reverse_order": reverse}}
+
+
+def paired(run, formats: list[str], passes: int) -> list[dict]:
+    """`--paired`: every format but fp32 run between two fp32 runs, over `passes` passes (the second in reverse
+    order); a format's ratio is the mean over its runs of its rate / the mean rate of the fp32 runs beside it."""
+    others = [name for name in formats if name != "fp32"]
+    fp32_runs = [run("fp32")]
+    beside: dict[str, list[tuple[dict, float]]] = {name: [] for name in others}  # (its run, fp32's rate beside it)
+    unbuilt: dict[str, dict] = {}  # formats this machine cannot build, with the reason
+    for name in (name for p in range(passes) for name in (others if p % 2 == 0 else others[::-1])):
+        if name in unbuilt:
+            continue
+        row = run(name)
+        if "output_tokens_per_s" not in row:
+            unbuilt[name] = row
+            continue
+        fp32_runs.append(run("fp32"))
+        beside[name].append((row, mean_rate(fp32_runs[-2:])))
+    rows = [{**summary(fp32_runs), "output_tokens_per_s_ratio_to_fp32": 1.0}]
+    for name in others:
+        if name in unbuilt:
+            rows.append(unbuilt[name])
+            continue
+        ratios = [sig(row["output_tokens_per_s"] / fp32_rate) for row, fp32_rate in beside[name]]
+        rows.append({**summary([row for row, _ in beside[name]]),
+                     "fp32_beside_each_run": [sig(fp32_rate) for _, fp32_rate in beside[name]],
+                     "output_tokens_per_s_ratio_to_fp32_beside_runs": ratios,
+                     "output_tokens_per_s_ratio_to_fp32": sig(sum(ratios) / len(ratios))})
+    return rows
+
+
+def mean_rate(runs: list[dict]) -> float:
+    return sum(r["output_tokens_per_s"] for r in runs) / len(runs)
+
+
+def summary(runs: list[dict]) -> dict:
+    """One format's runs: the mean rate, beside every run's rate and row."""
+    first = runs[0]
+    return {"format": first["format"], "tokens_held": first["tokens_held"],
+            "requests_fitting_at_once": first["requests_fitting_at_once"], "output_tokens_per_s": sig(mean_rate(runs)),
+            "output_tokens_per_s_runs": [r["output_tokens_per_s"] for r in runs], "runs": runs}
 
 
 def main() -> None:
@@ -102,6 +145,8 @@ def main() -> None:
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--both-orders", action="store_true",
                         help="run the throughput formats in the listed order, then in reverse; report each format's mean")
+    parser.add_argument("--paired", action="store_true",
+                        help="run fp32 before and after every other format; each ratio is to the fp32 runs beside it")
     args = parser.parse_args()
     formats = parse_formats(args.formats)
 
@@ -129,13 +174,16 @@ def main() -> None:
                                    parse_length(str(args.output_len), "output-len"), EMMA, args.seed)
         del reference
         run = lambda name: throughput(run_base, loaded, name, requests, request_tokens)
-        if args.both_orders:
+        if args.paired:
+            rows = paired(run, formats, 2 if args.both_orders else 1)
+        elif args.both_orders:
             listed = [run(name) for name in formats]
             reverse = [run(name) for name in reversed(formats)][::-1]
             rows = [mean_of_runs(a, b) for a, b in zip(listed, reverse)]
         else:
             rows = [run(name) for name in formats]
-        rows = with_ratios(rows, "output_tokens_per_s")
+        if not args.paired:
+            rows = with_ratios(rows, "output_tokens_per_s")
         report["throughput"] = {
             "workload": {"requests": args.requests, "prompt_len": prompt_len, "output_len": args.output_len,
                          "budget_bytes": budget, "fp32_batch": args.fp32_batch, "text": EMMA.name, "seed": args.seed,

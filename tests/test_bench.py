@@ -85,6 +85,8 @@ def test_throughput(tiny_llama, tmp_path, capsys):
         assert r["p50_ttft_ms"] <= r["p99_ttft_ms"] and r["p50_e2e_ms"] >= r["p50_ttft_ms"] and r["peak_rss_mib"] > 0
         if "scheduler" in r:  # kvstrata's rows say how far the KV pools grew past the budget: fp32's never do
             assert r["kv_grown_bytes"] == 0
+            # and how many sequences ran at once (the budget holds all 5), with none taken out to make room
+            assert 1 <= r["most_sequences_in_a_step"] <= 5 and r["preemptions"] == 0
     rates = {s: r["total_tokens_per_s"] for s, r in zip(systems, report["results"])}
     # Rates and ratios are each rounded to 4 significant digits: relative tolerances (a ratio of 5 moves by 0.005).
     assert report["ratios"]["sarathi_vs_transformers"] == pytest.approx(rates["sarathi"] / rates["transformers"], rel=2e-3)
@@ -228,3 +230,19 @@ def test_machine_info_names_the_cpu_model_and_the_features_that_pick_kernel_path
     names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
              if line.startswith("model name")] if cpuinfo.exists() else []
     assert info["cpu_model"] == (names[0] if names else None)
+
+
+def test_a_run_counts_the_sequences_at_once_and_the_preemptions(tiny_llama):
+    """A budget of 8 blocks (128 tokens) and four requests of 60 tokens: the scheduler admits more than the budget
+    holds at their full length, then takes sequences out to make room, and the run's figures say so."""
+    from kvstrata.bench.throughput import run_kvstrata
+    from kvstrata.config import EngineConfig
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=str(tiny_llama), kv_cache_memory=8 * 16 * 3 * 2 * 32 * 4, max_model_len=64,
+                          threads=1, enable_prefix_caching=False)
+    loaded = LLMEngine(config).loaded
+    gen = torch.Generator().manual_seed(0)
+    requests = [(torch.randint(3, 320, (30,), generator=gen).tolist(), 30) for _ in range(4)]
+    figures = run_kvstrata(config, loaded, requests)
+    assert figures["most_sequences_in_a_step"] > 2 and figures["preemptions"] > 0

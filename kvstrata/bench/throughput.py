@@ -45,6 +45,7 @@ def run_kvstrata(config: EngineConfig, loaded: LoadedModel, requests: Requests) 
     engine.add_request(requests[0][0][15::-1], SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
+    engine.step_stats.clear()  # the run's steps only
     outputs = []
     with peak_rss() as peak, tqdm(total=len(requests), desc=f"kvstrata {config.scheduler}", leave=False) as bar:
         start = time.perf_counter()
@@ -62,8 +63,12 @@ def run_kvstrata(config: EngineConfig, loaded: LoadedModel, requests: Requests) 
         [m.e2e for m in metrics], peak[0],
     )
     # KV memory beyond --kv-cache-memory: pools that grew because the data needed more (Oaken's sparse pages,
-    # KIVI's window), so that a comparison at one budget shows who went past it
-    return {**figures, "kv_grown_bytes": engine.kv_cache.grown_bytes()}
+    # KIVI's window), so that a comparison at one budget shows who went past it; and how many sequences the
+    # budget let run at once, and how often the scheduler took one out to make room (its work is done again)
+    steps = engine.step_stats
+    return {**figures, "kv_grown_bytes": engine.kv_cache.grown_bytes(),
+            "most_sequences_in_a_step": max((s.num_seqs for s in steps), default=0),
+            "preemptions": sum(s.num_preempted for s in steps)}
 
 
 def run_transformers(loaded: LoadedModel, requests: Requests, batch_size: int) -> dict:
