@@ -239,8 +239,9 @@ def test_a_run_counts_the_sequences_at_once_and_the_preemptions(tiny_llama):
     from kvstrata.config import EngineConfig
     from kvstrata.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(model=str(tiny_llama), kv_cache_memory=8 * 16 * 3 * 2 * 32 * 4, max_model_len=64,
-                          threads=1, enable_prefix_caching=False)
+    token_bytes = 3 * 2 * 32 * 4  # the tiny model's layers x (K, V) x 2 KV heads of 16 x float32
+    config = EngineConfig(model=str(tiny_llama), kv_cache_memory=8 * 16 * token_bytes, max_model_len=64, threads=1,
+                          enable_prefix_caching=False)
     loaded = LLMEngine(config).loaded
     gen = torch.Generator().manual_seed(0)
     requests = [(torch.randint(3, 320, (30,), generator=gen).tolist(), 30) for _ in range(4)]
