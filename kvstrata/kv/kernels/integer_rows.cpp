@@ -46,7 +46,7 @@ struct Int4Rows : RecordRows {
       }
       for (; d < end; ++d) {
         const int64_t i = head_offset + d;
-        out[d] = low + static_cast<float>((rec[i / 2] >> (4 * (i % 2))) & 15) * step;
+        out[d] = low + nibble_at(rec, i) * step;
       }
     }
   }

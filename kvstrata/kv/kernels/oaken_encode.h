@@ -17,7 +17,7 @@ inline float product(float a, float b) {
   return p;
 }
 
-constexpr int64_t kMaxGroups = 5;
+constexpr int64_t kMaxGroups = 5;  // OakenConfig allows 2 to 5 groups
 
 // One token's values after the encoder's first pass: each value's group, side (all ones on the low side) and the
 // value quantized.

@@ -11,11 +11,11 @@
 // keys add the model's mean key back (1: as it is, 2: rotated to the token's position) and are rotated to their
 // position afterwards (rotate key: keys quantized before RoPE), with RoPE's cos and sin tables [positions, dim].
 #include "attend.h"
+#include "oaken_encode.h"
 
 namespace kvstrata {
 
 constexpr int64_t kBlockValues = 64;  // values addressed by one 6-bit index
-constexpr int64_t kMaxGroups = 5;  // OakenConfig allows 2 to 5 groups
 
 struct OakenSide {
   const uint8_t* records;
@@ -124,8 +124,7 @@ struct OakenRows {
         const int64_t flat = b * kBlockValues + (entry[0] & 63);
         if (flat < head_offset || flat >= head_offset + dim) continue;
         const int64_t key = entry[1], g = side.key_group[key];
-        const float code = static_cast<float>((rec[flat / 2] >> (4 * (flat % 2))) & 15);
-        at[flat] = (code * step[g] + minimum[g]) * side.key_sign[key] + side.key_threshold[key];
+        at[flat] = (nibble_at(rec, flat) * step[g] + minimum[g]) * side.key_sign[key] + side.key_threshold[key];
       }
     }
   }
@@ -268,7 +267,7 @@ static auto oaken_rows(const std::vector<at::Tensor>& keys, const std::vector<at
   const bool fp16_outliers = layout[3] != 0, rotate_key = layout[6] != 0;
   const int64_t add_mean = layout[5];
   const int64_t width = kv_heads * dim, record_bytes = width / 2 + 4 * groups + width / kBlockValues;
-  TORCH_CHECK(width % kBlockValues == 0 && dim % 2 == 0 && groups >= 2 && groups <= 5 && dense_group >= 0 && dense_group < groups,
+  TORCH_CHECK(width % kBlockValues == 0 && dim % 2 == 0 && groups >= 2 && groups <= kMaxGroups && dense_group >= 0 && dense_group < groups,
               what, ": a width that is a multiple of 64, an even head_dim and 2 to 5 groups");
   TORCH_CHECK(block > 0 && keys.size() == 8 && keys[0].dim() == 2 && keys[0].size(0) % block == 0 &&
                   keys[0].size(1) == record_bytes,
