@@ -111,7 +111,11 @@ struct OakenRows {
       return;
     }
     if (entry_bytes == 1) {
-      patch_one_byte_entries(side, rec, params, counts, entry, first, last, out);
+      if (head_offset == 0 && dim == width) {
+        patch_one_byte_entries<true>(side, rec, params, counts, entry, first, last, out);
+      } else {
+        patch_one_byte_entries<false>(side, rec, params, counts, entry, first, last, out);
+      }
       return;
     }
     float step[kMaxGroups], minimum[kMaxGroups];  // each group's parameters, widened once per row
@@ -132,7 +136,9 @@ struct OakenRows {
   // A row's outliers in one-byte entries (index | key << 6), 8 at a time, by the scalar loop's arithmetic:
   // (code * step + minimum) * sign + threshold, the code being the value's nibble in the record. Lanes past a
   // block's entries or outside the row write to out[dim], the place after the row (a reader's scratch place: see
-  // in_tiles); blocks first to last are the row's.
+  // in_tiles); blocks first to last are the row's. A row of all the record's values (WholeRecord) needs no check
+  // that an entry lies in it.
+  template <bool WholeRecord>
   void patch_one_byte_entries(const OakenSide& side, const uint8_t* rec, const uint8_t* params, const uint8_t* counts,
                               const uint8_t* entry, int64_t first, int64_t last, float* out) {
     // (minimum, step) of 2 or 3 groups: 8 or 12 bytes, loaded without reading past them
@@ -143,8 +149,10 @@ struct OakenRows {
       halves = _mm_insert_epi32(halves, third, 2);
     }
     const __m256 widened = _mm256_cvtph_ps(halves);
-    const __m256 minimum = _mm256_permutevar8x32_ps(widened, side.key_minimum_lane);
-    const __m256 step = _mm256_permutevar8x32_ps(widened, side.key_step_lane);
+    // each key's step and minimum times its sign (+-1: exact), so that one FMA gives (code * step + minimum) * sign
+    const __m256 signed_minimum =
+        _mm256_mul_ps(_mm256_permutevar8x32_ps(widened, side.key_minimum_lane), side.key_sign8);
+    const __m256 signed_step = _mm256_mul_ps(_mm256_permutevar8x32_ps(widened, side.key_step_lane), side.key_sign8);
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), head = _mm256_set1_epi32(head_offset);
     const __m256i spare = _mm256_set1_epi32(dim), none = _mm256_set1_epi32(-1);
     const __m256i low6 = _mm256_set1_epi32(63);
@@ -164,9 +172,11 @@ struct OakenRows {
         const __m256i flat = _mm256_add_epi32(block_start, _mm256_and_si256(bytes, low6));
         const __m256i key = _mm256_srli_epi32(bytes, 6);
         const __m256i place = _mm256_sub_epi32(flat, head);
-        const __m256i live =
-            _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(counts[b] - e), lanes),
-                             _mm256_and_si256(_mm256_cmpgt_epi32(place, none), _mm256_cmpgt_epi32(spare, place)));
+        __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(counts[b] - e), lanes);
+        if (!WholeRecord) {  // a row of some heads: entries of the others' values are skipped
+          live = _mm256_and_si256(
+              live, _mm256_and_si256(_mm256_cmpgt_epi32(place, none), _mm256_cmpgt_epi32(spare, place)));
+        }
         // the code of index i: byte i / 2 of the block, its high nibble where i is odd
         const __m128i index = _mm_and_si128(raw, index_bits);
         const __m128i byte_index = _mm_and_si128(_mm_srli_epi16(index, 1), byte_bits);
@@ -176,10 +186,9 @@ struct OakenRows {
         const __m128i odd = _mm_cmpeq_epi8(_mm_and_si128(index, one), one);
         const __m128i codes = _mm_and_si128(_mm_blendv_epi8(byte, _mm_srli_epi16(byte, 4), odd), nibble);
         const __m256i code = _mm256_cvtepu8_epi32(codes);
-        const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_permutevar8x32_ps(step, key),
-                                         _mm256_permutevar8x32_ps(minimum, key));
-        _mm256_store_ps(values, _mm256_fmadd_ps(x, _mm256_permutevar8x32_ps(side.key_sign8, key),
-                                                _mm256_permutevar8x32_ps(side.key_threshold8, key)));
+        const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_permutevar8x32_ps(signed_step, key),
+                                         _mm256_permutevar8x32_ps(signed_minimum, key));
+        _mm256_store_ps(values, _mm256_add_ps(x, _mm256_permutevar8x32_ps(side.key_threshold8, key)));
         _mm256_store_si256(reinterpret_cast<__m256i*>(places), _mm256_blendv_epi8(spare, place, live));
         for (int i = 0; i < 8; ++i) out[places[i]] = values[i];
       }
