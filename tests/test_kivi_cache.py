@@ -350,7 +350,8 @@ def test_blocks_per_budget_count_the_reserved_window(kv_format, tiny_llama_kv64)
     assert just_enough.kv_manager.pool.num_blocks == 8
     for short in (least - 1, layout.reserved_bytes, 8 * block_bytes):
         with pytest.raises(KvstrataError, match=rf"\({layout.reserved_bytes} reserved for KIVI's full-precision window"
-                                                rf"\).*give at least {least} bytes"):
+                                                rf" of max_num_seqs \d+ sequences\).*give at least {least} bytes"
+                                                rf".*or lower --max-model-len or --max-num-seqs"):
             make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=short, max_model_len=128)
 
 
