@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from kvstrata.bench.report import sig
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
@@ -109,13 +110,13 @@ def run_offload_grid(config, loaded, text_ids: list[int], contexts: list[int], b
 
 def ratios(runs: dict) -> dict:
     """InfiniGen's speed against `full` and `none`, measured and modeled, from one round's runs of the modes."""
-    out = {"infinigen_vs_full": round(runs["infinigen"]["tokens_per_s"] / runs["full"]["tokens_per_s"], 3),
-           "infinigen_vs_none": round(runs["infinigen"]["tokens_per_s"] / runs["none"]["tokens_per_s"], 3)}
+    out = {"infinigen_vs_full": sig(runs["infinigen"]["tokens_per_s"] / runs["full"]["tokens_per_s"]),
+           "infinigen_vs_none": sig(runs["infinigen"]["tokens_per_s"] / runs["none"]["tokens_per_s"])}
     for name in MODELED_LINKS:
         key = f"modeled_{name}_step_s"
         if key not in runs["full"]:  # measured on a GPU: nothing modeled
             continue
-        out[f"modeled_{name}_infinigen_vs_full"] = round(runs["full"][key] / runs["infinigen"][key], 3)
+        out[f"modeled_{name}_infinigen_vs_full"] = sig(runs["full"][key] / runs["infinigen"][key])
     return out
 
 
@@ -123,7 +124,7 @@ def median_round(measured: list[dict]) -> dict:
     """Over rounds: each mode's run with the median step, and each ratio's median (every ratio is of one round)."""
     out = {mode: sorted((m[mode] for m in measured), key=lambda run: run["step_s"])[len(measured) // 2]
            for mode in MODES}
-    return out | {key: round(statistics.median(m[key] for m in measured), 3) for key in measured[0] if key not in MODES}
+    return out | {key: sig(statistics.median(m[key] for m in measured)) for key in measured[0] if key not in MODES}
 
 
 def crossover(rows: list[dict]) -> dict[int, int | None]:
