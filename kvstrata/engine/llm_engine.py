@@ -115,9 +115,11 @@ class LLMEngine:
         needed = -(-self.max_model_len // bs)
         if num_blocks < needed:
             least = needed * block_bytes + reserved_bytes
-            reserved = (f" ({reserved_bytes} reserved for KIVI's full-precision window of max_num_seqs "
-                        f"{self.config.max_num_seqs} sequences)") if reserved_bytes else ""
-            lower = "--max-model-len or --max-num-seqs" if reserved_bytes else "--max-model-len"
+            reserved, lower = "", "--max-model-len"
+            if reserved_bytes:
+                reserved = (f" ({reserved_bytes} reserved for KIVI's full-precision window of max_num_seqs "
+                            f"{self.config.max_num_seqs} sequences)")
+                lower += " or --max-num-seqs"
             raise KvstrataError(
                 f"kv_cache_memory of {self.config.kv_cache_memory} bytes{reserved} holds {num_blocks * bs} tokens, "
                 f"fewer than one request of max_model_len {self.max_model_len}; give at least {least} bytes "

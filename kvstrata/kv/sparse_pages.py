@@ -58,8 +58,8 @@ class SparsePages:
         index = torch.tensor(blocks, dtype=torch.long, device=self.data.device)
         owned = self.block_pages[:, index].flatten(1)  # [layers, the blocks' page entries], -1: no page
         kept = owned >= 0
-        # every layer's pages go on top of its free stack, in the order the blocks list them (all layers at once:
-        # a loop over layers cost a dozen small operations each, per handed-out batch of blocks)
+        # every layer's pages go on top of its free stack, in the order the blocks list them; all layers in a few
+        # operations, since this runs for every batch of blocks handed out
         places = self.free_count[:, None] + kept.cumsum(1) - 1
         layers = torch.arange(len(owned), device=owned.device)[:, None].expand_as(owned)
         self.free_stack[layers[kept], places[kept]] = owned[kept]
