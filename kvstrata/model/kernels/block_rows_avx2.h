@@ -46,13 +46,10 @@ inline void block_tile(const Activations a, const uint8_t* codes, const S* scale
   }
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < T; ++t) {
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][t]), _mm256_extractf128_ps(acc[r][t], 1));
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      s = _mm_add_ss(s, _mm_movehdup_ps(s));
       float offset = 0.0f;  // 4-bit: sum over blocks of min * dx * (sum of x's codes)
       if constexpr (Bits == 4)
         for (int64_t b = 0; b < blocks; ++b) offset += to_float(mins[(n + t) * blocks + b]) * a.sums[r * blocks + b];
-      y[r * n_total + n + t] = _mm_cvtss_f32(s) + offset;
+      y[r * n_total + n + t] = lane_sum(acc[r][t]) + offset;
     }
   }
 }

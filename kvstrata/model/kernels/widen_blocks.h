@@ -12,6 +12,14 @@ namespace kvstrata {
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return _cvtsh_ss(v); }
 
+// The sum of a vector's eight lanes (a dot product's partial sums)
+inline float lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // Row `row` (K * Bits / 8 bytes) into w [K]: code * scale + min (one fused multiply-add) for 4 bits, code * scale for
 // 8 (`min` unused).
 template <int Bits, typename S>

@@ -24,13 +24,6 @@ namespace {
 constexpr int64_t kRowsTogether = 4;  // activation rows that share one read of the widened weights
 constexpr int64_t kWeightRows = 3;  // widened weight rows multiplied together: 4 x 3 sums and 3 weights in registers
 
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // y[r, t] (row stride n) = x[r] . w[t] for R rows of x [R, k] and T widened rows w [T, k]
 template <int R, int T>
 inline void tile(const float* x, int64_t k, const float* w, float* y, int64_t n) {
