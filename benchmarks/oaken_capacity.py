@@ -142,6 +142,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=DEVICES)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--oaken-calibration", default=None,
+                        help="Oaken's thresholds file (kvstrata calibrate oaken), e.g. for other group ratios "
+                             "(default: the model's shipped one)")
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--both-orders", action="store_true",
                         help="run the throughput formats in the listed order, then in reverse; report each format's mean")
@@ -152,7 +155,7 @@ def main() -> None:
 
     # max_model_len only sets the least a cache must hold to be built at all
     base = EngineConfig(threads=args.threads, kv_cache_memory=args.budget, max_model_len=1024,
-                        max_num_seqs=args.max_num_seqs, device=args.device)
+                        max_num_seqs=args.max_num_seqs, device=args.device, oaken_calibration=args.oaken_calibration)
     reference = LLMEngine(dataclasses.replace(base, kv_cache_memory="256MiB"))
     loaded = reference.loaded
     table = with_ratios([capacity(base, loaded, name) for name in formats], "tokens")
