@@ -1,5 +1,6 @@
 // One weight row of GGUF-style blocks (block_dot.cpp's layout) widened to float32, eight columns to a vector: shared
-// by the widened-rows product (widened_rows.cpp) and the dense weights for prefill (block_to_dense).
+// by the widened-rows product (widened_rows.cpp) and the dense weights for prefill (block_to_dense); and the lane sum
+// that ends the AVX2 products of both files.
 #pragma once
 
 #include <immintrin.h>
