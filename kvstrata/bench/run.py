@@ -184,9 +184,9 @@ def run_throughput(args: argparse.Namespace) -> None:
         batch = args.hf_batch_size or len(requests)
         results.append({"system": "transformers", "batch_size": batch, **run_transformers(loaded, requests, batch)})
     rate = {r.get("scheduler", r["system"]): r["total_tokens_per_s"] for r in results}
-    ratios = {f"{s}_vs_transformers": round(rate[s] / rate["transformers"], 3) for s in schedulers
+    ratios = {f"{s}_vs_transformers": sig(rate[s] / rate["transformers"]) for s in schedulers
               if "transformers" in rate}
-    ratios.update({f"sarathi_vs_{s}": round(rate["sarathi"] / rate[s], 3) for s in schedulers
+    ratios.update({f"sarathi_vs_{s}": sig(rate["sarathi"] / rate[s]) for s in schedulers
                    if "sarathi" in rate and s != "sarathi"})
     report = {
         "benchmark": "throughput",
@@ -202,7 +202,7 @@ def run_throughput(args: argparse.Namespace) -> None:
     }
     if "transformers" in rate:
         best = max(schedulers, key=lambda s: rate[s])
-        report["speedup_vs_transformers"] = round(rate[best] / rate["transformers"], 3)
+        report["speedup_vs_transformers"] = sig(rate[best] / rate["transformers"])
     if args.plot:
         plots.throughput(results, args.plot)
     emit(report, args.json)

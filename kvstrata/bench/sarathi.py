@@ -16,6 +16,7 @@ import random
 import torch
 from tqdm import tqdm
 
+from kvstrata.bench.report import sig
 from kvstrata.bench.roofline import measure_concurrent_rate
 from kvstrata.bench.step_timer import StepTimer
 from kvstrata.config import EngineConfig
@@ -93,7 +94,7 @@ def chunk_overhead(engine: LLMEngine, source: list[int], prompt_len: int, chunks
     timer.release()
     whole = next((r["prefill_ms"] for r in rows if r["chunk_size"] >= prompt_len), rows[-1]["prefill_ms"])
     for r in rows:
-        r["slowdown_vs_one_piece"] = round(r["prefill_ms"] / whole, 3)
+        r["slowdown_vs_one_piece"] = sig(r["prefill_ms"] / whole)
     return rows
 
 
@@ -120,7 +121,7 @@ def pd_sweep(base: EngineConfig, loaded: LoadedModel, source: list[int], seq_len
             rate = measure_concurrent_rate(LLMEngine(config, loaded=loaded), prompts, output_len)
             row[f"{scheduler}{'' if chunk is None else f'_c{chunk}'}_tokens_per_s"] = round(rate, 2)
         sarathi_best = max(v for k, v in row.items() if k.startswith("sarathi_c"))
-        row["sarathi_best_vs_prefill_first"] = round(sarathi_best / row["prefill-first_tokens_per_s"], 3)
-        row["sarathi_best_vs_static"] = round(sarathi_best / row["static_tokens_per_s"], 3)
+        row["sarathi_best_vs_prefill_first"] = sig(sarathi_best / row["prefill-first_tokens_per_s"])
+        row["sarathi_best_vs_static"] = sig(sarathi_best / row["static_tokens_per_s"])
         rows.append(row)
     return rows
