@@ -91,14 +91,15 @@ def oaken_calibrations(tiny_llama_kv64, emma_text, tmp_path_factory) -> dict[tup
 
 
 @pytest.fixture(scope="session")
-def skew_files(tiny_llama, tiny_opt, tmp_path_factory) -> dict[str, Path]:
-    """Each tiny model's InfiniGen skew, calibrated on random token ids (the real calibration's code path)."""
+def skew_files(tiny_llama, tiny_opt, tiny_gguf_style, tmp_path_factory) -> dict[str, Path]:
+    """Each tiny model's InfiniGen skew, calibrated on random token ids (the real calibration's code path); "gguf"
+    is the tiny Llama on GGUF blocks, whose decode steps run the compiled layer halves."""
     from kvstrata.engine.kv_offload_setup import calibrate_skew
     from tests.infinigen_cases import engine_for, random_prompts
 
     directory = tmp_path_factory.mktemp("skews")
     paths = {}
-    for name, model in (("llama", tiny_llama), ("opt", tiny_opt)):
+    for name, model in (("llama", tiny_llama), ("opt", tiny_opt), ("gguf", tiny_gguf_style)):
         skew = calibrate_skew(engine_for(model), random_prompts(9, 600)[0], windows=2, window_tokens=200,
                               progress=False)
         paths[name] = directory / f"{name}.npz"

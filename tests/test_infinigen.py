@@ -54,13 +54,14 @@ def test_the_skew_leaves_every_attention_logit_unchanged(name, tiny_llama, tiny_
     assert first(skewed) > first(grouped)
 
 
-@pytest.mark.parametrize(("name", "paged_kernel"), [("llama", True), ("opt", True), ("llama", False)])
+@pytest.mark.parametrize(("name", "paged_kernel"), [("llama", True), ("opt", True), ("gguf", True), ("llama", False)])
 def test_selecting_every_token_gives_the_greedy_output_of_no_offload(name, paged_kernel, tiny_llama, tiny_opt,
-                                                                     skew_files):
+                                                                     tiny_gguf_style, skew_files):
     """alpha = inf with no cap: infinigen attends over every cached token, so its greedy tokens are `none`'s, with
     prompts that share a prefix (prefix caching) and a cache small enough to preempt; `full` too. Both the compiled
-    selection and attention and the torch path (--no-paged-kernel)."""
-    model = {"llama": tiny_llama, "opt": tiny_opt}[name]
+    selection and attention and the torch path (--no-paged-kernel); GGUF blocks, as the default model's, where the
+    layers and the speculation run the compiled layer halves."""
+    model = {"llama": tiny_llama, "opt": tiny_opt, "gguf": tiny_gguf_style}[name]
     shared = random_prompts(4, 48)[0]
     prompts = [shared + p for p in random_prompts(5, 30, 70, 5)] + random_prompts(6, 90)
     want = generate(engine_for(model, paged_kernel=paged_kernel), prompts, 16)

@@ -103,6 +103,20 @@ def test_the_layer_halves_compute_what_the_torch_layer_halves_compute(tiny_gguf_
 
 
 @needs_kernels
+@torch.inference_mode()
+def test_speculated_queries_are_the_ones_the_layer_computes_in_a_step(tiny_gguf_style):
+    """InfiniGen asks for layer i's queries of an earlier input (layer_queries): on rows the compiled halves take,
+    they are what the compiled half computes in a step, not llama.py's torch layer (which rounds apart)."""
+    model = new_engine(tiny_gguf_style).loaded.model
+    x = model.embed_tokens(torch.randint(0, model.config.vocab_size, (3,), generator=torch.Generator().manual_seed(2)))
+    positions = torch.tensor([4, 31, 90])
+    cos, sin = model.rotary.cos_sin(positions, x.dtype)
+    before, _ = model.native_decode.dense_parts
+    last = len(model.layers) - 1
+    assert torch.equal(model.layer_queries(last, x, positions), before(model.layers[last], x, cos, sin)[0])
+
+
+@needs_kernels
 @pytest.mark.parametrize("kv_format", ["int8", "int4"])
 def test_other_formats_run_the_layer_halves_and_generate_what_the_torch_layers_generate(tiny_gguf_style, kv_format,
                                                                                          monkeypatch):

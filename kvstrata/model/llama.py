@@ -7,6 +7,7 @@ KV policy, which knows which tokens belong to which sequence.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from kvstrata.kv.fused_decode import FusedDecode, store_and_attend
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.group_quantized import cat_rows
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from kvstrata.model.native_decode import NativeDecode
 
 
 class RMSNorm(nn.Module):
@@ -121,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] of the packed tokens."""
         x = self.embed_tokens(input_ids)
         fused = kv.fused_decode(batch, x.dtype)
-        native = self.native_decode if self.native_decode is not None and self.native_decode.takes(x) else None
+        native = self._native_for(x)
         if fused is not None and native is not None:
             return native(x, positions, fused)  # RoPE and the final norm included
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
@@ -133,6 +137,10 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, cos, sin, kv, batch, dense_parts)
         return self.norm(x)
 
+    def _native_for(self, x: torch.Tensor) -> NativeDecode | None:
+        """The compiled loop (native_decode.py) where the engine set one and it takes these hidden states."""
+        return self.native_decode if self.native_decode is not None and self.native_decode.takes(x) else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
@@ -140,7 +148,9 @@ class LlamaForCausalLM(nn.Module):
         """Layer `layer`'s queries [T, heads, head_dim] (after RoPE) of a residual stream x [T, hidden], e.g. an
         earlier layer's input (InfiniGen's speculation)."""
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        return self.layers[layer].dense_parts[0](self.layers[layer], x, cos, sin)[0]
+        native = self._native_for(x)  # what the layer itself runs in a step of these rows
+        before = native.dense_parts[0] if native is not None else self.layers[layer].dense_parts[0]
+        return before(self.layers[layer], x, cos, sin)[0]
 
     def compile_dense_parts(self) -> None:
         """Compile every layer's dense parts (one graph shared by all layers; torch makes the token
