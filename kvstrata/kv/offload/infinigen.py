@@ -133,12 +133,14 @@ class InfiniGenAttention(FullOffload):
         self.partial_keys = PartialKeys(layers, kv_heads, num_slots, partial, storage.block_size, device)
         self._fetched: dict[int, dict[int, Fetched]] = {}  # layer -> id of a decode group of the step -> its fetch
         self._decodes: dict[int, DecodesOfStep] = {}  # id of a decode group of the step -> what its layers read
+        self._step_places: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's slots in the partial keys
         self.fetch_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
         self._fetched.clear()
         self._decodes.clear()
+        self._step_places = None
         if self.cap is not None:
             self.cap.begin_step()
 
@@ -153,7 +155,9 @@ class InfiniGenAttention(FullOffload):
             self.cap.reset_blocks(blocks)
 
     def after_store(self, layer: int, batch: AttentionBatch, k_new: torch.Tensor) -> None:
-        self._store_partial_keys(layer, batch.slot_mapping, k_new)
+        if self._step_places is None:
+            self._step_places = self.partial_keys.places(batch.slot_mapping.to(self.device))
+        self._store_partial_keys(layer, self._step_places, k_new)
         if self.cap is not None:
             self.cap.stored(layer, self.step_on_host(batch)[0])
 
@@ -169,16 +173,18 @@ class InfiniGenAttention(FullOffload):
             return None
         return ~to_device(self.cap.dead[layer][self.keys_on_host(keys).slots], self.device)
 
-    def _store_partial_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        partial = torch.einsum("tgd,gdr->gtr", k.to(self.device, torch.float32), self.partial_rotation[layer])
-        self.partial_keys.write(layer, slots.to(self.device), partial)
+    def _store_partial_keys(self, layer: int, places: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor) -> None:
+        """The partial keys of k [T, kv_heads, D], the tokens at `places` (PartialKeys.places)."""
+        partial = torch.bmm(k.to(self.device, torch.float32).transpose(0, 1), self.partial_rotation[layer])
+        self.partial_keys.write(layer, places, partial)
 
     def write(self, block_table: list[int], kv: Preloaded, first: int, end: int) -> None:
         """Preloaded KV goes to the host pool; its partial keys, made from what the pool holds, to the device."""
         super().write(block_table, kv, first, end)
         slots = slots_of_positions(torch.tensor([block_table]), torch.arange(first, end), self.storage.block_size)[0]
+        places = self.partial_keys.places(slots.to(self.device))
         for layer in range(self.storage.num_layers):
-            self._store_partial_keys(layer, slots, self.storage.read(layer, block_table, end, first)[0])
+            self._store_partial_keys(layer, places, self.storage.read(layer, block_table, end, first)[0])
 
     def on_layer_input(self, layer: int, x: torch.Tensor, batch: AttentionBatch) -> None:
         target = layer + 1

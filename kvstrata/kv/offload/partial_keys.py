@@ -21,9 +21,15 @@ class PartialKeys:
         self.data = torch.zeros(layers, kv_heads, num_slots // block_size, partial, block_size, dtype=torch.float16,
                                 device=device)
 
-    def write(self, layer: int, slots: torch.Tensor, partial: torch.Tensor) -> None:
-        """partial [kv_heads, T, r]: the partial keys of the tokens at `slots` [T]."""
-        self.data[layer][:, slots // self.block_size, :, slots % self.block_size] = partial.transpose(0, 1).half()
+    def places(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where `slots` [T] lie, as `write` takes them: each one's block and its column within the block (worked
+        out once for every layer of a step)."""
+        return slots // self.block_size, slots % self.block_size
+
+    def write(self, layer: int, places: tuple[torch.Tensor, torch.Tensor], partial: torch.Tensor) -> None:
+        """partial [kv_heads, T, r]: the partial keys of the tokens at `places` (of T slots)."""
+        blocks, columns = places
+        self.data[layer][:, blocks, :, columns] = partial.transpose(0, 1).half()
 
     def of_slots(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """float32 [kv_heads, *slots.shape, r]: the partial keys of any slots."""
