@@ -99,3 +99,22 @@ def test_a_bad_read_is_refused_naming_the_read(tiny_llama_kv64, oaken_calibratio
     with pytest.raises(RuntimeError, match="paged_read_oaken: layout is 7 numbers"):
         KERNEL.paged_read_oaken(*arguments, keys.block_tables, keys.context_lens, storage.block_size,
                                 *storage.format.head_shape)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the CPU has no AVX-512")
+@pytest.mark.parametrize("case", [case for case in CASES if case.startswith("oaken")])
+def test_oaken_reads_alike_on_avx512_and_avx2(case, reader_threads, tiny_llama_kv64, oaken_calibrations):
+    """Oaken's dense values are looked up in a table of the row's 16 codes on AVX-512 and converted 8 at a time on
+    AVX2, by the same arithmetic: both give the same attention and the same whole-block rows, to the bit."""
+    engine, keys = prefilled(tiny_llama_kv64, oaken_calibrations, case, [1, 20, 75, 150])
+    torch.set_num_threads(reader_threads)
+    storage, config = engine.kv_cache, engine.loaded.config
+    q = torch.randn(4, config.num_heads, config.head_dim, generator=torch.Generator().manual_seed(5)) * 2
+    for layer in (0, config.num_layers - 1):
+        reads = []
+        for avx512 in (True, False):
+            with paged_decode.kernel_paths(avx512=avx512):
+                reads.append([storage.attend_in_place(layer, q, keys, keys.context_lens),
+                              *storage.gather_keys(layer, keys, torch.float32)])
+        for wide, narrow in zip(*reads):
+            assert torch.equal(wide, narrow)

@@ -500,6 +500,10 @@ std::vector<at::Tensor> read_rows(at::Tensor block_tables, at::Tensor context_le
   return out;
 }
 
+// Whether readers with AVX-512 code (Oaken's dense values) take it: where the CPU has AVX-512 (F, BW, VL) and tests
+// have not turned it off to check the AVX2 code on such a CPU (allow_avx512, in paged_decode.cpp).
+bool avx512_path();
+
 // The storages' entry points (one file each), bound in paged_decode.cpp.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
                                   at::Tensor context_lens, double scale);

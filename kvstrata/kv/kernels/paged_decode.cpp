@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "attend.h"
@@ -122,6 +123,17 @@ at::Tensor store_and_decode_attention(const at::Tensor& q, const at::Tensor& k_n
   return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale);
 }
 
+std::atomic<bool> avx512_allowed{true};
+
+bool avx512_path() {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return cpu && avx512_allowed;
+}
+
+// Sets whether readers may take their AVX-512 code; returns what it was.
+bool allow_avx512(bool allowed) { return avx512_allowed.exchange(allowed); }
+
 }  // namespace kvstrata
 
 TORCH_LIBRARY(kvstrata, m) {
@@ -142,6 +154,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention read in place from KIVI's quantized blocks and its float16 window");
   m.def("paged_decode_attention_oaken", &kvstrata::paged_decode_attention_oaken,
         "decode attention read in place from Oaken's dense records and sparse pages");
+  m.def("allow_avx512", &kvstrata::allow_avx512,
+        "whether the readers may take their AVX-512 code where the CPU has it (tests turn it off); returns the last");
   m.def("paged_read_int8", &kvstrata::paged_read_int8, "whole-block K and V decoded from int8 KV records");
   m.def("paged_read_int4", &kvstrata::paged_read_int4, "whole-block K and V decoded from int4 KV records");
   m.def("paged_read_kivi", &kvstrata::paged_read_kivi, "whole-block K and V decoded from KIVI's blocks and window");

@@ -10,6 +10,7 @@ builds them (the README's set-up does).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -30,3 +31,14 @@ def kernel():
     if compiled is not None:
         fused_decode.register_fake()
     return compiled
+
+
+@contextlib.contextmanager
+def kernel_paths(avx512: bool):
+    """Within it the compiled readers may take their AVX-512 code where the CPU has it (Oaken's dense values), else
+    their AVX2 code: for tests that check the AVX2 code on a CPU with both, and benchmarks that time one."""
+    before = kernel().allow_avx512(avx512)
+    try:
+        yield
+    finally:
+        kernel().allow_avx512(before)
