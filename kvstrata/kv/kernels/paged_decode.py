@@ -36,7 +36,7 @@ def kernel():
 @contextlib.contextmanager
 def kernel_paths(avx512: bool):
     """Within it the compiled readers may take their AVX-512 code where the CPU has it (Oaken's dense values), else
-    their AVX2 code: for tests that check the AVX2 code on a CPU with both, and benchmarks that time one."""
+    their AVX2 code: for tests that check the AVX2 code on a CPU with both."""
     before = kernel().allow_avx512(avx512)
     try:
         yield
