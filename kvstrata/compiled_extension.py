@@ -9,10 +9,12 @@ compiler): callers then take their torch path (the coder: constriction's).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import subprocess
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a build that was killed
@@ -53,6 +55,18 @@ def load_extension(name: str, sources: list[Path], what: str = "kernels"):
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as exc:  # no compiler, no headers
         warnings.warn(f"the compiled {what} could not be built ({exc}); using the torch path", stacklevel=3)
         return None
+
+
+@contextlib.contextmanager
+def switches_set(*switches: tuple[Callable[[bool], bool], bool]):
+    """Within it each of a kernel's path switches (`allow(value)`, which returns what it was) is set to its value,
+    and afterwards set back: for tests and benchmarks that check or time one code path."""
+    before = [(allow, allow(value)) for allow, value in switches]
+    try:
+        yield
+    finally:
+        for allow, value in reversed(before):
+            allow(value)
 
 
 def main() -> None:

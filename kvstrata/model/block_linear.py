@@ -15,7 +15,6 @@ Without a compiler, or for other layouts, the layers run on torch's int4 kernel 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvstrata.compiled_extension import load_extension
+from kvstrata.compiled_extension import load_extension, switches_set
 from kvstrata.model.group_quantized import GroupQuantized
 
 BLOCK = 32
@@ -56,17 +55,11 @@ def _register_fakes() -> None:
         return None
 
 
-@contextlib.contextmanager
 def kernel_paths(avx512: bool, widened_rows: bool):
     """Within it, the compiled kernel may take (where the CPU allows) its AVX-512 dot products, and its widened rows
     from 4 rows where the dot products are AVX2's: for tests and benchmarks that check or time one path."""
     ops = torch.ops.kvstrata_weights
-    before = ops.allow_avx512(avx512), ops.allow_widened_rows(widened_rows)
-    try:
-        yield
-    finally:
-        ops.allow_avx512(before[0])
-        ops.allow_widened_rows(before[1])
+    return switches_set((ops.allow_avx512, avx512), (ops.allow_widened_rows, widened_rows))
 
 
 def fits(weight) -> bool:

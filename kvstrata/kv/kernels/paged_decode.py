@@ -10,11 +10,10 @@ builds them (the README's set-up does).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from pathlib import Path
 
-from kvstrata.compiled_extension import load_extension
+from kvstrata.compiled_extension import load_extension, switches_set
 from kvstrata.kv import fused_decode
 
 NAME = "kvstrata_paged_decode"
@@ -33,12 +32,7 @@ def kernel():
     return compiled
 
 
-@contextlib.contextmanager
 def kernel_paths(avx512: bool):
     """Within it the compiled readers may take their AVX-512 code where the CPU has it (Oaken's dense values), else
     their AVX2 code: for tests that check the AVX2 code on a CPU with both."""
-    before = kernel().allow_avx512(avx512)
-    try:
-        yield
-    finally:
-        kernel().allow_avx512(before)
+    return switches_set((kernel().allow_avx512, avx512))
