@@ -20,13 +20,21 @@ from kvstrata.engine.kv_setup import stored_form
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError
-from kvstrata.kv import attention_policy, cache_factory
+from kvstrata.kv import attention_policy, cache_factory, reference_attention
 from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.cache_factory import CacheShape, FormatOptions, storage_layout
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.preloaded import LayerwiseKV, PreloadedKV
-from kvstrata.kv.reference_attention import NO_KEY, attend, causal_attention, causal_mask
+from kvstrata.kv.reference_attention import (
+    CHUNK_SPLIT_FROM_QUERIES,
+    NO_KEY,
+    attend,
+    attend_prompt_chunk,
+    causal_attention,
+    causal_mask,
+    prompt_chunk_in_two_calls,
+)
 from kvstrata.kv.storage import KVStorage
 
 BLOCK_SIZE = 16
@@ -154,6 +162,50 @@ def test_padding_rows_and_later_keys_do_not_change_the_output(num_queries):
     assert not torch.allclose(causal_attention(q, earlier, v, q_positions, key_positions)[:, 0], plain[:, 0])
     if num_queries > 1:
         assert not torch.allclose(changed_later[:, -1], plain[:, -1])  # the last query saw the change
+
+
+@pytest.mark.parametrize("start, num_queries, padding", [(0, 128, 0), (0, 200, 7), (96, 130, 16), (300, 256, 5)])
+def test_a_prompt_chunk_in_two_unmasked_calls_equals_the_masked_attention(start, num_queries, padding):
+    """`attend_prompt_chunk` (the keys before the chunk, then the chunk's own keys causally, merged by their
+    log-sum-exps) gives what `attend` gives with the causal mask over the chunk's whole context: grouped-query
+    heads, padding rows of huge garbage after the chunk ignored. Chunks below CHUNK_SPLIT_FROM_QUERIES queries keep
+    the mask."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, end = 6, 2, 16, start + num_queries
+    q = torch.randn(1, num_queries, heads, dim, generator=gen)
+    k = torch.cat([torch.randn(1, end, kv_heads, dim, generator=gen), torch.full((1, padding, kv_heads, dim), 1e30)], 1)
+    v = torch.cat([torch.randn(1, end, kv_heads, dim, generator=gen), torch.full((1, padding, kv_heads, dim), -1e30)], 1)
+    key_positions = torch.cat([torch.arange(end), torch.full((padding,), NO_KEY)])[None]
+    want = attend(q, k, v, causal_mask(torch.arange(start, end)[None], key_positions))
+    torch.testing.assert_close(attend_prompt_chunk(q, k, v, start), want, rtol=1e-5, atol=1e-5)
+    assert prompt_chunk_in_two_calls(torch.empty(1, CHUNK_SPLIT_FROM_QUERIES, heads, dim))
+    assert not prompt_chunk_in_two_calls(torch.empty(1, CHUNK_SPLIT_FROM_QUERIES - 1, heads, dim))
+
+
+def test_prompt_chunks_attended_unmasked_generate_what_transformers_does(tiny_llama, monkeypatch):
+    """Prompts of 130-300 tokens under a step budget of 128 tokens, two calls from 128 queries (the tiny model's
+    positions end at 512): the chunks of 128 queries attend by `attend_prompt_chunk` (the calls counted), the others
+    by the mask, and greedy output equals transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import hf_greedy
+
+    chunks = []
+
+    def counted(q, k, v, start):
+        chunks.append((start, q.shape[1]))
+        return attend_prompt_chunk(q, k, v, start)
+
+    monkeypatch.setattr(attention_policy, "attend_prompt_chunk", counted)
+    monkeypatch.setattr(reference_attention, "CHUNK_SPLIT_FROM_QUERIES", 128)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (300, 130, 257)]
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", chunk_size=128)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, prompt, 8) for prompt in prompts]
+    assert {start for start, _ in chunks} >= {0, 128}  # a first chunk, and one after a context
+    assert all(queries == 128 for _, queries in chunks)
 
 
 # --- 3, 4: policies that read a subset ---------------------------------------------------------------------------

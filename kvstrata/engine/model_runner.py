@@ -71,7 +71,8 @@ class ModelRunner:
             rows_i = slice(int(firsts[i]), int(ends[i]))
             groups.append(AttentionGroup(rows_i, positions_t[None, rows_i], context_lens[i : i + 1],
                                          whole_block_keys(tables[rows[i] : rows[i] + 1, :blocks],
-                                                          context_lens[i : i + 1], self.block_size)))
+                                                          context_lens[i : i + 1], self.block_size),
+                                         chunk_start=int(starts[i])))
         batch = AttentionBatch(positions_t, slot_mapping, groups, self.block_size)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return StepInputs(ordered, input_ids, batch, (ends - 1).tolist())

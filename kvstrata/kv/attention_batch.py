@@ -82,6 +82,9 @@ class AttentionGroup:
     q_positions: torch.Tensor  # [n, Tq] positions of the new tokens
     context_lens: torch.Tensor  # [n] tokens in each sequence's cache once this step's are written
     keys: CachedKeys  # every cached key, [n, Tk] with Tk >= the longest context
+    # a prompt chunk's first position: its queries are chunk_start, chunk_start + 1, ... and its keys whole blocks
+    # (key j at position j); None for the decodes' group
+    chunk_start: int | None = None
 
     @property
     def num_sequences(self) -> int:

@@ -15,7 +15,7 @@ from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKe
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.fused_decode import FusedDecode
 from kvstrata.kv.preloaded import Preloaded
-from kvstrata.kv.reference_attention import attend
+from kvstrata.kv.reference_attention import attend, attend_prompt_chunk, prompt_chunk_in_two_calls
 from kvstrata.kv.storage import KVStorage
 
 
@@ -70,6 +70,8 @@ class AttentionPolicy:
             if out is not None:
                 return out
         k, v = self.storage.gather_keys(layer, keys, q.dtype)
+        if keys is group.keys:
+            return attend_every_key(q, k, v, group)
         queries = q.view(group.num_sequences, -1, *q.shape[1:])
         return attend(queries, k, v, keys.mask_for(group)).flatten(0, 1)
 
@@ -82,6 +84,15 @@ class FullAttention(AttentionPolicy):
         if type(self) is not FullAttention or len(batch.groups) != 1 or not batch.groups[0].is_decode:
             return None
         return self.storage.fused_decode(batch, dtype)
+
+
+def attend_every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """The group's queries q [T, heads, D] over every one of its cached keys, gathered as k, v [n, Tk, kv_heads, D]:
+    a prompt chunk without a mask where that is quicker (attend_prompt_chunk), else by the causal mask. [T, heads, D]."""
+    queries = q.view(group.num_sequences, -1, *q.shape[1:])
+    if group.chunk_start is not None and prompt_chunk_in_two_calls(queries):
+        return attend_prompt_chunk(queries, k, v, group.chunk_start).flatten(0, 1)
+    return attend(queries, k, v, group.keys.mask_for(group)).flatten(0, 1)
 
 
 def outputs_of_groups(q: torch.Tensor, batch: AttentionBatch, attend_group) -> torch.Tensor:

@@ -10,6 +10,10 @@ import torch
 import torch.nn.functional as F
 
 NO_KEY = -1  # the position of a padding row among the keys
+# A prompt chunk of fewer queries attends in one masked call (prompt_chunk_in_two_calls): below it the second call
+# and the merge cost about what the skipped half of the chunk's own block saves, and either form may win; from it
+# the two calls won in every case measured (BENCHMARKS.md, "Long prompts: time to first token").
+CHUNK_SPLIT_FROM_QUERIES = 256
 
 
 def causal_mask(q_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -58,6 +62,31 @@ def attend_per_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     out = torch.matmul(weights, v).view(kv_heads, n, num_q, group, dim).permute(1, 2, 0, 3, 4)
     out = out.reshape(n, num_q, heads, dim)
     return (out, weights.view(kv_heads, n, num_q, group, -1)) if with_weights else out
+
+
+def prompt_chunk_in_two_calls(q: torch.Tensor) -> bool:
+    """Whether a prompt chunk of queries q [1, Tq, heads, D] attends quicker by `attend_prompt_chunk` than by `attend`
+    with its mask: on the CPU, from CHUNK_SPLIT_FROM_QUERIES queries."""
+    return q.device.type == "cpu" and q.shape[1] >= CHUNK_SPLIT_FROM_QUERIES
+
+
+def attend_prompt_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """`attend` for a prompt chunk over its whole context, on the CPU: q [1, Tq, heads, D] at positions start ..
+    start + Tq - 1, key j of k, v [1, Tk, kv_heads, D] at position j (rows from start + Tq on: padding). With a mask,
+    torch's CPU flash kernel computes every (query, key) pair and then masks half of the chunk's own block away;
+    here the keys before the chunk (every query sees them) and the chunk's own keys (causal from its first row,
+    which the kernel skips block by block) are two unmasked calls, merged by their log-sum-exps."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D], as the kernel reads them
+    end = start + q.shape[2]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # SDPA's CPU kernel, with its log-sum-exp
+    own, own_lse = flash(q, k[:, :, start:end], v[:, :, start:end], is_causal=True)
+    if start == 0:
+        return own.transpose(1, 2)
+    before, before_lse = flash(q, k[:, :, :start], v[:, :, :start])
+    lse = torch.logaddexp(own_lse, before_lse)
+    out = own * (own_lse - lse).exp().unsqueeze(-1).to(own.dtype)
+    out += before * (before_lse - lse).exp().unsqueeze(-1).to(before.dtype)
+    return out.transpose(1, 2)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
