@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.kv_store_ttft import first_token
 from kvstrata.bench.decode import gguf_file
 from kvstrata.bench.report import machine_info
 from kvstrata.bench.transformers_model import transformers_model
@@ -35,7 +36,6 @@ from kvstrata.bench.workload import prompts_from_text
 from kvstrata.config import EngineConfig
 from kvstrata.data import EMMA
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.reference_attention import attend, attend_prompt_chunk, causal_mask
 
 TEXTS = {"emma": EMMA, "python_tutorial": Path(__file__).parent / "data" / "python_tutorial.txt"}
@@ -43,12 +43,7 @@ TEXTS = {"emma": EMMA, "python_tutorial": Path(__file__).parent / "data" / "pyth
 
 def kvstrata_ttft(engine: LLMEngine, token_ids: list[int]) -> float:
     engine.reset_prefix_cache()
-    engine.add_request(token_ids, SamplingParams(temperature=0, max_tokens=1))
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                return output.metrics.ttft
-    raise RuntimeError("the request did not finish")
+    return first_token(engine, token_ids).metrics.ttft
 
 
 @torch.inference_mode()

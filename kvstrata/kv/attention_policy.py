@@ -70,10 +70,7 @@ class AttentionPolicy:
             if out is not None:
                 return out
         k, v = self.storage.gather_keys(layer, keys, q.dtype)
-        if keys is group.keys:
-            return attend_every_key(q, k, v, group)
-        queries = q.view(group.num_sequences, -1, *q.shape[1:])
-        return attend(queries, k, v, keys.mask_for(group)).flatten(0, 1)
+        return attend_keys(q, k, v, group, keys)
 
 
 class FullAttention(AttentionPolicy):
@@ -86,13 +83,15 @@ class FullAttention(AttentionPolicy):
         return self.storage.fused_decode(batch, dtype)
 
 
-def attend_every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """The group's queries q [T, heads, D] over every one of its cached keys, gathered as k, v [n, Tk, kv_heads, D]:
-    a prompt chunk without a mask where that is quicker (attend_prompt_chunk), else by the causal mask. [T, heads, D]."""
+def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
+                keys: CachedKeys) -> torch.Tensor:
+    """The group's queries q [T, heads, D] over `keys` (the group's or a subset), gathered as k, v [n, Tk, kv_heads,
+    D], by their causal mask; a prompt chunk over every one of its keys without a mask where that is quicker
+    (attend_prompt_chunk). [T, heads, D]."""
     queries = q.view(group.num_sequences, -1, *q.shape[1:])
-    if group.chunk_start is not None and prompt_chunk_in_two_calls(queries):
+    if keys is group.keys and group.chunk_start is not None and prompt_chunk_in_two_calls(queries):
         return attend_prompt_chunk(queries, k, v, group.chunk_start).flatten(0, 1)
-    return attend(queries, k, v, group.keys.mask_for(group)).flatten(0, 1)
+    return attend(queries, k, v, keys.mask_for(group)).flatten(0, 1)
 
 
 def outputs_of_groups(q: torch.Tensor, batch: AttentionBatch, attend_group) -> torch.Tensor:

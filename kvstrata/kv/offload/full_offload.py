@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
-from kvstrata.kv.attention_policy import AttentionPolicy, attend_every_key, outputs_of_groups
+from kvstrata.kv.attention_policy import AttentionPolicy, attend_keys, outputs_of_groups
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.offload.transfers import OffloadStats, WorkingBuffers, to_host
 from kvstrata.kv.reference_attention import attend
@@ -68,11 +68,10 @@ class FullOffload(AttentionPolicy):
         if (group.is_decode and readable is None and keys.block_tables is not None and self.kernel is not None
                 and q.dtype == torch.float32):
             return self._attend_whole_contexts(q, k, v, group)
-        if readable is None and keys is group.keys:
-            return attend_every_key(q, k, v, group)
+        if readable is None:
+            return attend_keys(q, k, v, group, keys)
         queries = q.view(group.num_sequences, -1, *q.shape[1:])
-        mask = keys.mask_for(group)
-        return attend(queries, k, v, mask if readable is None else mask & readable[:, None]).flatten(0, 1)
+        return attend(queries, k, v, keys.mask_for(group) & readable[:, None]).flatten(0, 1)
 
     def _attend_whole_contexts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                group: AttentionGroup) -> torch.Tensor:
