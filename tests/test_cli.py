@@ -1,9 +1,11 @@
+import argparse
 import os
 import subprocess
 import sys
 
 import pytest
 
+from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.cli.main import main
 
 
@@ -21,6 +23,16 @@ def test_generate_help_describes_every_flag(capsys):
     for flag in ("--max-tokens", "--temperature", "--seed", "--model", "--kv-cache-memory", "--scheduler",
                  "--chunk-size", "--tile", "--block-size", "--device", "--max-num-seqs", "--stop", "--chat"):
         assert flag in text
+
+
+def test_memory_sizes_are_taken_as_written_on_the_command_line():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--kv-cache-memory", "512MiB", "--kv-offload", "infinigen", "--kv-host-memory", "1GiB"])
+    config = engine_config_from_args(args)
+    assert config.kv_cache_memory == 512 * 2**20 and config.kv_host_memory == 2**30
+    args = parser.parse_args(["--kv-offload", "infinigen", "--kv-host-memory", "1048576"])  # bytes
+    assert engine_config_from_args(args).kv_host_memory == 2**20
 
 
 def test_generate_streams_text(tiny_llama, capsys):

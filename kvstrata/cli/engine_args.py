@@ -10,6 +10,8 @@ from kvstrata.config import EngineConfig
 
 
 def _flag_type(annotation: str):
+    if annotation.startswith("int | str"):  # a memory size, "2GiB" or bytes: EngineConfig parses it
+        return str
     if annotation.startswith("int"):
         return int
     if annotation.startswith("float"):
@@ -27,10 +29,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         default = None if f.default is MISSING else f.default
-        kind = str if f.name == "kv_cache_memory" else _flag_type(str(f.type))
         group.add_argument(
             flag,
-            type=kind,
+            type=_flag_type(str(f.type)),
             default=default,
             choices=f.metadata.get("choices"),
             help=help_text if "default" in help_text else f"{help_text} (default: {default})",
