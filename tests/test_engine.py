@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.errors import KvstrataError
 from tests.helpers import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -110,6 +111,40 @@ def test_logprobs_are_those_of_the_model_distribution(llm, prompts):
         assert entry.token_id == token and len(entry.top) == 3
         assert entry.logprob == pytest.approx(max(entry.top.values()))  # greedy picks the likeliest
         assert all(v <= 0 for v in entry.top.values())
+
+
+def test_logit_bias_forces_bans_and_leaves_other_requests_and_logprobs_alone(llm, prompts):
+    unbiased = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+    plain = llm.generate(prompts[:2], unbiased)
+    forced = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True, logit_bias={7: 100.0})
+    first = plain[0].token_ids[0]
+    banned = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={first: -100.0})
+    drawn = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logit_bias={9: 100.0})
+    outputs = llm.generate([prompts[0], prompts[1], prompts[0], prompts[0]],
+                           [forced, unbiased, banned, drawn])
+    assert outputs[0].token_ids == [7] * 6 and outputs[3].token_ids == [9] * 6
+    assert outputs[2].token_ids[0] != first
+    assert outputs[1].token_ids == plain[1].token_ids  # the unbiased request in the same steps
+    # logprobs are the model's own: the forced token's is what the model gives it, not its biased share
+    assert outputs[0].logprobs[0].logprob < -1e-3
+    assert outputs[0].logprobs[0].top == plain[0].logprobs[0].top
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({-1: 1.0}, "logit_bias token id must be an integer >= 0"),
+    ({5: 100.5}, "logit_bias of token 5 must be in"),
+    ({5: float("nan")}, "logit_bias of token 5 must be in"),
+    ([5], "logit_bias must map token ids to numbers"),
+])
+def test_bad_logit_bias_is_refused_when_the_parameters_are_built(bias, message):
+    with pytest.raises(KvstrataError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
+def test_a_logit_bias_outside_the_vocabulary_fails_its_request_before_it_runs(llm, prompts):
+    with pytest.raises(KvstrataError, match="logit_bias names token 100000, outside the vocabulary"):
+        llm.engine.add_request(prompts[0], SamplingParams(logit_bias={100000: 1.0}))
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_timings_are_reported(llm, prompts):

@@ -93,6 +93,21 @@ def test_sampling_options_and_logprobs(client):
     assert stopped.choices[0].text == free[: free.index(stop)] and stopped.choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_is_applied_as_offline(client, offline):
+    params = SamplingParams(max_tokens=5, temperature=0, logit_bias={7: 100.0, 11: 5.0})
+    expected = offline.generate(["Emma"], params)[0]
+    assert expected.token_ids == [7] * 5
+    reply = client.completions.create(model=MODEL, prompt="Emma", max_tokens=5, temperature=0,
+                                      logit_bias={"7": 100, "11": 5})
+    assert reply.choices[0].text == expected.text
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = offline.chat(messages, SamplingParams(max_tokens=3, temperature=0, logit_bias={7: 100.0}))[0]
+    assert expected.token_ids == [7] * 3
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                          logit_bias={"7": 100})
+    assert chat.choices[0].message.content == expected.text
+
+
 def test_models_health_and_metrics(server, client):
     url, app = server
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -133,6 +148,10 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "Emma " * 300}, 400, "prompt"),
         ({"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"seven": 1}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": [7]}, 400, "logit_bias"),
     ],
 )
 def test_completion_request_validation(server, body, status, param):
@@ -160,7 +179,8 @@ JSON_VALUES = st.recursive(
     max_leaves=8,
 )
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-          "stream", "logprobs", "top_logprobs", "stream_options", "max_completion_tokens", "ignore_eos", "echo"]
+          "stream", "logprobs", "top_logprobs", "stream_options", "max_completion_tokens", "ignore_eos", "echo",
+          "logit_bias"]
 
 
 def _edge_body():

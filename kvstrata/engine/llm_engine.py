@@ -207,6 +207,13 @@ class LLMEngine:
             raise KvstrataError(f"a token-id prompt must be a list of integers in [0, {vocab}), got {prompt!r:.200}")
         return list(prompt)
 
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        """A biased token must be one of the model's: the sampler indexes its logits by it."""
+        vocab = self.loaded.config.vocab_size
+        outside = [token for token in params.logit_bias if token >= vocab]
+        if outside:
+            raise KvstrataError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab})")
+
     def check_prompt_length(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise KvstrataError("the prompt is empty; give at least one token")
@@ -234,6 +241,7 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.check_prompt_length(token_ids)
+        self.check_logit_bias(params)
         preloaded = self._check_preloaded(preloaded or [], len(token_ids))
         seq_id = next(self._seq_ids)
         request_id = str(seq_id) if request_id is None else request_id

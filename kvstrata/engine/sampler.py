@@ -1,4 +1,4 @@
-"""Turn next-token logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Turn next-token logits into tokens: logit bias, greedy, temperature, top-k, top-p, seeds, logprobs.
 
 Every row is filtered and drawn in batched tensor operations, and the tokens reach Python in one
 transfer at the end: no host sync per row (rows with their own seed draw from their own generator).
@@ -15,6 +15,19 @@ import torch
 
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.sequence import TokenLogprobs
+
+
+def biased_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's `logit_bias` added to its logits [rows, vocab] (a copy, where a row has one)."""
+    rows = [row for row, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        bias = params[row].logit_bias
+        tokens = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        logits[row, tokens] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -65,10 +78,11 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [rows, vocab] (fp32, finite), plus logprobs where asked for."""
-    tokens = greedy_tokens(logits)
+    biased = biased_logits(logits, params)
+    tokens = greedy_tokens(biased)
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:
-        probs = filtered_logits(logits[drawn], [params[row] for row in drawn]).softmax(-1)
+        probs = filtered_logits(biased[drawn], [params[row] for row in drawn]).softmax(-1)
         unseeded = [i for i, row in enumerate(drawn) if generators[row] is None]
         choice = torch.empty(len(drawn), dtype=torch.long, device=logits.device)
         if unseeded:
@@ -81,7 +95,7 @@ def sample(
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
     if wanted:
-        # Logprobs of the model's own distribution, before temperature and filtering.
+        # Logprobs of the model's own distribution, before logit_bias, temperature and filtering.
         log_dist = logits[wanted].log_softmax(-1)
         for i, row in enumerate(wanted):
             top = torch.topk(log_dist[i], params[row].logprobs) if params[row].logprobs else None

@@ -11,6 +11,7 @@ MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 # Below this a temperature samples greedily, its limit (vLLM draws the same line): fp32 logits divided by
 # 1e-40 overflow to inf, and the softmax of inf is NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 all but bans a token, 100 all but forces it
 
 
 def _check_int(name: str, value, minimum: int, allow_none: bool = False, maximum: int | None = None) -> None:
@@ -45,6 +46,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to report per token, besides the chosen one
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -61,6 +63,11 @@ class SamplingParams:
             raise KvstrataError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:
             _check_int("stop_token_ids entry", token, 0)
+        if not isinstance(self.logit_bias, dict):
+            raise KvstrataError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r:.200}")
+        for token, bias in self.logit_bias.items():
+            _check_int("a logit_bias token id", token, 0)
+            _check_number(f"logit_bias of token {token}", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, low_inclusive=True)
 
     @property
     def greedy(self) -> bool:

@@ -21,7 +21,7 @@ from pydantic import (
     field_validator,
 )
 
-from kvstrata.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from kvstrata.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 MAX_STOP_STRINGS = 16
 
@@ -93,6 +93,9 @@ class _SamplingFields(BaseModel):
     presence_penalty: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
     frequency_penalty: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
     ignore_eos: StrictBool = False
+    # token ids as the object's keys (JSON keys are strings) -> bias added to the token's logit
+    logit_bias: dict[Annotated[StrictStr, Field(pattern=r"^[0-9]+$")],
+                     Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -105,6 +108,7 @@ class _SamplingFields(BaseModel):
             stop=stop,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias={int(token): float(bias) for token, bias in (self.logit_bias or {}).items()},
         )
 
     @property

@@ -70,7 +70,12 @@ class RequestPreparer:
         room = self.engine.max_model_len - len(token_ids)
         max_tokens = asked or min(room, limit or room)
         logprobs = body.requested_logprobs if chat else body.logprobs
-        return token_ids, body.sampling_params(max_tokens, logprobs)
+        params = body.sampling_params(max_tokens, logprobs)
+        try:
+            self.engine.check_logit_bias(params)
+        except KvstrataError as exc:
+            raise FieldError("logit_bias", str(exc)) from exc
+        return token_ids, params
 
     def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
