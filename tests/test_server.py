@@ -152,6 +152,14 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "x", "logit_bias": [7]}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
+        ({"model": MODEL, "prompt": "x", "suffix": "end"}, 400, "suffix"),
+        ({"model": MODEL, "prompt": "x", "min_tokens": 3}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "min_p": 0.1}, 400, "min_p"),
+        ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+        ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 2, "best_of": 1, "suffix": "", "min_tokens": 0, "min_p": 0,
+          "repetition_penalty": 1, "stop_token_ids": [], "user": "anyone"}, 200, None),
     ],
 )
 def test_completion_request_validation(server, body, status, param):
@@ -160,6 +168,29 @@ def test_completion_request_validation(server, body, status, param):
     if status != 200:
         error = reply.json()["error"]
         assert error["param"] == param and error["message"] and error["type"]
+
+
+@pytest.mark.parametrize("fields, status, param", [
+    ({"response_format": {"type": "json_object"}}, 400, "response_format.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"response_format": {"type": "text"}, "tools": [], "max_tokens": 2}, 200, None),
+])
+def test_chat_features_the_engine_lacks_are_refused_not_ignored(server, fields, status, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+    reply = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == status
+    if status != 200:
+        assert reply.json()["error"]["param"] == param and reply.json()["error"]["message"]
+
+
+def test_stop_token_ids_end_generation_as_offline(client, offline):
+    free = offline.generate(["Emma"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[free.token_ids[2]])
+    expected = offline.generate(["Emma"], params)[0]
+    assert expected.finish_reason == "stop" and len(expected.token_ids) < 8
+    reply = client.completions.create(model=MODEL, prompt="Emma", max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, "stop_token_ids": [free.token_ids[2]]})
+    assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == "stop"
 
 
 def test_bad_bodies(server):
@@ -180,7 +211,8 @@ JSON_VALUES = st.recursive(
 )
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
           "stream", "logprobs", "top_logprobs", "stream_options", "max_completion_tokens", "ignore_eos", "echo",
-          "logit_bias"]
+          "logit_bias", "best_of", "suffix", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
+          "response_format", "tools"]
 
 
 def _edge_body():

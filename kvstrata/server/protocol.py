@@ -59,6 +59,13 @@ def _not_supported_if_true(value: bool) -> bool:
     return value
 
 
+def _empty_only(value):
+    """A field of a feature the engine does not have: taken when empty or null, refused otherwise (never ignored)."""
+    if value:
+        raise ValueError("is not supported: only empty or null")
+    return value
+
+
 def integer(**constraints):
     """A JSON integer with `constraints` (ge=..., le=...), stated in the schema as minimum and maximum."""
     return Annotated[StrictInt, Field(**constraints), BeforeValidator(_whole_number)]
@@ -67,6 +74,10 @@ def integer(**constraints):
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
 Number = StrictFloat  # takes ints too, not bools
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
+
+
+class ResponseFormat(BaseModel):
+    type: Annotated[Literal["text"], Field(description="Only text: JSON modes are not supported")]
 
 
 class StreamOptions(BaseModel):
@@ -93,6 +104,11 @@ class _SamplingFields(BaseModel):
     presence_penalty: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
     frequency_penalty: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
     ignore_eos: StrictBool = False
+    stop_token_ids: list[integer(ge=0)] | None = None  # vLLM's: generation ends after any of these tokens
+    # vLLM's sampling extras the sampler does not have: refused unless off, so that no output is silently other
+    min_tokens: integer(ge=0, le=0, description="Not supported: 0 only") = 0
+    min_p: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
+    repetition_penalty: Annotated[Number, Field(ge=1, le=1, description="Not supported: 1 only")] = 1
     # token ids as the object's keys (JSON keys are strings) -> bias added to the token's logit
     logit_bias: dict[Annotated[StrictStr, Field(pattern=r"^[0-9]+$")],
                      Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
@@ -106,6 +122,7 @@ class _SamplingFields(BaseModel):
             top_k=max(self.top_k, 0),
             seed=self.seed,
             stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             logit_bias={int(token): float(bias) for token, bias in (self.logit_bias or {}).items()},
@@ -123,6 +140,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     echo: Annotated[StrictBool, AfterValidator(_not_supported_if_true),
                     WithJsonSchema({"type": "boolean", "const": False})] = False
+    best_of: integer(ge=1, le=1, description="1 only") | None = None
+    suffix: Annotated[Text | None, AfterValidator(_empty_only),
+                      WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]})] = None
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -156,6 +176,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: integer(ge=1) | None = None
     logprobs: StrictBool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list | None, AfterValidator(_empty_only),
+                     WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})] = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -170,5 +193,6 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 REQUEST_FIELDS = frozenset().union(
-    *(model.model_fields for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions))
+    *(model.model_fields for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
+                                       ResponseFormat))
 )
