@@ -173,6 +173,7 @@ def test_completion_request_validation(server, body, status, param):
 @pytest.mark.parametrize("fields, status, param", [
     ({"response_format": {"type": "json_object"}}, 400, "response_format.type"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"functions": [{"name": "f"}]}, 400, "functions"),
     ({"response_format": {"type": "text"}, "tools": [], "max_tokens": 2}, 200, None),
 ])
 def test_chat_features_the_engine_lacks_are_refused_not_ignored(server, fields, status, param):
@@ -212,7 +213,7 @@ JSON_VALUES = st.recursive(
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
           "stream", "logprobs", "top_logprobs", "stream_options", "max_completion_tokens", "ignore_eos", "echo",
           "logit_bias", "best_of", "suffix", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
-          "response_format", "tools"]
+          "response_format", "tools", "functions"]
 
 
 def _edge_body():

@@ -179,6 +179,8 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: Annotated[list | None, AfterValidator(_empty_only),
                      WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})] = None
+    functions: Annotated[list | None, AfterValidator(_empty_only),  # tools' deprecated form
+                         WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})] = None
 
     @field_validator("top_logprobs")
     @classmethod
