@@ -53,17 +53,16 @@ def _whole_number(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _not_supported_if_true(value: bool) -> bool:
-    if value:
-        raise ValueError("is not supported: only false")
-    return value
+def _only_off(off: str) -> AfterValidator:
+    """A field of a feature the engine does not have: taken when off (false, empty or null, as `off` says), refused
+    otherwise, never ignored."""
 
+    def check(value):
+        if value:
+            raise ValueError(f"is not supported: only {off}")
+        return value
 
-def _empty_only(value):
-    """A field of a feature the engine does not have: taken when empty or null, refused otherwise (never ignored)."""
-    if value:
-        raise ValueError("is not supported: only empty or null")
-    return value
+    return AfterValidator(check)
 
 
 def integer(**constraints):
@@ -74,6 +73,8 @@ def integer(**constraints):
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
 Number = StrictFloat  # takes ints too, not bools
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
+NoList = Annotated[list | None, _only_off("empty or null"),
+                   WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})]
 
 
 class ResponseFormat(BaseModel):
@@ -138,10 +139,10 @@ class CompletionRequest(_SamplingFields):
              | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=1)])
     max_tokens: integer(ge=1) | None = 16
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
-    echo: Annotated[StrictBool, AfterValidator(_not_supported_if_true),
+    echo: Annotated[StrictBool, _only_off("false"),
                     WithJsonSchema({"type": "boolean", "const": False})] = False
     best_of: integer(ge=1, le=1, description="1 only") | None = None
-    suffix: Annotated[Text | None, AfterValidator(_empty_only),
+    suffix: Annotated[Text | None, _only_off("empty or null"),
                       WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]})] = None
 
     @property
@@ -177,10 +178,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     response_format: ResponseFormat | None = None
-    tools: Annotated[list | None, AfterValidator(_empty_only),
-                     WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})] = None
-    functions: Annotated[list | None, AfterValidator(_empty_only),  # tools' deprecated form
-                         WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})] = None
+    tools: NoList = None
+    functions: NoList = None  # tools' deprecated form
 
     @field_validator("top_logprobs")
     @classmethod
