@@ -58,6 +58,19 @@ def test_prefix_cache_hits_skip_prefill(tiny_llama, prompts):
     assert llm.engine.kv_manager.prefix_stats.hit_tokens == 144
 
 
+@pytest.mark.parametrize("scheduler", ["sarathi", "prefill-first"])
+def test_a_prompt_given_several_times_at_once_is_prefilled_once(tiny_llama, prompts, scheduler):
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", scheduler=scheduler, chunk_size=64)
+    prompt = prompts[5] + prompts[3]  # 154 tokens: 9 full blocks of 16, then 10 tokens
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    outputs = llm.generate([prompt] * 3 + [prompts[1]], [GREEDY, GREEDY, sampled, GREEDY])
+    assert sum(s.prefill_tokens for s in llm.engine.step_stats) == 154 + 2 * 10 + 37
+    assert [o.num_cached_tokens for o in outputs] == [0, 144, 144, 0]
+    alone = LLM(str(tiny_llama), kv_cache_memory="8MiB", enable_prefix_caching=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in alone.generate(
+        [prompt, prompt, prompt, prompts[1]], [GREEDY, GREEDY, sampled, GREEDY])]
+
+
 def test_stop_token_ids_stop_strings_and_max_tokens(llm, prompts):
     free = llm.generate([prompts[1]], GREEDY)[0]
     stop_at = free.token_ids[4]

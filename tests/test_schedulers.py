@@ -1,5 +1,7 @@
 """Which tokens each policy puts in a step (no model involved)."""
 
+import pytest
+
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, StaticScheduler
 from kvstrata.engine.sequence import Sequence
@@ -10,10 +12,13 @@ def make_seq(seq_id: int, prompt_len: int) -> Sequence:
     return Sequence(seq_id, str(seq_id), None, list(range(1000 * seq_id, 1000 * seq_id + prompt_len)), SamplingParams())
 
 
-def run(scheduler, out):
-    """Pretend the step ran: advance the cache and give every finished chunk a sampled token."""
+def run(scheduler, out, index_blocks=False):
+    """Pretend the step ran: advance the cache (and with `index_blocks` index its full blocks for the prefix
+    cache, as the engine does), give every finished chunk a sampled token."""
     for seq, n in out.scheduled:
         seq.num_computed_tokens += n
+        if index_blocks:
+            scheduler.kv.commit(seq, n)
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(7)
 
@@ -92,3 +97,48 @@ def test_out_of_blocks_preempts_the_newest_and_resumes_it_later():
     sched.finish(old)
     out = sched.schedule()
     assert shape(out) == [(1, 8)]  # prompt and the token it had sampled, recomputed
+
+
+def same_prompt(seq_id: int, prompt: list[int]) -> Sequence:
+    return Sequence(seq_id, str(seq_id), None, list(prompt), SamplingParams())
+
+
+@pytest.mark.parametrize("make", [
+    lambda kv: SarathiScheduler(kv, max_num_seqs=8, chunk_size=64),
+    lambda kv: PrefillFirstScheduler(kv, max_num_seqs=8, max_prefill_tokens=2048),
+])
+def test_a_prompt_that_arrives_several_times_together_is_computed_once(make):
+    sched = make(KVCacheManager(64, 16))
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks, then 8 tokens
+    for i in range(3):
+        sched.add(same_prompt(i, prompt))
+    sched.add(make_seq(3, 10))  # another prompt behind them is not held up
+    out = sched.schedule()
+    assert shape(out) == [(0, 40), (3, 10)]  # 1 and 2 wait: the step computes their first block for 0
+    run(sched, out, index_blocks=True)
+    out = sched.schedule()
+    admitted = [(s.seq_id, n) for s, n in out.scheduled if s.seq_id in (1, 2)]
+    assert admitted == [(1, 8), (2, 8)]  # both read the 2 blocks from the prefix cache
+    assert sched.kv.prefix_stats.hit_tokens == 64
+
+
+def test_the_static_baseline_computes_a_repeated_prompt_for_each_request():
+    sched = StaticScheduler(KVCacheManager(64, 16), max_num_seqs=8)
+    prompt = list(range(100, 140))
+    for i in range(2):
+        sched.add(same_prompt(i, prompt))
+    assert shape(sched.schedule()) == [(0, 40), (1, 40)]
+
+
+def test_a_waiting_prompt_goes_on_alone_when_the_request_computing_its_prefix_ends():
+    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=32)
+    prompt = list(range(100, 180))  # 80 tokens: 3 chunks of 32
+    first, second = same_prompt(0, prompt), same_prompt(1, prompt)
+    sched.add(first)
+    sched.add(second)
+    out = sched.schedule()
+    assert shape(out) == [(0, 32)]
+    run(sched, out, index_blocks=True)
+    sched.finish(first)  # aborted midway: its 2 computed blocks stay cached, the rest is never computed
+    out = sched.schedule()
+    assert shape(out) == [(1, 32)] and second.num_cached_prompt_tokens == 32

@@ -78,14 +78,37 @@ class KVCacheManager:
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of `seq`'s longest prefix that the device pool holds now, without taking its blocks."""
+        return self._cached_blocks(seq)[0] * self.block_size
+
+    def _cached_blocks(self, seq: Sequence) -> tuple[int, int]:
+        """How many leading blocks of `seq` the pool holds, and how many it could use (all full blocks before
+        its last token, whose logits must be computed)."""
         if not self.enable_prefix_caching:
-            return 0
+            return 0, 0
         seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes, self.hash_root(seq))
         usable = (seq.num_tokens - 1) // self.block_size
         held = 0
         while held < usable and self.pool.lookup(seq.block_hashes[held]) is not None:
             held += 1
-        return held * self.block_size
+        return held, usable
+
+    def blocks_in_flight(self, scheduled: list[tuple[Sequence, int]]) -> set[BlockHash]:
+        """Hashes of the full blocks that a step running `scheduled` (sequence, new tokens) will fill."""
+        if not self.enable_prefix_caching:
+            return set()
+        in_flight = set()
+        for seq, num_tokens in scheduled:
+            first = seq.num_computed_tokens // self.block_size
+            in_flight.update(seq.block_hashes[first : (seq.num_computed_tokens + num_tokens) // self.block_size])
+        return in_flight
+
+    def waits_for(self, seq: Sequence, in_flight: set[BlockHash]) -> bool:
+        """Whether the first block of `seq` that the pool lacks is among `in_flight`: admitted a step later,
+        `seq` finds it cached instead of computing the same KV beside the request that computes it now."""
+        if not in_flight:
+            return False
+        held, usable = self._cached_blocks(seq)
+        return held < usable and seq.block_hashes[held] in in_flight
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks of the longest prefix the device pool holds; return the tokens it covers.

@@ -26,6 +26,8 @@ class SchedulerOutput:
 
 
 class Scheduler(ABC):
+    shares_prefixes_in_flight = True  # see _next_to_admit
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -50,12 +52,15 @@ class Scheduler(ABC):
         self.kv.free(seq)
 
     def _admit(self, out: SchedulerOutput, token_budget: int | None, whole: bool) -> bool:
-        """Move the head of the waiting queue to running, scheduling up to `token_budget` of its tokens.
+        """Move the first waiting sequence that need not wait (`_next_to_admit`) to running, scheduling up to
+        `token_budget` of its tokens.
 
         `whole` demands all its pending tokens in this step. False when it does not fit.
         """
-        seq = self.waiting[0]
         if len(self.running) >= self.max_num_seqs or (token_budget is not None and token_budget <= 0):
+            return False
+        seq = self._next_to_admit(out)
+        if seq is None:
             return False
         hits = self.kv.match_prefix(seq)
         placed = self.kv.place_preloaded(seq)
@@ -67,11 +72,19 @@ class Scheduler(ABC):
         self.kv.prefix_stats.record(seq.num_tokens, hits)
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = hits
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.scheduled.append((seq, num_tokens))
         return True
+
+    def _next_to_admit(self, out: SchedulerOutput) -> Sequence | None:
+        """The oldest waiting sequence, passing over those whose next uncached prompt block this step computes
+        for another sequence (requests that arrive together with one prompt, or `n` samples of it): each of
+        those is admitted a step later and reads the block from the prefix cache, so a shared prefix is
+        computed once. None when every waiting sequence waits so."""
+        in_flight = self.kv.blocks_in_flight(out.scheduled) if self.shares_prefixes_in_flight else set()
+        return next((seq for seq in self.waiting if not self.kv.waits_for(seq, in_flight)), None)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """One token for every running sequence that is decoding."""

@@ -45,6 +45,10 @@ class PrefillFirstScheduler(Scheduler):
 
 
 class StaticScheduler(PrefillFirstScheduler):
+    # Request-level batching admits a batch at once: a member that waited a step for a shared prefix would
+    # wait for the whole batch instead.
+    shares_prefixes_in_flight = False
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int):
         super().__init__(kv, max_num_seqs, max_prefill_tokens=None)
 
