@@ -139,9 +139,14 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"model": MODEL, "prompt": 5}, 400, "prompt"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 129}, 400, "n"),
         ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
-        ({"model": MODEL, "prompt": "x", "max_tokens": 10**30, "top_k": 10**30}, 200, None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 2, "top_k": 10**30}, 200, None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": [1] * 250, "max_tokens": 7}, 400, "max_tokens"),  # 250 + 7 > 256
+        ({"model": MODEL, "prompt": [1] * 250, "max_tokens": 6}, 200, None),
+        ({"model": MODEL, "prompt": [1] * 250}, 200, None),  # the default 16 bows to the context
         ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
         ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
         ({"model": MODEL}, 400, "prompt"),
@@ -182,6 +187,48 @@ def test_chat_features_the_engine_lacks_are_refused_not_ignored(server, fields, 
     assert reply.status_code == status
     if status != 200:
         assert reply.json()["error"]["param"] == param and reply.json()["error"]["message"]
+
+
+def test_n_samples_are_choices_as_offline_with_their_seeds_and_share_the_prompt(server, client, offline):
+    prompt = "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition, " * 2
+    expected = [offline.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=40 + i))[0]
+                for i in range(3)]
+    assert len({o.text for o in expected}) > 1
+    engine = server[1].state.async_engine.engine
+    hits = engine.kv_manager.prefix_stats.hit_tokens
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=40, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == [o.text for o in expected]
+    assert reply.usage.prompt_tokens == len(expected[0].prompt_token_ids)
+    assert reply.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+    full_blocks = (len(expected[0].prompt_token_ids) - 1) // 16
+    assert engine.kv_manager.prefix_stats.hit_tokens - hits >= 2 * 16 * full_blocks  # samples 1 and 2 read 0's
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=40,
+                                              n=3, stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for chunk in streamed[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+    assert texts == [o.text for o in expected]
+    assert streamed[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_chat_n_streams_each_choice_from_its_role(client, offline):
+    messages = [{"role": "user", "content": "Who is Emma?"}]
+    expected = [offline.chat(messages, SamplingParams(max_tokens=5, temperature=0.8, seed=9 + i))[0] for i in range(2)]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.8, seed=9, n=2,
+                                           logprobs=True)
+    assert [c.message.content for c in reply.choices] == [o.text for o in expected]
+    assert [len(c.logprobs.content) for c in reply.choices] == [len(o.token_ids) for o in expected]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.8,
+                                                 seed=9, n=2, stream=True))
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1]
+    texts = ["", ""]
+    for chunk in chunks:
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert texts == [o.text for o in expected]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length", "length"]
 
 
 def test_stop_token_ids_end_generation_as_offline(client, offline):
@@ -253,9 +300,10 @@ def test_disconnected_clients_leave_no_blocks_in_use(server):
     aborted = 'kvstrata:request_success_total{finished_reason="abort",model_name="test-model"}'
     aborts_before = _metric_line(url, aborted)
 
-    async def hang_up_mid_stream():
+    async def hang_up_mid_stream(n: int):
         async with httpx.AsyncClient(timeout=60) as http:
-            body = {"model": MODEL, "prompt": "Emma Woodhouse", "max_tokens": 200, "stream": True, "ignore_eos": True}
+            body = {"model": MODEL, "prompt": "Emma Woodhouse", "max_tokens": 200, "stream": True, "ignore_eos": True,
+                    "n": n}
             async with http.stream("POST", url + "/v1/completions", json=body) as response:
                 seen = 0
                 async for line in response.aiter_lines():
@@ -264,7 +312,7 @@ def test_disconnected_clients_leave_no_blocks_in_use(server):
                         return  # closes the connection mid-stream
 
     async def twenty():
-        await asyncio.gather(*(hang_up_mid_stream() for _ in range(20)))
+        await asyncio.gather(*(hang_up_mid_stream(1 + i % 3) for i in range(20)))  # every choice aborted
 
     asyncio.run(twenty())
     engine = wait_idle(app)
@@ -294,6 +342,8 @@ def test_full_queue_answers_503_with_a_retry_hint(tiny_llama):
         busy = next(r for r in replies if r.status_code == 503)
         assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "server_overloaded"
         assert wait_idle(app).kv_manager.pool.num_used == 0
+        never = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Emma", "n": 2}, timeout=60)
+        assert never.status_code == 400 and never.json()["error"]["param"] == "n"  # 2 choices never fit 1 slot
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_llama):

@@ -165,10 +165,10 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             return _server_error(exc)
         builder = ResponseBuilder(chat, model_name, tokenizer)
         if body.stream:
-            return StreamingResponse(_stream(builder, first, outputs, body.include_usage),
+            return StreamingResponse(_stream(builder, first, outputs, len(params), body.include_usage),
                                      media_type="text/event-stream")
         try:
-            final = await _last(first, outputs, request)
+            final = await _last(first, outputs, len(params), request)
         except ServerError as exc:
             return _server_error(exc)
         if final is None:
@@ -178,35 +178,41 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
     return app
 
 
-async def _last(first: RequestOutput, outputs: AsyncIterator[RequestOutput], request: Request) -> RequestOutput | None:
-    """The final output, or None if the client disconnected first (the request is then aborted)."""
-    final = first
+Choice = tuple[int, RequestOutput]  # a choice's index and its latest output
+
+
+async def _last(first: Choice, outputs: AsyncIterator[Choice], num_choices: int,
+                request: Request) -> list[RequestOutput] | None:
+    """Every choice's final output, or None if the client disconnected first (the choices are then aborted)."""
+    latest = dict([first])
     try:
-        while not final.finished:
+        while not (len(latest) == num_choices and all(o.finished for o in latest.values())):
             if await request.is_disconnected():
                 return None
-            final = await anext(outputs)
+            index, output = await anext(outputs)
+            latest[index] = output
     finally:
         await outputs.aclose()
-    return final
+    return [latest[index] for index in range(num_choices)]
 
 
-async def _stream(builder: ResponseBuilder, first: RequestOutput, outputs: AsyncIterator[RequestOutput],
+async def _stream(builder: ResponseBuilder, first: Choice, outputs: AsyncIterator[Choice], num_choices: int,
                   include_usage: bool) -> AsyncIterator[str]:
     try:
-        opening = builder.first_chunk()
-        if opening is not None:
+        for opening in builder.first_chunks(num_choices):
             yield sse(opening)
-        output = first
+        latest = {}
+        index, output = first
         while True:
-            chunk = builder.chunk(output)
+            latest[index] = output
+            chunk = builder.chunk(index, output)
             if chunk is not None:
                 yield sse(chunk)
-            if output.finished:
+            if len(latest) == num_choices and all(o.finished for o in latest.values()):
                 break
-            output = await anext(outputs)
+            index, output = await anext(outputs)
         if include_usage:
-            yield sse(builder.usage_chunk(output))
+            yield sse(builder.usage_chunk([latest[index] for index in range(num_choices)]))
     except ServerError as exc:
         yield sse(json.dumps(error_body(str(exc), kind=exc.kind)))
     finally:

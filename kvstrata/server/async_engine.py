@@ -80,7 +80,8 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        # request id -> its choices' output queue, the loop it belongs to, and its choice index
+        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop, int]] = {}
         self._admitted = 0  # requests sent to the thread and not yet finished
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # no new requests
@@ -108,37 +109,42 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._admitted
 
-    async def generate(self, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Submit a checked prompt and yield its outputs; leaving early (a disconnect) aborts it.
+    async def generate(self, token_ids: list[int], params: list[SamplingParams]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit a checked prompt once per entry of `params` (the choices of one API request, its `n`) and yield
+        (choice index, output) as outputs come, until every choice finished. The choices are admitted together
+        or not at all; when the caller leaves early (a disconnect) or one choice fails, the rest are aborted.
 
-        Raises a ServerError subclass when the request cannot be served to its end."""
+        Raises a ServerError subclass when a choice cannot be served to its end."""
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down and takes no new requests")
         with self._lock:
             waiting = self._admitted - self.engine.num_running
-            if waiting >= self.max_waiting:
+            if waiting + len(params) > self.max_waiting:
                 raise QueueFullError(f"{waiting} requests are waiting (--max-waiting {self.max_waiting})")
-            self._admitted += 1
-            self._counter += 1
-            request_id = f"req-{self._counter}"
+            self._admitted += len(params)
+            first = self._counter + 1
+            self._counter += len(params)
+        request_ids = [f"req-{first + index}" for index in range(len(params))]
         outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (outputs, asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, token_ids, params, time.perf_counter()))
-        finished = False
+        arrival = time.perf_counter()
+        for index, (request_id, choice_params) in enumerate(zip(request_ids, params)):
+            self._streams[request_id] = (outputs, asyncio.get_running_loop(), index)
+            self._commands.put(_Add(request_id, token_ids, choice_params, arrival))
+        unfinished = set(range(len(params)))
         try:
-            while not finished:
-                item = await outputs.get()
+            while unfinished:
+                index, item = await outputs.get()
+                if isinstance(item, Exception) or item.finished:
+                    unfinished.discard(index)
                 if isinstance(item, Exception):
-                    finished = True
                     raise item
                 if item.finish_reason == "error":
-                    finished = True
                     raise RequestError(f"the request failed: {item.error}")
-                finished = item.finished
-                yield item
+                yield index, item
         finally:
-            if not finished:
-                self._commands.put(_Abort(request_id))
+            for index in unfinished:
+                self._commands.put(_Abort(request_ids[index]))
 
     # --- engine-thread side -------------------------------------------------------------------
 
@@ -208,8 +214,8 @@ class AsyncEngine:
         if finished:
             with self._lock:
                 self._admitted -= 1
-        outputs, loop = stream
-        loop.call_soon_threadsafe(outputs.put_nowait, item)
+        outputs, loop, index = stream
+        loop.call_soon_threadsafe(outputs.put_nowait, (index, item))
 
     def _end_all(self, error: ServerError) -> None:
         """End every request in flight with `error`; each is answered even if the engine cannot end it cleanly."""

@@ -24,6 +24,7 @@ from pydantic import (
 from kvstrata.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 128  # OpenAI's bound on `n`
 
 
 def _encodable(text: str) -> str:
@@ -99,7 +100,7 @@ class _SamplingFields(BaseModel):
     # _check_stop words the errors; the constraints inside state the same rules in the schema.
     stop: Annotated[Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
                     | None, BeforeValidator(_check_stop)] = None
-    n: integer(ge=1, le=1) = 1  # one choice per request
+    n: integer(ge=1, le=MAX_CHOICES) = 1  # samples of the prompt, each a choice; they share its KV blocks
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0

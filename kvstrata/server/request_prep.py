@@ -7,8 +7,10 @@ turns away text that cannot fit the context whatever its tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.engine.sampling_params import MAX_SEED, SamplingParams
 from kvstrata.errors import KvstrataError
 from kvstrata.server.options import ServerOptions
 from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,8 +50,9 @@ class RequestPreparer:
                                     f"({self.engine.max_model_len} tokens of at most "
                                     f"{self.engine.tokenizer.max_chars_per_token} characters) can fit the context")
 
-    def prepare(self, body: Body) -> tuple[list[int], SamplingParams]:
-        """In a worker thread: the prompt's token ids and the request's sampling parameters."""
+    def prepare(self, body: Body) -> tuple[list[int], list[SamplingParams]]:
+        """In a worker thread: the prompt's token ids and the sampling parameters of each of the request's `n`
+        choices."""
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         try:
@@ -61,13 +64,17 @@ class RequestPreparer:
         except KvstrataError as exc:
             raise FieldError(param, str(exc)) from exc
         asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        field = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
         limit = self.options.max_tokens_limit
-        if not chat and "max_tokens" not in body.model_fields_set and limit is not None:
-            asked = min(asked, limit)  # the API's default of 16 bows to the server's limit
-        if asked is not None and limit is not None and asked > limit:
-            field = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
-            raise FieldError(field, f"{field} {asked} exceeds this server's --max-tokens-limit of {limit}")
         room = self.engine.max_model_len - len(token_ids)
+        if not chat and "max_tokens" not in body.model_fields_set:
+            asked = min(asked, limit or asked, room)  # the API's default of 16 bows to the limit and the context
+        if asked is not None and limit is not None and asked > limit:
+            raise FieldError(field, f"{field} {asked} exceeds this server's --max-tokens-limit of {limit}")
+        if asked is not None and asked > room:
+            raise FieldError(field, f"{field} {asked} does not fit the context: the prompt has {len(token_ids)} "
+                                    f"tokens of max_model_len {self.engine.max_model_len}, so at most {room} can "
+                                    "follow it")
         max_tokens = asked or min(room, limit or room)
         logprobs = body.requested_logprobs if chat else body.logprobs
         params = body.sampling_params(max_tokens, logprobs)
@@ -75,7 +82,9 @@ class RequestPreparer:
             self.engine.check_logit_bias(params)
         except KvstrataError as exc:
             raise FieldError("logit_bias", str(exc)) from exc
-        return token_ids, params
+        if body.n > self.options.max_waiting:  # its choices could never be admitted together
+            raise FieldError("n", f"n {body.n} exceeds this server's --max-waiting of {self.options.max_waiting}")
+        return token_ids, choices(params, body.n)
 
     def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -83,3 +92,11 @@ class RequestPreparer:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
         return tokenizer.encode_chat([m.plain() for m in body.messages],
                                      special_tokens_in_content=self.options.special_tokens_in_chat)
+
+
+def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of `n` samples of one prompt. With a seed, sample i draws from seed + i (as vLLM does), so
+    the choices differ and a request with the same seed gets the same choices again."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + index) % (MAX_SEED + 1)) for index in range(n)]

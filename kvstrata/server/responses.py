@@ -19,8 +19,9 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def usage(output: RequestOutput) -> dict:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+def usage(outputs: list[RequestOutput]) -> dict:
+    """The prompt counted once (the choices share it), every choice's completion."""
+    prompt, completion = len(outputs[0].prompt_token_ids), sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -29,7 +30,7 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 
 
 class ResponseBuilder:
-    """Shapes one request's outputs for one endpoint."""
+    """Shapes one request's outputs for one endpoint; a request with `n` > 1 has a choice per sample."""
 
     def __init__(self, chat: bool, model: str, tokenizer: Tokenizer):
         self.chat = chat
@@ -37,7 +38,7 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
-        self._sent_logprobs = 0
+        self._sent_logprobs: dict[int, int] = {}  # choice index -> logprobs already streamed
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -62,47 +63,50 @@ class ResponseBuilder:
             "top_logprobs": [{self._token_text(t): lp for t, lp in e.top.items()} for e in entries],
         }
 
-    def _new_logprobs(self, output: RequestOutput) -> dict | None:
+    def _new_logprobs(self, index: int, output: RequestOutput) -> dict | None:
         if output.logprobs is None:
             return None
-        entries = output.logprobs[self._sent_logprobs :]
-        self._sent_logprobs = len(output.logprobs)
+        entries = output.logprobs[self._sent_logprobs.get(index, 0) :]
+        self._sent_logprobs[index] = len(output.logprobs)
         return self._logprobs(entries)
 
-    def _envelope(self, choice: dict, chunk: bool) -> dict:
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, output: RequestOutput) -> dict:
-        """The whole non-streaming response."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": output.text}}
-        else:
-            choice = {"index": 0, "text": output.text}
-        choice["logprobs"] = None if output.logprobs is None else self._logprobs(output.logprobs)
-        choice["finish_reason"] = output.finish_reason
-        return {**self._envelope(choice, chunk=False), "usage": usage(output)}
+    def full(self, outputs: list[RequestOutput]) -> dict:
+        """The whole non-streaming response: one choice per output, in their order."""
+        choices = []
+        for index, output in enumerate(outputs):
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": output.text}}
+            else:
+                choice = {"index": index, "text": output.text}
+            choice["logprobs"] = None if output.logprobs is None else self._logprobs(output.logprobs)
+            choice["finish_reason"] = output.finish_reason
+            choices.append(choice)
+        return {**self._envelope(choices, chunk=False), "usage": usage(outputs)}
 
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant role."""
+    def first_chunks(self, num_choices: int) -> list[dict]:
+        """Chat streams open each choice with the assistant role."""
         if not self.chat:
-            return None
-        return self._envelope({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None}, chunk=True)
+            return []
+        return [self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}], chunk=True) for index in range(num_choices)]
 
-    def chunk(self, output: RequestOutput) -> dict | None:
-        """The streaming chunk for this output; None when it adds nothing."""
-        logprobs = self._new_logprobs(output)
+    def chunk(self, index: int, output: RequestOutput) -> dict | None:
+        """The streaming chunk for this output of choice `index`; None when it adds nothing."""
+        logprobs = self._new_logprobs(index, output)
         if not output.new_text and logprobs is None and not output.finished:
             return None
         if self.chat:
-            choice = {"index": 0, "delta": {"content": output.new_text} if output.new_text else {}}
+            choice = {"index": index, "delta": {"content": output.new_text} if output.new_text else {}}
         else:
-            choice = {"index": 0, "text": output.new_text}
+            choice = {"index": index, "text": output.new_text}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = output.finish_reason if output.finished else None
-        return self._envelope(choice, chunk=True)
+        return self._envelope([choice], chunk=True)
 
-    def usage_chunk(self, output: RequestOutput) -> dict:
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [], "usage": usage(output)}
+                "created": self.created, "model": self.model, "choices": [], "usage": usage(outputs)}
