@@ -74,9 +74,9 @@ def test_selecting_every_token_gives_the_greedy_output_of_no_offload(name, paged
     assert summary["decode_fraction_fetched"] > 0.9  # all but each step's own token, which is on the device
     kv_heads, dim = engine.kv_cache.kv_shape
     token_bytes = 2 * engine.kv_cache.num_layers * kv_heads * dim * 4
-    tight = engine_for(model, kv_offload="infinigen", infinigen_calibration=str(skew_files[name]), max_model_len=160,
-                       kv_cache_memory=11 * 16 * token_bytes, paged_kernel=paged_kernel,
-                       **EVERYTHING)  # 11 blocks: fewer than the prompts need
+    tight = engine_for(model, kv_offload="infinigen", infinigen_calibration=str(skew_files[name]), max_model_len=200,
+                       kv_cache_memory=14 * 16 * token_bytes, paged_kernel=paged_kernel,
+                       **EVERYTHING)  # 14 blocks: fewer than the prompts need
     assert generate(tight, prompts, 16) == want
     assert sum(s.num_preempted for s in tight.step_stats) > 0
 

@@ -142,3 +142,12 @@ def test_a_waiting_prompt_goes_on_alone_when_the_request_computing_its_prefix_en
     sched.finish(first)  # aborted midway: its 2 computed blocks stay cached, the rest is never computed
     out = sched.schedule()
     assert shape(out) == [(1, 32)] and second.num_cached_prompt_tokens == 32
+
+
+def test_a_short_shared_head_is_not_worth_a_wait():
+    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=256)
+    head = list(range(100, 116))  # one block, as a short system prompt
+    sched.add(same_prompt(0, head + list(range(200, 300))))
+    sched.add(same_prompt(1, head + list(range(300, 400))))  # 16 tokens to share, 100 to compute alone
+    sched.add(same_prompt(2, head + list(range(200, 210))))  # the start of 0's: 16 tokens to share, 10 alone: waits
+    assert shape(sched.schedule()) == [(0, 116), (1, 116)]

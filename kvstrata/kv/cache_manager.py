@@ -92,23 +92,29 @@ class KVCacheManager:
             held += 1
         return held, usable
 
-    def blocks_in_flight(self, scheduled: list[tuple[Sequence, int]]) -> set[BlockHash]:
-        """Hashes of the full blocks that a step running `scheduled` (sequence, new tokens) will fill."""
+    def prompt_blocks_ahead(self, running: list[Sequence]) -> set[BlockHash]:
+        """Hashes of the full blocks that `running` sequences have yet to compute (those of this step included)."""
         if not self.enable_prefix_caching:
             return set()
-        in_flight = set()
-        for seq, num_tokens in scheduled:
-            first = seq.num_computed_tokens // self.block_size
-            in_flight.update(seq.block_hashes[first : (seq.num_computed_tokens + num_tokens) // self.block_size])
-        return in_flight
+        ahead = set()
+        for seq in running:
+            ahead.update(seq.block_hashes[seq.num_computed_tokens // self.block_size :])
+        return ahead
 
-    def waits_for(self, seq: Sequence, in_flight: set[BlockHash]) -> bool:
-        """Whether the first block of `seq` that the pool lacks is among `in_flight`: admitted a step later,
-        `seq` finds it cached instead of computing the same KV beside the request that computes it now."""
-        if not in_flight:
+    def waits_for(self, seq: Sequence, ahead: set[BlockHash]) -> bool:
+        """Whether `seq` should wait for other sequences to compute blocks it shares with them (`ahead`), then
+        read them from the prefix cache: when the blocks after its cached prefix are among them, and they are
+        at least as many tokens as it would compute alone after them. Waiting then costs about the time that
+        computing them itself would, and saves the work; a short shared head (a one-block system prompt before
+        a long question) is not worth a step's wait."""
+        if not ahead:
             return False
         held, usable = self._cached_blocks(seq)
-        return held < usable and seq.block_hashes[held] in in_flight
+        shared = held
+        while shared < usable and seq.block_hashes[shared] in ahead:
+            shared += 1
+        shared_tokens = (shared - held) * self.block_size
+        return shared_tokens > 0 and shared_tokens >= seq.num_tokens - shared * self.block_size
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks of the longest prefix the device pool holds; return the tokens it covers.

@@ -79,12 +79,15 @@ class Scheduler(ABC):
         return True
 
     def _next_to_admit(self, out: SchedulerOutput) -> Sequence | None:
-        """The oldest waiting sequence, passing over those whose next uncached prompt block this step computes
-        for another sequence (requests that arrive together with one prompt, or `n` samples of it): each of
-        those is admitted a step later and reads the block from the prefix cache, so a shared prefix is
-        computed once. None when every waiting sequence waits so."""
-        in_flight = self.kv.blocks_in_flight(out.scheduled) if self.shares_prefixes_in_flight else set()
-        return next((seq for seq in self.waiting if not self.kv.waits_for(seq, in_flight)), None)
+        """The oldest waiting sequence, passing over those that share a prompt prefix with running sequences
+        which have yet to compute it (requests that arrive together with one prompt, or `n` samples of it;
+        `KVCacheManager.waits_for` says when waiting pays): each is admitted once the others computed the
+        prefix, and reads it from the prefix cache, so a shared prefix is computed once. None when every waiting
+        sequence waits so. Nobody waits in a step that runs nothing, so the engine never idles."""
+        ahead = set()
+        if self.shares_prefixes_in_flight and out.scheduled:
+            ahead = self.kv.prompt_blocks_ahead(self.running)
+        return next((seq for seq in self.waiting if not self.kv.waits_for(seq, ahead)), None)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """One token for every running sequence that is decoding."""
