@@ -238,6 +238,34 @@ def test_an_aborted_request_leaves_while_its_chunks_load(tiny_llama, tmp_path):
     assert engine.num_loading == 0 and not engine.has_unfinished_requests()
 
 
+def test_requests_with_one_prompt_share_one_load(tiny_llama, reference, tmp_path):
+    store = f"disk:{tmp_path}:64MiB"
+    run_rounds(make_engine(tiny_llama, kv_store=store), rounds=1)
+
+    def load(copies: int):
+        engine = make_engine(tiny_llama, kv_store=store)  # its device pool is empty
+        ids = [engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6)) for _ in range(copies)]
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        return [outputs[i] for i in ids], sum(tier.stats.bytes_read for tier in engine.kv_store.store.tiers)
+
+    alone, bytes_alone = load(1)
+    together, bytes_together = load(3)  # the `n` samples of one request, say
+    assert alone == [reference["0-0"]] and together == alone * 3
+    assert bytes_together == bytes_alone > 0
+    engine = make_engine(tiny_llama, kv_store=store)
+    engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6), request_id="first")  # holds the thread
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), request_id="gone")
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6), request_id="stays")
+    engine.abort("gone")  # the load it shares, not begun yet, is not cancelled: the other waits on it
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    assert outputs == {"first": reference["0-1"], "stays": reference["0-0"]}
+    assert engine.kv_store.stats.requests_loaded == 2
+
+
 def test_store_options_are_checked(tiny_llama):
     with pytest.raises(KvstrataError, match="kv_store part 'host:lots'"):
         make_engine(tiny_llama, kv_store="host:lots")

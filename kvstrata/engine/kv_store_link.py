@@ -156,9 +156,12 @@ class KVStoreLink:
         first = self.kv_manager.cached_prefix_tokens(seq) // self.chunk_tokens
         if first >= usable:
             return False
-        keys = self.chunk_keys(seq.token_ids, usable)
         self.stats.requests_looked_up += 1
-        self._loads[seq.request_id] = (seq, self._load_thread.submit(self._load, seq, keys, first))
+        # Requests with one prompt (the `n` samples of a request) share one load: its chunks are read and decoded
+        # once; the first to be admitted places them, the others find them in the device pool.
+        same = next((f for other, f in self._loads.values() if other.token_ids == seq.token_ids), None)
+        self._loads[seq.request_id] = (seq, same or self._load_thread.submit(
+            self._load, seq, self.chunk_keys(seq.token_ids, usable), first))
         return True
 
     def _load(self, seq, keys: list[str], first: int) -> list[PreloadedKV]:
@@ -481,7 +484,7 @@ class KVStoreLink:
     def forget(self, request_id: str) -> None:
         """An aborted or failed request: its load is cancelled if it has not started, or its result dropped."""
         _, future = self._loads.pop(request_id, (None, None))
-        if future is not None:
+        if future is not None and all(f is not future for _, f in self._loads.values()):  # no one else waits on it
             future.cancel()
 
     # --- writes -------------------------------------------------------------------------------
