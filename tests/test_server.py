@@ -152,6 +152,11 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL}, 400, "prompt"),
         ({"model": MODEL, "prompt": "Emma " * 300}, 400, "prompt"),
         ({"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ["x", "Emma " * 300]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[1, 2], [3, 99999]]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[1, 2], []]}, 400, "prompt.1"),
+        ({"model": MODEL, "prompt": [[1] * 20, [1] * 250], "max_tokens": 7}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": ["x"] * 129}, 400, "prompt"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": "x", "logit_bias": {"seven": 1}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias"),
@@ -211,6 +216,30 @@ def test_n_samples_are_choices_as_offline_with_their_seeds_and_share_the_prompt(
         texts[choice.index] += choice.text
     assert texts == [o.text for o in expected]
     assert streamed[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_a_batch_of_prompts_gives_n_choices_per_prompt_in_order(server, client, offline):
+    prompts = ["Emma Woodhouse, handsome", "Harriet Smith was"]
+    reply = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=1.0, seed=3, n=2)
+    expected = [offline.generate([p], SamplingParams(max_tokens=5, temperature=1.0, seed=3 + i))[0]
+                for p in prompts for i in range(2)]  # choice p * n + i: prompt p, sample i
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert [c.text for c in reply.choices] == [o.text for o in expected]
+    assert reply.usage.prompt_tokens == len(expected[0].prompt_token_ids) + len(expected[2].prompt_token_ids)
+    assert reply.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+    streamed = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=1.0, seed=3, n=2,
+                                         stream=True)
+    texts = [""] * 4
+    for chunk in streamed:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [o.text for o in expected]
+    token_batch = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    greedy = offline.generate(token_batch, SamplingParams(max_tokens=4, temperature=0))
+    reply = client.completions.create(model=MODEL, prompt=token_batch, max_tokens=4, temperature=0)
+    assert [c.text for c in reply.choices] == [o.text for o in greedy] and reply.usage.prompt_tokens == 8
+    message = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": ["x", "Emma " * 300]},
+                         timeout=60).json()["error"]["message"]
+    assert message.startswith("prompt 1 of the batch")
 
 
 def test_chat_n_streams_each_choice_from_its_role(client, offline):
@@ -344,6 +373,8 @@ def test_full_queue_answers_503_with_a_retry_hint(tiny_llama):
         assert wait_idle(app).kv_manager.pool.num_used == 0
         never = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Emma", "n": 2}, timeout=60)
         assert never.status_code == 400 and never.json()["error"]["param"] == "n"  # 2 choices never fit 1 slot
+        never = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}, timeout=60)
+        assert never.status_code == 400 and never.json()["error"]["param"] == "prompt"
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_llama):

@@ -242,7 +242,7 @@ def test_special_token_text_in_chat_content_is_plain_text_unless_the_server_trus
     trusting = RequestPreparer(app.state.async_engine.engine, ServerOptions(special_tokens_in_chat=True))
     from kvstrata.server.protocol import ChatCompletionRequest
     body = ChatCompletionRequest(model=MODEL, messages=messages, max_tokens=1)
-    assert trusting.prepare(body)[0] == parsed
+    assert trusting.prepare(body)[0][0] == parsed  # the first (only) choice's token ids
 
 
 # --- 6. the smaller findings ---------------------------------------------------------------------------

@@ -144,7 +144,7 @@ class Frontend:
             if isinstance(parsed, ChatCompletionRequest):
                 token_ids = self.tokenizer.encode_chat([m.plain() for m in parsed.messages])
             else:
-                prompt = parsed.single_prompt
+                prompt = parsed.prompts[0]  # a batch of prompts goes where its first one would
                 token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
             return prompt_blocks(token_ids, self.options.block_size), bool(parsed.stream)
         except (ValidationError, KvstrataError, ValueError, OverflowError):  # e.g. a token id beyond 64 bits

@@ -154,8 +154,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
                           code="model_not_found")
         try:
             preparer.precheck(body)
-            token_ids, params = await asyncio.to_thread(preparer.prepare, body)
-            outputs = async_engine.generate(token_ids, params)
+            requests = await asyncio.to_thread(preparer.prepare, body)
+            outputs = async_engine.generate(requests)
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
         except FieldError as exc:
             return _error(400, str(exc), exc.param)
@@ -163,12 +163,12 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             return _error(400, str(exc), "messages" if chat else "prompt")
         except ServerError as exc:
             return _server_error(exc)
-        builder = ResponseBuilder(chat, model_name, tokenizer)
+        builder = ResponseBuilder(chat, model_name, tokenizer, body.n)
         if body.stream:
-            return StreamingResponse(_stream(builder, first, outputs, len(params), body.include_usage),
+            return StreamingResponse(_stream(builder, first, outputs, len(requests), body.include_usage),
                                      media_type="text/event-stream")
         try:
-            final = await _last(first, outputs, len(params), request)
+            final = await _last(first, outputs, len(requests), request)
         except ServerError as exc:
             return _server_error(exc)
         if final is None:

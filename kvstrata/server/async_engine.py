@@ -109,29 +109,30 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._admitted
 
-    async def generate(self, token_ids: list[int], params: list[SamplingParams]
+    async def generate(self, requests: list[tuple[list[int], SamplingParams]]
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Submit a checked prompt once per entry of `params` (the choices of one API request, its `n`) and yield
-        (choice index, output) as outputs come, until every choice finished. The choices are admitted together
-        or not at all; when the caller leaves early (a disconnect) or one choice fails, the rest are aborted.
+        """Submit the checked (prompt token ids, sampling parameters) of one API request's choices (its prompts,
+        `n` each) and yield (choice index, output) as outputs come, until every choice finished. The choices are
+        admitted together or not at all; when the caller leaves early (a disconnect) or one choice fails, the
+        rest are aborted.
 
         Raises a ServerError subclass when a choice cannot be served to its end."""
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down and takes no new requests")
         with self._lock:
             waiting = self._admitted - self.engine.num_running
-            if waiting + len(params) > self.max_waiting:
+            if waiting + len(requests) > self.max_waiting:
                 raise QueueFullError(f"{waiting} requests are waiting (--max-waiting {self.max_waiting})")
-            self._admitted += len(params)
+            self._admitted += len(requests)
             first = self._counter + 1
-            self._counter += len(params)
-        request_ids = [f"req-{first + index}" for index in range(len(params))]
+            self._counter += len(requests)
+        request_ids = [f"req-{first + index}" for index in range(len(requests))]
         outputs: asyncio.Queue = asyncio.Queue()
         arrival = time.perf_counter()
-        for index, (request_id, choice_params) in enumerate(zip(request_ids, params)):
+        for index, (request_id, (token_ids, params)) in enumerate(zip(request_ids, requests)):
             self._streams[request_id] = (outputs, asyncio.get_running_loop(), index)
-            self._commands.put(_Add(request_id, token_ids, choice_params, arrival))
-        unfinished = set(range(len(params)))
+            self._commands.put(_Add(request_id, token_ids, params, arrival))
+        unfinished = set(range(len(requests)))
         try:
             while unfinished:
                 index, item = await outputs.get()

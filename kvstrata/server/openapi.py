@@ -116,10 +116,12 @@ def fix_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_len: i
                 for name in ("max_tokens", "max_completion_tokens"):
                     if name in fields and max_tokens_limit is not None:
                         fields[name]["anyOf"][0]["maximum"] = max_tokens_limit
-                if "prompt" in fields:
-                    token_ids = next(s for s in fields["prompt"]["anyOf"] if s.get("items", {}).get("type") == "integer")
-                    token_ids["items"]["maximum"] = vocab_size - 1
-                    token_ids["maxItems"] = max_model_len - 1
+                if "prompt" in fields:  # a prompt of token ids, alone or in a batch
+                    for form in fields["prompt"]["anyOf"]:
+                        token_ids = form["items"] if form.get("items", {}).get("type") == "array" else form
+                        if token_ids.get("items", {}).get("type") == "integer":
+                            token_ids["items"]["maximum"] = vocab_size - 1
+                            token_ids["maxItems"] = max_model_len - 1
                 components[model.__name__] = generated
             app.openapi_schema = schema
         return app.openapi_schema

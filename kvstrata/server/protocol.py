@@ -136,8 +136,10 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
+    # one prompt, or a batch of them (each a choice, or `n` choices: choice p * n + i is prompt p's sample i)
     prompt: (Annotated[Text, Field(min_length=1)] | TokenIds
-             | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=1)])
+             | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)])
     max_tokens: integer(ge=1) | None = 16
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     echo: Annotated[StrictBool, _only_off("false"),
@@ -147,9 +149,9 @@ class CompletionRequest(_SamplingFields):
                       WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]})] = None
 
     @property
-    def single_prompt(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
         return self.prompt
 
 

@@ -36,55 +36,72 @@ class RequestPreparer:
 
     def precheck(self, body: Body) -> None:
         """On the event loop: refuse what is certainly too long without tokenizing it."""
-        chat = isinstance(body, ChatCompletionRequest)
-        param = "messages" if chat else "prompt"
-        prompt = None if chat else body.single_prompt
-        if isinstance(prompt, list):
-            if len(prompt) >= self.engine.max_model_len:
-                raise FieldError(param, f"the prompt has {len(prompt)} tokens; the context allows at most "
-                                        f"{self.engine.max_model_len - 1}")
+        if isinstance(body, ChatCompletionRequest):
+            self._precheck_text("messages", "the messages text", sum(len(m.plain()["content"]) for m in body.messages))
             return
-        chars = sum(len(m.plain()["content"]) for m in body.messages) if chat else len(prompt)
+        for number, prompt in enumerate(body.prompts):
+            what = "the prompt" if len(body.prompts) == 1 else f"prompt {number} of the batch"
+            if isinstance(prompt, list):
+                if len(prompt) >= self.engine.max_model_len:
+                    raise FieldError("prompt", f"{what} has {len(prompt)} tokens; the context allows at most "
+                                               f"{self.engine.max_model_len - 1}")
+            else:
+                self._precheck_text("prompt", f"{what} text", len(prompt))
+
+    def _precheck_text(self, param: str, what: str, chars: int) -> None:
         if self.max_chars is not None and chars > self.max_chars:
-            raise FieldError(param, f"the {param} text has {chars} characters, more than {self.max_chars} "
+            raise FieldError(param, f"{what} has {chars} characters, more than {self.max_chars} "
                                     f"({self.engine.max_model_len} tokens of at most "
                                     f"{self.engine.tokenizer.max_chars_per_token} characters) can fit the context")
 
-    def prepare(self, body: Body) -> tuple[list[int], list[SamplingParams]]:
-        """In a worker thread: the prompt's token ids and the sampling parameters of each of the request's `n`
-        choices."""
+    def prepare(self, body: Body) -> list[tuple[list[int], SamplingParams]]:
+        """In a worker thread: the token ids and sampling parameters of each of the request's choices (`n` per
+        prompt; choice p * n + i is prompt p's sample i)."""
+        prompts = [None] if isinstance(body, ChatCompletionRequest) else body.prompts
+        limit = self.options.max_waiting
+        if len(prompts) * body.n > limit:  # its choices could never be admitted together
+            if len(prompts) == 1:
+                raise FieldError("n", f"n {body.n} exceeds this server's --max-waiting of {limit}")
+            raise FieldError("prompt", f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} choices "
+                                       f"exceed this server's --max-waiting of {limit}")
+        requests = []
+        for number, prompt in enumerate(prompts):
+            where = "" if len(prompts) == 1 else f"prompt {number} of the batch: "
+            token_ids = self._token_ids(body, prompt, where)
+            params = self._sampling_params(body, len(token_ids), where)
+            requests += [(token_ids, choice) for choice in choices(params, body.n)]
+        return requests
+
+    def _token_ids(self, body: Body, prompt: str | list[int] | None, where: str) -> list[int]:
         chat = isinstance(body, ChatCompletionRequest)
-        param = "messages" if chat else "prompt"
         try:
-            if chat:
-                token_ids = self._chat_tokens(body)
-            else:
-                token_ids = self.engine.tokenize(body.single_prompt)
+            token_ids = self._chat_tokens(body) if chat else self.engine.tokenize(prompt)
             self.engine.check_prompt_length(token_ids)
         except KvstrataError as exc:
-            raise FieldError(param, str(exc)) from exc
+            raise FieldError("messages" if chat else "prompt", where + str(exc)) from exc
+        return token_ids
+
+    def _sampling_params(self, body: Body, prompt_tokens: int, where: str) -> SamplingParams:
+        chat = isinstance(body, ChatCompletionRequest)
         asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         field = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
         limit = self.options.max_tokens_limit
-        room = self.engine.max_model_len - len(token_ids)
+        room = self.engine.max_model_len - prompt_tokens
         if not chat and "max_tokens" not in body.model_fields_set:
             asked = min(asked, limit or asked, room)  # the API's default of 16 bows to the limit and the context
         if asked is not None and limit is not None and asked > limit:
             raise FieldError(field, f"{field} {asked} exceeds this server's --max-tokens-limit of {limit}")
         if asked is not None and asked > room:
-            raise FieldError(field, f"{field} {asked} does not fit the context: the prompt has {len(token_ids)} "
+            raise FieldError(field, f"{where}{field} {asked} does not fit the context: the prompt has {prompt_tokens} "
                                     f"tokens of max_model_len {self.engine.max_model_len}, so at most {room} can "
                                     "follow it")
-        max_tokens = asked or min(room, limit or room)
         logprobs = body.requested_logprobs if chat else body.logprobs
-        params = body.sampling_params(max_tokens, logprobs)
+        params = body.sampling_params(asked or min(room, limit or room), logprobs)
         try:
             self.engine.check_logit_bias(params)
         except KvstrataError as exc:
             raise FieldError("logit_bias", str(exc)) from exc
-        if body.n > self.options.max_waiting:  # its choices could never be admitted together
-            raise FieldError("n", f"n {body.n} exceeds this server's --max-waiting of {self.options.max_waiting}")
-        return token_ids, choices(params, body.n)
+        return params
 
     def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self.engine.tokenizer

@@ -19,9 +19,10 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    """The prompt counted once (the choices share it), every choice's completion."""
-    prompt, completion = len(outputs[0].prompt_token_ids), sum(len(o.token_ids) for o in outputs)
+def usage(outputs: list[RequestOutput], samples_per_prompt: int) -> dict:
+    """Each prompt counted once (its `n` choices share it), every choice's completion."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::samples_per_prompt])
+    completion = sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -30,10 +31,12 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 
 
 class ResponseBuilder:
-    """Shapes one request's outputs for one endpoint; a request with `n` > 1 has a choice per sample."""
+    """Shapes one request's outputs for one endpoint: a choice per prompt and sample (`samples_per_prompt`, the
+    request's `n`)."""
 
-    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer):
+    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int = 1):
         self.chat = chat
+        self.samples_per_prompt = samples_per_prompt
         self.model = model
         self.tokenizer = tokenizer
         self.id = new_id("chatcmpl" if chat else "cmpl")
@@ -85,7 +88,7 @@ class ResponseBuilder:
             choice["logprobs"] = None if output.logprobs is None else self._logprobs(output.logprobs)
             choice["finish_reason"] = output.finish_reason
             choices.append(choice)
-        return {**self._envelope(choices, chunk=False), "usage": usage(outputs)}
+        return {**self._envelope(choices, chunk=False), "usage": usage(outputs, self.samples_per_prompt)}
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         """Chat streams open each choice with the assistant role."""
@@ -109,4 +112,5 @@ class ResponseBuilder:
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [], "usage": usage(outputs)}
+                "created": self.created, "model": self.model, "choices": [],
+                "usage": usage(outputs, self.samples_per_prompt)}
