@@ -245,9 +245,12 @@ def test_requests_with_one_prompt_share_one_load(tiny_llama, reference, tmp_path
     def load(copies: int):
         engine = make_engine(tiny_llama, kv_store=store)  # its device pool is empty
         ids = [engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6)) for _ in range(copies)]
+        checks, check = [], engine._check_preloaded
+        engine._check_preloaded = lambda ranges, num_tokens: checks.append(ranges) or check(ranges, num_tokens)
         outputs = {}
         while engine.has_unfinished_requests():
             outputs.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        assert len(checks) == 1  # the loaded KV moved to the device once, not once per copy
         return [outputs[i] for i in ids], sum(tier.stats.bytes_read for tier in engine.kv_store.store.tiers)
 
     alone, bytes_alone = load(1)

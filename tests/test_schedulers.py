@@ -114,7 +114,7 @@ def test_a_prompt_that_arrives_several_times_together_is_computed_once(make):
         sched.add(same_prompt(i, prompt))
     sched.add(make_seq(3, 10))  # another prompt behind them is not held up
     out = sched.schedule()
-    assert shape(out) == [(0, 40), (3, 10)]  # 1 and 2 wait: the step computes their first block for 0
+    assert shape(out) == [(0, 40), (3, 10)]  # 1 and 2 wait: the step computes both their full blocks for 0
     run(sched, out, index_blocks=True)
     out = sched.schedule()
     admitted = [(s.seq_id, n) for s, n in out.scheduled if s.seq_id in (1, 2)]
@@ -130,7 +130,7 @@ def test_the_static_baseline_computes_a_repeated_prompt_for_each_request():
     assert shape(sched.schedule()) == [(0, 40), (1, 40)]
 
 
-def test_a_waiting_prompt_goes_on_alone_when_the_request_computing_its_prefix_ends():
+def test_a_copy_of_a_prompt_whose_first_request_was_aborted_midway_computes_the_rest_itself():
     sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=32)
     prompt = list(range(100, 180))  # 80 tokens: 3 chunks of 32
     first, second = same_prompt(0, prompt), same_prompt(1, prompt)

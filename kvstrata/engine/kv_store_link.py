@@ -158,7 +158,8 @@ class KVStoreLink:
             return False
         self.stats.requests_looked_up += 1
         # Requests with one prompt (the `n` samples of a request) share one load: its chunks are read and decoded
-        # once; the first to be admitted places them, the others find them in the device pool.
+        # once and moved to the device once; the first admitted places them, the others find them in the device
+        # pool. (Each request still counts in `stats`: requests_loaded and loaded_tokens are per request.)
         same = next((f for other, f in self._loads.values() if other.token_ids == seq.token_ids), None)
         self._loads[seq.request_id] = (seq, same or self._load_thread.submit(
             self._load, seq, self.chunk_keys(seq.token_ids, usable), first))
@@ -482,7 +483,8 @@ class KVStoreLink:
         return ready
 
     def forget(self, request_id: str) -> None:
-        """An aborted or failed request: its load is cancelled if it has not started, or its result dropped."""
+        """An aborted or failed request: its load is cancelled if it has not started and no other request waits on
+        it, or its result dropped."""
         _, future = self._loads.pop(request_id, (None, None))
         if future is not None and all(f is not future for _, f in self._loads.values()):  # no one else waits on it
             future.cancel()

@@ -395,10 +395,13 @@ class LLMEngine:
     def _schedule_loaded(self) -> None:
         """Requests whose lookup below the device pool ended join the scheduler, with the KV it found. With
         nothing else to run, wait a little for one rather than spin."""
+        placed: dict[int, list[Preloaded]] = {}  # a load shared by requests with one prompt: on the device once
         for seq, ranges in self.kv_store.take_ready(timeout=0.0 if self.scheduler.has_unfinished() else 0.05):
             try:
                 if ranges:
-                    seq.preloaded = self._check_preloaded(ranges, seq.num_tokens)
+                    if id(ranges) not in placed:
+                        placed[id(ranges)] = self._check_preloaded(ranges, seq.num_tokens)
+                    seq.preloaded = placed[id(ranges)]
                     seq.num_store_tokens = ranges[-1].end
             except Exception:  # it does not fit, or the device is short of memory: prefill instead
                 log.exception("request %s: KV from the store could not be taken; it is prefilled", seq.request_id)

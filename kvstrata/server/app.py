@@ -185,12 +185,14 @@ async def _last(first: Choice, outputs: AsyncIterator[Choice], num_choices: int,
                 request: Request) -> list[RequestOutput] | None:
     """Every choice's final output, or None if the client disconnected first (the choices are then aborted)."""
     latest = dict([first])
+    finished = int(first[1].finished)
     try:
-        while not (len(latest) == num_choices and all(o.finished for o in latest.values())):
+        while finished < num_choices:
             if await request.is_disconnected():
                 return None
             index, output = await anext(outputs)
             latest[index] = output
+            finished += output.finished
     finally:
         await outputs.aclose()
     return [latest[index] for index in range(num_choices)]
@@ -201,14 +203,15 @@ async def _stream(builder: ResponseBuilder, first: Choice, outputs: AsyncIterato
     try:
         for opening in builder.first_chunks(num_choices):
             yield sse(opening)
-        latest = {}
+        latest, finished = {}, 0
         index, output = first
         while True:
             latest[index] = output
+            finished += output.finished
             chunk = builder.chunk(index, output)
             if chunk is not None:
                 yield sse(chunk)
-            if len(latest) == num_choices and all(o.finished for o in latest.values()):
+            if finished == num_choices:
                 break
             index, output = await anext(outputs)
         if include_usage:

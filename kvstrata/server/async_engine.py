@@ -113,8 +113,8 @@ class AsyncEngine:
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submit the checked (prompt token ids, sampling parameters) of one API request's choices (its prompts,
         `n` each) and yield (choice index, output) as outputs come, until every choice finished. The choices are
-        admitted together or not at all; when the caller leaves early (a disconnect) or one choice fails, the
-        rest are aborted.
+        accepted together or not at all (against --max-waiting); when the caller leaves early (a disconnect) or
+        one choice fails, the rest are aborted.
 
         Raises a ServerError subclass when a choice cannot be served to its end."""
         if self._stopping.is_set():
@@ -133,15 +133,17 @@ class AsyncEngine:
             self._streams[request_id] = (outputs, asyncio.get_running_loop(), index)
             self._commands.put(_Add(request_id, token_ids, params, arrival))
         unfinished = set(range(len(requests)))
+        answered = False  # once an output went out, a choice that fails to start is a RequestError too
         try:
             while unfinished:
                 index, item = await outputs.get()
                 if isinstance(item, Exception) or item.finished:
                     unfinished.discard(index)
                 if isinstance(item, Exception):
-                    raise item
+                    raise item if isinstance(item, ServerError) or not answered else RequestError(str(item))
                 if item.finish_reason == "error":
                     raise RequestError(f"the request failed: {item.error}")
+                answered = True
                 yield index, item
         finally:
             for index in unfinished:

@@ -34,7 +34,7 @@ class ResponseBuilder:
     """Shapes one request's outputs for one endpoint: a choice per prompt and sample (`samples_per_prompt`, the
     request's `n`)."""
 
-    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int = 1):
+    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int):
         self.chat = chat
         self.samples_per_prompt = samples_per_prompt
         self.model = model
