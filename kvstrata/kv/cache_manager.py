@@ -122,14 +122,9 @@ class KVCacheManager:
         At least one token is always left to compute, since its logits give the next token.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return 0
-        seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes, self.hash_root(seq))
-        usable = (seq.num_tokens - 1) // self.block_size
-        for block_hash in seq.block_hashes[:usable]:
+        held, _ = self._cached_blocks(seq)
+        for block_hash in seq.block_hashes[:held]:
             block = self.pool.lookup(block_hash)
-            if block is None:
-                break
             self.pool.share(block)
             seq.block_table.append(block)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.errors import KvstrataError
-from kvstrata.server.async_engine import AsyncEngine, ServerError
+from kvstrata.server.async_engine import AsyncEngine, Choice, ServerError
 from kvstrata.server.body_limit import BodyLimit
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.openapi import (
@@ -176,9 +176,6 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         return builder.full(final)
 
     return app
-
-
-Choice = tuple[int, RequestOutput]  # a choice's index and its latest output
 
 
 async def _last(first: Choice, outputs: AsyncIterator[Choice], num_choices: int,

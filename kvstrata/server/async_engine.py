@@ -25,6 +25,9 @@ from kvstrata.server.metrics import ServerMetrics
 log = logging.getLogger("kvstrata.server")
 
 
+Choice = tuple[int, RequestOutput]  # a choice's index in its API request, and its latest output
+
+
 class ServerError(Exception):
     """A request the server could not serve to its end; `status` and `kind` are what the client sees."""
 
@@ -109,8 +112,7 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._admitted
 
-    async def generate(self, requests: list[tuple[list[int], SamplingParams]]
-                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def generate(self, requests: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[Choice]:
         """Submit the checked (prompt token ids, sampling parameters) of one API request's choices (its prompts,
         `n` each) and yield (choice index, output) as outputs come, until every choice finished. The choices are
         accepted together or not at all (against --max-waiting); when the caller leaves early (a disconnect) or
