@@ -2,6 +2,7 @@
 
     python -m benchmarks.kv_store_ttft --part target > benchmarks/results/kv_store_target.json
     python -m benchmarks.kv_store_ttft --part reuse > benchmarks/results/kv_store_reuse.json
+    python -m benchmarks.kv_store_ttft --part together > benchmarks/results/kv_store_together.json
 
 `target`: for a 4,000-token context of each text (Austen's Emma and the Python tutorial), time to first token
 of context + question when it is recomputed (a fresh engine, no store) and when a fresh engine finds it in
@@ -10,6 +11,10 @@ context, scored through KV fetched from the store, against scoring through recom
 the request's arrival: lookup, fetch and decode of stored KV included. Perplexities are scored with the same
 weights in float32 (`--weights fp32`): the default int4 kernels take activations in bfloat16, whose rounding
 moves one window's perplexity by up to about 1% when the KV changes by float rounding alone.
+
+`together`: the 4,000-token context of each text in Redis in each stored form (`--together-forms`), and a fresh
+engine given three questions about it at once: each request's TTFT, the bytes read from Redis and the prompt
+tokens prefilled, against the same three requests recomputed (prefix caching on: the context is computed once).
 
 `reuse`: passages of 2,000-4,000 tokens from three texts, each asked several questions in random order (fixed
 seed), one request at a time, with a device KV budget that holds about two passages; TTFT p50/p99, each tier's
@@ -124,6 +129,49 @@ def run_target(forms: list[str], redis: RedisServer) -> dict:
     return results
 
 
+def together(engine: LLMEngine, prompts: list[list[int]]) -> dict:
+    """The prompts arrive at once (greedy, one token each): their TTFTs and the prompt tokens prefilled."""
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    ttfts, prefilled = [], 0
+    while engine.has_unfinished_requests():
+        steps = len(engine.step_stats)
+        ttfts += [output.metrics.ttft for output in engine.step() if output.finished]
+        prefilled += engine.step_stats[-1].prefill_tokens if len(engine.step_stats) > steps else 0  # a step ran
+    return {"ttft_s": ttfts, "mean_ttft_s": sum(ttfts) / len(ttfts), "last_ttft_s": max(ttfts),
+            "prefilled_tokens": prefilled}
+
+
+def run_together(forms: list[str], redis: RedisServer) -> dict:
+    results = {}
+    tokenizer = engine()
+    for name in ("emma", "python_tutorial"):
+        context = window(tokenizer, name)[:CONTEXT_TOKENS]
+        prompts = [context + tokenizer.tokenize(question) for question in QUESTIONS]
+        row = {"prompt_tokens": [len(p) for p in prompts], "recompute": together(engine(), prompts), "forms": {}}
+        for form in forms:
+            store = {"kv_store": redis.url, "kv_store_format": form}
+            redis.flush()
+            writer = engine(**store)
+            first_token(writer, prompts[0])
+            writer.kv_store.flush()
+            reader = engine(**store)
+            timed = together(reader, prompts)
+            row["forms"][form] = {
+                **timed, "bytes_read": reader.kv_store.store.tiers[0].stats.bytes_read,
+                "loaded_tokens": reader.kv_store.stats.loaded_tokens,
+                "decode_s": reader.kv_store.store.stats.decode_seconds,
+                "mean_ttft_speedup_vs_recompute": row["recompute"]["mean_ttft_s"] / timed["mean_ttft_s"],
+            }
+            writer.close()
+            reader.close()
+            del writer, reader
+            gc.collect()
+            print(name, form, json.dumps(row["forms"][form]), file=sys.stderr, flush=True)
+        results[name] = row
+    return results
+
+
 def reuse_workload(tokenizer_engine: LLMEngine, passages: int, questions: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     names = list(TEXTS)
@@ -169,8 +217,9 @@ def run_reuse(systems: dict[str, dict], passages: int, questions: int, seed: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("target", "reuse", "all"), default="all")
+    parser.add_argument("--part", choices=("target", "reuse", "together", "all"), default="all")
     parser.add_argument("--forms", default="raw,fp16,high,medium,low", help="stored forms for --part target")
+    parser.add_argument("--together-forms", default="fp16,medium", help="stored forms for --part together")
     parser.add_argument("--passages", type=int, default=6)
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -182,6 +231,8 @@ def main() -> None:
             report = {"machine": machine_info(), "redis": "redis-server on loopback, started by this script"}
             if args.part in ("target", "all"):
                 report["target"] = run_target(args.forms.split(","), redis)
+            if args.part in ("together", "all"):
+                report["together"] = run_together(args.together_forms.split(","), redis)
             if args.part in ("reuse", "all"):
                 systems = {
                     "recompute": {},

@@ -245,12 +245,17 @@ def test_requests_with_one_prompt_share_one_load(tiny_llama, reference, tmp_path
     def load(copies: int):
         engine = make_engine(tiny_llama, kv_store=store)  # its device pool is empty
         ids = [engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6)) for _ in range(copies)]
-        checks, check = [], engine._check_preloaded
-        engine._check_preloaded = lambda ranges, num_tokens: checks.append(ranges) or check(ranges, num_tokens)
+        placed, check = [], engine._check_preloaded
+
+        def placing(ranges, num_tokens, moved=None):
+            placed.append(check(ranges, num_tokens, moved))
+            return placed[-1]
+
+        engine._check_preloaded = placing
         outputs = {}
         while engine.has_unfinished_requests():
             outputs.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
-        assert len(checks) == 1  # the loaded KV moved to the device once, not once per copy
+        assert len(placed) == copies and all(p[0] is placed[0][0] for p in placed)  # moved to the device once
         return [outputs[i] for i in ids], sum(tier.stats.bytes_read for tier in engine.kv_store.store.tiers)
 
     alone, bytes_alone = load(1)
@@ -267,6 +272,41 @@ def test_requests_with_one_prompt_share_one_load(tiny_llama, reference, tmp_path
         outputs.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
     assert outputs == {"first": reference["0-1"], "stays": reference["0-0"]}
     assert engine.kv_store.stats.requests_loaded == 2
+
+
+def test_requests_sharing_a_stored_prefix_read_it_once(tiny_llama, tmp_path):
+    store = f"disk:{tmp_path}:64MiB"
+    run_rounds(make_engine(tiny_llama, kv_store=store), rounds=1)  # PROMPTS[0]'s 6 chunks are stored
+    # Three questions about one document: its 6 stored chunks, then 20 tokens of each question's own (less than a
+    # chunk, so no run writes more chunks to the store).
+    prompts = [PROMPTS[0][: 6 * CHUNK] + random_prompt(100 + i, 20) for i in range(3)]
+
+    def run(prompts, abort_first=False, **options):
+        engine = make_engine(tiny_llama, **options)
+        if abort_first:  # its load, not begun yet, is cancelled: the requests sharing its prefix read it anew
+            engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6))  # holds the load thread
+            engine.add_request(prompts[0], SamplingParams(max_tokens=4), request_id="gone")
+            prompts = prompts[1:]
+        ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=6)) for p in prompts]
+        if abort_first:
+            engine.abort("gone")
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.cached = [outputs[i].num_cached_tokens for i in ids]
+        return [outputs[i].token_ids for i in ids], engine
+
+    expected, _ = run(prompts)  # no store
+    alone, engine = run(prompts[:1], kv_store=store)
+    bytes_alone = engine.kv_store.store.tiers[0].stats.bytes_read
+    together, engine = run(prompts, kv_store=store)
+    assert alone == expected[:1] and together == expected
+    assert engine.kv_store.store.tiers[0].stats.bytes_read == bytes_alone > 0  # the document's chunks read once
+    assert engine.kv_store.stats.requests_loaded == 3 and engine.kv_store.stats.loaded_tokens == 3 * 6 * CHUNK
+    assert engine.cached == [0, 6 * CHUNK, 6 * CHUNK]  # placed on the device by the first, found there by the others
+    rest, engine = run(prompts, abort_first=True, kv_store=store)
+    assert rest == expected[1:]
+    assert engine.kv_store.store.tiers[0].stats.bytes_read == 2 * bytes_alone  # PROMPTS[1]'s, then the document's
 
 
 def test_store_options_are_checked(tiny_llama):
@@ -322,11 +362,11 @@ def test_kv_from_the_store_that_does_not_fit_is_prefilled_instead(tiny_llama, re
     spec = f"disk:{tmp_path}:64MiB"
     run_rounds(make_engine(tiny_llama, kv_store=spec), rounds=1)
     engine = make_engine(tiny_llama, kv_store=spec)
-    engine.kv_store._load = lambda seq, keys, first: [PreloadedKV(0, torch.zeros(1, CHUNK, 2, 16),
+    engine.kv_store._load = lambda seq, keys, first, sharing: [PreloadedKV(0, torch.zeros(1, CHUNK, 2, 16),
                                                                    torch.zeros(1, CHUNK, 2, 16))]
     misfits = []
-    engine._check_preloaded = lambda ranges, num_tokens, check=engine._check_preloaded: (
-        misfits.extend(ranges) or check(ranges, num_tokens))
+    engine._check_preloaded = lambda ranges, num_tokens, moved=None, check=engine._check_preloaded: (
+        misfits.extend(ranges) or check(ranges, num_tokens, moved))
     assert run_rounds(engine, rounds=1) == {r: t for r, t in reference.items() if r.startswith("0-")}
     assert len(misfits) == len(PROMPTS)  # every request was handed the misfit, and prefilled instead
 

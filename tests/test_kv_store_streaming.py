@@ -407,7 +407,8 @@ def test_chunks_left_to_text_are_recomputed_between_loaded_ranges(tiny_llama, re
     reader.kv_store._pick = lambda remaining, *args: TEXT if len(remaining) % 2 == 0 else "float16"
     taken = []
     original = reader._check_preloaded
-    reader._check_preloaded = lambda ranges, n: taken.append([(r.start, r.end) for r in ranges]) or original(ranges, n)
+    reader._check_preloaded = lambda ranges, n, moved=None: (taken.append([(r.start, r.end) for r in ranges])
+                                                        or original(ranges, n, moved))
     assert run_rounds(reader, rounds=1) == reference
     holes = [[(CHUNK, 2 * CHUNK), (3 * CHUNK, 4 * CHUNK), (5 * CHUNK, 6 * CHUNK)]]
     assert [t for t in taken if t] == holes * len(PROMPTS)

@@ -80,6 +80,17 @@ class LinkStats:
         return asdict(self)
 
 
+@dataclass
+class StoreLoad:
+    """A request's load in flight: its prompt's chunk keys (of the chunks before its last token) and the first
+    chunk it reads (those before are in the device pool). Requests with one prompt share the future."""
+
+    seq: object
+    future: Future
+    keys: list[str]
+    first: int
+
+
 def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str, model_config,
                timeout: float, profile: CodecProfile | None = None, link_trace: str | None = None,
                probe_keys: bool = False, eviction: str = "lru") -> TieredStore:
@@ -121,7 +132,7 @@ class KVStoreLink:
         self.kv_cache = kv_cache
         self.root = store.shape.namespace.encode()
         self.stats = LinkStats()
-        self._loads: dict[str, tuple[object, Future]] = {}
+        self._loads: dict[str, StoreLoad] = {}
         # Decoding and encoding run many small torch ops per object: off the main thread, each spread over the
         # engine's threads runs about twice as slowly as on one, so those threads use one each (and chunks are
         # decoded side by side, as many as the engine has threads); the load thread (IMPRESS scores a prefix's
@@ -160,16 +171,39 @@ class KVStoreLink:
         # Requests with one prompt (the `n` samples of a request) share one load: its chunks are read and decoded
         # once and moved to the device once; the first admitted places them, the others find them in the device
         # pool. (Each request still counts in `stats`: requests_loaded and loaded_tokens are per request.)
-        same = next((f for other, f in self._loads.values() if other.token_ids == seq.token_ids), None)
-        self._loads[seq.request_id] = (seq, same or self._load_thread.submit(
-            self._load, seq, self.chunk_keys(seq.token_ids, usable), first))
+        keys = self.chunk_keys(seq.token_ids, usable)
+        same = next((load.future for load in self._loads.values() if load.seq.token_ids == seq.token_ids), None)
+        if same is None:
+            same = self._load_thread.submit(self._load, seq, keys, first, self._sharing(keys, first))
+        self._loads[seq.request_id] = StoreLoad(seq, same, keys, first)
         return True
 
-    def _load(self, seq, keys: list[str], first: int) -> list[PreloadedKV]:
+    def _sharing(self, keys: list[str], first: int) -> tuple[Future, int] | None:
+        """The load in flight that reads the most of this prompt's chunks from `first` on (requests asking about
+        one document, arrived together), and the chunk where their prompts part; None if there is none. Of loads
+        reading as much, the latest: were an earlier one cancelled, the latest read the chunks anew. Loads by
+        importance are never shared: what a request reads of a prefix depends on its own new tokens."""
+        if self.important is not None:
+            return None
+        best = None
+        for load in self._loads.values():
+            end = first
+            while end < min(len(keys), len(load.keys)) and keys[end] == load.keys[end]:
+                end += 1  # the keys chain every token before: one key equal means every earlier one is
+            if load.first <= first < end and (best is None or end >= best[1]):
+                best = (load.future, end)
+        return best
+
+    def _load(self, seq, keys: list[str], first: int, sharing: tuple[Future, int] | None = None) -> list[PreloadedKV]:
         """On the load thread: the chunks from `first` on, up to the first one no tier holds, as ranges of KV.
-        Each chunk stored at several levels is read at the level `_pick` chooses, or left to be recomputed from
-        its text; the chunks read are decoded on the decoder threads while the next one is read. A chunk that
-        turns out corrupt is recomputed; an unreachable tier ends the load (the rest is recomputed)."""
+        What an earlier load `sharing` read of them is taken from it (it ran before on this thread); the chunks
+        after are read here. Each chunk stored at several levels is read at the level `_pick` chooses, or left to
+        be recomputed from its text; the chunks read are decoded on the decoder threads while the next one is
+        read. A chunk that turns out corrupt is recomputed; an unreachable tier ends the load (the rest is
+        recomputed)."""
+        start = first
+        shared = [] if sharing is None else self._shared_ranges(*sharing, first)
+        first += sum(kv.end - kv.start for kv in shared) // self.chunk_tokens
         self.store.begin_load()
         found = self.find(keys[first:])
         if self.important is not None and first == 0 and found and all(w.level_bytes is None for w in found):
@@ -223,11 +257,27 @@ class KVStoreLink:
             timed = read_at if read_at == level else None  # a chunk read at two levels says nothing of either's time
             decoding[chunk] = self._decoders.submit(self._decode, whole, timed, started, chunk)
             levels[chunk] = read_at
-        ranges = self._ranges(decoding)
+        ranges = shared + self._ranges(decoding)
         if ranges:
-            seq.store_load_end = (time.perf_counter(), self._recomputed(ranges, first * self.chunk_tokens,
+            seq.store_load_end = (time.perf_counter(), self._recomputed(ranges, start * self.chunk_tokens,
                                                                          seq.num_tokens))
         return ranges
+
+    def _shared_ranges(self, earlier: Future, end: int, first: int) -> list[PreloadedKV]:
+        """The KV another load read of chunks `first` to `end`, from chunk `first` up to its first gap (views of
+        its tensors); none if that load was cancelled or failed (the chunks are read again)."""
+        if earlier.cancelled() or earlier.exception() is not None:
+            return []
+        shared, position = [], first * self.chunk_tokens
+        for kv in earlier.result():
+            if kv.end <= position:
+                continue  # chunks before this prompt's first one to read
+            part = kv.between(position, end * self.chunk_tokens)
+            if part is None or part.start != position:
+                break  # a gap (a chunk recomputed, or the prompts part): the rest is read here
+            shared.append(part)
+            position = part.end
+        return shared
 
     def _load_important(self, seq, found: list[Located]) -> list[PreloadedKV] | None:
         """On the load thread: the prefix `found` holds, read by importance while the prompt's new tokens are
@@ -465,13 +515,14 @@ class KVStoreLink:
     def take_ready(self, timeout: float = 0.0) -> list[tuple[object, list[PreloadedKV]]]:
         """Sequences whose loads ended, with the ranges of KV found (none: nothing, or the load failed). Waits up
         to `timeout` seconds for one when none has ended yet."""
-        if timeout and self._loads and not any(f.done() for _, f in self._loads.values()):
-            wait([f for _, f in self._loads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+        if timeout and self._loads and not any(load.future.done() for load in self._loads.values()):
+            wait([load.future for load in self._loads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
         ready = []
-        for request_id in [r for r, (_, f) in self._loads.items() if f.done()]:
-            seq, future = self._loads.pop(request_id)
+        for request_id in [r for r, load in self._loads.items() if load.future.done()]:
+            load = self._loads.pop(request_id)
+            seq = load.seq
             try:
-                ranges = future.result()
+                ranges = load.future.result()
             except Exception:  # a bug below, not the request's fault: it is prefilled instead
                 log.exception("request %s: its KV store load failed; it is prefilled from its text", request_id)
                 self._count_load_failure()
@@ -485,9 +536,9 @@ class KVStoreLink:
     def forget(self, request_id: str) -> None:
         """An aborted or failed request: its load is cancelled if it has not started and no other request waits on
         it, or its result dropped."""
-        _, future = self._loads.pop(request_id, (None, None))
-        if future is not None and all(f is not future for _, f in self._loads.values()):  # no one else waits on it
-            future.cancel()
+        load = self._loads.pop(request_id, None)
+        if load is not None and all(other.future is not load.future for other in self._loads.values()):
+            load.future.cancel()  # no other request with its prompt waits on it (one sharing its prefix reads anew)
 
     # --- writes -------------------------------------------------------------------------------
 

@@ -267,9 +267,11 @@ class LLMEngine:
             self.scheduler.add(seq)  # else it is scheduled when its lookup below the device pool ends
         return request_id
 
-    def _check_preloaded(self, preloaded: list[Preloaded], num_tokens: int) -> list[Preloaded]:
+    def _check_preloaded(self, preloaded: list[Preloaded], num_tokens: int,
+                         moved: dict[int, Preloaded] | None = None) -> list[Preloaded]:
         """Ranges in order, inside the prompt, not overlapping; KV at hand must fit the model (it moves to the
-        compute device and dtype now); layers loaded later are checked as they are loaded."""
+        compute device and dtype now; `moved` holds the ranges already moved, by id of the range given, so that
+        a range several requests share moves once); layers loaded later are checked as they are loaded."""
         mc = self.loaded.config
         dtype = getattr(torch, self.config.dtype)
         preloaded = sorted(preloaded, key=lambda s: s.start)
@@ -286,8 +288,12 @@ class LLMEngine:
                     f"the prompt's {num_tokens} tokens"
                 )
             position = segment.end
-        return [dataclasses.replace(s, k=s.k.to(self.device, dtype), v=s.v.to(self.device, dtype))
-                if isinstance(s, PreloadedKV) else s for s in preloaded]
+        moved = {} if moved is None else moved
+        for s in preloaded:
+            if id(s) not in moved:
+                moved[id(s)] = (dataclasses.replace(s, k=s.k.to(self.device, dtype), v=s.v.to(self.device, dtype))
+                                if isinstance(s, PreloadedKV) else s)
+        return [moved[id(s)] for s in preloaded]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; None if it is unknown or already done."""
@@ -395,13 +401,11 @@ class LLMEngine:
     def _schedule_loaded(self) -> None:
         """Requests whose lookup below the device pool ended join the scheduler, with the KV it found. With
         nothing else to run, wait a little for one rather than spin."""
-        placed: dict[int, list[Preloaded]] = {}  # a load shared by requests with one prompt: on the device once
+        moved: dict[int, Preloaded] = {}  # ranges that loads share (requests with one prompt or prefix): moved once
         for seq, ranges in self.kv_store.take_ready(timeout=0.0 if self.scheduler.has_unfinished() else 0.05):
             try:
                 if ranges:
-                    if id(ranges) not in placed:
-                        placed[id(ranges)] = self._check_preloaded(ranges, seq.num_tokens)
-                    seq.preloaded = placed[id(ranges)]
+                    seq.preloaded = self._check_preloaded(ranges, seq.num_tokens, moved)
                     seq.num_store_tokens = ranges[-1].end
             except Exception:  # it does not fit, or the device is short of memory: prefill instead
                 log.exception("request %s: KV from the store could not be taken; it is prefilled", seq.request_id)

@@ -36,11 +36,17 @@ class PreloadedKV:
 
     def clipped(self, end: int) -> PreloadedKV | None:
         """The part before token `end`, if any."""
-        if end <= self.start:
+        return self.between(self.start, end)
+
+    def between(self, first: int, end: int) -> PreloadedKV | None:
+        """The part from token `first` to token `end` (views, not copies; itself if that is all of it), if any."""
+        first, end = max(first, self.start), min(end, self.end)
+        if end <= first:
             return None
-        part = slice(0, end - self.start)
-        return PreloadedKV(self.start, self.k[:, part], self.v[:, part],
-                           None if self.unread is None else self.unread[:, part])
+        if (first, end) == (self.start, self.end):
+            return self
+        part = slice(first - self.start, end - self.start)
+        return PreloadedKV(first, self.k[:, part], self.v[:, part], None if self.unread is None else self.unread[:, part])
 
 
 @dataclass
