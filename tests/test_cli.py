@@ -21,7 +21,8 @@ def test_generate_help_describes_every_flag(capsys):
         main(["generate", "--help"])
     text = capsys.readouterr().out
     for flag in ("--max-tokens", "--temperature", "--seed", "--model", "--kv-cache-memory", "--scheduler",
-                 "--chunk-size", "--tile", "--block-size", "--device", "--max-num-seqs", "--stop", "--chat"):
+                 "--chunk-size", "--tile", "--block-size", "--device", "--max-num-seqs", "--stop", "--chat",
+                 "--repetition-penalty", "--presence-penalty", "--frequency-penalty", "--min-p", "--min-tokens"):
         assert flag in text
 
 
@@ -38,6 +39,11 @@ def test_memory_sizes_are_taken_as_written_on_the_command_line():
 def test_generate_streams_text(tiny_llama, capsys):
     assert main(["generate", "Emma", "--model", str(tiny_llama), "--max-tokens", "8", "--kv-cache-memory", "8MiB"]) == 0
     assert capsys.readouterr().out.strip()
+    assert main(["generate", "Emma", "--model", str(tiny_llama), "--max-tokens", "8", "--kv-cache-memory", "8MiB",
+                 "--repetition-penalty", "1.3", "--min-tokens", "8", "--min-p", "0.1"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["generate", "Emma", "--model", str(tiny_llama), "--min-tokens", "300"]) == 2
+    assert "min_tokens 300 exceeds max_tokens 256" in capsys.readouterr().err
 
 
 def test_bad_input_prints_an_error_without_traceback(tmp_path):

@@ -164,12 +164,18 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "logit_bias": [7]}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
         ({"model": MODEL, "prompt": "x", "suffix": "end"}, 400, "suffix"),
-        ({"model": MODEL, "prompt": "x", "min_tokens": 3}, 400, "min_tokens"),
-        ({"model": MODEL, "prompt": "x", "min_p": 0.1}, 400, "min_p"),
-        ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": [1] * 250, "min_tokens": 7}, 400, "min_tokens"),  # the default cut to 6
+        ({"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+        ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
         ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 2, "best_of": 1, "suffix": "", "min_tokens": 0, "min_p": 0,
           "repetition_penalty": 1, "stop_token_ids": [], "user": "anyone"}, 200, None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 3, "min_p": 0.1, "repetition_penalty": 1.3,
+          "presence_penalty": -2, "frequency_penalty": 2}, 200, None),
     ],
 )
 def test_completion_request_validation(server, body, status, param):
@@ -288,7 +294,8 @@ JSON_VALUES = st.recursive(
 )
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
           "stream", "logprobs", "top_logprobs", "stream_options", "max_completion_tokens", "ignore_eos", "echo",
-          "logit_bias", "best_of", "suffix", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
+          "logit_bias", "best_of", "suffix", "min_tokens", "min_p", "repetition_penalty", "presence_penalty",
+          "frequency_penalty", "stop_token_ids",
           "response_format", "tools", "functions"]
 
 

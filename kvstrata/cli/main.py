@@ -25,6 +25,17 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float)
     group.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all (default: 0)")
     group.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens less likely than this share of the likeliest one, in [0, 1] (default: 0)")
+    group.add_argument("--min-tokens", type=int, default=0,
+                       help="tokens generated before EOS or a stop string may end the output (default: 0)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="tokens of the prompt or output: logits divided by it where positive, multiplied "
+                            "where negative, in [0.01, 100]; 1 = off (default: 1)")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="subtracted from the logits of tokens the output holds, in [-2, 2] (default: 0)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="subtracted once per time the output holds a token, in [-2, 2] (default: 0)")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -32,7 +43,9 @@ def _sampling_params(args: argparse.Namespace):
 
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop,
+        top_k=args.top_k, seed=args.seed, stop=args.stop, min_p=args.min_p, min_tokens=args.min_tokens,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
 
 

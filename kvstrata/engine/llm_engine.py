@@ -27,6 +27,7 @@ from kvstrata.engine.kv_store_link import KVStoreLink, make_store
 from kvstrata.engine.model_runner import ModelRunner
 from kvstrata.engine.output_processor import OutputProcessor
 from kvstrata.engine.outputs import RequestOutput
+from kvstrata.engine.penalties import Histories
 from kvstrata.engine.sampler import finite_rows, sample
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
@@ -386,7 +387,9 @@ class LLMEngine:
             outputs.extend(self._place_preloaded(seq))
         to_sample, logits, failed = self._drop_nonfinite(to_sample, logits)
         outputs.extend(failed)
-        tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample])
+        histories = Histories([s.token_ids for s in to_sample], [s.num_prompt_tokens for s in to_sample],
+                              self.outputs.eos_token_ids)
+        tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample], histories)
         now = time.perf_counter()
         if self.kv_store is not None:
             self.kv_store.observe_prefill(prefill_work, now - start)

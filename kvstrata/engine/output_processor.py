@@ -25,7 +25,9 @@ class OutputProcessor:
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
         params = seq.params
-        if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+        if seq.num_output_tokens < params.min_tokens:  # nothing ends it yet (the sampler bans the ending tokens)
+            self._append_text(seq, token_id, find_stops=False)
+        elif (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             seq.finish_reason = "stop"
         elif self._append_text(seq, token_id):
             return  # a stop string ended the text
@@ -37,8 +39,8 @@ class OutputProcessor:
         if seq.finish_reason is not None and detok is not None:
             seq.output_text += detok.flush()  # bytes of a character that will never be completed
 
-    def _append_text(self, seq: Sequence, token_id: int) -> bool:
-        """Extend the output text; True when it now holds a stop string (cut off there)."""
+    def _append_text(self, seq: Sequence, token_id: int, find_stops: bool = True) -> bool:
+        """Extend the output text; True when it now holds a stop string (cut off there), if `find_stops`."""
         if self.tokenizer is None:
             return False
         detok = self._detokenizers.get(seq.seq_id)
@@ -49,7 +51,7 @@ class OutputProcessor:
             return False
         searched_from = max(0, len(seq.output_text) - max((len(s) for s in seq.params.stop), default=0))
         seq.output_text += new_text
-        for stop in seq.params.stop:
+        for stop in seq.params.stop if find_stops else ():
             at = seq.output_text.find(stop, searched_from)
             if at != -1:
                 seq.output_text = seq.output_text[:at]  # the stop string itself is not returned

@@ -1,4 +1,5 @@
-"""Turn next-token logits into tokens: logit bias, greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Turn next-token logits into tokens: logit bias, penalties and min_tokens (penalties.py), greedy, temperature,
+top-k, top-p, min-p, seeds, logprobs.
 
 Every row is filtered and drawn in batched tensor operations, and the tokens reach Python in one
 transfer at the end: no host sync per row (rows with their own seed draw from their own generator).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvstrata.engine.penalties import Histories, penalized_logits
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.sequence import TokenLogprobs
 
@@ -31,7 +33,8 @@ def biased_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (the order Hugging Face applies them), row by row of [rows, vocab]."""
+    """Temperature, then top-k, top-p and min-p (the order Hugging Face applies them), row by row of [rows,
+    vocab]."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     logits = logits / temperature[:, None]
@@ -48,6 +51,10 @@ def filtered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p[:, None]
         drop_sorted[:, 0] = False
         logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)  # the likeliest token always stays: min_p <= 1
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
     return logits
 
 
@@ -75,10 +82,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    histories: Histories | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """One token per row of `logits` [rows, vocab] (fp32, finite), plus logprobs where asked for."""
+    """One token per row of `logits` [rows, vocab] (fp32, finite), plus logprobs where asked for. `histories`:
+    the rows' sequences, which penalties and min_tokens read (None: no row asks for either)."""
     biased = biased_logits(logits, params)
+    if histories is not None:
+        biased = penalized_logits(biased, params, histories)
     tokens = greedy_tokens(biased)
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:
@@ -95,7 +106,7 @@ def sample(
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
     if wanted:
-        # Logprobs of the model's own distribution, before logit_bias, temperature and filtering.
+        # Logprobs of the model's own distribution, before logit_bias, penalties, temperature and filtering.
         log_dist = logits[wanted].log_softmax(-1)
         for i, row in enumerate(wanted):
             top = torch.topk(log_dist[i], params[row].logprobs) if params[row].logprobs else None

@@ -12,6 +12,9 @@ MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 # 1e-40 overflow to inf, and the softmax of inf is NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 all but bans a token, 100 all but forces it
+MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: -2 to 2
+# Logits divided or multiplied by a repetition penalty in this range stay finite (a softmax of inf is NaN).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 def _check_int(name: str, value, minimum: int, allow_none: bool = False, maximum: int | None = None) -> None:
@@ -34,8 +37,8 @@ def _check_number(name: str, value, low: float, high: float, low_inclusive: bool
 
 @dataclass
 class SamplingParams:
-    """temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy; top_k 0 and top_p 1 switch those
-    filters off."""
+    """temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy; top_k 0, top_p 1, min_p 0, the penalties'
+    0 and repetition_penalty 1 switch those off."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -47,6 +50,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to report per token, besides the chosen one
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before sampling
+    min_tokens: int = 0  # output tokens before an EOS, a stop token or a stop string may end the output
+    min_p: float = 0.0  # after temperature, tokens less likely than min_p x the likeliest one are dropped
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds (OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time the output holds it (OpenAI's)
+    # a token the prompt or the output holds: its logit divided by this where positive, multiplied where not
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -68,7 +77,19 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             _check_int("a logit_bias token id", token, 0)
             _check_number(f"logit_bias of token {token}", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, low_inclusive=True)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise KvstrataError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        _check_number("min_p", self.min_p, 0.0, 1.0, low_inclusive=True)
+        _check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY, low_inclusive=True)
+        _check_number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, low_inclusive=True)
+        _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE, low_inclusive=True)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether tokens the sequence already holds are penalized."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -21,7 +21,14 @@ from pydantic import (
     field_validator,
 )
 
-from kvstrata.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, SamplingParams
+from kvstrata.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_SEED,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128  # OpenAI's bound on `n`
@@ -103,14 +110,14 @@ class _SamplingFields(BaseModel):
     n: integer(ge=1, le=MAX_CHOICES) = 1  # samples of the prompt, each a choice; they share its KV blocks
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
-    frequency_penalty: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
+    presence_penalty: Annotated[Number, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0
+    frequency_penalty: Annotated[Number, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0
     ignore_eos: StrictBool = False
     stop_token_ids: list[integer(ge=0)] | None = None  # vLLM's: generation ends after any of these tokens
-    # vLLM's sampling extras the sampler does not have: refused unless off, so that no output is silently other
-    min_tokens: integer(ge=0, le=0, description="Not supported: 0 only") = 0
-    min_p: Annotated[Number, Field(ge=0, le=0, description="Not supported: 0 only")] = 0
-    repetition_penalty: Annotated[Number, Field(ge=1, le=1, description="Not supported: 1 only")] = 1
+    # vLLM's sampling extras
+    min_tokens: integer(ge=0) = 0  # at most the request's max_tokens (checked with it)
+    min_p: Annotated[Number, Field(ge=0, le=1)] = 0
+    repetition_penalty: Annotated[Number, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] = 1
     # token ids as the object's keys (JSON keys are strings) -> bias added to the token's logit
     logit_bias: dict[Annotated[StrictStr, Field(pattern=r"^[0-9]+$")],
                      Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
@@ -128,6 +135,11 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             logit_bias={int(token): float(bias) for token, bias in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens,
+            min_p=float(self.min_p),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
         )
 
     @property

@@ -95,8 +95,12 @@ class RequestPreparer:
             raise FieldError(field, f"{where}{field} {asked} does not fit the context: the prompt has {prompt_tokens} "
                                     f"tokens of max_model_len {self.engine.max_model_len}, so at most {room} can "
                                     "follow it")
+        max_tokens = asked or min(room, limit or room)
+        if body.min_tokens > max_tokens:
+            raise FieldError("min_tokens", f"{where}min_tokens {body.min_tokens} exceeds the request's max_tokens of "
+                                           f"{max_tokens}")
         logprobs = body.requested_logprobs if chat else body.logprobs
-        params = body.sampling_params(asked or min(room, limit or room), logprobs)
+        params = body.sampling_params(max_tokens, logprobs)
         try:
             self.engine.check_logit_bias(params)
         except KvstrataError as exc:

@@ -1,0 +1,82 @@
+"""What the tokens a sequence already holds do to its next-token logits: repetition, frequency and presence
+penalties (as vLLM and OpenAI define them), and `min_tokens`, which bans the tokens that would end the output
+until it is that long. Applied after logit_bias, before the greedy choice and temperature (vLLM's order).
+
+Rows without either are left as they are; the others are penalized together, from token counts built in one
+scatter per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Histories:
+    """The rows' sequences: each row's tokens so far (its prompt first) and how many of them are the prompt, and
+    the model's end-of-sequence token ids."""
+
+    token_ids: list[list[int]]
+    num_prompt: list[int]
+    eos_token_ids: set[int]
+
+    def output(self, row: int) -> list[int]:
+        return self.token_ids[row][self.num_prompt[row]:]
+
+    def prompt(self, row: int) -> list[int]:
+        return self.token_ids[row][: self.num_prompt[row]]
+
+
+def penalized_logits(logits: torch.Tensor, params: list[SamplingParams], histories: Histories) -> torch.Tensor:
+    """`logits` [rows, vocab] with each row's penalties and min_tokens ban applied (a copy, where a row has one)."""
+    banning = [row for row, p in enumerate(params)
+               if len(histories.token_ids[row]) - histories.num_prompt[row] < p.min_tokens]
+    penalized = [row for row, p in enumerate(params) if p.penalizes]
+    if not banning and not penalized:
+        return logits
+    logits = logits.clone()
+    if penalized:
+        logits[penalized] = _penalize(logits[penalized], [params[row] for row in penalized],
+                                      [histories.prompt(row) for row in penalized],
+                                      [histories.output(row) for row in penalized])
+    if banning:
+        _ban_ends(logits, banning, params, histories.eos_token_ids)
+    return logits
+
+
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+              outputs: list[list[int]]) -> torch.Tensor:
+    output_counts = token_counts(outputs, logits)
+    seen = (token_counts(prompts, logits) > 0) | (output_counts > 0)
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype, device=logits.device)[:, None]
+
+    repetition = per_row("repetition_penalty")
+    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - per_row("frequency_penalty") * output_counts - per_row("presence_penalty") * (output_counts > 0)
+
+
+def token_counts(sequences: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """How often each token id occurs in each sequence: [sequences, vocab], the dtype and device of `like`."""
+    counts = torch.zeros(len(sequences), like.shape[-1], dtype=like.dtype, device=like.device)
+    lengths = torch.tensor([len(s) for s in sequences])
+    if int(lengths.sum()) == 0:
+        return counts
+    tokens = torch.cat([torch.tensor(s, dtype=torch.long) for s in sequences if s]).to(like.device)
+    rows = torch.repeat_interleave(torch.arange(len(sequences)), lengths).to(like.device)
+    return counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=like.dtype), accumulate=True)
+
+
+def _ban_ends(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], eos_token_ids: set[int]) -> None:
+    """No row of `rows` may end now: its stop tokens, and the model's EOS unless it ignores EOS, get -inf."""
+    vocab = logits.shape[-1]
+    for row in rows:
+        ends = set(params[row].stop_token_ids) | (set() if params[row].ignore_eos else eos_token_ids)
+        ends = sorted(token for token in ends if token < vocab)
+        if ends:
+            logits[row, torch.tensor(ends, device=logits.device)] = float("-inf")
