@@ -444,3 +444,41 @@ def test_bench_serve_reports_consistent_figures(server, tmp_path):
     assert all(len(r.itl) <= 4 and r.ttft + sum(r.itl) <= r.e2e for r in results)
     plot_latencies(results, tmp_path / "serve.png", "test")
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tokenize_gives_the_tokens_the_completion_endpoints_use_and_detokenize_reverses_it(server, client):
+    url = server[0]
+    reply = client.completions.create(model=MODEL, prompt="Emma Woodhouse, handsome", max_tokens=1)
+    tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Emma Woodhouse, handsome"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == reply.usage.prompt_tokens and tokens["max_model_len"] == 256
+    text = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()["prompt"]
+    assert text.endswith("Emma Woodhouse, handsome")  # the BOS's text before it, where the model adds one
+    again = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}).json()
+    assert again["tokens"] == tokens["tokens"]
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    chat_tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert chat_tokens["count"] == chat.usage.prompt_tokens
+    opened = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": messages,
+                                                 "add_generation_prompt": False}).json()
+    assert opened["count"] < chat_tokens["count"]
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/tokenize", {"model": MODEL}, 400, "prompt"),
+        ("/tokenize", {"model": MODEL, "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
+        ("/tokenize", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+        ("/detokenize", {"model": MODEL, "tokens": [1, 99999]}, 400, "tokens.1"),
+        ("/detokenize", {"model": MODEL, "tokens": []}, 400, "tokens"),
+        ("/detokenize", {"model": MODEL, "tokens": [-1]}, 400, "tokens.0"),
+        ("/detokenize", {"model": "gpt-4", "tokens": [1]}, 404, "model"),
+    ],
+)
+def test_tokenize_and_detokenize_refuse_bad_bodies(server, path, body, status, param):
+    reply = httpx.post(server[0] + path, json=body, timeout=60)
+    assert reply.status_code == status
+    assert reply.json()["error"]["param"] == param and reply.json()["error"]["message"]

@@ -22,14 +22,22 @@ from kvstrata.server.async_engine import AsyncEngine, Choice, ServerError
 from kvstrata.server.body_limit import BodyLimit
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.openapi import (
+    DETOKENIZE_RESPONSES,
     METRICS_RESPONSES,
+    TOKENIZE_RESPONSES,
     ChatCompletionResponse,
     CompletionResponse,
     completion_responses,
     fix_openapi,
 )
 from kvstrata.server.options import ServerOptions
-from kvstrata.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, CompletionRequest
+from kvstrata.server.protocol import (
+    REQUEST_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kvstrata.server.request_prep import FieldError, RequestPreparer
 from kvstrata.server.responses import ResponseBuilder, error_body, sse
 
@@ -139,6 +147,30 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
     for path, endpoint in (("/health", health), ("/v1/models", models), ("/metrics", prometheus_metrics)):
         app.add_api_route(path, endpoint, methods=["HEAD"], operation_id=f"{endpoint.__name__}_head")
 
+    def _unknown_model(name: str) -> JSONResponse | None:
+        if name == model_name:
+            return None
+        return _error(404, f"model {name!r} does not exist; this server has {model_name!r}", "model",
+                      code="model_not_found")
+
+    @app.post("/tokenize", responses=TOKENIZE_RESPONSES)
+    async def tokenize(body: TokenizeRequest):
+        try:
+            token_ids = await asyncio.to_thread(preparer.tokenize, body)
+        except FieldError as exc:
+            return _error(400, str(exc), exc.param)
+        return _unknown_model(body.model) or {"count": len(token_ids), "max_model_len": engine.max_model_len,
+                                              "tokens": token_ids}
+
+    @app.post("/detokenize", responses=DETOKENIZE_RESPONSES)
+    async def detokenize(body: DetokenizeRequest):
+        if (unknown := _unknown_model(body.model)) is not None:
+            return unknown
+        try:
+            return {"prompt": await asyncio.to_thread(preparer.detokenize, body)}
+        except FieldError as exc:
+            return _error(400, str(exc), exc.param)
+
     @app.post("/v1/completions", responses=completion_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         return await _serve(body, request)
@@ -149,9 +181,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
 
     async def _serve(body: CompletionRequest | ChatCompletionRequest, request: Request):
         chat = isinstance(body, ChatCompletionRequest)
-        if body.model != model_name:
-            return _error(404, f"model {body.model!r} does not exist; this server has {model_name!r}", "model",
-                          code="model_not_found")
+        if (unknown := _unknown_model(body.model)) is not None:
+            return unknown
         try:
             preparer.precheck(body)
             requests = await asyncio.to_thread(preparer.prepare, body)

@@ -9,9 +9,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
 class ErrorDetail(BaseModel):
@@ -68,6 +68,16 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 _ERRORS = {
     400: "The body is malformed or asks for something this server cannot do (the message names the field)",
     404: "No model of that name is served here",
@@ -86,6 +96,14 @@ def completion_responses(model: type[BaseModel]) -> dict:
     return {200: {"model": model, "content": _STREAM}, **errors}
 
 
+def _plain_responses(model: type[BaseModel]) -> dict:
+    """An endpoint that does not reach the engine: its answer, or an error about the body or the model."""
+    errors = {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in (400, 404, 408, 413)}
+    return {200: {"model": model}, **errors}
+
+
+TOKENIZE_RESPONSES = _plain_responses(TokenizeResponse)
+DETOKENIZE_RESPONSES = _plain_responses(DetokenizeResponse)
 METRICS_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                            "description": "Prometheus text exposition format"}}
 
@@ -122,6 +140,8 @@ def fix_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_len: i
                         if token_ids.get("items", {}).get("type") == "integer":
                             token_ids["items"]["maximum"] = vocab_size - 1
                             token_ids["maxItems"] = max_model_len - 1
+                if "tokens" in fields:
+                    fields["tokens"]["items"]["maximum"] = vocab_size - 1
                 components[model.__name__] = generated
             app.openapi_schema = schema
         return app.openapi_schema

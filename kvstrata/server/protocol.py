@@ -208,7 +208,25 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: the token ids the completions endpoint makes of `prompt`, or the chat endpoint of
+    `messages` (exactly one of them)."""
+
+    model: StrictStr
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool = True  # for a prompt: the model's BOS, as the completions endpoint adds
+    add_generation_prompt: StrictBool = True  # for messages: the assistant's turn opened, as the chat endpoint does
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: the text of token ids, special tokens included (it tokenizes back to them)."""
+
+    model: StrictStr
+    tokens: TokenIds
+
+
 REQUEST_FIELDS = frozenset().union(
     *(model.model_fields for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
-                                       ResponseFormat))
+                                       ResponseFormat, TokenizeRequest, DetokenizeRequest))
 )

@@ -13,7 +13,13 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import MAX_SEED, SamplingParams
 from kvstrata.errors import KvstrataError
 from kvstrata.server.options import ServerOptions
-from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 Body = CompletionRequest | ChatCompletionRequest
 
@@ -75,7 +81,7 @@ class RequestPreparer:
     def _token_ids(self, body: Body, prompt: str | list[int] | None, where: str) -> list[int]:
         chat = isinstance(body, ChatCompletionRequest)
         try:
-            token_ids = self._chat_tokens(body) if chat else self.engine.tokenize(prompt)
+            token_ids = self._chat_tokens(body.messages) if chat else self.engine.tokenize(prompt)
             self.engine.check_prompt_length(token_ids)
         except KvstrataError as exc:
             raise FieldError("messages" if chat else "prompt", where + str(exc)) from exc
@@ -107,12 +113,38 @@ class RequestPreparer:
             raise FieldError("logit_bias", str(exc)) from exc
         return params
 
-    def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
+    def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
-        return tokenizer.encode_chat([m.plain() for m in body.messages],
+        return tokenizer.encode_chat([m.plain() for m in messages], add_generation_prompt,
                                      special_tokens_in_content=self.options.special_tokens_in_chat)
+
+
+    def tokenize(self, body: TokenizeRequest) -> list[int]:
+        """In a worker thread: /tokenize's token ids, those the completions or chat endpoint would make."""
+        if (body.prompt is None) == (body.messages is None):
+            raise FieldError("prompt", "give exactly one of prompt and messages")
+        field = "prompt" if body.messages is None else "messages"
+        try:
+            if body.messages is not None:
+                return self._chat_tokens(body.messages, body.add_generation_prompt)
+            if self.engine.tokenizer is None:
+                raise KvstrataError("this model has no tokenizer")
+            return self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except KvstrataError as exc:
+            raise FieldError(field, str(exc)) from exc
+
+    def detokenize(self, body: DetokenizeRequest) -> str:
+        """In a worker thread: /detokenize's text."""
+        vocab = self.engine.model_config.vocab_size
+        outside = next((i for i, token in enumerate(body.tokens) if token >= vocab), None)
+        if outside is not None:
+            raise FieldError(f"tokens.{outside}", f"token {body.tokens[outside]} is outside the vocabulary of "
+                                                  f"{vocab} tokens")
+        if self.engine.tokenizer is None:
+            raise FieldError("tokens", "this model has no tokenizer")
+        return self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
 
 
 def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
