@@ -482,3 +482,27 @@ def test_tokenize_and_detokenize_refuse_bad_bodies(server, path, body, status, p
     reply = httpx.post(server[0] + path, json=body, timeout=60)
     assert reply.status_code == status
     assert reply.json()["error"]["param"] == param and reply.json()["error"]["message"]
+
+
+def test_echo_returns_the_prompt_with_its_logprobs_as_lm_eval_reads_them(server, client, offline):
+    prompt = "Emma Woodhouse, handsome, clever"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+    ids = offline.engine.tokenize(prompt)
+    expected = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    for body_prompt in (prompt, ids):
+        reply = httpx.post(server[0] + "/v1/completions", json={
+            "model": MODEL, "prompt": body_prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1,
+            "n": 2}, timeout=60).json()
+        for choice in reply["choices"]:
+            logprobs = choice["logprobs"]
+            assert len(logprobs["tokens"]) == len(ids) + 1 and logprobs["token_logprobs"][0] is None
+            assert logprobs["top_logprobs"][0] is None and all(len(t) == 1 for t in logprobs["top_logprobs"][1:])
+            prompt_part = logprobs["token_logprobs"][1 : len(ids)]
+            assert prompt_part == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]], abs=1e-4)
+        assert reply["usage"]["prompt_tokens"] == len(ids)
+    assert not echoed.choices[0].logprobs  # no logprobs asked: none echoed

@@ -243,11 +243,16 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self.check_prompt_length(token_ids)
         self.check_logit_bias(params)
+        if params.prompt_logprobs is not None and preloaded:
+            raise KvstrataError("prompt_logprobs needs every prompt token computed; this request's preloaded KV "
+                                "(a saved context) would stand in for some")
         preloaded = self._check_preloaded(preloaded or [], len(token_ids))
         seq_id = next(self._seq_ids)
         request_id = str(seq_id) if request_id is None else request_id
         if request_id in self._sequences:
             raise KvstrataError(f"request id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:  # a salt of its own: no cached prefix stands in for its tokens
+            cache_salt = f"prompt-logprobs/{seq_id}".encode()
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)

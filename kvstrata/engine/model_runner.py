@@ -12,12 +12,14 @@ import numpy as np
 import torch
 
 from kvstrata.engine.block_tables import BlockTables
+from kvstrata.engine.sampler import token_logprobs
 from kvstrata.engine.sequence import Sequence
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, whole_block_keys
 from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.kv.slots import token_slots
 
 Work = list[tuple[Sequence, int]]  # (sequence, new tokens) of one step
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are computed at once (a [rows, vocab] float32 each)
 
 
 @dataclass
@@ -99,4 +101,21 @@ class ModelRunner:
                 to_sample.append(seq)
                 rows.append(last_row)
         logits = self.model.compute_logits(hidden[rows]).float()
+        for (seq, num_tokens), last_row in zip(inputs.ordered, inputs.last_rows):
+            if seq.params.prompt_logprobs is not None:
+                self._record_prompt_logprobs(seq, num_tokens, hidden[last_row - num_tokens + 1 : last_row + 1])
         return to_sample, logits
+
+    def _record_prompt_logprobs(self, seq: Sequence, num_tokens: int, hidden: torch.Tensor) -> None:
+        """Extend `seq.prompt_logprobs` over the prompt tokens this step's rows (`hidden`, from position
+        `seq.num_computed_tokens` on) predict. A prompt computed again after a preemption keeps what it had."""
+        start, known = seq.num_computed_tokens, len(seq.prompt_logprobs)
+        if start == 0 and known == 0:
+            seq.prompt_logprobs.append(None)  # nothing predicts the first token
+            known = 1
+        end = min(start + num_tokens, seq.num_prompt_tokens - 1)  # the row of position q - 1 predicts token q
+        for first in range(max(known - 1, start), end, PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] at a time
+            last = min(first + PROMPT_LOGPROB_ROWS, end)
+            log_dist = self.model.compute_logits(hidden[first - start : last - start]).float().log_softmax(-1)
+            seq.prompt_logprobs += token_logprobs(log_dist, seq.token_ids[first + 1 : last + 1],
+                                                  seq.params.prompt_logprobs)

@@ -93,6 +93,7 @@ class OutputProcessor:
             new_token_ids=new_tokens,
             all_token_ids=seq.token_ids,
             all_logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             error=seq.error,
         )
 

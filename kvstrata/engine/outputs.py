@@ -50,6 +50,8 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list, repr=False)  # prompt then output, shared
     all_logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)  # shared; None: not asked for
+    # per prompt position (None for the first token), once the prompt is computed; None: not asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
     error: str | None = None  # what ended the request, when finish_reason is "error"
 
     @property

@@ -109,10 +109,15 @@ def sample(
         # Logprobs of the model's own distribution, before logit_bias, penalties, temperature and filtering.
         log_dist = logits[wanted].log_softmax(-1)
         for i, row in enumerate(wanted):
-            top = torch.topk(log_dist[i], params[row].logprobs) if params[row].logprobs else None
-            logprobs[row] = TokenLogprobs(
-                token_id=token_list[row],
-                logprob=float(log_dist[i, token_list[row]]),
-                top={} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())),
-            )
+            logprobs[row] = token_logprobs(log_dist[i : i + 1], [token_list[row]], params[row].logprobs)[0]
     return token_list, logprobs
+
+
+def token_logprobs(log_dist: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
+    """Each row's token's logprob in `log_dist` [rows, vocab] (log-softmaxed), and the row's `top` likeliest."""
+    chosen = log_dist.gather(1, torch.tensor(tokens, device=log_dist.device)[:, None])[:, 0].tolist()
+    if not top:
+        return [TokenLogprobs(token, logprob, {}) for token, logprob in zip(tokens, chosen)]
+    best = torch.topk(log_dist, top)
+    return [TokenLogprobs(token, logprob, dict(zip(indices, values)))
+            for token, logprob, indices, values in zip(tokens, chosen, best.indices.tolist(), best.values.tolist())]

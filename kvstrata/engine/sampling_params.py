@@ -49,6 +49,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to report per token, besides the chosen one
+    # the same for each prompt token after the first (each is then computed: no prefix-cache hit, no stored KV)
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before sampling
     min_tokens: int = 0  # output tokens before an EOS, a stop token or a stop string may end the output
     min_p: float = 0.0  # after temperature, tokens less likely than min_p x the likeliest one are dropped
@@ -64,6 +66,7 @@ class SamplingParams:
         _check_int("top_k", self.top_k, 0)
         _check_int("seed", self.seed, 0, allow_none=True, maximum=MAX_SEED)
         _check_int("logprobs", self.logprobs, 0, allow_none=True, maximum=MAX_LOGPROBS)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True, maximum=MAX_LOGPROBS)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

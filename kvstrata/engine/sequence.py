@@ -54,6 +54,8 @@ class Sequence:
     num_preemptions: int = 0
     output_text: str = ""
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # per prompt position, when asked for: None for the first token (nothing predicts it), then each token's
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # why it ended, when finish_reason is "error"
     first_token_time: float | None = None

@@ -194,7 +194,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             return _error(400, str(exc), "messages" if chat else "prompt")
         except ServerError as exc:
             return _server_error(exc)
-        builder = ResponseBuilder(chat, model_name, tokenizer, body.n)
+        builder = ResponseBuilder(chat, model_name, tokenizer, body.n, echo=not chat and body.echo)
         if body.stream:
             return StreamingResponse(_stream(builder, first, outputs, len(requests), body.include_usage),
                                      media_type="text/event-stream")

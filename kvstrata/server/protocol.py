@@ -4,6 +4,7 @@ Every text field must be encodable as UTF-8: JSON can carry a lone surrogate (\\
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -154,11 +155,16 @@ class CompletionRequest(_SamplingFields):
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)])
     max_tokens: integer(ge=1) | None = 16
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
-    echo: Annotated[StrictBool, _only_off("false"),
-                    WithJsonSchema({"type": "boolean", "const": False})] = False
+    echo: StrictBool = False  # each choice's text (and logprobs) begins with its prompt's
     best_of: integer(ge=1, le=1, description="1 only") | None = None
     suffix: Annotated[Text | None, _only_off("empty or null"),
                       WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]})] = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        if self.echo and logprobs is not None:  # the prompt's logprobs are echoed with it
+            params = dataclasses.replace(params, prompt_logprobs=logprobs)
+        return params
 
     @property
     def prompts(self) -> list[str | list[int]]:

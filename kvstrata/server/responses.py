@@ -32,21 +32,38 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 
 class ResponseBuilder:
     """Shapes one request's outputs for one endpoint: a choice per prompt and sample (`samples_per_prompt`, the
-    request's `n`)."""
+    request's `n`). With `echo` (completions), each choice's text and logprobs begin with its prompt's."""
 
-    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int):
+    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int, echo: bool = False):
         self.chat = chat
         self.samples_per_prompt = samples_per_prompt
         self.model = model
         self.tokenizer = tokenizer
+        self.echo = echo
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self._sent_logprobs: dict[int, int] = {}  # choice index -> logprobs already streamed
+        self._echoed: set[int] = set()  # choices whose prompt was streamed
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
+    def _prompt_text(self, output: RequestOutput) -> str:
+        return output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids,
+                                                                                     skip_special_tokens=False)
+
+    def _prompt_logprobs(self, output: RequestOutput) -> dict | None:
+        """The prompt's part of an echoed choice's logprobs: its first token has none (nothing predicts it)."""
+        if output.prompt_logprobs is None:
+            return None
+        first = output.prompt_token_ids[0]
+        rest = self._logprobs([e for e in output.prompt_logprobs if e is not None])
+        return {"tokens": [self._token_text(first), *rest["tokens"]],
+                "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]]}
+
+    def _logprobs(self, entries: list[TokenLogprobs], before: dict | None = None) -> dict:
+        """Entries in the endpoint's form; a completion's after `before` (an echoed prompt's, in that form)."""
         if self.chat:
             return {"content": [
                 {
@@ -60,18 +77,20 @@ class ResponseBuilder:
                 }
                 for e in entries
             ]}
+        before = before or {"tokens": [], "token_logprobs": [], "top_logprobs": []}
         return {
-            "tokens": [self._token_text(e.token_id) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token_text(t): lp for t, lp in e.top.items()} for e in entries],
+            "tokens": before["tokens"] + [self._token_text(e.token_id) for e in entries],
+            "token_logprobs": before["token_logprobs"] + [e.logprob for e in entries],
+            "top_logprobs": before["top_logprobs"] + [{self._token_text(t): lp for t, lp in e.top.items()}
+                                                      for e in entries],
         }
 
-    def _new_logprobs(self, index: int, output: RequestOutput) -> dict | None:
+    def _new_logprobs(self, index: int, output: RequestOutput, echoing: bool) -> dict | None:
         if output.logprobs is None:
             return None
         entries = output.logprobs[self._sent_logprobs.get(index, 0) :]
         self._sent_logprobs[index] = len(output.logprobs)
-        return self._logprobs(entries)
+        return self._logprobs(entries, self._prompt_logprobs(output) if echoing else None)
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
@@ -84,8 +103,9 @@ class ResponseBuilder:
             if self.chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": output.text}}
             else:
-                choice = {"index": index, "text": output.text}
-            choice["logprobs"] = None if output.logprobs is None else self._logprobs(output.logprobs)
+                choice = {"index": index, "text": (self._prompt_text(output) if self.echo else "") + output.text}
+            before = self._prompt_logprobs(output) if self.echo else None
+            choice["logprobs"] = None if output.logprobs is None else self._logprobs(output.logprobs, before)
             choice["finish_reason"] = output.finish_reason
             choices.append(choice)
         return {**self._envelope(choices, chunk=False), "usage": usage(outputs, self.samples_per_prompt)}
@@ -99,13 +119,15 @@ class ResponseBuilder:
 
     def chunk(self, index: int, output: RequestOutput) -> dict | None:
         """The streaming chunk for this output of choice `index`; None when it adds nothing."""
-        logprobs = self._new_logprobs(index, output)
-        if not output.new_text and logprobs is None and not output.finished:
+        echoing = self.echo and index not in self._echoed  # the choice's first chunk carries its prompt
+        self._echoed.add(index)
+        logprobs = self._new_logprobs(index, output, echoing)
+        if not output.new_text and logprobs is None and not output.finished and not echoing:
             return None
         if self.chat:
             choice = {"index": index, "delta": {"content": output.new_text} if output.new_text else {}}
         else:
-            choice = {"index": index, "text": output.new_text}
+            choice = {"index": index, "text": (self._prompt_text(output) if echoing else "") + output.new_text}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = output.finish_reason if output.finished else None
         return self._envelope([choice], chunk=True)
