@@ -19,6 +19,8 @@ from kvstrata.config import EngineConfig
 from kvstrata.server.options import ServerOptions
 
 MODEL = "tiny"
+KEY = "cluster-key"  # the deployment asks for an API key: the front and the replicas check it
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def redis(tmp_path_factory):
 def cluster(tiny_llama, redis):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = EngineConfig(model=str(tiny_llama), kv_store=f"host:64MiB,{redis.url}", kv_store_chunk_tokens=64)
-    url = deploy(config, ServerOptions(), replicas=2, routing="prefix", host="127.0.0.1", port=free_port(),
+    url = deploy(config, ServerOptions(api_key=KEY), replicas=2, routing="prefix", host="127.0.0.1", port=free_port(),
                  model_name=MODEL, routing_prefix_tokens=64)
     yield url
     undeploy(stop_ray=True)
@@ -44,7 +46,7 @@ def replica(index: int):
 
 def complete(url: str, prompt: str, max_tokens: int = 8) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+    return httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120)
 
 
 def metric(url: str, name: str, replica_index: int | None = None, default: float | None = None,
@@ -97,7 +99,8 @@ def test_a_prefix_computed_on_one_replica_is_a_store_hit_on_the_other(cluster):
     wait_until(lambda: metric(cluster, "kvstrata:kv_store_written_bytes_total", home, tier="redis") > 0, 30, "the store write")
     hits_before = metric(cluster, "kvstrata:kv_store_hit_tokens_total", other, tier="redis")
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-    headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+    headers = [("content-type", "application/json"), ("content-length", str(len(body))),
+               ("authorization", AUTH["Authorization"])]
     messages = list(replica(other).forward.options(stream=True).remote(
         "POST", "/v1/completions", "", headers, body.encode()))
     assert messages[0].status == 200
@@ -109,7 +112,7 @@ def test_a_prefix_computed_on_one_replica_is_a_store_hit_on_the_other(cluster):
 def test_the_openai_client_works_unchanged(cluster):
     import openai
 
-    client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key=KEY)
     assert [m.id for m in client.models.list().data] == [MODEL]
     completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
     assert completion.usage.completion_tokens == 5
@@ -126,15 +129,29 @@ def test_the_openai_client_works_unchanged(cluster):
 def test_a_client_that_leaves_has_its_request_aborted_on_the_replica(cluster):
     body = {"model": MODEL, "prompt": documents(12)[-1], "max_tokens": 250, "ignore_eos": True, "stream": True}
     aborted = metric(cluster, "kvstrata:request_success_total", default=0.0, finished_reason="abort")
-    with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", cluster + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
         next(response.iter_lines())  # the first event arrived: the request runs on its replica; now leave
     wait_until(lambda: metric(cluster, "kvstrata:request_success_total", default=0.0,
                               finished_reason="abort") > aborted, 30, "the replica to abort the request")
 
 
 def test_a_body_routing_cannot_read_is_still_answered_by_a_replica(cluster):
-    answer = httpx.post(cluster + "/v1/completions", json={"model": MODEL, "prompt": [2**70], "max_tokens": 2})
+    answer = httpx.post(cluster + "/v1/completions", json={"model": MODEL, "prompt": [2**70], "max_tokens": 2},
+                        headers=AUTH)
     assert answer.status_code == 400, answer.text
+
+
+def test_the_front_turns_away_requests_without_the_api_key(cluster):
+    def routed_so_far() -> float:
+        return sum(metric(cluster, "kvstrata:router_requests_total", i, default=0.0) for i in (0, 1))
+
+    routed = routed_so_far()
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        answer = httpx.post(cluster + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    assert routed_so_far() == routed  # no replica was asked
+    assert httpx.get(cluster + "/health").status_code == 200  # probes and scrapers need no key
 
 
 def _kill_when_running(url: str, index: int) -> None:
@@ -150,7 +167,7 @@ def test_killing_a_replica_loses_no_request_and_ray_restarts_it(cluster):
     # A stream that already sent tokens ends with a clear error event.
     killer = threading.Thread(target=_kill_when_running, args=(cluster, home))
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", cluster + "/v1/completions", json=body, headers=AUTH, timeout=120) as response:
         killer.start()
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     killer.join()

@@ -3,6 +3,7 @@ stays its own, text that UTF-8 cannot hold is a 400, bodies and slow clients are
 requests with proper error responses, chat content cannot forge special tokens, and the OpenAPI document
 matches what the server answers (schemathesis)."""
 
+import argparse
 import asyncio
 import json
 import os
@@ -14,11 +15,14 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 
 from kvstrata.bench.serve import wait_healthy
+from kvstrata.errors import KvstrataError
 from kvstrata.server.options import ServerOptions
 from kvstrata.server.request_prep import RequestPreparer
+from kvstrata.server.serve import add_serve_arguments, server_options_from_args
 from tests.server_harness import free_port, running_server
 
 MODEL = "test-model"
@@ -349,3 +353,28 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(tiny_llama, 
             check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path,
         )
     assert result.returncode == 0, result.stdout[-6000:]
+
+
+def test_an_api_key_guards_the_api_but_not_health_or_metrics(tiny_llama, monkeypatch):
+    with running_server(str(tiny_llama), MODEL, ServerOptions(api_key="s3cret"), kv_cache_memory="8MiB",
+                        max_model_len=256) as (url, _):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        for headers, message in (({}, "has no API key"), ({"Authorization": "Bearer wrong"}, "is not this server's"),
+                                 ({"Authorization": "s3cret"}, "is not this server's")):
+            for path in ("/v1/completions", "/tokenize"):
+                reply = httpx.post(url + path, json=body, headers=headers)
+                assert reply.status_code == 401 and message in reply.json()["error"]["message"]
+                assert reply.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        for path in ("/health", "/metrics", "/openapi.json"):
+            assert httpx.get(url + path).status_code == 200
+    with pytest.raises(KvstrataError, match="--api-key must be printable"):
+        ServerOptions(api_key=" padded ")
+    monkeypatch.setenv("KVSTRATA_API_KEY", "from-the-environment")
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert server_options_from_args(parser.parse_args([])).api_key == "from-the-environment"
+    assert server_options_from_args(parser.parse_args(["--api-key", "given"])).api_key == "given"
+    assert "from-the-environment" not in repr(server_options_from_args(parser.parse_args([])))

@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
@@ -29,6 +29,7 @@ from kvstrata.cluster.metrics_merge import merge_replica_metrics
 from kvstrata.cluster.routing import make_routing, prompt_blocks
 from kvstrata.errors import KvstrataError
 from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.server.api_key import refusal
 from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.server.responses import error_body, sse
 
@@ -48,6 +49,7 @@ class FrontOptions:
     block_size: int
     routing_prefix_tokens: int  # how much of a prompt never seen before its consistent-hashing key covers
     max_request_bytes: int
+    api_key: str | None = field(default=None, repr=False)  # the replicas' too: checked here before any routing
 
 
 class ReplicaFailed(Exception):
@@ -98,6 +100,10 @@ class Frontend:
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
+        if self.options.api_key is not None:
+            refused = refusal(self.options.api_key, path, request.headers.get("authorization", "").encode() or None)
+            if refused is not None:
+                return refused
         if path == "/metrics" and request.method in ("GET", "HEAD"):
             return await self._metrics()
         if path == "/health" and request.method in ("GET", "HEAD"):

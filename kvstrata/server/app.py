@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.errors import KvstrataError
+from kvstrata.server.api_key import ApiKeyCheck
 from kvstrata.server.async_engine import AsyncEngine, Choice, ServerError
 from kvstrata.server.body_limit import BodyLimit
 from kvstrata.server.metrics import ServerMetrics
@@ -117,6 +118,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
     app.state.async_engine = async_engine
     app.add_middleware(CatchUnexpected)
     app.add_middleware(BodyLimit, max_bytes=options.max_request_bytes, read_timeout=options.read_timeout)
+    if options.api_key is not None:  # added last, so it runs first: no body is read for a request without the key
+        app.add_middleware(ApiKeyCheck, key=options.api_key)
     fix_openapi(app, model_name, engine.model_config.vocab_size, engine.max_model_len, options.max_tokens_limit)
 
     @app.exception_handler(RequestValidationError)

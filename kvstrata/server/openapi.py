@@ -80,6 +80,7 @@ class DetokenizeResponse(BaseModel):
 
 _ERRORS = {
     400: "The body is malformed or asks for something this server cannot do (the message names the field)",
+    401: "The server asks for an API key (--api-key) and the Authorization header does not carry it",
     404: "No model of that name is served here",
     408: "The body did not arrive within the read timeout",
     413: "The body is larger than --max-request-bytes",
@@ -98,7 +99,7 @@ def completion_responses(model: type[BaseModel]) -> dict:
 
 def _plain_responses(model: type[BaseModel]) -> dict:
     """An endpoint that does not reach the engine: its answer, or an error about the body or the model."""
-    errors = {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in (400, 404, 408, 413)}
+    errors = {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in (400, 401, 404, 408, 413)}
     return {200: {"model": model}, **errors}
 
 

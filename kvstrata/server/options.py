@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstrata.errors import KvstrataError
 
@@ -17,6 +17,7 @@ class ServerOptions:
     read_timeout: float = 30.0  # seconds a client gets to send its request's headers, and then its body
     special_tokens_in_chat: bool = False  # parse special-token text in chat content (trusted clients only)
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish at shutdown
+    api_key: str | None = field(default=None, repr=False)  # API requests must carry it (api_key.py); None: open
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_request_bytes"):
@@ -24,6 +25,9 @@ class ServerOptions:
                 raise KvstrataError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise KvstrataError(f"--max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
+        if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
+                                         or self.api_key != self.api_key.strip()):
+            raise KvstrataError("--api-key must be printable text without surrounding spaces, and not empty")
         for name in ("read_timeout", "shutdown_grace"):
             if not getattr(self, name) > 0:
                 raise KvstrataError(f"--{name.replace('_', '-')} must be a positive number of seconds, "

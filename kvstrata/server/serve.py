@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import signal
 import threading
 
@@ -16,6 +17,7 @@ from fastapi import FastAPI
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.cluster.routing import POLICIES
 from kvstrata.errors import KvstrataError
+from kvstrata.server.api_key import API_KEY_VARIABLE
 from kvstrata.server.options import DEFAULT_MAX_REQUEST_BYTES, ServerOptions
 
 # After the grace period, requests still running get their error responses; uvicorn's own cancellation
@@ -41,6 +43,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest max_tokens a request may ask for (default: the model's context)")
     parser.add_argument("--read-timeout", type=float, default=30.0,
                         help="seconds a client gets to send a request's headers, and then its body (default: 30)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
+                        help=f"API requests must send 'Authorization: Bearer KEY' (/health and /metrics stay open); "
+                             f"the {API_KEY_VARIABLE} environment variable keeps it off the command line "
+                             "(default: that variable, else no key)")
     parser.add_argument("--special-tokens-in-chat", action="store_true",
                         help="parse special-token text (<|im_end|>, ...) in chat message content as special tokens; "
                              "only for trusted clients, since it lets them forge role boundaries (default: plain text)")
@@ -74,7 +80,8 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
 def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
                          max_tokens_limit=args.max_tokens_limit, read_timeout=args.read_timeout,
-                         special_tokens_in_chat=args.special_tokens_in_chat, shutdown_grace=args.shutdown_grace)
+                         special_tokens_in_chat=args.special_tokens_in_chat, shutdown_grace=args.shutdown_grace,
+                         api_key=args.api_key)
 
 
 class GracefulServer(uvicorn.Server):
