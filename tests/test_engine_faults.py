@@ -8,6 +8,7 @@ import torch
 
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.penalties import Histories
 from kvstrata.engine.sampler import finite_rows, greedy_tokens, sample
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.preloaded import LayerwiseKV, PreloadedKV
@@ -116,11 +117,16 @@ def test_a_failed_forward_pass_ends_that_steps_requests_and_the_engine_goes_on(t
 @pytest.mark.parametrize("params", [
     {"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1e-320},
     {"top_p": 1e-46}, {"top_p": 1e-320}, {"temperature": 1e300}, {"temperature": math.inf},
+    {"repetition_penalty": 0.01}, {"repetition_penalty": 100.0}, {"presence_penalty": -2, "frequency_penalty": 2},
+    {"min_p": 1.0, "temperature": 1e-3}, {"max_tokens": 30, "min_tokens": 25, "stop_token_ids": list(range(48)), "logit_bias": {48: -100}},
 ])
 def test_no_accepted_sampling_parameter_makes_the_sampler_fail(params):
     logits = torch.randn(3, 50) * 30
-    tokens, _ = sample(logits, [SamplingParams(**params)] * 3, [None] * 3)
+    histories = Histories([list(range(40))] * 3, [20] * 3, eos_token_ids={49})  # 20 prompt tokens, 20 output
+    tokens, _ = sample(logits, [SamplingParams(**params)] * 3, [None] * 3, histories)
     assert all(0 <= t < 50 for t in tokens)
+    if "min_tokens" in params:  # every other token would end the output
+        assert tokens == [48] * 3
     if params.get("temperature", 1.0) < 1e-5 or params.get("top_p", 1.0) < 1e-30:
         assert tokens == logits.argmax(-1).tolist()  # the limit of a vanishing temperature or nucleus
 

@@ -110,6 +110,16 @@ def test_min_p_keeps_what_transformers_keeps():
     assert int(torch.isfinite(ours[3]).sum()) == 1  # min_p 1 keeps only the likeliest
 
 
+def test_min_tokens_that_would_ban_every_token_is_refused(llm, prompts):
+    eos = llm.engine.outputs.eos_token_ids
+    all_but_eos = [t for t in range(llm.engine.model_config.vocab_size) if t not in eos]
+    with pytest.raises(KvstrataError, match="min_tokens 1 bans every token of the vocabulary"):
+        llm.engine.add_request(prompts[0], SamplingParams(min_tokens=1, stop_token_ids=all_but_eos))
+    out = llm.generate([prompts[0]], SamplingParams(min_tokens=1, stop_token_ids=all_but_eos, ignore_eos=True,
+                                                    max_tokens=1))[0]  # EOS is not banned: only it may come
+    assert out.token_ids[0] in eos
+
+
 def test_penalized_sampling_is_seeded_like_any_other(llm, prompts):
     params = SamplingParams(max_tokens=12, temperature=0.9, seed=4, ignore_eos=True, repetition_penalty=1.2,
                             presence_penalty=0.5, frequency_penalty=0.5, min_p=0.05)

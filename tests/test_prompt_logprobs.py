@@ -51,12 +51,37 @@ def test_prompt_logprobs_are_transformers_over_chunked_prefills(tiny_llama, hf, 
     assert outputs[-1].token_ids == outputs[0].token_ids  # asking for them changes nothing else
 
 
-def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(tiny_llama, hf, prompts):
+def test_a_cached_prefix_is_computed_again_for_prompt_logprobs_and_cached_for_others(tiny_llama, hf, prompts):
     llm = LLM(str(tiny_llama), kv_cache_memory="8MiB")
     llm.generate([prompts[0]], SamplingParams(max_tokens=2))  # its blocks are now in the prefix cache
     again = llm.generate([prompts[0]], SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     assert again.num_cached_tokens == 0
     check(again.prompt_logprobs, hf, prompts[0], 0)
+    other = prompts[3] + prompts[2]
+    llm.generate([other], SamplingParams(max_tokens=2, prompt_logprobs=0))
+    assert llm.generate([other], SamplingParams(max_tokens=2))[0].num_cached_tokens > 0  # its blocks serve others
+
+
+def test_a_failure_computing_one_request_s_prompt_logprobs_ends_that_request_alone(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB")
+    expected = llm.generate([prompts[2]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
+    record = llm.engine.runner.record_prompt_logprobs
+
+    def failing(rows):
+        if rows.seq.request_id == "victim":
+            raise RuntimeError("simulated fault")
+        record(rows)
+
+    llm.engine.runner.record_prompt_logprobs = failing
+    llm.engine.add_request(prompts[0], SamplingParams(max_tokens=4, prompt_logprobs=1), request_id="victim")
+    llm.engine.add_request(prompts[2], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1),
+                           request_id="bystander")
+    outputs = {}
+    while llm.engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in llm.engine.step() if o.finished)
+    assert outputs["victim"].finish_reason == "error" and "simulated fault" in outputs["victim"].error
+    assert outputs["bystander"].token_ids == expected and len(outputs["bystander"].prompt_logprobs) == len(prompts[2])
+    assert llm.engine.kv_manager.pool.num_used == 0
 
 
 def test_a_preempted_request_keeps_its_prompt_logprobs(tiny_llama, hf, prompts):

@@ -167,6 +167,7 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": [1] * 250, "min_tokens": 7}, 400, "min_tokens"),  # the default cut to 6
         ({"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": list(range(1000))}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
         ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -501,7 +502,9 @@ def test_echo_returns_the_prompt_with_its_logprobs_as_lm_eval_reads_them(server,
         for choice in reply["choices"]:
             logprobs = choice["logprobs"]
             assert len(logprobs["tokens"]) == len(ids) + 1 and logprobs["token_logprobs"][0] is None
-            assert logprobs["top_logprobs"][0] is None and all(len(t) == 1 for t in logprobs["top_logprobs"][1:])
+            assert logprobs["top_logprobs"][0] is None
+            for token, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:]):
+                assert token in top and 1 <= len(top) <= 2  # the likeliest, and the token when it is not that
             prompt_part = logprobs["token_logprobs"][1 : len(ids)]
             assert prompt_part == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]], abs=1e-4)
         assert reply["usage"]["prompt_tokens"] == len(ids)

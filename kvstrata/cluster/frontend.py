@@ -101,7 +101,8 @@ class Frontend:
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if self.options.api_key is not None:
-            refused = refusal(self.options.api_key, path, request.headers.get("authorization", "").encode() or None)
+            header = request.headers.get("authorization")  # Starlette decodes header bytes as latin-1
+            refused = refusal(self.options.api_key, path, None if header is None else header.encode("latin-1"))
             if refused is not None:
                 return refused
         if path == "/metrics" and request.method in ("GET", "HEAD"):

@@ -162,7 +162,7 @@ class KVStoreLink:
         """Start fetching the chunks of `seq`'s prompt that the device pool lacks; False if there is nothing to
         look up (the caller schedules it at once)."""
         usable = (seq.num_tokens - 1) // self.chunk_tokens  # the last token is always computed: its logits
-        if usable == 0 or seq.preloaded or seq.cache_salt is not None:
+        if usable == 0 or seq.preloaded or seq.cache_salt is not None or not seq.reads_cached_prefix:
             return False
         first = self.kv_manager.cached_prefix_tokens(seq) // self.chunk_tokens
         if first >= usable:

@@ -24,7 +24,7 @@ from kvstrata.engine.important_prefix_load import ImportantLoading
 from kvstrata.engine.kv_offload_setup import attention_policy
 from kvstrata.engine.kv_setup import engine_storage_layout, stored_form
 from kvstrata.engine.kv_store_link import KVStoreLink, make_store
-from kvstrata.engine.model_runner import ModelRunner
+from kvstrata.engine.model_runner import ModelRunner, PromptRows
 from kvstrata.engine.output_processor import OutputProcessor
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.penalties import Histories
@@ -215,6 +215,16 @@ class LLMEngine:
         if outside:
             raise KvstrataError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab})")
 
+    def check_min_tokens(self, params: SamplingParams) -> None:
+        """While min_tokens holds, the tokens that would end the output are banned: some token must remain."""
+        if not params.min_tokens:
+            return
+        vocab = self.loaded.config.vocab_size
+        ends = {t for t in params.stop_token_ids if t < vocab} | (set() if params.ignore_eos else self.outputs.eos_token_ids)
+        if len(ends) >= vocab:
+            raise KvstrataError(f"min_tokens {params.min_tokens} bans every token of the vocabulary: stop_token_ids "
+                                "and EOS cover all of it")
+
     def check_prompt_length(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise KvstrataError("the prompt is empty; give at least one token")
@@ -243,6 +253,7 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self.check_prompt_length(token_ids)
         self.check_logit_bias(params)
+        self.check_min_tokens(params)
         if params.prompt_logprobs is not None and preloaded:
             raise KvstrataError("prompt_logprobs needs every prompt token computed; this request's preloaded KV "
                                 "(a saved context) would stand in for some")
@@ -251,8 +262,6 @@ class LLMEngine:
         request_id = str(seq_id) if request_id is None else request_id
         if request_id in self._sequences:
             raise KvstrataError(f"request id {request_id!r} is already in use")
-        if params.prompt_logprobs is not None:  # a salt of its own: no cached prefix stands in for its tokens
-            cache_salt = f"prompt-logprobs/{seq_id}".encode()
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -372,7 +381,7 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         try:
-            to_sample, logits = self.runner.execute(plan.scheduled)
+            to_sample, logits, prompt_rows = self.runner.execute(plan.scheduled)
         except Exception as exc:
             log.exception("a step's forward pass failed; ending the %d requests in it", len(plan.scheduled))
             return [self._fail(seq, f"internal engine error: {type(exc).__name__}: {exc}") for seq, _ in plan.scheduled]
@@ -390,6 +399,7 @@ class LLMEngine:
                 if seq.num_store_tokens:
                     seq.preloaded = []  # placed: free the host copy (after a preemption the prompt is prefilled)
             outputs.extend(self._place_preloaded(seq))
+        outputs.extend(self._record_prompt_logprobs(prompt_rows))
         to_sample, logits, failed = self._drop_nonfinite(to_sample, logits)
         outputs.extend(failed)
         histories = Histories([s.token_ids for s in to_sample], [s.num_prompt_tokens for s in to_sample],
@@ -431,14 +441,29 @@ class LLMEngine:
             return [self._fail(seq, str(failure))]
         return []
 
+    def _record_prompt_logprobs(self, prompt_rows: list[PromptRows]) -> list[RequestOutput]:
+        """The logprobs of the prompt tokens this step computed, for the requests asking; a failure ends that
+        request alone (after its step was committed: its blocks are sound)."""
+        failed = []
+        for rows in prompt_rows:
+            try:
+                self.runner.record_prompt_logprobs(rows)
+            except Exception as exc:
+                log.exception("request %s: its prompt's logprobs could not be computed", rows.seq.request_id)
+                failed.append(self._fail(rows.seq, f"its prompt's logprobs could not be computed: "
+                                                   f"{type(exc).__name__}: {exc}"))
+        return failed
+
     def _drop_nonfinite(self, to_sample: list[Sequence], logits: torch.Tensor):
-        """Sequences whose logits hold NaN or inf (a corrupt context) end with an error; the rest are sampled."""
-        keep = finite_rows(logits)
+        """Sequences whose logits hold NaN or inf (a corrupt context) end with an error; those that ended earlier in
+        the step are dropped; the rest are sampled."""
+        finite = finite_rows(logits)
+        keep = [ok and seq.finish_reason is None for seq, ok in zip(to_sample, finite)]
         if all(keep):
             return to_sample, logits, []
         failed = [self._fail(seq, "the model's logits for this request are not finite (NaN or inf): its context "
                                   "(a preloaded KV cache, most likely) is corrupt", corrupt_cache=True)
-                  for seq, ok in zip(to_sample, keep) if not ok]
+                  for seq, ok in zip(to_sample, finite) if not ok and seq.finish_reason is None]
         return [seq for seq, ok in zip(to_sample, keep) if ok], logits[torch.tensor(keep, device=logits.device)], failed
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:

@@ -23,6 +23,15 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are computed at once 
 
 
 @dataclass
+class PromptRows:
+    """A step's final hidden states of one sequence's prompt tokens, from position `start` on."""
+
+    seq: Sequence
+    start: int
+    hidden: torch.Tensor  # [tokens, hidden]
+
+
+@dataclass
 class StepInputs:
     ordered: Work  # decodes first
     input_ids: torch.Tensor  # [T]
@@ -91,31 +100,32 @@ class ModelRunner:
         return inputs, hidden
 
     @torch.inference_mode()
-    def execute(self, work: Work) -> tuple[list[Sequence], torch.Tensor]:
+    def execute(self, work: Work) -> tuple[list[Sequence], torch.Tensor, list[PromptRows]]:
         """Run the step; return the sequences that reached the end of their known tokens and
-        their next-token logits [n, vocab] in fp32 (the others were mid-prompt)."""
+        their next-token logits [n, vocab] in fp32 (the others were mid-prompt), and the prompt rows of the
+        sequences that ask for their prompt's logprobs (`record_prompt_logprobs` turns them into logprobs)."""
         inputs, hidden = self.forward(work)
-        to_sample, rows = [], []
+        to_sample, rows, prompt_rows = [], [], []
         for (seq, num_tokens), last_row in zip(inputs.ordered, inputs.last_rows):
             if seq.num_computed_tokens + num_tokens == seq.num_tokens:
                 to_sample.append(seq)
                 rows.append(last_row)
+            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_rows.append(PromptRows(seq, seq.num_computed_tokens,
+                                              hidden[last_row - num_tokens + 1 : last_row + 1]))
         logits = self.model.compute_logits(hidden[rows]).float()
-        for (seq, num_tokens), last_row in zip(inputs.ordered, inputs.last_rows):
-            if seq.params.prompt_logprobs is not None:
-                self._record_prompt_logprobs(seq, num_tokens, hidden[last_row - num_tokens + 1 : last_row + 1])
-        return to_sample, logits
+        return to_sample, logits, prompt_rows
 
-    def _record_prompt_logprobs(self, seq: Sequence, num_tokens: int, hidden: torch.Tensor) -> None:
-        """Extend `seq.prompt_logprobs` over the prompt tokens this step's rows (`hidden`, from position
-        `seq.num_computed_tokens` on) predict. A prompt computed again after a preemption keeps what it had."""
-        start, known = seq.num_computed_tokens, len(seq.prompt_logprobs)
-        if start == 0 and known == 0:
+    @torch.inference_mode()
+    def record_prompt_logprobs(self, rows: PromptRows) -> None:
+        """Extend the sequence's `prompt_logprobs` over the prompt tokens its rows predict. A prompt computed
+        again after a preemption keeps what it had."""
+        seq, start = rows.seq, rows.start
+        if start == 0 and not seq.prompt_logprobs:
             seq.prompt_logprobs.append(None)  # nothing predicts the first token
-            known = 1
-        end = min(start + num_tokens, seq.num_prompt_tokens - 1)  # the row of position q - 1 predicts token q
-        for first in range(max(known - 1, start), end, PROMPT_LOGPROB_ROWS):  # bounded [rows, vocab] at a time
-            last = min(first + PROMPT_LOGPROB_ROWS, end)
-            log_dist = self.model.compute_logits(hidden[first - start : last - start]).float().log_softmax(-1)
+        end = min(start + len(rows.hidden), seq.num_prompt_tokens - 1)  # the row of position q - 1 predicts token q
+        for first in range(max(len(seq.prompt_logprobs) - 1, start), end, PROMPT_LOGPROB_ROWS):
+            last = min(first + PROMPT_LOGPROB_ROWS, end)  # a bounded [rows, vocab] at a time
+            log_dist = self.model.compute_logits(rows.hidden[first - start : last - start]).float().log_softmax(-1)
             seq.prompt_logprobs += token_logprobs(log_dist, seq.token_ids[first + 1 : last + 1],
                                                   seq.params.prompt_logprobs)

@@ -40,18 +40,18 @@ def penalized_logits(logits: torch.Tensor, params: list[SamplingParams], histori
         return logits
     logits = logits.clone()
     if penalized:
-        logits[penalized] = _penalize(logits[penalized], [params[row] for row in penalized],
-                                      [histories.prompt(row) for row in penalized],
-                                      [histories.output(row) for row in penalized])
+        logits[penalized] = _penalize(logits[penalized], [params[row] for row in penalized], histories, penalized)
     if banning:
         _ban_ends(logits, banning, params, histories.eos_token_ids)
     return logits
 
 
-def _penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
-              outputs: list[list[int]]) -> torch.Tensor:
-    output_counts = token_counts(outputs, logits)
-    seen = (token_counts(prompts, logits) > 0) | (output_counts > 0)
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: Histories,
+              rows: list[int]) -> torch.Tensor:
+    output_counts = _token_counts([histories.output(row) for row in rows], logits)
+    seen = output_counts > 0
+    if any(p.repetition_penalty != 1 for p in params):  # only it reads the prompt
+        seen |= _token_counts([histories.prompt(row) for row in rows], logits) > 0
 
     def per_row(name: str) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype, device=logits.device)[:, None]
@@ -61,7 +61,7 @@ def _penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[
     return logits - per_row("frequency_penalty") * output_counts - per_row("presence_penalty") * (output_counts > 0)
 
 
-def token_counts(sequences: list[list[int]], like: torch.Tensor) -> torch.Tensor:
+def _token_counts(sequences: list[list[int]], like: torch.Tensor) -> torch.Tensor:
     """How often each token id occurs in each sequence: [sequences, vocab], the dtype and device of `like`."""
     counts = torch.zeros(len(sequences), like.shape[-1], dtype=like.dtype, device=like.device)
     lengths = torch.tensor([len(s) for s in sequences])

@@ -83,13 +83,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    histories: Histories | None = None,
+    histories: Histories,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [rows, vocab] (fp32, finite), plus logprobs where asked for. `histories`:
-    the rows' sequences, which penalties and min_tokens read (None: no row asks for either)."""
-    biased = biased_logits(logits, params)
-    if histories is not None:
-        biased = penalized_logits(biased, params, histories)
+    the rows' sequences, which penalties and min_tokens read."""
+    biased = penalized_logits(biased_logits(logits, params), params, histories)
     tokens = greedy_tokens(biased)
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:

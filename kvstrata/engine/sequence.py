@@ -74,6 +74,12 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def reads_cached_prefix(self) -> bool:
+        """Whether KV cached by other requests (the prefix cache, the KV store) may stand in for its prompt's tokens:
+        not when it asks for their logprobs, which only computing them gives."""
+        return self.params.prompt_logprobs is None
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 

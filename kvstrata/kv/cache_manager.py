@@ -30,6 +30,9 @@ class Sequence(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def reads_cached_prefix(self) -> bool: ...
+
 
 @dataclass
 class PrefixCacheStats:
@@ -86,6 +89,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0, 0
         seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes, self.hash_root(seq))
+        if not seq.reads_cached_prefix:
+            return 0, 0  # it computes every prompt token (its blocks are cached for others all the same)
         usable = (seq.num_tokens - 1) // self.block_size
         held = 0
         while held < usable and self.pool.lookup(seq.block_hashes[held]) is not None:

@@ -158,12 +158,13 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
 
     @app.post("/tokenize", responses=TOKENIZE_RESPONSES)
     async def tokenize(body: TokenizeRequest):
+        if (unknown := _unknown_model(body.model)) is not None:
+            return unknown
         try:
             token_ids = await asyncio.to_thread(preparer.tokenize, body)
         except FieldError as exc:
             return _error(400, str(exc), exc.param)
-        return _unknown_model(body.model) or {"count": len(token_ids), "max_model_len": engine.max_model_len,
-                                              "tokens": token_ids}
+        return {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids}
 
     @app.post("/detokenize", responses=DETOKENIZE_RESPONSES)
     async def detokenize(body: DetokenizeRequest):

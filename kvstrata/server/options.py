@@ -25,9 +25,10 @@ class ServerOptions:
                 raise KvstrataError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise KvstrataError(f"--max-tokens-limit must be at least 1, got {self.max_tokens_limit}")
-        if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
-                                         or self.api_key != self.api_key.strip()):
-            raise KvstrataError("--api-key must be printable text without surrounding spaces, and not empty")
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
+                                             and self.api_key == self.api_key.strip()):
+            raise KvstrataError("--api-key must be printable ASCII without surrounding spaces (what an HTTP header "
+                                "carries)")
         for name in ("read_timeout", "shutdown_grace"):
             if not getattr(self, name) > 0:
                 raise KvstrataError(f"--{name.replace('_', '-')} must be a positive number of seconds, "

@@ -111,6 +111,10 @@ class RequestPreparer:
             self.engine.check_logit_bias(params)
         except KvstrataError as exc:
             raise FieldError("logit_bias", str(exc)) from exc
+        try:
+            self.engine.check_min_tokens(params)
+        except KvstrataError as exc:
+            raise FieldError("min_tokens", str(exc)) from exc
         return params
 
     def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
@@ -119,7 +123,6 @@ class RequestPreparer:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
         return tokenizer.encode_chat([m.plain() for m in messages], add_generation_prompt,
                                      special_tokens_in_content=self.options.special_tokens_in_chat)
-
 
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         """In a worker thread: /tokenize's token ids, those the completions or chat endpoint would make."""

@@ -81,9 +81,15 @@ class ResponseBuilder:
         return {
             "tokens": before["tokens"] + [self._token_text(e.token_id) for e in entries],
             "token_logprobs": before["token_logprobs"] + [e.logprob for e in entries],
-            "top_logprobs": before["top_logprobs"] + [{self._token_text(t): lp for t, lp in e.top.items()}
-                                                      for e in entries],
+            "top_logprobs": before["top_logprobs"] + [self._top_with_token(e) for e in entries],
         }
+
+    def _top_with_token(self, entry: TokenLogprobs) -> dict[str, float]:
+        """A completion token's alternatives and, as OpenAI's legacy format always has it, the token itself (so up
+        to logprobs + 1 entries)."""
+        top = {self._token_text(t): lp for t, lp in entry.top.items()}
+        top.setdefault(self._token_text(entry.token_id), entry.logprob)
+        return top
 
     def _new_logprobs(self, index: int, output: RequestOutput, echoing: bool) -> dict | None:
         if output.logprobs is None:

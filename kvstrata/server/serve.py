@@ -43,10 +43,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest max_tokens a request may ask for (default: the model's context)")
     parser.add_argument("--read-timeout", type=float, default=30.0,
                         help="seconds a client gets to send a request's headers, and then its body (default: 30)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
-                        help=f"API requests must send 'Authorization: Bearer KEY' (/health and /metrics stay open); "
-                             f"the {API_KEY_VARIABLE} environment variable keeps it off the command line "
-                             "(default: that variable, else no key)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
+                        help=f"API requests must send 'Authorization: Bearer KEY' (/health, /metrics and "
+                             f"/openapi.json stay open); the {API_KEY_VARIABLE} environment variable keeps it off the "
+                             "command line (default: that variable if set and not empty, else no key)")
     parser.add_argument("--special-tokens-in-chat", action="store_true",
                         help="parse special-token text (<|im_end|>, ...) in chat message content as special tokens; "
                              "only for trusted clients, since it lets them forge role boundaries (default: plain text)")
