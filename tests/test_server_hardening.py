@@ -378,3 +378,9 @@ def test_an_api_key_guards_the_api_but_not_health_or_metrics(tiny_llama, monkeyp
     assert server_options_from_args(parser.parse_args([])).api_key == "from-the-environment"
     assert server_options_from_args(parser.parse_args(["--api-key", "given"])).api_key == "given"
     assert "from-the-environment" not in repr(server_options_from_args(parser.parse_args([])))
+    monkeypatch.setenv("KVSTRATA_API_KEY", "")  # set but empty: no key, as vLLM takes it
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert server_options_from_args(parser.parse_args([])).api_key is None
+    with pytest.raises(KvstrataError, match="printable ASCII"):
+        ServerOptions(api_key="clé")
