@@ -173,6 +173,16 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ({"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
         ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
+        ({"model": MODEL, "prompt": "x", "allowed_token_ids": [5, 99999]}, 400, "allowed_token_ids"),
+        ({"model": MODEL, "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+        ({"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 0}, 400, "prompt_logprobs"),
+        ({"model": MODEL, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+        ({"model": MODEL, "prompt": "x", "bad_words": ["Emma"]}, 400, "bad_words"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 2, "guided_choice": None, "use_beam_search": False,
+          "bad_words": [], "length_penalty": 1}, 200, None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 2, "allowed_token_ids": [5], "include_stop_str_in_output": True,
+          "skip_special_tokens": False}, 200, None),
         ({"model": MODEL, "prompt": "x", "max_tokens": 2, "best_of": 1, "suffix": "", "min_tokens": 0, "min_p": 0,
           "repetition_penalty": 1, "stop_token_ids": [], "user": "anyone"}, 200, None),
         ({"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 3, "min_p": 0.1, "repetition_penalty": 1.3,
@@ -296,7 +306,8 @@ JSON_VALUES = st.recursive(
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
           "stream", "logprobs", "top_logprobs", "stream_options", "max_completion_tokens", "ignore_eos", "echo",
           "logit_bias", "best_of", "suffix", "min_tokens", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "stop_token_ids",
+          "frequency_penalty", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+          "stop_token_ids",
           "response_format", "tools", "functions"]
 
 
@@ -509,3 +520,22 @@ def test_echo_returns_the_prompt_with_its_logprobs_as_lm_eval_reads_them(server,
             assert prompt_part == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]], abs=1e-4)
         assert reply["usage"]["prompt_tokens"] == len(ids)
     assert not echoed.choices[0].logprobs  # no logprobs asked: none echoed
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(server, offline):
+    long_prompt = "Emma Woodhouse, handsome, clever, and rich. " * 40  # longer than the 256-token context
+    ids = offline.engine.tokenize(long_prompt)
+    assert len(ids) > 256
+    for path, body in (("/v1/completions", {"prompt": long_prompt}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt}]})):
+        refused = httpx.post(server[0] + path, json={"model": MODEL, **body, "max_tokens": 2}, timeout=60)
+        assert refused.status_code == 400
+        reply = httpx.post(server[0] + path, json={"model": MODEL, **body, "max_tokens": 2, "temperature": 0,
+                                                   "truncate_prompt_tokens": 50}, timeout=60).json()
+        assert reply["usage"]["prompt_tokens"] == 50
+    expected = offline.generate([ids[-50:]], SamplingParams(max_tokens=4, temperature=0))[0]
+    reply = httpx.post(server[0] + "/v1/completions", json={
+        "model": MODEL, "prompt": long_prompt, "max_tokens": 4, "temperature": 0, "truncate_prompt_tokens": 50,
+        "echo": True}, timeout=60).json()
+    echoed = offline.engine.tokenizer.decode(ids[-50:], skip_special_tokens=False)
+    assert reply["choices"][0]["text"] == echoed + expected.text  # what was kept of the prompt is echoed

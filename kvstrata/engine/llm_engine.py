@@ -33,7 +33,7 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
 from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.engine.torch_threads import keep_torch_threads, use_torch_threads
-from kvstrata.errors import KvstrataError, RequestFailed
+from kvstrata.errors import KvstrataError, ParameterError, RequestFailed
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
@@ -208,22 +208,23 @@ class LLMEngine:
             raise KvstrataError(f"a token-id prompt must be a list of integers in [0, {vocab}), got {prompt!r:.200}")
         return list(prompt)
 
-    def check_logit_bias(self, params: SamplingParams) -> None:
-        """A biased token must be one of the model's: the sampler indexes its logits by it."""
+    def check_sampling(self, params: SamplingParams) -> None:
+        """What only the model can tell of a request's sampling parameters: the token ids they name lie in the
+        vocabulary (the sampler indexes its logits by them), and while min_tokens holds some token that would not
+        end the output may be generated (else a row of the batched sampler has no finite logit)."""
         vocab = self.loaded.config.vocab_size
-        outside = [token for token in params.logit_bias if token >= vocab]
-        if outside:
-            raise KvstrataError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {vocab})")
-
-    def check_min_tokens(self, params: SamplingParams) -> None:
-        """While min_tokens holds, the tokens that would end the output are banned: some token must remain."""
+        for param, tokens in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
+            outside = [token for token in tokens if token >= vocab]
+            if outside:
+                raise ParameterError(param, f"{param} names token {outside[0]}, outside the vocabulary [0, {vocab})")
         if not params.min_tokens:
             return
-        vocab = self.loaded.config.vocab_size
-        ends = {t for t in params.stop_token_ids if t < vocab} | (set() if params.ignore_eos else self.outputs.eos_token_ids)
-        if len(ends) >= vocab:
-            raise KvstrataError(f"min_tokens {params.min_tokens} bans every token of the vocabulary: stop_token_ids "
-                                "and EOS cover all of it")
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else self.outputs.eos_token_ids)
+        allowed = params.allowed_token_ids
+        if (allowed is None and len({t for t in ends if t < vocab}) >= vocab) or (allowed and set(allowed) <= ends):
+            choosable = "the vocabulary" if allowed is None else "allowed_token_ids"
+            raise ParameterError("min_tokens", f"min_tokens {params.min_tokens} bans every token of {choosable}: "
+                                               "stop_token_ids and EOS cover all of it")
 
     def check_prompt_length(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -252,8 +253,7 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.check_prompt_length(token_ids)
-        self.check_logit_bias(params)
-        self.check_min_tokens(params)
+        self.check_sampling(params)
         if params.prompt_logprobs is not None and preloaded:
             raise KvstrataError("prompt_logprobs needs every prompt token computed; this request's preloaded KV "
                                 "(a saved context) would stand in for some")

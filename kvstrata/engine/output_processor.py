@@ -45,7 +45,8 @@ class OutputProcessor:
             return False
         detok = self._detokenizers.get(seq.seq_id)
         if detok is None:
-            detok = self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+            detok = self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                                            seq.params.skip_special_tokens)
         new_text = detok.add(token_id)
         if not new_text:
             return False
@@ -53,8 +54,8 @@ class OutputProcessor:
         seq.output_text += new_text
         for stop in seq.params.stop if find_stops else ():
             at = seq.output_text.find(stop, searched_from)
-            if at != -1:
-                seq.output_text = seq.output_text[:at]  # the stop string itself is not returned
+            if at != -1:  # the stop string itself is returned only if asked for
+                seq.output_text = seq.output_text[: at + len(stop) if seq.params.include_stop_str_in_output else at]
                 seq.finish_reason = "stop"
                 return True
         return False

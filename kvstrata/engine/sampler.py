@@ -20,15 +20,21 @@ from kvstrata.engine.sequence import TokenLogprobs
 
 
 def biased_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Each row's `logit_bias` added to its logits [rows, vocab] (a copy, where a row has one)."""
-    rows = [row for row, p in enumerate(params) if p.logit_bias]
+    """Each row's `logit_bias` added to its logits [rows, vocab], and its tokens outside `allowed_token_ids` set to
+    -inf (a copy, where a row has either)."""
+    rows = [row for row, p in enumerate(params) if p.logit_bias or p.allowed_token_ids is not None]
     if not rows:
         return logits
     logits = logits.clone()
     for row in rows:
-        bias = params[row].logit_bias
-        tokens = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-        logits[row, tokens] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        bias, allowed = params[row].logit_bias, params[row].allowed_token_ids
+        if bias:
+            tokens = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[row, tokens] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        if allowed is not None:
+            banned = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            banned[torch.tensor(allowed, device=logits.device)] = False
+            logits[row] = logits[row].masked_fill(banned, float("-inf"))
     return logits
 
 

@@ -58,6 +58,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted from a token's logit once per time the output holds it (OpenAI's)
     # a token the prompt or the output holds: its logit divided by this where positive, multiplied where not
     repetition_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None  # only these may be generated; None: any
+    include_stop_str_in_output: bool = False  # a stop string that ends the output stays in its text
+    skip_special_tokens: bool = True  # the output text leaves special tokens out
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -80,6 +83,12 @@ class SamplingParams:
         for token, bias in self.logit_bias.items():
             _check_int("a logit_bias token id", token, 0)
             _check_number(f"logit_bias of token {token}", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, low_inclusive=True)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise KvstrataError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                                    f"{self.allowed_token_ids!r:.200}")
+            for token in self.allowed_token_ids:
+                _check_int("allowed_token_ids entry", token, 0)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise KvstrataError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")

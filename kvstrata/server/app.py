@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
-from kvstrata.errors import KvstrataError
+from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.server.api_key import ApiKeyCheck
 from kvstrata.server.async_engine import AsyncEngine, Choice, ServerError
 from kvstrata.server.body_limit import BodyLimit
@@ -39,7 +39,7 @@ from kvstrata.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvstrata.server.request_prep import FieldError, RequestPreparer
+from kvstrata.server.request_prep import RequestPreparer
 from kvstrata.server.responses import ResponseBuilder, error_body, sse
 
 log = logging.getLogger("kvstrata.server")
@@ -162,7 +162,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             return unknown
         try:
             token_ids = await asyncio.to_thread(preparer.tokenize, body)
-        except FieldError as exc:
+        except ParameterError as exc:
             return _error(400, str(exc), exc.param)
         return {"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids}
 
@@ -172,7 +172,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             return unknown
         try:
             return {"prompt": await asyncio.to_thread(preparer.detokenize, body)}
-        except FieldError as exc:
+        except ParameterError as exc:
             return _error(400, str(exc), exc.param)
 
     @app.post("/v1/completions", responses=completion_responses(CompletionResponse))
@@ -192,13 +192,17 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             requests = await asyncio.to_thread(preparer.prepare, body)
             outputs = async_engine.generate(requests)
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
-        except FieldError as exc:
+        except ParameterError as exc:
             return _error(400, str(exc), exc.param)
         except KvstrataError as exc:
             return _error(400, str(exc), "messages" if chat else "prompt")
         except ServerError as exc:
             return _server_error(exc)
-        builder = ResponseBuilder(chat, model_name, tokenizer, body.n, echo=not chat and body.echo)
+        echo_texts = None
+        if not chat and body.echo:
+            whole = body.truncate_prompt_tokens is None  # else the prompt's tokens kept are what is echoed
+            echo_texts = [p if isinstance(p, str) and whole else None for p in body.prompts]
+        builder = ResponseBuilder(chat, model_name, tokenizer, body.n, echo_texts)
         if body.stream:
             return StreamingResponse(_stream(builder, first, outputs, len(requests), body.include_usage),
                                      media_type="text/event-stream")

@@ -62,12 +62,12 @@ def _whole_number(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _only_off(off: str) -> AfterValidator:
+def _only_off(off: str, is_off=lambda value: not value) -> AfterValidator:
     """A field of a feature the engine does not have: taken when off (false, empty or null, as `off` says), refused
     otherwise, never ignored."""
 
     def check(value):
-        if value:
+        if not is_off(value):
             raise ValueError(f"is not supported: only {off}")
         return value
 
@@ -84,6 +84,8 @@ Number = StrictFloat  # takes ints too, not bools
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 NoList = Annotated[list | None, _only_off("empty or null"),
                    WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})]
+OnlyNull = Annotated[object, _only_off("null", lambda value: value is None), WithJsonSchema({"type": "null"})]
+OnlyFalse = Annotated[StrictBool, _only_off("false"), WithJsonSchema({"type": "boolean", "const": False})]
 
 
 class ResponseFormat(BaseModel):
@@ -119,6 +121,19 @@ class _SamplingFields(BaseModel):
     min_tokens: integer(ge=0) = 0  # at most the request's max_tokens (checked with it)
     min_p: Annotated[Number, Field(ge=0, le=1)] = 0
     repetition_penalty: Annotated[Number, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] = 1
+    allowed_token_ids: Annotated[list[integer(ge=0)], Field(min_length=1)] | None = None  # only these generated
+    truncate_prompt_tokens: integer(ge=1) | None = None  # vLLM's: only the prompt's last k tokens are used
+    # vLLM's extras that this engine does not have: refused unless off, so that no output silently differs
+    use_beam_search: OnlyFalse = False
+    length_penalty: Annotated[Number, Field(ge=1, le=1, description="Not supported: 1 only")] = 1
+    bad_words: NoList = None
+    prompt_logprobs: OnlyNull = None  # (completions' echo with logprobs gives the prompt's logprobs)
+    guided_json: OnlyNull = None
+    guided_regex: OnlyNull = None
+    guided_choice: OnlyNull = None
+    guided_grammar: OnlyNull = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     # token ids as the object's keys (JSON keys are strings) -> bias added to the token's logit
     logit_bias: dict[Annotated[StrictStr, Field(pattern=r"^[0-9]+$")],
                      Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
@@ -141,6 +156,9 @@ class _SamplingFields(BaseModel):
             presence_penalty=float(self.presence_penalty),
             frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty),
+            allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     @property

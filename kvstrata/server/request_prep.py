@@ -11,7 +11,7 @@ import dataclasses
 
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import MAX_SEED, SamplingParams
-from kvstrata.errors import KvstrataError
+from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.server.options import ServerOptions
 from kvstrata.server.protocol import (
     ChatCompletionRequest,
@@ -24,14 +24,6 @@ from kvstrata.server.protocol import (
 Body = CompletionRequest | ChatCompletionRequest
 
 
-class FieldError(KvstrataError):
-    """A request the server refuses (400), and the field to blame."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
 class RequestPreparer:
     def __init__(self, engine: LLMEngine, options: ServerOptions):
         self.engine = engine
@@ -41,7 +33,9 @@ class RequestPreparer:
         self.max_chars = None if tokenizer is None else engine.max_model_len * tokenizer.max_chars_per_token
 
     def precheck(self, body: Body) -> None:
-        """On the event loop: refuse what is certainly too long without tokenizing it."""
+        """On the event loop: refuse what is certainly too long without tokenizing it (unless it is to be cut)."""
+        if body.truncate_prompt_tokens is not None:
+            return
         if isinstance(body, ChatCompletionRequest):
             self._precheck_text("messages", "the messages text", sum(len(m.plain()["content"]) for m in body.messages))
             return
@@ -49,16 +43,16 @@ class RequestPreparer:
             what = "the prompt" if len(body.prompts) == 1 else f"prompt {number} of the batch"
             if isinstance(prompt, list):
                 if len(prompt) >= self.engine.max_model_len:
-                    raise FieldError("prompt", f"{what} has {len(prompt)} tokens; the context allows at most "
-                                               f"{self.engine.max_model_len - 1}")
+                    raise ParameterError("prompt", f"{what} has {len(prompt)} tokens; the context allows at most "
+                                                   f"{self.engine.max_model_len - 1}")
             else:
                 self._precheck_text("prompt", f"{what} text", len(prompt))
 
     def _precheck_text(self, param: str, what: str, chars: int) -> None:
         if self.max_chars is not None and chars > self.max_chars:
-            raise FieldError(param, f"{what} has {chars} characters, more than {self.max_chars} "
-                                    f"({self.engine.max_model_len} tokens of at most "
-                                    f"{self.engine.tokenizer.max_chars_per_token} characters) can fit the context")
+            raise ParameterError(param, f"{what} has {chars} characters, more than {self.max_chars} "
+                                        f"({self.engine.max_model_len} tokens of at most "
+                                        f"{self.engine.tokenizer.max_chars_per_token} characters) can fit the context")
 
     def prepare(self, body: Body) -> list[tuple[list[int], SamplingParams]]:
         """In a worker thread: the token ids and sampling parameters of each of the request's choices (`n` per
@@ -67,9 +61,9 @@ class RequestPreparer:
         limit = self.options.max_waiting
         if len(prompts) * body.n > limit:  # its choices could never be admitted together
             if len(prompts) == 1:
-                raise FieldError("n", f"n {body.n} exceeds this server's --max-waiting of {limit}")
-            raise FieldError("prompt", f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} choices "
-                                       f"exceed this server's --max-waiting of {limit}")
+                raise ParameterError("n", f"n {body.n} exceeds this server's --max-waiting of {limit}")
+            raise ParameterError("prompt", f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} choices "
+                                           f"exceed this server's --max-waiting of {limit}")
         requests = []
         for number, prompt in enumerate(prompts):
             where = "" if len(prompts) == 1 else f"prompt {number} of the batch: "
@@ -82,9 +76,11 @@ class RequestPreparer:
         chat = isinstance(body, ChatCompletionRequest)
         try:
             token_ids = self._chat_tokens(body.messages) if chat else self.engine.tokenize(prompt)
+            if body.truncate_prompt_tokens is not None:
+                token_ids = token_ids[-body.truncate_prompt_tokens :]
             self.engine.check_prompt_length(token_ids)
         except KvstrataError as exc:
-            raise FieldError("messages" if chat else "prompt", where + str(exc)) from exc
+            raise ParameterError("messages" if chat else "prompt", where + str(exc)) from exc
         return token_ids
 
     def _sampling_params(self, body: Body, prompt_tokens: int, where: str) -> SamplingParams:
@@ -96,25 +92,18 @@ class RequestPreparer:
         if not chat and "max_tokens" not in body.model_fields_set:
             asked = min(asked, limit or asked, room)  # the API's default of 16 bows to the limit and the context
         if asked is not None and limit is not None and asked > limit:
-            raise FieldError(field, f"{field} {asked} exceeds this server's --max-tokens-limit of {limit}")
+            raise ParameterError(field, f"{field} {asked} exceeds this server's --max-tokens-limit of {limit}")
         if asked is not None and asked > room:
-            raise FieldError(field, f"{where}{field} {asked} does not fit the context: the prompt has {prompt_tokens} "
-                                    f"tokens of max_model_len {self.engine.max_model_len}, so at most {room} can "
-                                    "follow it")
+            raise ParameterError(field, f"{where}{field} {asked} does not fit the context: the prompt has "
+                                        f"{prompt_tokens} tokens of max_model_len {self.engine.max_model_len}, so at "
+                                        f"most {room} can follow it")
         max_tokens = asked or min(room, limit or room)
         if body.min_tokens > max_tokens:
-            raise FieldError("min_tokens", f"{where}min_tokens {body.min_tokens} exceeds the request's max_tokens of "
-                                           f"{max_tokens}")
+            raise ParameterError("min_tokens", f"{where}min_tokens {body.min_tokens} exceeds the request's "
+                                               f"max_tokens of {max_tokens}")
         logprobs = body.requested_logprobs if chat else body.logprobs
         params = body.sampling_params(max_tokens, logprobs)
-        try:
-            self.engine.check_logit_bias(params)
-        except KvstrataError as exc:
-            raise FieldError("logit_bias", str(exc)) from exc
-        try:
-            self.engine.check_min_tokens(params)
-        except KvstrataError as exc:
-            raise FieldError("min_tokens", str(exc)) from exc
+        self.engine.check_sampling(params)
         return params
 
     def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
@@ -127,7 +116,7 @@ class RequestPreparer:
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         """In a worker thread: /tokenize's token ids, those the completions or chat endpoint would make."""
         if (body.prompt is None) == (body.messages is None):
-            raise FieldError("prompt", "give exactly one of prompt and messages")
+            raise ParameterError("prompt", "give exactly one of prompt and messages")
         field = "prompt" if body.messages is None else "messages"
         try:
             if body.messages is not None:
@@ -136,17 +125,17 @@ class RequestPreparer:
                 raise KvstrataError("this model has no tokenizer")
             return self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except KvstrataError as exc:
-            raise FieldError(field, str(exc)) from exc
+            raise ParameterError(field, str(exc)) from exc
 
     def detokenize(self, body: DetokenizeRequest) -> str:
         """In a worker thread: /detokenize's text."""
         vocab = self.engine.model_config.vocab_size
         outside = next((i for i, token in enumerate(body.tokens) if token >= vocab), None)
         if outside is not None:
-            raise FieldError(f"tokens.{outside}", f"token {body.tokens[outside]} is outside the vocabulary of "
-                                                  f"{vocab} tokens")
+            raise ParameterError(f"tokens.{outside}", f"token {body.tokens[outside]} is outside the vocabulary of "
+                                                      f"{vocab} tokens")
         if self.engine.tokenizer is None:
-            raise FieldError("tokens", "this model has no tokenizer")
+            raise ParameterError("tokens", "this model has no tokenizer")
         return self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
 
 

@@ -32,14 +32,18 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 
 class ResponseBuilder:
     """Shapes one request's outputs for one endpoint: a choice per prompt and sample (`samples_per_prompt`, the
-    request's `n`). With `echo` (completions), each choice's text and logprobs begin with its prompt's."""
+    request's `n`). With `echo_texts` (completions' echo), each choice's text and logprobs begin with its prompt's:
+    one text per prompt, as the request gave it, or None where its token ids are to be decoded (a prompt of token
+    ids, or one cut to its last tokens)."""
 
-    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int, echo: bool = False):
+    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int,
+                 echo_texts: list[str | None] | None = None):
         self.chat = chat
         self.samples_per_prompt = samples_per_prompt
         self.model = model
         self.tokenizer = tokenizer
-        self.echo = echo
+        self.echo_texts = echo_texts
+        self.echo = echo_texts is not None
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self._sent_logprobs: dict[int, int] = {}  # choice index -> logprobs already streamed
@@ -48,9 +52,9 @@ class ResponseBuilder:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _prompt_text(self, output: RequestOutput) -> str:
-        return output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids,
-                                                                                     skip_special_tokens=False)
+    def _prompt_text(self, index: int, output: RequestOutput) -> str:
+        text = self.echo_texts[index // self.samples_per_prompt]
+        return text if text is not None else self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)
 
     def _prompt_logprobs(self, output: RequestOutput) -> dict | None:
         """The prompt's part of an echoed choice's logprobs: its first token has none (nothing predicts it)."""
@@ -109,7 +113,7 @@ class ResponseBuilder:
             if self.chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": output.text}}
             else:
-                choice = {"index": index, "text": (self._prompt_text(output) if self.echo else "") + output.text}
+                choice = {"index": index, "text": (self._prompt_text(index, output) if self.echo else "") + output.text}
             before = self._prompt_logprobs(output) if self.echo else None
             choice["logprobs"] = None if output.logprobs is None else self._logprobs(output.logprobs, before)
             choice["finish_reason"] = output.finish_reason
@@ -133,7 +137,7 @@ class ResponseBuilder:
         if self.chat:
             choice = {"index": index, "delta": {"content": output.new_text} if output.new_text else {}}
         else:
-            choice = {"index": index, "text": (self._prompt_text(output) if echoing else "") + output.new_text}
+            choice = {"index": index, "text": (self._prompt_text(index, output) if echoing else "") + output.new_text}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = output.finish_reason if output.finished else None
         return self._envelope([choice], chunk=True)

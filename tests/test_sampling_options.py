@@ -1,4 +1,5 @@
-"""Repetition, frequency and presence penalties, min_p and min_tokens: against transformers' logits processors
+"""Sampling options beyond temperature, top-k and top-p: repetition, frequency and presence penalties, min_p,
+min_tokens, allowed_token_ids, stop strings kept and special tokens shown. Against transformers' logits processors
 where it has them, against OpenAI's formula where it does not, and in batches mixed with requests that use none."""
 
 import pytest
@@ -138,3 +139,32 @@ def test_penalized_sampling_is_seeded_like_any_other(llm, prompts):
 def test_bad_values_are_refused_when_the_parameters_are_built(options, message):
     with pytest.raises(KvstrataError, match=message):
         SamplingParams(**options)
+
+
+def test_allowed_token_ids_restrict_what_is_generated_and_nothing_else(llm, prompts):
+    allowed = [7, 9, 11, 200]
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([prompts[0]] * 3, [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=2, ignore_eos=True, allowed_token_ids=allowed),
+        plain])
+    assert all(t in allowed for o in outputs[:2] for t in o.token_ids)
+    assert outputs[2].token_ids == llm.generate([prompts[0]], plain)[0].token_ids
+    with pytest.raises(KvstrataError, match="allowed_token_ids names token 320, outside the vocabulary"):
+        llm.engine.add_request(prompts[0], SamplingParams(allowed_token_ids=[5, 320]))
+    with pytest.raises(KvstrataError, match="min_tokens 2 bans every token of allowed_token_ids"):
+        llm.engine.add_request(prompts[0], SamplingParams(allowed_token_ids=[5, 6], stop_token_ids=[5, 6], min_tokens=2))
+
+
+def test_stop_strings_kept_on_request_and_special_tokens_shown_on_request(llm):
+    free = llm.generate(["Emma"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    stop = free.text[5:8]
+    kept = llm.generate(["Emma"], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop],
+                                                include_stop_str_in_output=True))[0]
+    assert kept.finish_reason == "stop" and kept.text == free.text[: free.text.index(stop) + len(stop)]
+    eos = next(iter(llm.engine.outputs.eos_token_ids))
+    special = llm.engine.tokenizer.decode([eos], skip_special_tokens=False)
+    forced = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True, "logit_bias": {eos: 100.0}}
+    shown = llm.generate(["Emma"], SamplingParams(**forced, skip_special_tokens=False))[0]
+    hidden = llm.generate(["Emma"], SamplingParams(**forced))[0]
+    assert special and shown.text == special * 2 and hidden.text == ""
