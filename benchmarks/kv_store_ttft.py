@@ -26,6 +26,7 @@ Redis is a real redis-server on loopback, started here; its link is loopback (no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -88,6 +89,25 @@ def stored_kv(reader: LLMEngine, context: list[int]) -> list[PreloadedKV]:
     return [PreloadedKV(0, torch.cat(ks, dim=1), torch.cat(vs, dim=1))]
 
 
+@contextlib.contextmanager
+def writer_and_reader(redis: RedisServer, form: str, prompt: list[int]):
+    """An engine that wrote `prompt`'s chunks to the emptied Redis in `form`, and a fresh one (empty device pool)
+    on the same store. Both are closed afterwards: each form's engines run alone, the earlier ones' threads and
+    memory gone."""
+    store = {"kv_store": redis.url, "kv_store_format": form}
+    redis.flush()
+    writer = engine(**store)
+    first_token(writer, prompt)
+    writer.kv_store.flush()
+    reader = engine(**store)
+    try:
+        yield writer, reader
+    finally:
+        writer.close()
+        reader.close()
+        gc.collect()
+
+
 def run_target(forms: list[str], redis: RedisServer) -> dict:
     results = {}
     recompute_engine = engine()
@@ -102,28 +122,21 @@ def run_target(forms: list[str], redis: RedisServer) -> dict:
         row = {"prompt_tokens": len(prompt), "recompute_ttft_s": recomputed.metrics.ttft, "perplexity_weights": "fp32",
                "recompute_perplexity": perplexity(scorer, ids, []), "forms": {}}
         for form in forms:
-            store = {"kv_store": redis.url, "kv_store_format": form}
-            redis.flush()
-            writer = engine(**store)
-            first_token(writer, prompt)
-            writer.kv_store.flush()
-            reader = engine(**store)
-            loaded = first_token(reader, prompt)
-            tier, loaded_tokens = reader.kv_store.store.tiers[0].stats, reader.kv_store.stats.loaded_tokens
-            row["forms"][form] = {
-                "ttft_s": loaded.metrics.ttft, "speedup_vs_recompute": recomputed.metrics.ttft / loaded.metrics.ttft,
-                "loaded_tokens": loaded_tokens, "bytes_read": tier.bytes_read,
-                "bytes_per_token": tier.bytes_read / max(loaded_tokens, 1),
-                "fetch_s": tier.fetch_seconds, "decode_s": reader.kv_store.store.stats.decode_seconds,
-                "encode_s": writer.kv_store.store.stats.encode_seconds,
-                "same_first_token": loaded.token_ids == recomputed.token_ids,
-            }
-            quality = perplexity(scorer, ids, stored_kv(reader, context))  # fetches again: after the counters
-            row["forms"][form].update(perplexity=quality, perplexity_vs_recompute=quality / row["recompute_perplexity"] - 1)
-            writer.close()  # each form's engines run alone: the earlier ones' threads and memory are gone
-            reader.close()
-            del writer, reader
-            gc.collect()
+            with writer_and_reader(redis, form, prompt) as (writer, reader):
+                loaded = first_token(reader, prompt)
+                tier, loaded_tokens = reader.kv_store.store.tiers[0].stats, reader.kv_store.stats.loaded_tokens
+                row["forms"][form] = {
+                    "ttft_s": loaded.metrics.ttft,
+                    "speedup_vs_recompute": recomputed.metrics.ttft / loaded.metrics.ttft,
+                    "loaded_tokens": loaded_tokens, "bytes_read": tier.bytes_read,
+                    "bytes_per_token": tier.bytes_read / max(loaded_tokens, 1),
+                    "fetch_s": tier.fetch_seconds, "decode_s": reader.kv_store.store.stats.decode_seconds,
+                    "encode_s": writer.kv_store.store.stats.encode_seconds,
+                    "same_first_token": loaded.token_ids == recomputed.token_ids,
+                }
+                quality = perplexity(scorer, ids, stored_kv(reader, context))  # fetches again: after the counters
+                row["forms"][form].update(perplexity=quality,
+                                          perplexity_vs_recompute=quality / row["recompute_perplexity"] - 1)
             print(name, form, json.dumps(row["forms"][form]), file=sys.stderr, flush=True)
         results[name] = row
     return results
@@ -150,23 +163,14 @@ def run_together(forms: list[str], redis: RedisServer) -> dict:
         prompts = [context + tokenizer.tokenize(question) for question in QUESTIONS]
         row = {"prompt_tokens": [len(p) for p in prompts], "recompute": together(engine(), prompts), "forms": {}}
         for form in forms:
-            store = {"kv_store": redis.url, "kv_store_format": form}
-            redis.flush()
-            writer = engine(**store)
-            first_token(writer, prompts[0])
-            writer.kv_store.flush()
-            reader = engine(**store)
-            timed = together(reader, prompts)
-            row["forms"][form] = {
-                **timed, "bytes_read": reader.kv_store.store.tiers[0].stats.bytes_read,
-                "loaded_tokens": reader.kv_store.stats.loaded_tokens,
-                "decode_s": reader.kv_store.store.stats.decode_seconds,
-                "mean_ttft_speedup_vs_recompute": row["recompute"]["mean_ttft_s"] / timed["mean_ttft_s"],
-            }
-            writer.close()
-            reader.close()
-            del writer, reader
-            gc.collect()
+            with writer_and_reader(redis, form, prompts[0]) as (_, reader):
+                timed = together(reader, prompts)
+                row["forms"][form] = {
+                    **timed, "bytes_read": reader.kv_store.store.tiers[0].stats.bytes_read,
+                    "loaded_tokens": reader.kv_store.stats.loaded_tokens,
+                    "decode_s": reader.kv_store.store.stats.decode_seconds,
+                    "mean_ttft_speedup_vs_recompute": row["recompute"]["mean_ttft_s"] / timed["mean_ttft_s"],
+                }
             print(name, form, json.dumps(row["forms"][form]), file=sys.stderr, flush=True)
         results[name] = row
     return results
