@@ -118,7 +118,8 @@ def test_a_failed_forward_pass_ends_that_steps_requests_and_the_engine_goes_on(t
     {"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1e-320},
     {"top_p": 1e-46}, {"top_p": 1e-320}, {"temperature": 1e300}, {"temperature": math.inf},
     {"repetition_penalty": 0.01}, {"repetition_penalty": 100.0}, {"presence_penalty": -2, "frequency_penalty": 2},
-    {"min_p": 1.0, "temperature": 1e-3}, {"max_tokens": 30, "min_tokens": 25, "stop_token_ids": list(range(48)), "logit_bias": {48: -100}},
+    {"min_p": 1.0, "temperature": 1e-3},
+    {"max_tokens": 30, "min_tokens": 25, "stop_token_ids": list(range(48)), "logit_bias": {48: -100}},
 ])
 def test_no_accepted_sampling_parameter_makes_the_sampler_fail(params):
     logits = torch.randn(3, 50) * 30

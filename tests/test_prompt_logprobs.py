@@ -27,7 +27,8 @@ def expected(hf, prompt: list[int], top: int) -> list[tuple[int, float, dict]]:
     rows = []
     for q in range(1, len(prompt)):
         best = torch.topk(log_dist[q - 1], top)
-        rows.append((prompt[q], float(log_dist[q - 1, prompt[q]]), dict(zip(best.indices.tolist(), best.values.tolist()))))
+        alternatives = dict(zip(best.indices.tolist(), best.values.tolist()))
+        rows.append((prompt[q], float(log_dist[q - 1, prompt[q]]), alternatives))
     return rows
 
 

@@ -153,7 +153,8 @@ def test_allowed_token_ids_restrict_what_is_generated_and_nothing_else(llm, prom
     with pytest.raises(KvstrataError, match="allowed_token_ids names token 320, outside the vocabulary"):
         llm.engine.add_request(prompts[0], SamplingParams(allowed_token_ids=[5, 320]))
     with pytest.raises(KvstrataError, match="min_tokens 2 bans every token of allowed_token_ids"):
-        llm.engine.add_request(prompts[0], SamplingParams(allowed_token_ids=[5, 6], stop_token_ids=[5, 6], min_tokens=2))
+        llm.engine.add_request(prompts[0], SamplingParams(allowed_token_ids=[5, 6], stop_token_ids=[5, 6],
+                                                          min_tokens=2))
 
 
 def test_stop_strings_kept_on_request_and_special_tokens_shown_on_request(llm):

@@ -306,8 +306,8 @@ JSON_VALUES = st.recursive(
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
           "stream", "logprobs", "top_logprobs", "stream_options", "max_completion_tokens", "ignore_eos", "echo",
           "logit_bias", "best_of", "suffix", "min_tokens", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-          "stop_token_ids",
+          "frequency_penalty", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+          "truncate_prompt_tokens", "stop_token_ids",
           "response_format", "tools", "functions"]
 
 

@@ -1,12 +1,14 @@
-"""Turn next-token logits into tokens: logit bias, penalties and min_tokens (penalties.py), greedy, temperature,
-top-k, top-p, min-p, seeds, logprobs.
+"""Turn next-token logits into tokens: logit bias and allowed tokens, penalties and min_tokens (penalties.py),
+greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Every row is filtered and drawn in batched tensor operations, and the tokens reach Python in one
 transfer at the end: no host sync per row (rows with their own seed draw from their own generator).
 
 No accepted parameter can make a row's distribution NaN: temperatures below `GREEDY_BELOW_TEMPERATURE`
-sample greedily (their limit; dividing fp32 logits by them would overflow), and top-p always keeps the
-most likely token (a top_p that rounds to 0 in fp32 would otherwise drop every token).
+sample greedily (their limit; dividing fp32 logits by them would overflow), top-p and min-p always keep the
+most likely token (a top_p that rounds to 0 in fp32 would otherwise drop every token), the penalties' ranges
+keep logits finite, and a request whose min_tokens would ban every token it may generate is refused when it is
+added (`LLMEngine.check_sampling`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ class PreloadedKV:
         if (first, end) == (self.start, self.end):
             return self
         part = slice(first - self.start, end - self.start)
-        return PreloadedKV(first, self.k[:, part], self.v[:, part], None if self.unread is None else self.unread[:, part])
+        unread = None if self.unread is None else self.unread[:, part]
+        return PreloadedKV(first, self.k[:, part], self.v[:, part], unread)
 
 
 @dataclass
