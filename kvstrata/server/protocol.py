@@ -122,7 +122,9 @@ class _SamplingFields(BaseModel):
     min_p: Annotated[Number, Field(ge=0, le=1)] = 0
     repetition_penalty: Annotated[Number, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] = 1
     allowed_token_ids: Annotated[list[integer(ge=0)], Field(min_length=1)] | None = None  # only these generated
-    truncate_prompt_tokens: integer(ge=1) | None = None  # vLLM's: only the prompt's last k tokens are used
+    truncate_prompt_tokens: integer(ge=1) | None = None  # only the prompt's last k tokens are used
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     # vLLM's extras that this engine does not have: refused unless off, so that no output silently differs
     use_beam_search: OnlyFalse = False
     length_penalty: Annotated[Number, Field(ge=1, le=1, description="Not supported: 1 only")] = 1
@@ -132,8 +134,6 @@ class _SamplingFields(BaseModel):
     guided_regex: OnlyNull = None
     guided_choice: OnlyNull = None
     guided_grammar: OnlyNull = None
-    include_stop_str_in_output: StrictBool = False
-    skip_special_tokens: StrictBool = True
     # token ids as the object's keys (JSON keys are strings) -> bias added to the token's logit
     logit_bias: dict[Annotated[StrictStr, Field(pattern=r"^[0-9]+$")],
                      Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
