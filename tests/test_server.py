@@ -539,3 +539,23 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(server, offline):
         "echo": True}, timeout=60).json()
     echoed = offline.engine.tokenizer.decode(ids[-50:], skip_special_tokens=False)
     assert reply["choices"][0]["text"] == echoed + expected.text  # what was kept of the prompt is echoed
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, offline):
+    prompt = "Emma Woodhouse, handsome, clever"
+    ids = offline.engine.tokenize(prompt)
+    expected = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    reply = httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()
+    choice = reply["choices"][0]
+    assert choice["text"] == prompt and len(choice["logprobs"]["tokens"]) == len(ids)
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]],
+                                                                     abs=1e-4)
+    assert reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    with httpx.stream("POST", server[0] + "/v1/completions", json={**body, "stream": True}, timeout=60) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == prompt
+    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events) == len(ids)
+    refused = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

@@ -202,7 +202,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         if not chat and body.echo:
             whole = body.truncate_prompt_tokens is None  # else the prompt's tokens kept are what is echoed
             echo_texts = [p if isinstance(p, str) and whole else None for p in body.prompts]
-        builder = ResponseBuilder(chat, model_name, tokenizer, body.n, echo_texts)
+        builder = ResponseBuilder(chat, model_name, tokenizer, body.n, echo_texts,
+                                  prompt_only=not chat and body.max_tokens == 0)
         if body.stream:
             return StreamingResponse(_stream(builder, first, outputs, len(requests), body.include_usage),
                                      media_type="text/event-stream")

@@ -171,7 +171,7 @@ class CompletionRequest(_SamplingFields):
     prompt: (Annotated[Text, Field(min_length=1)] | TokenIds
              | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)]
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)])
-    max_tokens: integer(ge=1) | None = 16
+    max_tokens: integer(ge=0) | None = 16  # 0 only with echo: the prompt scored, nothing generated shown
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     echo: StrictBool = False  # each choice's text (and logprobs) begins with its prompt's
     best_of: integer(ge=1, le=1, description="1 only") | None = None

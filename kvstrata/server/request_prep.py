@@ -91,6 +91,11 @@ class RequestPreparer:
         room = self.engine.max_model_len - prompt_tokens
         if not chat and "max_tokens" not in body.model_fields_set:
             asked = min(asked, limit or asked, room)  # the API's default of 16 bows to the limit and the context
+        if asked == 0:  # OpenAI's legacy idiom for scoring a prompt: the engine generates one token, not shown
+            if not body.echo:
+                raise ParameterError("max_tokens", f"{where}max_tokens 0 generates nothing; it is taken only with "
+                                                   "echo, which returns the prompt (and its logprobs)")
+            asked = 1
         if asked is not None and limit is not None and asked > limit:
             raise ParameterError(field, f"{field} {asked} exceeds this server's --max-tokens-limit of {limit}")
         if asked is not None and asked > room:

@@ -19,10 +19,11 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def usage(outputs: list[RequestOutput], samples_per_prompt: int) -> dict:
-    """Each prompt counted once (its `n` choices share it), every choice's completion."""
+def usage(outputs: list[RequestOutput], samples_per_prompt: int, completions_shown: bool = True) -> dict:
+    """Each prompt counted once (its `n` choices share it), every choice's completion (none when only the prompts
+    are shown: echo with max_tokens 0)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs[::samples_per_prompt])
-    completion = sum(len(o.token_ids) for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs) if completions_shown else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -34,16 +35,18 @@ class ResponseBuilder:
     """Shapes one request's outputs for one endpoint: a choice per prompt and sample (`samples_per_prompt`, the
     request's `n`). With `echo_texts` (completions' echo), each choice's text and logprobs begin with its prompt's:
     one text per prompt, as the request gave it, or None where its token ids are to be decoded (a prompt of token
-    ids, or one cut to its last tokens)."""
+    ids, or one cut to its last tokens). With `prompt_only` (echo with max_tokens 0, which scores a prompt), the
+    choice is its prompt alone: the one token the engine generated is not shown."""
 
     def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int,
-                 echo_texts: list[str | None] | None = None):
+                 echo_texts: list[str | None] | None = None, prompt_only: bool = False):
         self.chat = chat
         self.samples_per_prompt = samples_per_prompt
         self.model = model
         self.tokenizer = tokenizer
         self.echo_texts = echo_texts
         self.echo = echo_texts is not None
+        self.prompt_only = prompt_only
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self._sent_logprobs: dict[int, int] = {}  # choice index -> logprobs already streamed
@@ -98,9 +101,13 @@ class ResponseBuilder:
     def _new_logprobs(self, index: int, output: RequestOutput, echoing: bool) -> dict | None:
         if output.logprobs is None:
             return None
-        entries = output.logprobs[self._sent_logprobs.get(index, 0) :]
+        entries = [] if self.prompt_only else output.logprobs[self._sent_logprobs.get(index, 0) :]
         self._sent_logprobs[index] = len(output.logprobs)
         return self._logprobs(entries, self._prompt_logprobs(output) if echoing else None)
+
+    def _echoed_text(self, index: int, output: RequestOutput, text: str, echoing: bool) -> str:
+        """A completion's `text` (all of it, or what is new) after its prompt's where it is echoed now."""
+        return (self._prompt_text(index, output) if echoing else "") + ("" if self.prompt_only else text)
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
@@ -113,12 +120,13 @@ class ResponseBuilder:
             if self.chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": output.text}}
             else:
-                choice = {"index": index, "text": (self._prompt_text(index, output) if self.echo else "") + output.text}
+                choice = {"index": index, "text": self._echoed_text(index, output, output.text, self.echo)}
             before = self._prompt_logprobs(output) if self.echo else None
-            choice["logprobs"] = None if output.logprobs is None else self._logprobs(output.logprobs, before)
+            entries = [] if self.prompt_only else output.logprobs
+            choice["logprobs"] = None if output.logprobs is None else self._logprobs(entries, before)
             choice["finish_reason"] = output.finish_reason
             choices.append(choice)
-        return {**self._envelope(choices, chunk=False), "usage": usage(outputs, self.samples_per_prompt)}
+        return {**self._envelope(choices, chunk=False), "usage": self._usage(outputs)}
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         """Chat streams open each choice with the assistant role."""
@@ -137,12 +145,14 @@ class ResponseBuilder:
         if self.chat:
             choice = {"index": index, "delta": {"content": output.new_text} if output.new_text else {}}
         else:
-            choice = {"index": index, "text": (self._prompt_text(index, output) if echoing else "") + output.new_text}
+            choice = {"index": index, "text": self._echoed_text(index, output, output.new_text, echoing)}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = output.finish_reason if output.finished else None
         return self._envelope([choice], chunk=True)
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(outputs, self.samples_per_prompt)}
+                "created": self.created, "model": self.model, "choices": [], "usage": self._usage(outputs)}
+
+    def _usage(self, outputs: list[RequestOutput]) -> dict:
+        return usage(outputs, self.samples_per_prompt, completions_shown=not self.prompt_only)
