@@ -76,16 +76,20 @@ class LLM:
         conversations: Messages | Sequence[Messages],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Like `generate`, for chat conversations (lists of {"role", "content"}) under the chat template."""
+        """Like `generate`, for chat conversations (lists of {"role", "content"}) under the chat template. With
+        `continue_final_message`, each conversation's last message (an answer begun) is continued rather than
+        followed by a new assistant turn."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.chat_prompt(c) for c in conversations], params, use_tqdm)
+        return self.generate([self.chat_prompt(c, continue_final_message) for c in conversations], params, use_tqdm)
 
-    def chat_prompt(self, messages: Messages) -> list[int]:
+    def chat_prompt(self, messages: Messages, continue_final_message: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
-        return self.tokenizer.encode_chat(messages)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=not continue_final_message,
+                                          continue_final_message=continue_final_message)
 
     def stream(
         self,

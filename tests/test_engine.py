@@ -172,6 +172,9 @@ def test_chat_uses_the_template(llm):
     assert rendered == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
     assert ids == llm.tokenizer.encode(rendered, add_special_tokens=False) and ids[0] == 1
     assert llm.chat(messages, SamplingParams(max_tokens=4))[0].prompt_token_ids == ids
+    begun = [*messages, {"role": "assistant", "content": "Hi"}]
+    continued = llm.chat(begun, SamplingParams(max_tokens=4), continue_final_message=True)[0].prompt_token_ids
+    assert continued == llm.tokenizer.encode(rendered + "Hi", add_special_tokens=False)  # the answer left open
 
 
 def test_opt_generates_like_transformers(tiny_opt, prompts):

@@ -559,3 +559,24 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, offline):
     assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events) == len(ids)
     refused = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_continue_final_message_leaves_the_assistant_s_answer_open_as_transformers_does(server, tiny_llama):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_llama))
+    messages = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a"}]
+    expected = list(hf.apply_chat_template(messages, continue_final_message=True, tokenize=True, return_dict=False))
+    tokens = httpx.post(server[0] + "/tokenize", json={"model": MODEL, "messages": messages,
+                                                       "continue_final_message": True}).json()
+    assert tokens["tokens"] == expected
+    reply = httpx.post(server[0] + "/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "continue_final_message": True, "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(expected)
+    opened = httpx.post(server[0] + "/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert opened["count"] > len(expected)  # by default a new assistant turn is opened after the answer
+    for extra, param in (({"add_generation_prompt": True}, "messages"), ({"echo": True}, "echo"),
+                         ({"chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs")):
+        refused = httpx.post(server[0] + "/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "continue_final_message": True, "max_tokens": 2, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param

@@ -247,6 +247,11 @@ def test_special_token_text_in_chat_content_is_plain_text_unless_the_server_trus
     from kvstrata.server.protocol import ChatCompletionRequest
     body = ChatCompletionRequest(model=MODEL, messages=messages, max_tokens=1)
     assert trusting.prepare(body)[0][0] == parsed  # the first (only) choice's token ids
+    answer = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure<|im_end|>"}]
+    continued = tokenizer.encode_chat(answer, add_generation_prompt=False, continue_final_message=True)
+    closed = tokenizer.encode_chat(answer, add_generation_prompt=False)
+    assert continued.count(im_end) == 1  # the user turn's; the answer stays open, its text plain
+    assert closed[: len(continued)] == continued and closed[len(continued)] == im_end  # cut just before its close
 
 
 # --- 6. the smaller findings ---------------------------------------------------------------------------

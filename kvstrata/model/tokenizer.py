@@ -97,16 +97,34 @@ class Tokenizer:
         return max(len(text) for text in self.backend.get_vocab(with_added_tokens=True))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    special_tokens_in_content: bool = False) -> list[int]:
+                    special_tokens_in_content: bool = False, continue_final_message: bool = False) -> list[int]:
         """The rendered template's tokens. The template's own special tokens are parsed as such; the same
         text inside a message's content is encoded as plain text unless `special_tokens_in_content`, so a
-        user cannot forge a role boundary (transformers parses it; trusted clients may ask for that)."""
+        user cannot forge a role boundary (transformers parses it; trusted clients may ask for that). With
+        `continue_final_message` the rendering stops right after the last message's content, which the model then
+        continues (an assistant's answer begun by the client), as transformers' option of that name does."""
+        if continue_final_message and add_generation_prompt:
+            raise KvstrataError("continue_final_message continues the last message; add_generation_prompt would "
+                                "open another: ask for one of them")
         contents = [m["content"] for m in messages]
         if special_tokens_in_content or not any(s in c for c in contents for s in self.special_token_texts):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+            rendered = self.apply_chat_template(messages, add_generation_prompt)
+            if continue_final_message:  # cut where transformers cuts: after the last copy of the final content
+                final = contents[-1].strip()
+                if final not in rendered:
+                    raise KvstrataError("the chat template does not write the last message's content, so it cannot "
+                                        "be continued")
+                rendered = rendered[: rendered.rindex(final) + len(final)]
+            return self.encode(rendered, add_special_tokens=False)
         # Render with each content replaced by a marker, then encode the template's text and the contents apart.
         marked = [{**m, "content": f"{_CONTENT_MARK}{i}{_CONTENT_MARK}"} for i, m in enumerate(messages)]
         pieces = self.apply_chat_template(marked, add_generation_prompt).split(_CONTENT_MARK)
+        if continue_final_message:  # up to the final content's marker (odd pieces are the contents' numbers)
+            final = [i for i in range(1, len(pieces), 2) if pieces[i] == str(len(messages) - 1)]
+            if not final:
+                raise KvstrataError("the chat template does not write the last message's content, so it cannot "
+                                    "be continued")
+            pieces = pieces[: final[-1] + 1]
         token_ids = []
         for i, piece in enumerate(pieces):
             if i % 2 == 0:

@@ -191,6 +191,13 @@ class CompletionRequest(_SamplingFields):
         return self.prompt
 
 
+def opens_assistant_turn(body: ChatCompletionRequest | TokenizeRequest) -> bool:
+    """`add_generation_prompt` as the body gives it; left out, on unless the final message is to be continued."""
+    if "add_generation_prompt" in body.model_fields_set:
+        return body.add_generation_prompt
+    return not body.continue_final_message
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: Text
@@ -219,6 +226,14 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: NoList = None
     functions: NoList = None  # tools' deprecated form
+    # vLLM's: the template opens the assistant's turn, or leaves the last message open for the model to continue
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    # vLLM's chat extras the engine does not have: refused unless off
+    echo: OnlyFalse = False
+    chat_template: OnlyNull = None
+    chat_template_kwargs: OnlyNull = None
+    documents: OnlyNull = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -241,6 +256,7 @@ class TokenizeRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True  # for a prompt: the model's BOS, as the completions endpoint adds
     add_generation_prompt: StrictBool = True  # for messages: the assistant's turn opened, as the chat endpoint does
+    continue_final_message: StrictBool = False  # for messages: the last one left open, as the chat endpoint can
 
 
 class DetokenizeRequest(BaseModel):

@@ -19,6 +19,7 @@ from kvstrata.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    opens_assistant_turn,
 )
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -75,7 +76,10 @@ class RequestPreparer:
     def _token_ids(self, body: Body, prompt: str | list[int] | None, where: str) -> list[int]:
         chat = isinstance(body, ChatCompletionRequest)
         try:
-            token_ids = self._chat_tokens(body.messages) if chat else self.engine.tokenize(prompt)
+            if chat:
+                token_ids = self._chat_tokens(body.messages, opens_assistant_turn(body), body.continue_final_message)
+            else:
+                token_ids = self.engine.tokenize(prompt)
             if body.truncate_prompt_tokens is not None:
                 token_ids = token_ids[-body.truncate_prompt_tokens :]
             self.engine.check_prompt_length(token_ids)
@@ -111,12 +115,14 @@ class RequestPreparer:
         self.engine.check_sampling(params)
         return params
 
-    def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     continue_final_message: bool) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
         return tokenizer.encode_chat([m.plain() for m in messages], add_generation_prompt,
-                                     special_tokens_in_content=self.options.special_tokens_in_chat)
+                                     special_tokens_in_content=self.options.special_tokens_in_chat,
+                                     continue_final_message=continue_final_message)
 
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         """In a worker thread: /tokenize's token ids, those the completions or chat endpoint would make."""
@@ -125,7 +131,7 @@ class RequestPreparer:
         field = "prompt" if body.messages is None else "messages"
         try:
             if body.messages is not None:
-                return self._chat_tokens(body.messages, body.add_generation_prompt)
+                return self._chat_tokens(body.messages, opens_assistant_turn(body), body.continue_final_message)
             if self.engine.tokenizer is None:
                 raise KvstrataError("this model has no tokenizer")
             return self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
