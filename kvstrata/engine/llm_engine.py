@@ -219,7 +219,7 @@ class LLMEngine:
                 raise ParameterError(param, f"{param} names token {outside[0]}, outside the vocabulary [0, {vocab})")
         if not params.min_tokens:
             return
-        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else self.outputs.eos_token_ids)
+        ends = params.ending_tokens(self.outputs.eos_token_ids)
         allowed = params.allowed_token_ids
         if (allowed is None and len({t for t in ends if t < vocab}) >= vocab) or (allowed and set(allowed) <= ends):
             choosable = "the vocabulary" if allowed is None else "allowed_token_ids"
@@ -400,7 +400,7 @@ class LLMEngine:
                     seq.preloaded = []  # placed: free the host copy (after a preemption the prompt is prefilled)
             outputs.extend(self._place_preloaded(seq))
         outputs.extend(self._record_prompt_logprobs(prompt_rows))
-        to_sample, logits, failed = self._drop_nonfinite(to_sample, logits)
+        to_sample, logits, failed = self._drop_ended_and_nonfinite(to_sample, logits)
         outputs.extend(failed)
         histories = Histories([s.token_ids for s in to_sample], [s.num_prompt_tokens for s in to_sample],
                               self.outputs.eos_token_ids)
@@ -454,7 +454,7 @@ class LLMEngine:
                                                    f"{type(exc).__name__}: {exc}"))
         return failed
 
-    def _drop_nonfinite(self, to_sample: list[Sequence], logits: torch.Tensor):
+    def _drop_ended_and_nonfinite(self, to_sample: list[Sequence], logits: torch.Tensor):
         """Sequences whose logits hold NaN or inf (a corrupt context) end with an error; those that ended earlier in
         the step are dropped; the rest are sampled."""
         finite = finite_rows(logits)

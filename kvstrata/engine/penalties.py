@@ -73,10 +73,9 @@ def _token_counts(sequences: list[list[int]], like: torch.Tensor) -> torch.Tenso
 
 
 def _ban_ends(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], eos_token_ids: set[int]) -> None:
-    """No row of `rows` may end now: its stop tokens, and the model's EOS unless it ignores EOS, get -inf."""
+    """No row of `rows` may end now: the tokens that would end it get -inf."""
     vocab = logits.shape[-1]
     for row in rows:
-        ends = set(params[row].stop_token_ids) | (set() if params[row].ignore_eos else eos_token_ids)
-        ends = sorted(token for token in ends if token < vocab)
+        ends = sorted(token for token in params[row].ending_tokens(eos_token_ids) if token < vocab)
         if ends:
             logits[row, torch.tensor(ends, device=logits.device)] = float("-inf")

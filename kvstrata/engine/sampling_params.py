@@ -101,6 +101,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
+    def ending_tokens(self, eos_token_ids: set[int]) -> set[int]:
+        """The tokens that end the output: its stop tokens, and the model's EOS unless it is ignored."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else eos_token_ids)
+
     @property
     def penalizes(self) -> bool:
         """Whether tokens the sequence already holds are penalized."""
