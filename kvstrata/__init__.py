@@ -4,7 +4,8 @@ from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.engine.structured_output import StructuredOutput
 from kvstrata.errors import KvstrataError
 from kvstrata.llm import LLM
 
-__all__ = ["LLM", "EngineConfig", "KvstrataError", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "KvstrataError", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutput"]

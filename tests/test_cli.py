@@ -1,5 +1,6 @@
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -22,7 +23,8 @@ def test_generate_help_describes_every_flag(capsys):
     text = capsys.readouterr().out
     for flag in ("--max-tokens", "--temperature", "--seed", "--model", "--kv-cache-memory", "--scheduler",
                  "--chunk-size", "--tile", "--block-size", "--device", "--max-num-seqs", "--stop", "--chat",
-                 "--repetition-penalty", "--presence-penalty", "--frequency-penalty", "--min-p", "--min-tokens"):
+                 "--repetition-penalty", "--presence-penalty", "--frequency-penalty", "--min-p", "--min-tokens",
+                 "--json-schema", "--json-object", "--regex", "--choice", "--grammar"):
         assert flag in text
 
 
@@ -44,6 +46,25 @@ def test_generate_streams_text(tiny_llama, capsys):
     assert capsys.readouterr().out.strip()
     assert main(["generate", "Emma", "--model", str(tiny_llama), "--min-tokens", "300"]) == 2
     assert "min_tokens 300 exceeds max_tokens 256" in capsys.readouterr().err
+
+
+def test_generate_holds_the_output_to_a_structured_constraint(tiny_llama, tmp_path, capsys):
+    tiny = ["--model", str(tiny_llama), "--max-tokens", "12", "--kv-cache-memory", "8MiB"]
+    assert main(["generate", "Emma", *tiny, "--regex", "[0-9]{3}-[a-z]+", "--temperature", "1", "--seed", "3"]) == 0
+    assert re.fullmatch(r"[0-9]{3}-[a-z]+", capsys.readouterr().out.strip())
+    assert main(["generate", "Emma", *tiny, "--choice", "yes", "--choice", "no"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    grammar = tmp_path / "answer.gbnf"
+    grammar.write_text('root ::= "tea" | "milk"')
+    assert main(["generate", "Emma", *tiny, "--grammar", str(grammar)]) == 0
+    assert capsys.readouterr().out.strip() in ("tea", "milk")
+    assert main(["generate", "Emma", *tiny, "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read the json file" in capsys.readouterr().err
+    assert main(["generate", "Emma", *tiny, "--regex", "[0-9"]) == 2
+    assert "regex is not valid" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "Emma", *tiny, "--regex", "a", "--choice", "b"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_bad_input_prints_an_error_without_traceback(tmp_path):

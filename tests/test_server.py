@@ -175,7 +175,23 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
         ({"model": MODEL, "prompt": "x", "allowed_token_ids": [5, 99999]}, 400, "allowed_token_ids"),
         ({"model": MODEL, "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
-        ({"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+        ({"model": MODEL, "prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),  # no "{" token
+        ({"model": MODEL, "prompt": "x", "guided_json": {"type": "no such type"}}, 400, "guided_json"),
+        ({"model": MODEL, "prompt": "x", "guided_json": "{not json"}, 400, "guided_json"),
+        ({"model": MODEL, "prompt": "x", "guided_regex": "[0-9"}, 400, "guided_regex"),
+        ({"model": MODEL, "prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+        ({"model": MODEL, "prompt": "x", "guided_grammar": "root ::= ("}, 400, "guided_grammar"),
+        ({"model": MODEL, "prompt": "x", "guided_regex": "a+", "guided_choice": ["b"]}, 400, "guided_choice"),
+        ({"model": MODEL, "prompt": "x", "guided_regex": "a+", "structured_outputs": {"choice": ["b"]}}, 400,
+         "guided_regex"),
+        ({"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}, 400,
+         "structured_outputs.disable_any_whitespace"),
+        ({"model": MODEL, "prompt": "x", "structured_outputs": {}}, 400, "structured_outputs"),
+        ({"model": MODEL, "prompt": "x", "guided_whitespace_pattern": " "}, 400, "guided_whitespace_pattern"),
+        ({"model": MODEL, "prompt": "x", "guided_regex": "a+", "min_tokens": 1}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "[0-9]+"}, 200, None),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 4, "response_format": {"type": "text"},
+          "guided_choice": ["yes", "no"]}, 200, None),
         ({"model": MODEL, "prompt": "x", "prompt_logprobs": 0}, 400, "prompt_logprobs"),
         ({"model": MODEL, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
         ({"model": MODEL, "prompt": "x", "bad_words": ["Emma"]}, 400, "bad_words"),
@@ -198,7 +214,11 @@ def test_completion_request_validation(server, body, status, param):
 
 
 @pytest.mark.parametrize("fields, status, param", [
-    ({"response_format": {"type": "json_object"}}, 400, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
+    ({"response_format": {"type": "json_object", "json_schema": {"schema": {}}}}, 400, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format.json_schema.schema"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"functions": [{"name": "f"}]}, 400, "functions"),
     ({"response_format": {"type": "text"}, "tools": [], "max_tokens": 2}, 200, None),
@@ -308,7 +328,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "logit_bias", "best_of", "suffix", "min_tokens", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
           "truncate_prompt_tokens", "stop_token_ids",
-          "response_format", "tools", "functions"]
+          "response_format", "tools", "functions", "structured_outputs", "guided_json", "guided_regex",
+          "guided_choice", "guided_grammar"]
 
 
 def _edge_body():

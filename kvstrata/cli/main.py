@@ -36,6 +36,13 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float)
                        help="subtracted from the logits of tokens the output holds, in [-2, 2] (default: 0)")
     group.add_argument("--frequency-penalty", type=float, default=0.0,
                        help="subtracted once per time the output holds a token, in [-2, 2] (default: 0)")
+    structured = parser.add_argument_group("structured output (one of these; the output ends when it is complete)")
+    constraint = structured.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", type=Path, metavar="FILE", help="JSON that follows the schema in FILE")
+    constraint.add_argument("--json-object", action="store_true", help="any JSON object")
+    constraint.add_argument("--regex", help="text the regular expression matches whole")
+    constraint.add_argument("--choice", action="append", help="one of these strings (repeatable)")
+    constraint.add_argument("--grammar", type=Path, metavar="FILE", help="text of the Lark or GBNF grammar in FILE")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -45,8 +52,24 @@ def _sampling_params(args: argparse.Namespace):
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=args.stop, min_p=args.min_p, min_tokens=args.min_tokens,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
+        frequency_penalty=args.frequency_penalty, structured_output=_structured_output(args),
     )
+
+
+def _structured_output(args: argparse.Namespace):
+    from kvstrata.engine.structured_output import StructuredOutput
+
+    files = {"json": args.json_schema, "grammar": args.grammar}
+    if not any((*files.values(), args.json_object, args.regex, args.choice)):
+        return None
+    texts = {}
+    for kind, path in files.items():
+        if path is not None:
+            try:
+                texts[kind] = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise KvstrataError(f"cannot read the {kind} file {path}: {exc}") from exc
+    return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice, **texts)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ import torch
 from kvstrata.cachegen.profile import shipped_profile
 from kvstrata.config import EngineConfig
 from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.engine.grammar_matcher import GrammarCompiler, allowed_tokens, matcher_error
 from kvstrata.engine.important_prefix_load import ImportantLoading
 from kvstrata.engine.kv_offload_setup import attention_policy
 from kvstrata.engine.kv_setup import engine_storage_layout, stored_form
@@ -94,6 +95,7 @@ class LLMEngine:
                                   max_blocks_per_seq=-(-self.max_model_len // config.block_size),
                                   max_num_seqs=config.max_num_seqs)
         self.outputs = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.loaded.config.vocab_size, self.outputs.eos_token_ids)
         # The latest steps only, so a long-running server's memory stays bounded.
         self.step_stats: deque[StepStats] = deque(maxlen=MAX_STEP_STATS)
         self._sequences: dict[str, Sequence] = {}
@@ -210,8 +212,11 @@ class LLMEngine:
 
     def check_sampling(self, params: SamplingParams) -> None:
         """What only the model can tell of a request's sampling parameters: the token ids they name lie in the
-        vocabulary (the sampler indexes its logits by them), and while min_tokens holds some token that would not
-        end the output may be generated (else a row of the batched sampler has no finite logit)."""
+        vocabulary (the sampler indexes its logits by them), while min_tokens holds some token that would not
+        end the output may be generated (else a row of the batched sampler has no finite logit), and its
+        structured output compiles (ParameterError "structured_output" otherwise; kept for add_request)."""
+        if params.structured_output is not None:
+            self.grammars.check(params.structured_output)
         vocab = self.loaded.config.vocab_size
         for param, tokens in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
             outside = [token for token in tokens if token >= vocab]
@@ -272,6 +277,7 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             generator=generator,
+            grammar=None if params.structured_output is None else self.grammars.matcher(params.structured_output),
             preloaded=preloaded,
             cache_salt=cache_salt,
         )
@@ -402,9 +408,12 @@ class LLMEngine:
         outputs.extend(self._record_prompt_logprobs(prompt_rows))
         to_sample, logits, failed = self._drop_ended_and_nonfinite(to_sample, logits)
         outputs.extend(failed)
+        to_sample, logits, constraints, failed = self._constraints(to_sample, logits)
+        outputs.extend(failed)
         histories = Histories([s.token_ids for s in to_sample], [s.num_prompt_tokens for s in to_sample],
                               self.outputs.eos_token_ids)
-        tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample], histories)
+        tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample], histories,
+                                  constraints)
         now = time.perf_counter()
         if self.kv_store is not None:
             self.kv_store.observe_prefill(prefill_work, now - start)
@@ -466,10 +475,28 @@ class LLMEngine:
                   for seq, ok in zip(to_sample, finite) if not ok and seq.finish_reason is None]
         return [seq for seq, ok in zip(to_sample, keep) if ok], logits[torch.tensor(keep, device=logits.device)], failed
 
+    def _constraints(self, to_sample: list[Sequence], logits: torch.Tensor):
+        """The tokens each sequence's structured output allows next (None where it has none). A sequence whose
+        constraint cannot go on (its tokenizer cannot write what the constraint requires next) ends with an error
+        and is dropped."""
+        constraints, failed, keep = [], [], []
+        for seq in to_sample:
+            mask = None if seq.grammar is None else allowed_tokens(seq.grammar, logits.shape[-1], logits.device)
+            if mask is not None and (seq.grammar.is_error() or not bool(mask.any())):
+                failed.append(self._fail(seq, f"its structured output cannot go on: {matcher_error(seq.grammar)}"))
+            constraints.append(mask)
+            keep.append(seq.finish_reason is None)
+        if all(keep):
+            return to_sample, logits, constraints, []
+        rows = [row for row, kept in enumerate(keep) if kept]
+        return ([to_sample[row] for row in rows], logits[rows], [constraints[row] for row in rows], failed)
+
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:
         after_load = (seq.store_load_end, seq.store_plan, seq.store_last_plan)
         if any(told is not None for told in after_load):  # its first token after a store load
             self.kv_store.observe_first_token(seq, now)
+        if seq.grammar is not None and not seq.grammar.consume_token(token):  # the sampler drew an allowed token
+            return self._fail(seq, f"its structured output refused token {token}: {matcher_error(seq.grammar)}")
         try:
             self.outputs.append_token(seq, token, logprobs, now)
         except Exception as exc:  # detokenizing or matching stop strings: a fault of this request's output only

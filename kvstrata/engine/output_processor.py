@@ -31,7 +31,9 @@ class OutputProcessor:
             seq.finish_reason = "stop"
         elif self._append_text(seq, token_id):
             return  # a stop string ended the text
-        if seq.finish_reason is None and (
+        if seq.finish_reason is None and seq.grammar_complete:
+            seq.finish_reason = "stop"  # its structured output is whole: nothing may follow it
+        elif seq.finish_reason is None and (
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             seq.finish_reason = "length"

@@ -1,5 +1,6 @@
-"""Turn next-token logits into tokens: logit bias and allowed tokens, penalties and min_tokens (penalties.py),
-greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Turn next-token logits into tokens: logit bias, allowed tokens and structured output's constraint (masks from
+grammar_matcher.py), penalties and min_tokens (penalties.py), greedy, temperature, top-k, top-p, min-p, seeds,
+logprobs.
 
 Every row is filtered and drawn in batched tensor operations, and the tokens reach Python in one
 transfer at the end: no host sync per row (rows with their own seed draw from their own generator).
@@ -7,8 +8,9 @@ transfer at the end: no host sync per row (rows with their own seed draw from th
 No accepted parameter can make a row's distribution NaN: temperatures below `GREEDY_BELOW_TEMPERATURE`
 sample greedily (their limit; dividing fp32 logits by them would overflow), top-p and min-p always keep the
 most likely token (a top_p that rounds to 0 in fp32 would otherwise drop every token), the penalties' ranges
-keep logits finite, and a request whose min_tokens would ban every token it may generate is refused when it is
-added (`LLMEngine.check_sampling`).
+keep logits finite, a request whose min_tokens would ban every token it may generate is refused when it is
+added (`LLMEngine.check_sampling`), and a constraint always allows some token (with neither min_tokens nor
+allowed_token_ids beside it: SamplingParams refuses those).
 """
 
 from __future__ import annotations
@@ -21,22 +23,29 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.sequence import TokenLogprobs
 
 
-def biased_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Each row's `logit_bias` added to its logits [rows, vocab], and its tokens outside `allowed_token_ids` set to
-    -inf (a copy, where a row has either)."""
-    rows = [row for row, p in enumerate(params) if p.logit_bias or p.allowed_token_ids is not None]
+def biased_logits(logits: torch.Tensor, params: list[SamplingParams],
+                  constraints: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Each row's `logit_bias` added to its logits [rows, vocab], and its tokens outside `allowed_token_ids` or
+    outside its constraint (a bool mask [vocab] of the tokens its structured output allows next) set to -inf (a
+    copy, where a row has any)."""
+    constraints = constraints or [None] * len(params)
+    rows = [row for row, p in enumerate(params)
+            if p.logit_bias or p.allowed_token_ids is not None or constraints[row] is not None]
     if not rows:
         return logits
     logits = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
     for row in rows:
         bias, allowed = params[row].logit_bias, params[row].allowed_token_ids
         if bias:
-            tokens = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-            logits[row, tokens] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            tokens = torch.tensor(list(bias), dtype=torch.long, device=device)
+            logits[row, tokens] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=device)
         if allowed is not None:
-            banned = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            banned[torch.tensor(allowed, device=logits.device)] = False
+            banned = torch.ones(vocab, dtype=torch.bool, device=device)
+            banned[torch.tensor(allowed, device=device)] = False
             logits[row] = logits[row].masked_fill(banned, float("-inf"))
+        if constraints[row] is not None:
+            logits[row] = logits[row].masked_fill(~constraints[row], float("-inf"))
     return logits
 
 
@@ -91,11 +100,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    histories: Histories,
+    histories: Histories, constraints: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [rows, vocab] (fp32, finite), plus logprobs where asked for. `histories`:
-    the rows' sequences, which penalties and min_tokens read."""
-    biased = penalized_logits(biased_logits(logits, params), params, histories)
+    the rows' sequences, which penalties and min_tokens read; `constraints`: the tokens each row's structured
+    output allows next (grammar_matcher.allowed_tokens; None: unconstrained)."""
+    biased = penalized_logits(biased_logits(logits, params, constraints), params, histories)
     tokens = greedy_tokens(biased)
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if drawn:
@@ -112,7 +122,8 @@ def sample(
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
     if wanted:
-        # Logprobs of the model's own distribution, before logit_bias, penalties, temperature and filtering.
+        # Logprobs of the model's own distribution, before logit_bias, constraints, penalties, temperature and
+        # filtering.
         log_dist = logits[wanted].log_softmax(-1)
         for i, row in enumerate(wanted):
             logprobs[row] = token_logprobs(log_dist[i : i + 1], [token_list[row]], params[row].logprobs)[0]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstrata.errors import KvstrataError
+from kvstrata.engine.structured_output import StructuredOutput
+from kvstrata.errors import KvstrataError, ParameterError
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
@@ -61,6 +62,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be generated; None: any
     include_stop_str_in_output: bool = False  # a stop string that ends the output stays in its text
     skip_special_tokens: bool = True  # the output text leaves special tokens out
+    # the output held to a JSON schema, a regex, a list of choices or a grammar; it ends when that is complete
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -96,6 +99,21 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY, low_inclusive=True)
         _check_number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, low_inclusive=True)
         _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE, low_inclusive=True)
+        self._check_structured_output()
+
+    def _check_structured_output(self) -> None:
+        if self.structured_output is None:
+            return
+        if not isinstance(self.structured_output, StructuredOutput):
+            raise KvstrataError(f"structured_output must be a StructuredOutput, got {self.structured_output!r:.200}")
+        # Either could leave a step with no token both it and the constraint allow (the constraint may allow only
+        # the end of the output while min_tokens bans it).
+        if self.min_tokens:
+            raise ParameterError("min_tokens", "min_tokens cannot be combined with structured output: the "
+                                               "constraint decides where the output may end")
+        if self.allowed_token_ids is not None:
+            raise ParameterError("allowed_token_ids", "allowed_token_ids cannot be combined with structured output: "
+                                                      "the constraint decides which tokens are allowed")
 
     @property
     def greedy(self) -> bool:

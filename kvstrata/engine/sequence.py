@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from llguidance import LLMatcher
 
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.block_hash import BlockHash
@@ -35,6 +36,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
+    grammar: LLMatcher | None = None  # follows the output where params.structured_output holds it (grammar_matcher.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     token_ids: list[int] = field(default_factory=list)  # prompt then output
     status: SequenceStatus = SequenceStatus.WAITING
@@ -78,6 +80,11 @@ class Sequence:
         """Whether KV cached by other requests (the prefix cache, the KV store) may stand in for its prompt's tokens:
         not when it asks for their logprobs, which only computing them gives."""
         return self.params.prompt_logprobs is None
+
+    @property
+    def grammar_complete(self) -> bool:
+        """Whether its structured output is complete and nothing may follow it."""
+        return self.grammar is not None and self.grammar.is_stopped()
 
     @property
     def num_output_tokens(self) -> int:

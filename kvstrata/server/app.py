@@ -71,8 +71,12 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     location = chosen.get("loc", ())[1:]  # drop the leading "body"
     if not location:
         return _error(400, f"request body must be a JSON object: {message}")
-    # Union members add their type's name to the location; keep field names and list indexes.
-    param = ".".join(str(p) for p in location if isinstance(p, int) or p in REQUEST_FIELDS)
+    # Union members add their type's name to the location; keep field names and list indexes (and the name of a
+    # field a body may not have, which is the error).
+    named = [p for p in location if isinstance(p, int) or p in REQUEST_FIELDS]
+    if chosen["type"] == "extra_forbidden":
+        named.append(location[-1])
+    param = ".".join(str(p) for p in named)
     return _error(400, f"{param}: {message}", param)
 
 

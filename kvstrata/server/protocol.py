@@ -30,9 +30,13 @@ from kvstrata.engine.sampling_params import (
     REPETITION_PENALTY_RANGE,
     SamplingParams,
 )
+from kvstrata.engine.structured_output import StructuredOutput
+from kvstrata.errors import KvstrataError, ParameterError
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128  # OpenAI's bound on `n`
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 
 
 def _encodable(text: str) -> str:
@@ -88,8 +92,48 @@ OnlyNull = Annotated[object, _only_off("null", lambda value: value is None), Wit
 OnlyFalse = Annotated[StrictBool, _only_off("false"), WithJsonSchema({"type": "boolean", "const": False})]
 
 
+class JsonSchemaFormat(BaseModel):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict = Field(alias="schema")  # the JSON schema the answer follows
+    strict: StrictBool | None = None  # (the answer always follows the schema)
+
+
 class ResponseFormat(BaseModel):
-    type: Annotated[Literal["text"], Field(description="Only text: JSON modes are not supported")]
+    """OpenAI's: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_only_with_its_type(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("type") != "json_schema":
+            raise ValueError("is taken only with type json_schema")
+        return value
+
+    def constraint(self) -> StructuredOutput | None:
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ParameterError("response_format.json_schema", "type json_schema needs json_schema.schema")
+            return StructuredOutput(json=self.json_schema.schema_)
+        return StructuredOutput(json_object=True) if self.type == "json_object" else None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint; its other options are refused (not ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | Text | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: Text | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+
+    def constraint(self) -> StructuredOutput:
+        return StructuredOutput(json=self.json_, json_object=bool(self.json_object), regex=self.regex,
+                                choice=self.choice, grammar=self.grammar)
 
 
 class StreamOptions(BaseModel):
@@ -130,10 +174,15 @@ class _SamplingFields(BaseModel):
     length_penalty: Annotated[Number, Field(ge=1, le=1, description="Not supported: 1 only")] = 1
     bad_words: NoList = None
     prompt_logprobs: OnlyNull = None  # (completions' echo with logprobs gives the prompt's logprobs)
-    guided_json: OnlyNull = None
-    guided_regex: OnlyNull = None
-    guided_choice: OnlyNull = None
-    guided_grammar: OnlyNull = None
+    # structured output (at most one of these four ways): OpenAI's response_format, vLLM's structured_outputs, and
+    # vLLM's older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: OnlyNull = None
     # token ids as the object's keys (JSON keys are strings) -> bias added to the token's logit
     logit_bias: dict[Annotated[StrictStr, Field(pattern=r"^[0-9]+$")],
                      Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
@@ -159,7 +208,37 @@ class _SamplingFields(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured_output=self.structured_output(),
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint of whichever field gives one; ParameterError naming the field where it is wrong or a
+        second field gives one too."""
+        fields = self._constraint_fields()
+        if len(fields) > 1:
+            raise ParameterError(fields[1], f"{fields[1]} and {fields[0]} both constrain the output; give one")
+        if not fields:
+            return None
+        field = fields[0]
+        try:
+            if field in ("response_format", "structured_outputs"):
+                return getattr(self, field).constraint()
+            return StructuredOutput(**{field.removeprefix("guided_"): getattr(self, field)})
+        except ParameterError:
+            raise
+        except KvstrataError as exc:
+            raise ParameterError(field, f"{field}: {exc}") from None
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field that constrains the output, if one does."""
+        return next(iter(self._constraint_fields()), None)
+
+    def _constraint_fields(self) -> list[str]:
+        fields = [field for field in CONSTRAINT_FIELDS if getattr(self, field) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            fields.remove("response_format")
+        return fields
 
     @property
     def include_usage(self) -> bool:
@@ -223,7 +302,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: integer(ge=1) | None = None
     logprobs: StrictBool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
-    response_format: ResponseFormat | None = None
     tools: NoList = None
     functions: NoList = None  # tools' deprecated form
     # vLLM's: the template opens the assistant's turn, or leaves the last message open for the model to continue
@@ -266,7 +344,9 @@ class DetokenizeRequest(BaseModel):
     tokens: TokenIds
 
 
-REQUEST_FIELDS = frozenset().union(
-    *(model.model_fields for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions,
-                                       ResponseFormat, TokenizeRequest, DetokenizeRequest))
+REQUEST_FIELDS = frozenset(
+    field.alias or name
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat,
+                  JsonSchemaFormat, StructuredOutputs, TokenizeRequest, DetokenizeRequest)
+    for name, field in model.model_fields.items()
 )

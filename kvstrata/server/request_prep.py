@@ -112,7 +112,12 @@ class RequestPreparer:
                                                f"max_tokens of {max_tokens}")
         logprobs = body.requested_logprobs if chat else body.logprobs
         params = body.sampling_params(max_tokens, logprobs)
-        self.engine.check_sampling(params)
+        try:
+            self.engine.check_sampling(params)
+        except ParameterError as exc:
+            if exc.param != "structured_output":
+                raise
+            raise ParameterError(body.constraint_field, f"{body.constraint_field}: {exc}") from None
         return params
 
     def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool,

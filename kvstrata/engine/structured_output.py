@@ -1,0 +1,73 @@
+"""Structured output: a request's text held to a JSON schema, to any JSON object, to a regular expression, to one of
+a list of strings, or to a grammar (Lark, or llama.cpp's GBNF), as vLLM's structured outputs and OpenAI's
+`response_format` offer.
+
+This file holds what a request asks (`StructuredOutput`, checked when built). grammar_matcher.py compiles it and
+follows each sequence's output; the sampler gives every token the constraint does not allow next -inf.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from llguidance import grammar_from
+
+from kvstrata.errors import KvstrataError
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one constraint. `json`: a JSON schema (an object, or its text); `json_object`: any JSON object;
+    `regex`: a regular expression the whole output matches (Rust's syntax, as llguidance reads it); `choice`: the
+    output is one of these strings; `grammar`: a Lark or GBNF grammar whose start rule the output matches."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise KvstrataError(f"structured output takes exactly one of {', '.join(KINDS)}; got "
+                                f"{', '.join(given) if given else 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as exc:
+                raise KvstrataError(f"the JSON schema is not valid JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise KvstrataError(f"a JSON schema must be a JSON object, got {self.json!r:.200}")
+        if self.json_object is not True and self.json_object is not False:
+            raise KvstrataError(f"json_object must be true or false, got {self.json_object!r}")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise KvstrataError(f"a structured output's {kind} must be a non-empty string, got {value!r:.200}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(option, str) and option for option in self.choice):
+                raise KvstrataError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r:.200}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    def llguidance_grammar(self) -> str:
+        """The constraint in llguidance's grammar form; raises KvstrataError where it cannot be read (a GBNF
+        grammar that does not convert, a schema that is not JSON). Other faults show when it is compiled."""
+        try:
+            if self.json_object:
+                return grammar_from("json_schema", json.dumps({"type": "object"}))
+            if self.json is not None:
+                return grammar_from("json_schema", json.dumps(self.json))
+            if self.choice is not None:
+                return grammar_from("choice", json.dumps(list(self.choice)))
+            return grammar_from(self.kind, self.regex if self.regex is not None else self.grammar)
+        except ValueError as exc:
+            raise KvstrataError(f"the structured output's {self.kind} cannot be read: {exc}") from None
