@@ -62,6 +62,8 @@ def test_generate_holds_the_output_to_a_structured_constraint(tiny_llama, tmp_pa
     assert "cannot read the json file" in capsys.readouterr().err
     assert main(["generate", "Emma", *tiny, "--regex", "[0-9"]) == 2
     assert "regex is not valid" in capsys.readouterr().err
+    assert main(["generate", "Emma", *tiny, "--regex", ""]) == 2
+    assert "regex must be a non-empty string" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "Emma", *tiny, "--regex", "a", "--choice", "b"])
     assert "not allowed with argument" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvstrata import LLM, SamplingParams, StructuredOutput
-from kvstrata.engine.grammar_matcher import GrammarCompiler, allowed_tokens
+from kvstrata.engine.grammar_matcher import GrammarCompiler, _TokensInContext, allowed_tokens
 from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.model.tokenizer import Tokenizer
 from tests.helpers import hf_logits
@@ -52,7 +52,9 @@ def test_a_complete_constraint_ends_the_output_at_once(llm):
     out = llm.generate(["Emma was"], SamplingParams(max_tokens=30, temperature=0.0,
                                                     structured_output=StructuredOutput(choice=["yes", "no"])))[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
-    assert len(out.token_ids) <= 3  # the choice's tokens, no EOS step after them
+    # the choice's tokens, no EOS step after them
+    assert llm.engine.tokenizer.eos_token_id not in out.token_ids
+    assert llm.engine.tokenizer.decode(out.token_ids) == out.text
 
 
 def test_greedy_constrained_output_is_transformers_likeliest_allowed_token_each_step(llm, tiny_llama):
@@ -66,7 +68,7 @@ def test_greedy_constrained_output_is_transformers_likeliest_allowed_token_each_
     prompt = llm.engine.tokenize("Mr. Knightley")
     for step, token in enumerate(out.token_ids):
         logits = hf_logits(hf, prompt + out.token_ids[:step])[-1]
-        allowed = allowed_tokens(matcher, logits.shape[-1], torch.device("cpu"))
+        allowed = torch.from_numpy(allowed_tokens(matcher, logits.shape[-1]))
         assert int(logits.masked_fill(~allowed, float("-inf")).argmax()) == token
         assert matcher.consume_token(token)
 
@@ -78,6 +80,16 @@ def test_unconstrained_requests_in_the_same_steps_are_unchanged(llm):
                          [plain, plain, sampled(3, StructuredOutput(regex=CODE))])
     assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
     assert re.fullmatch(CODE, mixed[2].text) or mixed[2].finish_reason == "length"
+
+
+def test_the_eos_that_ends_a_complete_constraint_is_not_text_even_when_eos_is_ignored(llm):
+    """ "[0-9]{1,3}" may end after one digit: its EOS ends it (finish "stop"), and is never shown as text."""
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True, skip_special_tokens=False,
+                             structured_output=StructuredOutput(regex="[0-9]{1,3}")) for seed in range(8)]
+    outputs = llm.generate(["Emma was"] * 8, params)
+    assert all(o.finish_reason == "stop" and re.fullmatch("[0-9]{1,3}", o.text) for o in outputs), outputs
+    eos = llm.engine.tokenizer.eos_token_id
+    assert any(o.token_ids[-1] == eos for o in outputs)  # some ended by EOS, as the constraint allowed
 
 
 def test_each_of_n_samples_follows_its_own_matcher(llm):
@@ -152,6 +164,16 @@ def test_a_constraint_that_does_not_compile_fails_its_request_before_it_runs(llm
     assert not engine.has_unfinished_requests()
 
 
+def test_text_is_encoded_into_tokens_of_exactly_its_bytes(tiny_llama):
+    """The encoder llguidance calls for text it must force, for tokenizers it does not read itself."""
+    tokenizer = Tokenizer.from_directory(tiny_llama)
+    tokens = _TokensInContext(tokenizer, tokenizer.eos_token_id)
+    encoded = tokens("Emma was here")
+    assert b"".join(tokens.tokens[t] for t in encoded) == b"Emma was here"
+    with pytest.raises(ValueError, match="no token of this tokenizer holds byte 0x7b"):
+        tokens("a{")
+
+
 def test_the_tokenizers_tokens_are_read_as_the_detokenizer_renders_them(tiny_llama):
     """The tiny tokenizer's Metaspace decoder is one llguidance does not read: its tokens are decoded in context."""
     tokenizer = Tokenizer.from_directory(tiny_llama)
@@ -209,6 +231,11 @@ def test_the_server_takes_each_way_of_asking_and_answers_as_offline(tiny_llama, 
                 "temperature": 0, **fields})
             assert reply.json()["choices"][0]["message"]["content"] == expected_chat.text
             assert reply.json()["choices"][0]["finish_reason"] == "stop"
+        # a constraint that can begin and then not go on (no tiny token holds "{"): the client's error, a 400
+        reply = httpx.post(url + "/v1/completions", json={"model": "test-model", "prompt": "Emma was",
+                                                           "max_tokens": 8, "guided_regex": "(a|b)[{]"})
+        assert reply.status_code == 400 and "cannot go on" in reply.json()["error"]["message"]
+        assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.real_model

@@ -60,7 +60,7 @@ def _structured_output(args: argparse.Namespace):
     from kvstrata.engine.structured_output import StructuredOutput
 
     files = {"json": args.json_schema, "grammar": args.grammar}
-    if not any((*files.values(), args.json_object, args.regex, args.choice)):
+    if all(value is None for value in (*files.values(), args.regex, args.choice)) and not args.json_object:
         return None
     texts = {}
     for kind, path in files.items():

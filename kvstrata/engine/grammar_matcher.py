@@ -6,19 +6,19 @@ description (byte-level BPE such as the default model's); for one it cannot read
 decoder, for instance), each token is decoded after a fixed token, so that it reads as it does inside a text,
 which is how the detokenizer renders an output.
 
-A matcher costs a compilation (a large JSON schema: milliseconds to a second), so compiled constraints are kept
+A matcher costs a compilation (a large JSON schema: a tenth of a second and more), so compiled constraints are kept
 (the last COMPILED_KEPT) and each sequence gets a copy: the `n` choices of one request, and later requests with the
 same schema, compile once.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections import OrderedDict
 
 import numpy as np
-import torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from kvstrata.engine.structured_output import StructuredOutput
@@ -27,7 +27,10 @@ from kvstrata.model.tokenizer import Tokenizer
 
 COMPILED_KEPT = 64
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
-_ENCODER_REFUSAL = re.compile(r"ValueError\('(no token of this tokenizer holds byte 0x[0-9a-f]+)'\)")
+NO_TOKEN_HOLDS = "no token of this tokenizer holds byte"
+# llguidance reports an exception raised in our encoder inside the text of a Rust panic
+_ENCODER_REFUSAL = re.compile(rf"ValueError\('({NO_TOKEN_HOLDS} 0x[0-9a-f]+)'\)")
+log = logging.getLogger("kvstrata.engine")
 
 
 class _TokensInContext:
@@ -38,16 +41,15 @@ class _TokensInContext:
         backend = tokenizer.backend
         anchor = tokenizer.encode("a", add_special_tokens=False)[-1]  # any plain token will do
         lead = backend.decode([anchor], skip_special_tokens=False)
-        specials = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
         self.tokens: list[bytes] = []
         self.special_token_ids: list[int] = []
         for token in range(backend.get_vocab_size(with_added_tokens=True)):
             piece = backend.id_to_token(token)
-            if piece in specials:
+            if piece in tokenizer.special_token_texts:
                 self.special_token_ids.append(token)
                 self.tokens.append(piece.encode())
-                continue
-            self.tokens.append(self._bytes(backend, anchor, lead, token, piece))
+            else:
+                self.tokens.append(self._bytes(backend, anchor, lead, token, piece))
         self.eos_token_id = eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
         special = set(self.special_token_ids)
@@ -69,19 +71,26 @@ class _TokensInContext:
         return text[len(lead):].encode()
 
     def __call__(self, text: str | bytes) -> list[int]:
-        """Tokens whose bytes make `text`, longest first. The tokenizer's own encoder will not do: a Metaspace one
-        puts a space before the text."""
+        """The fewest tokens whose bytes make `text` (the tokenizer's own encoder will not do: a Metaspace one
+        puts a space before the text). ValueError where no tokens make it."""
         data = text.encode() if isinstance(text, str) else text
-        tokens, start = [], 0
-        while start < len(data):
-            end = min(len(data), start + self._longest)
-            while end > start and data[start:end] not in self._ids:
-                end -= 1
-            if end == start:
-                raise ValueError(f"no token of this tokenizer holds byte {data[start]:#x}")
-            tokens.append(self._ids[data[start:end]])
-            start = end
-        return tokens
+        # fewest[i]: the fewest tokens that make data[:i], and the last of them
+        fewest: list[tuple[int, int] | None] = [(0, -1)] + [None] * len(data)
+        for end in range(1, len(data) + 1):
+            for start in range(max(0, end - self._longest), end):
+                token = self._ids.get(data[start:end])
+                if token is not None and fewest[start] is not None and (
+                        fewest[end] is None or fewest[start][0] + 1 < fewest[end][0]):
+                    fewest[end] = (fewest[start][0] + 1, token)
+        if fewest[-1] is None:
+            unreachable = next(i for i in range(len(data)) if fewest[i + 1] is None)
+            raise ValueError(f"{NO_TOKEN_HOLDS} {data[unreachable]:#x}")
+        tokens, end = [], len(data)
+        while end:
+            token = fewest[end][1]
+            tokens.append(token)
+            end -= len(self.tokens[token])
+        return tokens[::-1]
 
 
 def llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: set[int]) -> LLTokenizer:
@@ -92,14 +101,16 @@ def llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: s
         raise KvstrataError("structured output needs the model's end-of-sequence token; this model names none")
     try:
         return LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
-    except ValueError:  # a decoder llguidance does not read
+    except ValueError as exc:
+        log.info("llguidance does not read this tokenizer (%s); its tokens are decoded in context instead", exc)
         wrapper = TokenizerWrapper(_TokensInContext(tokenizer, eos[0]))
         return LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
 
 
 class GrammarCompiler:
-    """One per engine: compiles requests' constraints into matchers (thread-safe: a server checks requests in
-    worker threads while the engine thread adds them)."""
+    """One per engine: compiles requests' constraints into matchers. Thread-safe: a server checks requests in
+    worker threads while the engine thread adds them; compiling holds no lock, so a slow schema keeps no one else
+    waiting (two threads may compile one constraint at once, and one copy is kept)."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: set[int]):
         self._tokenizer = tokenizer
@@ -119,9 +130,6 @@ class GrammarCompiler:
         self._compile(constraint)
 
     def _compile(self, constraint: StructuredOutput) -> LLMatcher:
-        if self._tokenizer is None:
-            raise ParameterError("structured_output", "structured output needs the model's tokenizer; this model "
-                                                      "has none")
         try:
             grammar = constraint.llguidance_grammar()
         except KvstrataError as exc:
@@ -130,34 +138,44 @@ class GrammarCompiler:
             if grammar in self._compiled:
                 self._compiled.move_to_end(grammar)
                 return self._compiled[grammar]
+        compiled = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+        if compiled.is_error():
+            raise ParameterError("structured_output", f"the structured output's {constraint.kind} is not valid: "
+                                                      f"{matcher_error(compiled)}")
+        compiled.compute_bitmask()  # can the tokenizer begin it? (the request then fails before it runs)
+        if compiled.is_error():
+            raise ParameterError("structured_output", f"this model's tokenizer cannot begin the structured output's "
+                                                      f"{constraint.kind}: {matcher_error(compiled)}")
+        with self._lock:
+            self._compiled[grammar] = compiled
+            if len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _llguidance_tokenizer(self) -> LLTokenizer:
+        if self._tokenizer is None:
+            raise ParameterError("structured_output", "structured output needs the model's tokenizer; this model "
+                                                      "has none")
+        with self._lock:
             if self._lltokenizer is None:
                 try:
                     self._lltokenizer = llguidance_tokenizer(self._tokenizer, self._vocab_size, self._eos_token_ids)
                 except KvstrataError as exc:
                     raise ParameterError("structured_output", str(exc)) from None
-            compiled = LLMatcher(self._lltokenizer, grammar, log_level=0)
-            if compiled.is_error():
-                raise ParameterError("structured_output", f"the structured output's {constraint.kind} is not valid: "
-                                                          f"{matcher_error(compiled)}")
-            compiled.compute_bitmask()  # can the tokenizer begin it? (the request then fails before it runs)
-            if compiled.is_error():
-                raise ParameterError("structured_output", f"this model's tokenizer cannot begin the structured "
-                                                          f"output's {constraint.kind}: {matcher_error(compiled)}")
-            self._compiled[grammar] = compiled
-            if len(self._compiled) > COMPILED_KEPT:
-                self._compiled.popitem(last=False)
-            return compiled
+            return self._lltokenizer
 
 
-def allowed_tokens(matcher: LLMatcher, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Which tokens `matcher` allows next: a bool tensor [vocab_size]."""
+def allowed_tokens(matcher: LLMatcher, vocab_size: int) -> np.ndarray:
+    """Which tokens `matcher` allows next: a bool array [vocab_size], on the host."""
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-    return torch.from_numpy(bits[:vocab_size].astype(bool)).to(device)
+    return bits[:vocab_size].astype(bool)
 
 
 def matcher_error(matcher: LLMatcher) -> str:
-    """A matcher's error: the first line (the rest is a dump of its parser's state), or where our encoder
-    refused (_TokensInContext.__call__, reported by llguidance inside a panic's text), its message."""
+    """Why a matcher stopped: the first line of its error (the rest is a dump of its parser's state), or where our
+    encoder refused (_TokensInContext.__call__), its message."""
     error = matcher.get_error()
+    if not error:
+        return "it allows no token"
     refused = _ENCODER_REFUSAL.search(error)
-    return refused.group(1) if refused else (error.splitlines() or ["no error"])[0][:500]
+    return refused.group(1) if refused else error.splitlines()[0][:500]

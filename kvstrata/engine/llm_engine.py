@@ -277,7 +277,7 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             generator=generator,
-            grammar=None if params.structured_output is None else self.grammars.matcher(params.structured_output),
+            matcher=None if params.structured_output is None else self.grammars.matcher(params.structured_output),
             preloaded=preloaded,
             cache_salt=cache_salt,
         )
@@ -477,14 +477,15 @@ class LLMEngine:
 
     def _constraints(self, to_sample: list[Sequence], logits: torch.Tensor):
         """The tokens each sequence's structured output allows next (None where it has none). A sequence whose
-        constraint cannot go on (its tokenizer cannot write what the constraint requires next) ends with an error
+        constraint cannot go on (it needs a byte no token holds, or a parser limit was reached) ends with an error
         and is dropped."""
         constraints, failed, keep = [], [], []
         for seq in to_sample:
-            mask = None if seq.grammar is None else allowed_tokens(seq.grammar, logits.shape[-1], logits.device)
-            if mask is not None and (seq.grammar.is_error() or not bool(mask.any())):
-                failed.append(self._fail(seq, f"its structured output cannot go on: {matcher_error(seq.grammar)}"))
-            constraints.append(mask)
+            allowed = None if seq.matcher is None else allowed_tokens(seq.matcher, logits.shape[-1])
+            if allowed is not None and (seq.matcher.is_error() or not allowed.any()):
+                failed.append(self._fail(seq, f"its structured output cannot go on: {matcher_error(seq.matcher)}",
+                                         caused_by_input=True))
+            constraints.append(None if allowed is None else torch.from_numpy(allowed).to(logits.device))
             keep.append(seq.finish_reason is None)
         if all(keep):
             return to_sample, logits, constraints, []
@@ -495,8 +496,10 @@ class LLMEngine:
         after_load = (seq.store_load_end, seq.store_plan, seq.store_last_plan)
         if any(told is not None for told in after_load):  # its first token after a store load
             self.kv_store.observe_first_token(seq, now)
-        if seq.grammar is not None and not seq.grammar.consume_token(token):  # the sampler drew an allowed token
-            return self._fail(seq, f"its structured output refused token {token}: {matcher_error(seq.grammar)}")
+        # the token was allowed, yet consuming it may reach one of the parser's limits
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            return self._fail(seq, f"its structured output cannot go on: {matcher_error(seq.matcher)}",
+                              caused_by_input=True)
         try:
             self.outputs.append_token(seq, token, logprobs, now)
         except Exception as exc:  # detokenizing or matching stop strings: a fault of this request's output only
@@ -507,11 +510,13 @@ class LLMEngine:
             return self._finish(seq, now)
         return self.outputs.build_output(seq)
 
-    def _fail(self, seq: Sequence, message: str, corrupt_cache: bool = False) -> RequestOutput:
+    def _fail(self, seq: Sequence, message: str, corrupt_cache: bool = False,
+              caused_by_input: bool = False) -> RequestOutput:
         """End `seq` with finish reason "error". With `corrupt_cache`, the blocks it wrote are never served to
-        another request (otherwise its committed blocks are sound and stay in the prefix cache)."""
+        another request (otherwise its committed blocks are sound and stay in the prefix cache);
+        `caused_by_input`: what the request asked is the cause, not a fault of the engine or its data."""
         self._sequences.pop(seq.request_id, None)
-        seq.finish_reason, seq.error = "error", message
+        seq.finish_reason, seq.error, seq.error_caused_by_input = "error", message, caused_by_input
         if corrupt_cache:
             self.kv_manager.discard(seq)
         return self._finish(seq, time.perf_counter())

@@ -29,9 +29,11 @@ class OutputProcessor:
             self._append_text(seq, token_id, find_stops=False)
         elif (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             seq.finish_reason = "stop"
+        elif token_id in self.eos_token_ids and seq.constraint_complete:
+            seq.finish_reason = "stop"  # the EOS its structured output allowed once complete: ends it even ignored
         elif self._append_text(seq, token_id):
             return  # a stop string ended the text
-        if seq.finish_reason is None and seq.grammar_complete:
+        if seq.finish_reason is None and seq.constraint_complete:
             seq.finish_reason = "stop"  # its structured output is whole: nothing may follow it
         elif seq.finish_reason is None and (
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
@@ -98,6 +100,7 @@ class OutputProcessor:
             all_logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             error=seq.error,
+            error_caused_by_input=seq.error_caused_by_input,
         )
 
     def forget(self, seq: Sequence) -> None:

@@ -53,6 +53,7 @@ class RequestOutput:
     # per prompt position (None for the first token), once the prompt is computed; None: not asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
     error: str | None = None  # what ended the request, when finish_reason is "error"
+    error_caused_by_input: bool = False  # that error came of what the request asked (its constraint), not a fault
 
     @property
     def token_ids(self) -> list[int]:

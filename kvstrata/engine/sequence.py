@@ -5,14 +5,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from llguidance import LLMatcher
 
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.block_hash import BlockHash
 from kvstrata.kv.preloaded import Preloaded
 from kvstrata.kv.store.prefill_speed import PrefillWork
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -36,7 +39,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
-    grammar: LLMatcher | None = None  # follows the output where params.structured_output holds it (grammar_matcher.py)
+    matcher: LLMatcher | None = None  # follows the output where params.structured_output holds it (grammar_matcher.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     token_ids: list[int] = field(default_factory=list)  # prompt then output
     status: SequenceStatus = SequenceStatus.WAITING
@@ -60,6 +63,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # why it ended, when finish_reason is "error"
+    error_caused_by_input: bool = False  # that error came of what the request asked (a server answers 400)
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -82,9 +86,9 @@ class Sequence:
         return self.params.prompt_logprobs is None
 
     @property
-    def grammar_complete(self) -> bool:
+    def constraint_complete(self) -> bool:
         """Whether its structured output is complete and nothing may follow it."""
-        return self.grammar is not None and self.grammar.is_stopped()
+        return self.matcher is not None and self.matcher.is_stopped()
 
     @property
     def num_output_tokens(self) -> int:

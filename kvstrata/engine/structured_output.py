@@ -31,7 +31,7 @@ class StructuredOutput:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise KvstrataError(f"structured output takes exactly one of {', '.join(KINDS)}; got "
                                 f"{', '.join(given) if given else 'none'}")
@@ -56,7 +56,10 @@ class StructuredOutput:
 
     @property
     def kind(self) -> str:
-        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        return [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
 
     def llguidance_grammar(self) -> str:
         """The constraint in llguidance's grammar form; raises KvstrataError where it cannot be read (a GBNF

@@ -74,7 +74,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     # Union members add their type's name to the location; keep field names and list indexes (and the name of a
     # field a body may not have, which is the error).
     named = [p for p in location if isinstance(p, int) or p in REQUEST_FIELDS]
-    if chosen["type"] == "extra_forbidden":
+    if chosen["type"] == "extra_forbidden" and named[-1:] != [location[-1]]:
         named.append(location[-1])
     param = ".".join(str(p) for p in named)
     return _error(400, f"{param}: {message}", param)

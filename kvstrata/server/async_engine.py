@@ -39,6 +39,13 @@ class RequestError(ServerError):
     """The engine ended this request alone (its context is corrupt, its output could not be processed)."""
 
 
+class RequestInputError(RequestError):
+    """The engine ended this request alone because of what it asked (a structured output that cannot go on)."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+
 class EngineDeadError(ServerError):
     """The engine loop hit an internal error that it could not pin on one request."""
 
@@ -144,7 +151,8 @@ class AsyncEngine:
                 if isinstance(item, Exception):
                     raise item if isinstance(item, ServerError) or not answered else RequestError(str(item))
                 if item.finish_reason == "error":
-                    raise RequestError(f"the request failed: {item.error}")
+                    failure = RequestInputError if item.error_caused_by_input else RequestError
+                    raise failure(f"the request failed: {item.error}")
                 answered = True
                 yield index, item
         finally:

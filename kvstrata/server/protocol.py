@@ -85,6 +85,8 @@ def integer(**constraints):
 
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
 Number = StrictFloat  # takes ints too, not bools
+JsonSchemaField = dict | Text  # a JSON schema, as an object or as its text
+Choices = Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 NoList = Annotated[list | None, _only_off("empty or null"),
                    WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]})]
@@ -115,7 +117,8 @@ class ResponseFormat(BaseModel):
     def constraint(self) -> StructuredOutput | None:
         if self.type == "json_schema":
             if self.json_schema is None:
-                raise ParameterError("response_format.json_schema", "type json_schema needs json_schema.schema")
+                raise ParameterError("response_format.json_schema", "response_format.json_schema: type json_schema "
+                                                                    "needs json_schema.schema")
             return StructuredOutput(json=self.json_schema.schema_)
         return StructuredOutput(json_object=True) if self.type == "json_object" else None
 
@@ -125,10 +128,10 @@ class StructuredOutputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    json_: dict | Text | None = Field(None, alias="json")
+    json_: JsonSchemaField | None = Field(None, alias="json")
     json_object: StrictBool | None = None
     regex: Text | None = None
-    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    choice: Choices | None = None
     grammar: Text | None = None
 
     def constraint(self) -> StructuredOutput:
@@ -178,11 +181,12 @@ class _SamplingFields(BaseModel):
     # vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: dict | Text | None = None
+    guided_json: JsonSchemaField | None = None
     guided_regex: Text | None = None
-    guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_choice: Choices | None = None
     guided_grammar: Text | None = None
     guided_whitespace_pattern: OnlyNull = None
+    structural_tag: OnlyNull = None
     # token ids as the object's keys (JSON keys are strings) -> bias added to the token's logit
     logit_bias: dict[Annotated[StrictStr, Field(pattern=r"^[0-9]+$")],
                      Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
