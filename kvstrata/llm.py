@@ -77,19 +77,22 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Like `generate`, for chat conversations (lists of {"role", "content"}) under the chat template. With
         `continue_final_message`, each conversation's last message (an answer begun) is continued rather than
-        followed by a new assistant turn."""
+        followed by a new assistant turn; `tools` (OpenAI's function definitions) are the template's to render."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.chat_prompt(c, continue_final_message) for c in conversations], params, use_tqdm)
+        return self.generate([self.chat_prompt(c, continue_final_message, tools) for c in conversations], params,
+                             use_tqdm)
 
-    def chat_prompt(self, messages: Messages, continue_final_message: bool = False) -> list[int]:
+    def chat_prompt(self, messages: Messages, continue_final_message: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
         if self.tokenizer is None:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
         return self.tokenizer.encode_chat(messages, add_generation_prompt=not continue_final_message,
-                                          continue_final_message=continue_final_message)
+                                          continue_final_message=continue_final_message, tools=tools)
 
     def stream(
         self,

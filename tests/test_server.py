@@ -222,7 +222,7 @@ def test_completion_request_validation(server, body, status, param):
     ({"response_format": {"type": "json_object", "json_schema": {"schema": {}}}}, 400, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
      "response_format.json_schema.schema"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),  # auto: no parser
     ({"functions": [{"name": "f"}]}, 400, "functions"),
     ({"response_format": {"type": "text"}, "tools": [], "max_tokens": 2}, 200, None),
 ])
@@ -332,7 +332,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "frequency_penalty", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
           "truncate_prompt_tokens", "stop_token_ids",
           "response_format", "tools", "functions", "structured_outputs", "guided_json", "guided_regex",
-          "guided_choice", "guided_grammar"]
+          "guided_choice", "guided_grammar", "tool_choice"]
 
 
 def _edge_body():

@@ -68,7 +68,8 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if self.chat_template is None:
             raise KvstrataError("this model has no chat template; send a plain prompt instead")
         if self._compiled_template is None:
@@ -81,7 +82,7 @@ class Tokenizer:
         }
         try:
             return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **specials
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **specials
             )
         except jinja2.TemplateError as exc:
             raise KvstrataError(f"chat template failed on the messages: {exc}") from exc
@@ -97,18 +98,20 @@ class Tokenizer:
         return max(len(text) for text in self.backend.get_vocab(with_added_tokens=True))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    special_tokens_in_content: bool = False, continue_final_message: bool = False) -> list[int]:
+                    special_tokens_in_content: bool = False, continue_final_message: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
         """The rendered template's tokens. The template's own special tokens are parsed as such; the same
         text inside a message's content is encoded as plain text unless `special_tokens_in_content`, so a
         user cannot forge a role boundary (transformers parses it; trusted clients may ask for that). With
         `continue_final_message` the rendering stops right after the last message's content, which the model then
-        continues (an assistant's answer begun by the client), as transformers' option of that name does."""
+        continues (an assistant's answer begun by the client), as transformers' option of that name does.
+        `tools` (OpenAI's function definitions) are the template's to render, as transformers passes them."""
         if continue_final_message and add_generation_prompt:
             raise KvstrataError("continue_final_message continues the last message; add_generation_prompt would "
                                 "open another: ask for one of them")
         contents = [m["content"] for m in messages]
         if special_tokens_in_content or not any(s in c for c in contents for s in self.special_token_texts):
-            rendered = self.apply_chat_template(messages, add_generation_prompt)
+            rendered = self.apply_chat_template(messages, add_generation_prompt, tools)
             if continue_final_message:  # cut where transformers cuts: after the last copy of the final content
                 final = contents[-1].strip()
                 if final not in rendered:
@@ -118,7 +121,7 @@ class Tokenizer:
             return self.encode(rendered, add_special_tokens=False)
         # Render with each content replaced by a marker, then encode the template's text and the contents apart.
         marked = [{**m, "content": f"{_CONTENT_MARK}{i}{_CONTENT_MARK}"} for i, m in enumerate(messages)]
-        pieces = self.apply_chat_template(marked, add_generation_prompt).split(_CONTENT_MARK)
+        pieces = self.apply_chat_template(marked, add_generation_prompt, tools).split(_CONTENT_MARK)
         if continue_final_message:  # up to the final content's marker (odd pieces are the contents' numbers)
             final = [i for i in range(1, len(pieces), 2) if pieces[i] == str(len(messages) - 1)]
             if not final:

@@ -5,6 +5,7 @@ Every text field must be encodable as UTF-8: JSON can carry a lone surrogate (\\
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -32,6 +33,7 @@ from kvstrata.engine.sampling_params import (
 )
 from kvstrata.engine.structured_output import StructuredOutput
 from kvstrata.errors import KvstrataError, ParameterError
+from kvstrata.server.tool_calls import ToolCalls, named_call_schema, required_calls_schema
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128  # OpenAI's bound on `n`
@@ -225,13 +227,16 @@ class _SamplingFields(BaseModel):
             return None
         field = fields[0]
         try:
-            if field in ("response_format", "structured_outputs"):
-                return getattr(self, field).constraint()
-            return StructuredOutput(**{field.removeprefix("guided_"): getattr(self, field)})
+            return self._constraint(field)
         except ParameterError:
             raise
         except KvstrataError as exc:
             raise ParameterError(field, f"{field}: {exc}") from None
+
+    def _constraint(self, field: str) -> StructuredOutput:
+        if field in ("response_format", "structured_outputs"):
+            return getattr(self, field).constraint()
+        return StructuredOutput(**{field.removeprefix("guided_"): getattr(self, field)})
 
     @property
     def constraint_field(self) -> str | None:
@@ -286,13 +291,74 @@ class TextPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Text | list[TextPart]
+class FunctionCall(BaseModel):
+    name: Text
+    arguments: Text  # JSON, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
 
     def plain(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """As chat templates read a call (transformers' form): the arguments as an object where they parse."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # only an assistant's message of tool calls may have none
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool's answer: to which call
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_calls(cls, value, info: ValidationInfo):
+        if value is None and info.data.get("role") != "assistant":
+            raise ValueError(f"a {info.data.get('role')} message needs content (only an assistant's may have none, "
+                             "when it holds tool calls)")
+        return value
+
+    def plain(self) -> dict:
+        text = "".join(p.text for p in self.content) if isinstance(self.content, list) else (self.content or "")
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.plain() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = None  # the arguments' JSON schema; none: the function takes no arguments
+    strict: StrictBool | None = None  # (the arguments always follow the schema)
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def plain_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as the chat template reads them."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
+class FunctionName(BaseModel):
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -306,7 +372,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: integer(ge=1) | None = None
     logprobs: StrictBool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
-    tools: NoList = None
+    tools: list[Tool] | None = None  # rendered by the chat template; called where tool_choice asks (tool_calls.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: NoList = None  # tools' deprecated form
     # vLLM's: the template opens the assistant's turn, or leaves the last message open for the model to continue
     add_generation_prompt: StrictBool = True
@@ -328,6 +395,44 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def tool_calling(self) -> ToolCalls | None:
+        """How the outputs become tool calls, where tool_choice asks for calls."""
+        if not self.tools or self.tool_choice in (None, "auto", "none"):
+            return None
+        return ToolCalls(None if self.tool_choice == "required" else self.tool_choice.function.name)
+
+    @property
+    def plain_tools(self) -> list[dict] | None:
+        return plain_tools(self.tools)
+
+    def _constraint_fields(self) -> list[str]:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ParameterError("tool_choice", f"tool_choice {self._tool_choice_text} needs tools")
+        fields = super()._constraint_fields()
+        return ["tool_choice", *fields] if self.tools and self.tool_choice != "none" else fields
+
+    def _constraint(self, field: str) -> StructuredOutput:
+        if field != "tool_choice":
+            return super()._constraint(field)
+        if self.tool_choice in (None, "auto"):
+            raise ParameterError("tool_choice", "tool_choice auto (the default where tools are given) lets the model "
+                                                "choose between text and calls in its own format, which this engine "
+                                                "does not parse; give \"required\", a named function or \"none\"")
+        functions = {tool.function.name: tool.function.parameters for tool in self.tools}
+        if self.tool_choice == "required":
+            return StructuredOutput(json=required_calls_schema(functions))
+        name = self.tool_choice.function.name
+        if name not in functions:
+            raise ParameterError("tool_choice", f"tool_choice names function {name!r}, which tools do not define "
+                                                f"(they define {', '.join(map(repr, functions))})")
+        return StructuredOutput(json=named_call_schema(functions[name]))
+
+    @property
+    def _tool_choice_text(self) -> str:
+        choice = self.tool_choice
+        return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: the token ids the completions endpoint makes of `prompt`, or the chat endpoint of
@@ -339,6 +444,11 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool = True  # for a prompt: the model's BOS, as the completions endpoint adds
     add_generation_prompt: StrictBool = True  # for messages: the assistant's turn opened, as the chat endpoint does
     continue_final_message: StrictBool = False  # for messages: the last one left open, as the chat endpoint can
+    tools: list[Tool] | None = None  # for messages: rendered by the chat template, as the chat endpoint does
+
+    @property
+    def plain_tools(self) -> list[dict] | None:
+        return plain_tools(self.tools)
 
 
 class DetokenizeRequest(BaseModel):
@@ -351,6 +461,7 @@ class DetokenizeRequest(BaseModel):
 REQUEST_FIELDS = frozenset(
     field.alias or name
     for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat,
-                  JsonSchemaFormat, StructuredOutputs, TokenizeRequest, DetokenizeRequest)
+                  JsonSchemaFormat, StructuredOutputs, ToolCall, FunctionCall, Tool, FunctionDefinition,
+                  NamedToolChoice, FunctionName, TokenizeRequest, DetokenizeRequest)
     for name, field in model.model_fields.items()
 )

@@ -77,7 +77,8 @@ class RequestPreparer:
         chat = isinstance(body, ChatCompletionRequest)
         try:
             if chat:
-                token_ids = self._chat_tokens(body.messages, opens_assistant_turn(body), body.continue_final_message)
+                token_ids = self._chat_tokens(body.messages, opens_assistant_turn(body), body.continue_final_message,
+                                              body.plain_tools)
             else:
                 token_ids = self.engine.tokenize(prompt)
             if body.truncate_prompt_tokens is not None:
@@ -120,14 +121,14 @@ class RequestPreparer:
             raise ParameterError(body.constraint_field, f"{body.constraint_field}: {exc}") from None
         return params
 
-    def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     continue_final_message: bool) -> list[int]:
+    def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                     tools: list[dict] | None) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
         return tokenizer.encode_chat([m.plain() for m in messages], add_generation_prompt,
                                      special_tokens_in_content=self.options.special_tokens_in_chat,
-                                     continue_final_message=continue_final_message)
+                                     continue_final_message=continue_final_message, tools=tools)
 
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         """In a worker thread: /tokenize's token ids, those the completions or chat endpoint would make."""
@@ -136,7 +137,8 @@ class RequestPreparer:
         field = "prompt" if body.messages is None else "messages"
         try:
             if body.messages is not None:
-                return self._chat_tokens(body.messages, opens_assistant_turn(body), body.continue_final_message)
+                return self._chat_tokens(body.messages, opens_assistant_turn(body), body.continue_final_message,
+                                         body.plain_tools)
             if self.engine.tokenizer is None:
                 raise KvstrataError("this model has no tokenizer")
             return self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

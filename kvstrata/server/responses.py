@@ -9,6 +9,7 @@ import uuid
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sequence import TokenLogprobs
 from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.server.tool_calls import ToolCalls
 
 
 def new_id(prefix: str) -> str:
@@ -39,8 +40,10 @@ class ResponseBuilder:
     choice is its prompt alone: the one token the engine generated is not shown."""
 
     def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int,
-                 echo_texts: list[str | None] | None = None, prompt_only: bool = False):
+                 echo_texts: list[str | None] | None = None, prompt_only: bool = False,
+                 tool_calls: ToolCalls | None = None):
         self.chat = chat
+        self.tool_calls = tool_calls  # chat outputs handed back as tool calls (tool_calls.py)
         self.samples_per_prompt = samples_per_prompt
         self.model = model
         self.tokenizer = tokenizer
@@ -51,6 +54,7 @@ class ResponseBuilder:
         self.created = int(time.time())
         self._sent_logprobs: dict[int, int] = {}  # choice index -> logprobs already streamed
         self._echoed: set[int] = set()  # choices whose prompt was streamed
+        self._calls_opened: set[int] = set()  # choices whose tool call's id and name were streamed
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -117,14 +121,18 @@ class ResponseBuilder:
         """The whole non-streaming response: one choice per output, in their order."""
         choices = []
         for index, output in enumerate(outputs):
-            if self.chat:
+            finish_reason = output.finish_reason
+            if self.tool_calls is not None:
+                message, finish_reason = self.tool_calls.message(output.text, output.finish_reason)
+                choice = {"index": index, "message": message}
+            elif self.chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": output.text}}
             else:
                 choice = {"index": index, "text": self._echoed_text(index, output, output.text, self.echo)}
             before = self._prompt_logprobs(output) if self.echo else None
             entries = [] if self.prompt_only else output.logprobs
             choice["logprobs"] = None if output.logprobs is None else self._logprobs(entries, before)
-            choice["finish_reason"] = output.finish_reason
+            choice["finish_reason"] = finish_reason
             choices.append(choice)
         return {**self._envelope(choices, chunk=False), "usage": self._usage(outputs)}
 
@@ -142,12 +150,22 @@ class ResponseBuilder:
         logprobs = self._new_logprobs(index, output, echoing)
         if not output.new_text and logprobs is None and not output.finished and not echoing:
             return None
-        if self.chat:
+        finish_reason = output.finish_reason if output.finished else None
+        if self.tool_calls is not None:
+            opening = index not in self._calls_opened
+            delta = self.tool_calls.delta(output.new_text, opening, output.finished, output.text, output.finish_reason)
+            if delta.get("tool_calls"):
+                self._calls_opened.add(index)
+            finish_reason = self.tool_calls.finish_reason(output.text, finish_reason)
+            if not delta and finish_reason is None and logprobs is None:
+                return None  # "required" calls are sent whole, at the end
+            choice = {"index": index, "delta": delta}
+        elif self.chat:
             choice = {"index": index, "delta": {"content": output.new_text} if output.new_text else {}}
         else:
             choice = {"index": index, "text": self._echoed_text(index, output, output.new_text, echoing)}
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = output.finish_reason if output.finished else None
+        choice["finish_reason"] = finish_reason
         return self._envelope([choice], chunk=True)
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
