@@ -21,6 +21,7 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from kvstrata.engine.sampling_params import (
@@ -33,7 +34,7 @@ from kvstrata.engine.sampling_params import (
 )
 from kvstrata.engine.structured_output import StructuredOutput
 from kvstrata.errors import KvstrataError, ParameterError
-from kvstrata.server.tool_calls import ToolCalls, named_call_schema, required_calls_schema
+from kvstrata.server.tool_calls import ToolCalls
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128  # OpenAI's bound on `n`
@@ -291,9 +292,25 @@ class TextPart(BaseModel):
     text: Text
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
+        raise ValueError(f"must be a JSON object, as text; it does not parse: {exc}") from None
+    if not isinstance(value, dict):  # a ValueError, which pydantic reports as the field's error
+        raise ValueError(f"must be a JSON object, as text; it is a {type(value).__name__}")  # noqa: TRY004
+    return value
+
+
 class FunctionCall(BaseModel):
     name: Text
-    arguments: Text  # JSON, as OpenAI sends it
+    arguments: Text  # a JSON object, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_are_an_object(cls, value):
+        _json_object(value)
+        return value
 
 
 class ToolCall(BaseModel):
@@ -302,32 +319,34 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
     def plain(self) -> dict:
-        """As chat templates read a call (transformers' form): the arguments as an object where they parse."""
-        try:
-            arguments = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = self.function.arguments
-        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        """As chat templates read a call (transformers' form): the arguments as an object."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": _json_object(self.function.arguments)}}
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    # only an assistant's message of tool calls may have none
-    content: Text | list[TextPart] | None = Field(None, validate_default=True)
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    content: Text | list[TextPart] | None = None  # only an assistant's message of tool calls may have none
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool's answer: to which call
 
-    @field_validator("content")
-    @classmethod
-    def _content_unless_calls(cls, value, info: ValidationInfo):
-        if value is None and info.data.get("role") != "assistant":
-            raise ValueError(f"a {info.data.get('role')} message needs content (only an assistant's may have none, "
-                             "when it holds tool calls)")
-        return value
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self):
+        if self.content is None and (self.role != "assistant" or not self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's message of tool calls may "
+                             "have none)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant's message holds tool_calls, not a {self.role} message")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only a tool message, needs tool_call_id: the call it answers")
+        return self
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content) if isinstance(self.content, list) else (self.content or "")
 
     def plain(self) -> dict:
-        text = "".join(p.text for p in self.content) if isinstance(self.content, list) else (self.content or "")
-        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.tool_calls:
             message["tool_calls"] = [call.plain() for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -338,8 +357,15 @@ class ChatMessage(BaseModel):
 class FunctionDefinition(BaseModel):
     name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: Text | None = None
-    parameters: dict | None = None  # the arguments' JSON schema; none: the function takes no arguments
+    parameters: dict | None = None  # the arguments' JSON schema (an object's); none: the function takes no arguments
     strict: StrictBool | None = None  # (the arguments always follow the schema)
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_describe_an_object(cls, value):
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError(f"must describe an object (the arguments), not type {value['type']!r}")
+        return value
 
 
 class Tool(BaseModel):
@@ -373,7 +399,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[Tool] | None = None  # rendered by the chat template; called where tool_choice asks (tool_calls.py)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, validate_default=True)
     functions: NoList = None  # tools' deprecated form
     # vLLM's: the template opens the assistant's turn, or leaves the last message open for the model to continue
     add_generation_prompt: StrictBool = True
@@ -395,10 +421,34 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @field_validator("tools")
+    @classmethod
+    def _function_names_differ(cls, value):
+        names = [tool.function.name for tool in value or []]
+        if len(set(names)) < len(names):
+            raise ValueError(f"define each function once; {names!r} repeats a name")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_fits_the_tools(cls, value, info: ValidationInfo):
+        names = [tool.function.name for tool in info.data.get("tools") or []]
+        if not names:
+            if value not in (None, "none"):
+                raise ValueError("needs tools")
+        elif value in (None, "auto"):
+            raise ValueError("auto (the default where tools are given) lets the model choose between text and calls "
+                             "in its own format, which this engine does not parse; give \"required\", a named "
+                             "function or \"none\"")
+        elif isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"names function {value.function.name!r}, which tools do not define (they define "
+                             f"{', '.join(map(repr, names))})")
+        return value
+
     @property
     def tool_calling(self) -> ToolCalls | None:
-        """How the outputs become tool calls, where tool_choice asks for calls."""
-        if not self.tools or self.tool_choice in (None, "auto", "none"):
+        """How the outputs become tool calls, where tool_choice asks for calls (checked against the tools)."""
+        if not self.tools or self.tool_choice == "none":
             return None
         return ToolCalls(None if self.tool_choice == "required" else self.tool_choice.function.name)
 
@@ -406,32 +456,28 @@ class ChatCompletionRequest(_SamplingFields):
     def plain_tools(self) -> list[dict] | None:
         return plain_tools(self.tools)
 
+    @property
+    def constraint_field(self) -> str | None:
+        """Tool calls' constraint is the tools' schemas."""
+        field = super().constraint_field
+        return "tools" if field == "tool_choice" else field
+
     def _constraint_fields(self) -> list[str]:
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise ParameterError("tool_choice", f"tool_choice {self._tool_choice_text} needs tools")
         fields = super()._constraint_fields()
-        return ["tool_choice", *fields] if self.tools and self.tool_choice != "none" else fields
+        return ["tool_choice", *fields] if self.tool_calling is not None else fields
 
     def _constraint(self, field: str) -> StructuredOutput:
         if field != "tool_choice":
             return super()._constraint(field)
-        if self.tool_choice in (None, "auto"):
-            raise ParameterError("tool_choice", "tool_choice auto (the default where tools are given) lets the model "
-                                                "choose between text and calls in its own format, which this engine "
-                                                "does not parse; give \"required\", a named function or \"none\"")
+        # Either would hand back a call cut short, or not the one asked for, that reads as whole.
+        if self.stop:
+            raise ParameterError("stop", "stop strings cannot be combined with a tool_choice that asks for calls: "
+                                         "they could cut the arguments short")
+        if self.continue_final_message:
+            raise ParameterError("continue_final_message", "continue_final_message cannot be combined with a "
+                                                           "tool_choice that asks for calls: the call begins anew")
         functions = {tool.function.name: tool.function.parameters for tool in self.tools}
-        if self.tool_choice == "required":
-            return StructuredOutput(json=required_calls_schema(functions))
-        name = self.tool_choice.function.name
-        if name not in functions:
-            raise ParameterError("tool_choice", f"tool_choice names function {name!r}, which tools do not define "
-                                                f"(they define {', '.join(map(repr, functions))})")
-        return StructuredOutput(json=named_call_schema(functions[name]))
-
-    @property
-    def _tool_choice_text(self) -> str:
-        choice = self.tool_choice
-        return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+        return StructuredOutput(json=self.tool_calling.schema(functions))
 
 
 class TokenizeRequest(BaseModel):

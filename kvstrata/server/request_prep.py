@@ -38,7 +38,7 @@ class RequestPreparer:
         if body.truncate_prompt_tokens is not None:
             return
         if isinstance(body, ChatCompletionRequest):
-            self._precheck_text("messages", "the messages text", sum(len(m.plain()["content"]) for m in body.messages))
+            self._precheck_text("messages", "the messages text", sum(len(m.text) for m in body.messages))
             return
         for number, prompt in enumerate(body.prompts):
             what = "the prompt" if len(body.prompts) == 1 else f"prompt {number} of the batch"

@@ -140,8 +140,9 @@ class ResponseBuilder:
         """Chat streams open each choice with the assistant role."""
         if not self.chat:
             return []
-        return [self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}], chunk=True) for index in range(num_choices)]
+        content = None if self.tool_calls is not None else ""  # OpenAI's: no content where tool calls follow
+        return [self._envelope([{"index": index, "delta": {"role": "assistant", "content": content},
+                                 "logprobs": None, "finish_reason": None}], chunk=True) for index in range(num_choices)]
 
     def chunk(self, index: int, output: RequestOutput) -> dict | None:
         """The streaming chunk for this output of choice `index`; None when it adds nothing."""
@@ -152,11 +153,10 @@ class ResponseBuilder:
             return None
         finish_reason = output.finish_reason if output.finished else None
         if self.tool_calls is not None:
-            opening = index not in self._calls_opened
-            delta = self.tool_calls.delta(output.new_text, opening, output.finished, output.text, output.finish_reason)
+            delta, finish_reason = self.tool_calls.chunk(output.new_text, index not in self._calls_opened,
+                                                         output.text, finish_reason)
             if delta.get("tool_calls"):
                 self._calls_opened.add(index)
-            finish_reason = self.tool_calls.finish_reason(output.text, finish_reason)
             if not delta and finish_reason is None and logprobs is None:
                 return None  # "required" calls are sent whole, at the end
             choice = {"index": index, "delta": delta}

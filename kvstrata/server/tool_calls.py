@@ -15,18 +15,9 @@ from dataclasses import dataclass
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def named_call_schema(parameters: dict | None) -> dict:
-    """The output of a call to one named function: its arguments."""
-    return parameters if parameters is not None else NO_ARGUMENTS
-
-
-def required_calls_schema(functions: dict[str, dict | None]) -> dict:
-    """The output of `"required"`: one call or more, each {"name": one of `functions`, "parameters": its
-    arguments}."""
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": named_call_schema(parameters)},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for name, parameters in functions.items()]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+def arguments_schema(parameters: dict | None) -> dict:
+    """A function's arguments: an object, as its `parameters` describe it (none: no arguments)."""
+    return NO_ARGUMENTS if parameters is None else {"type": "object", **parameters}
 
 
 def tool_call(name: str, arguments: str) -> dict:
@@ -40,41 +31,40 @@ class ToolCalls:
 
     function: str | None  # None: "required"
 
+    def schema(self, functions: dict[str, dict | None]) -> dict:
+        """What the output must be, given the request's functions (name: parameters): the named function's
+        arguments, or one call or more, each {"name": one of them, "parameters": its arguments}."""
+        if self.function is not None:
+            return arguments_schema(functions[self.function])
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": arguments_schema(parameters)},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, parameters in functions.items()]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message of a finished output, and its finish reason. A named call's arguments are the text
-        as it came (cut short where the output was: OpenAI does the same); a "required" output that does not
-        parse (cut short) stays text."""
+        as it came (cut short where max_tokens cut the output: OpenAI does the same); a "required" output that does
+        not parse (cut short) stays text."""
         if self.function is not None:
             return {"role": "assistant", "content": None, "tool_calls": [tool_call(self.function, text)]}, finish_reason
-        calls = self.required_calls(text)
-        if calls is None:
+        try:
+            calls = [tool_call(call["name"], json.dumps(call["parameters"])) for call in json.loads(text)]
+        except (ValueError, RecursionError):
             return {"role": "assistant", "content": text}, finish_reason
         return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
-    @staticmethod
-    def required_calls(text: str) -> list[dict] | None:
-        try:
-            calls = json.loads(text)
-        except ValueError:
-            return None
-        return [tool_call(call["name"], json.dumps(call["parameters"])) for call in calls]
-
-    def delta(self, new_text: str, first: bool, finished: bool, text: str, finish_reason: str | None) -> dict:
-        """A streamed chunk's delta. A named call streams its arguments as they come (the first chunk also
-        carrying the call's id and name); "required" calls are whole only at the end, so they come in the last
-        chunk."""
+    def chunk(self, new_text: str, opening: bool, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A streamed chunk's delta and finish reason (None until the output finished). A named call streams its
+        arguments as they come, its first chunk (`opening`) also carrying the call's id and name; "required" calls
+        are whole only at the end, so they come in the last chunk."""
         if self.function is not None:
-            call = {"index": 0, "function": {"arguments": new_text}}
-            if first:
-                call = {**tool_call(self.function, new_text), "index": 0}
-            return {"tool_calls": [call]} if new_text or first else {}
-        if not finished:
-            return {}
-        message, _ = self.message(text, finish_reason)
+            call = {**tool_call(self.function, new_text), "index": 0} if opening else {
+                "index": 0, "function": {"arguments": new_text}}
+            return ({"tool_calls": [call]} if new_text or opening else {}), finish_reason
+        if finish_reason is None:
+            return {}, None
+        message, finish_reason = self.message(text, finish_reason)
         if message["content"] is not None:
-            return {"content": message["content"]}
-        return {"tool_calls": [{**call, "index": index} for index, call in enumerate(message["tool_calls"])]}
-
-    def finish_reason(self, text: str, finish_reason: str | None) -> str | None:
-        """A finished output's finish reason as `message` gives it; None while it runs."""
-        return self.message(text, finish_reason)[1] if finish_reason is not None else None
+            return {"content": message["content"]}, finish_reason
+        return {"tool_calls": [{**call, "index": index} for index, call in enumerate(message["tool_calls"])]}, \
+            finish_reason
