@@ -22,20 +22,24 @@ def hf(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(str(tiny_llama))
 
 
-def expected(hf, prompt: list[int], top: int) -> list[tuple[int, float, dict]]:
+def expected(hf, prompt: list[int], top: int) -> list[tuple[int, float, dict, int]]:
+    """Per prompt token after the first: the token, its logprob, the `top` alternatives, its rank (1 + the tokens
+    likelier than it)."""
     log_dist = hf_logits(hf, prompt).log_softmax(-1)
     rows = []
     for q in range(1, len(prompt)):
         best = torch.topk(log_dist[q - 1], top)
         alternatives = dict(zip(best.indices.tolist(), best.values.tolist()))
-        rows.append((prompt[q], float(log_dist[q - 1, prompt[q]]), alternatives))
+        rank = int((log_dist[q - 1] > log_dist[q - 1, prompt[q]]).sum()) + 1
+        rows.append((prompt[q], float(log_dist[q - 1, prompt[q]]), alternatives, rank))
     return rows
 
 
 def check(entries, hf, prompt, top):
     assert len(entries) == len(prompt) and entries[0] is None
-    for entry, (token, logprob, alternatives) in zip(entries[1:], expected(hf, prompt, top)):
+    for entry, (token, logprob, alternatives, rank) in zip(entries[1:], expected(hf, prompt, top)):
         assert entry.token_id == token and entry.logprob == pytest.approx(logprob, abs=1e-4)
+        assert abs(entry.rank - rank) <= 1  # a logit within rounding of the token's may fall either side
         assert list(entry.top) == list(alternatives)
         assert list(entry.top.values()) == pytest.approx(list(alternatives.values()), abs=1e-4)
 

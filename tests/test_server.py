@@ -195,7 +195,10 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "[0-9]+"}, 200, None),
         ({"model": MODEL, "prompt": "x", "max_tokens": 4, "response_format": {"type": "text"},
           "guided_choice": ["yes", "no"]}, 200, None),
-        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 0}, 400, "prompt_logprobs"),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+        ({"model": MODEL, "prompt": "x", "prompt_logprobs": 2, "echo": True, "logprobs": 1}, 400,
+         "prompt_logprobs"),
         ({"model": MODEL, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
         ({"model": MODEL, "prompt": "x", "bad_words": ["Emma"]}, 400, "bad_words"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 2, "guided_choice": None, "use_beam_search": False,
@@ -544,6 +547,31 @@ def test_echo_returns_the_prompt_with_its_logprobs_as_lm_eval_reads_them(server,
             assert prompt_part == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]], abs=1e-4)
         assert reply["usage"]["prompt_tokens"] == len(ids)
     assert not echoed.choices[0].logprobs  # no logprobs asked: none echoed
+
+
+def test_vllm_s_prompt_logprobs_field_gives_each_prompt_token_its_logprob_rank_and_alternatives(server, offline):
+    prompt = "Emma Woodhouse, handsome, clever"
+    ids = offline.engine.tokenize(prompt)
+    expected = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+    completion = httpx.post(server[0] + "/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2, "n": 2},
+        timeout=60).json()
+    chat_prompt = offline.chat_prompt([{"role": "user", "content": prompt}])
+    expected_chat = offline.generate([chat_prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    chat = httpx.post(server[0] + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "prompt_logprobs": 2},
+        timeout=60).json()
+    for entries, want in [(choice["prompt_logprobs"], expected) for choice in completion["choices"]] + [
+            (chat["prompt_logprobs"], expected_chat)]:
+        assert len(entries) == len(want.prompt_token_ids) and entries[0] is None
+        for entry, token, wanted in zip(entries[1:], want.prompt_token_ids[1:], want.prompt_logprobs[1:]):
+            assert entry[str(token)]["logprob"] == pytest.approx(wanted.logprob, abs=1e-4)
+            assert entry[str(token)]["rank"] == wanted.rank >= 1
+            assert entry[str(token)]["decoded_token"] == offline.engine.tokenizer.decode([token], False)
+            alternatives = [e for t, e in entry.items() if t != str(token) or wanted.rank <= 2]
+            assert sorted(e["rank"] for e in alternatives) == [1, 2]  # the two likeliest, ranked
+    assert "prompt_logprobs" not in httpx.post(server[0] + "/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=60).json()["choices"][0]
 
 
 def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(server, offline):

@@ -131,10 +131,14 @@ def sample(
 
 
 def token_logprobs(log_dist: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprobs]:
-    """Each row's token's logprob in `log_dist` [rows, vocab] (log-softmaxed), and the row's `top` likeliest."""
-    chosen = log_dist.gather(1, torch.tensor(tokens, device=log_dist.device)[:, None])[:, 0].tolist()
+    """Each row's token's logprob in `log_dist` [rows, vocab] (log-softmaxed) and its rank there (1: the likeliest;
+    vLLM's: one plus the tokens strictly likelier), and the row's `top` likeliest."""
+    chosen = log_dist.gather(1, torch.tensor(tokens, device=log_dist.device)[:, None])
+    ranks = ((log_dist > chosen).sum(-1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
     if not top:
-        return [TokenLogprobs(token, logprob, {}) for token, logprob in zip(tokens, chosen)]
+        return [TokenLogprobs(token, logprob, {}, rank) for token, logprob, rank in zip(tokens, chosen, ranks)]
     best = torch.topk(log_dist, top)
-    return [TokenLogprobs(token, logprob, dict(zip(indices, values)))
-            for token, logprob, indices, values in zip(tokens, chosen, best.indices.tolist(), best.values.tolist())]
+    return [TokenLogprobs(token, logprob, dict(zip(indices, values)), rank)
+            for token, logprob, rank, indices, values in zip(tokens, chosen, ranks, best.indices.tolist(),
+                                                             best.values.tolist())]

@@ -28,7 +28,8 @@ class SequenceStatus(enum.Enum):
 class TokenLogprobs:
     token_id: int
     logprob: float
-    top: dict[int, float]  # the most likely alternatives and their logprobs
+    top: dict[int, float]  # the most likely alternatives and their logprobs, likeliest first
+    rank: int | None = None  # of the token in its distribution: 1 the likeliest
 
 
 @dataclass

@@ -179,7 +179,8 @@ class _SamplingFields(BaseModel):
     use_beam_search: OnlyFalse = False
     length_penalty: Annotated[Number, Field(ge=1, le=1, description="Not supported: 1 only")] = 1
     bad_words: NoList = None
-    prompt_logprobs: OnlyNull = None  # (completions' echo with logprobs gives the prompt's logprobs)
+    # vLLM's: each prompt token's logprob and rank, with that many alternatives (not streamed)
+    prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     # structured output (at most one of these four ways): OpenAI's response_format, vLLM's structured_outputs, and
     # vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
@@ -216,6 +217,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_output=self.structured_output(),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def structured_output(self) -> StructuredOutput | None:
@@ -250,6 +252,13 @@ class _SamplingFields(BaseModel):
             fields.remove("response_format")
         return fields
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("stream"):
+            raise ValueError("are not streamed (as in vLLM); ask for them without stream")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -270,6 +279,10 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         params = super().sampling_params(max_tokens, logprobs)
         if self.echo and logprobs is not None:  # the prompt's logprobs are echoed with it
+            if self.prompt_logprobs not in (None, logprobs):
+                raise ParameterError("prompt_logprobs", f"prompt_logprobs {self.prompt_logprobs} and echo with "
+                                                        f"logprobs {logprobs} ask for the prompt's logprobs twice; "
+                                                        "give one number")
             params = dataclasses.replace(params, prompt_logprobs=logprobs)
         return params
 

@@ -41,8 +41,9 @@ class ResponseBuilder:
 
     def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int,
                  echo_texts: list[str | None] | None = None, prompt_only: bool = False,
-                 tool_calls: ToolCalls | None = None):
+                 tool_calls: ToolCalls | None = None, prompt_logprobs: bool = False):
         self.chat = chat
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field: each prompt token's logprob, rank and alternatives
         self.tool_calls = tool_calls  # chat outputs handed back as tool calls (tool_calls.py)
         self.samples_per_prompt = samples_per_prompt
         self.model = model
@@ -72,6 +73,17 @@ class ResponseBuilder:
         return {"tokens": [self._token_text(first), *rest["tokens"]],
                 "token_logprobs": [None, *rest["token_logprobs"]],
                 "top_logprobs": [None, *rest["top_logprobs"]]}
+
+    def _vllm_prompt_logprobs(self, output: RequestOutput) -> list[dict | None]:
+        """vLLM's form: per prompt token, None for the first, then {token id: {logprob, rank, decoded_token}} of
+        the token itself and its alternatives (ranked 1, 2, ... in their order)."""
+        result: list[dict | None] = [None]
+        for entry in output.prompt_logprobs[1:]:
+            ranked = {token: (logprob, rank) for rank, (token, logprob) in enumerate(entry.top.items(), start=1)}
+            ranked[entry.token_id] = (entry.logprob, entry.rank)
+            result.append({str(token): {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token)}
+                           for token, (logprob, rank) in ranked.items()})
+        return result
 
     def _logprobs(self, entries: list[TokenLogprobs], before: dict | None = None) -> dict:
         """Entries in the endpoint's form; a completion's after `before` (an echoed prompt's, in that form)."""
@@ -133,8 +145,13 @@ class ResponseBuilder:
             entries = [] if self.prompt_only else output.logprobs
             choice["logprobs"] = None if output.logprobs is None else self._logprobs(entries, before)
             choice["finish_reason"] = finish_reason
+            if self.prompt_logprobs and not self.chat:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(output)
             choices.append(choice)
-        return {**self._envelope(choices, chunk=False), "usage": self._usage(outputs)}
+        response = {**self._envelope(choices, chunk=False), "usage": self._usage(outputs)}
+        if self.prompt_logprobs and self.chat:  # vLLM's chat: once, for the prompt the choices share
+            response["prompt_logprobs"] = self._vllm_prompt_logprobs(outputs[0])
+        return response
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         """Chat streams open each choice with the assistant role."""
