@@ -22,24 +22,26 @@ def hf(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(str(tiny_llama))
 
 
-def expected(hf, prompt: list[int], top: int) -> list[tuple[int, float, dict, int]]:
-    """Per prompt token after the first: the token, its logprob, the `top` alternatives, its rank (1 + the tokens
-    likelier than it)."""
+def expected(hf, prompt: list[int], top: int) -> list[tuple[int, float, dict, range]]:
+    """Per prompt token after the first: the token, its logprob, the `top` alternatives, and the ranks it may have
+    (1 + the tokens likelier than it; tokens within 1e-4 of it may fall either side by rounding)."""
     log_dist = hf_logits(hf, prompt).log_softmax(-1)
     rows = []
     for q in range(1, len(prompt)):
         best = torch.topk(log_dist[q - 1], top)
         alternatives = dict(zip(best.indices.tolist(), best.values.tolist()))
-        rank = int((log_dist[q - 1] > log_dist[q - 1, prompt[q]]).sum()) + 1
-        rows.append((prompt[q], float(log_dist[q - 1, prompt[q]]), alternatives, rank))
+        logprob = log_dist[q - 1, prompt[q]]
+        surely_likelier, maybe_likelier = (int((log_dist[q - 1] > logprob + margin).sum()) for margin in (1e-4, -1e-4))
+        ranks = range(surely_likelier + 1, maybe_likelier + 1)  # maybe_likelier counts the token itself
+        rows.append((prompt[q], float(logprob), alternatives, ranks))
     return rows
 
 
 def check(entries, hf, prompt, top):
     assert len(entries) == len(prompt) and entries[0] is None
-    for entry, (token, logprob, alternatives, rank) in zip(entries[1:], expected(hf, prompt, top)):
+    for entry, (token, logprob, alternatives, ranks) in zip(entries[1:], expected(hf, prompt, top)):
         assert entry.token_id == token and entry.logprob == pytest.approx(logprob, abs=1e-4)
-        assert abs(entry.rank - rank) <= 1  # a logit within rounding of the token's may fall either side
+        assert entry.rank in ranks
         assert list(entry.top) == list(alternatives)
         assert list(entry.top.values()) == pytest.approx(list(alternatives.values()), abs=1e-4)
 
