@@ -37,7 +37,8 @@ class ResponseBuilder:
     request's `n`). With `echo_texts` (completions' echo), each choice's text and logprobs begin with its prompt's:
     one text per prompt, as the request gave it, or None where its token ids are to be decoded (a prompt of token
     ids, or one cut to its last tokens). With `prompt_only` (echo with max_tokens 0, which scores a prompt), the
-    choice is its prompt alone: the one token the engine generated is not shown."""
+    choice is its prompt alone: the one token the engine generated is not shown. With `tool_calls`, a chat's outputs
+    are handed back as tool calls; with `prompt_logprobs`, vLLM's field of that name is filled."""
 
     def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int,
                  echo_texts: list[str | None] | None = None, prompt_only: bool = False,
