@@ -24,7 +24,7 @@ def test_generate_help_describes_every_flag(capsys):
     for flag in ("--max-tokens", "--temperature", "--seed", "--model", "--kv-cache-memory", "--scheduler",
                  "--chunk-size", "--tile", "--block-size", "--device", "--max-num-seqs", "--stop", "--chat",
                  "--repetition-penalty", "--presence-penalty", "--frequency-penalty", "--min-p", "--min-tokens",
-                 "--json-schema", "--json-object", "--regex", "--choice", "--grammar"):
+                 "--json-schema", "--json-object", "--regex", "--choice", "--grammar", "--compact-json"):
         assert flag in text
 
 
@@ -62,6 +62,8 @@ def test_generate_holds_the_output_to_a_structured_constraint(tiny_llama, tmp_pa
     assert "cannot read the json file" in capsys.readouterr().err
     assert main(["generate", "Emma", *tiny, "--regex", "[0-9"]) == 2
     assert "regex is not valid" in capsys.readouterr().err
+    assert main(["generate", "Emma", *tiny, "--compact-json"]) == 2
+    assert "give it with --json-schema or --json-object" in capsys.readouterr().err
     assert main(["generate", "Emma", *tiny, "--regex", ""]) == 2
     assert "regex must be a non-empty string" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -184,8 +184,10 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "guided_regex": "a+", "guided_choice": ["b"]}, 400, "guided_choice"),
         ({"model": MODEL, "prompt": "x", "guided_regex": "a+", "structured_outputs": {"choice": ["b"]}}, 400,
          "guided_regex"),
+        ({"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, 400,
+         "structured_outputs.whitespace_pattern"),
         ({"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}, 400,
-         "structured_outputs.disable_any_whitespace"),
+         "structured_outputs"),  # JSON only
         ({"model": MODEL, "prompt": "x", "structured_outputs": {}}, 400, "structured_outputs"),
         ({"model": MODEL, "prompt": "x", "structured_outputs": {"name": "x", "regex": "a"}}, 400,
          "structured_outputs.name"),

@@ -135,6 +135,8 @@ def test_a_constraint_the_tokenizer_cannot_go_on_with_fails_its_request_alone(ll
     ({"json": "[1, 2]"}, "must be a JSON object"),
     ({"regex": ""}, "non-empty string"),
     ({"json_object": 1}, "true or false"),
+    ({"regex": "a+", "any_whitespace": False}, "applies to JSON"),
+    ({"json_object": True, "any_whitespace": None}, "true or false"),
 ])
 def test_bad_constraints_are_refused_when_built(options, message):
     with pytest.raises(KvstrataError, match=message):
@@ -204,6 +206,11 @@ def test_the_default_model_answers_in_json_that_fits_the_schema():
     anything = llm.generate([prompt], SamplingParams(max_tokens=80, temperature=0.0,
                                                      structured_output=StructuredOutput(json_object=True)))[0]
     assert anything.finish_reason == "stop" and isinstance(json.loads(anything.text), dict)
+    compact = llm.generate([prompt], SamplingParams(max_tokens=80, temperature=0.0, structured_output=StructuredOutput(
+        json=schema, any_whitespace=False)))[0]
+    assert set(json.loads(compact.text)) == {"city", "population", "coastal"}
+    assert not re.search(r"\s", re.sub(r'"(\\.|[^"\\])*"', '""', compact.text))  # none outside strings
+    assert re.search(r"\s", re.sub(r'"(\\.|[^"\\])*"', '""', outputs[0].text))  # the default allows it
 
 
 def test_the_server_takes_each_way_of_asking_and_answers_as_offline(tiny_llama, llm):

@@ -43,6 +43,8 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float)
     constraint.add_argument("--regex", help="text the regular expression matches whole")
     constraint.add_argument("--choice", action="append", help="one of these strings (repeatable)")
     constraint.add_argument("--grammar", type=Path, metavar="FILE", help="text of the Lark or GBNF grammar in FILE")
+    structured.add_argument("--compact-json", action="store_true",
+                            help="with --json-schema or --json-object: no whitespace between JSON's tokens")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -61,6 +63,8 @@ def _structured_output(args: argparse.Namespace):
 
     files = {"json": args.json_schema, "grammar": args.grammar}
     if all(value is None for value in (*files.values(), args.regex, args.choice)) and not args.json_object:
+        if args.compact_json:
+            raise KvstrataError("--compact-json shapes JSON output: give it with --json-schema or --json-object")
         return None
     texts = {}
     for kind, path in files.items():
@@ -69,7 +73,8 @@ def _structured_output(args: argparse.Namespace):
                 texts[kind] = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise KvstrataError(f"cannot read the {kind} file {path}: {exc}") from exc
-    return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice, **texts)
+    return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=args.choice,
+                            any_whitespace=not args.compact_json, **texts)
 
 
 def build_parser() -> argparse.ArgumentParser:

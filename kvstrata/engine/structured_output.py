@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from llguidance import grammar_from
+from llguidance import LLMatcher, grammar_from
 
 from kvstrata.errors import KvstrataError
 
@@ -22,13 +22,16 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class StructuredOutput:
     """Exactly one constraint. `json`: a JSON schema (an object, or its text); `json_object`: any JSON object;
     `regex`: a regular expression the whole output matches (Rust's syntax, as llguidance reads it); `choice`: the
-    output is one of these strings; `grammar`: a Lark or GBNF grammar whose start rule the output matches."""
+    output is one of these strings; `grammar`: a Lark or GBNF grammar whose start rule the output matches.
+    `any_whitespace` (JSON only): whitespace may stand between JSON's tokens; off, none may (vLLM's
+    disable_any_whitespace: `{"a":1}`), which keeps a small model from spending tokens on it."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         given = self._given()
@@ -44,6 +47,10 @@ class StructuredOutput:
             raise KvstrataError(f"a JSON schema must be a JSON object, got {self.json!r:.200}")
         if self.json_object is not True and self.json_object is not False:
             raise KvstrataError(f"json_object must be true or false, got {self.json_object!r}")
+        if self.any_whitespace is not True and self.any_whitespace is not False:
+            raise KvstrataError(f"any_whitespace must be true or false, got {self.any_whitespace!r}")
+        if not self.any_whitespace and given[0] not in ("json", "json_object"):
+            raise KvstrataError(f"any_whitespace applies to JSON (json, json_object), not to {given[0]}")
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
@@ -65,10 +72,10 @@ class StructuredOutput:
         """The constraint in llguidance's grammar form; raises KvstrataError where it cannot be read (a GBNF
         grammar that does not convert, a schema that is not JSON). Other faults show when it is compiled."""
         try:
-            if self.json_object:
-                return grammar_from("json_schema", json.dumps({"type": "object"}))
-            if self.json is not None:
-                return grammar_from("json_schema", json.dumps(self.json))
+            if self.json_object or self.json is not None:
+                schema = {"type": "object"} if self.json_object else self.json
+                return LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                          overrides={"whitespace_flexible": self.any_whitespace})
             if self.choice is not None:
                 return grammar_from("choice", json.dumps(list(self.choice)))
             return grammar_from(self.kind, self.regex if self.regex is not None else self.grammar)

@@ -136,10 +136,12 @@ class StructuredOutputs(BaseModel):
     regex: Text | None = None
     choice: Choices | None = None
     grammar: Text | None = None
+    disable_any_whitespace: StrictBool = False  # JSON with no whitespace between its tokens
 
     def constraint(self) -> StructuredOutput:
         return StructuredOutput(json=self.json_, json_object=bool(self.json_object), regex=self.regex,
-                                choice=self.choice, grammar=self.grammar)
+                                choice=self.choice, grammar=self.grammar,
+                                any_whitespace=not self.disable_any_whitespace)
 
 
 class StreamOptions(BaseModel):
