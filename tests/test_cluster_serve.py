@@ -190,7 +190,10 @@ def test_killing_a_replica_loses_no_request_and_ray_restarts_it(cluster):
 def test_losing_the_shared_redis_degrades_to_recompute(cluster, redis):
     prompt = documents(11)[-1] + " One more question?"
     failures_before = metric(cluster, "kvstrata:kv_store_errors_total", tier="redis")
-    redis.stop()  # the last test of the module: the others need Redis
-    answer = complete(cluster, prompt)
-    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
-    assert metric(cluster, "kvstrata:kv_store_errors_total", tier="redis") > failures_before
+    redis.stop()
+    try:
+        answer = complete(cluster, prompt)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
+        assert metric(cluster, "kvstrata:kv_store_errors_total", tier="redis") > failures_before
+    finally:
+        redis.start()  # the other tests need Redis, and need not run before this one (pytest-xdist's --dist load)
