@@ -215,7 +215,7 @@ def test_the_store_s_threads_leave_the_engine_s_thread_count_alone(tiny_llama, t
     run_rounds(engine)
     assert engine.kv_store.stats.loaded_tokens > 0 and torch.get_num_threads() == 2
     link = engine.kv_store
-    counts = [thread.submit(torch.get_num_threads).result() for thread in (link._load_thread, link._write_thread)]
+    counts = [thread.submit(torch.get_num_threads).result() for thread in (link._load_thread, link.writes._thread)]
     assert counts == [2, 1]
     both = threading.Barrier(2, timeout=10)  # each task waits for the other: they run on the two decoder threads
     decoders = [link._decoders.submit(lambda: (both.wait(), torch.get_num_threads())[1]) for _ in range(2)]
@@ -372,10 +372,10 @@ def test_kv_from_the_store_that_does_not_fit_is_prefilled_instead(tiny_llama, re
 
 
 def test_a_full_write_backlog_writes_the_chunks_that_fit(tiny_llama, tmp_path, monkeypatch):
-    from kvstrata.engine import kv_store_link
+    from kvstrata.engine import kv_store_writes
 
     chunk_bytes = 2 * 3 * CHUNK * 2 * 16 * 4  # layers x tokens x kv heads x head dim, float32 K and V
-    monkeypatch.setattr(kv_store_link, "MAX_PENDING_WRITE_BYTES", 2 * chunk_bytes)
+    monkeypatch.setattr(kv_store_writes, "MAX_PENDING_WRITE_BYTES", 2 * chunk_bytes)
     engine = make_engine(tiny_llama, kv_store=f"disk:{tmp_path}:64MiB")
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1))
     while engine.has_unfinished_requests():

@@ -1,6 +1,6 @@
 """The engine's side of the KV store (kv/store/): look a new request's prompt up below the device pool in
 the background, hold the request back until its chunks are fetched and decoded, and write the chunks a
-prefill computed down to the store, also in the background. Chunks stored at several levels are streamed:
+prefill computed down to the store, also in the background (kv_store_writes.py). Chunks stored at several levels are streamed:
 each one is read at the level the link allows before the time-to-first-token objective, or recomputed from
 its text (kv/store/adaptation.py), and the chunks read are decoded, several at once, while the next is read.
 
@@ -30,6 +30,7 @@ from kvstrata.engine.important_prefix_load import (
     ImportantLoadStats,
     load_important_prefix,
 )
+from kvstrata.engine.kv_store_writes import StoreWrites
 from kvstrata.engine.torch_threads import use_torch_threads
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.impress.node_reordering import Reorderer
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
     from kvstrata.cachegen.profile import CodecProfile
 
 log = logging.getLogger("kvstrata.kv.store")
-MAX_PENDING_WRITE_BYTES = 512 * 2**20  # snapshots waiting to be written; beyond this, writes are skipped
 PROBE_BYTES = 256 * 2**10  # a load's first read, at the best level, that tells the link before any choice
 PIECE_BYTES = 2**20  # an adapting chunk is read in pieces of about this size (KVStoreLink._read_chunk)
 SLOWED = 0.5  # a piece that got less than this share of the throughput estimated: the link slowed (not jitter)
@@ -122,7 +122,6 @@ class KVStoreLink:
         self.store = store
         self.important = important
         self.important_stats = ImportantLoadStats()
-        store.defer = self._defer
         self.chunk_tokens = chunk_tokens
         self.ttft_slo = ttft_slo  # seconds from a request's arrival to its first token: what streaming aims at
         self.level = level  # "auto" or the level every chunk stored at several levels is read at
@@ -141,9 +140,7 @@ class KVStoreLink:
                                                initializer=use_torch_threads, initargs=(torch.get_num_threads(),))
         self._decoders = ThreadPoolExecutor(decoders, thread_name_prefix="kvstrata-store-decode",
                                             initializer=use_torch_threads, initargs=(1,))
-        self._write_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-store-write",
-                                                initializer=use_torch_threads, initargs=(1,))
-        self._pending_write_bytes = 0
+        self.writes = StoreWrites(store, chunk_tokens, kv_cache, self.stats, self.chunk_keys)
         self._lock = threading.Lock()
         reorders = important is not None and important.method == "impress" and important.reorder_seconds > 0
         self.reorderer = Reorderer(store, chunk_tokens, important.reorder_seconds) if reorders else None
@@ -540,87 +537,19 @@ class KVStoreLink:
         if load is not None and all(other.future is not load.future for other in self._loads.values()):
             load.future.cancel()  # no other request with its prompt waits on it (one sharing its prefix reads anew)
 
-    # --- writes -------------------------------------------------------------------------------
+    # --- writes (kv_store_writes.py) -----------------------------------------------------------
 
     def store_prompt(self, seq, reused_tokens: int) -> None:
-        """Queue the full chunks of `seq`'s prompt that its prefill computed (those ending after the first
-        `reused_tokens`, which came from the device pool or the store) for writing. The KV is copied now,
-        while `seq` holds its blocks; encoding and writing happen on the write thread."""
-        if seq.cache_salt is not None:
-            return
-        num_chunks = seq.num_prompt_tokens // self.chunk_tokens
-        first = reused_tokens // self.chunk_tokens
-        if first >= num_chunks:
-            return
-        shape = self.store.shape
-        chunk_bytes = 2 * shape.num_layers * self.chunk_tokens * shape.kv_heads * shape.head_dim * 4  # float32 K, V
-        with self._lock:  # as many chunks as the backlog has room for, sized before anything is copied
-            fitting = min(num_chunks - first, (MAX_PENDING_WRITE_BYTES - self._pending_write_bytes) // chunk_bytes)
-            self._pending_write_bytes += max(fitting, 0) * chunk_bytes
-            self.stats.writes_skipped += num_chunks - first - max(fitting, 0)
-        if fitting <= 0:
-            return
-        end = first + fitting
-        size = fitting * chunk_bytes
-        try:
-            k, v = self._read(seq.block_table, first * self.chunk_tokens, end * self.chunk_tokens)
-        except Exception:
-            log.exception("request %s: its prompt's KV could not be read for the store", seq.request_id)
-            with self._lock:
-                self.stats.writes_skipped += fitting
-            self._release(size)
-            return
-        self.stats.chunks_queued += fitting
-        self._write_thread.submit(self._write, self.chunk_keys(seq.token_ids, end)[first:], first * self.chunk_tokens,
-                                  k, v, size)
-
-    def _read(self, block_table: list[int], first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [layers, end - first, kv_heads, head_dim] of one sequence's tokens, as float32 on the CPU."""
-        layers = [self.kv_cache.read(layer, block_table, end, first) for layer in range(self.kv_cache.num_layers)]
-        return torch.stack([k.cpu() for k, _ in layers]), torch.stack([v.cpu() for _, v in layers])
-
-    def _write(self, keys: list[str], position: int, k: torch.Tensor, v: torch.Tensor, size: int) -> None:
-        """On the write thread: each chunk to every tier that lacks it (the first one's first token at `position`)."""
-        try:
-            for index, key in enumerate(keys):
-                span = slice(index * self.chunk_tokens, (index + 1) * self.chunk_tokens)
-                self.store.put(key, k[:, span], v[:, span], position=position + span.start)
-        except Exception:
-            log.exception("writing chunks to the KV store failed; they are skipped")
-        finally:
-            self._release(size)
-
-    def _release(self, size: int) -> None:
-        with self._lock:
-            self._pending_write_bytes -= size
-
-    def _defer(self, work, size: int) -> None:
-        """Store work a load need not wait for (promoting a hit to the tiers above) goes to the write thread, within
-        the same backlog as writes; beyond it, the work is dropped (the chunk stays where it was found)."""
-        with self._lock:
-            if self._pending_write_bytes + size > MAX_PENDING_WRITE_BYTES:
-                self.stats.writes_skipped += 1
-                return
-            self._pending_write_bytes += size
-
-        def run() -> None:
-            try:
-                work()
-            except Exception:
-                log.exception("promoting a chunk in the KV store failed; it stays where it was")
-            finally:
-                self._release(size)
-
-        self._write_thread.submit(run)
+        self.writes.store_prompt(seq, reused_tokens)
 
     def flush(self) -> None:
         """Wait until every queued write is done (tests, tools, shutdown)."""
-        self._write_thread.submit(lambda: None).result()
+        self.writes.flush()
 
     def close(self) -> None:
         if self.reorderer is not None:
             self.reorderer.stop()
         self._load_thread.shutdown(wait=False, cancel_futures=True)
         self._decoders.shutdown(wait=False, cancel_futures=True)
-        self._write_thread.shutdown(wait=True)
+        self.writes.close()
         self.store.close()
