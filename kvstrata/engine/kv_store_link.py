@@ -1,8 +1,9 @@
 """The engine's side of the KV store (kv/store/): look a new request's prompt up below the device pool in
 the background, hold the request back until its chunks are fetched and decoded, and write the chunks a
-prefill computed down to the store, also in the background (kv_store_writes.py). Chunks stored at several levels are streamed:
-each one is read at the level the link allows before the time-to-first-token objective, or recomputed from
-its text (kv/store/adaptation.py), and the chunks read are decoded, several at once, while the next is read.
+prefill computed down to the store, also in the background (kv_store_writes.py). Chunks stored at several
+levels are streamed: each one is read at the level the link allows before the time-to-first-token objective,
+or recomputed from its text (kv/store/adaptation.py), and the chunks read are decoded, several at once, while
+the next is read.
 
 Neither direction can fail a request: a store that is unreachable, slow or holds a corrupt object only
 means that the request's tokens are prefilled from their text, and a failed write is counted and skipped.
