@@ -92,6 +92,12 @@ def test_the_eos_that_ends_a_complete_constraint_is_not_text_even_when_eos_is_ig
     assert any(o.token_ids[-1] == eos for o in outputs)  # some ended by EOS, as the constraint allowed
 
 
+def test_a_seeded_constrained_request_samples_the_same_output_again(llm):
+    params = [sampled(7, StructuredOutput(grammar=LARK)), sampled(8, StructuredOutput(grammar=LARK))]
+    first, second = (llm.generate(["Emma was"] * 2, params) for _ in range(2))
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
 def test_each_of_n_samples_follows_its_own_matcher(llm):
     engine = llm.engine
     constraint = StructuredOutput(choice=["tea", "milk", "a little tea with milk"])
