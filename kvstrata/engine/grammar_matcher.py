@@ -131,7 +131,7 @@ class GrammarCompiler:
 
     def _compile(self, constraint: StructuredOutput) -> LLMatcher:
         try:
-            grammar = constraint.llguidance_grammar()
+            grammar = constraint.llguidance_grammar
         except KvstrataError as exc:
             raise ParameterError("structured_output", str(exc)) from None
         with self._lock:

@@ -8,6 +8,7 @@ follows each sequence's output; the sampler gives every token the constraint doe
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -68,9 +69,11 @@ class StructuredOutput:
     def _given(self) -> list[str]:
         return [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
 
+    @functools.cached_property
     def llguidance_grammar(self) -> str:
         """The constraint in llguidance's grammar form; raises KvstrataError where it cannot be read (a GBNF
-        grammar that does not convert, a schema that is not JSON). Other faults show when it is compiled."""
+        grammar that does not convert, a schema that is not JSON). Other faults show when it is compiled. Kept:
+        a request's check, and the matcher of each of its choices, look the compiled constraint up by it."""
         try:
             if self.json_object or self.json is not None:
                 schema = {"type": "object"} if self.json_object else self.json
