@@ -19,6 +19,7 @@ from tests.tiny_models import (
     tiny_llama_config,
     tiny_opt_config,
     tiny_qwen2_config,
+    tiny_qwen3_config,
 )
 
 
@@ -50,6 +51,11 @@ def tiny_llama_tied(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tiny_qwen2_config(), tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tiny_qwen3_config(), tmp_path_factory.mktemp("tiny-qwen3"), seed=7)
 
 
 @pytest.fixture(scope="session")

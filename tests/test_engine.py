@@ -177,8 +177,10 @@ def test_chat_uses_the_template(llm):
     assert continued == llm.tokenizer.encode(rendered + "Hi", add_special_tokens=False)  # the answer left open
 
 
-def test_opt_generates_like_transformers(tiny_opt, prompts):
-    outputs = LLM(str(tiny_opt), kv_cache_memory="8MiB", chunk_size=16).generate(prompts[:4], GREEDY)
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_opt))
+@pytest.mark.parametrize("name", ["tiny_opt", "tiny_qwen3"])
+def test_other_architectures_generate_like_transformers(name, prompts, request):
+    path = request.getfixturevalue(name)
+    outputs = LLM(str(path), kv_cache_memory="8MiB", chunk_size=16).generate(prompts[:4], GREEDY)
+    hf = AutoModelForCausalLM.from_pretrained(str(path))
     for prompt, output in zip(prompts[:4], outputs):
         assert output.token_ids == hf_greedy(hf, prompt, 20)

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.errors import KvstrataError
 from kvstrata.model import loader
+from kvstrata.model.config import ModelConfig
 
 
 @pytest.mark.real_model
@@ -30,3 +32,22 @@ def test_bfloat16_weights_and_cache_generate(tiny_llama):
     assert llm.engine.kv_cache.k.dtype == torch.bfloat16
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 6
+
+
+def test_generation_config_adds_end_tokens(tiny_llama, tmp_path):
+    """An instruct model's turn may end with a token only generation_config.json names: generation stops there."""
+    import json
+    import shutil
+
+    prompt = [5, 6, 7]
+    free = LLM(str(tiny_llama), kv_cache_memory="8MiB").generate([prompt], SamplingParams(max_tokens=6, temperature=0))
+    assert free[0].finish_reason == "length"  # config.json's end token (2) does not come
+    first = free[0].token_ids[0]
+    checkpoint = shutil.copytree(tiny_llama, tmp_path / "checkpoint")
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, first]}))
+    assert ModelConfig.from_checkpoint(checkpoint).eos_token_id == [2, first]
+    out = LLM(str(checkpoint), kv_cache_memory="8MiB").generate([prompt], SamplingParams(max_tokens=6, temperature=0))
+    assert out[0].token_ids == [first] and out[0].finish_reason == "stop"
+    (checkpoint / "generation_config.json").write_text("[2]")
+    with pytest.raises(KvstrataError, match="generation_config.json is not a JSON object"):
+        ModelConfig.from_checkpoint(checkpoint)

@@ -8,7 +8,7 @@ from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from tests.helpers import hf_logits, prefill_in_chunks
 
-CHECKPOINTS = ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_opt", "tiny_opt_post_norm"]
+CHECKPOINTS = ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_opt", "tiny_opt_post_norm"]
 
 
 def make_engine(path, **options) -> LLMEngine:
@@ -28,7 +28,7 @@ def test_full_prefill_logits_match(name, request):
     assert torch.allclose(ours, reference, atol=1e-4, rtol=0), (ours - reference).abs().max()
 
 
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_opt"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen3", "tiny_opt"])
 @pytest.mark.parametrize("chunk", [1, 5, 16, 33])
 def test_chunked_prefill_equals_full_prefill(name, chunk, request):
     path = request.getfixturevalue(name)

@@ -69,9 +69,10 @@ def test_the_loop_generates_what_the_layers_generate(tiny_gguf_style, monkeypatc
 
 
 @needs_kernels
-def test_models_the_loop_does_not_compute_keep_the_layers(tiny_llama, tiny_qwen2):
+def test_models_the_loop_does_not_compute_keep_the_layers(tiny_llama, tiny_qwen2, tiny_qwen3):
     assert new_engine(tiny_llama).loaded.model.native_decode is None  # float weights
     assert new_engine(tiny_qwen2, weights="int4").loaded.model.native_decode is None  # q/k/v biases
+    assert new_engine(tiny_qwen3, weights="int4").loaded.model.native_decode is None  # per-head q/k norms
 
 
 @needs_kernels

@@ -68,6 +68,16 @@ def tiny_qwen2_config():
     )
 
 
+def tiny_qwen3_config():
+    """Qwen3's per-head query and key norms, with a head width apart from hidden / heads as Qwen3's models have."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    )
+
+
 def save_tiny_checkpoint(config, directory: Path, seed: int = 0) -> Path:
     """Random weights (scaled up so logits are far from ties) saved as a Hugging Face checkpoint."""
     from transformers import AutoModelForCausalLM

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvstrata.errors import KvstrataError
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "opt")
 
 
@@ -37,6 +38,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm over each head's queries and keys before RoPE (Qwen3)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     # OPT only
@@ -47,12 +49,16 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
 
     @classmethod
-    def from_json_file(cls, path: Path) -> ModelConfig:
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise KvstrataError(f"cannot read model config {path}: {exc}") from exc
-        return cls.from_hf_dict(raw)
+    def from_checkpoint(cls, directory: Path) -> ModelConfig:
+        """The directory's config.json, with the end-of-text tokens of its generation_config.json added where it has
+        one (instruct models often end turns with a token config.json does not name, as transformers' generate
+        knows from that file)."""
+        config = cls.from_hf_dict(_read_json(directory / "config.json"))
+        generation_file = directory / "generation_config.json"
+        if not generation_file.is_file():
+            return config
+        ends = [*_token_ids(config.eos_token_id), *_token_ids(_read_json(generation_file).get("eos_token_id"))]
+        return dataclasses.replace(config, eos_token_id=list(dict.fromkeys(ends)) or None)
 
     @classmethod
     def from_hf_dict(cls, raw: dict) -> ModelConfig:
@@ -64,6 +70,21 @@ class ModelConfig:
         if arch == "opt":
             return _opt_config(raw)
         return _llama_family_config(arch, raw)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise KvstrataError(f"cannot read model config {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise KvstrataError(f"model config {path} is not a JSON object")
+    return raw
+
+
+def _token_ids(value) -> list[int]:
+    """A config's token id field (a number, a list of them, or null) as a list."""
+    return value if isinstance(value, list) else [] if value is None else [value]
 
 
 def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
@@ -97,6 +118,7 @@ def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
         rope_scaling=scaling,
         # Qwen2 always has q/k/v biases; Llama and Mistral say so in the config.
         attention_bias=arch == "qwen2" or raw.get("attention_bias", False),
+        qk_norm=arch == "qwen3",
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         sliding_window=raw.get("sliding_window") if uses_window else None,
         activation=raw.get("hidden_act", "silu"),

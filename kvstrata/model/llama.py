@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over one packed batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over one packed batch of tokens.
 
 Every linear layer runs once over all packed tokens of a step; attention goes through the
 KV policy, which knows which tokens belong to which sequence.
@@ -50,6 +50,9 @@ class LlamaAttention(nn.Module):
         # Llama's attention_bias covers the output projection too; Qwen2's does not.
         output_bias = config.attention_bias and config.architecture != "qwen2"
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=output_bias)
+        # Qwen3 norms each head's queries and keys before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
 
 
 class LlamaMLP(nn.Module):
@@ -70,9 +73,10 @@ def before_attention(layer: LlamaDecoderLayer, x, cos, sin):
     h = layer.input_layernorm(x)
     tokens = h.shape[0]
     q, k, v = attn.qkv_proj(h).split(attn.split_sizes, dim=-1)
-    q = apply_rope(q.view(tokens, attn.num_heads, attn.head_dim), cos, sin)
-    k = apply_rope(k.view(tokens, attn.num_kv_heads, attn.head_dim), cos, sin)
-    return q, k, v.view(tokens, attn.num_kv_heads, attn.head_dim)
+    q, k = q.view(tokens, attn.num_heads, attn.head_dim), k.view(tokens, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(tokens, attn.num_kv_heads, attn.head_dim)
 
 
 def after_attention(layer: LlamaDecoderLayer, x, attended):
@@ -179,6 +183,9 @@ class LlamaForCausalLM(nn.Module):
             if config.attention_bias:
                 out[dst + "self_attn.qkv_proj.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
             out[dst + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
+            if config.qk_norm:
+                out[dst + "self_attn.q_norm.weight"] = hf[attn + "q_norm.weight"]
+                out[dst + "self_attn.k_norm.weight"] = hf[attn + "k_norm.weight"]
             if attn + "o_proj.bias" in hf:
                 out[dst + "self_attn.o_proj.bias"] = hf[attn + "o_proj.bias"]
             out[dst + "mlp.gate_up_proj.weight"] = cat_rows([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])

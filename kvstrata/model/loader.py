@@ -182,7 +182,7 @@ def _warn_dequantized(checkpoint: Path, weights: str) -> None:
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype, weights: str = "auto") -> LoadedModel:
     check_weight_format(weights, device)
     checkpoint, name = resolve_checkpoint(model)
-    config = ModelConfig.from_json_file(checkpoint / "config.json")
+    config = ModelConfig.from_checkpoint(checkpoint)
     _warn_dequantized(checkpoint, weights)
     cls = LlamaForCausalLM if config.architecture in LLAMA_FAMILY else OPTForCausalLM
     with torch.device("meta"), _parameter_init_skipped():

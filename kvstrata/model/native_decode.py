@@ -25,9 +25,10 @@ class NativeDecode:
     @classmethod
     def for_model(cls, model) -> NativeDecode | None:
         """The loop over `model`'s layers and its final norm, or None where a layer is not what the loop computes: a
-        projection not on blocks or with a bias, norms not in float32, or no compiled kernels."""
+        projection not on blocks or with a bias, norms not in float32, queries and keys normed per head (Qwen3), or
+        no compiled kernels."""
         compiled = block_linear.kernel()
-        if compiled is None or not hasattr(model, "layers"):
+        if compiled is None or not hasattr(model, "layers") or model.config.qk_norm:
             return None
         norms, codes, scales, mins, bits = [], [], [], [], []
         for layer in model.layers:
