@@ -78,21 +78,24 @@ class LLM:
         use_tqdm: bool = False,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Like `generate`, for chat conversations (lists of {"role", "content"}) under the chat template. With
         `continue_final_message`, each conversation's last message (an answer begun) is continued rather than
-        followed by a new assistant turn; `tools` (OpenAI's function definitions) are the template's to render."""
+        followed by a new assistant turn; `tools` (OpenAI's function definitions) are the template's to render, and
+        `chat_template_kwargs` further variables it reads (e.g. `{"enable_thinking": False}` for Qwen3)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.chat_prompt(c, continue_final_message, tools) for c in conversations], params,
-                             use_tqdm)
+        prompts = [self.chat_prompt(c, continue_final_message, tools, chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
 
     def chat_prompt(self, messages: Messages, continue_final_message: bool = False,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         if self.tokenizer is None:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
         return self.tokenizer.encode_chat(messages, add_generation_prompt=not continue_final_message,
-                                          continue_final_message=continue_final_message, tools=tools)
+                                          continue_final_message=continue_final_message, tools=tools,
+                                          template_kwargs=chat_template_kwargs)
 
     def stream(
         self,

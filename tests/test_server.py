@@ -630,7 +630,7 @@ def test_continue_final_message_leaves_the_assistant_s_answer_open_as_transforme
     opened = httpx.post(server[0] + "/tokenize", json={"model": MODEL, "messages": messages}).json()
     assert opened["count"] > len(expected)  # by default a new assistant turn is opened after the answer
     for extra, param in (({"add_generation_prompt": True}, "messages"), ({"echo": True}, "echo"),
-                         ({"chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs")):
+                         ({"chat_template": "{{ messages }}"}, "chat_template")):
         refused = httpx.post(server[0] + "/v1/chat/completions", json={
             "model": MODEL, "messages": messages, "continue_final_message": True, "max_tokens": 2, **extra})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param

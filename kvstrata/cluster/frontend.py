@@ -149,7 +149,8 @@ class Frontend:
         try:
             parsed = schema.model_validate_json(body)
             if isinstance(parsed, ChatCompletionRequest):
-                token_ids = self.tokenizer.encode_chat([m.plain() for m in parsed.messages], tools=parsed.plain_tools)
+                token_ids = self.tokenizer.encode_chat([m.plain() for m in parsed.messages], tools=parsed.plain_tools,
+                                                       template_kwargs=parsed.chat_template_kwargs)
             else:
                 prompt = parsed.prompts[0]  # a batch of prompts goes where its first one would
                 token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)

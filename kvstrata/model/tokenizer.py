@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
 from kvstrata.errors import KvstrataError
 
 _CONTENT_MARK = "\ue000"  # a private-use character: no chat template writes it
+# What a chat template is given apart from the caller's template_kwargs.
+TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "documents", "raise_exception", "strftime_now")
 
 
 def _token_text(value) -> str | None:
@@ -27,6 +31,26 @@ def _encode_without_gil(backend: tokenizers.Tokenizer, text: str, add_special_to
 
 def _raise_template_error(message: str):
     raise KvstrataError(f"chat template rejected the messages: {message}")
+
+
+def _to_json(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' tojson: jinja's own escapes <, >, & and ' for HTML, and templates write tool schemas with it.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """What transformers' apply_chat_template renders in, so that a model's template renders here the same:
+    {% break %} and {% continue %}, its tojson, raise_exception and strftime_now (the date some templates write)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _to_json
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = _strftime_now
+    return env
 
 
 class Tokenizer:
@@ -69,20 +93,25 @@ class Tokenizer:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """The template's text. `template_kwargs` are further variables it reads (e.g. Qwen3's `enable_thinking`),
+        as transformers' keyword arguments of this name are; they cannot stand for the ones named here."""
         if self.chat_template is None:
             raise KvstrataError("this model has no chat template; send a plain prompt instead")
         if self._compiled_template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._compiled_template = env.from_string(self.chat_template)
-        specials = {
+            self._compiled_template = _template_environment().from_string(self.chat_template)
+        variables = {
             "bos_token": self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
             "eos_token": self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else "",
+            **(template_kwargs or {}),
         }
+        taken = sorted((template_kwargs or {}).keys() & set(TEMPLATE_ARGUMENTS))
+        if taken:
+            raise KvstrataError(f"chat template variables {', '.join(taken)} have arguments of their own; "
+                                f"template_kwargs may not set them")
         try:
             return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **specials
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
             )
         except jinja2.TemplateError as exc:
             raise KvstrataError(f"chat template failed on the messages: {exc}") from exc
@@ -99,19 +128,20 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     special_tokens_in_content: bool = False, continue_final_message: bool = False,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """The rendered template's tokens. The template's own special tokens are parsed as such; the same
         text inside a message's content is encoded as plain text unless `special_tokens_in_content`, so a
         user cannot forge a role boundary (transformers parses it; trusted clients may ask for that). With
         `continue_final_message` the rendering stops right after the last message's content, which the model then
         continues (an assistant's answer begun by the client), as transformers' option of that name does.
-        `tools` (OpenAI's function definitions) are the template's to render, as transformers passes them."""
+        `tools` (OpenAI's function definitions) are the template's to render, as transformers passes them, and so are
+        `template_kwargs` (apply_chat_template)."""
         if continue_final_message and add_generation_prompt:
             raise KvstrataError("continue_final_message continues the last message; add_generation_prompt would "
                                 "open another: ask for one of them")
         contents = [m["content"] for m in messages]
         if special_tokens_in_content or not any(s in c for c in contents for s in self.special_token_texts):
-            rendered = self.apply_chat_template(messages, add_generation_prompt, tools)
+            rendered = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
             if continue_final_message:  # cut where transformers cuts: after the last copy of the final content
                 final = contents[-1].strip()
                 if final not in rendered:
@@ -121,7 +151,7 @@ class Tokenizer:
             return self.encode(rendered, add_special_tokens=False)
         # Render with each content replaced by a marker, then encode the template's text and the contents apart.
         marked = [{**m, "content": f"{_CONTENT_MARK}{i}{_CONTENT_MARK}"} for i, m in enumerate(messages)]
-        pieces = self.apply_chat_template(marked, add_generation_prompt, tools).split(_CONTENT_MARK)
+        pieces = self.apply_chat_template(marked, add_generation_prompt, tools, template_kwargs).split(_CONTENT_MARK)
         if continue_final_message:  # up to the final content's marker (odd pieces are the contents' numbers)
             final = [i for i in range(1, len(pieces), 2) if pieces[i] == str(len(messages) - 1)]
             if not final:

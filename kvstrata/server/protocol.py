@@ -34,6 +34,7 @@ from kvstrata.engine.sampling_params import (
 )
 from kvstrata.engine.structured_output import StructuredOutput
 from kvstrata.errors import KvstrataError, ParameterError
+from kvstrata.model.tokenizer import TEMPLATE_ARGUMENTS
 from kvstrata.server.tool_calls import ToolCalls
 
 MAX_STOP_STRINGS = 16
@@ -86,7 +87,17 @@ def integer(**constraints):
     return Annotated[StrictInt, Field(**constraints), BeforeValidator(_whole_number)]
 
 
+def _template_variables(value: dict) -> dict:
+    taken = sorted(value.keys() & set(TEMPLATE_ARGUMENTS))
+    if taken:
+        raise ValueError(f"cannot set {', '.join(taken)}: the request's own fields give the template those")
+    _encodable(json.dumps(value, ensure_ascii=False))  # the template may write any of its text
+    return value
+
+
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
+# Further variables the chat template reads (vLLM's chat_template_kwargs; e.g. Qwen3's enable_thinking).
+TemplateKwargs = Annotated[dict[str, object], AfterValidator(_template_variables)]
 Number = StrictFloat  # takes ints too, not bools
 JsonSchemaField = dict | Text  # a JSON schema, as an object or as its text
 Choices = Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
@@ -419,10 +430,10 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: the template opens the assistant's turn, or leaves the last message open for the model to continue
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template_kwargs: TemplateKwargs | None = None  # vLLM's too
     # vLLM's chat extras the engine does not have: refused unless off
     echo: OnlyFalse = False
     chat_template: OnlyNull = None
-    chat_template_kwargs: OnlyNull = None
     documents: OnlyNull = None
 
     @field_validator("top_logprobs")
@@ -506,6 +517,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True  # for messages: the assistant's turn opened, as the chat endpoint does
     continue_final_message: StrictBool = False  # for messages: the last one left open, as the chat endpoint can
     tools: list[Tool] | None = None  # for messages: rendered by the chat template, as the chat endpoint does
+    chat_template_kwargs: TemplateKwargs | None = None  # for messages: as the chat endpoint takes them
 
     @property
     def plain_tools(self) -> list[dict] | None:

@@ -15,7 +15,6 @@ from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.server.options import ServerOptions
 from kvstrata.server.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -77,8 +76,7 @@ class RequestPreparer:
         chat = isinstance(body, ChatCompletionRequest)
         try:
             if chat:
-                token_ids = self._chat_tokens(body.messages, opens_assistant_turn(body), body.continue_final_message,
-                                              body.plain_tools)
+                token_ids = self._chat_tokens(body)
             else:
                 token_ids = self.engine.tokenize(prompt)
             if body.truncate_prompt_tokens is not None:
@@ -121,14 +119,14 @@ class RequestPreparer:
             raise ParameterError(body.constraint_field, f"{body.constraint_field}: {exc}") from None
         return params
 
-    def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
-                     tools: list[dict] | None) -> list[int]:
+    def _chat_tokens(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
-        return tokenizer.encode_chat([m.plain() for m in messages], add_generation_prompt,
+        return tokenizer.encode_chat([m.plain() for m in body.messages], opens_assistant_turn(body),
                                      special_tokens_in_content=self.options.special_tokens_in_chat,
-                                     continue_final_message=continue_final_message, tools=tools)
+                                     continue_final_message=body.continue_final_message, tools=body.plain_tools,
+                                     template_kwargs=body.chat_template_kwargs)
 
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         """In a worker thread: /tokenize's token ids, those the completions or chat endpoint would make."""
@@ -137,8 +135,7 @@ class RequestPreparer:
         field = "prompt" if body.messages is None else "messages"
         try:
             if body.messages is not None:
-                return self._chat_tokens(body.messages, opens_assistant_turn(body), body.continue_final_message,
-                                         body.plain_tools)
+                return self._chat_tokens(body)
             if self.engine.tokenizer is None:
                 raise KvstrataError("this model has no tokenizer")
             return self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

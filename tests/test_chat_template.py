@@ -1,0 +1,81 @@
+"""A model's chat template renders here as transformers renders it: its tojson (no HTML escapes), {% break %},
+strftime_now, and further variables from the caller (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
+
+import json
+import shutil
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from kvstrata.errors import KvstrataError
+from kvstrata.model.tokenizer import Tokenizer
+from tests.server_harness import running_server
+
+# Written like Qwen3's: tools as JSON in the system turn, the thinking switch, a loop left early.
+TEMPLATE = """{%- if tools %}<|im_start|>system
+Year {{ strftime_now("%Y") }}. Tools:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}
+{%- set ns = namespace(last_user=0) %}
+{%- for m in messages %}{% if m.role == "user" %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{%- for m in messages %}
+{%- if loop.index0 > ns.last_user and m.role == "assistant" %}{% break %}{% endif %}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Finds <b>cafés</b> & 'bars'",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+MESSAGES = [{"role": "user", "content": "Where?"}, {"role": "assistant", "content": "Here."},
+            {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Later."}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama, tmp_path_factory):
+    """The tiny model with the template above."""
+    directory = shutil.copytree(tiny_llama, tmp_path_factory.mktemp("template") / "model")
+    (directory / "chat_template.jinja").write_text(TEMPLATE)
+    return directory
+
+
+@pytest.mark.parametrize("variables", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_the_template_renders_as_transformers_renders_it(model_dir, tools, variables):
+    ours = Tokenizer.from_directory(model_dir).apply_chat_template(MESSAGES, tools=tools, template_kwargs=variables)
+    theirs = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        MESSAGES, tools=tools, tokenize=False, add_generation_prompt=True, **variables)
+    assert ours == theirs
+    assert ("<think>" in ours) == (variables.get("enable_thinking") is False)
+    assert ("cafés</b> & 'bars'" in ours) == bool(tools)  # neither HTML nor ASCII escapes
+    assert "Later." not in ours  # the loop was left at the answer after the last question
+
+
+def test_template_kwargs_cannot_stand_for_the_template_arguments(model_dir):
+    tokenizer = Tokenizer.from_directory(model_dir)
+    with pytest.raises(KvstrataError, match="variables messages, tools have arguments of their own"):
+        tokenizer.encode_chat(MESSAGES, template_kwargs={"tools": [], "messages": [], "enable_thinking": False})
+
+
+def test_the_server_passes_chat_template_kwargs_to_the_template(model_dir):
+    tokenizer = Tokenizer.from_directory(model_dir)
+    without_thinking = tokenizer.encode_chat(MESSAGES, template_kwargs={"enable_thinking": False})
+    assert without_thinking != tokenizer.encode_chat(MESSAGES)
+    with running_server(str(model_dir), kv_cache_memory="8MiB") as (url, _):
+        body = {"model": "test-model", "messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+        assert httpx.post(url + "/tokenize", json=body).json()["tokens"] == without_thinking
+        reply = httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(without_thinking)
+        for variables in ({"add_generation_prompt": False}, {"x": "\ud800"}, ["enable_thinking"]):
+            refused = httpx.post(url + "/v1/chat/completions",
+                                 content=f'{{"model": "test-model", "messages": [{{"role": "user", "content": "hi"}}], '
+                                         f'"chat_template_kwargs": {json.dumps(variables)}}}',
+                                 headers={"content-type": "application/json"})
+            assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("chat_template_kwargs")
