@@ -208,7 +208,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             echo_texts = [p if isinstance(p, str) and whole else None for p in body.prompts]
         builder = ResponseBuilder(chat, model_name, tokenizer, body.n, echo_texts,
                                   prompt_only=not chat and body.max_tokens == 0,
-                                  tool_calls=body.tool_calling if chat else None,
+                                  tool_calls=preparer.tool_calls(body),
                                   prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
             return StreamingResponse(_stream(builder, first, outputs, len(requests), body.include_usage),

@@ -1,10 +1,12 @@
-"""What a server operator can set about the HTTP side: queue, input limits, timeouts, chat special tokens."""
+"""What a server operator can set about the HTTP side: queue, input limits, timeouts, chat special tokens, tool
+calls the model chooses."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvstrata.errors import KvstrataError
+from kvstrata.server.hermes_tool_calls import PARSERS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
@@ -18,6 +20,9 @@ class ServerOptions:
     special_tokens_in_chat: bool = False  # parse special-token text in chat content (trusted clients only)
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish at shutdown
     api_key: str | None = field(default=None, repr=False)  # API requests must carry it (api_key.py); None: open
+    # tool_choice "auto" taken, the model's calls parsed from its text in this format (vLLM's two flags)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_request_bytes"):
@@ -29,6 +34,11 @@ class ServerOptions:
                                              and self.api_key == self.api_key.strip()):
             raise KvstrataError("--api-key must be printable ASCII without surrounding spaces (what an HTTP header "
                                 "carries)")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise KvstrataError(f"--tool-call-parser {self.tool_call_parser!r} is not known; known: "
+                                f"{', '.join(PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise KvstrataError("--enable-auto-tool-choice needs --tool-call-parser, the format of the model's calls")
         for name in ("read_timeout", "shutdown_grace"):
             if not getattr(self, name) > 0:
                 raise KvstrataError(f"--{name.replace('_', '-')} must be a positive number of seconds, "

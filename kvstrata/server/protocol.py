@@ -462,10 +462,6 @@ class ChatCompletionRequest(_SamplingFields):
         if not names:
             if value not in (None, "none"):
                 raise ValueError("needs tools")
-        elif value in (None, "auto"):
-            raise ValueError("auto (the default where tools are given) lets the model choose between text and calls "
-                             "in its own format, which this engine does not parse; give \"required\", a named "
-                             "function or \"none\"")
         elif isinstance(value, NamedToolChoice) and value.function.name not in names:
             raise ValueError(f"names function {value.function.name!r}, which tools do not define (they define "
                              f"{', '.join(map(repr, names))})")
@@ -474,9 +470,14 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def tool_calling(self) -> ToolCalls | None:
         """How the outputs become tool calls, where tool_choice asks for calls (checked against the tools)."""
-        if not self.tools or self.tool_choice == "none":
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
             return None
         return ToolCalls(None if self.tool_choice == "required" else self.tool_choice.function.name)
+
+    @property
+    def model_chooses_tools(self) -> bool:
+        """tool_choice "auto" (the default where tools are given): the model answers in text or calls them."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def plain_tools(self) -> list[dict] | None:

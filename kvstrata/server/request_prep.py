@@ -8,10 +8,13 @@ turns away text that cannot fit the context whatever its tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import MAX_SEED, SamplingParams
 from kvstrata.errors import KvstrataError, ParameterError
+from kvstrata.server.hermes_tool_calls import OPEN as TOOL_CALL_OPEN
+from kvstrata.server.hermes_tool_calls import HermesToolCalls
 from kvstrata.server.options import ServerOptions
 from kvstrata.server.protocol import (
     ChatCompletionRequest,
@@ -20,6 +23,7 @@ from kvstrata.server.protocol import (
     TokenizeRequest,
     opens_assistant_turn,
 )
+from kvstrata.server.tool_calls import ToolCalls
 
 Body = CompletionRequest | ChatCompletionRequest
 
@@ -33,10 +37,18 @@ class RequestPreparer:
         self.max_chars = None if tokenizer is None else engine.max_model_len * tokenizer.max_chars_per_token
 
     def precheck(self, body: Body) -> None:
-        """On the event loop: refuse what is certainly too long without tokenizing it (unless it is to be cut)."""
+        """On the event loop: refuse tool_choice auto where no parser reads the model's calls, and what is certainly
+        too long without tokenizing it (unless it is to be cut)."""
+        chat = isinstance(body, ChatCompletionRequest)
+        if chat and body.model_chooses_tools and not self.options.enable_auto_tool_choice:
+            raise ParameterError("tool_choice", "auto (the default where tools are given) lets the model answer in "
+                                                "text or call the tools in its own format; this server parses none "
+                                                "(start it with --enable-auto-tool-choice --tool-call-parser hermes "
+                                                "for models that call as Hermes and Qwen do), so give "
+                                                "\"required\", a named function or \"none\"")
         if body.truncate_prompt_tokens is not None:
             return
-        if isinstance(body, ChatCompletionRequest):
+        if chat:
             self._precheck_text("messages", "the messages text", sum(len(m.text) for m in body.messages))
             return
         for number, prompt in enumerate(body.prompts):
@@ -47,6 +59,21 @@ class RequestPreparer:
                                                    f"{self.engine.max_model_len - 1}")
             else:
                 self._precheck_text("prompt", f"{what} text", len(prompt))
+
+    def tool_calls(self, body: Body) -> ToolCalls | HermesToolCalls | None:
+        """How a chat's outputs become tool calls: held to the calls tool_choice asks for, or parsed from the text
+        where the model chooses (tool_choice auto, which precheck lets through only with a parser)."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        if body.model_chooses_tools:
+            return HermesToolCalls(frozenset(tool.function.name for tool in body.tools))
+        return body.tool_calling
+
+    @functools.cached_property
+    def _call_tags_are_special(self) -> bool:
+        """Whether the model's tokenizer makes <tool_call> a special token (Hermes 2 Pro's does, Qwen's do not), which
+        the output text leaves out unless asked."""
+        return TOOL_CALL_OPEN in self.engine.tokenizer.special_token_texts
 
     def _precheck_text(self, param: str, what: str, chars: int) -> None:
         if self.max_chars is not None and chars > self.max_chars:
@@ -111,6 +138,8 @@ class RequestPreparer:
                                                f"max_tokens of {max_tokens}")
         logprobs = body.requested_logprobs if chat else body.logprobs
         params = body.sampling_params(max_tokens, logprobs)
+        if chat and body.model_chooses_tools and self._call_tags_are_special:
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the parser reads the calls' tags
         try:
             self.engine.check_sampling(params)
         except ParameterError as exc:

@@ -9,6 +9,7 @@ import uuid
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sequence import TokenLogprobs
 from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.server.hermes_tool_calls import HermesToolCalls
 from kvstrata.server.tool_calls import ToolCalls
 
 
@@ -38,11 +39,11 @@ class ResponseBuilder:
     one text per prompt, as the request gave it, or None where its token ids are to be decoded (a prompt of token
     ids, or one cut to its last tokens). With `prompt_only` (echo with max_tokens 0, which scores a prompt), the
     choice is its prompt alone: the one token the engine generated is not shown. With `tool_calls`, a chat's outputs
-    are handed back as tool calls; with `prompt_logprobs`, vLLM's field of that name is filled."""
+    are handed back as tool calls (or, where the model chose, as text); with `prompt_logprobs`, vLLM's field of that name is filled."""
 
     def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int,
                  echo_texts: list[str | None] | None = None, prompt_only: bool = False,
-                 tool_calls: ToolCalls | None = None, prompt_logprobs: bool = False):
+                 tool_calls: ToolCalls | HermesToolCalls | None = None, prompt_logprobs: bool = False):
         self.chat = chat
         self.prompt_logprobs = prompt_logprobs  # vLLM's field: each prompt token's logprob, rank and alternatives
         self.tool_calls = tool_calls  # chat outputs handed back as tool calls (tool_calls.py)
@@ -57,6 +58,7 @@ class ResponseBuilder:
         self._sent_logprobs: dict[int, int] = {}  # choice index -> logprobs already streamed
         self._echoed: set[int] = set()  # choices whose prompt was streamed
         self._calls_opened: set[int] = set()  # choices whose tool call's id and name were streamed
+        self._released_text: dict[int, str] = {}  # choice index -> its output text streamed so far (tool calls')
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -158,7 +160,8 @@ class ResponseBuilder:
         """Chat streams open each choice with the assistant role."""
         if not self.chat:
             return []
-        content = None if self.tool_calls is not None else ""  # OpenAI's: no content where tool calls follow
+        # OpenAI's: no content where tool calls follow (the model may still answer in text where it chooses)
+        content = "" if self.tool_calls is None or isinstance(self.tool_calls, HermesToolCalls) else None
         return [self._envelope([{"index": index, "delta": {"role": "assistant", "content": content},
                                  "logprobs": None, "finish_reason": None}], chunk=True) for index in range(num_choices)]
 
@@ -171,12 +174,13 @@ class ResponseBuilder:
             return None
         finish_reason = output.finish_reason if output.finished else None
         if self.tool_calls is not None:
+            released = self._released_text[index] = self._released_text.get(index, "") + output.new_text
             delta, finish_reason = self.tool_calls.chunk(output.new_text, index not in self._calls_opened,
-                                                         output.text, finish_reason)
+                                                         released, finish_reason)
             if delta.get("tool_calls"):
                 self._calls_opened.add(index)
             if not delta and finish_reason is None and logprobs is None:
-                return None  # "required" calls are sent whole, at the end
+                return None  # calls that come whole at the end, or text that may begin one
             choice = {"index": index, "delta": delta}
         elif self.chat:
             choice = {"index": index, "delta": {"content": output.new_text} if output.new_text else {}}

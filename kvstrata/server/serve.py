@@ -18,6 +18,7 @@ from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_ar
 from kvstrata.cluster.routing import POLICIES
 from kvstrata.errors import KvstrataError
 from kvstrata.server.api_key import API_KEY_VARIABLE
+from kvstrata.server.hermes_tool_calls import PARSERS
 from kvstrata.server.options import DEFAULT_MAX_REQUEST_BYTES, ServerOptions
 
 # After the grace period, requests still running get their error responses; uvicorn's own cancellation
@@ -50,6 +51,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--special-tokens-in-chat", action="store_true",
                         help="parse special-token text (<|im_end|>, ...) in chat message content as special tokens; "
                              "only for trusted clients, since it lets them forge role boundaries (default: plain text)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="take chat requests with tools and tool_choice auto (the default where tools are "
+                             "given): the model answers in text or calls them, as --tool-call-parser reads them")
+    parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                        help="the format of the model's own tool calls: hermes, <tool_call>{\"name\": ..., "
+                             "\"arguments\": ...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 and 3)")
     cluster = parser.add_argument_group("replicas (Ray Serve; pip install 'kvstrata[cluster]')")
     cluster.add_argument("--replicas", type=int, default=None,
                          help="run this many engine replicas on Ray Serve behind one endpoint (default: one process, "
@@ -81,7 +88,8 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
                          max_tokens_limit=args.max_tokens_limit, read_timeout=args.read_timeout,
                          special_tokens_in_chat=args.special_tokens_in_chat, shutdown_grace=args.shutdown_grace,
-                         api_key=args.api_key)
+                         api_key=args.api_key, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                         tool_call_parser=args.tool_call_parser)
 
 
 class GracefulServer(uvicorn.Server):

@@ -2,8 +2,8 @@
 asks for one call or more (`"required"`): the output is held to the arguments' JSON schema, or to a list of
 {"name", "parameters"} objects (vLLM's form), by structured output, then handed back as OpenAI's `tool_calls`.
 
-`"auto"` (the model decides between text and calls) needs each model's own call format parsed from its text; the
-engine has no such parser, so protocol.py refuses it.
+`"auto"` (the model decides between text and calls) needs each model's own call format parsed from its text: see
+hermes_tool_calls.py.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ class ToolCalls:
         return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
     def chunk(self, new_text: str, opening: bool, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """A streamed chunk's delta and finish reason (None until the output finished). A named call streams its
-        arguments as they come, its first chunk (`opening`) also carrying the call's id and name; "required" calls
-        are whole only at the end, so they come in the last chunk."""
+        """A streamed chunk's delta and finish reason (None until the output finished), given the text released so
+        far (`new_text` its end). A named call streams its arguments as they come, its first chunk (`opening`) also
+        carrying the call's id and name; "required" calls are whole only at the end, so they come in the last
+        chunk."""
         if self.function is not None:
             call = {**tool_call(self.function, new_text), "index": 0} if opening else {
                 "index": 0, "function": {"arguments": new_text}}

@@ -1,0 +1,95 @@
+"""`tool_choice: "auto"` for models that write their calls as Hermes does (Qwen2.5, Qwen3, Hermes 2 and 3): the
+model answers in text, or writes calls after it, each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(the format the chat templates of those models teach it). The server takes it with `--tool-call-parser hermes`,
+vLLM's flag; nothing constrains the output, and its text is parsed once it has finished.
+
+An output whose calls do not parse (JSON cut short, a function the request does not define, arguments that are not
+an object) is handed back as the text it is: nothing the model wrote is lost or made up.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from kvstrata.server.tool_calls import tool_call
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes",)  # --tool-call-parser's choices
+_CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+
+
+def _text_before_any_call(text: str) -> str:
+    """What may be shown of a growing output as content: the text before its first call's tag, less any end of it
+    that may yet become that tag."""
+    start = text.find(OPEN)
+    if start >= 0:
+        return text[:start]
+    for held in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-held:]):
+            return text[:-held]
+    return text
+
+
+@dataclass(frozen=True)
+class Parsed:
+    calls: list[dict]  # OpenAI's tool_calls
+    before: str  # the text before the first call
+    after: str  # text between and after the calls
+
+
+@dataclass(frozen=True)
+class HermesToolCalls:
+    """How one request's outputs become text or tool calls, given the names of the functions it defines."""
+
+    functions: frozenset[str]
+
+    def parse(self, text: str, finish_reason: str | None) -> Parsed | None:
+        """The output's calls and the text around them; None where it has none or they do not all parse. A last
+        call left open counts only where the model ended its output there (finish reason "stop")."""
+        if OPEN not in text:
+            return None
+        calls, outside, end = [], [], 0
+        for match in _CALL.finditer(text):
+            outside.append(text[end : match.start()])
+            end = match.end()
+            if not match.group(0).endswith(CLOSE) and finish_reason != "stop":
+                return None
+            try:
+                call = json.loads(match.group(1))
+            except (ValueError, RecursionError):
+                return None
+            if not (isinstance(call, dict) and call.get("name") in self.functions
+                    and isinstance(call.get("arguments", {}), dict)):
+                return None
+            calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}))))
+        outside.append(text[end:])
+        return Parsed(calls, outside[0], "".join(outside[1:]))
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a finished output, and its finish reason ("tool_calls" where it made calls);
+        text beside the calls is its content."""
+        parsed = self.parse(text, finish_reason)
+        if parsed is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        content = (parsed.before + parsed.after).strip() or None
+        return {"role": "assistant", "content": content, "tool_calls": parsed.calls}, "tool_calls"
+
+    def chunk(self, new_text: str, opening: bool, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A streamed chunk's delta and finish reason, given the text released so far (`new_text` its end): text
+        streams as content until a call may begin; the calls come whole in the last chunk (with any text after
+        them), or, where they do not parse, the text held back."""
+        sent = _text_before_any_call(text[: len(text) - len(new_text)])
+        if finish_reason is None:
+            shown = _text_before_any_call(text)[len(sent) :]
+            return ({"content": shown} if shown else {}), None
+        parsed = self.parse(text, finish_reason)
+        if parsed is None:
+            rest = text[len(sent) :]
+            return ({"content": rest} if rest else {}), finish_reason
+        delta: dict = {"tool_calls": [{**call, "index": index} for index, call in enumerate(parsed.calls)]}
+        rest = (parsed.before[len(sent) :] + parsed.after).strip()
+        if rest:
+            delta = {"content": rest, **delta}
+        return delta, "tool_calls"
