@@ -1,10 +1,11 @@
 """Convert a GGUF file into a Hugging Face style checkpoint directory.
 
-Q4_0, Q4_1 and Q8_0 tensors keep their codes and per-block scales (`GroupQuantized`, stored as
-NAME.codes / NAME.scales / NAME.offsets); other quantized types are dequantized to fp32 with the
-`gguf` package and named in config.json (`kvstrata_dequantized_gguf_types`). Tensors are renamed;
-llama.cpp stores q and k projections with rows interleaved for its RoPE kernel, which is undone
-here. The tokenizer is rebuilt from the GGUF metadata by transformers' converter.
+Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2 and qwen3. Q4_0, Q4_1 and Q8_0 tensors keep
+their codes and per-block scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets); other
+quantized types are dequantized to fp32 with the `gguf` package and named in config.json
+(`kvstrata_dequantized_gguf_types`). Tensors are renamed; llama.cpp stores a llama model's q and k projections
+with rows interleaved for its RoPE kernel, which is undone here (Qwen's it keeps as they are, for the rotation
+by halves). The tokenizer is rebuilt from the GGUF metadata by transformers' converter.
 """
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
 
 KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read into GroupQuantized without loss
 
+# GGUF's architecture name: transformers' class (config.json names it, as transformers' own checkpoints do)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LAYER_TENSORS = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2's
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -50,16 +58,17 @@ def _undo_rope_interleave(weight: torch.Tensor | GroupQuantized, num_heads: int)
     return weight.select_rows(order) if isinstance(weight, GroupQuantized) else weight[order].contiguous()
 
 
-def gguf_llama_config(reader, has_output_weight: bool) -> dict:
+def gguf_config(reader, has_output_weight: bool) -> dict:
+    """config.json's fields from the GGUF metadata (keys prefixed by the architecture's name)."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise KvstrataError(f"GGUF architecture {arch!r} is not supported; supported: llama")
-    p = "llama."
+    if arch not in GGUF_ARCHITECTURES:
+        raise KvstrataError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    p = f"{arch}."
     heads = _field(reader, p + "attention.head_count")
     hidden = _field(reader, p + "embedding_length")
     return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "architectures": [GGUF_ARCHITECTURES[arch]],
         "vocab_size": _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         "hidden_size": hidden,
         "intermediate_size": _field(reader, p + "feed_forward_length"),
@@ -85,7 +94,8 @@ def _read_tensor(tensor) -> torch.Tensor | GroupQuantized:
     return torch.from_numpy(np.require(values, requirements=["C", "W"]))
 
 
-def gguf_llama_state_dict(reader, config: dict) -> dict[str, torch.Tensor | GroupQuantized]:
+def gguf_state_dict(reader, config: dict) -> dict[str, torch.Tensor | GroupQuantized]:
+    interleaved = config["model_type"] == "llama"  # q and k rows, for llama.cpp's RoPE
     heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
     state = {}
     for tensor in reader.tensors:
@@ -97,7 +107,7 @@ def gguf_llama_state_dict(reader, config: dict) -> dict[str, torch.Tensor | Grou
         if short not in LAYER_TENSORS:
             raise KvstrataError(f"unexpected tensor {name!r} in GGUF file")
         values = _read_tensor(tensor)
-        if short in heads:
+        if interleaved and short in heads:
             values = _undo_rope_interleave(values, heads[short])
         state[f"model.layers.{layer}.{LAYER_TENSORS[short]}"] = values
     return state
@@ -117,9 +127,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     except Exception as exc:  # the gguf package raises bare ValueErrors and struct errors
         raise KvstrataError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     names = {t.name for t in reader.tensors}
-    config = gguf_llama_config(reader, "output.weight" in names)
+    config = gguf_config(reader, "output.weight" in names)
     config["kvstrata_dequantized_gguf_types"] = dequantized_types(reader)
-    state = gguf_llama_state_dict(reader, config)
+    state = gguf_state_dict(reader, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_checkpoint_tensors(state, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
