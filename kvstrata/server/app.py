@@ -209,6 +209,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         builder = ResponseBuilder(chat, model_name, tokenizer, body.n, echo_texts,
                                   prompt_only=not chat and body.max_tokens == 0,
                                   tool_calls=preparer.tool_calls(body),
+                                  reasoning=preparer.reasoning(body),
+                                  include_reasoning=not chat or body.include_reasoning,
                                   prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
             return StreamingResponse(_stream(builder, first, outputs, len(requests), body.include_usage),

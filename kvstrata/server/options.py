@@ -1,5 +1,5 @@
 """What a server operator can set about the HTTP side: queue, input limits, timeouts, chat special tokens, tool
-calls the model chooses."""
+calls the model chooses, a reasoning model's thinking."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvstrata.errors import KvstrataError
 from kvstrata.server.hermes_tool_calls import PARSERS
+from kvstrata.server.reasoning import REASONING_PARSERS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
@@ -23,6 +24,7 @@ class ServerOptions:
     # tool_choice "auto" taken, the model's calls parsed from its text in this format (vLLM's two flags)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # chat's thinking handed back apart from the answer (reasoning.py)
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_request_bytes"):
@@ -37,6 +39,9 @@ class ServerOptions:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise KvstrataError(f"--tool-call-parser {self.tool_call_parser!r} is not known; known: "
                                 f"{', '.join(PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise KvstrataError(f"--reasoning-parser {self.reasoning_parser!r} is not known; known: "
+                                f"{', '.join(REASONING_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise KvstrataError("--enable-auto-tool-choice needs --tool-call-parser, the format of the model's calls")
         for name in ("read_timeout", "shutdown_grace"):

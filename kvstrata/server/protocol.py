@@ -431,6 +431,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: TemplateKwargs | None = None  # vLLM's too
+    include_reasoning: StrictBool = True  # vLLM's: with --reasoning-parser, the thinking is handed back (or dropped)
     # vLLM's chat extras the engine does not have: refused unless off
     echo: OnlyFalse = False
     chat_template: OnlyNull = None

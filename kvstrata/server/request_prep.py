@@ -23,6 +23,7 @@ from kvstrata.server.protocol import (
     TokenizeRequest,
     opens_assistant_turn,
 )
+from kvstrata.server.reasoning import ReasoningParser
 from kvstrata.server.tool_calls import ToolCalls
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -68,6 +69,13 @@ class RequestPreparer:
         if body.model_chooses_tools:
             return HermesToolCalls(frozenset(tool.function.name for tool in body.tools))
         return body.tool_calling
+
+    def reasoning(self, body: Body) -> ReasoningParser | None:
+        """How a chat's thinking is told from its answer, where the server has a reasoning parser and nothing
+        constrains the output (a constraint holds it from its first token, so it holds no thinking)."""
+        if self.options.reasoning_parser is None or not isinstance(body, ChatCompletionRequest):
+            return None
+        return None if body.constraint_field is not None else ReasoningParser(self.options.reasoning_parser)
 
     @functools.cached_property
     def _call_tags_are_special(self) -> bool:

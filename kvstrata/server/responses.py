@@ -10,6 +10,7 @@ from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sequence import TokenLogprobs
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.hermes_tool_calls import HermesToolCalls
+from kvstrata.server.reasoning import ReasoningParser, Split
 from kvstrata.server.tool_calls import ToolCalls
 
 
@@ -39,12 +40,16 @@ class ResponseBuilder:
     one text per prompt, as the request gave it, or None where its token ids are to be decoded (a prompt of token
     ids, or one cut to its last tokens). With `prompt_only` (echo with max_tokens 0, which scores a prompt), the
     choice is its prompt alone: the one token the engine generated is not shown. With `tool_calls`, a chat's outputs
-    are handed back as tool calls (or, where the model chose, as text); with `prompt_logprobs`, vLLM's field of that name is filled."""
+    are handed back as tool calls (or, where the model chose, as text); with `reasoning`, a chat's thinking apart
+    from its answer; with `prompt_logprobs`, vLLM's field of that name is filled."""
 
     def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int,
                  echo_texts: list[str | None] | None = None, prompt_only: bool = False,
-                 tool_calls: ToolCalls | HermesToolCalls | None = None, prompt_logprobs: bool = False):
+                 tool_calls: ToolCalls | HermesToolCalls | None = None, prompt_logprobs: bool = False,
+                 reasoning: ReasoningParser | None = None, include_reasoning: bool = True):
         self.chat = chat
+        self.reasoning = reasoning  # a chat's thinking told from its answer (reasoning.py)
+        self.include_reasoning = include_reasoning  # and handed back as reasoning_content, or dropped
         self.prompt_logprobs = prompt_logprobs  # vLLM's field: each prompt token's logprob, rank and alternatives
         self.tool_calls = tool_calls  # chat outputs handed back as tool calls (tool_calls.py)
         self.samples_per_prompt = samples_per_prompt
@@ -58,7 +63,8 @@ class ResponseBuilder:
         self._sent_logprobs: dict[int, int] = {}  # choice index -> logprobs already streamed
         self._echoed: set[int] = set()  # choices whose prompt was streamed
         self._calls_opened: set[int] = set()  # choices whose tool call's id and name were streamed
-        self._released_text: dict[int, str] = {}  # choice index -> its output text streamed so far (tool calls')
+        self._released_text: dict[int, str] = {}  # choice index -> its output text streamed so far (chat's)
+        self._splits: dict[int, Split] = {}  # choice index -> that text's thinking and answer so far
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -137,11 +143,9 @@ class ResponseBuilder:
         choices = []
         for index, output in enumerate(outputs):
             finish_reason = output.finish_reason
-            if self.tool_calls is not None:
-                message, finish_reason = self.tool_calls.message(output.text, output.finish_reason)
+            if self.chat:
+                message, finish_reason = self._chat_message(output)
                 choice = {"index": index, "message": message}
-            elif self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": output.text}}
             else:
                 choice = {"index": index, "text": self._echoed_text(index, output, output.text, self.echo)}
             before = self._prompt_logprobs(output) if self.echo else None
@@ -173,22 +177,51 @@ class ResponseBuilder:
         if not output.new_text and logprobs is None and not output.finished and not echoing:
             return None
         finish_reason = output.finish_reason if output.finished else None
-        if self.tool_calls is not None:
-            released = self._released_text[index] = self._released_text.get(index, "") + output.new_text
-            delta, finish_reason = self.tool_calls.chunk(output.new_text, index not in self._calls_opened,
-                                                         released, finish_reason)
-            if delta.get("tool_calls"):
-                self._calls_opened.add(index)
+        if self.chat:
+            delta, finish_reason = self._chat_delta(index, output, finish_reason)
             if not delta and finish_reason is None and logprobs is None:
-                return None  # calls that come whole at the end, or text that may begin one
+                return None  # calls that come whole at the end, or text that may begin a tag
             choice = {"index": index, "delta": delta}
-        elif self.chat:
-            choice = {"index": index, "delta": {"content": output.new_text} if output.new_text else {}}
         else:
             choice = {"index": index, "text": self._echoed_text(index, output, output.new_text, echoing)}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         return self._envelope([choice], chunk=True)
+
+    def _chat_message(self, output: RequestOutput) -> tuple[dict, str | None]:
+        """A finished chat output's message and finish reason: its thinking apart, its answer as text or calls."""
+        reasoning, text = None, output.text
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.message_fields(output.text)
+        if self.tool_calls is not None:
+            message, finish_reason = self.tool_calls.message(text, output.finish_reason)
+        else:
+            message, finish_reason = {"role": "assistant", "content": text}, output.finish_reason
+        if reasoning is not None and self.include_reasoning:
+            message["reasoning_content"] = reasoning
+        return message, finish_reason
+
+    def _chat_delta(self, index: int, output: RequestOutput, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A chat chunk's delta and finish reason, from the text released so far: the new part of its thinking,
+        and of its answer as text or calls."""
+        new_text = output.new_text
+        released = self._released_text[index] = self._released_text.get(index, "") + new_text
+        new_reasoning = ""
+        if self.reasoning is not None:
+            before = self._splits.get(index, Split("", ""))
+            split = self._splits[index] = self.reasoning.split(released, finished=finish_reason is not None)
+            new_reasoning = split.reasoning[len(before.reasoning) :]
+            new_text, released = split.content[len(before.content) :], split.content
+        if self.tool_calls is not None:
+            delta, finish_reason = self.tool_calls.chunk(new_text, index not in self._calls_opened, released,
+                                                         finish_reason)
+            if delta.get("tool_calls"):
+                self._calls_opened.add(index)
+        else:
+            delta = {"content": new_text} if new_text else {}
+        if new_reasoning and self.include_reasoning:
+            delta = {"reasoning_content": new_reasoning, **delta}
+        return delta, finish_reason
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

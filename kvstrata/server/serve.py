@@ -20,6 +20,7 @@ from kvstrata.errors import KvstrataError
 from kvstrata.server.api_key import API_KEY_VARIABLE
 from kvstrata.server.hermes_tool_calls import PARSERS
 from kvstrata.server.options import DEFAULT_MAX_REQUEST_BYTES, ServerOptions
+from kvstrata.server.reasoning import REASONING_PARSERS
 
 # After the grace period, requests still running get their error responses; uvicorn's own cancellation
 # (a plain-text 500) comes this much later, only if a response could not be finished meanwhile.
@@ -57,6 +58,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the format of the model's own tool calls: hermes, <tool_call>{\"name\": ..., "
                              "\"arguments\": ...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 and 3)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="hand a reasoning model's thinking back as reasoning_content, apart from its answer: "
+                             "qwen3 (<think>...</think> where the output begins with it) or deepseek_r1 (thinking "
+                             "until </think>, the prompt having opened it)")
     cluster = parser.add_argument_group("replicas (Ray Serve; pip install 'kvstrata[cluster]')")
     cluster.add_argument("--replicas", type=int, default=None,
                          help="run this many engine replicas on Ray Serve behind one endpoint (default: one process, "
@@ -89,7 +94,7 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
                          max_tokens_limit=args.max_tokens_limit, read_timeout=args.read_timeout,
                          special_tokens_in_chat=args.special_tokens_in_chat, shutdown_grace=args.shutdown_grace,
                          api_key=args.api_key, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 class GracefulServer(uvicorn.Server):
