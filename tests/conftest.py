@@ -59,6 +59,18 @@ def tiny_qwen3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_gguf_style(tiny_qwen2, tmp_path_factory) -> Path:
+    """Qwen2 (q/k/v biases) with its products as Q4_1 blocks, as a GGUF file of it converts."""
+    return save_gguf_style_copy(tiny_qwen2, tmp_path_factory.mktemp("tiny-qwen2-gguf-style"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_gguf_style(tiny_qwen3, tmp_path_factory) -> Path:
+    """Qwen3 (per-head q/k norms) with its products as Q4_1 blocks, as a GGUF file of it converts."""
+    return save_gguf_style_copy(tiny_qwen3, tmp_path_factory.mktemp("tiny-qwen3-gguf-style"))
+
+
+@pytest.fixture(scope="session")
 def tiny_opt(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tiny_opt_config(), tmp_path_factory.mktemp("tiny-opt"), seed=3)
 

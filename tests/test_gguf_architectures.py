@@ -18,10 +18,10 @@ from tests.tiny_models import byte_level_tokenizer, save_tiny_gguf
 
 
 def q8_0_round_trip(model) -> None:
-    """The products' weights as the GGUF file holds them (Q8_0 blocks), read back to float."""
+    """The embeddings' and products' weights as the GGUF file holds them (Q8_0 blocks), read back to float."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2 and "embed_tokens" not in name:
+        for param in model.parameters():
+            if param.dim() == 2:
                 raw = quantize(param.numpy(), GGMLQuantizationType.Q8_0)
                 param.copy_(torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0)))
 

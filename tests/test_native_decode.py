@@ -33,12 +33,18 @@ def a_step(model, lens: list[int], seed: int = 0):
     return x, lengths - 1, FusedDecode(k_pools, v_pools, slots, tables, lengths)
 
 
+@pytest.fixture(params=["tiny_gguf_style", "tiny_qwen2_gguf_style", "tiny_qwen3_gguf_style"])
+def block_model(request):
+    """A Llama, and Qwen2 and Qwen3 (their biases and head norms), with their products on GGUF blocks."""
+    return request.getfixturevalue(request.param)
+
+
 @needs_kernels
 @torch.inference_mode()
-def test_the_loop_computes_what_the_layers_compute(tiny_gguf_style):
+def test_the_loop_computes_what_the_layers_compute(block_model):
     """Sequences of 1, 16 (a full block), 17 and 80 tokens: the same final hidden states, and the same K/V written
     at the same slots of every layer's pools, as llama.py's decode step over the same block weights."""
-    model = new_engine(tiny_gguf_style).loaded.model
+    model = new_engine(block_model).loaded.model
     assert isinstance(model.native_decode, NativeDecode)
     x, positions, step = a_step(model, [1, 16, 17, 80])
     theirs = step._replace(k_pools=step.k_pools.clone(), v_pools=step.v_pools.clone())
@@ -69,10 +75,12 @@ def test_the_loop_generates_what_the_layers_generate(tiny_gguf_style, monkeypatc
 
 
 @needs_kernels
-def test_models_the_loop_does_not_compute_keep_the_layers(tiny_llama, tiny_qwen2, tiny_qwen3):
+def test_models_the_loop_does_not_compute_keep_the_layers(tiny_llama, tmp_path):
+    from tests.tiny_models import save_tiny_checkpoint, tiny_llama_config
+
     assert new_engine(tiny_llama).loaded.model.native_decode is None  # float weights
-    assert new_engine(tiny_qwen2, weights="int4").loaded.model.native_decode is None  # q/k/v biases
-    assert new_engine(tiny_qwen3, weights="int4").loaded.model.native_decode is None  # per-head q/k norms
+    output_bias = save_tiny_checkpoint(tiny_llama_config(attention_bias=True), tmp_path / "llama-biases")
+    assert new_engine(output_bias, weights="int4").loaded.model.native_decode is None  # the output product's bias
 
 
 @needs_kernels
@@ -87,10 +95,10 @@ def test_bad_hidden_states_are_refused_by_name(tiny_gguf_style):
 
 @needs_kernels
 @torch.inference_mode()
-def test_the_layer_halves_compute_what_the_torch_layer_halves_compute(tiny_gguf_style):
+def test_the_layer_halves_compute_what_the_torch_layer_halves_compute(block_model):
     """Rows at positions 0, 15 and 70 through the first and the last layer: q, k, v before attention and the
     layer's output after it, as llama.py's before_attention and after_attention compute them over the same blocks."""
-    model = new_engine(tiny_gguf_style).loaded.model
+    model = new_engine(block_model).loaded.model
     gen = torch.Generator().manual_seed(1)
     x = model.embed_tokens(torch.randint(0, model.config.vocab_size, (3,), generator=gen))
     cos, sin = model.rotary.cos_sin(torch.tensor([0, 15, 70]), x.dtype)

@@ -25,20 +25,28 @@ class NativeDecode:
     @classmethod
     def for_model(cls, model) -> NativeDecode | None:
         """The loop over `model`'s layers and its final norm, or None where a layer is not what the loop computes: a
-        projection not on blocks or with a bias, norms not in float32, queries and keys normed per head (Qwen3), or
-        no compiled kernels."""
+        projection not on blocks, or with a bias other than q/k/v's (Qwen2's), norms not in float32, or no compiled
+        kernels."""
         compiled = block_linear.kernel()
-        if compiled is None or not hasattr(model, "layers") or model.config.qk_norm:
+        if compiled is None or not hasattr(model, "layers"):
             return None
-        norms, codes, scales, mins, bits = [], [], [], [], []
+        norms, codes, scales, mins, bits, qkv_biases, head_norms = [], [], [], [], [], [], []
+        none = torch.empty(0)
         for layer in model.layers:
-            products = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if not all(isinstance(p, BlockLinear) and p.bias is None for p in products):
+            attention = layer.self_attn
+            products = (attention.qkv_proj, attention.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not all(isinstance(p, BlockLinear) and (p.bias is None or p is attention.qkv_proj) for p in products):
                 return None
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                if norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu":
-                    return None
-                norms.append(norm.weight.detach())
+            layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if attention.q_norm is not None:
+                layer_norms += [attention.q_norm, attention.k_norm]
+            float_weights = [norm.weight for norm in layer_norms] + [p.bias for p in products if p.bias is not None]
+            if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in float_weights):
+                return None
+            norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+            qkv_biases.append(none if attention.qkv_proj.bias is None else attention.qkv_proj.bias.detach())
+            head_norms += [none, none] if attention.q_norm is None else [attention.q_norm.weight.detach(),
+                                                                         attention.k_norm.weight.detach()]
             codes += [p.codes for p in products]
             scales += [p.scales for p in products]
             mins += [p.mins for p in products]
@@ -46,8 +54,9 @@ class NativeDecode:
         c, final_norm = model.config, model.norm.weight.detach()
         if final_norm.dtype != torch.float32:
             return None
-        return cls(compiled.DecodeLayers(norms, codes, scales, mins, bits, final_norm, model.rotary.inv_freq.float(),
-                                         c.num_heads, c.num_kv_heads, c.head_dim, c.norm_eps))
+        return cls(compiled.DecodeLayers(norms, codes, scales, mins, bits, qkv_biases, head_norms, final_norm,
+                                         model.rotary.inv_freq.float(), c.num_heads, c.num_kv_heads, c.head_dim,
+                                         c.norm_eps))
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:

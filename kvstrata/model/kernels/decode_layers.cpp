@@ -1,8 +1,9 @@
 // A step of decodes through every layer of a Llama-family model in one call (model/native_decode.py says when the
 // engine takes it). Each layer computes what model/llama.py's before_attention, store_and_attend and
-// after_attention compute (up to the order of float sums and fused multiply-adds): RMSNorm, the q/k/v product,
-// RoPE, the KV kernels' store-and-attend operator, the output product and residual, RMSNorm, the gate/up product,
-// SiLU(gate) * up, the down product and residual.
+// after_attention compute (up to the order of float sums and fused multiply-adds): RMSNorm, the q/k/v product
+// (plus Qwen2's biases), each head's RMSNorm of q and k (Qwen3's), RoPE, the KV kernels' store-and-attend
+// operator, the output product and residual, RMSNorm, the gate/up product, SiLU(gate) * up, the down product and
+// residual.
 //
 // Where the step's attention is not one operator (a quantized cache's store, a policy that selects tokens), the
 // model calls the layer's two halves from Python instead (before_attention, after_attention), with the KV
@@ -44,6 +45,8 @@ struct BlockWeight {
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
   BlockWeight qkv, o, gate_up, down;
+  at::Tensor qkv_bias;        // [q/k/v width], or empty where the product has none (Qwen2 has one)
+  at::Tensor q_norm, k_norm;  // [head_dim], or empty where heads are not normed (Qwen3 norms them)
 };
 
 // out = weight * x / sqrt(mean(x^2) + eps), per row of `size`, in float32 (torch's rms_norm sums in another order)
@@ -85,23 +88,27 @@ at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k_new, const 
 class DecodeLayers {
  public:
   // Per layer, in order: norms [input, post-attention]; block weights [q/k/v, output, gate/up, down] as codes,
-  // scales, mins (empty for 8 bits) and bits.
+  // scales, mins (empty for 8 bits) and bits; the q/k/v product's bias; the head norms [q, k] (empty tensors where
+  // the model has none).
   // Then the final norm's weight, and RoPE's inverse frequencies [head_dim / 2] (float32, model/rotary.py).
   DecodeLayers(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& codes,
                const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& mins,
-               const std::vector<int64_t>& bits, at::Tensor final_norm, at::Tensor inverse_frequencies, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, double eps)
+               const std::vector<int64_t>& bits, const std::vector<at::Tensor>& qkv_biases,
+               const std::vector<at::Tensor>& head_norms, at::Tensor final_norm, at::Tensor inverse_frequencies,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
       : final_norm_(std::move(final_norm)), inverse_frequencies_(std::move(inverse_frequencies)), heads_(heads),
         kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
     const size_t count = norms.size() / 2;
     TORCH_CHECK(norms.size() == 2 * count && codes.size() == 4 * count && scales.size() == codes.size() &&
-                    mins.size() == codes.size() && bits.size() == codes.size(),
-                "DecodeLayers: 2 norms and 4 block weights per layer");
+                    mins.size() == codes.size() && bits.size() == codes.size() && qkv_biases.size() == count &&
+                    head_norms.size() == 2 * count,
+                "DecodeLayers: 2 norms, 4 block weights, a bias and 2 head norms per layer");
     TORCH_CHECK(count > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0, "DecodeLayers: ", count,
                 " layers, heads ", heads, ", kv_heads ", kv_heads, ", head_dim ", head_dim);
     for (size_t l = 0; l < count; ++l) {
       auto weight = [&](size_t i) { return BlockWeight(codes[4 * l + i], scales[4 * l + i], mins[4 * l + i], bits[4 * l + i]); };
-      layers_.push_back(Layer{norms[2 * l], norms[2 * l + 1], weight(0), weight(1), weight(2), weight(3)});
+      layers_.push_back(Layer{norms[2 * l], norms[2 * l + 1], weight(0), weight(1), weight(2), weight(3),
+                              qkv_biases[l], head_norms[2 * l], head_norms[2 * l + 1]});
       const Layer& layer = layers_.back();
       if (l == 0) {  // every layer must have the first one's sizes: the step's buffers are sized by them
         hidden_ = layer.qkv.in;
@@ -112,9 +119,13 @@ class DecodeLayers {
                       layer.o.out == hidden_ && layer.gate_up.in == hidden_ && layer.gate_up.out == 2 * intermediate_ &&
                       layer.down.out == hidden_,
                       "DecodeLayers: layer ", l, "'s products do not fit one another or the first layer's");
-      for (const auto& norm : {layer.input_norm, layer.post_attention_norm}) check_norm(norm);
+      for (const auto& norm : {layer.input_norm, layer.post_attention_norm}) check_norm(norm, hidden_);
+      check_optional(layer.qkv_bias, layer.qkv.out, "the q/k/v bias");
+      check_optional(layer.q_norm, head_dim, "a head norm");
+      check_optional(layer.k_norm, head_dim, "a head norm");
+      TORCH_CHECK(layer.q_norm.numel() == layer.k_norm.numel(), "DecodeLayers: q and k are normed both or neither");
     }
-    check_norm(final_norm_);
+    check_norm(final_norm_, hidden_);
     TORCH_CHECK(inverse_frequencies_.dtype() == at::kFloat && inverse_frequencies_.is_contiguous() &&
                     inverse_frequencies_.numel() == head_dim / 2,
                 "DecodeLayers: RoPE's inverse frequencies must be float32 [head_dim / 2]");
@@ -198,7 +209,14 @@ class DecodeLayers {
                         float* k, float* v, Scratch& scratch) const {
     rms_norm(h, layer.input_norm.data_ptr<float>(), n, hidden_, eps_, scratch.normed.data());
     layer.qkv.apply(scratch.normed.data(), n, scratch.qkv.data());
-    split_and_rotate(scratch.qkv.data(), cos, sin, n, q, k, v);
+    if (layer.qkv_bias.numel() > 0) {
+      const float* bias = layer.qkv_bias.data_ptr<float>();
+      const int64_t width = layer.qkv.out;
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t i = 0; i < width; ++i) scratch.qkv[r * width + i] += bias[i];
+      }
+    }
+    split_and_rotate(layer, scratch.qkv.data(), cos, sin, n, q, k, v);
   }
 
   // h += the output product of `attended` [n, heads * head_dim]; then h += the MLP of RMSNorm(h)
@@ -228,9 +246,16 @@ class DecodeLayers {
                 "DecodeLayers: x must be float32 [n, ", hidden_, "] on the CPU");
   }
 
-  void check_norm(const at::Tensor& norm) const {
-    TORCH_CHECK(norm.dtype() == at::kFloat && norm.is_contiguous() && norm.is_cpu() && norm.numel() == hidden_,
-                "DecodeLayers: norm weights must be float32 [hidden] on the CPU");
+  static void check_norm(const at::Tensor& norm, int64_t size) {
+    TORCH_CHECK(norm.dtype() == at::kFloat && norm.is_contiguous() && norm.is_cpu() && norm.numel() == size,
+                "DecodeLayers: norm weights must be float32 [", size, "] on the CPU");
+  }
+
+  // A weight the model may not have: empty, or float32 [size] on the CPU.
+  static void check_optional(const at::Tensor& weight, int64_t size, const char* what) {
+    TORCH_CHECK(weight.numel() == 0 || (weight.dtype() == at::kFloat && weight.is_contiguous() && weight.is_cpu() &&
+                                        weight.numel() == size),
+                "DecodeLayers: ", what, " must be empty or float32 [", size, "] on the CPU");
   }
 
   // cos and sin [n, head_dim] of each row's angles position * frequency, both halves alike (model/rotary.py)
@@ -246,16 +271,27 @@ class DecodeLayers {
     }
   }
 
-  // qkv [n, (heads + 2 kv_heads) * dim] into q and k (rotated) and v, each [n, heads or kv_heads, dim]
-  void split_and_rotate(const float* qkv, const float* cos, const float* sin, int64_t n, float* q, float* k,
-                        float* v) const {
+  // qkv [n, (heads + 2 kv_heads) * dim] into q and k (each head normed where the layer norms heads, then rotated)
+  // and v, each [n, heads or kv_heads, dim]
+  void split_and_rotate(const Layer& layer, const float* qkv, const float* cos, const float* sin, int64_t n, float* q,
+                        float* k, float* v) const {
     const int64_t dim = head_dim_, width = (heads_ + 2 * kv_heads_) * dim;
+    std::vector<float> normed(dim);
+    auto norm_and_rotate = [&](const float* head, const at::Tensor& norm, const float* c, const float* s, float* to) {
+      if (norm.numel() > 0) {
+        rms_norm(head, norm.data_ptr<float>(), 1, dim, eps_, normed.data());
+        head = normed.data();
+      }
+      rotate(head, c, s, dim, to);
+    };
     for (int64_t r = 0; r < n; ++r) {
       const float* row = qkv + r * width;
       const float *c = cos + r * dim, *s = sin + r * dim;
-      for (int64_t head = 0; head < heads_; ++head) rotate(row + head * dim, c, s, dim, q + (r * heads_ + head) * dim);
+      for (int64_t head = 0; head < heads_; ++head) {
+        norm_and_rotate(row + head * dim, layer.q_norm, c, s, q + (r * heads_ + head) * dim);
+      }
       for (int64_t head = 0; head < kv_heads_; ++head) {
-        rotate(row + (heads_ + head) * dim, c, s, dim, k + (r * kv_heads_ + head) * dim);
+        norm_and_rotate(row + (heads_ + head) * dim, layer.k_norm, c, s, k + (r * kv_heads_ + head) * dim);
         std::copy_n(row + (heads_ + kv_heads_ + head) * dim, dim, v + (r * kv_heads_ + head) * dim);
       }
     }
@@ -275,7 +311,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<kvstrata::DecodeLayers>(m, "DecodeLayers")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
-                          at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double>())
+                          const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, at::Tensor, at::Tensor,
+                          int64_t, int64_t, int64_t, double>())
       .def("forward", &kvstrata::DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("before_attention", &kvstrata::DecodeLayers::before_attention,
            pybind11::call_guard<pybind11::gil_scoped_release>())

@@ -1,0 +1,150 @@
+"""GGUF files of Qwen2 and Qwen3 models laid out as llama.cpp's converter writes them (q and k rows as they are,
+Qwen2's q/k/v biases, Qwen3's per-head norms, the head width as `key_length`), for the figures and tests of those
+architectures: no such model ships with the project, and nothing is downloaded.
+
+    .venv/bin/python -m benchmarks.qwen_gguf --out /tmp/qwen3-0.6b-random.gguf
+
+writes a model of Qwen3-0.6B's shape (28 layers, 16 query and 8 KV heads of 128, 151,936 tokens) with random
+weights, its embeddings and products as Q8_0 blocks as Qwen's own GGUF files of that size ship, and a byte-level tokenizer of the
+first 4,096 tokens trained on Emma (the rest of the vocabulary unused, as Qwen pads its own), for
+`kvstrata bench decode --model FILE` (the decode speed of the architecture's layers; its text means nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kvstrata.data import EMMA
+
+# Hugging Face's name of a layer's tensor (after "model.layers.N.") -> llama.cpp's (after "blk.N.")
+LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (  # ChatML, as Qwen's
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN3_0_6B = {  # Qwen3-0.6B's config.json, the fields a GGUF file carries
+    "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+}
+
+
+def byte_level_tokenizer(vocab_size: int, text: str) -> Tokenizer:
+    """A GPT-2-style byte-level BPE tokenizer (Qwen's kind) of `vocab_size` tokens trained on `text`, with Qwen's
+    chat special tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer)
+    return tokenizer
+
+
+def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenizer, path: Path,
+               product_type: str = "Q8_0") -> Path:
+    """`state` (Hugging Face's tensor names) of a model of `config` (its config.json's fields) as a GGUF file: the
+    embeddings and products in `product_type` blocks, the norms and biases float32; `tokenizer`'s vocabulary and
+    merges, the vocabulary padded with unused tokens up to the model's, and a ChatML chat template."""
+    import gguf
+    from gguf.quants import quantize
+
+    arch = config["model_type"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    vocab = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    unused = config["vocab_size"] - len(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(vocab + [f"<|unused_{i}|>" for i in range(unused)])
+    writer.add_token_types([gguf.TokenType.CONTROL if token in SPECIAL_TOKENS else gguf.TokenType.NORMAL
+                            for token in vocab] + [gguf.TokenType.UNUSED] * unused)
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in merges])
+    writer.add_eos_token_id(tokenizer.token_to_id("<|im_end|>"))
+    writer.add_bos_token_id(tokenizer.token_to_id("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    quant = gguf.GGMLQuantizationType[product_type]
+    for name, tensor in state.items():
+        if name.startswith("model.layers."):
+            layer, short = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{LAYER_NAMES[short]}"
+        else:
+            gguf_name = GLOBAL_NAMES[name]
+        values = tensor.float().numpy()
+        if values.ndim == 2:
+            writer.add_tensor(gguf_name, quantize(values, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(gguf_name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def random_state(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of a Qwen3 model of `config` (norms near 1, products of a trained model's scale)."""
+    gen = np.random.default_rng(seed)
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, inner = config["head_dim"], config["intermediate_size"]
+
+    def normal(*shape, scale=0.02):
+        return torch.from_numpy(gen.standard_normal(shape, dtype=np.float32) * scale)
+
+    state = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden),
+             "model.norm.weight": torch.ones(hidden)}
+    shapes = {"self_attn.q_proj.weight": (heads * head_dim, hidden), "self_attn.k_proj.weight": (kv_heads * head_dim,
+              hidden), "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+              "self_attn.o_proj.weight": (hidden, heads * head_dim), "mlp.gate_proj.weight": (inner, hidden),
+              "mlp.up_proj.weight": (inner, hidden), "mlp.down_proj.weight": (hidden, inner)}
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        state.update({prefix + name: normal(*shape) for name, shape in shapes.items()})
+        for norm, size in (("input_layernorm", hidden), ("post_attention_layernorm", hidden),
+                           ("self_attn.q_norm", head_dim), ("self_attn.k_norm", head_dim)):
+            state[f"{prefix}{norm}.weight"] = 1.0 + normal(size, scale=0.1)
+    return state
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
+    parser.add_argument("--product-type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1"])
+    args = parser.parse_args(argv)
+    tokenizer = byte_level_tokenizer(4096, EMMA.read_text())
+    write_gguf(QWEN3_0_6B, random_state(QWEN3_0_6B), tokenizer, args.out, args.product_type)
+    print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
