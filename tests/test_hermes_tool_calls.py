@@ -104,6 +104,8 @@ def test_auto_is_taken_with_the_parser_and_a_text_answer_is_text(tiny_llama):
         with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as stream:
             events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == reply["message"]["content"]
+        one = httpx.post(url + "/v1/chat/completions", json={**body, "parallel_tool_calls": False}, timeout=60)
+        assert one.status_code == 400 and one.json()["error"]["param"] == "parallel_tool_calls"
 
 
 @pytest.mark.real_model
@@ -150,3 +152,13 @@ def test_where_the_tokenizer_makes_the_tags_special_tokens_they_stay_in_the_text
     preparer = RequestPreparer(engine, preparer.options)
     assert not preparer.prepare(auto)[0][1].skip_special_tokens
     assert preparer.prepare(plain)[0][1].skip_special_tokens
+
+
+def test_text_sent_at_the_end_joins_the_text_streamed_before_it():
+    """The last chunk carries the text before the call that was not streamed yet (held back for a stop string, say):
+    it joins what was streamed as the whole message's content reads."""
+    builder = ResponseBuilder(True, "m", None, 1, tool_calls=PARSER)
+    text = f"Hello world {TIME_CALL}"
+    deltas = [builder.chunk(0, output("Hello", "Hello")), builder.chunk(0, output(text, text[5:], "stop"))]
+    streamed_content = "".join(c["choices"][0]["delta"].get("content") or "" for c in deltas)
+    assert streamed_content == PARSER.message(text, "stop")[0]["content"] == "Hello world"

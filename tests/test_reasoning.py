@@ -23,6 +23,8 @@ THOUGHT = "<think>\nThe capital is Paris.\n</think>\n\nParis."
     (R1, THOUGHT, ("The capital is Paris.", "Paris.")),
     (R1, "The capital is Paris.\n</think>\n\nParis.", ("The capital is Paris.", "Paris.")),  # opened by the prompt
     (R1, "Still think", ("Still think", "")),
+    (R1, "\n<think>x</think>y", ("x", "y")),  # the tag after a line break
+    (QWEN3, "\n<think>x</think>y", ("x", "y")),
 ])
 def test_the_thinking_is_told_from_the_answer(parser, text, fields):
     assert parser.message_fields(text) == fields
@@ -53,7 +55,7 @@ def joined(deltas: list[dict], field: str) -> str:
 def test_streamed_thinking_and_answer_never_show_a_tag(parser, size):
     builder = ResponseBuilder(True, "m", None, 1, reasoning=parser)
     deltas = streamed(builder, THOUGHT, size, "stop")
-    assert joined(deltas, "reasoning_content") == "\nThe capital is Paris.\n"
+    assert joined(deltas, "reasoning_content") == "The capital is Paris."
     assert joined(deltas, "content") == "Paris." and deltas[-1]["finish_reason"] == "stop"
     whole = builder.full([output(THOUGHT, "", "stop")])["choices"][0]["message"]
     assert whole == {"role": "assistant", "content": "Paris.", "reasoning_content": "The capital is Paris."}
@@ -76,7 +78,7 @@ def test_calls_after_the_thinking_are_parsed_and_the_thinking_kept_apart():
     assert message["message"]["tool_calls"][0]["function"]["name"] == "get_time"
     deltas = streamed(ResponseBuilder(True, "m", None, 1, tool_calls=HermesToolCalls(frozenset({"get_time"})),
                                       reasoning=QWEN3), text, 5, "stop")
-    assert joined(deltas, "reasoning_content") == "\nI need the time.\n" and joined(deltas, "content") == ""
+    assert joined(deltas, "reasoning_content") == "I need the time." and joined(deltas, "content") == ""
     assert deltas[-1]["tool_calls"][0]["function"]["name"] == "get_time"
 
 

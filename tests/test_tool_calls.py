@@ -48,6 +48,14 @@ def test_the_required_schema_takes_only_the_tools_with_their_arguments():
             jsonschema.validate(wrong, schema)
 
 
+def test_without_parallel_calls_required_is_held_to_one_call():
+    schema = ToolCalls(None, parallel=False).schema({"get_time": None})
+    call = {"name": "get_time", "parameters": {}}
+    jsonschema.validate([call], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([call, call], schema)
+
+
 def test_a_named_call_streams_its_arguments_after_its_id_and_name():
     calls = ToolCalls("get_weather")
     first, _ = calls.chunk('{"city"', True, '{"city"', None)

@@ -8,15 +8,19 @@ import json
 from pathlib import Path
 
 import jinja2
+import jinja2.defaults
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
 from kvstrata.errors import KvstrataError
 
 _CONTENT_MARK = "\ue000"  # a private-use character: no chat template writes it
-# What a chat template is given apart from the caller's template_kwargs.
-TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "documents", "raise_exception", "strftime_now")
+# What a chat template is given apart from the caller's template_kwargs: its arguments and jinja's and transformers'
+# globals, which a caller's variable of the same name would hide.
+TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token",
+                      "raise_exception", "strftime_now", *jinja2.defaults.DEFAULT_NAMESPACE)
 
 
 def _token_text(value) -> str | None:
@@ -42,11 +46,23 @@ def _strftime_now(format: str) -> str:
     return datetime.datetime.now().strftime(format)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """transformers' {% generation %}...{% endgeneration %}, which marks an assistant's text for training: here its
+    body renders as it is."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        line = next(parser.stream).lineno
+        return jinja2.nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True)).set_lineno(line)
+
+
 def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     """What transformers' apply_chat_template renders in, so that a model's template renders here the same:
-    {% break %} and {% continue %}, its tojson, raise_exception and strftime_now (the date some templates write)."""
+    {% break %} and {% continue %}, {% generation %}, its tojson, raise_exception and strftime_now (the date some
+    templates write)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                        extensions=[jinja2.ext.loopcontrols])
+                                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlocks])
     env.filters["tojson"] = _to_json
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = _strftime_now
@@ -98,23 +114,25 @@ class Tokenizer:
         as transformers' keyword arguments of this name are; they cannot stand for the ones named here."""
         if self.chat_template is None:
             raise KvstrataError("this model has no chat template; send a plain prompt instead")
-        if self._compiled_template is None:
-            self._compiled_template = _template_environment().from_string(self.chat_template)
+        taken = sorted((template_kwargs or {}).keys() & set(TEMPLATE_ARGUMENTS))
+        if taken:
+            raise KvstrataError(f"chat template variables {', '.join(taken)} are the template's own; template_kwargs "
+                                f"may not set them")
         variables = {
             "bos_token": self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
             "eos_token": self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else "",
             **(template_kwargs or {}),
         }
-        taken = sorted((template_kwargs or {}).keys() & set(TEMPLATE_ARGUMENTS))
-        if taken:
-            raise KvstrataError(f"chat template variables {', '.join(taken)} have arguments of their own; "
-                                f"template_kwargs may not set them")
         try:
+            if self._compiled_template is None:
+                self._compiled_template = _template_environment().from_string(self.chat_template)
             return self._compiled_template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
             )
-        except jinja2.TemplateError as exc:
-            raise KvstrataError(f"chat template failed on the messages: {exc}") from exc
+        except KvstrataError:
+            raise
+        except Exception as exc:  # any error of the template's code (a variable of the wrong type) is the input's
+            raise KvstrataError(f"chat template failed on the messages: {type(exc).__name__}: {exc}") from exc
 
     @functools.cached_property
     def special_token_texts(self) -> frozenset[str]:
@@ -140,6 +158,8 @@ class Tokenizer:
             raise KvstrataError("continue_final_message continues the last message; add_generation_prompt would "
                                 "open another: ask for one of them")
         contents = [m["content"] for m in messages]
+        if not special_tokens_in_content:
+            self._refuse_special_text_beside_contents(messages, tools, template_kwargs)
         if special_tokens_in_content or not any(s in c for c in contents for s in self.special_token_texts):
             rendered = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
             if continue_final_message:  # cut where transformers cuts: after the last copy of the final content
@@ -165,6 +185,21 @@ class Tokenizer:
             else:
                 token_ids += _encode_without_gil(self._literal_backend, contents[int(piece)], False)
         return token_ids
+
+    def _refuse_special_text_beside_contents(self, messages: list[dict], tools: list[dict] | None,
+                                             template_kwargs: dict | None) -> None:
+        """What the template writes besides message contents (a message's tool calls, the tools, template_kwargs) is
+        encoded as the template's own text, so it may hold no special-token text, which would be a forged role
+        boundary, and not the marker that stands for a content while the template renders."""
+        beside = json.dumps([[{k: v for k, v in m.items() if k != "content"} for m in messages], tools,
+                             template_kwargs], ensure_ascii=False, default=str)
+        forged = sorted(s for s in self.special_token_texts if s in beside)
+        if forged:
+            raise KvstrataError(f"special-token text {forged[0]!r} in the tools, tool calls or template variables: "
+                                f"only a message's content may carry it (as plain text)")
+        if _CONTENT_MARK in beside:
+            raise KvstrataError("the tools, tool calls or template variables hold U+E000, a character the chat "
+                                "template's rendering reserves")
 
     @functools.cached_property
     def _literal_backend(self) -> tokenizers.Tokenizer:

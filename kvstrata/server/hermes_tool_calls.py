@@ -63,9 +63,15 @@ class HermesToolCalls:
             if not (isinstance(call, dict) and call.get("name") in self.functions
                     and isinstance(call.get("arguments", {}), dict)):
                 return None
-            calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}))))
+            calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
         outside.append(text[end:])
         return Parsed(calls, outside[0], "".join(outside[1:]))
+
+    @staticmethod
+    def content(parsed: Parsed) -> str | None:
+        """The text beside the calls without the white space at its ends (the lines around the tags); none where
+        there is nothing else."""
+        return (parsed.before + parsed.after).strip() or None
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message of a finished output, and its finish reason ("tool_calls" where it made calls);
@@ -73,8 +79,7 @@ class HermesToolCalls:
         parsed = self.parse(text, finish_reason)
         if parsed is None:
             return {"role": "assistant", "content": text}, finish_reason
-        content = (parsed.before + parsed.after).strip() or None
-        return {"role": "assistant", "content": content, "tool_calls": parsed.calls}, "tool_calls"
+        return {"role": "assistant", "content": self.content(parsed), "tool_calls": parsed.calls}, "tool_calls"
 
     def chunk(self, new_text: str, opening: bool, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A streamed chunk's delta and finish reason, given the text released so far (`new_text` its end): text
@@ -89,7 +94,9 @@ class HermesToolCalls:
             rest = text[len(sent) :]
             return ({"content": rest} if rest else {}), finish_reason
         delta: dict = {"tool_calls": [{**call, "index": index} for index, call in enumerate(parsed.calls)]}
-        rest = (parsed.before[len(sent) :] + parsed.after).strip()
+        # the rest of the message's content: its end stripped as the message's is, its start where nothing was sent
+        rest = (parsed.before[len(sent) :] + parsed.after).rstrip()
+        rest = rest if sent else rest.lstrip()
         if rest:
             delta = {"content": rest, **delta}
         return delta, "tool_calls"

@@ -426,6 +426,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[Tool] | None = None  # rendered by the chat template; called where tool_choice asks (tool_calls.py)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, validate_default=True)
+    parallel_tool_calls: StrictBool = True  # false: one call at most
     functions: NoList = None  # tools' deprecated form
     # vLLM's: the template opens the assistant's turn, or leaves the last message open for the model to continue
     add_generation_prompt: StrictBool = True
@@ -473,7 +474,9 @@ class ChatCompletionRequest(_SamplingFields):
         """How the outputs become tool calls, where tool_choice asks for calls (checked against the tools)."""
         if not self.tools or self.tool_choice in (None, "none", "auto"):
             return None
-        return ToolCalls(None if self.tool_choice == "required" else self.tool_choice.function.name)
+        if self.tool_choice == "required":
+            return ToolCalls(None, parallel=self.parallel_tool_calls)
+        return ToolCalls(self.tool_choice.function.name)
 
     @property
     def model_chooses_tools(self) -> bool:

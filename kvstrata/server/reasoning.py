@@ -39,20 +39,23 @@ class ReasoningParser:
 
     def split(self, text: str, finished: bool) -> Split:
         """The reasoning and the answer of an output's text; while it is not `finished`, only what is certain."""
-        body = text.removeprefix(OPEN)
-        opened = len(body) < len(text)
+        start = text.lstrip()  # the tag may follow a line break
+        body = start.removeprefix(OPEN)
+        opened = len(body) < len(start)
+        if not opened and not finished and OPEN.startswith(start):
+            return Split("", "")  # a "<think>" may be under way
         if not opened and self.name == "qwen3":
-            if not finished and OPEN.startswith(text):
-                return Split("", "")  # may yet open a thought
             return Split("", text)
-        if not opened and not finished and OPEN.startswith(text):
-            return Split("", "")  # deepseek_r1: a "<think>" of its own may be under way
+        if not opened:
+            body = text  # deepseek_r1: the prompt opened the thought
+        # The thought without the white space around it (the lines after <think> and before </think>): a growing
+        # thought's trailing white space waits until text follows it.
         end = body.find(CLOSE)
         if end < 0:
-            return Split(body if finished else _less_a_tag_begun(body, CLOSE), "")
-        return Split(body[:end], body[end + len(CLOSE) :].lstrip("\n"))
+            return Split((body if finished else _less_a_tag_begun(body, CLOSE)).strip(), "")
+        return Split(body[:end].strip(), body[end + len(CLOSE) :].lstrip("\n"))
 
     def message_fields(self, text: str) -> tuple[str | None, str]:
-        """A finished output's reasoning (None where it has none) and its answer."""
+        """A finished output's reasoning (None where it has none) and its answer, as a stream of it sends them."""
         split = self.split(text, finished=True)
-        return split.reasoning.strip() or None, split.content
+        return split.reasoning or None, split.content

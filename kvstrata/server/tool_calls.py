@@ -30,16 +30,18 @@ class ToolCalls:
     """How one request's outputs become tool calls: `function` named, or any of the request's (`required`)."""
 
     function: str | None  # None: "required"
+    parallel: bool = True  # "required" may make several calls (OpenAI's parallel_tool_calls)
 
     def schema(self, functions: dict[str, dict | None]) -> dict:
         """What the output must be, given the request's functions (name: parameters): the named function's
-        arguments, or one call or more, each {"name": one of them, "parameters": its arguments}."""
+        arguments, or one call or more (one where not `parallel`), each {"name": one of them, "parameters": its
+        arguments}."""
         if self.function is not None:
             return arguments_schema(functions[self.function])
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": arguments_schema(parameters)},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, parameters in functions.items()]
-        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message of a finished output, and its finish reason. A named call's arguments are the text
