@@ -1,6 +1,7 @@
-"""Qwen2 and Qwen3 GGUF files (llama.cpp's layout: q and k rows as they are, Qwen2's q/k/v biases, Qwen3's per-head
-norms and a head width apart from hidden / heads) convert into checkpoints that compute what transformers computes
-on the same weights, with the file's tokenizer and chat template."""
+"""GGUF files of Qwen2 and Qwen3 (llama.cpp's layout: q and k rows as they are, Qwen2's q/k/v biases, Qwen3's
+per-head norms and a head width apart from hidden / heads) and of Llama 3.1 (its RoPE scaling as a factor per
+frequency) convert into checkpoints that compute what transformers computes on the same weights, with the file's
+tokenizer and chat template; what the converter cannot read is refused by name."""
 
 import json
 
@@ -14,7 +15,7 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
 from kvstrata.model.loader import converted_checkpoint
 from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks
-from tests.tiny_models import byte_level_tokenizer, save_tiny_gguf
+from tests.tiny_models import byte_level_tokenizer, save_tiny_checkpoint, save_tiny_gguf, tiny_llama_config
 
 
 def q8_0_round_trip(model) -> None:
@@ -26,12 +27,22 @@ def q8_0_round_trip(model) -> None:
                 param.copy_(torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0)))
 
 
-@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3"])
-def test_a_qwen_gguf_file_computes_what_transformers_computes(name, request, tmp_path):
+@pytest.fixture(scope="module")
+def tiny_llama31(tmp_path_factory):
+    """A tiny Llama with Llama 3.1's RoPE scaling, strong enough at its 512 positions to change the logits."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    return save_tiny_checkpoint(tiny_llama_config(rope_scaling=scaling), tmp_path_factory.mktemp("llama31"), seed=8)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3", "tiny_llama31"])
+def test_a_gguf_file_computes_what_transformers_computes(name, request, tmp_path):
     checkpoint = request.getfixturevalue(name)
     path = save_tiny_gguf(checkpoint, tmp_path / f"{name}.gguf")
     config = json.loads((converted_checkpoint(path) / "config.json").read_text())
-    assert config["model_type"] == name.removeprefix("tiny_") and config["kvstrata_dequantized_gguf_types"] == []
+    assert config["kvstrata_dequantized_gguf_types"] == []
+    assert config["model_type"] == ("llama" if name == "tiny_llama31" else name.removeprefix("tiny_"))
+    assert ("kvstrata_rope_freq_factors" in config) == (name == "tiny_llama31")
     reference = AutoModelForCausalLM.from_pretrained(str(checkpoint))
     q8_0_round_trip(reference)
     llm = LLM(str(path), kv_cache_memory="8MiB", weights="fp32")
@@ -53,14 +64,32 @@ def test_the_file_s_tokenizer_and_chat_template_come_with_it(tiny_qwen3, tmp_pat
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_an_architecture_the_converter_does_not_know_is_refused_by_name(tmp_path):
+def a_gguf_file(path, arch: str, **metadata):
+    """A GGUF file of `arch` holding one tensor and `metadata` (GGUF key: a string value)."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        writer.add_string(key, value)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_what_the_converter_cannot_read_is_refused_by_name(tmp_path):
     with pytest.raises(KvstrataError, match="architecture 'phi3' is not supported; supported: llama, qwen2, qwen3"):
-        LLM(str(tmp_path / "phi.gguf"), kv_cache_memory="8MiB")
+        LLM(str(a_gguf_file(tmp_path / "phi.gguf", "phi3")), kv_cache_memory="8MiB")
+    yarn = a_gguf_file(tmp_path / "yarn.gguf", "qwen3", **{"qwen3.rope.scaling.type": "yarn"})
+    with pytest.raises(KvstrataError, match="GGUF rope scaling 'yarn' .* is not supported"):
+        LLM(str(yarn), kv_cache_memory="8MiB")
+
+
+def test_frequency_factors_of_the_wrong_count_are_refused():
+    from kvstrata.model.config import ModelConfig
+
+    raw = {**tiny_llama_config().to_dict(), "kvstrata_rope_freq_factors": [1.0, 2.0]}
+    with pytest.raises(KvstrataError, match="kvstrata_rope_freq_factors must be 8 positive numbers"):
+        ModelConfig.from_hf_dict(raw)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from benchmarks.qwen_gguf import CHAT_TEMPLATE  # ChatML
+from benchmarks.gguf_files import CHAT_TEMPLATE  # ChatML
 from kvstrata.data import EMMA
 
 VOCAB_SIZE = 320
@@ -129,11 +129,12 @@ def save_gguf_style_copy(source: Path, directory: Path) -> Path:
 
 
 def save_tiny_gguf(checkpoint: Path, path: Path) -> Path:
-    """A Qwen2 or Qwen3 `checkpoint`'s weights in a GGUF file as llama.cpp's converter writes them (the products as
-    Q8_0 blocks), with a byte-level tokenizer of VOCAB_SIZE tokens and a chat template in its metadata."""
+    """A Llama, Qwen2 or Qwen3 `checkpoint`'s weights in a GGUF file as llama.cpp's converter writes them (the
+    products as Q8_0 blocks), with a byte-level tokenizer of VOCAB_SIZE tokens and a chat template in its
+    metadata."""
     from safetensors.torch import load_file
 
-    from benchmarks.qwen_gguf import write_gguf
+    from benchmarks.gguf_files import write_gguf
 
     config = json.loads((checkpoint / "config.json").read_text())
     state = load_file(str(checkpoint / "model.safetensors"))
@@ -142,6 +143,6 @@ def save_tiny_gguf(checkpoint: Path, path: Path) -> Path:
 
 def byte_level_tokenizer():
     """The tiny GGUF files' tokenizer: byte-level BPE, Qwen's kind, of VOCAB_SIZE tokens."""
-    from benchmarks.qwen_gguf import byte_level_tokenizer
+    from benchmarks.gguf_files import byte_level_tokenizer
 
     return byte_level_tokenizer(VOCAB_SIZE, TRAINING_TEXT[:50_000])

@@ -37,6 +37,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None  # each RoPE frequency divided by its own (Llama 3.1 GGUFs)
     attention_bias: bool = False
     qk_norm: bool = False  # an RMSNorm over each head's queries and keys before RoPE (Qwen3)
     tie_word_embeddings: bool = False
@@ -82,6 +83,18 @@ def _read_json(path: Path) -> dict:
     return raw
 
 
+def _frequency_factors(raw: dict, head_dim: int) -> tuple[float, ...] | None:
+    """A converted GGUF file's RoPE frequency factors (gguf_convert.py), one per frequency."""
+    factors = raw.get("kvstrata_rope_freq_factors")
+    if factors is None:
+        return None
+    if not (isinstance(factors, list) and len(factors) == head_dim // 2
+            and all(isinstance(f, int | float) and f > 0 for f in factors)):
+        raise KvstrataError(f"kvstrata_rope_freq_factors must be {head_dim // 2} positive numbers, one per RoPE "
+                            f"frequency")
+    return tuple(float(f) for f in factors)
+
+
 def _token_ids(value) -> list[int]:
     """A config's token id field (a number, a list of them, or null) as a list."""
     return value if isinstance(value, list) else [] if value is None else [value]
@@ -116,6 +129,7 @@ def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
         norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
         rope_scaling=scaling,
+        rope_freq_factors=_frequency_factors(raw, raw.get("head_dim") or hidden // heads),
         # Qwen2 always has q/k/v biases; Llama and Mistral say so in the config.
         attention_bias=arch == "qwen2" or raw.get("attention_bias", False),
         qk_norm=arch == "qwen3",

@@ -23,6 +23,9 @@ from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
 KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read into GroupQuantized without loss
 
 # GGUF's architecture name: transformers' class (config.json names it, as transformers' own checkpoints do)
+# Llama 3.1's frequency scaling as llama.cpp ships it: a factor per RoPE frequency, which divides it (config.json
+# carries them as this key)
+ROPE_FACTORS = "kvstrata_rope_freq_factors"
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LAYER_TENSORS = {
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -44,6 +47,7 @@ GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "rope_freqs.weight": ROPE_FACTORS,
 }
 
 
@@ -66,6 +70,10 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
     p = f"{arch}."
     heads = _field(reader, p + "attention.head_count")
     hidden = _field(reader, p + "embedding_length")
+    scaling = _field(reader, p + "rope.scaling.type")
+    if scaling not in (None, "none"):  # converted without it, the model would attend at the wrong angles
+        raise KvstrataError(f"GGUF rope scaling {scaling!r} (e.g. YaRN's long context) is not supported; supported: "
+                            f"none, and Llama 3.1's frequency factors")
     return {
         "model_type": arch,
         "architectures": [GGUF_ARCHITECTURES[arch]],
@@ -130,6 +138,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config = gguf_config(reader, "output.weight" in names)
     config["kvstrata_dequantized_gguf_types"] = dequantized_types(reader)
     state = gguf_state_dict(reader, config)
+    if ROPE_FACTORS in state:
+        config[ROPE_FACTORS] = state.pop(ROPE_FACTORS).tolist()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_checkpoint_tensors(state, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -15,6 +15,8 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_theta**exponents)
     if config.rope_scaling is not None:
         inv_freq = _llama3_scaled(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:  # the same scaling as llama.cpp ships it, worked out per frequency
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, device="cpu")
     return inv_freq
 
 

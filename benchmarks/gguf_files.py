@@ -1,8 +1,9 @@
-"""GGUF files of Qwen2 and Qwen3 models laid out as llama.cpp's converter writes them (q and k rows as they are,
-Qwen2's q/k/v biases, Qwen3's per-head norms, the head width as `key_length`), for the figures and tests of those
-architectures: no such model ships with the project, and nothing is downloaded.
+"""GGUF files laid out as llama.cpp's converter writes them, for the figures and tests of architectures no model
+of which ships with the project (nothing is downloaded): Llama (q and k rows reordered for llama.cpp's RoPE, Llama
+3.1's frequency scaling as a factor per frequency), Qwen2 (q/k/v biases) and Qwen3 (per-head norms, the head width
+as `key_length`).
 
-    .venv/bin/python -m benchmarks.qwen_gguf --out /tmp/qwen3-0.6b-random.gguf
+    .venv/bin/python -m benchmarks.gguf_files --out /tmp/qwen3-0.6b-random.gguf
 
 writes a model of Qwen3-0.6B's shape (28 layers, 16 query and 8 KV heads of 128, 151,936 tokens) with random
 weights, its embeddings and products as Q8_0 blocks as Qwen's own GGUF files of that size ship, and a byte-level tokenizer of the
@@ -13,6 +14,7 @@ first 4,096 tokens trained on Emma (the rest of the vocabulary unused, as Qwen p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,7 +36,7 @@ LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
 }
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+                "lm_head.weight": "output.weight", "rope_freqs": "rope_freqs.weight"}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (  # ChatML, as Qwen's
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -59,6 +61,24 @@ def byte_level_tokenizer(vocab_size: int, text: str) -> Tokenizer:
     return tokenizer
 
 
+def _llama_cpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """A llama model's q or k rows in llama.cpp's order: each head's two halves interleaved, for its RoPE kernel."""
+    rows, columns = weight.shape
+    return weight.reshape(heads, 2, rows // heads // 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+def _rope_factors(config: dict) -> torch.Tensor | None:
+    """Llama 3.1's scaling (config's rope_scaling) as llama.cpp ships it: what divides each plain RoPE frequency."""
+    from kvstrata.model.config import ModelConfig
+    from kvstrata.model.rotary import rope_inverse_frequencies
+
+    model = ModelConfig.from_hf_dict(config)
+    if model.rope_scaling is None:
+        return None
+    plain = rope_inverse_frequencies(dataclasses.replace(model, rope_scaling=None))
+    return plain / rope_inverse_frequencies(model)
+
+
 def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenizer, path: Path,
                product_type: str = "Q8_0") -> Path:
     """`state` (Hugging Face's tensor names) of a model of `config` (its config.json's fields) as a GGUF file: the
@@ -68,6 +88,14 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
     from gguf.quants import quantize
 
     arch = config["model_type"]
+    state = dict(state)
+    if arch == "llama":
+        for name, heads in (("q_proj", config["num_attention_heads"]), ("k_proj", config["num_key_value_heads"])):
+            for key in [k for k in state if k.endswith(f"self_attn.{name}.weight")]:
+                state[key] = _llama_cpp_rows(state[key], heads)
+        factors = _rope_factors(config)
+        if factors is not None:
+            state["rope_freqs"] = factors
     writer = gguf.GGUFWriter(str(path), arch)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_block_count(config["num_hidden_layers"])
@@ -83,7 +111,7 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
     vocab = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
     unused = config["vocab_size"] - len(vocab)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
     writer.add_token_list(vocab + [f"<|unused_{i}|>" for i in range(unused)])
     writer.add_token_types([gguf.TokenType.CONTROL if token in SPECIAL_TOKENS else gguf.TokenType.NORMAL
                             for token in vocab] + [gguf.TokenType.UNUSED] * unused)
