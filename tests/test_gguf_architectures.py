@@ -53,6 +53,17 @@ def test_a_gguf_file_computes_what_transformers_computes(name, request, tmp_path
     assert out.token_ids == hf_greedy(reference, ids[:20], 12)
 
 
+
+def test_transformers_reads_the_written_qwen2_file_as_the_engine_does(tiny_qwen2, tmp_path):
+    """An independent reading of llama.cpp's layout: transformers' own GGUF loader (it cannot read a Qwen3 head
+    width apart from hidden / heads, so Qwen2) gives the engine's logits on the file the tests write."""
+    path = save_tiny_gguf(tiny_qwen2, tmp_path / "qwen2.gguf")
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ids = list(range(3, 60))
+    ours, _ = prefill_in_chunks(LLM(str(path), kv_cache_memory="8MiB", weights="fp32").engine, ids, chunk=len(ids))
+    assert torch.allclose(ours, hf_logits(theirs, ids), atol=1e-4, rtol=0)
+
+
 def test_the_file_s_tokenizer_and_chat_template_come_with_it(tiny_qwen3, tmp_path):
     llm = LLM(str(save_tiny_gguf(tiny_qwen3, tmp_path / "qwen3.gguf")), kv_cache_memory="8MiB")
     text = "Emma Woodhouse, handsome, clever, and rich"
