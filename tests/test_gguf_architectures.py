@@ -9,8 +9,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from benchmarks.gguf_files import write_gguf
 from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
 from kvstrata.model.loader import converted_checkpoint
@@ -18,13 +20,12 @@ from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks
 from tests.tiny_models import byte_level_tokenizer, save_tiny_checkpoint, save_tiny_gguf, tiny_llama_config
 
 
-def q8_0_round_trip(model) -> None:
-    """The embeddings' and products' weights as the GGUF file holds them (Q8_0 blocks), read back to float."""
+def round_trip(model, kind=GGMLQuantizationType.Q8_0) -> None:
+    """The embeddings' and products' weights as the GGUF file holds them (`kind` blocks), read back to float."""
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 2:
-                raw = quantize(param.numpy(), GGMLQuantizationType.Q8_0)
-                param.copy_(torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0)))
+                param.copy_(torch.from_numpy(dequantize(quantize(param.numpy(), kind), kind)))
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +41,11 @@ def test_a_gguf_file_computes_what_transformers_computes(name, request, tmp_path
     checkpoint = request.getfixturevalue(name)
     path = save_tiny_gguf(checkpoint, tmp_path / f"{name}.gguf")
     config = json.loads((converted_checkpoint(path) / "config.json").read_text())
-    assert config["kvstrata_dequantized_gguf_types"] == []
+    assert config["kvstrata_requantized_gguf_types"] == []
     assert config["model_type"] == ("llama" if name == "tiny_llama31" else name.removeprefix("tiny_"))
     assert ("kvstrata_rope_freq_factors" in config) == (name == "tiny_llama31")
     reference = AutoModelForCausalLM.from_pretrained(str(checkpoint))
-    q8_0_round_trip(reference)
+    round_trip(reference)
     llm = LLM(str(path), kv_cache_memory="8MiB", weights="fp32")
     ids = list(range(3, 100))
     ours, _ = prefill_in_chunks(llm.engine, ids, chunk=40)
@@ -52,6 +53,26 @@ def test_a_gguf_file_computes_what_transformers_computes(name, request, tmp_path
     out = llm.generate([ids[:20]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(reference, ids[:20], 12)
 
+
+
+def test_a_file_of_types_without_a_kernel_runs_on_q8_0_blocks(tiny_qwen3, tmp_path):
+    """Q5_0 products (as a Q5_K file's) are quantized again as Q8_0: the engine runs them on its 8-bit block kernels,
+    within that rounding of the file's own values."""
+    state = load_file(str(tiny_qwen3 / "model.safetensors"))
+    config = json.loads((tiny_qwen3 / "config.json").read_text())
+    path = write_gguf(config, state, byte_level_tokenizer(), tmp_path / "q5.gguf", product_type="Q5_0")
+    llm = LLM(str(path), kv_cache_memory="8MiB")
+    assert json.loads((converted_checkpoint(path) / "config.json").read_text())[
+        "kvstrata_requantized_gguf_types"] == ["Q5_0"]
+    assert llm.engine.loaded.weights_summary() == {"int8 blocks": 9}  # 2 layers x (q/k/v, o, gate/up, down), head
+    ids = list(range(3, 60))
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3))
+    unquantized = hf_logits(reference, ids)
+    round_trip(reference, GGMLQuantizationType.Q5_0)
+    file_values = hf_logits(reference, ids)
+    ours, _ = prefill_in_chunks(LLM(str(path), kv_cache_memory="8MiB", weights="fp32").engine, ids, chunk=len(ids))
+    # the file's own rounding (Q5_0's) moves the logits several times more than the engine's second one (Q8_0's)
+    assert (ours - file_values).abs().mean() < (file_values - unquantized).abs().mean() / 3
 
 
 def test_transformers_reads_the_written_qwen2_file_as_the_engine_does(tiny_qwen2, tmp_path):

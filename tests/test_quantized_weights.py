@@ -5,6 +5,7 @@ import json
 import logging
 import shutil
 import threading
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -273,25 +274,61 @@ def test_prefix_cache_keys_name_the_weight_form(tiny_gguf_style):
     assert auto != fp32 and b"int4" in auto
 
 
-def test_gguf_types_without_a_kernel_are_named_when_loading(tiny_llama, tmp_path, caplog):
+def test_requantized_gguf_types_are_named_when_loading(tiny_llama, tmp_path, caplog):
     directory = tmp_path / "k-quants"
     shutil.copytree(tiny_llama, directory)
     config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "kvstrata_dequantized_gguf_types": ["Q6_K"]}))
+    (directory / "config.json").write_text(json.dumps({**config, "kvstrata_requantized_gguf_types": ["Q6_K"]}))
     with caplog.at_level(logging.WARNING, logger="kvstrata.model"):
-        loaded = load_model(str(directory), torch.device("cpu"), torch.float32, "auto")
-    assert "Q6_K have no kernel here" in caplog.text
-    assert loaded.weights_summary() == {"float32": 13}
+        load_model(str(directory), torch.device("cpu"), torch.float32, "auto")
+    assert "Q6_K have no kernel here; they were quantized again as Q8_0" in caplog.text
 
 
-def test_the_converter_names_the_gguf_types_it_dequantizes():
-    from types import SimpleNamespace
-
-    from kvstrata.model.gguf_convert import dequantized_types
+def test_the_converter_keeps_q4_k_and_names_the_gguf_types_it_requantizes():
+    from kvstrata.model.gguf_convert import requantized_types
 
     tensor = lambda kind: SimpleNamespace(tensor_type=SimpleNamespace(name=kind))
-    reader = SimpleNamespace(tensors=[tensor(k) for k in ("Q4_1", "F32", "Q6_K", "Q8_0", "Q4_K", "Q6_K", "F16")])
-    assert dequantized_types(reader) == ["Q4_K", "Q6_K"]
+    reader = SimpleNamespace(tensors=[tensor(k) for k in ("Q4_1", "F32", "Q6_K", "Q8_0", "Q4_K", "Q5_0", "F16")])
+    assert requantized_types(reader) == ["Q5_0", "Q6_K"]
+
+
+def random_q4_k_rows(rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """Raw Q4_K rows: any bytes are a valid super-block once its two float16 scales are finite."""
+    gen = np.random.default_rng(seed)
+    raw = gen.integers(0, 256, size=(rows, columns // 256 * 144), dtype=np.uint8)
+    blocks = raw.reshape(-1, 144)
+    for start in (0, 2):  # d and dmin
+        scales = gen.uniform(1e-3, 1e-2, len(blocks)).astype(np.float16)
+        blocks[:, start : start + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def test_q4_k_rows_are_read_as_4_bit_groups_without_loss():
+    """Each of a super-block's eight groups is an affine map of its 4-bit codes: as groups of 32 the values are the
+    gguf package's dequantized ones, to the bit."""
+    from kvstrata.model.gguf_convert import _read_tensor
+
+    raw = random_q4_k_rows(6, 512)
+    tensor = SimpleNamespace(tensor_type=gguf.GGMLQuantizationType.Q4_K, data=raw)
+    read = _read_tensor(tensor)
+    assert (read.bits, read.group_size, read.codes.shape) == (4, 32, (6, 512))
+    assert np.array_equal(read.dequantize().numpy(), dequantize(raw, gguf.GGMLQuantizationType.Q4_K))
+
+
+def test_other_quantized_types_are_read_as_q8_0_of_their_values():
+    from gguf.quants import quantize
+
+    from kvstrata.model.gguf_convert import _read_tensor
+
+    weight = np.random.default_rng(1).standard_normal((4, 256)).astype(np.float32)
+    raw = quantize(weight, gguf.GGMLQuantizationType.Q5_0)
+    read = _read_tensor(SimpleNamespace(tensor_type=gguf.GGMLQuantizationType.Q5_0, data=raw))
+    assert (read.bits, read.group_size) == (8, 32)
+    values = dequantize(raw, gguf.GGMLQuantizationType.Q5_0)
+    step = np.abs(values.reshape(4, -1, 32)).max(-1, keepdims=True) / 127  # Q8_0's step per group
+    # half a step, and the step's own rounding to float16 (2**-11 of it) over up to 127 steps
+    assert (np.abs(read.dequantize().numpy() - values).reshape(4, -1, 32) <= 0.57 * step).all()
+    assert not np.array_equal(read.dequantize().numpy(), values)  # quantized again, not kept as floats
 
 
 def test_sensitivity_needs_float_weights_and_says_so(tiny_gguf_style):

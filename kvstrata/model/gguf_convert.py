@@ -1,9 +1,11 @@
 """Convert a GGUF file into a Hugging Face style checkpoint directory.
 
-Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2 and qwen3. Q4_0, Q4_1 and Q8_0 tensors keep
-their codes and per-block scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets); other
-quantized types are dequantized to fp32 with the `gguf` package and named in config.json
-(`kvstrata_dequantized_gguf_types`). Tensors are renamed; llama.cpp stores a llama model's q and k projections
+Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2 and qwen3. Q4_0, Q4_1, Q8_0 and Q4_K tensors
+keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets);
+the other quantized types (Q6_K and Q5_K beside Q4_K in a "Q4_K_M" file, Q5_0, the IQ types, ...), for which
+the block kernels have no reader, are dequantized by the `gguf` package and quantized again as Q8_0, 8-bit codes
+per 32 values, finer than any of them (the error added is about half a Q8_0 step, a 254th of the group's largest
+magnitude), and named in config.json (`kvstrata_requantized_gguf_types`). Tensors are renamed; llama.cpp stores a llama model's q and k projections
 with rows interleaved for its RoPE kernel, which is undone here (Qwen's it keeps as they are, for the rotation
 by halves). The tokenizer is rebuilt from the GGUF metadata by transformers' converter.
 """
@@ -17,10 +19,11 @@ import numpy as np
 import torch
 
 from kvstrata.errors import KvstrataError
-from kvstrata.model.group_quantized import GroupQuantized, from_gguf_blocks
+from kvstrata.model.group_quantized import GroupQuantized, from_gguf_blocks, from_q4_k_blocks
 from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
 
-KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # read into GroupQuantized without loss
+KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # read into GroupQuantized without loss
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
 
 # GGUF's architecture name: transformers' class (config.json names it, as transformers' own checkpoints do)
 # Llama 3.1's frequency scaling as llama.cpp ships it: a factor per RoPE frequency, which divides it (config.json
@@ -94,11 +97,17 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
 
 
 def _read_tensor(tensor) -> torch.Tensor | GroupQuantized:
-    from gguf.quants import dequantize
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
 
-    if tensor.tensor_type.name in KEPT_GGUF_TYPES:
-        return from_gguf_blocks(tensor.data, tensor.tensor_type.name)
+    kind = tensor.tensor_type.name
+    if kind == "Q4_K":
+        return from_q4_k_blocks(tensor.data)
+    if kind in KEPT_GGUF_TYPES:
+        return from_gguf_blocks(tensor.data, kind)
     values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    if kind not in FLOAT_GGUF_TYPES and values.ndim == 2:
+        return from_gguf_blocks(quantize(values, GGMLQuantizationType.Q8_0), "Q8_0")
     return torch.from_numpy(np.require(values, requirements=["C", "W"]))
 
 
@@ -121,9 +130,9 @@ def gguf_state_dict(reader, config: dict) -> dict[str, torch.Tensor | GroupQuant
     return state
 
 
-def dequantized_types(reader) -> list[str]:
-    """GGUF tensor types this converter turns into fp32 (no kernel keeps them quantized)."""
-    return sorted({t.tensor_type.name for t in reader.tensors} - set(KEPT_GGUF_TYPES) - {"F32", "F16", "BF16"})
+def requantized_types(reader) -> list[str]:
+    """GGUF tensor types this converter quantizes again as Q8_0 (no kernel reads them as they are)."""
+    return sorted({t.tensor_type.name for t in reader.tensors} - set(KEPT_GGUF_TYPES) - set(FLOAT_GGUF_TYPES))
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -136,7 +145,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise KvstrataError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     names = {t.name for t in reader.tensors}
     config = gguf_config(reader, "output.weight" in names)
-    config["kvstrata_dequantized_gguf_types"] = dequantized_types(reader)
+    config["kvstrata_requantized_gguf_types"] = requantized_types(reader)
     state = gguf_state_dict(reader, config)
     if ROPE_FACTORS in state:
         config[ROPE_FACTORS] = state.pop(ROPE_FACTORS).tolist()

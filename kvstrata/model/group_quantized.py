@@ -1,8 +1,9 @@
 """A weight matrix kept as it is shipped: integer codes with one scale (and offset) per group of columns.
 
-GGUF's Q4_0, Q4_1 and Q8_0 blocks are all of this shape, 32 values a block, so they are read into
-`GroupQuantized` without loss: value = code * scale + offset (offset absent for symmetric codes).
-The loader keeps this form until it knows which kernel will run the weight.
+GGUF's Q4_0, Q4_1 and Q8_0 blocks are all of this shape, 32 values a block, and so are the eight groups of a
+Q4_K super-block (value = (d * scale) * code - dmin * min), so they are read into `GroupQuantized` without loss:
+value = code * scale + offset (offset absent for symmetric codes). The loader keeps this form until it knows
+which kernel will run the weight.
 """
 
 from __future__ import annotations
@@ -87,4 +88,26 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str) -> GroupQuantized:
     else:  # Q4_0: d * (q - 8) = d * q - 8 d
         offsets = -8.0 * d
     return GroupQuantized(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d),
+                          torch.from_numpy(offsets), 4, GGUF_BLOCK)
+
+
+Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes: 256 values
+
+
+def from_q4_k_blocks(raw: np.ndarray) -> GroupQuantized:
+    """Read a GGUF tensor's raw Q4_K rows ([N, row bytes] uint8) as 4-bit groups of 32: group j of a super-block
+    has scale d * scale_j and offset -dmin * min_j (both exact in float32), its codes the low nibbles of 32 bytes
+    (groups 0, 2, 4, 6) or their high ones (groups 1, 3, 5, 7)."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, Q4_K_BLOCK_BYTES)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    group_scales, group_mins = Q4_K.get_scale_min(blocks[:, 4:16])  # [blocks, 8] each
+    shifted = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (shifted & 0x0F).reshape(rows, -1)
+    scales = (d * group_scales.astype(np.float32)).reshape(rows, -1)
+    offsets = -(dmin * group_mins.astype(np.float32)).reshape(rows, -1)
+    return GroupQuantized(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scales),
                           torch.from_numpy(offsets), 4, GGUF_BLOCK)

