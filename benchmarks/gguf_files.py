@@ -6,8 +6,8 @@ as `key_length`).
     .venv/bin/python -m benchmarks.gguf_files --out /tmp/qwen3-0.6b-random.gguf
 
 writes a model of Qwen3-0.6B's shape (28 layers, 16 query and 8 KV heads of 128, 151,936 tokens) with random
-weights, its embeddings and products as Q8_0 blocks as Qwen's own GGUF files of that size ship, and a byte-level tokenizer of the
-first 4,096 tokens trained on Emma (the rest of the vocabulary unused, as Qwen pads its own), for
+weights, its embeddings and products as Q8_0 blocks as Qwen's own GGUF files of that size ship, and a byte-level
+tokenizer of the first 4,096 tokens trained on Emma (the rest of the vocabulary unused, as Qwen pads its own), for
 `kvstrata bench decode --model FILE` (the decode speed of the architecture's layers; its text means nothing).
 """
 
@@ -80,10 +80,11 @@ def _rope_factors(config: dict) -> torch.Tensor | None:
 
 
 def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenizer, path: Path,
-               product_type: str = "Q8_0") -> Path:
+               product_type: str = "Q8_0", types: dict[str, str] | None = None) -> Path:
     """`state` (Hugging Face's tensor names) of a model of `config` (its config.json's fields) as a GGUF file: the
-    embeddings and products in `product_type` blocks, the norms and biases float32; `tokenizer`'s vocabulary and
-    merges, the vocabulary padded with unused tokens up to the model's, and a ChatML chat template."""
+    embeddings and products in `product_type` blocks (or as `types` names them by llama.cpp's name within a layer,
+    e.g. {"attn_v.weight": "Q5_0"}, as a "Q4_K_M" file mixes them), the norms and biases float32; `tokenizer`'s
+    vocabulary and merges, the vocabulary padded with unused tokens up to the model's, and a ChatML chat template."""
     import gguf
     from gguf.quants import quantize
 
@@ -121,7 +122,6 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
     writer.add_bos_token_id(tokenizer.token_to_id("<|endoftext|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
-    quant = gguf.GGMLQuantizationType[product_type]
     for name, tensor in state.items():
         if name.startswith("model.layers."):
             layer, short = name.removeprefix("model.layers.").split(".", 1)
@@ -129,6 +129,7 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
         else:
             gguf_name = GLOBAL_NAMES[name]
         values = tensor.float().numpy()
+        quant = gguf.GGMLQuantizationType[(types or {}).get(gguf_name.split(".", 2)[-1], product_type)]
         if values.ndim == 2:
             writer.add_tensor(gguf_name, quantize(values, quant), raw_dtype=quant)
         else:

@@ -114,3 +114,11 @@ def test_the_server_passes_chat_template_kwargs_to_the_template(model_dir):
                                          f'"chat_template_kwargs": {json.dumps(variables)}}}',
                                  headers={"content-type": "application/json"})
             assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("chat_template_kwargs")
+
+
+def test_special_tokens_that_make_no_turn_may_stand_beside_the_contents(model_dir):
+    """Only the template's own special tokens (and BOS and EOS) are role boundaries; a tool that mentions another
+    special token (as SmolLM2's <filename>) is taken."""
+    tokenizer = Tokenizer.from_directory(model_dir)
+    tools = [{"type": "function", "function": {"name": "save", "description": "Ends with <|endoftext|>"}}]
+    assert tokenizer.encode_chat(MESSAGES, tools=tools)

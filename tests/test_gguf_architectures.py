@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from benchmarks.gguf_files import write_gguf
 from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
+from kvstrata.model import block_linear
 from kvstrata.model.loader import converted_checkpoint
 from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks
 from tests.tiny_models import byte_level_tokenizer, save_tiny_checkpoint, save_tiny_gguf, tiny_llama_config
@@ -64,7 +65,8 @@ def test_a_file_of_types_without_a_kernel_runs_on_q8_0_blocks(tiny_qwen3, tmp_pa
     llm = LLM(str(path), kv_cache_memory="8MiB")
     assert json.loads((converted_checkpoint(path) / "config.json").read_text())[
         "kvstrata_requantized_gguf_types"] == ["Q5_0"]
-    assert llm.engine.loaded.weights_summary() == {"int8 blocks": 9}  # 2 layers x (q/k/v, o, gate/up, down), head
+    kind = "int8 blocks" if block_linear.kernel() else "int8 as two int4 planes"  # with the kernels or without
+    assert llm.engine.loaded.weights_summary() == {kind: 9}  # 2 layers x (q/k/v, o, gate/up, down), the head
     ids = list(range(3, 60))
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3))
     unquantized = hf_logits(reference, ids)
@@ -73,6 +75,20 @@ def test_a_file_of_types_without_a_kernel_runs_on_q8_0_blocks(tiny_qwen3, tmp_pa
     ours, _ = prefill_in_chunks(LLM(str(path), kv_cache_memory="8MiB", weights="fp32").engine, ids, chunk=len(ids))
     # the file's own rounding (Q5_0's) moves the logits several times more than the engine's second one (Q8_0's)
     assert (ours - file_values).abs().mean() < (file_values - unquantized).abs().mean() / 3
+
+
+def test_mixed_block_kinds_of_one_fused_product_stay_on_block_kernels(tiny_qwen3, tmp_path):
+    """A "Q4_K_M" file's v is 6-bit beside its 4-bit q and k: the fused q/k/v runs as Q8_0 blocks, not as float32,
+    and the compiled decode loop still takes the model."""
+    state = load_file(str(tiny_qwen3 / "model.safetensors"))
+    config = json.loads((tiny_qwen3 / "config.json").read_text())
+    path = write_gguf(config, state, byte_level_tokenizer(), tmp_path / "mixed.gguf", product_type="Q4_1",
+                      types={"attn_v.weight": "Q5_0"})
+    loaded = LLM(str(path), kv_cache_memory="8MiB").engine.loaded
+    assert loaded.weight_kinds["layers.0.self_attn.qkv_proj"] == ("int8 blocks" if block_linear.kernel() else
+                                                                 "int8 as two int4 planes")
+    assert "float32" not in loaded.weights_summary()
+    assert (loaded.model.native_decode is not None) == (block_linear.kernel() is not None)
 
 
 def test_transformers_reads_the_written_qwen2_file_as_the_engine_does(tiny_qwen2, tmp_path):

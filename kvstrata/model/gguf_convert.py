@@ -5,9 +5,10 @@ keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / 
 the other quantized types (Q6_K and Q5_K beside Q4_K in a "Q4_K_M" file, Q5_0, the IQ types, ...), for which
 the block kernels have no reader, are dequantized by the `gguf` package and quantized again as Q8_0, 8-bit codes
 per 32 values, finer than any of them (the error added is about half a Q8_0 step, a 254th of the group's largest
-magnitude), and named in config.json (`kvstrata_requantized_gguf_types`). Tensors are renamed; llama.cpp stores a llama model's q and k projections
-with rows interleaved for its RoPE kernel, which is undone here (Qwen's it keeps as they are, for the rotation
-by halves). The tokenizer is rebuilt from the GGUF metadata by transformers' converter.
+magnitude), and named in config.json (`kvstrata_requantized_gguf_types`); every `--weights` then reads those
+values. Tensors are renamed; llama.cpp stores a llama model's q and k projections with rows interleaved for its
+RoPE kernel, which is undone here (Qwen's it keeps as they are, for the rotation by halves). The tokenizer is
+rebuilt from the GGUF metadata by transformers' converter.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ import numpy as np
 import torch
 
 from kvstrata.errors import KvstrataError
-from kvstrata.model.group_quantized import GroupQuantized, from_gguf_blocks, from_q4_k_blocks
+from kvstrata.model.group_quantized import GroupQuantized, as_q8_0, from_gguf_blocks, from_q4_k_blocks
 from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
 
 KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # read into GroupQuantized without loss
-FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
 
 # GGUF's architecture name: transformers' class (config.json names it, as transformers' own checkpoints do)
 # Llama 3.1's frequency scaling as llama.cpp ships it: a factor per RoPE frequency, which divides it (config.json
@@ -97,18 +97,27 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
 
 
 def _read_tensor(tensor) -> torch.Tensor | GroupQuantized:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
     kind = tensor.tensor_type.name
     if kind == "Q4_K":
         return from_q4_k_blocks(tensor.data)
     if kind in KEPT_GGUF_TYPES:
         return from_gguf_blocks(tensor.data, kind)
-    values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-    if kind not in FLOAT_GGUF_TYPES and values.ndim == 2:
-        return from_gguf_blocks(quantize(values, GGMLQuantizationType.Q8_0), "Q8_0")
-    return torch.from_numpy(np.require(values, requirements=["C", "W"]))
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    except NotImplementedError:
+        raise KvstrataError(f"GGUF tensor {tensor.name!r} is of type {kind}, which the gguf package cannot "
+                            f"read") from None
+    values = torch.from_numpy(np.require(values, requirements=["C", "W"]))
+    return as_q8_0(values) if _quantized(kind) and values.dim() == 2 else values
+
+
+def _quantized(kind: str) -> bool:
+    """A GGUF type of blocks of several values (Q5_K, IQ4_XS, ...), not one of plain numbers (F16, I32, ...)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0] > 1
 
 
 def gguf_state_dict(reader, config: dict) -> dict[str, torch.Tensor | GroupQuantized]:
@@ -132,7 +141,8 @@ def gguf_state_dict(reader, config: dict) -> dict[str, torch.Tensor | GroupQuant
 
 def requantized_types(reader) -> list[str]:
     """GGUF tensor types this converter quantizes again as Q8_0 (no kernel reads them as they are)."""
-    return sorted({t.tensor_type.name for t in reader.tensors} - set(KEPT_GGUF_TYPES) - set(FLOAT_GGUF_TYPES))
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    return sorted(kind for kind in kinds if _quantized(kind) and kind not in KEPT_GGUF_TYPES)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -48,12 +48,17 @@ class GroupQuantized:
 
 def cat_rows(parts: list) -> torch.Tensor | GroupQuantized:
     """Stack matrices along their output rows (fusing q/k/v or gate/up). Quantized parts stay
-    quantized when they share their layout; any mix falls back to float32."""
+    quantized when they share their layout; parts in GGUF blocks of different kinds (a "Q4_K_M" file's 4-bit q
+    and k beside its 6-bit v) are fused as Q8_0, the finest of them, each part quantized again; any other mix falls
+    back to float32."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
     first = parts[0]
     same = all(isinstance(p, GroupQuantized) and (p.bits, p.group_size, p.offsets is None)
                == (first.bits, first.group_size, first.offsets is None) for p in parts)
+    if not same and all(isinstance(p, GroupQuantized) and p.group_size == GGUF_BLOCK for p in parts):
+        parts = [p if (p.bits, p.offsets) == (8, None) else as_q8_0(p.dequantize()) for p in parts]
+        first, same = parts[0], True
     if not same:
         return torch.cat([p.dequantize() if isinstance(p, GroupQuantized) else p.float() for p in parts])
     offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
@@ -89,6 +94,15 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str) -> GroupQuantized:
         offsets = -8.0 * d
     return GroupQuantized(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d),
                           torch.from_numpy(offsets), 4, GGUF_BLOCK)
+
+
+def as_q8_0(values: torch.Tensor) -> GroupQuantized:
+    """Float rows quantized as GGUF's Q8_0 (signed 8-bit codes, a float16 scale per 32 values), by the gguf
+    package's own quantizer."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return from_gguf_blocks(quantize(values.float().numpy(), GGMLQuantizationType.Q8_0), "Q8_0")
 
 
 Q4_K_BLOCK_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes: 256 values

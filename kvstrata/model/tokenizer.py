@@ -69,6 +69,13 @@ def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     return env
 
 
+def _text_beside_contents(messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> str:
+    """All the text a chat template may write besides the messages' contents: their other fields (tool calls), the
+    tools and the caller's variables."""
+    others = [{key: value for key, value in m.items() if key != "content"} for m in messages]
+    return json.dumps([others, tools, template_kwargs], ensure_ascii=False, default=str)
+
+
 class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, config: dict, chat_template: str | None):
         self.backend = backend
@@ -123,9 +130,12 @@ class Tokenizer:
             "eos_token": self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else "",
             **(template_kwargs or {}),
         }
-        try:
-            if self._compiled_template is None:
+        if self._compiled_template is None:
+            try:
                 self._compiled_template = _template_environment().from_string(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise KvstrataError(f"this model's chat template cannot be read: {exc}") from exc
+        try:
             return self._compiled_template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
             )
@@ -158,8 +168,9 @@ class Tokenizer:
             raise KvstrataError("continue_final_message continues the last message; add_generation_prompt would "
                                 "open another: ask for one of them")
         contents = [m["content"] for m in messages]
+        beside = _text_beside_contents(messages, tools, template_kwargs)
         if not special_tokens_in_content:
-            self._refuse_special_text_beside_contents(messages, tools, template_kwargs)
+            self._refuse_role_boundaries(beside)
         if special_tokens_in_content or not any(s in c for c in contents for s in self.special_token_texts):
             rendered = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
             if continue_final_message:  # cut where transformers cuts: after the last copy of the final content
@@ -170,6 +181,9 @@ class Tokenizer:
                 rendered = rendered[: rendered.rindex(final) + len(final)]
             return self.encode(rendered, add_special_tokens=False)
         # Render with each content replaced by a marker, then encode the template's text and the contents apart.
+        if _CONTENT_MARK in beside:
+            raise KvstrataError("the tools, tool calls or template variables hold U+E000, a character the chat "
+                                "template's rendering reserves where a message's content holds special-token text")
         marked = [{**m, "content": f"{_CONTENT_MARK}{i}{_CONTENT_MARK}"} for i, m in enumerate(messages)]
         pieces = self.apply_chat_template(marked, add_generation_prompt, tools, template_kwargs).split(_CONTENT_MARK)
         if continue_final_message:  # up to the final content's marker (odd pieces are the contents' numbers)
@@ -186,20 +200,20 @@ class Tokenizer:
                 token_ids += _encode_without_gil(self._literal_backend, contents[int(piece)], False)
         return token_ids
 
-    def _refuse_special_text_beside_contents(self, messages: list[dict], tools: list[dict] | None,
-                                             template_kwargs: dict | None) -> None:
-        """What the template writes besides message contents (a message's tool calls, the tools, template_kwargs) is
-        encoded as the template's own text, so it may hold no special-token text, which would be a forged role
-        boundary, and not the marker that stands for a content while the template renders."""
-        beside = json.dumps([[{k: v for k, v in m.items() if k != "content"} for m in messages], tools,
-                             template_kwargs], ensure_ascii=False, default=str)
-        forged = sorted(s for s in self.special_token_texts if s in beside)
+    def _refuse_role_boundaries(self, beside: str) -> None:
+        """What the template writes besides message contents (`beside`) is encoded as the template's own text, so it
+        may not hold the text of a special token the template itself writes (a role boundary, such as <|im_start|>,
+        or the BOS and EOS tokens): that would be a forged turn."""
+        forged = sorted(s for s in self._template_special_texts if s in beside)
         if forged:
             raise KvstrataError(f"special-token text {forged[0]!r} in the tools, tool calls or template variables: "
                                 f"only a message's content may carry it (as plain text)")
-        if _CONTENT_MARK in beside:
-            raise KvstrataError("the tools, tool calls or template variables hold U+E000, a character the chat "
-                                "template's rendering reserves")
+
+    @functools.cached_property
+    def _template_special_texts(self) -> frozenset[str]:
+        """The special tokens a turn is made of: those the chat template writes, and BOS and EOS."""
+        ends = {self.backend.id_to_token(i) for i in (self.bos_token_id, self.eos_token_id) if i is not None}
+        return frozenset(s for s in self.special_token_texts if s in (self.chat_template or "") or s in ends)
 
     @functools.cached_property
     def _literal_backend(self) -> tokenizers.Tokenizer:

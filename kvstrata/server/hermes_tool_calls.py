@@ -22,14 +22,15 @@ _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", r
 
 def _text_before_any_call(text: str) -> str:
     """What may be shown of a growing output as content: the text before its first call's tag, less any end of it
-    that may yet become that tag."""
+    that may yet become that tag and the white space before it (which the content of a message of calls leaves
+    out)."""
     start = text.find(OPEN)
     if start >= 0:
-        return text[:start]
+        return text[:start].rstrip()
     for held in range(min(len(OPEN) - 1, len(text)), 0, -1):
         if OPEN.startswith(text[-held:]):
-            return text[:-held]
-    return text
+            return text[:-held].rstrip()
+    return text.rstrip()
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,12 @@ class HermesToolCalls:
     """How one request's outputs become text or tool calls, given the names of the functions it defines."""
 
     functions: frozenset[str]
+    parallel: bool = True  # False: the first call only (OpenAI's parallel_tool_calls)
 
     def parse(self, text: str, finish_reason: str | None) -> Parsed | None:
-        """The output's calls and the text around them; None where it has none or they do not all parse. A last
-        call left open counts only where the model ended its output there (finish reason "stop")."""
+        """The output's calls (the first alone where not `parallel`) and the text around them; None where it has none
+        or they do not all parse. A last call left open counts only where the model ended its output there (finish
+        reason "stop")."""
         if OPEN not in text:
             return None
         calls, outside, end = [], [], 0
@@ -65,13 +68,14 @@ class HermesToolCalls:
                 return None
             calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
         outside.append(text[end:])
-        return Parsed(calls, outside[0], "".join(outside[1:]))
+        return Parsed(calls if self.parallel else calls[:1], outside[0], "".join(outside[1:]))
 
     @staticmethod
     def content(parsed: Parsed) -> str | None:
-        """The text beside the calls without the white space at its ends (the lines around the tags); none where
+        """The text beside the calls without the white space at its end (the lines around the tags); none where
         there is nothing else."""
-        return (parsed.before + parsed.after).strip() or None
+        text = (parsed.before + parsed.after).rstrip()
+        return text if text.strip() else None
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message of a finished output, and its finish reason ("tool_calls" where it made calls);
@@ -94,9 +98,7 @@ class HermesToolCalls:
             rest = text[len(sent) :]
             return ({"content": rest} if rest else {}), finish_reason
         delta: dict = {"tool_calls": [{**call, "index": index} for index, call in enumerate(parsed.calls)]}
-        # the rest of the message's content: its end stripped as the message's is, its start where nothing was sent
-        rest = (parsed.before[len(sent) :] + parsed.after).rstrip()
-        rest = rest if sent else rest.lstrip()
+        rest = (self.content(parsed) or "")[len(sent) :]  # the message's content begins with the text sent
         if rest:
             delta = {"content": rest, **delta}
         return delta, "tool_calls"

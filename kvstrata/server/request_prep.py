@@ -47,10 +47,6 @@ class RequestPreparer:
                                                 "(start it with --enable-auto-tool-choice --tool-call-parser hermes "
                                                 "for models that call as Hermes and Qwen do), so give "
                                                 "\"required\", a named function or \"none\"")
-        if chat and body.model_chooses_tools and not body.parallel_tool_calls:
-            raise ParameterError("parallel_tool_calls", "false cannot be held with tool_choice auto: the model may "
-                                                        "write several calls in its own format; give tool_choice "
-                                                        "\"required\" (held to one call) or a named function")
         if body.truncate_prompt_tokens is not None:
             return
         if chat:
@@ -71,7 +67,7 @@ class RequestPreparer:
         if not isinstance(body, ChatCompletionRequest):
             return None
         if body.model_chooses_tools:
-            return HermesToolCalls(frozenset(tool.function.name for tool in body.tools))
+            return HermesToolCalls(frozenset(tool.function.name for tool in body.tools), body.parallel_tool_calls)
         return body.tool_calling
 
     def reasoning(self, body: Body) -> ReasoningParser | None:
