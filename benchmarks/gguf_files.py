@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,40 @@ def byte_level_tokenizer(vocab_size: int, text: str) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([text], trainer)
     return tokenizer
+
+
+@dataclass(frozen=True)
+class RawBlocks:
+    """A tensor already in GGUF blocks of `kind`: the gguf package writes K-quant blocks but cannot make them."""
+
+    kind: str
+    data: np.ndarray  # [rows, row bytes] uint8
+
+
+# K-quant super-blocks of 256 values: their bytes, and where their float16 scales lie (d and dmin; d)
+K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+# roughly llama.cpp's "Q4_K_M" mix: Q6_K for v, the down products and the (tied) embeddings, Q4_K elsewhere
+Q4_K_M_SIX_BIT = ("self_attn.v_proj.weight", "mlp.down_proj.weight", "model.embed_tokens.weight")
+
+
+def random_k_blocks(kind: str, rows: int, columns: int, gen: np.random.Generator) -> RawBlocks:
+    """Random rows of Q4_K or Q6_K blocks: any bytes are valid blocks once their float16 scales are finite, set here
+    so that the values come near a trained model's (|w| up to about 0.03)."""
+    block_bytes, scale_places = K_QUANT_BLOCKS[kind]
+    data = gen.integers(0, 256, size=(rows, columns // 256 * block_bytes), dtype=np.uint8)
+    blocks = data.reshape(-1, block_bytes)
+    largest_code_product = 63 * 15 if kind == "Q4_K" else 127 * 32  # scale x code at their largest
+    scale = np.full(len(blocks), 0.03 / largest_code_product, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    for place in scale_places:
+        blocks[:, place : place + 2] = scale
+    return RawBlocks(kind, data)
+
+
+def as_q4_k_m(state: dict[str, torch.Tensor], gen: np.random.Generator) -> dict:
+    """`state` with its embeddings and products replaced by random K-quant blocks of their shapes, in the mix of a
+    "Q4_K_M" file (values random, not `state`'s)."""
+    return {name: random_k_blocks("Q6_K" if name.endswith(Q4_K_M_SIX_BIT) else "Q4_K", *tensor.shape, gen)
+            if tensor.dim() == 2 else tensor for name, tensor in state.items()}
 
 
 def _llama_cpp_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -128,6 +163,9 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
             gguf_name = f"blk.{layer}.{LAYER_NAMES[short]}"
         else:
             gguf_name = GLOBAL_NAMES[name]
+        if isinstance(tensor, RawBlocks):
+            writer.add_tensor(gguf_name, tensor.data, raw_dtype=gguf.GGMLQuantizationType[tensor.kind])
+            continue
         values = tensor.float().numpy()
         quant = gguf.GGMLQuantizationType[(types or {}).get(gguf_name.split(".", 2)[-1], product_type)]
         if values.ndim == 2:
@@ -168,10 +206,14 @@ def random_state(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
-    parser.add_argument("--product-type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1"])
+    parser.add_argument("--product-type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1", "Q4_K_M"],
+                        help="the embeddings' and products' blocks; Q4_K_M: random Q4_K and Q6_K blocks in that mix")
     args = parser.parse_args(argv)
     tokenizer = byte_level_tokenizer(4096, EMMA.read_text())
-    write_gguf(QWEN3_0_6B, random_state(QWEN3_0_6B), tokenizer, args.out, args.product_type)
+    state = random_state(QWEN3_0_6B)
+    if args.product_type == "Q4_K_M":
+        state = as_q4_k_m(state, np.random.default_rng(1))
+    write_gguf(QWEN3_0_6B, state, tokenizer, args.out, "Q8_0" if args.product_type == "Q4_K_M" else args.product_type)
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB)", file=sys.stderr)
 
 
