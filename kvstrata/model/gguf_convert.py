@@ -26,10 +26,10 @@ from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
 KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # read into GroupQuantized without loss
 
 # GGUF's architecture name: transformers' class (config.json names it, as transformers' own checkpoints do)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Llama 3.1's frequency scaling as llama.cpp ships it: a factor per RoPE frequency, which divides it (config.json
 # carries them as this key)
 ROPE_FACTORS = "kvstrata_rope_freq_factors"
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LAYER_TENSORS = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",

@@ -1,10 +1,12 @@
 """`tool_choice: "auto"` for models that write their calls as Hermes does (Qwen2.5, Qwen3, Hermes 2 and 3): the
 model answers in text, or writes calls after it, each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-(the format the chat templates of those models teach it). The server takes it with `--tool-call-parser hermes`,
-vLLM's flag; nothing constrains the output, and its text is parsed once it has finished.
+(the format the chat templates of those models teach it). The server takes it with vLLM's flags
+`--enable-auto-tool-choice --tool-call-parser hermes`; nothing constrains the output, and its text is parsed once
+it has finished.
 
 An output whose calls do not parse (JSON cut short, a function the request does not define, arguments that are not
-an object) is handed back as the text it is: nothing the model wrote is lost or made up.
+an object) is handed back as the text it is: nothing the model wrote is lost or made up (`parallel_tool_calls:
+false` alone keeps the first of several calls, as the client asked).
 """
 
 from __future__ import annotations
