@@ -79,10 +79,21 @@ def test_bad_input_prints_an_error_without_traceback(tmp_path):
     assert result.returncode == 2 and "temperature must be in" in result.stderr
 
 
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_refused(tiny_llama):
+    base = ("generate", "hi", "--model", str(tiny_llama), "--kv-cache-memory", "8MiB", "--max-tokens", "2")
+    without_chat = run_cli(*base, "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert without_chat.returncode == 2 and "give them with --chat" in without_chat.stderr
+    not_an_object = run_cli(*base, "--chat", "--chat-template-kwargs", "[1]")
+    assert not_an_object.returncode == 2 and "needs a JSON object" in not_an_object.stderr
+    reserved = run_cli(*base, "--chat", "--chat-template-kwargs", '{"messages": []}')  # reached the template
+    assert reserved.returncode == 2 and "variables messages are the template's own" in reserved.stderr
+    assert run_cli(*base, "--chat", "--chat-template-kwargs", '{"enable_thinking": false}').returncode == 0
+
+
 def test_chat_session(tiny_llama):
     result = subprocess.run(
         [sys.executable, "-m", "kvstrata.cli.main", "chat", "--model", str(tiny_llama), "--max-tokens", "5",
-         "--kv-cache-memory", "8MiB"],
+         "--kv-cache-memory", "8MiB", "--chat-template-kwargs", '{"enable_thinking": false}'],
         input="Hello\n/reset\nAgain\n/exit\n", capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr

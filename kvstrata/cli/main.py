@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -77,6 +78,23 @@ def _structured_output(args: argparse.Namespace):
                             any_whitespace=not args.compact_json, **texts)
 
 
+def _json_object(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"needs a JSON object, e.g. '{{\"enable_thinking\": false}}', not {text!r}")
+    return value
+
+
+def _add_chat_template_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                        help="further variables the chat template reads, as a JSON object, e.g. "
+                             "'{\"enable_thinking\": false}' for Qwen3")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstrata", description="KV-cache-centric LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a saved context (kvstrata kv save): the prompt continues it, without its prefill")
     generate.add_argument("--context-level", default=None,
                           help="the saved context's level to decode (default: the best one stored)")
+    _add_chat_template_argument(generate)
     _add_sampling_arguments(generate, temperature=0.0)
     add_engine_arguments(generate)
 
@@ -102,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Interactive chat. Type a message and press Enter; /reset clears the history, /exit quits.",
     )
     chat.add_argument("--system", default=None, help="system message for the conversation")
+    _add_chat_template_argument(chat)
     _add_sampling_arguments(chat, temperature=0.7)
     add_engine_arguments(chat)
 
@@ -133,9 +153,12 @@ def _stream_to_terminal(llm, prompt, params, **context) -> str:
 def run_generate(args: argparse.Namespace) -> None:
     from kvstrata.llm import LLM
 
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise KvstrataError("--chat-template-kwargs are the chat template's: give them with --chat")
     params = _sampling_params(args)
     llm = LLM(**vars(engine_config_from_args(args)))
-    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    message = [{"role": "user", "content": args.prompt}]
+    prompt = llm.chat_prompt(message, chat_template_kwargs=args.chat_template_kwargs) if args.chat else args.prompt
     _stream_to_terminal(llm, prompt, params, context=args.context, context_level=args.context_level)
 
 
@@ -162,7 +185,8 @@ def run_chat(args: argparse.Namespace) -> None:
             continue
         history.append({"role": "user", "content": line})
         try:
-            reply = _stream_to_terminal(llm, llm.chat_prompt(system + history), params)
+            prompt = llm.chat_prompt(system + history, chat_template_kwargs=args.chat_template_kwargs)
+            reply = _stream_to_terminal(llm, prompt, params)
         except KvstrataError as exc:  # e.g. the conversation outgrew the context: keep the session
             history.pop()
             print(f"error: {exc}", file=sys.stderr)
