@@ -127,11 +127,10 @@ def save_gguf_style_copy(source: Path, directory: Path) -> Path:
     return directory
 
 
-
 def save_tiny_gguf(checkpoint: Path, path: Path) -> Path:
     """A Llama, Qwen2 or Qwen3 `checkpoint`'s weights in a GGUF file as llama.cpp's converter writes them (the
-    products as Q8_0 blocks), with a byte-level tokenizer of VOCAB_SIZE tokens and a chat template in its
-    metadata."""
+    embeddings and products as Q8_0 blocks), with a byte-level tokenizer of VOCAB_SIZE tokens and a chat template
+    in its metadata."""
     from safetensors.torch import load_file
 
     from benchmarks.gguf_files import write_gguf
