@@ -25,19 +25,12 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvstrata.data import EMMA
+from kvstrata.model.gguf_convert import GLOBAL_TENSORS, LAYER_TENSORS, ROPE_FACTORS
 
-# Hugging Face's name of a layer's tensor (after "model.layers.N.") -> llama.cpp's (after "blk.N.")
-LAYER_NAMES = {
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight", "rope_freqs": "rope_freqs.weight"}
+# Hugging Face's names -> llama.cpp's: the converter's maps turned around (a layer's tensor after "model.layers.N."
+# and "blk.N."; the RoPE factors under the key the converter takes them out as)
+LAYER_NAMES = {hf: gguf for gguf, hf in LAYER_TENSORS.items()}
+GLOBAL_NAMES = {hf: gguf for gguf, hf in GLOBAL_TENSORS.items()}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (  # ChatML, as Qwen's
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -131,7 +124,7 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
                 state[key] = _llama_cpp_rows(state[key], heads)
         factors = _rope_factors(config)
         if factors is not None:
-            state["rope_freqs"] = factors
+            state[ROPE_FACTORS] = factors
     writer = gguf.GGUFWriter(str(path), arch)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_block_count(config["num_hidden_layers"])

@@ -165,8 +165,7 @@ class LLMEngine:
         return StaticScheduler(self.kv_manager, c.max_num_seqs)
 
     def _eos_token_ids(self) -> set[int]:
-        eos = self.loaded.config.eos_token_id
-        ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        ids = set(self.loaded.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids

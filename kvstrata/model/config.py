@@ -49,6 +49,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The end-of-text tokens: eos_token_id as a list (a config names one, several or none)."""
+        return _token_ids(self.eos_token_id)
+
     @classmethod
     def from_checkpoint(cls, directory: Path) -> ModelConfig:
         """The directory's config.json, with the end-of-text tokens of its generation_config.json added where it has
@@ -58,7 +63,7 @@ class ModelConfig:
         generation_file = directory / "generation_config.json"
         if not generation_file.is_file():
             return config
-        ends = [*_token_ids(config.eos_token_id), *_token_ids(_read_json(generation_file).get("eos_token_id"))]
+        ends = [*config.eos_token_ids, *_token_ids(_read_json(generation_file).get("eos_token_id"))]
         return dataclasses.replace(config, eos_token_id=list(dict.fromkeys(ends)) or None)
 
     @classmethod

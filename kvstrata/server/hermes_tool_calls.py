@@ -15,6 +15,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from kvstrata.server.tags import less_a_tag_begun
 from kvstrata.server.tool_calls import tool_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -27,12 +28,7 @@ def _text_before_any_call(text: str) -> str:
     that may yet become that tag and the white space before it (which the content of a message of calls leaves
     out)."""
     start = text.find(OPEN)
-    if start >= 0:
-        return text[:start].rstrip()
-    for held in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-held:]):
-            return text[:-held].rstrip()
-    return text.rstrip()
+    return (text[:start] if start >= 0 else less_a_tag_begun(text, OPEN)).rstrip()
 
 
 @dataclass(frozen=True)

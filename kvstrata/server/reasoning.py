@@ -15,16 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstrata.server.tags import less_a_tag_begun
+
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # --reasoning-parser's choices
-
-
-def _less_a_tag_begun(text: str, tag: str) -> str:
-    """`text` without its end where that end may begin `tag`."""
-    for held in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-held:]):
-            return text[:-held]
-    return text
 
 
 @dataclass(frozen=True)
@@ -52,7 +46,7 @@ class ReasoningParser:
         # thought's trailing white space waits until text follows it.
         end = body.find(CLOSE)
         if end < 0:
-            return Split((body if finished else _less_a_tag_begun(body, CLOSE)).strip(), "")
+            return Split((body if finished else less_a_tag_begun(body, CLOSE)).strip(), "")
         return Split(body[:end].strip(), body[end + len(CLOSE) :].lstrip("\n"))
 
     def message_fields(self, text: str) -> tuple[str | None, str]:

@@ -63,7 +63,7 @@ class ResponseBuilder:
         self._sent_logprobs: dict[int, int] = {}  # choice index -> logprobs already streamed
         self._echoed: set[int] = set()  # choices whose prompt was streamed
         self._calls_opened: set[int] = set()  # choices whose tool call's id and name were streamed
-        self._released_text: dict[int, str] = {}  # choice index -> its output text streamed so far (chat's)
+        self._released_chars: dict[int, int] = {}  # choice index -> characters of its text streamed (parsed chat's)
         self._splits: dict[int, Split] = {}  # choice index -> that text's thinking and answer so far
 
     def _token_text(self, token_id: int) -> str:
@@ -205,7 +205,11 @@ class ResponseBuilder:
         """A chat chunk's delta and finish reason, from the text released so far: the new part of its thinking,
         and of its answer as text or calls."""
         new_text = output.new_text
-        released = self._released_text[index] = self._released_text.get(index, "") + new_text
+        if self.reasoning is None and self.tool_calls is None:
+            return ({"content": new_text} if new_text else {}), finish_reason
+        # The text released so far: the output's text begins with it (text a stop string holds back comes after).
+        released_chars = self._released_chars[index] = self._released_chars.get(index, 0) + len(new_text)
+        released = output.text[:released_chars]
         new_reasoning = ""
         if self.reasoning is not None:
             before = self._splits.get(index, Split("", ""))
