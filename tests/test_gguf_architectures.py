@@ -106,25 +106,42 @@ def test_the_file_s_tokenizer_and_chat_template_come_with_it(tiny_qwen3, tmp_pat
     text = "Emma Woodhouse, handsome, clever, and rich"
     assert llm.tokenizer.encode(text) == byte_level_tokenizer().encode(text).ids
     assert llm.tokenizer.decode(llm.tokenizer.encode(text)) == text
-    im_end = llm.tokenizer.encode("<|im_end|>", add_special_tokens=False)
-    assert len(im_end) == 1 and im_end[0] in llm.engine.outputs.eos_token_ids
+    ends = [llm.tokenizer.encode(text, add_special_tokens=False) for text in ("<|im_end|>", "<|endoftext|>")]
+    assert all(len(end) == 1 for end in ends)  # the file's eos field names the first; llama.cpp ends at both
+    assert llm.engine.loaded.config.eos_token_ids == [ends[0][0], ends[1][0]]
     rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def a_gguf_file(path, arch: str, **metadata):
-    """A GGUF file of `arch` holding one tensor and `metadata` (GGUF key: a string value)."""
+def a_gguf_file(path, arch: str, tokens: tuple[str, ...] = (), **metadata):
+    """A GGUF file of `arch` holding one tensor, the vocabulary `tokens` and `metadata` (GGUF key: a string or an
+    unsigned integer)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if tokens:
+        writer.add_token_list(list(tokens))
     for key, value in metadata.items():
-        writer.add_string(key, value)
+        (writer.add_uint32 if isinstance(value, int) else writer.add_string)(key, value)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_a_generation_ends_where_llama_cpp_ends_it(tmp_path):
+    """At the tokens the eos, eot and eom fields name, and at the turn ends llama.cpp knows by their text (a Llama 3.1
+    file's eos is <|eot_id|>, and its model ends a built-in tool's call with <|eom_id|>)."""
+    import gguf
+
+    from kvstrata.model.gguf_convert import end_of_generation_ids
+
+    tokens = ("<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>", "a", "<|stop|>")
+    path = a_gguf_file(tmp_path / "ends.gguf", "llama", tokens, **{"tokenizer.ggml.eos_token_id": 3,
+                                                                   "tokenizer.ggml.eom_token_id": 5})
+    assert end_of_generation_ids(gguf.GGUFReader(str(path))) == [3, 5, 1, 2]
 
 
 def test_what_the_converter_cannot_read_is_refused_by_name(tmp_path):

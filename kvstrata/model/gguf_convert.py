@@ -52,6 +52,11 @@ GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": ROPE_FACTORS,
 }
+# Turn and text ends llama.cpp stops generating at wherever its vocabulary has them, beside the tokens the eos, eot
+# and eom fields name: a file's eos field alone often misses one (Llama 3.1's names <|eot_id|>, and the model ends a
+# call of a built-in tool with <|eom_id|>; Qwen's names <|im_end|>, and a plain text ends with <|endoftext|>)
+END_OF_GENERATION_TEXTS = frozenset(("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>",
+                                     "<|end|>", "<end_of_turn>", "<EOT>"))
 
 
 def _field(reader, key: str, default=None):
@@ -92,8 +97,17 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
         "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
         "tie_word_embeddings": not has_output_weight,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": end_of_generation_ids(reader) or None,
     }
+
+
+def end_of_generation_ids(reader) -> list[int]:
+    """The tokens that end a generation, as llama.cpp takes them: those the eos, eot and eom fields name (the eos
+    first), then those of END_OF_GENERATION_TEXTS in the vocabulary."""
+    named = [_field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+    tokens = _field(reader, "tokenizer.ggml.tokens", [])
+    ends = [*named, *(token_id for token_id, text in enumerate(tokens) if text in END_OF_GENERATION_TEXTS)]
+    return list(dict.fromkeys(token_id for token_id in ends if token_id is not None))
 
 
 def _read_tensor(tensor) -> torch.Tensor | GroupQuantized:
