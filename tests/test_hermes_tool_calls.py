@@ -9,6 +9,7 @@ import pytest
 
 from kvstrata.engine.outputs import RequestMetrics, RequestOutput
 from kvstrata.errors import KvstrataError
+from kvstrata.server.auto_tool_calls import AutoToolCalls
 from kvstrata.server.hermes_tool_calls import HermesToolCalls
 from kvstrata.server.options import ServerOptions
 from kvstrata.server.responses import ResponseBuilder
@@ -72,9 +73,9 @@ def output(text: str, new_text: str, finish_reason: str | None = None) -> Reques
                          RequestMetrics(0.0, None, None, 0, 0), new_text=new_text)
 
 
-def streamed(text: str, pieces: list[int], finish_reason: str) -> list[dict]:
+def streamed(text: str, pieces: list[int], finish_reason: str, parser: AutoToolCalls = PARSER) -> list[dict]:
     """The deltas of a choice whose text is released in pieces of these lengths, the last one finishing it."""
-    builder = ResponseBuilder(True, "m", None, 1, tool_calls=PARSER)
+    builder = ResponseBuilder(True, "m", None, 1, tool_calls=parser)
     deltas, at = [], 0
     for number, size in enumerate(pieces):
         last = number == len(pieces) - 1
@@ -106,7 +107,7 @@ def test_text_that_only_looked_like_a_call_is_streamed_once_it_cannot_be_one():
 def test_the_flags_go_together():
     with pytest.raises(KvstrataError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         ServerOptions(enable_auto_tool_choice=True)
-    with pytest.raises(KvstrataError, match="--tool-call-parser 'mistral' is not known; known: hermes"):
+    with pytest.raises(KvstrataError, match="--tool-call-parser 'mistral' is not known; known: hermes, llama3_json"):
         ServerOptions(tool_call_parser="mistral")
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstrata.errors import KvstrataError
-from kvstrata.server.hermes_tool_calls import PARSERS
 from kvstrata.server.reasoning import REASONING_PARSERS
+from kvstrata.server.tool_call_parsers import PARSERS
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 

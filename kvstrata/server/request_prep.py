@@ -13,8 +13,7 @@ import functools
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import MAX_SEED, SamplingParams
 from kvstrata.errors import KvstrataError, ParameterError
-from kvstrata.server.hermes_tool_calls import OPEN as TOOL_CALL_OPEN
-from kvstrata.server.hermes_tool_calls import HermesToolCalls
+from kvstrata.server.auto_tool_calls import AutoToolCalls
 from kvstrata.server.options import ServerOptions
 from kvstrata.server.protocol import (
     ChatCompletionRequest,
@@ -24,6 +23,7 @@ from kvstrata.server.protocol import (
     opens_assistant_turn,
 )
 from kvstrata.server.reasoning import ReasoningParser
+from kvstrata.server.tool_call_parsers import PARSERS
 from kvstrata.server.tool_calls import ToolCalls
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -45,7 +45,8 @@ class RequestPreparer:
             raise ParameterError("tool_choice", "auto (the default where tools are given) lets the model answer in "
                                                 "text or call the tools in its own format; this server parses none "
                                                 "(start it with --enable-auto-tool-choice --tool-call-parser hermes "
-                                                "for models that call as Hermes and Qwen do), so give "
+                                                "for models that call as Hermes and Qwen do, llama3_json for Llama "
+                                                "3), so give "
                                                 "\"required\", a named function or \"none\"")
         if body.truncate_prompt_tokens is not None:
             return
@@ -61,13 +62,14 @@ class RequestPreparer:
             else:
                 self._precheck_text("prompt", f"{what} text", len(prompt))
 
-    def tool_calls(self, body: Body) -> ToolCalls | HermesToolCalls | None:
+    def tool_calls(self, body: Body) -> ToolCalls | AutoToolCalls | None:
         """How a chat's outputs become tool calls: held to the calls tool_choice asks for, or parsed from the text
         where the model chooses (tool_choice auto, which precheck lets through only with a parser)."""
         if not isinstance(body, ChatCompletionRequest):
             return None
         if body.model_chooses_tools:
-            return HermesToolCalls(frozenset(tool.function.name for tool in body.tools), body.parallel_tool_calls)
+            functions = frozenset(tool.function.name for tool in body.tools)
+            return PARSERS[self.options.tool_call_parser](functions, body.parallel_tool_calls)
         return body.tool_calling
 
     def reasoning(self, body: Body) -> ReasoningParser | None:
@@ -79,9 +81,10 @@ class RequestPreparer:
 
     @functools.cached_property
     def _call_tags_are_special(self) -> bool:
-        """Whether the model's tokenizer makes <tool_call> a special token (Hermes 2 Pro's does, Qwen's do not), which
-        the output text leaves out unless asked."""
-        return TOOL_CALL_OPEN in self.engine.tokenizer.special_token_texts
+        """Whether the model's tokenizer makes a tag of the parser's format a special token (Hermes 2 Pro's makes
+        <tool_call> one, Qwen's do not), which the output text leaves out unless asked."""
+        tags = PARSERS[self.options.tool_call_parser].special_tags
+        return any(tag in self.engine.tokenizer.special_token_texts for tag in tags)
 
     def _precheck_text(self, param: str, what: str, chars: int) -> None:
         if self.max_chars is not None and chars > self.max_chars:

@@ -9,7 +9,7 @@ import uuid
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sequence import TokenLogprobs
 from kvstrata.model.tokenizer import Tokenizer
-from kvstrata.server.hermes_tool_calls import HermesToolCalls
+from kvstrata.server.auto_tool_calls import AutoToolCalls
 from kvstrata.server.reasoning import ReasoningParser, Split
 from kvstrata.server.tool_calls import ToolCalls
 
@@ -45,7 +45,7 @@ class ResponseBuilder:
 
     def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, samples_per_prompt: int,
                  echo_texts: list[str | None] | None = None, prompt_only: bool = False,
-                 tool_calls: ToolCalls | HermesToolCalls | None = None, prompt_logprobs: bool = False,
+                 tool_calls: ToolCalls | AutoToolCalls | None = None, prompt_logprobs: bool = False,
                  reasoning: ReasoningParser | None = None, include_reasoning: bool = True):
         self.chat = chat
         self.reasoning = reasoning  # a chat's thinking told from its answer (reasoning.py)
@@ -165,7 +165,7 @@ class ResponseBuilder:
         if not self.chat:
             return []
         # OpenAI's: no content where tool calls follow (the model may still answer in text where it chooses)
-        content = "" if self.tool_calls is None or isinstance(self.tool_calls, HermesToolCalls) else None
+        content = "" if self.tool_calls is None or isinstance(self.tool_calls, AutoToolCalls) else None
         return [self._envelope([{"index": index, "delta": {"role": "assistant", "content": content},
                                  "logprobs": None, "finish_reason": None}], chunk=True) for index in range(num_choices)]
 

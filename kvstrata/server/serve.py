@@ -18,9 +18,9 @@ from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_ar
 from kvstrata.cluster.routing import POLICIES
 from kvstrata.errors import KvstrataError
 from kvstrata.server.api_key import API_KEY_VARIABLE
-from kvstrata.server.hermes_tool_calls import PARSERS
 from kvstrata.server.options import DEFAULT_MAX_REQUEST_BYTES, ServerOptions
 from kvstrata.server.reasoning import REASONING_PARSERS
+from kvstrata.server.tool_call_parsers import PARSERS
 
 # After the grace period, requests still running get their error responses; uvicorn's own cancellation
 # (a plain-text 500) comes this much later, only if a response could not be finished meanwhile.
@@ -57,7 +57,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "given): the model answers in text or calls them, as --tool-call-parser reads them")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the format of the model's own tool calls: hermes, <tool_call>{\"name\": ..., "
-                             "\"arguments\": ...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 and 3)")
+                             "\"arguments\": ...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 and 3); llama3_json, "
+                             "{\"name\": ..., \"parameters\": ...} as the whole output (Llama 3.1, 3.2, 3.3)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="hand a reasoning model's thinking back as reasoning_content, apart from its answer: "
                              "qwen3 (<think>...</think> where the output begins with it) or deepseek_r1 (thinking "

@@ -3,7 +3,7 @@ asks for one call or more (`"required"`): the output is held to the arguments' J
 {"name", "parameters"} objects (vLLM's form), by structured output, then handed back as OpenAI's `tool_calls`.
 
 `"auto"` (the model decides between text and calls) needs each model's own call format parsed from its text: see
-hermes_tool_calls.py.
+auto_tool_calls.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,41 @@
+"""Tool calls as Llama 3.1, 3.2 and 3.3 write them for the request's functions (their chat templates ask for it):
+the output is the calls alone, JSON objects `{"name": ..., "parameters": {...}}` ("arguments" is read too) apart by
+`;`, after `<|python_tag|>` where the tokenizer's special tokens are kept in the text. An output that begins any
+other way is text (a built-in tool's call, `<|python_tag|>brave_search.call(...)`, among it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from kvstrata.server.auto_tool_calls import AutoToolCalls, Parsed
+from kvstrata.server.tool_calls import tool_call
+
+PYTHON_TAG = "<|python_tag|>"
+_BETWEEN_CALLS = re.compile(r"[\s;]*")
+
+
+class Llama3JsonToolCalls(AutoToolCalls):
+    def parse(self, text: str, finish_reason: str | None) -> Parsed | None:
+        calls_text = text.lstrip().removeprefix(PYTHON_TAG).lstrip()
+        if not calls_text.startswith("{"):
+            return None
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(calls_text):
+            try:
+                call, at = decoder.raw_decode(calls_text, at)
+            except (ValueError, RecursionError):
+                return None
+            arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+            if not (isinstance(arguments, dict) and call.get("name") in self.functions):
+                return None
+            calls.append(tool_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
+            at = _BETWEEN_CALLS.match(calls_text, at).end()
+        return Parsed(self.kept(calls), "", "")
+
+    def shown(self, text: str) -> str:
+        """Nothing while the output may be calls (it is white space so far, or begins with `{` or the tag), then all
+        of it."""
+        begun = text.lstrip()
+        return "" if begun.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(begun) else text
