@@ -18,6 +18,7 @@ from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.store.emulated_link import parse_trace
 from kvstrata.kv.store.eviction import EVICTION_POLICIES
 from kvstrata.kv.store.forms import LEVELS_FORM, STORE_FORMS, STREAMED_LEVELS, parse_tier_forms
+from kvstrata.model.tokenizer import read_chat_template
 from kvstrata.model.weight_format import WEIGHT_FORMATS
 
 DEVICES = ("cpu", "cuda")
@@ -63,6 +64,11 @@ class EngineConfig:
                          "kernels on the CPU (exact up to bfloat16 scales; activations enter the kernel in "
                          "bfloat16), else the dtype; fp32/bf16/fp16 dequantize; int8 (per row) and int4 (groups "
                          "of 32) quantize at load where the checkpoint is not already so", choices=WEIGHT_FORMATS),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_option("a chat template in place of the model's (vLLM's --chat-template): a Jinja file's path, or "
+                         "the template itself"),
     )
     compile: bool = field(
         default=False,
@@ -300,6 +306,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        if self.chat_template is not None:  # the text itself from here on, so that replicas need no file
+            self.chat_template = read_chat_template(self.chat_template)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
                    ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
                    ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS),

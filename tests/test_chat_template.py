@@ -122,3 +122,28 @@ def test_special_tokens_that_make_no_turn_may_stand_beside_the_contents(model_di
     tokenizer = Tokenizer.from_directory(model_dir)
     tools = [{"type": "function", "function": {"name": "save", "description": "Ends with <|endoftext|>"}}]
     assert tokenizer.encode_chat(MESSAGES, tools=tools)
+
+
+def test_a_template_given_in_place_of_the_model_s_renders_its_chats(model_dir, tiny_llama, tmp_path):
+    """vLLM's --chat-template: a file, or the template itself, in place of the model's own; the server renders with
+    it too."""
+    from kvstrata import LLM
+
+    (tmp_path / "given.jinja").write_text(TEMPLATE)
+    expected = Tokenizer.from_directory(model_dir).encode_chat(MESSAGES)
+    assert Tokenizer.from_directory(tiny_llama).encode_chat(MESSAGES) != expected  # the model's own differs
+    for given in (str(tmp_path / "given.jinja"), TEMPLATE):
+        assert LLM(str(tiny_llama), kv_cache_memory="8MiB", chat_template=given).chat_prompt(MESSAGES) == expected
+    with running_server(str(tiny_llama), kv_cache_memory="8MiB", chat_template=TEMPLATE) as (url, _):
+        body = {"model": "test-model", "messages": MESSAGES}
+        assert httpx.post(url + "/tokenize", json=body).json()["tokens"] == expected
+
+
+def test_a_given_template_that_is_no_template_is_refused_by_name(tiny_llama):
+    from kvstrata import LLM
+    from kvstrata.config import EngineConfig
+
+    with pytest.raises(KvstrataError, match="chat_template 'templates/chatml.jinja' is neither a file nor a Jinja"):
+        EngineConfig(chat_template="templates/chatml.jinja")
+    with pytest.raises(KvstrataError, match="the chat template given cannot be read: .*endfor"):
+        LLM(str(tiny_llama), kv_cache_memory="8MiB", chat_template="{% for m in messages %}{{ m.content }}")

@@ -197,3 +197,19 @@ def test_losing_the_shared_redis_degrades_to_recompute(cluster, redis):
         assert metric(cluster, "kvstrata:kv_store_errors_total", tier="redis") > failures_before
     finally:
         redis.start()  # the other tests need Redis, and need not run before this one (pytest-xdist's --dist load)
+
+
+def test_the_front_renders_a_chat_s_routing_key_with_the_replicas_chat_template(tiny_llama):
+    """Where --chat-template replaces the model's, the front renders chats with it too (not with the checkpoint's),
+    so a chat's key is the replicas' prompt."""
+    from kvstrata.cluster.frontend import Frontend, FrontOptions
+    from kvstrata.cluster.routing import prompt_blocks
+    from kvstrata.model.tokenizer import Tokenizer
+    from kvstrata.server.protocol import ChatCompletionRequest
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    options = FrontOptions(checkpoint=str(tiny_llama), routing="prefix", block_size=16, routing_prefix_tokens=256,
+                           max_request_bytes=2**20, chat_template=template)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "Where is Highbury?"}]}'
+    blocks, _ = Frontend(options, None)._route_on(ChatCompletionRequest, body)
+    assert blocks == prompt_blocks(Tokenizer.from_directory(tiny_llama).encode("[user] Where is Highbury?\n"), 16)

@@ -50,6 +50,7 @@ class FrontOptions:
     routing_prefix_tokens: int  # how much of a prompt never seen before its consistent-hashing key covers
     max_request_bytes: int
     api_key: str | None = field(default=None, repr=False)  # the replicas' too: checked here before any routing
+    chat_template: str | None = None  # the replicas' --chat-template, which a chat's routing key is rendered with
 
 
 class ReplicaFailed(Exception):
@@ -80,6 +81,8 @@ class Frontend:
         self.options = options
         self.replicas = replicas
         self.tokenizer = Tokenizer.from_directory(Path(options.checkpoint))
+        if options.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(options.chat_template)
         self.routing = make_routing(options.routing, len(replicas), options.block_size,
                                     options.routing_prefix_tokens)
         self.loads = [0] * len(replicas)  # requests in flight on each replica, from this front

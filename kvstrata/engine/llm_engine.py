@@ -41,6 +41,7 @@ from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.model.linear_layers import multiplied_weights
 from kvstrata.model.loader import LoadedModel, load_model
 from kvstrata.model.native_decode import NativeDecode
+from kvstrata.model.tokenizer import Tokenizer
 
 MAX_STEP_STATS = 100_000
 log = logging.getLogger("kvstrata.engine")
@@ -73,7 +74,7 @@ class LLMEngine:
             self._compile_model()
         if hasattr(self.loaded.model, "native_decode"):
             self.loaded.model.native_decode = NativeDecode.for_model(self.loaded.model) if config.native_decode else None
-        self.tokenizer = self.loaded.tokenizer
+        self.tokenizer = self._tokenizer()
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
@@ -163,6 +164,15 @@ class LLMEngine:
                 raise KvstrataError(f"max_prefill_tokens {budget} is below max_model_len {self.max_model_len}")
             return PrefillFirstScheduler(self.kv_manager, c.max_num_seqs, budget)
         return StaticScheduler(self.kv_manager, c.max_num_seqs)
+
+    def _tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, with the chat template given in place of its own."""
+        tokenizer = self.loaded.tokenizer
+        if self.config.chat_template is None:
+            return tokenizer
+        if tokenizer is None:
+            raise KvstrataError("a chat template was given, but this model has no tokenizer to render chats with")
+        return tokenizer.with_chat_template(self.config.chat_template)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.loaded.config.eos_token_ids)

@@ -69,6 +69,13 @@ def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     return env
 
 
+def _compiled_template(template: str, what: str) -> jinja2.Template:
+    try:
+        return _template_environment().from_string(template)
+    except jinja2.TemplateError as exc:
+        raise KvstrataError(f"{what} cannot be read: {exc}") from exc
+
+
 def _text_beside_contents(messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> str:
     """All the text a chat template may write besides the messages' contents: their other fields (tool calls), the
     tools and the caller's variables."""
@@ -76,9 +83,28 @@ def _text_beside_contents(messages: list[dict], tools: list[dict] | None, templa
     return json.dumps([others, tools, template_kwargs], ensure_ascii=False, default=str)
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given in place of the model's, as vLLM's --chat-template takes it: a file's path, or the
+    template itself."""
+    try:
+        is_file = Path(value).is_file()
+    except (OSError, ValueError):  # a template too long for a file name, or holding a NUL
+        is_file = False
+    if is_file:
+        try:
+            return Path(value).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KvstrataError(f"cannot read the chat template file {value}: {exc}") from exc
+    if "{{" in value or "{%" in value:
+        return value
+    raise KvstrataError(f"chat_template {value[:80]!r} is neither a file nor a Jinja template (one writes {{{{ }}}} or "
+                        f"{{% %}})")
+
+
 class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, config: dict, chat_template: str | None):
         self.backend = backend
+        self.config = config  # tokenizer_config.json's fields
         self.chat_template = chat_template
         self.bos_token_id = self._token_id(_token_text(config.get("bos_token")))
         self.eos_token_id = self._token_id(_token_text(config.get("eos_token")))
@@ -101,6 +127,12 @@ class Tokenizer:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         return cls(backend, config, template)
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer with `template` as its chat template, which must compile."""
+        tokenizer = Tokenizer(self.backend, self.config, template)
+        tokenizer._compiled_template = _compiled_template(template, "the chat template given")
+        return tokenizer
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
@@ -131,10 +163,7 @@ class Tokenizer:
             **(template_kwargs or {}),
         }
         if self._compiled_template is None:
-            try:
-                self._compiled_template = _template_environment().from_string(self.chat_template)
-            except jinja2.TemplateError as exc:
-                raise KvstrataError(f"this model's chat template cannot be read: {exc}") from exc
+            self._compiled_template = _compiled_template(self.chat_template, "this model's chat template")
         try:
             return self._compiled_template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
