@@ -19,6 +19,7 @@ import torch
 
 from kvstrata.cachegen.profile import shipped_profile
 from kvstrata.config import EngineConfig
+from kvstrata.engine.bad_words import bad_word_token_ids
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.engine.grammar_matcher import GrammarCompiler, allowed_tokens, matcher_error
 from kvstrata.engine.important_prefix_load import ImportantLoading
@@ -220,25 +221,37 @@ class LLMEngine:
         return list(prompt)
 
     def check_sampling(self, params: SamplingParams) -> None:
-        """What only the model can tell of a request's sampling parameters: the token ids they name lie in the
-        vocabulary (the sampler indexes its logits by them), while min_tokens holds some token that would not
-        end the output may be generated (else a row of the batched sampler has no finite logit), and its
-        structured output compiles (ParameterError "structured_output" otherwise; kept for add_request)."""
+        """What only the model can tell of a request's sampling parameters: the token ids they name (bad_words' too)
+        lie in the vocabulary (the sampler indexes its logits by them), while min_tokens and bad_words ban tokens
+        some token is left to generate (else a row of the batched sampler has no finite logit), and its structured
+        output compiles (ParameterError "structured_output" otherwise; kept for add_request)."""
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)
         vocab = self.loaded.config.vocab_size
-        for param, tokens in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
+        bad_words = self._bad_word_tokens(params)
+        for param, tokens in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or []),
+                              ("bad_words", [token for word in bad_words for token in word])):
             outside = [token for token in tokens if token >= vocab]
             if outside:
                 raise ParameterError(param, f"{param} names token {outside[0]}, outside the vocabulary [0, {vocab})")
-        if not params.min_tokens:
-            return
-        ends = params.ending_tokens(self.outputs.eos_token_ids)
         allowed = params.allowed_token_ids
+        choosable = "the vocabulary" if allowed is None else "allowed_token_ids"
+        ends = params.ending_tokens(self.outputs.eos_token_ids) if params.min_tokens else set()
         if (allowed is None and len({t for t in ends if t < vocab}) >= vocab) or (allowed and set(allowed) <= ends):
-            choosable = "the vocabulary" if allowed is None else "allowed_token_ids"
             raise ParameterError("min_tokens", f"min_tokens {params.min_tokens} bans every token of {choosable}: "
                                                "stop_token_ids and EOS cover all of it")
+        # each bad word bans at most one token a step: while they and the ends are fewer than the tokens the
+        # output may take, some token is left to sample
+        banned_at_most = len(bad_words) + len(ends)
+        if params.bad_words and banned_at_most >= (vocab if allowed is None else len(set(allowed))):
+            raise ParameterError("bad_words", f"bad_words could ban every token of {choosable} at once")
+
+    def _bad_word_tokens(self, params: SamplingParams) -> list[tuple[int, ...]]:
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ParameterError("bad_words", "this model has no tokenizer to find bad_words' tokens with")
+        return bad_word_token_ids(self.tokenizer, params.bad_words)
 
     def check_prompt_length(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -287,6 +300,7 @@ class LLMEngine:
             params=params,
             generator=generator,
             matcher=None if params.structured_output is None else self.grammars.matcher(params.structured_output),
+            bad_words=self._bad_word_tokens(params),
             preloaded=preloaded,
             cache_salt=cache_salt,
         )
@@ -420,7 +434,7 @@ class LLMEngine:
         to_sample, logits, constraints, failed = self._constraints(to_sample, logits)
         outputs.extend(failed)
         histories = Histories([s.token_ids for s in to_sample], [s.num_prompt_tokens for s in to_sample],
-                              self.outputs.eos_token_ids)
+                              self.outputs.eos_token_ids, [s.bad_words for s in to_sample])
         tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample], histories,
                                   constraints)
         now = time.perf_counter()

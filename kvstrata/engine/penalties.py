@@ -1,6 +1,7 @@
 """What the tokens a sequence already holds do to its next-token logits: repetition, frequency and presence
-penalties (as vLLM and OpenAI define them), and `min_tokens`, which bans the tokens that would end the output
-until it is that long. Applied after logit_bias, before the greedy choice and temperature (vLLM's order).
+penalties (as vLLM and OpenAI define them), `min_tokens`, which bans the tokens that would end the output
+until it is that long, and `bad_words`, which bans the token that would complete one. Applied after logit_bias,
+before the greedy choice and temperature (vLLM's order).
 
 Rows without either are left as they are; the others are penalized together, from token counts built in one
 scatter per step.
@@ -12,17 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.engine.bad_words import banned_next_tokens
 from kvstrata.engine.sampling_params import SamplingParams
 
 
 @dataclass
 class Histories:
-    """The rows' sequences: each row's tokens so far (its prompt first) and how many of them are the prompt, and
-    the model's end-of-sequence token ids."""
+    """The rows' sequences: each row's tokens so far (its prompt first) and how many of them are the prompt, the
+    model's end-of-sequence token ids, and each row's bad words as tokens (none: no row has any)."""
 
     token_ids: list[list[int]]
     num_prompt: list[int]
     eos_token_ids: set[int]
+    bad_words: list[list[tuple[int, ...]]] | None = None
 
     def output(self, row: int) -> list[int]:
         return self.token_ids[row][self.num_prompt[row]:]
@@ -32,17 +35,23 @@ class Histories:
 
 
 def penalized_logits(logits: torch.Tensor, params: list[SamplingParams], histories: Histories) -> torch.Tensor:
-    """`logits` [rows, vocab] with each row's penalties and min_tokens ban applied (a copy, where a row has one)."""
+    """`logits` [rows, vocab] with each row's penalties, min_tokens ban and bad words applied (a copy, where a row
+    has any)."""
     banning = [row for row, p in enumerate(params)
                if len(histories.token_ids[row]) - histories.num_prompt[row] < p.min_tokens]
     penalized = [row for row, p in enumerate(params) if p.penalizes]
-    if not banning and not penalized:
+    with_bad_words = [row for row, words in enumerate(histories.bad_words or []) if words]
+    if not banning and not penalized and not with_bad_words:
         return logits
     logits = logits.clone()
     if penalized:
         logits[penalized] = _penalize(logits[penalized], [params[row] for row in penalized], histories, penalized)
     if banning:
         _ban_ends(logits, banning, params, histories.eos_token_ids)
+    for row in with_bad_words:
+        banned = banned_next_tokens(histories.bad_words[row], histories.output(row))
+        if banned:
+            logits[row, torch.tensor(banned, device=logits.device)] = float("-inf")
     return logits
 
 

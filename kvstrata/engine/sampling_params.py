@@ -60,6 +60,9 @@ class SamplingParams:
     # a token the prompt or the output holds: its logit divided by this where positive, multiplied where not
     repetition_penalty: float = 1.0
     allowed_token_ids: list[int] | None = None  # only these may be generated; None: any
+    # words the output may not hold (vLLM's): the token that would complete one is banned, at the text's start
+    # and after a space alike
+    bad_words: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # a stop string that ends the output stays in its text
     skip_special_tokens: bool = True  # the output text leaves special tokens out
     # the output held to a JSON schema, a regex, a list of choices or a grammar; it ends when that is complete
@@ -92,6 +95,8 @@ class SamplingParams:
                                     f"{self.allowed_token_ids!r:.200}")
             for token in self.allowed_token_ids:
                 _check_int("allowed_token_ids entry", token, 0)
+        if not (isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise KvstrataError(f"bad_words must be a list of words (strings not blank), got {self.bad_words!r:.200}")
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise KvstrataError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
@@ -106,14 +111,17 @@ class SamplingParams:
             return
         if not isinstance(self.structured_output, StructuredOutput):
             raise KvstrataError(f"structured_output must be a StructuredOutput, got {self.structured_output!r:.200}")
-        # Either could leave a step with no token both it and the constraint allow (the constraint may allow only
-        # the end of the output while min_tokens bans it).
+        # Any of these could leave a step with no token both it and the constraint allow (the constraint may allow
+        # only the end of the output while min_tokens bans it).
         if self.min_tokens:
             raise ParameterError("min_tokens", "min_tokens cannot be combined with structured output: the "
                                                "constraint decides where the output may end")
         if self.allowed_token_ids is not None:
             raise ParameterError("allowed_token_ids", "allowed_token_ids cannot be combined with structured output: "
                                                       "the constraint decides which tokens are allowed")
+        if self.bad_words:
+            raise ParameterError("bad_words", "bad_words cannot be combined with structured output: the constraint "
+                                              "decides which tokens are allowed")
 
     @property
     def greedy(self) -> bool:

@@ -41,6 +41,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None
     matcher: LLMatcher | None = None  # follows the output where params.structured_output holds it (grammar_matcher.py)
+    bad_words: list[tuple[int, ...]] = field(default_factory=list)  # params.bad_words' tokens (bad_words.py)
     arrival_time: float = field(default_factory=time.perf_counter)
     token_ids: list[int] = field(default_factory=list)  # prompt then output
     status: SequenceStatus = SequenceStatus.WAITING

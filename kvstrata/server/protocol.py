@@ -191,7 +191,7 @@ class _SamplingFields(BaseModel):
     # vLLM's extras that this engine does not have: refused unless off, so that no output silently differs
     use_beam_search: OnlyFalse = False
     length_penalty: Annotated[Number, Field(ge=1, le=1, description="Not supported: 1 only")] = 1
-    bad_words: NoList = None
+    bad_words: list[Annotated[Text, Field(pattern=r"\S")]] | None = None  # vLLM's: words the output may not hold
     # vLLM's: each prompt token's logprob and rank, with that many alternatives (not streamed)
     prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     # structured output (at most one of these four ways): OpenAI's response_format, vLLM's structured_outputs, and
@@ -227,6 +227,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             structured_output=self.structured_output(),
