@@ -74,3 +74,16 @@ class AutoToolCalls:
         if rest:
             delta = {"content": rest, **delta}
         return delta, "tool_calls"
+
+
+class WholeOutputCalls(AutoToolCalls):
+    """A format whose calls, where the model makes them, are its whole output: an output beginning with one of
+    `openings` (after white space) may be calls and streams nothing until it ends; any other is text, streamed as
+    it comes."""
+
+    openings = ()
+
+    def shown(self, text: str) -> str:
+        begun = text.lstrip()
+        may_be_calls = any(begun.startswith(opening) or opening.startswith(begun) for opening in self.openings)
+        return "" if may_be_calls else text

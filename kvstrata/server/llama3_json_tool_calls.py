@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import re
 
-from kvstrata.server.auto_tool_calls import AutoToolCalls, Parsed
+from kvstrata.server.auto_tool_calls import Parsed, WholeOutputCalls
 from kvstrata.server.tool_calls import tool_call
 
 PYTHON_TAG = "<|python_tag|>"
 _BETWEEN_CALLS = re.compile(r"[\s;]*")
 
 
-class Llama3JsonToolCalls(AutoToolCalls):
+class Llama3JsonToolCalls(WholeOutputCalls):
+    openings = ("{", PYTHON_TAG)
+
     def parse(self, text: str, finish_reason: str | None) -> Parsed | None:
         calls_text = text.lstrip().removeprefix(PYTHON_TAG).lstrip()
         if not calls_text.startswith("{"):
@@ -33,9 +35,3 @@ class Llama3JsonToolCalls(AutoToolCalls):
             calls.append(tool_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
             at = _BETWEEN_CALLS.match(calls_text, at).end()
         return Parsed(self.kept(calls), "", "")
-
-    def shown(self, text: str) -> str:
-        """Nothing while the output may be calls (it is white space so far, or begins with `{` or the tag), then all
-        of it."""
-        begun = text.lstrip()
-        return "" if begun.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(begun) else text

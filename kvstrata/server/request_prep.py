@@ -45,8 +45,8 @@ class RequestPreparer:
             raise ParameterError("tool_choice", "auto (the default where tools are given) lets the model answer in "
                                                 "text or call the tools in its own format; this server parses none "
                                                 "(start it with --enable-auto-tool-choice --tool-call-parser hermes "
-                                                "for models that call as Hermes and Qwen do, llama3_json for Llama "
-                                                "3), so give "
+                                                "for models that call as Hermes and Qwen do, llama3_json or "
+                                                "pythonic for Llama 3 and 4), so give "
                                                 "\"required\", a named function or \"none\"")
         if body.truncate_prompt_tokens is not None:
             return

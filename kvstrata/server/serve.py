@@ -58,7 +58,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the format of the model's own tool calls: hermes, <tool_call>{\"name\": ..., "
                              "\"arguments\": ...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 and 3); llama3_json, "
-                             "{\"name\": ..., \"parameters\": ...} as the whole output (Llama 3.1, 3.2, 3.3)")
+                             "{\"name\": ..., \"parameters\": ...} as the whole output (Llama 3.1, 3.2, 3.3); "
+                             "pythonic, [name(argument=value), ...] as the whole output (Llama 3.2 and 4 with their "
+                             "pythonic templates)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="hand a reasoning model's thinking back as reasoning_content, apart from its answer: "
                              "qwen3 (<think>...</think> where the output begins with it) or deepseek_r1 (thinking "
