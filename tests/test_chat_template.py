@@ -147,3 +147,22 @@ def test_a_given_template_that_is_no_template_is_refused_by_name(tiny_llama):
         EngineConfig(chat_template="templates/chatml.jinja")
     with pytest.raises(KvstrataError, match="the chat template given cannot be read: .*endfor"):
         LLM(str(tiny_llama), kv_cache_memory="8MiB", chat_template="{% for m in messages %}{{ m.content }}")
+
+
+def test_a_request_s_own_template_is_rendered_only_where_the_server_trusts_it(model_dir, tiny_llama):
+    """vLLM's --trust-request-chat-template: a chat's or /tokenize's `chat_template` in place of the server's."""
+    from kvstrata.server.options import ServerOptions
+
+    expected = Tokenizer.from_directory(model_dir).encode_chat(MESSAGES)
+    body = {"model": "test-model", "messages": MESSAGES, "chat_template": TEMPLATE}
+    trusted = ServerOptions(trust_request_chat_template=True)
+    with running_server(str(tiny_llama), server_options=trusted, kv_cache_memory="8MiB") as (url, _):
+        assert httpx.post(url + "/tokenize", json=body).json()["tokens"] == expected
+        reply = httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(expected)
+        broken = httpx.post(url + "/tokenize", json={**body, "chat_template": "{% if messages %}"})
+        assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+    with running_server(str(tiny_llama), kv_cache_memory="8MiB") as (url, _):
+        for endpoint in ("/tokenize", "/v1/chat/completions"):
+            refused = httpx.post(url + endpoint, json=body, timeout=60)
+            assert refused.status_code == 400 and "--trust-request-chat-template" in refused.json()["error"]["message"]

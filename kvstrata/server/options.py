@@ -19,6 +19,7 @@ class ServerOptions:
     max_tokens_limit: int | None = None  # cap on a request's max_tokens; None: the model's context
     read_timeout: float = 30.0  # seconds a client gets to send its request's headers, and then its body
     special_tokens_in_chat: bool = False  # parse special-token text in chat content (trusted clients only)
+    trust_request_chat_template: bool = False  # a chat request's own chat_template is rendered (vLLM's flag)
     shutdown_grace: float = 30.0  # seconds in-flight requests get to finish at shutdown
     api_key: str | None = field(default=None, repr=False)  # API requests must carry it (api_key.py); None: open
     # tool_choice "auto" taken, the model's calls parsed from its text in this format (vLLM's two flags)

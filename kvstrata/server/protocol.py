@@ -433,10 +433,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: TemplateKwargs | None = None  # vLLM's too
+    chat_template: Text | None = None  # vLLM's: in place of the model's, where the server trusts its clients' own
     include_reasoning: StrictBool = True  # vLLM's: with --reasoning-parser, the thinking is handed back (or dropped)
     # vLLM's chat extras the engine does not have: refused unless off
     echo: OnlyFalse = False
-    chat_template: OnlyNull = None
     documents: OnlyNull = None
 
     @field_validator("top_logprobs")
@@ -524,6 +524,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: StrictBool = False  # for messages: the last one left open, as the chat endpoint can
     tools: list[Tool] | None = None  # for messages: rendered by the chat template, as the chat endpoint does
     chat_template_kwargs: TemplateKwargs | None = None  # for messages: as the chat endpoint takes them
+    chat_template: Text | None = None  # for messages: as the chat endpoint takes it
 
     @property
     def plain_tools(self) -> list[dict] | None:

@@ -36,6 +36,8 @@ class RequestPreparer:
         tokenizer = engine.tokenizer
         # More characters than this cannot fit the context, however they tokenize.
         self.max_chars = None if tokenizer is None else engine.max_model_len * tokenizer.max_chars_per_token
+        # the tokenizer with a request's own chat template, for the last templates asked for (each compiled once)
+        self._with_template = tokenizer and functools.lru_cache(maxsize=16)(tokenizer.with_chat_template)
 
     def precheck(self, body: Body) -> None:
         """On the event loop: refuse tool_choice auto where no parser reads the model's calls, and what is certainly
@@ -120,6 +122,8 @@ class RequestPreparer:
             if body.truncate_prompt_tokens is not None:
                 token_ids = token_ids[-body.truncate_prompt_tokens :]
             self.engine.check_prompt_length(token_ids)
+        except ParameterError:
+            raise
         except KvstrataError as exc:
             raise ParameterError("messages" if chat else "prompt", where + str(exc)) from exc
         return token_ids
@@ -163,6 +167,15 @@ class RequestPreparer:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise KvstrataError("this model has no tokenizer, so it cannot take chat messages")
+        if body.chat_template is not None:
+            if not self.options.trust_request_chat_template:
+                raise ParameterError("chat_template", "this server renders chats with its own template; it takes "
+                                                      "a request's only where it was started with "
+                                                      "--trust-request-chat-template")
+            try:
+                tokenizer = self._with_template(body.chat_template)
+            except KvstrataError as exc:
+                raise ParameterError("chat_template", str(exc)) from exc
         return tokenizer.encode_chat([m.plain() for m in body.messages], opens_assistant_turn(body),
                                      special_tokens_in_content=self.options.special_tokens_in_chat,
                                      continue_final_message=body.continue_final_message, tools=body.plain_tools,
@@ -179,6 +192,8 @@ class RequestPreparer:
             if self.engine.tokenizer is None:
                 raise KvstrataError("this model has no tokenizer")
             return self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except ParameterError:
+            raise
         except KvstrataError as exc:
             raise ParameterError(field, str(exc)) from exc
 

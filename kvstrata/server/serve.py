@@ -52,6 +52,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--special-tokens-in-chat", action="store_true",
                         help="parse special-token text (<|im_end|>, ...) in chat message content as special tokens; "
                              "only for trusted clients, since it lets them forge role boundaries (default: plain text)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a chat request's own chat_template in place of the server's (default: such "
+                             "requests are refused; a template is code, rendered in jinja's sandbox)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="take chat requests with tools and tool_choice auto (the default where tools are "
                              "given): the model answers in text or calls them, as --tool-call-parser reads them")
@@ -96,6 +99,7 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
                          max_tokens_limit=args.max_tokens_limit, read_timeout=args.read_timeout,
                          special_tokens_in_chat=args.special_tokens_in_chat, shutdown_grace=args.shutdown_grace,
+                         trust_request_chat_template=args.trust_request_chat_template,
                          api_key=args.api_key, enable_auto_tool_choice=args.enable_auto_tool_choice,
                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
