@@ -107,9 +107,9 @@ def test_text_that_only_looked_like_a_call_is_streamed_once_it_cannot_be_one():
 def test_the_flags_go_together():
     with pytest.raises(KvstrataError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         ServerOptions(enable_auto_tool_choice=True)
-    with pytest.raises(KvstrataError, match="--tool-call-parser 'mistral' is not known; known: hermes, llama3_json, "
-                                            "pythonic"):
-        ServerOptions(tool_call_parser="mistral")
+    with pytest.raises(KvstrataError, match="--tool-call-parser 'granite' is not known; known: hermes, llama3_json, "
+                                            "mistral, pythonic"):
+        ServerOptions(tool_call_parser="granite")
 
 
 def test_auto_is_taken_with_the_parser_and_a_text_answer_is_text(tiny_llama):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstrata.server.tags import less_a_tag_begun
+
 
 @dataclass(frozen=True)
 class Parsed:
@@ -87,3 +89,15 @@ class WholeOutputCalls(AutoToolCalls):
         begun = text.lstrip()
         may_be_calls = any(begun.startswith(opening) or opening.startswith(begun) for opening in self.openings)
         return "" if may_be_calls else text
+
+
+class CallsAfterTag(AutoToolCalls):
+    """A format whose calls begin at a tag (`open_tag`), after any text: that text streams until the tag may
+    begin."""
+
+    open_tag = ""
+
+    def shown(self, text: str) -> str:
+        """The text before the first call's tag, less any end of it that may yet become that tag."""
+        start = text.find(self.open_tag)
+        return (text[:start] if start >= 0 else less_a_tag_begun(text, self.open_tag)).rstrip()

@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 import re
 
-from kvstrata.server.auto_tool_calls import AutoToolCalls, Parsed
-from kvstrata.server.tags import less_a_tag_begun
+from kvstrata.server.auto_tool_calls import CallsAfterTag, Parsed
 from kvstrata.server.tool_calls import tool_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
 
 
-class HermesToolCalls(AutoToolCalls):
+class HermesToolCalls(CallsAfterTag):
+    open_tag = OPEN
     special_tags = (OPEN,)  # Hermes 2 Pro's tokenizer makes it one; Qwen's do not
 
     def parse(self, text: str, finish_reason: str | None) -> Parsed | None:
@@ -38,8 +38,3 @@ class HermesToolCalls(AutoToolCalls):
             calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
         outside.append(text[end:])
         return Parsed(self.kept(calls), outside[0], "".join(outside[1:]))
-
-    def shown(self, text: str) -> str:
-        """The text before the first call's tag, less any end of it that may yet become that tag."""
-        start = text.find(OPEN)
-        return (text[:start] if start >= 0 else less_a_tag_begun(text, OPEN)).rstrip()

@@ -46,9 +46,8 @@ class RequestPreparer:
         if chat and body.model_chooses_tools and not self.options.enable_auto_tool_choice:
             raise ParameterError("tool_choice", "auto (the default where tools are given) lets the model answer in "
                                                 "text or call the tools in its own format; this server parses none "
-                                                "(start it with --enable-auto-tool-choice --tool-call-parser hermes "
-                                                "for models that call as Hermes and Qwen do, llama3_json or "
-                                                "pythonic for Llama 3 and 4), so give "
+                                                "(start it with --enable-auto-tool-choice --tool-call-parser and "
+                                                f"the model's format: {', '.join(PARSERS)}), so give "
                                                 "\"required\", a named function or \"none\"")
         if body.truncate_prompt_tokens is not None:
             return

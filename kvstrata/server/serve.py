@@ -63,7 +63,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "\"arguments\": ...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 and 3); llama3_json, "
                              "{\"name\": ..., \"parameters\": ...} as the whole output (Llama 3.1, 3.2, 3.3); "
                              "pythonic, [name(argument=value), ...] as the whole output (Llama 3.2 and 4 with their "
-                             "pythonic templates)")
+                             "pythonic templates); mistral, [TOOL_CALLS] and a JSON list of calls, or "
+                             "[TOOL_CALLS]name[ARGS]{...} per call (Mistral's models)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="hand a reasoning model's thinking back as reasoning_content, apart from its answer: "
                              "qwen3 (<think>...</think> where the output begins with it) or deepseek_r1 (thinking "

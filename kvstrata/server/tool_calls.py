@@ -20,8 +20,8 @@ def arguments_schema(parameters: dict | None) -> dict:
     return NO_ARGUMENTS if parameters is None else {"type": "object", **parameters}
 
 
-def tool_call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
