@@ -25,12 +25,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvstrata.data import EMMA
-from kvstrata.model.gguf_convert import GLOBAL_TENSORS, LAYER_TENSORS, ROPE_FACTORS
+from kvstrata.model.gguf_convert import GGUF_SAMPLING, GLOBAL_TENSORS, LAYER_TENSORS, ROPE_FACTORS
 
 # Hugging Face's names -> llama.cpp's: the converter's maps turned around (a layer's tensor after "model.layers.N."
 # and "blk.N."; the RoPE factors under the key the converter takes them out as)
 LAYER_NAMES = {hf: gguf for gguf, hf in LAYER_TENSORS.items()}
 GLOBAL_NAMES = {hf: gguf for gguf, hf in GLOBAL_TENSORS.items()}
+SAMPLING_KEYS = {hf: gguf for gguf, hf in GGUF_SAMPLING.items()}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (  # ChatML, as Qwen's
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -108,11 +109,13 @@ def _rope_factors(config: dict) -> torch.Tensor | None:
 
 
 def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenizer, path: Path,
-               product_type: str = "Q8_0", types: dict[str, str] | None = None) -> Path:
+               product_type: str = "Q8_0", types: dict[str, str] | None = None,
+               sampling: dict[str, float] | None = None) -> Path:
     """`state` (Hugging Face's tensor names) of a model of `config` (its config.json's fields) as a GGUF file: the
     embeddings and products in `product_type` blocks (or as `types` names them by llama.cpp's name within a layer,
     e.g. {"attn_v.weight": "Q5_0"}, as a "Q4_K_M" file mixes them), the norms and biases float32; `tokenizer`'s
-    vocabulary and merges, the vocabulary padded with unused tokens up to the model's, and a ChatML chat template."""
+    vocabulary and merges, the vocabulary padded with unused tokens up to the model's, a ChatML chat template, and
+    the `sampling` settings of a generation_config.json (transformers' names) under llama.cpp's keys."""
     import gguf
     from gguf.quants import quantize
 
@@ -150,6 +153,8 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
     writer.add_bos_token_id(tokenizer.token_to_id("<|endoftext|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+    for name, value in (sampling or {}).items():
+        (writer.add_int32 if name == "top_k" else writer.add_float32)(SAMPLING_KEYS[name], value)
     for name, tensor in state.items():
         if name.startswith("model.layers."):
             layer, short = name.removeprefix("model.layers.").split(".", 1)

@@ -24,6 +24,7 @@ from kvstrata.model.weight_format import WEIGHT_FORMATS
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULERS = ("sarathi", "prefill-first", "static")
+GENERATION_CONFIGS = ("auto", "vllm")
 KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
 KV_OFFLOADS = ("none", "full", "infinigen", "h2o")
@@ -69,6 +70,13 @@ class EngineConfig:
         default=None,
         metadata=_option("a chat template in place of the model's (vLLM's --chat-template): a Jinja file's path, or "
                          "the template itself"),
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_option("auto: a request's unset temperature, top_p, top_k, min_p and repetition_penalty take the "
+                         "values the model's generation config recommends (a checkpoint's generation_config.json, a "
+                         "GGUF file's general.sampling keys), as vLLM's flag does; vllm: OpenAI's defaults instead",
+                         choices=GENERATION_CONFIGS),
     )
     compile: bool = field(
         default=False,
@@ -309,6 +317,7 @@ class EngineConfig:
         if self.chat_template is not None:  # the text itself from here on, so that replicas need no file
             self.chat_template = read_chat_template(self.chat_template)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
+                   ("generation_config", GENERATION_CONFIGS),
                    ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
                    ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS),
                    ("prefix_loading", PREFIX_LOADINGS), ("impress_rule", SHARED_SET_RULES),

@@ -107,7 +107,7 @@ class LLM:
         """Yield the request's output each time it gets new tokens; the last one has finished=True."""
         arrival = time.perf_counter()
         load = ContextLoad.prepare(self.engine, context, context_level, ())
-        request_id = self._add(prompt, params or SamplingParams(), load, arrival)
+        request_id = self._add(prompt, params or self.engine.default_sampling_params(), load, arrival)
         try:
             while True:
                 for output in self.engine.step():
@@ -128,10 +128,9 @@ class LLM:
                         bar.update(1)
         return [finished[r] for r in request_ids]
 
-    @staticmethod
-    def _params_per_prompt(params, count: int) -> list[SamplingParams]:
+    def _params_per_prompt(self, params, count: int) -> list[SamplingParams]:
         if params is None or isinstance(params, SamplingParams):
-            return [params or SamplingParams()] * count
+            return [params or self.engine.default_sampling_params()] * count
         if len(params) != count:
             raise KvstrataError(f"got {len(params)} sampling params for {count} prompts; give one or one per prompt")
         return list(params)

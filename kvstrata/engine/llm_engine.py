@@ -76,6 +76,7 @@ class LLMEngine:
         if hasattr(self.loaded.model, "native_decode"):
             self.loaded.model.native_decode = NativeDecode.for_model(self.loaded.model) if config.native_decode else None
         self.tokenizer = self._tokenizer()
+        self.sampling_defaults = self._sampling_defaults()  # for the sampling settings a request leaves unset
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
@@ -174,6 +175,23 @@ class LLMEngine:
         if tokenizer is None:
             raise KvstrataError("a chat template was given, but this model has no tokenizer to render chats with")
         return tokenizer.with_chat_template(self.config.chat_template)
+
+    def _sampling_defaults(self) -> dict[str, float]:
+        """The model's recommended sampling settings (--generation-config auto), checked as a request's are."""
+        defaults = dict(self.loaded.config.sampling_defaults) if self.config.generation_config == "auto" else {}
+        try:
+            SamplingParams(**defaults)
+        except KvstrataError as exc:
+            raise KvstrataError(f"the model's generation config recommends sampling settings that cannot be used "
+                                f"({exc}); --generation-config vllm ignores them") from None
+        if defaults:
+            log.info("sampling settings a request leaves unset take the model's recommended values: %s", defaults)
+        return defaults
+
+    def default_sampling_params(self) -> SamplingParams:
+        """A request's sampling parameters where it gives none: the model's recommended settings, else
+        SamplingParams' defaults."""
+        return SamplingParams(**self.sampling_defaults)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.loaded.config.eos_token_ids)

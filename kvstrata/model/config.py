@@ -11,6 +11,9 @@ from kvstrata.errors import KvstrataError
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "opt")
+# generation_config.json's sampling settings, which stand for those a request leaves unset (as vLLM's
+# --generation-config auto takes them)
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class ModelConfig:
     word_embed_proj_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # the model maker's sampling settings (generation_config.json's SAMPLING_DEFAULT_FIELDS), as (name, value)
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -58,13 +63,15 @@ class ModelConfig:
     def from_checkpoint(cls, directory: Path) -> ModelConfig:
         """The directory's config.json, with the end-of-text tokens of its generation_config.json added where it has
         one (instruct models often end turns with a token config.json does not name, as transformers' generate
-        knows from that file)."""
+        knows from that file) and that file's sampling settings."""
         config = cls.from_hf_dict(_read_json(directory / "config.json"))
         generation_file = directory / "generation_config.json"
         if not generation_file.is_file():
             return config
-        ends = [*config.eos_token_ids, *_token_ids(_read_json(generation_file).get("eos_token_id"))]
-        return dataclasses.replace(config, eos_token_id=list(dict.fromkeys(ends)) or None)
+        generation = _read_json(generation_file)
+        ends = [*config.eos_token_ids, *_token_ids(generation.get("eos_token_id"))]
+        return dataclasses.replace(config, eos_token_id=list(dict.fromkeys(ends)) or None,
+                                   sampling_defaults=_sampling_defaults(generation, generation_file))
 
     @classmethod
     def from_hf_dict(cls, raw: dict) -> ModelConfig:
@@ -98,6 +105,18 @@ def _frequency_factors(raw: dict, head_dim: int) -> tuple[float, ...] | None:
         raise KvstrataError(f"kvstrata_rope_freq_factors must be {head_dim // 2} positive numbers, one per RoPE "
                             f"frequency")
     return tuple(float(f) for f in factors)
+
+
+def _sampling_defaults(generation: dict, path: Path) -> tuple[tuple[str, float], ...]:
+    defaults = []
+    for name in SAMPLING_DEFAULT_FIELDS:
+        value = generation.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise KvstrataError(f"{path}: {name} must be a number, got {value!r}")
+        defaults.append((name, value))
+    return tuple(defaults)
 
 
 def _token_ids(value) -> list[int]:

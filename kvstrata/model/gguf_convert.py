@@ -55,6 +55,11 @@ GLOBAL_TENSORS = {
 # Turn and text ends llama.cpp stops generating at wherever its vocabulary has them, beside the tokens the eos, eot
 # and eom fields name: a file's eos field alone often misses one (Llama 3.1's names <|eot_id|>, and the model ends a
 # call of a built-in tool with <|eom_id|>; Qwen's names <|im_end|>, and a plain text ends with <|endoftext|>)
+# The sampling settings llama.cpp's converter carries over from a model's generation_config.json, by the names
+# transformers gives them
+GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                 "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
 END_OF_GENERATION_TEXTS = frozenset(("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>",
                                      "<|end|>", "<end_of_turn>", "<EOT>"))
 
@@ -176,5 +181,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_checkpoint_tensors(state, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    sampling = {name: _field(reader, key) for key, name in GGUF_SAMPLING.items() if key in reader.fields}
+    if sampling:
+        (out_dir / "generation_config.json").write_text(json.dumps(sampling, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))

@@ -159,6 +159,10 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+# OpenAI's and vLLM's values of the sampling settings a request and the model leave unset
+UNSET_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints. Unknown fields are ignored, as vLLM does."""
 
@@ -166,9 +170,11 @@ class _SamplingFields(BaseModel):
 
     model: Text
     max_tokens: integer(ge=1) | None = None
-    temperature: Annotated[Number, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[Number, Field(gt=0, le=1)] = 1.0
-    top_k: integer(ge=-1) = 0  # vLLM's -1 also means "off"
+    # These five, left unset, take the model's recommended values (--generation-config auto), else OpenAI's and
+    # vLLM's defaults (temperature 1, top_p 1, top_k off, min_p 0, repetition_penalty 1).
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    top_k: integer(ge=-1) | None = None  # vLLM's -1 also means "off"
     seed: integer(ge=0, le=MAX_SEED) | None = None
     # _check_stop words the errors; the constraints inside state the same rules in the schema.
     stop: Annotated[Text | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
@@ -182,8 +188,9 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[integer(ge=0)] | None = None  # vLLM's: generation ends after any of these tokens
     # vLLM's sampling extras
     min_tokens: integer(ge=0) = 0  # at most the request's max_tokens (checked with it)
-    min_p: Annotated[Number, Field(ge=0, le=1)] = 0
-    repetition_penalty: Annotated[Number, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] = 1
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[Number, Field(ge=REPETITION_PENALTY_RANGE[0],
+                                                le=REPETITION_PENALTY_RANGE[1])] | None = None
     allowed_token_ids: Annotated[list[integer(ge=0)], Field(min_length=1)] | None = None  # only these generated
     truncate_prompt_tokens: integer(ge=1) | None = None  # only the prompt's last k tokens are used
     include_stop_str_in_output: StrictBool = False
@@ -208,13 +215,17 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[Annotated[StrictStr, Field(pattern=r"^[0-9]+$")],
                      Annotated[Number, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
+        """The request's sampling parameters; `defaults` stand for the settings it leaves unset (the model's)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        unset = {**UNSET_SAMPLING, **(defaults or {})}
+        given = {name: getattr(self, name) for name in UNSET_SAMPLING if getattr(self, name) is not None}
+        chosen = {**unset, **given}
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(self.temperature),
-            top_p=float(self.top_p),
-            top_k=max(self.top_k, 0),
+            temperature=float(chosen["temperature"]),
+            top_p=float(chosen["top_p"]),
+            top_k=max(int(chosen["top_k"]), 0),
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -222,10 +233,10 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             logit_bias={int(token): float(bias) for token, bias in (self.logit_bias or {}).items()},
             min_tokens=self.min_tokens,
-            min_p=float(self.min_p),
+            min_p=float(chosen["min_p"]),
             presence_penalty=float(self.presence_penalty),
             frequency_penalty=float(self.frequency_penalty),
-            repetition_penalty=float(self.repetition_penalty),
+            repetition_penalty=float(chosen["repetition_penalty"]),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=list(self.bad_words or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -290,8 +301,8 @@ class CompletionRequest(_SamplingFields):
     suffix: Annotated[Text | None, _only_off("empty or null"),
                       WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]})] = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs)
+    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, defaults)
         if self.echo and logprobs is not None:  # the prompt's logprobs are echoed with it
             if self.prompt_logprobs not in (None, logprobs):
                 raise ParameterError("prompt_logprobs", f"prompt_logprobs {self.prompt_logprobs} and echo with "

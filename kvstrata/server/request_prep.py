@@ -151,7 +151,7 @@ class RequestPreparer:
             raise ParameterError("min_tokens", f"{where}min_tokens {body.min_tokens} exceeds the request's "
                                                f"max_tokens of {max_tokens}")
         logprobs = body.requested_logprobs if chat else body.logprobs
-        params = body.sampling_params(max_tokens, logprobs)
+        params = body.sampling_params(max_tokens, logprobs, self.engine.sampling_defaults)
         if chat and body.model_chooses_tools and self._call_tags_are_special:
             params = dataclasses.replace(params, skip_special_tokens=False)  # the parser reads the calls' tags
         try:
