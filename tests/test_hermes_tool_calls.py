@@ -63,6 +63,9 @@ def test_a_last_call_left_open_counts_only_where_the_model_ended_there():
     '<tool_call>{"name": "get_date", "arguments": {}}</tool_call>',  # a function the request does not define
     '<tool_call>{"name": "get_time", "arguments": "now"}</tool_call>',  # arguments not an object
     f"{WEATHER_CALL}<tool_call>[1, 2]</tool_call>",  # one of two does not parse: none is made up
+    '<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>',  # a name that is no string
+    '<tool_call>{"name": "get_time", "arguments": {"at": NaN}}</tool_call>',  # no JSON for NaN
+    '<tool_call>{"name": "get_time", "arguments": {"at": "\\ud800"}}</tool_call>',  # a lone surrogate: no UTF-8
 ])
 def test_an_output_whose_calls_do_not_parse_stays_text(text):
     assert PARSER.message(text, "stop") == ({"role": "assistant", "content": text}, "stop")

@@ -45,6 +45,8 @@ def test_without_parallel_calls_the_first_call_alone_is_kept():
     f"{WEATHER_CALL} That is all.",  # text after the calls
     f"{WEATHER_CALL}; [1]",  # one of two does not parse: none is made up
     '<|python_tag|>brave_search.call(query="Bath weather")',  # a built-in tool's call
+    '{"name": ["get_time"], "parameters": {}}',  # a name that is no string
+    '{"name": "get_time", "parameters": {"at": Infinity}}',  # no JSON for it
 ])
 def test_an_output_that_is_not_calls_stays_text(text):
     assert PARSER.message(text, "stop") == ({"role": "assistant", "content": text}, "stop")

@@ -37,6 +37,7 @@ def test_the_text_before_the_calls_is_their_content_and_a_written_id_is_kept():
     "[TOOL_CALLS] []",
     '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]get_weather',  # a second call without its arguments
     '[TOOL_CALLS] [{"name": "get_time"}] and more',  # text after the list
+    '[TOOL_CALLS] [{"name": {"get_time": 1}, "arguments": {}}]',  # a name that is no string
 ])
 def test_an_output_whose_calls_do_not_parse_stays_text(text):
     assert PARSER.message(text, "stop") == ({"role": "assistant", "content": text}, "stop")

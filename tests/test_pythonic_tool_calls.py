@@ -44,6 +44,7 @@ def test_without_parallel_calls_the_first_call_alone_is_kept():
     "[get_weather(**{'city': 'Bath'})]",
     "[get_time(at={1, 2})]",  # a set: no JSON for it
     "[get_time(x=1e999)]",  # infinite: no JSON for it
+    "[get_time(x=1, x=2)]",  # an argument given twice
     '[get_time()] and that is all',  # text after the calls
     "import os; os.remove('x')",
 ])

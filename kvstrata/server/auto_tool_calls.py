@@ -10,9 +10,11 @@ false` alone keeps the first of several calls, as the client asked).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from kvstrata.server.tags import less_a_tag_begun
+from kvstrata.server.tool_calls import tool_call
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,23 @@ class AutoToolCalls:
         raise NotImplementedError
 
     def shown(self, text: str) -> str:
-        """What may be streamed as content of a growing output: the part that cannot become a call or the white
-        space before one (which the content of a message of calls leaves out). Of a longer text, a longer part."""
+        """What may be streamed as content of a growing output: the part that can become neither a call nor the
+        white space before one (which the content of a message of calls leaves out). What it gives of a text is
+        the beginning of what it gives of any longer text that begins with it."""
         raise NotImplementedError
+
+    def call(self, name, arguments, call_id: str | None = None) -> dict | None:
+        """OpenAI's tool call of `name` with `arguments`, where the model's call names a function of the request and
+        gives an object; None where it does not, or where the arguments have no JSON text a reply can carry (NaN,
+        or a lone surrogate the model wrote as an escape)."""
+        if not (isinstance(name, str) and name in self.functions and isinstance(arguments, dict)):
+            return None
+        try:
+            text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+            text.encode()
+        except (TypeError, ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+            return None
+        return tool_call(name, text, call_id)
 
     def kept(self, calls: list[dict]) -> list[dict]:
         return calls if self.parallel else calls[:1]

@@ -8,7 +8,6 @@ import json
 import re
 
 from kvstrata.server.auto_tool_calls import CallsAfterTag, Parsed
-from kvstrata.server.tool_calls import tool_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
@@ -29,12 +28,12 @@ class HermesToolCalls(CallsAfterTag):
             if not match.group(0).endswith(CLOSE) and finish_reason != "stop":
                 return None
             try:
-                call = json.loads(match.group(1))
+                written = json.loads(match.group(1))
             except (ValueError, RecursionError):
                 return None
-            if not (isinstance(call, dict) and call.get("name") in self.functions
-                    and isinstance(call.get("arguments", {}), dict)):
+            call = self.call(written.get("name"), written.get("arguments", {})) if isinstance(written, dict) else None
+            if call is None:
                 return None
-            calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+            calls.append(call)
         outside.append(text[end:])
         return Parsed(self.kept(calls), outside[0], "".join(outside[1:]))

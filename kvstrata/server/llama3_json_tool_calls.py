@@ -10,7 +10,6 @@ import json
 import re
 
 from kvstrata.server.auto_tool_calls import Parsed, WholeOutputCalls
-from kvstrata.server.tool_calls import tool_call
 
 PYTHON_TAG = "<|python_tag|>"
 _BETWEEN_CALLS = re.compile(r"[\s;]*")
@@ -26,12 +25,13 @@ class Llama3JsonToolCalls(WholeOutputCalls):
         decoder, calls, at = json.JSONDecoder(), [], 0
         while at < len(calls_text):
             try:
-                call, at = decoder.raw_decode(calls_text, at)
+                written, at = decoder.raw_decode(calls_text, at)
             except (ValueError, RecursionError):
                 return None
-            arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
-            if not (isinstance(arguments, dict) and call.get("name") in self.functions):
+            call = self.call(written.get("name"), written.get("arguments", written.get("parameters", {}))) \
+                if isinstance(written, dict) else None
+            if call is None:
                 return None
-            calls.append(tool_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
+            calls.append(call)
             at = _BETWEEN_CALLS.match(calls_text, at).end()
         return Parsed(self.kept(calls), "", "")

@@ -12,7 +12,6 @@ import secrets
 import string
 
 from kvstrata.server.auto_tool_calls import CallsAfterTag, Parsed
-from kvstrata.server.tool_calls import tool_call
 
 OPEN, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID_CHARACTERS = string.ascii_letters + string.digits
@@ -34,12 +33,8 @@ class MistralToolCalls(CallsAfterTag):
         found = self._named_calls(calls_text.split(OPEN)) if ARGS in calls_text else self._listed_calls(calls_text)
         if found is None:
             return None
-        calls = []
-        for name, arguments, call_id in found:
-            if not (name in self.functions and isinstance(arguments, dict)):
-                return None
-            calls.append(tool_call(name, json.dumps(arguments, ensure_ascii=False), call_id or mistral_call_id()))
-        return Parsed(self.kept(calls), text[:start], "")
+        calls = [self.call(name, arguments, call_id or mistral_call_id()) for name, arguments, call_id in found]
+        return None if None in calls else Parsed(self.kept(calls), text[:start], "")
 
     @staticmethod
     def _listed_calls(calls_text: str) -> list[tuple] | None:

@@ -7,10 +7,8 @@ text. The arguments become JSON (a tuple a list); an output that is not such a l
 from __future__ import annotations
 
 import ast
-import json
 
 from kvstrata.server.auto_tool_calls import Parsed, WholeOutputCalls
-from kvstrata.server.tool_calls import tool_call
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
@@ -30,12 +28,14 @@ class PythonicToolCalls(WholeOutputCalls):
             return None
         calls = []
         for node in tree.elts:
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
-                    and node.func.id in self.functions and all(k.arg is not None for k in node.keywords)):
-                return None  # a call by position or of **kwargs has no argument names to give
-            try:
-                arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-                calls.append(tool_call(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not a literal, or not JSON
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
                 return None
-        return Parsed(self.kept(calls), "", "")
+            names = [keyword.arg for keyword in node.keywords]
+            if None in names or len(set(names)) < len(names):  # **kwargs, or an argument given twice
+                return None
+            try:
+                arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not a literal
+                return None
+            calls.append(self.call(node.func.id, arguments))
+        return None if None in calls else Parsed(self.kept(calls), "", "")
