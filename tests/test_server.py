@@ -204,7 +204,7 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
         ({"model": MODEL, "prompt": "x", "bad_words": ["Emma", " "]}, 400, "bad_words.1"),
         ({"model": MODEL, "prompt": "x", "bad_words": ["Emma"], "guided_regex": "a+"}, 400, "bad_words"),
-        ({"model": MODEL, "prompt": "x", "bad_words": ["Emma"], "allowed_token_ids": [5]}, 400, "bad_words"),
+        ({"model": MODEL, "prompt": "x", "bad_words": ["Emma"] * 1025}, 400, "bad_words"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 2, "guided_choice": None, "use_beam_search": False,
           "bad_words": ["Emma", " Knightley"], "length_penalty": 1}, 200, None),
         ({"model": MODEL, "prompt": "x", "max_tokens": 2, "allowed_token_ids": [5], "include_stop_str_in_output": True,

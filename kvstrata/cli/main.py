@@ -89,7 +89,7 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _add_chat_template_argument(parser: argparse.ArgumentParser) -> None:
+def _add_chat_template_kwargs_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                         help="further variables the chat template reads, as a JSON object, e.g. "
                              "'{\"enable_thinking\": false}' for Qwen3")
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a saved context (kvstrata kv save): the prompt continues it, without its prefill")
     generate.add_argument("--context-level", default=None,
                           help="the saved context's level to decode (default: the best one stored)")
-    _add_chat_template_argument(generate)
+    _add_chat_template_kwargs_argument(generate)
     _add_sampling_arguments(generate, temperature=0.0)
     add_engine_arguments(generate)
 
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Interactive chat. Type a message and press Enter; /reset clears the history, /exit quits.",
     )
     chat.add_argument("--system", default=None, help="system message for the conversation")
-    _add_chat_template_argument(chat)
+    _add_chat_template_kwargs_argument(chat)
     _add_sampling_arguments(chat, temperature=0.7)
     add_engine_arguments(chat)
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 from kvstrata.model.tokenizer import Tokenizer
 
 
-def bad_word_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[tuple[int, ...]]:
-    """Each word's tokens, and those of its spaced form where that is a word of as many tokens of its own."""
+def bad_word_token_ids(tokenizer: Tokenizer, words: tuple[str, ...]) -> list[tuple[int, ...]]:
+    """Each word's tokens, and those of its spaced form where that is a word of as many tokens of its own (a word
+    of text no token holds is no tokens, and bans nothing)."""
     sequences = []
     for word in words:
         bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        sequences.append(bare)
-        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+        sequences += [bare] if bare else []
+        if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
             sequences.append(spaced)
     return sequences
 

@@ -7,6 +7,7 @@ wraps them for offline use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -77,6 +78,10 @@ class LLMEngine:
             self.loaded.model.native_decode = NativeDecode.for_model(self.loaded.model) if config.native_decode else None
         self.tokenizer = self._tokenizer()
         self.sampling_defaults = self._sampling_defaults()  # for the sampling settings a request leaves unset
+        # bad words' tokens, found once for a request (in the server's worker thread, which checks it first) and
+        # for the latest lists
+        self._bad_word_tokens_of = functools.lru_cache(maxsize=64)(functools.partial(bad_word_token_ids,
+                                                                                       self.tokenizer))
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
@@ -254,14 +259,16 @@ class LLMEngine:
                 raise ParameterError(param, f"{param} names token {outside[0]}, outside the vocabulary [0, {vocab})")
         allowed = params.allowed_token_ids
         choosable = "the vocabulary" if allowed is None else "allowed_token_ids"
+
+        def cover_choosable(banned: set[int]) -> bool:
+            return len({t for t in banned if t < vocab}) >= vocab if allowed is None else set(allowed) <= banned
+
         ends = params.ending_tokens(self.outputs.eos_token_ids) if params.min_tokens else set()
-        if (allowed is None and len({t for t in ends if t < vocab}) >= vocab) or (allowed and set(allowed) <= ends):
+        if cover_choosable(ends):
             raise ParameterError("min_tokens", f"min_tokens {params.min_tokens} bans every token of {choosable}: "
                                                "stop_token_ids and EOS cover all of it")
-        # each bad word bans at most one token a step: while they and the ends are fewer than the tokens the
-        # output may take, some token is left to sample
-        banned_at_most = len(bad_words) + len(ends)
-        if params.bad_words and banned_at_most >= (vocab if allowed is None else len(set(allowed))):
+        # a bad word bans no token but its last: while those and the ends leave one, some token may be sampled
+        if bad_words and cover_choosable(ends | {word[-1] for word in bad_words}):
             raise ParameterError("bad_words", f"bad_words could ban every token of {choosable} at once")
 
     def _bad_word_tokens(self, params: SamplingParams) -> list[tuple[int, ...]]:
@@ -269,7 +276,7 @@ class LLMEngine:
             return []
         if self.tokenizer is None:
             raise ParameterError("bad_words", "this model has no tokenizer to find bad_words' tokens with")
-        return bad_word_token_ids(self.tokenizer, params.bad_words)
+        return self._bad_word_tokens_of(tuple(params.bad_words))
 
     def check_prompt_length(self, token_ids: list[int]) -> None:
         if not token_ids:

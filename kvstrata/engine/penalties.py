@@ -3,8 +3,8 @@ penalties (as vLLM and OpenAI define them), `min_tokens`, which bans the tokens 
 until it is that long, and `bad_words`, which bans the token that would complete one. Applied after logit_bias,
 before the greedy choice and temperature (vLLM's order).
 
-Rows without either are left as they are; the others are penalized together, from token counts built in one
-scatter per step.
+Rows without any are left as they are; the penalized ones are penalized together, from token counts built in one
+scatter per step, and the tokens bad words ban are set in one indexed write.
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ def penalized_logits(logits: torch.Tensor, params: list[SamplingParams], histori
         logits[penalized] = _penalize(logits[penalized], [params[row] for row in penalized], histories, penalized)
     if banning:
         _ban_ends(logits, banning, params, histories.eos_token_ids)
-    for row in with_bad_words:
-        banned = banned_next_tokens(histories.bad_words[row], histories.output(row))
+    if with_bad_words:
+        banned = [(row, token) for row in with_bad_words
+                  for token in banned_next_tokens(histories.bad_words[row], histories.output(row))]
         if banned:
-            logits[row, torch.tensor(banned, device=logits.device)] = float("-inf")
+            logits[torch.tensor(banned, device=logits.device).T.unbind()] = float("-inf")
     return logits
 
 

@@ -1,6 +1,6 @@
 """Turn next-token logits into tokens: logit bias, allowed tokens and structured output's constraint (masks from
-grammar_matcher.py), penalties and min_tokens (penalties.py), greedy, temperature, top-k, top-p, min-p, seeds,
-logprobs.
+grammar_matcher.py), penalties, min_tokens and bad words (penalties.py), greedy, temperature, top-k, top-p, min-p,
+seeds, logprobs.
 
 Every row is filtered and drawn in batched tensor operations, and the tokens reach Python in one
 transfer at the end: no host sync per row (rows with their own seed draw from their own generator).
@@ -8,9 +8,9 @@ transfer at the end: no host sync per row (rows with their own seed draw from th
 No accepted parameter can make a row's distribution NaN: temperatures below `GREEDY_BELOW_TEMPERATURE`
 sample greedily (their limit; dividing fp32 logits by them would overflow), top-p and min-p always keep the
 most likely token (a top_p that rounds to 0 in fp32 would otherwise drop every token), the penalties' ranges
-keep logits finite, a request whose min_tokens would ban every token it may generate is refused when it is
-added (`LLMEngine.check_sampling`), and a constraint always allows some token (with neither min_tokens nor
-allowed_token_ids beside it: SamplingParams refuses those).
+keep logits finite, a request whose min_tokens or bad words could ban every token it may generate is refused when
+it is added (`LLMEngine.check_sampling`), and a constraint always allows some token (with neither min_tokens,
+allowed_token_ids nor bad words beside it: SamplingParams refuses those).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def sample(
     histories: Histories, constraints: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` [rows, vocab] (fp32, finite), plus logprobs where asked for. `histories`:
-    the rows' sequences, which penalties and min_tokens read; `constraints`: the tokens each row's structured
+    the rows' sequences, which penalties, min_tokens and bad words read; `constraints`: the tokens each row's structured
     output allows next (grammar_matcher.allowed_tokens; None: unconstrained)."""
     biased = penalized_logits(biased_logits(logits, params, constraints), params, histories)
     tokens = greedy_tokens(biased)

@@ -8,6 +8,7 @@ from kvstrata.engine.structured_output import StructuredOutput
 from kvstrata.errors import KvstrataError, ParameterError
 
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 1024  # each is looked for after every token: a bound on the step's work
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 # Below this a temperature samples greedily, its limit (vLLM draws the same line): fp32 logits divided by
 # 1e-40 overflow to inf, and the softmax of inf is NaN.
@@ -96,7 +97,10 @@ class SamplingParams:
             for token in self.allowed_token_ids:
                 _check_int("allowed_token_ids entry", token, 0)
         if not (isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
-            raise KvstrataError(f"bad_words must be a list of words (strings not blank), got {self.bad_words!r:.200}")
+            raise ParameterError("bad_words", f"bad_words must be a list of words (strings not blank), got "
+                                              f"{self.bad_words!r:.200}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ParameterError("bad_words", f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS}")
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise KvstrataError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")

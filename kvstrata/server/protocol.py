@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from kvstrata.engine.sampling_params import (
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
@@ -198,7 +199,8 @@ class _SamplingFields(BaseModel):
     # vLLM's extras that this engine does not have: refused unless off, so that no output silently differs
     use_beam_search: OnlyFalse = False
     length_penalty: Annotated[Number, Field(ge=1, le=1, description="Not supported: 1 only")] = 1
-    bad_words: list[Annotated[Text, Field(pattern=r"\S")]] | None = None  # vLLM's: words the output may not hold
+    # vLLM's: words the output may not hold
+    bad_words: Annotated[list[Annotated[Text, Field(pattern=r"\S")]], Field(max_length=MAX_BAD_WORDS)] | None = None
     # vLLM's: each prompt token's logprob and rank, with that many alternatives (not streamed)
     prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     # structured output (at most one of these four ways): OpenAI's response_format, vLLM's structured_outputs, and
