@@ -2,6 +2,7 @@
 {% generation %}, strftime_now, and further variables from the caller (vLLM's chat_template_kwargs, e.g. Qwen3's
 enable_thinking); text beside the contents (tools, variables) cannot forge a special token."""
 
+import dataclasses
 import json
 import shutil
 
@@ -9,6 +10,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from kvstrata.config import EngineConfig
 from kvstrata.errors import KvstrataError
 from kvstrata.model.tokenizer import Tokenizer
 from tests.server_harness import running_server
@@ -134,6 +136,8 @@ def test_a_template_given_in_place_of_the_model_s_renders_its_chats(model_dir, t
     assert Tokenizer.from_directory(tiny_llama).encode_chat(MESSAGES) != expected  # the model's own differs
     for given in (str(tmp_path / "given.jinja"), TEMPLATE):
         assert LLM(str(tiny_llama), kv_cache_memory="8MiB", chat_template=given).chat_prompt(MESSAGES) == expected
+    config = EngineConfig(chat_template=str(tmp_path / "given.jinja"))  # read into the config as its text, which
+    assert dataclasses.replace(config).chat_template == config.chat_template == TEMPLATE  # a replica's copy keeps
     with running_server(str(tiny_llama), kv_cache_memory="8MiB", chat_template=TEMPLATE) as (url, _):
         body = {"model": "test-model", "messages": MESSAGES}
         assert httpx.post(url + "/tokenize", json=body).json()["tokens"] == expected
@@ -141,9 +145,8 @@ def test_a_template_given_in_place_of_the_model_s_renders_its_chats(model_dir, t
 
 def test_a_given_template_that_is_no_template_is_refused_by_name(tiny_llama):
     from kvstrata import LLM
-    from kvstrata.config import EngineConfig
 
-    with pytest.raises(KvstrataError, match="chat_template 'templates/chatml.jinja' is neither a file nor a Jinja"):
+    with pytest.raises(KvstrataError, match="chat_template 'templates/chatml.jinja' is neither a file nor a template"):
         EngineConfig(chat_template="templates/chatml.jinja")
     with pytest.raises(KvstrataError, match="the chat template given cannot be read: .*endfor"):
         LLM(str(tiny_llama), kv_cache_memory="8MiB", chat_template="{% for m in messages %}{{ m.content }}")

@@ -89,7 +89,7 @@ def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_refused(tiny_l
     assert reserved.returncode == 2 and "variables messages are the template's own" in reserved.stderr
     assert run_cli(*base, "--chat", "--chat-template-kwargs", '{"enable_thinking": false}').returncode == 0
     no_template = run_cli(*base, "--chat", "--chat-template", "missing.jinja")  # a template in place of the model's
-    assert no_template.returncode == 2 and "is neither a file nor a Jinja template" in no_template.stderr
+    assert no_template.returncode == 2 and "is neither a file nor a template" in no_template.stderr
 
 
 def test_chat_session(tiny_llama):

@@ -131,7 +131,7 @@ def a_gguf_file(path, arch: str, tokens: tuple[str, ...] = (), **metadata):
     return path
 
 
-def test_a_generation_ends_where_llama_cpp_ends_it(tmp_path):
+def test_a_generation_ends_at_the_file_s_end_tokens_and_the_turn_ends_llama_cpp_knows(tmp_path):
     """At the tokens the eos, eot and eom fields name, and at the turn ends llama.cpp knows by their text (a Llama 3.1
     file's eos is <|eot_id|>, and its model ends a built-in tool's call with <|eom_id|>)."""
     import gguf

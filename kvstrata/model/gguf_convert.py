@@ -54,14 +54,16 @@ GLOBAL_TENSORS = {
 }
 # Turn and text ends llama.cpp stops generating at wherever its vocabulary has them, beside the tokens the eos, eot
 # and eom fields name: a file's eos field alone often misses one (Llama 3.1's names <|eot_id|>, and the model ends a
-# call of a built-in tool with <|eom_id|>; Qwen's names <|im_end|>, and a plain text ends with <|endoftext|>)
+# call of a built-in tool with <|eom_id|>; Qwen's names <|im_end|>, and a plain text ends with <|endoftext|>).
+# llama.cpp also stops at the fill-in-the-middle tokens it finds (<|file_sep|>, <reponame>, ...); they are left out,
+# since kvstrata serves no fill-in-the-middle requests (a completion's `suffix` is refused).
+END_OF_GENERATION_TEXTS = frozenset(("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>",
+                                     "<|end|>", "<end_of_turn>", "<EOT>", "_<EOT>", "<end_of_utterance>"))
 # The sampling settings llama.cpp's converter carries over from a model's generation_config.json, by the names
 # transformers gives them
 GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
                  "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
                  "general.sampling.penalty_repeat": "repetition_penalty"}
-END_OF_GENERATION_TEXTS = frozenset(("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>",
-                                     "<|end|>", "<end_of_turn>", "<EOT>"))
 
 
 def _field(reader, key: str, default=None):
@@ -107,8 +109,8 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
 
 
 def end_of_generation_ids(reader) -> list[int]:
-    """The tokens that end a generation, as llama.cpp takes them: those the eos, eot and eom fields name (the eos
-    first), then those of END_OF_GENERATION_TEXTS in the vocabulary."""
+    """The tokens that end a generation: those the eos, eot and eom fields name (the eos first), then those of
+    END_OF_GENERATION_TEXTS in the vocabulary."""
     named = [_field(reader, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
     tokens = _field(reader, "tokenizer.ggml.tokens", [])
     ends = [*named, *(token_id for token_id, text in enumerate(tokens) if text in END_OF_GENERATION_TEXTS)]

@@ -85,20 +85,22 @@ def _text_beside_contents(messages: list[dict], tools: list[dict] | None, templa
 
 def read_chat_template(value: str) -> str:
     """A chat template given in place of the model's, as vLLM's --chat-template takes it: a file's path, or the
-    template itself."""
+    template itself, told apart by its braces or line breaks (kept as given: vLLM would also turn the escape \\n
+    into a line break). Read again, what it returns is returned as it is (a template holds a brace or a line
+    break)."""
     try:
         is_file = Path(value).is_file()
     except (OSError, ValueError):  # a template too long for a file name, or holding a NUL
         is_file = False
     if is_file:
         try:
-            return Path(value).read_text()
+            return Path(value).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise KvstrataError(f"cannot read the chat template file {value}: {exc}") from exc
-    if "{{" in value or "{%" in value:
+    if any(mark in value for mark in "{}\n"):
         return value
-    raise KvstrataError(f"chat_template {value[:80]!r} is neither a file nor a Jinja template (one writes {{{{ }}}} or "
-                        f"{{% %}})")
+    raise KvstrataError(f"chat_template {value[:80]!r} is neither a file nor a template (which holds a brace or a "
+                        f"line break)")
 
 
 class Tokenizer:
