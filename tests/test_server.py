@@ -46,6 +46,15 @@ def wait_idle(app, timeout=30.0):
     return engine.engine
 
 
+def test_usage_counts_the_prompt_tokens_whose_kv_was_reused(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: the prompt's full blocks the prefix cache served (its
+    last token is always computed)."""
+    prompt = "Usage of a prompt never sent before: Highbury, Hartfield, Randalls, Donwell Abbey and Box Hill. " * 2
+    first, second = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=1) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (second.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+
 def test_completion_matches_offline_generate(client, offline):
     expected = offline.generate(["Emma Woodhouse, handsome"], SamplingParams(max_tokens=12, temperature=0))[0]
     reply = client.completions.create(model=MODEL, prompt="Emma Woodhouse, handsome", max_tokens=12, temperature=0)
@@ -607,7 +616,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, offline):
     assert choice["text"] == prompt and len(choice["logprobs"]["tokens"]) == len(ids)
     assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]],
                                                                      abs=1e-4)
-    assert reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert reply["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     with httpx.stream("POST", server[0] + "/v1/completions", json={**body, "stream": True}, timeout=60) as streamed:
         events = [json.loads(line[6:]) for line in streamed.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]

@@ -86,7 +86,7 @@ class OutputProcessor:
             text=seq.output_text,
             finished=finished,
             finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_prompt_tokens or 0,
+            num_cached_tokens=seq.num_reused_prompt_tokens or 0,
             metrics=RequestMetrics(
                 arrival_time=seq.arrival_time,
                 first_token_time=seq.first_token_time,

@@ -44,7 +44,9 @@ class RequestOutput:
     text: str
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort" or "error"
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # prompt tokens whose KV was reused, not computed, when it was first scheduled: the prefix cache's, the KV
+    # store's, a saved context's (OpenAI's usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int
     metrics: RequestMetrics
     new_text: str = ""  # streaming: text released since the previous output of this request
     new_token_ids: list[int] = field(default_factory=list)

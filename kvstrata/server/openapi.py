@@ -25,10 +25,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV was reused (prefix cache, KV store, saved context), not computed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionChoice(BaseModel):

@@ -23,11 +23,13 @@ def sse(payload: dict | str) -> str:
 
 
 def usage(outputs: list[RequestOutput], samples_per_prompt: int, completions_shown: bool = True) -> dict:
-    """Each prompt counted once (its `n` choices share it), every choice's completion (none when only the prompts
-    are shown: echo with max_tokens 0)."""
+    """Each prompt counted once (its `n` choices share it; its first choice's reused KV, OpenAI's cached tokens),
+    every choice's completion (none when only the prompts are shown: echo with max_tokens 0)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs[::samples_per_prompt])
+    cached = sum(o.num_cached_tokens for o in outputs[::samples_per_prompt])
     completion = sum(len(o.token_ids) for o in outputs) if completions_shown else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error", code=None) -> dict:

@@ -72,6 +72,7 @@ class Scheduler(ABC):
         self.kv.prefix_stats.record(seq.num_tokens, hits)
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = hits
+            seq.num_reused_prompt_tokens = seq.num_computed_tokens
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
