@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -28,6 +29,7 @@ from kvstrata.server.openapi import (
     TOKENIZE_RESPONSES,
     ChatCompletionResponse,
     CompletionResponse,
+    ResponsesResponse,
     completion_responses,
     fix_openapi,
 )
@@ -41,6 +43,8 @@ from kvstrata.server.protocol import (
 )
 from kvstrata.server.request_prep import RequestPreparer
 from kvstrata.server.responses import ResponseBuilder, error_body, sse
+from kvstrata.server.responses_output import ResponseEvents, ResponseShaper, sse_event
+from kvstrata.server.responses_protocol import CHAT_FIELDS_AS_NAMED_HERE, RESPONSES_FIELDS, ResponsesRequest
 
 log = logging.getLogger("kvstrata.server")
 RETRY_AFTER_SECONDS = 1
@@ -73,7 +77,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         return _error(400, f"request body must be a JSON object: {message}")
     # Union members add their type's name to the location; keep field names and list indexes (and the name of a
     # field a body may not have, which is the error).
-    named = [p for p in location if isinstance(p, int) or p in REQUEST_FIELDS]
+    named = [p for p in location if isinstance(p, int) or p in REQUEST_FIELDS or p in RESPONSES_FIELDS]
     if chosen["type"] == "extra_forbidden" and named[-1:] != [location[-1]]:
         named.append(location[-1])
     param = ".".join(str(p) for p in named)
@@ -187,19 +191,45 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _serve(body, request)
 
-    async def _serve(body: CompletionRequest | ChatCompletionRequest, request: Request):
+    @app.post("/v1/responses", responses=completion_responses(ResponsesResponse))
+    async def responses(body: ResponsesRequest, request: Request):
+        try:
+            chat = body.chat_request()
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            param = CHAT_FIELDS_AS_NAMED_HERE.get(error["loc"][0], str(error["loc"][0])) if error["loc"] else None
+            return _error(400, f"{param}: {error['msg']}", param)
+        started = await _start(chat, named=CHAT_FIELDS_AS_NAMED_HERE)
+        if isinstance(started, Response):
+            return started
+        builder, first, outputs, _ = started
+        shaper = ResponseShaper(body, model_name, tokenizer)
+        if body.stream:
+            return StreamingResponse(_response_events(shaper, builder, first, outputs), media_type="text/event-stream")
+        try:
+            final = await _last(first, outputs, 1, request)
+        except ServerError as exc:
+            return _server_error(exc)
+        if final is None:
+            return Response(status_code=499)
+        return shaper.full(builder.full(final))
+
+    async def _start(body: CompletionRequest | ChatCompletionRequest, named: dict[str, str] | None = None):
+        """Check and queue a request: its response builder, first output, the outputs after it and the number of
+        its choices, or the error response. `named`: the names the client's endpoint gives the fields."""
         chat = isinstance(body, ChatCompletionRequest)
         if (unknown := _unknown_model(body.model)) is not None:
             return unknown
+        named = named or {}
         try:
             preparer.precheck(body)
             requests = await asyncio.to_thread(preparer.prepare, body)
             outputs = async_engine.generate(requests)
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
         except ParameterError as exc:
-            return _error(400, str(exc), exc.param)
+            return _error(400, str(exc), named.get(exc.param, exc.param))
         except KvstrataError as exc:
-            return _error(400, str(exc), "messages" if chat else "prompt")
+            return _error(400, str(exc), named.get("messages", "messages") if chat else "prompt")
         except ServerError as exc:
             return _server_error(exc)
         echo_texts = None
@@ -212,11 +242,18 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
                                   reasoning=preparer.reasoning(body),
                                   include_reasoning=not chat or body.include_reasoning,
                                   prompt_logprobs=body.prompt_logprobs is not None)
+        return builder, first, outputs, len(requests)
+
+    async def _serve(body: CompletionRequest | ChatCompletionRequest, request: Request):
+        started = await _start(body)
+        if isinstance(started, Response):
+            return started
+        builder, first, outputs, num_choices = started
         if body.stream:
-            return StreamingResponse(_stream(builder, first, outputs, len(requests), body.include_usage),
+            return StreamingResponse(_stream(builder, first, outputs, num_choices, body.include_usage),
                                      media_type="text/event-stream")
         try:
-            final = await _last(first, outputs, len(requests), request)
+            final = await _last(first, outputs, num_choices, request)
         except ServerError as exc:
             return _server_error(exc)
         if final is None:
@@ -266,3 +303,29 @@ async def _stream(builder: ResponseBuilder, first: Choice, outputs: AsyncIterato
     finally:
         await outputs.aclose()  # a disconnect lands here: the request is aborted, its blocks freed
     yield sse("[DONE]")
+
+
+async def _response_events(shaper: ResponseShaper, builder: ResponseBuilder, first: Choice,
+                           outputs: AsyncIterator[Choice]) -> AsyncIterator[str]:
+    """A Responses stream: the chat stream of its one choice, as the Responses API's events."""
+    events = ResponseEvents(shaper)
+    try:
+        for event in events.start():
+            yield sse_event(event)
+        _, output = first
+        while True:
+            chunk = builder.chunk(0, output)
+            if chunk is not None:
+                for event in events.delta(chunk["choices"][0]["delta"]):
+                    yield sse_event(event)
+            if output.finished:
+                finish_reason = chunk["choices"][0]["finish_reason"] if chunk else output.finish_reason
+                for event in events.finish(finish_reason, builder.usage_chunk([output])["usage"]):
+                    yield sse_event(event)
+                break
+            _, output = await anext(outputs)
+    except ServerError as exc:
+        for event in events.fail(str(exc), exc.kind):
+            yield sse_event(event)
+    finally:
+        await outputs.aclose()  # a disconnect lands here: the request is aborted, its blocks freed

@@ -73,6 +73,18 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ResponsesResponse(BaseModel):
+    """OpenAI's Response object (responses_output.py shapes it; its output items as OpenAI describes them)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict]
+    usage: dict | None
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
