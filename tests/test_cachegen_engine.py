@@ -80,6 +80,7 @@ def test_text_chunks_are_recomputed_on_the_decoded_ones(tiny_llama, context_ids,
     llm.save_context(context_ids, path, levels=["near-lossless"], chunk_tokens=30)  # chunks of 30, 30, 30, 5
     resumed = generate(llm, question, context=path, recompute_chunks=[1, 3])
     assert prefilled_tokens(llm) == 30 + 5 + len(question)
+    assert resumed.num_cached_tokens == 30 + 30  # chunks 0 and 2, placed before and after chunk 1 is computed
     decoded = SavedContext(llm.engine, path).preloaded(recompute={1, 3})
     assert [p.start for p in decoded] == [0, 60]
     request = llm.engine.add_request(context_ids + question, GREEDY, preloaded=decoded, cache_salt=b"mixed")

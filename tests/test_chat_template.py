@@ -150,6 +150,8 @@ def test_a_given_template_that_is_no_template_is_refused_by_name(tiny_llama):
         EngineConfig(chat_template="templates/chatml.jinja")
     with pytest.raises(KvstrataError, match="the chat template given cannot be read: .*endfor"):
         LLM(str(tiny_llama), kv_cache_memory="8MiB", chat_template="{% for m in messages %}{{ m.content }}")
+    with pytest.raises(KvstrataError, match="the chat template given cannot be read: it nests too deep"):
+        LLM(str(tiny_llama), kv_cache_memory="8MiB", chat_template="{% if x %}" * 3000)
 
 
 def test_a_request_s_own_template_is_rendered_only_where_the_server_trusts_it(model_dir, tiny_llama):

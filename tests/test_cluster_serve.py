@@ -122,6 +122,10 @@ def test_the_openai_client_works_unchanged(cluster):
     streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, stream=True) if chunk.choices)
     assert streamed == completion.choices[0].text
+    answer = client.responses.create(model=MODEL, input="Hello", max_output_tokens=5, temperature=0)
+    events = list(client.responses.create(model=MODEL, input="Hello", max_output_tokens=5, temperature=0,
+                                          stream=True))  # relayed as the replica streams it
+    assert events[-1].response.output_text == answer.output_text == chat.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="temperature"):  # the replica's own validation, passed on
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=-1)
 
@@ -206,6 +210,7 @@ def test_the_front_renders_a_chat_s_routing_key_with_the_replicas_chat_template(
     from kvstrata.cluster.routing import prompt_blocks
     from kvstrata.model.tokenizer import Tokenizer
     from kvstrata.server.protocol import ChatCompletionRequest
+    from kvstrata.server.responses_protocol import ResponsesRequest
 
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     options = FrontOptions(checkpoint=str(tiny_llama), routing="prefix", block_size=16, routing_prefix_tokens=256,
@@ -213,3 +218,5 @@ def test_the_front_renders_a_chat_s_routing_key_with_the_replicas_chat_template(
     body = b'{"model": "m", "messages": [{"role": "user", "content": "Where is Highbury?"}]}'
     blocks, _ = Frontend(options, None)._route_on(ChatCompletionRequest, body)
     assert blocks == prompt_blocks(Tokenizer.from_directory(tiny_llama).encode("[user] Where is Highbury?\n"), 16)
+    responses = b'{"model": "m", "input": "Where is Highbury?", "stream": true}'  # the chat request it amounts to
+    assert Frontend(options, None)._route_on(ResponsesRequest, responses) == (blocks, True)

@@ -88,12 +88,14 @@ def test_a_nan_context_fails_its_request_and_is_never_served_again(tiny_llama, c
     assert finished["bad"].finish_reason == "error" and "not finite" in finished["bad"].error
     assert_bystanders_unharmed(finished, clean)
     # Its blocks left the prefix cache: the same context and salt, given good KV now, is placed afresh.
+    hits = engine.kv_manager.prefix_stats.hit_tokens
     engine.add_request(CONTEXT + [7, 8], GREEDY, request_id="again", cache_salt=b"file",
                        preloaded=[PreloadedKV(0, *context_kv)])
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
-    assert outputs[0].finish_reason == "length" and outputs[0].num_cached_tokens == 0
+    assert outputs[0].finish_reason == "length" and engine.kv_manager.prefix_stats.hit_tokens == hits
+    assert outputs[0].num_cached_tokens == len(CONTEXT)  # the KV given, placed (reused, not computed)
 
 
 def test_a_failed_forward_pass_ends_that_steps_requests_and_the_engine_goes_on(tiny_llama, clean):

@@ -68,6 +68,9 @@ def test_settings_that_cannot_be_used_are_refused_by_name(tiny_llama, tmp_path):
         LLMEngine(EngineConfig(model=str(unusable), kv_cache_memory="8MiB"))
     ignored = LLMEngine(EngineConfig(model=str(unusable), kv_cache_memory="8MiB", generation_config="vllm"))
     assert ignored.sampling_defaults == {}
+    off = with_generation_config(tiny_llama, tmp_path / "off", {"top_k": -1, "top_p": 0.9})  # -1: no top-k
+    assert LLMEngine(EngineConfig(model=str(off), kv_cache_memory="8MiB")).sampling_defaults == {"top_k": 0,
+                                                                                               "top_p": 0.9}
     malformed = with_generation_config(tiny_llama, tmp_path / "malformed", {"temperature": "hot"})
     with pytest.raises(KvstrataError, match="generation_config.json: temperature must be a number, got 'hot'"):
         LLMEngine(EngineConfig(model=str(malformed), kv_cache_memory="8MiB"))

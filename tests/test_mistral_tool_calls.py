@@ -48,3 +48,21 @@ def test_text_streams_until_the_tag_may_begin_and_the_calls_come_whole_at_the_en
     deltas = streamed(text, [10, 11, 3, len(text) - 24], "stop", PARSER)
     assert "".join(d.get("content") or "" for d in deltas) == "Checking [brackets]."
     assert calls_of(deltas[-1]) == [WEATHER, ("get_time", {})] and deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_calls_tool_choice_forces_get_mistral_s_ids_too(tiny_llama):
+    """A named or "required" call is read back by the same template as the model's own calls."""
+    from kvstrata.config import EngineConfig
+    from kvstrata.engine.llm_engine import LLMEngine
+    from kvstrata.server.options import ServerOptions
+    from kvstrata.server.protocol import ChatCompletionRequest
+    from kvstrata.server.request_prep import RequestPreparer
+    from tests.test_tool_calls import TOOLS
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB"))
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": TOOLS, "tool_choice": "required"})
+    for parser, id_length in (("mistral", 9), ("hermes", 29)):
+        forced = RequestPreparer(engine, ServerOptions(tool_call_parser=parser)).tool_calls(body)
+        message, _ = forced.message('[{"name": "get_time", "parameters": {}}]', "stop")
+        assert len(message["tool_calls"][0]["id"]) == id_length

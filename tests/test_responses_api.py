@@ -24,6 +24,7 @@ def test_the_request_is_the_chat_request_it_amounts_to():
         "input": [
             {"role": "user", "content": "Weather in Bath?"},  # OpenAI's "easy" message: no type
             {"type": "reasoning", "id": "rs_1", "summary": []},  # earlier thinking: dropped
+            {"role": "assistant", "content": "Checking."},  # a turn's text and its call: one assistant message
             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Bath"}'},
             {"type": "function_call_output", "call_id": "c1", "output": "Rain"},
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Rain."}]},
@@ -31,7 +32,7 @@ def test_the_request_is_the_chat_request_it_amounts_to():
     chat = request.chat_request()
     assert [m.plain() for m in chat.messages] == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Bath?"},
-        {"role": "assistant", "content": "", "tool_calls": [
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Bath"}}}]},
         {"role": "tool", "content": "Rain", "tool_call_id": "c1"}, {"role": "assistant", "content": "Rain."}]
     assert (chat.max_completion_tokens, chat.temperature, chat.parallel_tool_calls) == (20, 0.5, False)
@@ -99,9 +100,12 @@ def test_the_server_answers_as_its_chat_endpoint_does_whole_and_streamed(tiny_ll
 
 @pytest.mark.parametrize("extra, status, param", [
     ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ({"conversation": "conv_1"}, 400, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, 400, "prompt"),
     ({"background": True}, 400, "background"),
     ({"max_output_tokens": 10_000}, 400, "max_output_tokens"),
-    ({"tools": [{"type": "function", "name": "bad name"}]}, 400, "tools"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, 400, "tools.0.name"),
+    ({"tools": FUNCTIONS, "tool_choice": {"type": "function", "name": "other"}}, 400, "tool_choice"),
     ({"input": [{"type": "image", "url": "x"}]}, 400, "input.0"),
     ({"model": "other"}, 404, "model"),
 ])

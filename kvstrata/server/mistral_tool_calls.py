@@ -2,7 +2,8 @@
 `[TOOL_CALLS]` and either a JSON list of `{"name": ..., "arguments": {...}}` objects (Mistral 7B v0.3, Mixtral 8x22B,
 Mistral Nemo) or, with tokenizers from v11 on (Mistral Small 3, Devstral), one `[TOOL_CALLS]name[ARGS]{...}` per
 call (`[CALL_ID]id` after the name where the model writes one). Mistral's chat templates take a call back only with
-an id of 9 letters and digits, so the calls get such ids.
+an id of 9 letters and digits, so the calls get such ids (and so do the calls `tool_choice` forces, where the server
+reads this format: request_prep.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def mistral_call_id() -> str:
 class MistralToolCalls(CallsAfterTag):
     open_tag = OPEN
     special_tags = (OPEN, ARGS)  # the tokenizer's special tokens, kept in the text for the parser
+    new_call_id = staticmethod(mistral_call_id)
 
     def parse(self, text: str, finish_reason: str | None) -> Parsed | None:
         start = text.find(OPEN)
@@ -33,7 +35,7 @@ class MistralToolCalls(CallsAfterTag):
         found = self._named_calls(calls_text.split(OPEN)) if ARGS in calls_text else self._listed_calls(calls_text)
         if found is None:
             return None
-        calls = [self.call(name, arguments, call_id or mistral_call_id()) for name, arguments, call_id in found]
+        calls = [self.call(name, arguments, call_id) for name, arguments, call_id in found]
         return None if None in calls else Parsed(self.kept(calls), text[:start], "")
 
     @staticmethod

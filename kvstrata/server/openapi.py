@@ -10,8 +10,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvstrata.server.responses_protocol import ResponsesRequest
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest)
 
 
 class ErrorDetail(BaseModel):
@@ -149,7 +150,7 @@ def fix_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_len: i
                 components.update(generated.pop("$defs", {}))
                 fields = generated["properties"]
                 fields["model"]["enum"] = [model_name]
-                for name in ("max_tokens", "max_completion_tokens"):
+                for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if name in fields and max_tokens_limit is not None:
                         fields[name]["anyOf"][0]["maximum"] = max_tokens_limit
                 if "prompt" in fields:  # a prompt of token ids, alone or in a batch

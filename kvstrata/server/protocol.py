@@ -35,6 +35,7 @@ from kvstrata.engine.sampling_params import (
 )
 from kvstrata.engine.structured_output import StructuredOutput
 from kvstrata.errors import KvstrataError, ParameterError
+from kvstrata.model.config import SAMPLING_DEFAULT_FIELDS
 from kvstrata.model.tokenizer import TEMPLATE_ARGUMENTS
 from kvstrata.server.tool_calls import ToolCalls
 
@@ -160,8 +161,8 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-# OpenAI's and vLLM's values of the sampling settings a request and the model leave unset
-UNSET_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# The values of the sampling settings a request and the model leave unset: SamplingParams' (OpenAI's and vLLM's)
+UNSET_SAMPLING = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name in SAMPLING_DEFAULT_FIELDS}
 
 
 class _SamplingFields(BaseModel):

@@ -68,10 +68,13 @@ class RequestPreparer:
         where the model chooses (tool_choice auto, which precheck lets through only with a parser)."""
         if not isinstance(body, ChatCompletionRequest):
             return None
+        parser = PARSERS.get(self.options.tool_call_parser)
         if body.model_chooses_tools:
-            functions = frozenset(tool.function.name for tool in body.tools)
-            return PARSERS[self.options.tool_call_parser](functions, body.parallel_tool_calls)
-        return body.tool_calling
+            return parser(frozenset(tool.function.name for tool in body.tools), body.parallel_tool_calls)
+        forced = body.tool_calling
+        if forced is not None and parser is not None:  # the ids the model's template takes back
+            forced = dataclasses.replace(forced, new_call_id=parser.new_call_id)
+        return forced
 
     def reasoning(self, body: Body) -> ReasoningParser | None:
         """How a chat's thinking is told from its answer, where the server has a reasoning parser and nothing

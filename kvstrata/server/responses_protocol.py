@@ -3,8 +3,8 @@ a system message first, `input` the messages (a text alone is the user's), earli
 the assistant's tool calls and the tool's answers, `max_output_tokens` the completion's limit, `text.format` the
 response format, function `tools` the chat's. Everything the chat endpoint checks is checked as it checks it.
 
-Nothing is stored: `previous_response_id` is refused (send the whole conversation as `input`), `background` and
-`top_logprobs` too.
+Nothing is stored: `previous_response_id`, `conversation` and `prompt` (stored state) are refused (send the whole
+conversation as `input`), `background` and `top_logprobs` too.
 `reasoning` (an effort, a summary) is accepted and not acted on, as vLLM does for models without effort levels;
 earlier reasoning items in `input` are dropped, as chat templates drop earlier thinking.
 """
@@ -26,14 +26,18 @@ from kvstrata.server.protocol import (
 )
 
 # The chat request's fields that a Responses request names otherwise (for the errors of what the chat endpoint
-# checks)
+# checks); a tool's and a named tool choice's fields lie in no "function" object here
 CHAT_FIELDS_AS_NAMED_HERE = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                             "response_format": "text.format"}
+                             "response_format": "text.format", "function": ""}
 
 
 class ContentText(BaseModel):
     type: Literal["input_text", "output_text"]
     text: Text
+
+
+def _joined(content: str | list[ContentText]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 class InputMessage(BaseModel):
@@ -42,8 +46,7 @@ class InputMessage(BaseModel):
     content: Text | list[ContentText]
 
     def chat(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": self.role, "content": text}
+        return {"role": self.role, "content": _joined(self.content)}
 
 
 class FunctionCallItem(BaseModel):
@@ -56,7 +59,10 @@ class FunctionCallItem(BaseModel):
 class FunctionCallOutputItem(BaseModel):
     type: Literal["function_call_output"]
     call_id: Text
-    output: Text
+    output: Text | list[ContentText]
+
+    def chat(self) -> dict:
+        return {"role": "tool", "tool_call_id": self.call_id, "content": _joined(self.output)}
 
 
 class ReasoningItem(BaseModel):
@@ -136,6 +142,8 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["disabled"] | None = None
     top_logprobs: OnlyNull = None
     previous_response_id: OnlyNull = None
+    conversation: OnlyNull = None  # a stored conversation's
+    prompt: OnlyNull = None  # a stored prompt template's
     background: OnlyFalse = False
 
     def chat_request(self) -> ChatCompletionRequest:
@@ -166,12 +174,12 @@ class ResponsesRequest(BaseModel):
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-                    messages[-1]["tool_calls"].append(call)  # calls made together: one assistant turn
+                if messages and messages[-1]["role"] == "assistant":  # a turn's text and its calls: one message
+                    messages[-1].setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                messages.append(item.chat())
         return messages
 
 

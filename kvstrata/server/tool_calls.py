@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -20,9 +21,12 @@ def arguments_schema(parameters: dict | None) -> dict:
     return NO_ARGUMENTS if parameters is None else {"type": "object", **parameters}
 
 
-def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
-    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+def openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(name: str, arguments: str, call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 @dataclass
@@ -31,6 +35,7 @@ class ToolCalls:
 
     function: str | None  # None: "required"
     parallel: bool = True  # "required" may make several calls (OpenAI's parallel_tool_calls)
+    new_call_id: Callable[[], str] = openai_call_id  # the calls' ids (Mistral's chat templates take 9 characters)
 
     def schema(self, functions: dict[str, dict | None]) -> dict:
         """What the output must be, given the request's functions (name: parameters): the named function's
@@ -48,9 +53,11 @@ class ToolCalls:
         as it came (cut short where max_tokens cut the output: OpenAI does the same); a "required" output that does
         not parse (cut short) stays text."""
         if self.function is not None:
-            return {"role": "assistant", "content": None, "tool_calls": [tool_call(self.function, text)]}, finish_reason
+            call = tool_call(self.function, text, self.new_call_id())
+            return {"role": "assistant", "content": None, "tool_calls": [call]}, finish_reason
         try:
-            calls = [tool_call(call["name"], json.dumps(call["parameters"])) for call in json.loads(text)]
+            calls = [tool_call(call["name"], json.dumps(call["parameters"]), self.new_call_id())
+                     for call in json.loads(text)]
         except (ValueError, RecursionError):
             return {"role": "assistant", "content": text}, finish_reason
         return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
@@ -61,7 +68,7 @@ class ToolCalls:
         carrying the call's id and name; "required" calls are whole only at the end, so they come in the last
         chunk."""
         if self.function is not None:
-            call = {**tool_call(self.function, new_text), "index": 0} if opening else {
+            call = {**tool_call(self.function, new_text, self.new_call_id()), "index": 0} if opening else {
                 "index": 0, "function": {"arguments": new_text}}
             return ({"tool_calls": [call]} if new_text or opening else {}), finish_reason
         if finish_reason is None:
