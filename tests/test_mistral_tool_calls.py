@@ -9,7 +9,8 @@ from tests.test_hermes_tool_calls import calls_of, streamed
 
 PARSER = MistralToolCalls(frozenset({"get_weather", "get_time"}))
 WEATHER = ("get_weather", {"city": "Bath", "unit": "celsius"})
-LISTED = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Bath", "unit": "celsius"}}, {"name": "get_time"}]'
+LISTED = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Bath", "unit": "celsius"}}, '
+          '{"name": "get_time"}]')
 NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Bath", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{}'
 
 
