@@ -153,8 +153,8 @@ def fix_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_len: i
                 for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if name in fields and max_tokens_limit is not None:
                         fields[name]["anyOf"][0]["maximum"] = max_tokens_limit
-                if "prompt" in fields:  # a prompt of token ids, alone or in a batch
-                    for form in fields["prompt"]["anyOf"]:
+                if "prompt" in fields:  # a prompt of token ids, alone or in a batch (the Responses API's is null)
+                    for form in fields["prompt"].get("anyOf", []):
                         token_ids = form["items"] if form.get("items", {}).get("type") == "array" else form
                         if token_ids.get("items", {}).get("type") == "integer":
                             token_ids["items"]["maximum"] = vocab_size - 1
