@@ -92,6 +92,7 @@ def test_the_server_answers_as_its_chat_endpoint_does_whole_and_streamed(tiny_ll
         whole = client.responses.create(**ask, instructions="Be brief.", input="hi")
         assert whole.output_text == chat.choices[0].message.content and whole.status == "incomplete"
         assert whole.usage.input_tokens == chat.usage.prompt_tokens and whole.usage.output_tokens == 6
+        assert (whole.temperature, whole.top_p, whole.tool_choice) == (0.0, 1.0, "auto")  # what it sampled with
         events = list(client.responses.create(**ask, instructions="Be brief.", input="hi", stream=True))
         assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
         streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")

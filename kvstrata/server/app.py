@@ -215,15 +215,16 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         started = await _start(chat, named=CHAT_FIELDS_AS_NAMED_HERE)
         if isinstance(started, Response):
             return started
-        builder, first, outputs, _ = started
-        shaper = ResponseShaper(body, model_name, tokenizer)
+        builder, first, outputs, requests = started
+        shaper = ResponseShaper(body, model_name, tokenizer, requests[0][1])
         if body.stream:
             return StreamingResponse(_response_events(shaper, builder, first, outputs), media_type="text/event-stream")
         return await _whole(first, outputs, 1, request, lambda final: shaper.full(builder.full(final)))
 
     async def _start(body: CompletionRequest | ChatCompletionRequest, named: dict[str, str] | None = None):
-        """Check and queue a request: its response builder, first output, the outputs after it and the number of
-        its choices, or the error response. `named`: the names the client's endpoint gives the fields."""
+        """Check and queue a request: its response builder, first output, the outputs after it and its choices'
+        token ids and sampling parameters, or the error response. `named`: the names the client's endpoint gives
+        the fields."""
         chat = isinstance(body, ChatCompletionRequest)
         if (unknown := _unknown_model(body.model)) is not None:
             return unknown
@@ -249,13 +250,14 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
                                   reasoning=preparer.reasoning(body),
                                   include_reasoning=not chat or body.include_reasoning,
                                   prompt_logprobs=body.prompt_logprobs is not None)
-        return builder, first, outputs, len(requests)
+        return builder, first, outputs, requests
 
     async def _serve(body: CompletionRequest | ChatCompletionRequest, request: Request):
         started = await _start(body)
         if isinstance(started, Response):
             return started
-        builder, first, outputs, num_choices = started
+        builder, first, outputs, requests = started
+        num_choices = len(requests)
         if body.stream:
             return StreamingResponse(_stream(builder, first, outputs, num_choices, body.include_usage),
                                      media_type="text/event-stream")

@@ -9,6 +9,9 @@ import json
 import time
 import uuid
 
+from pydantic import BaseModel
+
+from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.responses_protocol import ResponsesRequest
 
@@ -24,10 +27,12 @@ def sse_event(event: dict) -> str:
 class ResponseShaper:
     """One request's Response object, as its output grows."""
 
-    def __init__(self, request: ResponsesRequest, model: str, tokenizer: Tokenizer | None):
+    def __init__(self, request: ResponsesRequest, model: str, tokenizer: Tokenizer | None,
+                 params: SamplingParams | None = None):
         self.request = request
         self.model = model
         self.tokenizer = tokenizer
+        self.params = params or SamplingParams()  # what it samples with: the values the response states
         self.id = _id("resp")
         self.created_at = int(time.time())
 
@@ -36,13 +41,14 @@ class ResponseShaper:
         r = self.request
         text_format = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else {
             "type": "text"}
+        tool_choice = r.tool_choice.model_dump() if isinstance(r.tool_choice, BaseModel) else r.tool_choice or "auto"
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if finish_reason == "length" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": self.model,
-            "output": output, "parallel_tool_calls": r.parallel_tool_calls, "temperature": r.temperature,
-            "top_p": r.top_p, "tool_choice": r.tool_choice if isinstance(r.tool_choice, str | None) else
-            r.tool_choice.model_dump(), "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
+            "output": output, "parallel_tool_calls": r.parallel_tool_calls, "temperature": self.params.temperature,
+            "top_p": self.params.top_p, "tool_choice": tool_choice,
+            "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
             "text": {"format": text_format}, "reasoning": r.reasoning, "truncation": "disabled",
             "store": False, "metadata": r.metadata or {}, "user": r.user, "usage": usage,
         }
