@@ -221,9 +221,8 @@ class _SamplingFields(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
         """The request's sampling parameters; `defaults` stand for the settings it leaves unset (the model's)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        unset = {**UNSET_SAMPLING, **(defaults or {})}
-        given = {name: getattr(self, name) for name in UNSET_SAMPLING if getattr(self, name) is not None}
-        chosen = {**unset, **given}
+        chosen = {name: value if (value := getattr(self, name)) is not None else (defaults or {}).get(name, unset)
+                  for name, unset in UNSET_SAMPLING.items()}
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=float(chosen["temperature"]),

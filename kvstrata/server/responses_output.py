@@ -36,6 +36,11 @@ class ResponseShaper:
         self.id = _id("resp")
         self.created_at = int(time.time())
 
+    def finished(self, output: list[dict], usage: dict, finish_reason: str) -> dict:
+        """The Response of an output that ended: incomplete where max_output_tokens cut it."""
+        return self.response("incomplete" if finish_reason == "length" else "completed", output, usage,
+                             finish_reason)
+
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  finish_reason: str | None = None, error: dict | None = None) -> dict:
         r = self.request
@@ -75,9 +80,8 @@ class ResponseShaper:
             output.append(message_item(_id("msg"), message["content"], "completed"))
         output += [function_call_item(_id("fc"), call, call["function"]["arguments"], "completed")
                    for call in message.get("tool_calls") or []]
-        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         usage = self.usage(chat_response["usage"], message.get("reasoning_content") or "")
-        return self.response(status, output, usage, choice["finish_reason"])
+        return self.finished(output, usage, choice["finish_reason"])
 
 
 def message_item(item_id: str, text: str, status: str) -> dict:
@@ -136,10 +140,8 @@ class ResponseEvents:
 
     def finish(self, finish_reason: str, chat_usage: dict) -> list[dict]:
         events = self._close()
-        status = "incomplete" if finish_reason == "length" else "completed"
-        response = self.shaper.response(status, self.done, self.shaper.usage(chat_usage, self.reasoning),
-                                        finish_reason)
-        return [*events, self._event(f"response.{status}", response=response)]
+        response = self.shaper.finished(self.done, self.shaper.usage(chat_usage, self.reasoning), finish_reason)
+        return [*events, self._event(f"response.{response['status']}", response=response)]
 
     def fail(self, message: str, kind: str) -> list[dict]:
         error = {"code": kind, "message": message}
