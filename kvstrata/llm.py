@@ -12,6 +12,7 @@ from kvstrata.cachegen.context import DEFAULT_CHUNK_TOKENS, ContextLoad, SavedCo
 from kvstrata.cachegen.levels import CACHEGEN_LEVELS
 from kvstrata.cachegen.profile import CodecProfile
 from kvstrata.config import EngineConfig
+from kvstrata.engine.beam_search import BeamSearchOutput, BeamSearchParams, new_searches, run_searches
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sampling_params import SamplingParams
@@ -45,13 +46,19 @@ class LLM:
         cannot finish (its context turned out corrupt) comes back with finish_reason "error" and `error`
         saying why; the other prompts are unaffected.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _as_list(prompts)
         params_list = self._params_per_prompt(params, len(prompts))
         arrival = time.perf_counter()  # time to first token counts the context's decoding too
         load = ContextLoad.prepare(self.engine, context, context_level, recompute_chunks)
         ids = [self._add(p, sp, load, arrival) for p, sp in zip(prompts, params_list)]
         return self._run_to_completion(ids, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The likeliest continuations of each prompt by beam search, as transformers' `generate(num_beams=...)`
+        finds them (engine/beam_search.py); outputs in the prompts' order, each with its best beams first."""
+        searches = new_searches(self.engine, [self.engine.tokenize(prompt) for prompt in _as_list(prompts)], params)
+        run_searches(self.engine, searches)
+        return [search.output(self.tokenizer) for search in searches]
 
     def save_context(
         self,
@@ -134,3 +141,10 @@ class LLM:
         if len(params) != count:
             raise KvstrataError(f"got {len(params)} sampling params for {count} prompts; give one or one per prompt")
         return list(params)
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
+    """One prompt (text or token ids) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts

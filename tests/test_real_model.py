@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.engine.beam_search import BeamSearchParams
 from kvstrata.model.loader import default_model_path
 from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks
 
@@ -74,6 +76,23 @@ def test_greedy_continuation_matches_transformers(llm, hf_model, emma_512):
     ours = llm.generate([emma_512], params)[0].token_ids
     assert len(ours) == 64
     assert ours == hf_greedy(hf_model, emma_512, 64)
+
+
+def test_beam_search_matches_transformers_num_beams(llm, hf_model):
+    """Two chat answers, whose beams end on the model's end token at different lengths."""
+    ends = sorted(llm.engine.outputs.eos_token_ids)
+    params = BeamSearchParams(beam_width=3, max_tokens=20)
+    config = GenerationConfig(num_beams=3, num_return_sequences=3, do_sample=False, max_new_tokens=20,
+                              eos_token_id=ends, pad_token_id=0)
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS[:2]]
+    for prompt, ours in zip(prompts, llm.beam_search(prompts, params)):
+        with torch.inference_mode():
+            rows = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     generation_config=config)
+        theirs = [row[: next((i + 1 for i, t in enumerate(row) if t in ends), len(row))]
+                  for row in rows[:, len(prompt):].tolist()]
+        assert [list(beam.token_ids) for beam in ours.sequences] == theirs
+        assert any(beam.finish_reason == "stop" for beam in ours.sequences)
 
 
 @pytest.mark.parametrize("scheduler", ["sarathi", "prefill-first", "static"])

@@ -21,6 +21,7 @@ from kvstrata.engine.outputs import RequestOutput
 from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.server.api_key import ApiKeyCheck
 from kvstrata.server.async_engine import AsyncEngine, Choice, ServerError
+from kvstrata.server.beam_search import beam_search_choices
 from kvstrata.server.body_limit import BodyLimit
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.openapi import (
@@ -232,7 +233,10 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         try:
             preparer.precheck(body)
             requests = await asyncio.to_thread(preparer.prepare, body)
-            outputs = async_engine.generate(requests)
+            if body.use_beam_search:
+                outputs = beam_search_choices(async_engine, preparer.beam_searches(body, requests), tokenizer)
+            else:
+                outputs = async_engine.generate(requests)
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
         except ParameterError as exc:
             return _error(400, str(exc), named.get(exc.param, exc.param) or None)

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvstrata.engine.beam_search import MAX_LENGTH_PENALTY, BeamSearchParams
 from kvstrata.engine.sampling_params import (
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
@@ -165,6 +166,16 @@ class StreamOptions(BaseModel):
 UNSET_SAMPLING = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name in SAMPLING_DEFAULT_FIELDS}
 
 
+# Settings beam search does not follow, and their values that ask nothing of it (besides null and false).
+# Temperature 1 is the model's own distribution, which beams are ranked by, and 0 asks for determinism, which
+# beam search has.
+BEAM_SEARCH_NEUTRAL = {
+    "temperature": (0, 1), "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "repetition_penalty": (1,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "allowed_token_ids": (),
+    "bad_words": ([],), "min_tokens": (0,), "stop": ([],), "logprobs": (), "top_logprobs": (), "prompt_logprobs": (),
+}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints. Unknown fields are ignored, as vLLM does."""
 
@@ -197,9 +208,11 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: integer(ge=1) | None = None  # only the prompt's last k tokens are used
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    # vLLM's extras that this engine does not have: refused unless off, so that no output silently differs
-    use_beam_search: OnlyFalse = False
-    length_penalty: Annotated[Number, Field(ge=1, le=1, description="Not supported: 1 only")] = 1
+    # vLLM's beam search: n beams wide, all n returned, best first (engine/beam_search.py); length_penalty and
+    # early_stopping as transformers takes them
+    use_beam_search: StrictBool = False
+    length_penalty: Annotated[Number, Field(ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)] = 1
+    early_stopping: StrictBool | Literal["never"] = False
     # vLLM's: words the output may not hold
     bad_words: Annotated[list[Annotated[Text, Field(pattern=r"\S")]], Field(max_length=MAX_BAD_WORDS)] | None = None
     # vLLM's: each prompt token's logprob and rank, with that many alternatives (not streamed)
@@ -246,6 +259,26 @@ class _SamplingFields(BaseModel):
             structured_output=self.structured_output(),
             prompt_logprobs=self.prompt_logprobs,
         )
+
+    def beam_search_params(self, sampling: SamplingParams) -> BeamSearchParams:
+        """use_beam_search's parameters, ending where `sampling` (the request's prepared parameters) ends; a
+        ParameterError names a setting that beam search would not follow, since it samples nothing and ranks
+        continuations by the model's own likelihood."""
+        for name, neutral in BEAM_SEARCH_NEUTRAL.items():
+            value = getattr(self, name, None)
+            if not (value is None or value is False or value in neutral):
+                raise ParameterError(name, f"{name} {value!r} cannot be combined with use_beam_search: beam search "
+                                           "samples nothing; it ranks continuations by the model's likelihood")
+        if self.constraint_field is not None:
+            raise ParameterError(self.constraint_field, f"{self.constraint_field} cannot be combined with "
+                                                        "use_beam_search: beam search does not constrain its output")
+        if getattr(self, "max_tokens", None) == 0:
+            raise ParameterError("max_tokens", "max_tokens 0 generates nothing to search; use_beam_search needs 1 "
+                                               "or more")
+        return BeamSearchParams(beam_width=self.n, max_tokens=sampling.max_tokens,
+                                length_penalty=float(self.length_penalty), early_stopping=self.early_stopping,
+                                ignore_eos=sampling.ignore_eos, stop_token_ids=tuple(sampling.stop_token_ids),
+                                skip_special_tokens=sampling.skip_special_tokens)
 
     def structured_output(self) -> StructuredOutput | None:
         """The constraint of whichever field gives one; ParameterError naming the field where it is wrong or a

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from kvstrata.engine.beam_search import BeamSearch
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import MAX_SEED, SamplingParams
 from kvstrata.errors import KvstrataError, ParameterError
@@ -49,6 +50,9 @@ class RequestPreparer:
                                                 "(start it with --enable-auto-tool-choice --tool-call-parser and "
                                                 f"the model's format: {', '.join(PARSERS)}), so give "
                                                 "\"required\", a named function or \"none\"")
+        if not body.use_beam_search and (body.length_penalty != 1 or body.early_stopping is not False):
+            name = "length_penalty" if body.length_penalty != 1 else "early_stopping"
+            raise ParameterError(name, f"{name} applies to beam search only; give use_beam_search true with it")
         if body.truncate_prompt_tokens is not None:
             return
         if chat:
@@ -113,6 +117,15 @@ class RequestPreparer:
             params = self._sampling_params(body, len(token_ids), where)
             requests += [(token_ids, choice) for choice in choices(params, body.n)]
         return requests
+
+    def beam_searches(self, body: Body, requests: list[tuple[list[int], SamplingParams]]) -> list[BeamSearch]:
+        """use_beam_search: a search per prompt, `n` beams wide, from `prepare`'s choices (`n` per prompt)."""
+        eos = self.engine.outputs.eos_token_ids
+        try:
+            return [BeamSearch(token_ids, body.beam_search_params(params), eos)
+                    for token_ids, params in requests[:: body.n]]
+        except ParameterError as exc:  # the width is this API's n
+            raise ParameterError("n" if exc.param == "beam_width" else exc.param, str(exc)) from None
 
     def _token_ids(self, body: Body, prompt: str | list[int] | None, where: str) -> list[int]:
         chat = isinstance(body, ChatCompletionRequest)

@@ -1,0 +1,236 @@
+"""Beam search: the likeliest continuations of a prompt, found as Hugging Face transformers' `generate(num_beams=k)`
+finds them (its ranking, length penalty and stopping rules), on top of the engine's requests.
+
+A search runs in rounds. Each round scores the next token of every running beam with one request of one token
+per beam, whose prompt is the beam's tokens (vLLM's way). A beam's blocks are its parent's: the prefix cache finds
+every full block of the parent, so a round computes only the tokens after the parent's last full block (at most
+a block per beam), never the beam's whole context. A search in flight holds no blocks between rounds, so under
+memory pressure a round may find less cached and compute more; its result is the same.
+
+Of each beam, a round needs only its `beam_width + (tokens that end a beam)` likeliest next tokens: transformers
+keeps the best (1 + end tokens) x beam_width continuations of all beams, continues the best `beam_width` of them
+that end nothing, and finishes those that end among the best `beam_width`. A beam's continuation ranked below
+that many of its own can be neither: at least `beam_width` of its siblings that end nothing rank above it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstrata.engine.detokenizer import IncrementalDetokenizer
+from kvstrata.engine.outputs import RequestOutput
+from kvstrata.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvstrata.errors import ParameterError
+
+EARLY_STOPPING = (False, True, "never")
+# Beyond this a long output's length ** length_penalty leaves float32 (131,072 ** 7.4 does).
+MAX_LENGTH_PENALTY = 5.0
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """`early_stopping` as transformers takes it: True ends the search once `beam_width` beams finished; False
+    (its default) also once no running beam can still beat the finished ones at its present length; "never" only
+    once none could at `max_tokens` either (with a positive length penalty; at the present length otherwise)."""
+
+    beam_width: int
+    max_tokens: int = 16
+    num_returned: int | None = None  # the best this many finished beams are returned; None: `beam_width`
+    # a finished beam ranks by its log-likelihood over (its output tokens ** length_penalty): above 0 favours
+    # longer outputs, below 0 shorter ones
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    ignore_eos: bool = False  # the model's end tokens end no beam (stop_token_ids still do)
+    stop_token_ids: tuple[int, ...] = ()  # these end a beam too
+    skip_special_tokens: bool = True  # the returned texts leave special tokens out
+
+    def __post_init__(self) -> None:
+        for name, value, least in (("beam_width", self.beam_width, 1), ("max_tokens", self.max_tokens, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ParameterError(name, f"{name} must be an integer >= {least}, got {value!r}")
+        returned = self.num_returned
+        if returned is not None and (isinstance(returned, bool) or not isinstance(returned, int)
+                                     or not 1 <= returned <= self.beam_width):
+            raise ParameterError("num_returned", f"num_returned must be an integer from 1 to beam_width "
+                                                 f"{self.beam_width}, got {returned!r}")
+        penalty = self.length_penalty
+        if (isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty)
+                or abs(penalty) > MAX_LENGTH_PENALTY):
+            raise ParameterError("length_penalty", f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, "
+                                                   f"{MAX_LENGTH_PENALTY}], got {penalty!r}")
+        if not any(self.early_stopping is allowed or self.early_stopping == allowed == "never"
+                   for allowed in EARLY_STOPPING):
+            raise ParameterError("early_stopping", f"early_stopping must be true, false or \"never\", got "
+                                                   f"{self.early_stopping!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+
+    @property
+    def returned(self) -> int:
+        return self.beam_width if self.num_returned is None else self.num_returned
+
+
+@dataclass(frozen=True)
+class BeamSequence:
+    """A finished beam."""
+
+    token_ids: tuple[int, ...]  # output tokens, the end token included where one ended it
+    cumulative_logprob: float
+    score: float  # what beams rank by: cumulative_logprob / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" (an end token) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best finished beams, best first, with their texts; none, and `error` saying why, where a request
+    of its search failed."""
+
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]
+    texts: list[str]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Beam:
+    token_ids: tuple[int, ...]
+    logprob: np.float32  # cumulative, in float32 as transformers sums it (its ties and rounding)
+
+
+class BeamSearch:
+    """One prompt's search. Call `round_prompts` and `round_params` for the requests of a round, then `advance`
+    with their outputs, until `done`; `best` then holds the result."""
+
+    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: Collection[int]):
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.end_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                                 else frozenset(eos_token_ids))
+        if self.alternatives > MAX_LOGPROBS:
+            raise ParameterError("beam_width", f"beam_width {params.beam_width} with {len(self.end_token_ids)} "
+                                               f"tokens that end a beam needs each beam's {self.alternatives} "
+                                               f"likeliest next tokens; the engine reports at most {MAX_LOGPROBS}")
+        self.running = [_Beam((), np.float32(0))]
+        self.finished: list[BeamSequence] = []  # at most beam_width, best first
+        self.improvable = True  # whether a running beam may still beat the worst finished one
+        self.error: str | None = None  # why it stopped, where a request of a round failed
+        self.num_cached_prompt_tokens = 0  # prompt tokens the first round found cached
+        self.first_round_end: float | None = None  # when the first output tokens were known (perf_counter)
+
+    @property
+    def alternatives(self) -> int:
+        """How many of each running beam's likeliest next tokens a round needs (the module's docstring says why)."""
+        return self.params.beam_width + len(self.end_token_ids)
+
+    @property
+    def done(self) -> bool:
+        if self.error is not None:
+            return True
+        full = len(self.finished) == self.params.beam_width
+        return not self.running or not self.improvable or (full and self.params.early_stopping is True)
+
+    @property
+    def best(self) -> list[BeamSequence]:
+        return self.finished[: self.params.returned]
+
+    def round_prompts(self) -> list[list[int]]:
+        return [self.prompt_token_ids + list(beam.token_ids) for beam in self.running]
+
+    def round_params(self) -> SamplingParams:
+        # greedy and ignoring EOS: the token the request draws is not used, only its alternatives' logprobs
+        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.alternatives, ignore_eos=True)
+
+    def advance(self, outputs: list[RequestOutput], now: float) -> None:
+        """Take a round's outputs (one per running beam, in `round_prompts`' order), while the search is not `done`:
+        finish the beams that end among the best continuations, and keep the best `beam_width` that end nothing
+        running."""
+        if self.first_round_end is None:
+            self.first_round_end = now
+            self.num_cached_prompt_tokens = outputs[0].num_cached_tokens
+        width, penalty = self.params.beam_width, self.params.length_penalty
+        length = len(self.running[0].token_ids) + 1
+        at_limit = length >= self.params.max_tokens
+        candidates = sorted(
+            ((np.float32(beam.logprob + np.float32(logprob)), index, token)
+             for index, (beam, output) in enumerate(zip(self.running, outputs))
+             for token, logprob in output.logprobs[0].top.items()),
+            key=lambda candidate: (-candidate[0], candidate[1], candidate[2]))
+
+        def ends(token: int) -> bool:
+            return at_limit or token in self.end_token_ids
+
+        scale = np.float32(length**penalty)
+        new = [BeamSequence(self.running[index].token_ids + (token,), float(logprob), float(logprob / scale),
+                            "length" if token not in self.end_token_ids else "stop")
+               for logprob, index, token in candidates[:width] if ends(token)]
+        self.finished = sorted(self.finished + new, key=lambda beam: -beam.score)[:width]
+        self.running = [_Beam(self.running[index].token_ids + (token,), logprob)
+                        for logprob, index, token in candidates if not ends(token)][:width]
+        if self.running and len(self.finished) == width:
+            horizon = self.params.max_tokens if self.params.early_stopping == "never" and penalty > 0 else length
+            best_possible = self.running[0].logprob / np.float32(horizon**penalty)
+            self.improvable = bool(best_possible > min(beam.score for beam in self.finished))
+
+    def output(self, tokenizer) -> BeamSearchOutput:
+        """The result, with the texts of its beams as the engine's outputs show texts (an end token left out)."""
+        texts = []
+        for beam in self.best:
+            tokens = beam.token_ids[:-1] if beam.finish_reason == "stop" else beam.token_ids
+            texts.append("" if tokenizer is None else beam_text(tokenizer, self.prompt_token_ids, tokens,
+                                                                self.params.skip_special_tokens))
+        return BeamSearchOutput(self.prompt_token_ids, self.best, texts, self.error)
+
+
+def beam_text(tokenizer, prompt_token_ids: list[int], token_ids: tuple[int, ...], skip_special_tokens: bool) -> str:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    return "".join(detokenizer.add(token) for token in token_ids) + detokenizer.flush()
+
+
+def new_searches(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearch]:
+    """A search per prompt (token ids) on `engine` (an LLMEngine), the prompt's length and room checked."""
+    searches = []
+    for token_ids in prompts:
+        engine.check_prompt_length(token_ids)
+        if len(token_ids) + params.max_tokens > engine.max_model_len:
+            raise ParameterError("max_tokens", f"max_tokens {params.max_tokens} does not fit the context: the prompt "
+                                               f"has {len(token_ids)} tokens of max_model_len {engine.max_model_len}")
+        searches.append(BeamSearch(token_ids, params, engine.outputs.eos_token_ids))
+    return searches
+
+
+def run_searches(engine, searches: list[BeamSearch]) -> None:
+    """Drive every search to its end on `engine` (an LLMEngine that nothing else steps meanwhile). A search's next
+    round starts as soon as its last one ended, so searches do not wait for one another; one whose request fails
+    stops there, with `error` set, and the others go on."""
+    rounds: dict[str, tuple[BeamSearch, int]] = {}  # a round's request id -> its search, its beam's place
+    answers: dict[int, list[RequestOutput | None]] = {}  # by id of the search: its round's outputs so far
+
+    def start(search: BeamSearch) -> None:
+        request_ids = [engine.add_request(tokens, search.round_params()) for tokens in search.round_prompts()]
+        answers[id(search)] = [None] * len(request_ids)
+        rounds.update((request_id, (search, place)) for place, request_id in enumerate(request_ids))
+
+    for search in searches:
+        start(search)
+    while rounds:
+        for output in engine.step():
+            if not output.finished or output.request_id not in rounds:
+                continue
+            search, place = rounds.pop(output.request_id)
+            if output.finish_reason == "error":
+                search.error = output.error
+                for request_id in [r for r, (other, _) in rounds.items() if other is search]:
+                    del rounds[request_id]
+                    engine.abort(request_id)
+                continue
+            answer = answers[id(search)]
+            answer[place] = output
+            if all(answer):
+                search.advance(answer, time.perf_counter())
+                if not search.done:
+                    start(search)
