@@ -573,9 +573,26 @@ class LLMEngine:
         return self._finish(seq, time.perf_counter())
 
     def _finish(self, seq: Sequence, now: float) -> RequestOutput:
+        ended_well = seq.finish_reason in ("stop", "length")
+        tail_kv = self._tail_kv(seq) if seq.params.keep_tail_kv and ended_well else None  # before its blocks go
         self.scheduler.finish(seq)
         if self.kv_store is not None:
             self.kv_store.forget(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_time = now
-        return self.outputs.build_output(seq)
+        output = self.outputs.build_output(seq)
+        output.tail_kv = tail_kv
+        return output
+
+    def _tail_kv(self, seq: Sequence) -> PreloadedKV | None:
+        """The KV of `seq`'s computed tokens after its last full block, decoded, in the engine's dtype; None where
+        they fill whole blocks, or where storing them again would not store the same values (Oaken: a request
+        continuing them then computes them)."""
+        end = seq.num_computed_tokens
+        start = end - end % self.config.block_size
+        if start == end or not self.kv_cache.stores_read_kv_exactly:
+            return None
+        dtype = getattr(torch, self.config.dtype)
+        layers = [self.kv_cache.read(layer, seq.block_table, end, start) for layer in range(self.kv_cache.num_layers)]
+        return PreloadedKV(start, torch.stack([k for k, _ in layers]).to(dtype),
+                           torch.stack([v for _, v in layers]).to(dtype))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstrata.engine.sequence import TokenLogprobs
+from kvstrata.kv.preloaded import PreloadedKV
 
 
 @dataclass
@@ -56,6 +57,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
     error: str | None = None  # what ended the request, when finish_reason is "error"
     error_caused_by_input: bool = False  # that error came of what the request asked (its constraint), not a fault
+    # asked for with SamplingParams.keep_tail_kv: the KV of the tokens after the last full block, which a request
+    # continuing them takes as preloaded KV; None where they fill whole blocks
+    tail_kv: PreloadedKV | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:

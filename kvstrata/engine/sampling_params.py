@@ -68,6 +68,10 @@ class SamplingParams:
     skip_special_tokens: bool = True  # the output text leaves special tokens out
     # the output held to a JSON schema, a regex, a list of choices or a grammar; it ends when that is complete
     structured_output: StructuredOutput | None = None
+    # the output carries the KV of the request's tokens after its last full block (RequestOutput.tail_kv), which the
+    # prefix cache does not keep: a request continuing those tokens takes it as preloaded KV (beam search's rounds);
+    # none where the KV format would not store it again unchanged (Oaken)
+    keep_tail_kv: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)

@@ -25,6 +25,7 @@ class QuantizedPagedKVCache(KVStorage):
     def __init__(self, kv_format: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, in_place_decode: bool = True):
         self.format = kv_format
+        self.stores_read_kv_exactly = kv_format.encodes_decoded_exactly
         self.block_size = block_size
         self.num_layers = num_layers
         self.kv_shape = (num_kv_heads, head_dim)

@@ -23,6 +23,9 @@ class KVStorage(ABC):
     num_layers: int
     kv_shape: tuple[int, int]  # (kv_heads, head_dim)
     device: torch.device
+    # Whether storing the K/V that `read` gives of a partly filled block stores the same values again, so that one
+    # sequence's tokens may be handed to another as decoded KV (beam search's) instead of being computed anew
+    stores_read_kv_exactly = True
 
     @abstractmethod
     def store(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,

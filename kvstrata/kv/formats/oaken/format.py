@@ -37,6 +37,7 @@ from kvstrata.model.rotary import RotaryEmbedding, apply_rope, undo_rope
 class OakenFormat(KVFormat):
     name = "oaken"
     has_sparse = True
+    encodes_decoded_exactly = False
 
     def __init__(self, num_kv_heads: int, head_dim: int, thresholds: OakenThresholds, config: OakenConfig,
                  keys: str = "post-rope", rotary: RotaryEmbedding | None = None, center_keys: bool = True,
