@@ -1,6 +1,10 @@
 """Beam search (engine/beam_search.py, LLM.beam_search, the server's use_beam_search) against transformers'
 generate(num_beams=...) on the same weights, and what its rounds compute."""
 
+import dataclasses
+import json
+import socket
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -10,7 +14,10 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.engine.beam_search import BeamSearch, BeamSearchParams
+from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError, ParameterError
+from tests.format_cases import CASES as FORMAT_CASES
+from tests.format_cases import build
 from tests.server_harness import running_server
 
 EOS = 2  # the tiny models'
@@ -80,11 +87,17 @@ def test_beams_equal_transformers_generate_with_num_beams(llm, hf_model, width, 
     assert finished_early  # the case tested beams that end on a stop token, not only at max_tokens
 
 
-def test_ignore_eos_and_texts_as_the_engine_shows_them(llm, hf_model):
+def test_ignore_eos_and_texts_as_the_engine_shows_them(llm, hf_model, monkeypatch):
+    """With an EOS the beams would meet (a token of the greedy continuation made the model's EOS), ignore_eos runs
+    every beam to max_tokens, as transformers does with no EOS at all."""
     prompt = random_prompt(9, 11)
+    likely = likely_stops(llm, prompt)
+    monkeypatch.setattr(llm.engine.outputs, "eos_token_ids", set(likely))
+    monkeypatch.setattr(hf_model.generation_config, "eos_token_id", None)
     params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
     ours = llm.beam_search(prompt, params)[0]
     assert [list(beam.token_ids) for beam in ours.sequences] == hf_beams(hf_model, prompt, params, [])
+    assert any(set(likely) & set(beam.token_ids[:-1]) for beam in ours.sequences)  # an EOS was ignored
     for beam, text in zip(ours.sequences, ours.texts):
         assert beam.finish_reason == "length"
         assert text == llm.tokenizer.decode(list(beam.token_ids))
@@ -112,22 +125,21 @@ def test_prompts_searched_together_give_what_each_gives_alone(llm):
     assert [o.prompt_token_ids for o in together] == prompts
 
 
-def test_a_round_computes_at_most_a_block_per_beam(tiny_llama):
-    """Each beam's request finds its parent's full blocks in the prefix cache: a round computes the tokens after
-    them (at most a block), not the beam's whole context; without prefix caching every round computes it all."""
+def test_a_round_computes_one_token_a_beam(tiny_llama):
+    """Each beam's request finds its parent's full blocks in the prefix cache and is given the KV its parent's request
+    handed back for the tokens after them: after the prompt, a round computes the beams' newest tokens alone. Without
+    prefix caching every round computes each beam's context up to that KV."""
     prompt = random_prompt(150, 5)
     params = BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True)
-    computed = {}
+    computed, beams = {}, {}
     for caching in (True, False):
         llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, enable_prefix_caching=caching)
-        result = llm.beam_search(prompt, params)[0]
-        steps = llm.engine.step_stats
-        computed[caching] = sum(s.prefill_tokens + s.decode_tokens for s in steps)
-        assert [len(b.token_ids) for b in result.sequences] == [20] * 4
-    block = 16
+        beams[caching] = [b.token_ids for b in llm.beam_search(prompt, params)[0].sequences]
+        computed[caching] = sum(s.prefill_tokens + s.decode_tokens for s in llm.engine.step_stats)
     rounds_after_the_first = params.max_tokens - 1
-    assert computed[True] <= len(prompt) + rounds_after_the_first * params.beam_width * block
+    assert computed[True] == len(prompt) + rounds_after_the_first * params.beam_width
     assert computed[False] > len(prompt) * rounds_after_the_first * params.beam_width
+    assert beams[True] == beams[False] and [len(b) for b in beams[True]] == [20] * 4
 
 
 def test_a_failed_request_fails_its_search_alone(llm, monkeypatch):
@@ -151,23 +163,32 @@ def test_a_failed_request_fails_its_search_alone(llm, monkeypatch):
 
 def round_outputs(*tops: dict[int, float]) -> list[SimpleNamespace]:
     """A round's outputs as `BeamSearch.advance` reads them: each beam's likeliest next tokens."""
-    return [SimpleNamespace(num_cached_tokens=0, logprobs=[SimpleNamespace(top=top)]) for top in tops]
+    return [SimpleNamespace(num_cached_tokens=0, logprobs=[SimpleNamespace(top=top)], tail_kv=None) for top in tops]
 
 
-@pytest.mark.parametrize("early_stopping, done", [(True, True), (False, False), ("never", False)])
-def test_early_stopping_on_a_hand_made_search(early_stopping, done):
-    """Width 2, end token 2. Round 1 finishes [2] (-0.1) and runs [5] (-0.3) and [6] (-0.4); round 2 finishes
-    [5, 2] (-0.55, score -0.275) and runs [5, 8] (-0.5) and [6, 8] (-0.7). Two beams finished: True stops there,
-    while [5, 8] may still beat -0.275 at its length (-0.5 / 2), so False and "never" go on."""
+ROUND_ONE = {2: -0.1, 5: -0.3, 6: -0.4}  # finishes [2] at -0.1, runs [5] at -0.3 and [6] at -0.4
+
+
+@pytest.mark.parametrize("round_two, running_after, done", [
+    # finishes [5, 2] at -0.55 (score -0.275) and runs [5, 8] at -0.5: at its length it may still beat -0.275
+    (({8: -0.2, 2: -0.25, 9: -3.0}, {8: -0.3, 2: -2.0, 9: -3.0}), -0.5, {True: True, False: False, "never": False}),
+    # finishes [5, 2] the same and runs [5, 8] at -0.6: only at max_tokens 10 ("never") could it beat -0.275
+    (({2: -0.25, 8: -0.3, 9: -3.0}, {8: -0.3, 2: -2.0, 9: -3.0}), -0.6, {True: True, False: True, "never": False}),
+])
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
+def test_early_stopping_on_hand_made_searches(early_stopping, round_two, running_after, done):
+    """Width 2, end token 2, length penalty 1: two beams finished after round two, so True stops; False stops once
+    the best running beam cannot beat the worst finished one at its present length, "never" at max_tokens."""
     search = BeamSearch([1], BeamSearchParams(beam_width=2, max_tokens=10, early_stopping=early_stopping), {2})
     assert search.alternatives == 3
-    search.advance(round_outputs({2: -0.1, 5: -0.3, 6: -0.4}), now=1.0)
+    search.advance(round_outputs(ROUND_ONE), now=1.0)
     assert [b.token_ids for b in search.finished] == [(2,)] and not search.done
-    search.advance(round_outputs({8: -0.2, 2: -0.25, 9: -3.0}, {8: -0.3, 2: -2.0, 9: -3.0}), now=2.0)
+    search.advance(round_outputs(*round_two), now=2.0)
     assert [(b.token_ids, b.score) for b in search.best] == [((2,), pytest.approx(-0.1)),
                                                              ((5, 2), pytest.approx(-0.275))]
     assert [beam.token_ids for beam in search.running] == [(5, 8), (6, 8)]
-    assert search.done == done and search.first_round_end == 1.0
+    assert float(search.running[0].logprob) == pytest.approx(running_after)
+    assert search.done == done[early_stopping] and search.first_round_end == 1.0
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -250,3 +271,78 @@ def test_server_refuses_what_beam_search_would_not_follow(server, fields, param)
     reply = httpx.post(server + "/v1/completions", json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("case", ["fp16", "int8", "int4", "kivi4", "oaken"])
+def test_every_kv_format_gives_the_beams_of_rounds_that_compute_the_parents_tail(case, tiny_llama_kv64,
+                                                                                  oaken_calibrations, monkeypatch):
+    """A parent's tail KV, decoded and stored again for its children, gives the beams of children that compute it;
+    where the format stores it unchanged a round computes a token a beam, and Oaken's rounds compute the tails."""
+    prompt = random_prompt(70, 9)
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    beams, computed = {}, {}
+    keeping = BeamSearch.round_params
+    for tails in (True, False):
+        if not tails:
+            monkeypatch.setattr(BeamSearch, "round_params",
+                                lambda search: dataclasses.replace(keeping(search), keep_tail_kv=False))
+        llm = build(tiny_llama_kv64, oaken_calibrations, case)
+        beams[tails] = [b.token_ids for b in llm.beam_search(prompt, params)[0].sequences]
+        computed[tails] = sum(s.prefill_tokens + s.decode_tokens for s in llm.engine.step_stats)
+    assert beams[True] == beams[False]
+    fewest = len(prompt) + (params.max_tokens - 1) * params.beam_width
+    assert computed[False] > fewest
+    assert computed[True] == (fewest if case != "oaken" else computed[False])
+
+
+@pytest.mark.parametrize("case", list(FORMAT_CASES))
+def test_a_tail_stored_again_reads_back_unchanged_where_its_storage_says_so(case, tiny_llama_kv64,
+                                                                            oaken_calibrations):
+    llm = build(tiny_llama_kv64, oaken_calibrations, case)
+    engine = llm.engine
+    prompt = random_prompt(57, 4)
+    output = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, keep_tail_kv=True))[0]
+    if not engine.kv_cache.stores_read_kv_exactly:
+        assert case.startswith("oaken") and output.tail_kv is None
+        return
+    tail = output.tail_kv
+    assert (tail.start, tail.end) == (48, 57)
+    seq = Sequence(10**6, "copy", None, prompt, SamplingParams())
+    assert engine.kv_manager.grow(seq, len(prompt))
+    engine.attention.write(seq.block_table, tail, tail.start, tail.end)
+    for layer in range(engine.kv_cache.num_layers):
+        k, v = engine.kv_cache.read(layer, seq.block_table, tail.end, tail.start)
+        assert torch.equal(k.to(tail.k.dtype), tail.k[layer]) and torch.equal(v.to(tail.v.dtype), tail.v[layer])
+    engine.kv_manager.free(seq)
+
+
+def test_server_takes_the_values_that_ask_nothing_of_beam_search(server):
+    plain = {"model": MODEL, "prompt": "x y", "use_beam_search": True, "n": 2, "max_tokens": 5}
+    neutral = {**plain, "temperature": 1, "top_p": 1, "top_k": -1, "min_p": 0, "repetition_penalty": 1,
+               "presence_penalty": 0, "logit_bias": {}, "bad_words": [], "min_tokens": 0, "stop": [], "seed": 3}
+    replies = [httpx.post(server + "/v1/completions", json=body, timeout=60) for body in (plain, neutral)]
+    assert [reply.status_code for reply in replies] == [200, 200], replies[1].text
+    assert replies[0].json()["choices"] == replies[1].json()["choices"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "n": 2,
+            "max_tokens": 3, "logprobs": False, "top_logprobs": 0}
+    assert httpx.post(server + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+
+def test_a_client_that_leaves_stops_its_search(tiny_llama):
+    """The search asks whether its client is still there between rounds: one that hung up right after sending a
+    search of 240 rounds leaves the engine idle after a few."""
+    with running_server(str(tiny_llama), MODEL, kv_cache_memory="8MiB", max_model_len=256) as (url, app):
+        engine = app.state.async_engine.engine
+        body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "use_beam_search": True, "n": 4, "max_tokens": 240,
+                           "ignore_eos": True}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        steps, quiet_since = len(engine.step_stats), time.time()
+        while time.time() - quiet_since < 1.0:  # no step for a second: nothing runs
+            time.sleep(0.1)
+            if len(engine.step_stats) != steps:
+                steps, quiet_since = len(engine.step_stats), time.time()
+        assert steps < 60  # the whole search takes 240 rounds
+        assert engine.kv_manager.pool.num_used == 0 and not engine.has_unfinished_requests()

@@ -211,6 +211,7 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "prompt_logprobs": 2, "echo": True, "logprobs": 1}, 400,
          "prompt_logprobs"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 2, "use_beam_search": True}, 200, None),
+        ({"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop"),
         ({"model": MODEL, "prompt": "x", "bad_words": ["Emma", " "]}, 400, "bad_words.1"),
         ({"model": MODEL, "prompt": "x", "bad_words": ["Emma"], "guided_regex": "a+"}, 400, "bad_words"),
         ({"model": MODEL, "prompt": "x", "bad_words": ["Emma"] * 1025}, 400, "bad_words"),

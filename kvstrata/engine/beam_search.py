@@ -1,15 +1,20 @@
 """Beam search: the likeliest continuations of a prompt, found as Hugging Face transformers' `generate(num_beams=k)`
-finds them (its ranking, length penalty and stopping rules), on top of the engine's requests.
+finds them (its ranking, length penalty and stopping rules), on top of the engine's requests. Where two
+continuations score exactly the same, the one of the earlier beam, then the lower token, ranks first; transformers'
+`topk` leaves such ties in no stated order, so beams may part there.
 
 A search runs in rounds. Each round scores the next token of every running beam with one request of one token
-per beam, whose prompt is the beam's tokens (vLLM's way). A beam's blocks are its parent's: the prefix cache finds
-every full block of the parent, so a round computes only the tokens after the parent's last full block (at most
-a block per beam), never the beam's whole context. A search in flight holds no blocks between rounds, so under
-memory pressure a round may find less cached and compute more; its result is the same.
+per beam, whose prompt is the beam's tokens (vLLM's way). A beam's KV is its parent's: the prefix cache finds every
+full block of the parent, and the parent's request handed back the KV of its tokens after them
+(`SamplingParams.keep_tail_kv`), which the beam's request is given as preloaded KV; so a round computes one token
+a beam, the beam's newest. Where the KV format cannot store that KV again unchanged (Oaken), the beam's request
+computes those tokens (at most a block); without prefix caching (H2O, --no-prefix-caching) it computes the beam's
+whole context. A search in flight holds no blocks between rounds, so under memory pressure a round may find less
+cached and compute more; its result is the same.
 
 Of each beam, a round needs only its `beam_width + (tokens that end a beam)` likeliest next tokens: transformers
-keeps the best (1 + end tokens) x beam_width continuations of all beams, continues the best `beam_width` of them
-that end nothing, and finishes those that end among the best `beam_width`. A beam's continuation ranked below
+keeps the best max(2, 1 + end tokens) x beam_width continuations of all beams, continues the best `beam_width` of
+them that end nothing, and finishes those that end among the best `beam_width`. A beam's continuation ranked below
 that many of its own can be neither: at least `beam_width` of its siblings that end nothing rank above it.
 """
 
@@ -26,9 +31,11 @@ from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvstrata.errors import ParameterError
+from kvstrata.kv.preloaded import PreloadedKV
 
 EARLY_STOPPING = (False, True, "never")
-# Beyond this a long output's length ** length_penalty leaves float32 (131,072 ** 7.4 does).
+# length ** length_penalty stays well inside float32 up to this for any context (131,072 ** 5 is 2 ** 85, and
+# float32 reaches 2 ** 128)
 MAX_LENGTH_PENALTY = 5.0
 
 
@@ -100,10 +107,20 @@ class BeamSearchOutput:
 class _Beam:
     token_ids: tuple[int, ...]
     logprob: np.float32  # cumulative, in float32 as transformers sums it (its ties and rounding)
+    tail_kv: PreloadedKV | None = None  # its parent's KV after the parent's last full block
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """A running beam's request in a round: its tokens, and the KV that its parent's request left after the last
+    full block (the prefix cache holds the blocks before)."""
+
+    token_ids: list[int]
+    preloaded: list[PreloadedKV]
 
 
 class BeamSearch:
-    """One prompt's search. Call `round_prompts` and `round_params` for the requests of a round, then `advance`
+    """One prompt's search. Call `round_requests` and `round_params` for the requests of a round, then `advance`
     with their outputs, until `done`; `best` then holds the result."""
 
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: Collection[int]):
@@ -138,15 +155,18 @@ class BeamSearch:
     def best(self) -> list[BeamSequence]:
         return self.finished[: self.params.returned]
 
-    def round_prompts(self) -> list[list[int]]:
-        return [self.prompt_token_ids + list(beam.token_ids) for beam in self.running]
+    def round_requests(self) -> list[RoundRequest]:
+        return [RoundRequest(self.prompt_token_ids + list(beam.token_ids), [beam.tail_kv] if beam.tail_kv else [])
+                for beam in self.running]
 
     def round_params(self) -> SamplingParams:
-        # greedy and ignoring EOS: the token the request draws is not used, only its alternatives' logprobs
-        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.alternatives, ignore_eos=True)
+        # greedy and ignoring EOS: the token the request draws is not used, only its alternatives' logprobs; the
+        # KV after its last full block comes back for its children's requests
+        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.alternatives, ignore_eos=True,
+                              keep_tail_kv=True)
 
     def advance(self, outputs: list[RequestOutput], now: float) -> None:
-        """Take a round's outputs (one per running beam, in `round_prompts`' order), while the search is not `done`:
+        """Take a round's outputs (one per running beam, in `round_requests`' order), while the search is not `done`:
         finish the beams that end among the best continuations, and keep the best `beam_width` that end nothing
         running."""
         if self.first_round_end is None:
@@ -169,7 +189,7 @@ class BeamSearch:
                             "length" if token not in self.end_token_ids else "stop")
                for logprob, index, token in candidates[:width] if ends(token)]
         self.finished = sorted(self.finished + new, key=lambda beam: -beam.score)[:width]
-        self.running = [_Beam(self.running[index].token_ids + (token,), logprob)
+        self.running = [_Beam(self.running[index].token_ids + (token,), logprob, outputs[index].tail_kv)
                         for logprob, index, token in candidates if not ends(token)][:width]
         if self.running and len(self.finished) == width:
             horizon = self.params.max_tokens if self.params.early_stopping == "never" and penalty > 0 else length
@@ -178,12 +198,14 @@ class BeamSearch:
 
     def output(self, tokenizer) -> BeamSearchOutput:
         """The result, with the texts of its beams as the engine's outputs show texts (an end token left out)."""
+        if self.error is not None:
+            return BeamSearchOutput(self.prompt_token_ids, [], [], self.error)
         texts = []
         for beam in self.best:
             tokens = beam.token_ids[:-1] if beam.finish_reason == "stop" else beam.token_ids
             texts.append("" if tokenizer is None else beam_text(tokenizer, self.prompt_token_ids, tokens,
                                                                 self.params.skip_special_tokens))
-        return BeamSearchOutput(self.prompt_token_ids, self.best, texts, self.error)
+        return BeamSearchOutput(self.prompt_token_ids, self.best, texts)
 
 
 def beam_text(tokenizer, prompt_token_ids: list[int], token_ids: tuple[int, ...], skip_special_tokens: bool) -> str:
@@ -206,31 +228,40 @@ def new_searches(engine, prompts: list[list[int]], params: BeamSearchParams) -> 
 def run_searches(engine, searches: list[BeamSearch]) -> None:
     """Drive every search to its end on `engine` (an LLMEngine that nothing else steps meanwhile). A search's next
     round starts as soon as its last one ended, so searches do not wait for one another; one whose request fails
-    stops there, with `error` set, and the others go on."""
+    stops there, with `error` set, and the others go on. Should this raise (or be interrupted), the rounds' requests
+    still in the engine are aborted."""
     rounds: dict[str, tuple[BeamSearch, int]] = {}  # a round's request id -> its search, its beam's place
     answers: dict[int, list[RequestOutput | None]] = {}  # by id of the search: its round's outputs so far
 
     def start(search: BeamSearch) -> None:
-        request_ids = [engine.add_request(tokens, search.round_params()) for tokens in search.round_prompts()]
-        answers[id(search)] = [None] * len(request_ids)
-        rounds.update((request_id, (search, place)) for place, request_id in enumerate(request_ids))
+        requests = search.round_requests()
+        answers[id(search)] = [None] * len(requests)
+        for place, request in enumerate(requests):
+            request_id = engine.add_request(request.token_ids, search.round_params(), preloaded=request.preloaded)
+            rounds[request_id] = (search, place)
 
-    for search in searches:
-        start(search)
-    while rounds:
-        for output in engine.step():
-            if not output.finished or output.request_id not in rounds:
-                continue
-            search, place = rounds.pop(output.request_id)
-            if output.finish_reason == "error":
-                search.error = output.error
-                for request_id in [r for r, (other, _) in rounds.items() if other is search]:
-                    del rounds[request_id]
-                    engine.abort(request_id)
-                continue
-            answer = answers[id(search)]
-            answer[place] = output
-            if all(answer):
-                search.advance(answer, time.perf_counter())
-                if not search.done:
-                    start(search)
+    def abort(ids: list[str]) -> None:
+        for request_id in ids:
+            del rounds[request_id]
+            engine.abort(request_id)
+
+    try:
+        for search in searches:
+            start(search)
+        while rounds:
+            for output in engine.step():
+                if not output.finished or output.request_id not in rounds:
+                    continue
+                search, place = rounds.pop(output.request_id)
+                if output.finish_reason == "error":
+                    search.error = output.error
+                    abort([request_id for request_id, (other, _) in rounds.items() if other is search])
+                    continue
+                answer = answers[id(search)]
+                answer[place] = output
+                if all(answer):
+                    search.advance(answer, time.perf_counter())
+                    if not search.done:
+                        start(search)
+    finally:
+        abort(list(rounds))

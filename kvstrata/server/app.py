@@ -222,10 +222,11 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             return StreamingResponse(_response_events(shaper, builder, first, outputs), media_type="text/event-stream")
         return await _whole(first, outputs, 1, request, lambda final: shaper.full(builder.full(final)))
 
-    async def _start(body: CompletionRequest | ChatCompletionRequest, named: dict[str, str] | None = None):
+    async def _start(body: CompletionRequest | ChatCompletionRequest, named: dict[str, str] | None = None,
+                     request: Request | None = None):
         """Check and queue a request: its response builder, first output, the outputs after it and its choices'
         token ids and sampling parameters, or the error response. `named`: the names the client's endpoint gives
-        the fields."""
+        the fields; `request`: the HTTP request, whose disconnect stops a beam search."""
         chat = isinstance(body, ChatCompletionRequest)
         if (unknown := _unknown_model(body.model)) is not None:
             return unknown
@@ -234,7 +235,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             preparer.precheck(body)
             requests = await asyncio.to_thread(preparer.prepare, body)
             if body.use_beam_search:
-                outputs = beam_search_choices(async_engine, preparer.beam_searches(body, requests), tokenizer)
+                outputs = beam_search_choices(async_engine, preparer.beam_searches(body, requests), tokenizer,
+                                              request and request.is_disconnected)
             else:
                 outputs = async_engine.generate(requests)
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
@@ -257,7 +259,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         return builder, first, outputs, requests
 
     async def _serve(body: CompletionRequest | ChatCompletionRequest, request: Request):
-        started = await _start(body)
+        started = await _start(body, request=request)
         if isinstance(started, Response):
             return started
         builder, first, outputs, requests = started

@@ -20,6 +20,7 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.preloaded import Preloaded
 from kvstrata.server.metrics import ServerMetrics
 
 log = logging.getLogger("kvstrata.server")
@@ -72,6 +73,7 @@ class _Add:
     token_ids: list[int]
     params: SamplingParams
     arrival: float
+    preloaded: list[Preloaded]
 
 
 @dataclass
@@ -119,18 +121,22 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._admitted
 
-    async def generate(self, requests: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[Choice]:
+    async def generate(self, requests: list[tuple[list[int], SamplingParams]],
+                       preloaded: list[list[Preloaded]] | None = None,
+                       admitted: bool = False) -> AsyncIterator[Choice]:
         """Submit the checked (prompt token ids, sampling parameters) of one API request's choices (its prompts,
         `n` each) and yield (choice index, output) as outputs come, until every choice finished. The choices are
         accepted together or not at all (against --max-waiting); when the caller leaves early (a disconnect) or
-        one choice fails, the rest are aborted.
+        one choice fails, the rest are aborted. `preloaded`: each choice's KV given ready-made; `admitted`: the
+        choices continue an API request already accepted (a beam search's later rounds), so --max-waiting does not
+        turn them away.
 
         Raises a ServerError subclass when a choice cannot be served to its end."""
         if self._stopping.is_set():
             raise ShuttingDownError("the server is shutting down and takes no new requests")
         with self._lock:
             waiting = self._admitted - self.engine.num_running
-            if waiting + len(requests) > self.max_waiting:
+            if not admitted and waiting + len(requests) > self.max_waiting:
                 raise QueueFullError(f"{waiting} requests are waiting (--max-waiting {self.max_waiting})")
             self._admitted += len(requests)
             first = self._counter + 1
@@ -140,7 +146,7 @@ class AsyncEngine:
         arrival = time.perf_counter()
         for index, (request_id, (token_ids, params)) in enumerate(zip(request_ids, requests)):
             self._streams[request_id] = (outputs, asyncio.get_running_loop(), index)
-            self._commands.put(_Add(request_id, token_ids, params, arrival))
+            self._commands.put(_Add(request_id, token_ids, params, arrival, preloaded[index] if preloaded else []))
         unfinished = set(range(len(requests)))
         answered = False  # once an output went out, a choice that fails to start is a RequestError too
         try:
@@ -212,7 +218,8 @@ class AsyncEngine:
             self._deliver(command.request_id, ShuttingDownError("the server is shutting down"))
             return
         try:
-            self.engine.add_request(command.token_ids, command.params, command.request_id, command.arrival)
+            self.engine.add_request(command.token_ids, command.params, command.request_id, command.arrival,
+                                    command.preloaded)
         except KvstrataError as exc:  # the client's to fix: a 400
             self._deliver(command.request_id, exc)
         except Exception as exc:  # never let one request stop the loop

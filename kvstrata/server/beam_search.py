@@ -5,24 +5,38 @@ choices, all at the end (a beam is not known to be among the best before the sea
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from kvstrata.engine.beam_search import BeamSearch
 from kvstrata.engine.outputs import RequestMetrics, RequestOutput
-from kvstrata.server.async_engine import AsyncEngine, Choice
+from kvstrata.server.async_engine import AsyncEngine, Choice, ServerError
 
 
-async def beam_search_choices(engine: AsyncEngine, searches: list[BeamSearch], tokenizer) -> AsyncIterator[Choice]:
+class ClientDisconnected(ServerError):
+    """The client left while its beam search ran: the search stops after the round in flight."""
+
+    status = 499
+    kind = "client_closed_request"
+
+
+async def beam_search_choices(engine: AsyncEngine, searches: list[BeamSearch], tokenizer,
+                              disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Choice]:
     """Run `searches` (one per prompt of the API request, each `n` beams wide) together, a round of all of them
     at a time; then yield prompt p's beam i as choice p * n + i, a finished output. A failed round request fails
-    the API request, as a failed choice does (AsyncEngine.generate raises, the round's other requests aborted)."""
-    arrival = time.perf_counter()
+    the API request, as a failed choice does (AsyncEngine.generate raises, the round's other requests aborted);
+    `disconnected` is asked between rounds."""
+    arrival, admitted = time.perf_counter(), False  # the first round's requests wait their turn, the later ones not
     while running := [search for search in searches if not search.done]:
-        requests = [(tokens, search.round_params()) for search in running for tokens in search.round_prompts()]
+        if disconnected is not None and await disconnected():
+            raise ClientDisconnected("the client left before its beam search ended")
+        requests = [(request, search.round_params()) for search in running for request in search.round_requests()]
         finals: dict[int, RequestOutput] = {}
-        async for index, output in engine.generate(requests):
+        async for index, output in engine.generate([(request.token_ids, params) for request, params in requests],
+                                                   [request.preloaded for request, _ in requests],
+                                                   admitted=admitted):
             if output.finished:
                 finals[index] = output
+        admitted = True
         now, place = time.perf_counter(), 0
         for search in running:
             beams = len(search.running)

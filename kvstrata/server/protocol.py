@@ -57,6 +57,8 @@ def _encodable(text: str) -> str:
 
 def _check_stop(value):
     """One clear message for each way `stop` can be wrong (a union's errors would name the wrong member)."""
+    if value == "":
+        raise ValueError("stop strings must not be empty")
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
@@ -172,7 +174,8 @@ UNSET_SAMPLING = {f.name: f.default for f in dataclasses.fields(SamplingParams) 
 BEAM_SEARCH_NEUTRAL = {
     "temperature": (0, 1), "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "repetition_penalty": (1,),
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "allowed_token_ids": (),
-    "bad_words": ([],), "min_tokens": (0,), "stop": ([],), "logprobs": (), "top_logprobs": (), "prompt_logprobs": (),
+    "bad_words": ([],), "min_tokens": (0,), "stop": ([],), "logprobs": (), "top_logprobs": (0,),
+    "prompt_logprobs": (),
 }
 
 
