@@ -247,3 +247,18 @@ def test_a_run_counts_the_sequences_at_once_and_the_preemptions(tiny_llama):
     requests = [(torch.randint(3, 320, (30,), generator=gen).tolist(), 30) for _ in range(4)]
     figures = run_kvstrata(config, loaded, requests)
     assert figures["most_sequences_in_a_step"] > 2 and figures["preemptions"] > 0
+
+
+def test_beam_search_against_transformers(tiny_llama, capsys):
+    """The tiny model's fp32 weights give both the same beams; kvstrata computes the fewest tokens a search needs (the
+    prompts, then a token a beam and round)."""
+    report = run_json(capsys, "bench", "beam-search", "--model", str(tiny_llama), *TINY, "--prompts", "2",
+                      "--prompt-len", "40", "--beam-width", "3", "--max-tokens", "5", "--rounds", "2", "--json")
+    assert report["fewest_tokens_computed"] == 2 * (40 + 3 * 4)
+    assert len(report["rounds"]) == 2
+    for turn in report["rounds"]:
+        assert turn["prompts_with_the_same_beams"] == 2
+        assert turn["computed_over_fewest"] == 1
+        assert turn["ratio_to_transformers"] == pytest.approx(turn["transformers_s"] / turn["kvstrata_s"], rel=0.01)
+    assert main(["bench", "beam-search", "--model", str(tiny_llama), *TINY, "--rounds", "0"]) == 2
+    assert "--rounds and --prompts must be at least 1" in capsys.readouterr().err

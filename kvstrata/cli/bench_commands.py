@@ -58,6 +58,22 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(decode)
     add_engine_arguments(decode)
 
+    beam = bench.add_parser(
+        "beam-search", help="beam search against transformers' generate(num_beams=...) on the same prompts",
+        description="Each round: kvstrata's beam search over --prompts prompts of --prompt-len tokens at once (its "
+                    "prefix cache emptied first), then transformers' generate with the same num_beams over them "
+                    "in one batch, both to exactly --max-tokens tokens (end tokens ignored). Reports seconds, the "
+                    "ratio, the prompts given the same beams by both, and the tokens kvstrata computed against the "
+                    "fewest a search needs.",
+    )
+    beam.add_argument("--beam-width", type=int, default=4, help="beams (default: 4)")
+    beam.add_argument("--max-tokens", type=int, default=32, help="tokens each beam generates (default: 32)")
+    beam.add_argument("--prompts", type=int, default=4, help="prompts searched together (default: 4)")
+    beam.add_argument("--prompt-len", type=int, default=128, help="tokens of each prompt (default: 128)")
+    beam.add_argument("--rounds", type=int, default=3, help="rounds of kvstrata then transformers (default: 3)")
+    _add_output_flags(beam)
+    add_engine_arguments(beam)
+
     throughput = bench.add_parser(
         "throughput", help="offline workload: each scheduler against transformers generate",
         description="N requests arrive at once (prompts cut from --text, greedy, fixed seed). kvstrata runs them "
@@ -169,6 +185,7 @@ def _add_impress_commands(bench) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
+    from kvstrata.bench.beam_search import run_beam_search_bench
     from kvstrata.bench.impress_analysis import run_impress_analysis
     from kvstrata.bench.infinigen_analysis import run_infinigen_analysis
     from kvstrata.bench.offload import run_offload
@@ -177,5 +194,6 @@ def run_bench(args: argparse.Namespace) -> None:
 
     commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi,
                 "decode": run_decode, "infinigen-analysis": run_infinigen_analysis,
-                "offload": run_offload, "impress-analysis": run_impress_analysis}
+                "offload": run_offload, "impress-analysis": run_impress_analysis,
+                "beam-search": run_beam_search_bench}
     commands[args.bench](args)
