@@ -18,6 +18,7 @@ from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError, ParameterError
 from tests.format_cases import CASES as FORMAT_CASES
 from tests.format_cases import build
+from tests.helpers import prefill_in_chunks
 from tests.server_harness import running_server
 
 EOS = 2  # the tiny models'
@@ -301,6 +302,12 @@ def test_a_tail_stored_again_reads_back_unchanged_where_its_storage_says_so(case
     llm = build(tiny_llama_kv64, oaken_calibrations, case)
     engine = llm.engine
     prompt = random_prompt(57, 4)
+    _, computed = prefill_in_chunks(engine, prompt, chunk=len(prompt))
+    every_layer = engine.kv_cache.read_layers(computed.block_table, 57, 40)  # all layers at once, as one by one
+    for layer in range(engine.kv_cache.num_layers):
+        one = engine.kv_cache.read(layer, computed.block_table, 57, 40)
+        assert torch.equal(every_layer[0][layer], one[0]) and torch.equal(every_layer[1][layer], one[1])
+    engine.kv_manager.free(computed)
     output = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, keep_tail_kv=True))[0]
     if not engine.kv_cache.stores_read_kv_exactly:
         assert case.startswith("oaken") and output.tail_kv is None

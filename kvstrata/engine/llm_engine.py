@@ -593,6 +593,5 @@ class LLMEngine:
         if start == end or not self.kv_cache.stores_read_kv_exactly:
             return None
         dtype = getattr(torch, self.config.dtype)
-        layers = [self.kv_cache.read(layer, seq.block_table, end, start) for layer in range(self.kv_cache.num_layers)]
-        return PreloadedKV(start, torch.stack([k for k, _ in layers]).to(dtype),
-                           torch.stack([v for _, v in layers]).to(dtype))
+        k, v = self.kv_cache.read_layers(seq.block_table, end, start)
+        return PreloadedKV(start, k.to(dtype), v.to(dtype))

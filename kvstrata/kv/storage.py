@@ -99,6 +99,12 @@ class KVStorage(ABC):
     def begin_write(self, block_table: torch.Tensor, slots: torch.Tensor, context_len: int) -> None:
         """`write` is about to store a sequence's tokens into `slots`, up to `context_len` (block_table [1, B])."""
 
+    def read_layers(self, block_table: list[int], end: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [layers, end - first, kv_heads, head_dim] of one sequence's positions first .. end in every
+        layer (decoded, fp32), outside a step; storage that can read all layers at once overrides this."""
+        layers = [self.read(layer, block_table, end, first) for layer in range(self.num_layers)]
+        return torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
+
     def read(self, layer: int, block_table: list[int], end: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [end - first, kv_heads, head_dim] of one sequence's positions first .. end (decoded, fp32), outside
         a step (tools, tests, the KV store's copies)."""
