@@ -48,6 +48,21 @@ def test_generate_streams_text(tiny_llama, capsys):
     assert "min_tokens 300 exceeds max_tokens 256" in capsys.readouterr().err
 
 
+def test_generate_prints_the_beams_of_a_search(tiny_llama, capsys):
+    from kvstrata import LLM, BeamSearchParams
+
+    tiny = ["--model", str(tiny_llama), "--max-tokens", "8", "--kv-cache-memory", "8MiB"]
+    assert main(["generate", "Emma", *tiny, "--beam-width", "3", "--length-penalty", "0.5",
+                 "--early-stopping", "never"]) == 0
+    params = BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5, early_stopping="never")
+    expected = LLM(str(tiny_llama), kv_cache_memory="8MiB").beam_search("Emma", params)[0]
+    assert capsys.readouterr().out == "".join(
+        f"[{rank}] score {beam.score:.4f} ({beam.finish_reason}, {len(beam.token_ids)} tokens)\n{text}\n"
+        for rank, (beam, text) in enumerate(zip(expected.sequences, expected.texts), start=1))
+    assert main(["generate", "Emma", *tiny, "--beam-width", "2", "--temperature", "0.7"]) == 2
+    assert "temperature 0.7 cannot be combined with --beam-width" in capsys.readouterr().err
+
+
 def test_generate_holds_the_output_to_a_structured_constraint(tiny_llama, tmp_path, capsys):
     tiny = ["--model", str(tiny_llama), "--max-tokens", "12", "--kv-cache-memory", "8MiB"]
     assert main(["generate", "Emma", *tiny, "--regex", "[0-9]{3}-[a-z]+", "--temperature", "1", "--seed", "3"]) == 0

@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the saved context's level to decode (default: the best one stored)")
     _add_chat_template_kwargs_argument(generate)
     _add_sampling_arguments(generate, temperature=0.0)
+    beams = generate.add_argument_group("beam search (the likeliest continuations, as transformers' "
+                                        "generate(num_beams=...) finds them; no sampling setting applies)")
+    beams.add_argument("--beam-width", type=int, default=None,
+                       help="search this many beams and print each, best first, with its score")
+    beams.add_argument("--length-penalty", type=float, default=1.0,
+                       help="a finished beam ranks by its log-likelihood over its length to this power (default: 1)")
+    beams.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
+                       help="when the search ends, as transformers takes it (default: false)")
     add_engine_arguments(generate)
 
     chat = commands.add_parser(
@@ -159,7 +167,27 @@ def run_generate(args: argparse.Namespace) -> None:
     llm = LLM(**vars(engine_config_from_args(args)))
     message = [{"role": "user", "content": args.prompt}]
     prompt = llm.chat_prompt(message, chat_template_kwargs=args.chat_template_kwargs) if args.chat else args.prompt
-    _stream_to_terminal(llm, prompt, params, context=args.context, context_level=args.context_level)
+    if args.beam_width is None:
+        _stream_to_terminal(llm, prompt, params, context=args.context, context_level=args.context_level)
+    else:
+        _print_beams(llm, prompt, args)
+
+
+def _print_beams(llm, prompt, args: argparse.Namespace) -> None:
+    from kvstrata.engine.beam_search import BeamSearchParams, refuse_sampling_settings
+
+    refuse_sampling_settings(args, "--beam-width")
+    if args.context is not None or _structured_output(args) is not None:
+        raise KvstrataError("--beam-width cannot be combined with --context or a structured-output flag")
+    early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
+    params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                              length_penalty=args.length_penalty, early_stopping=early_stopping)
+    result = llm.beam_search(prompt, params)[0]
+    if result.error is not None:
+        raise KvstrataError(f"beam search failed: {result.error}")
+    for rank, (beam, text) in enumerate(zip(result.sequences, result.texts), start=1):
+        print(f"[{rank}] score {beam.score:.4f} ({beam.finish_reason}, {len(beam.token_ids)} tokens)")
+        print(text)
 
 
 def run_chat(args: argparse.Namespace) -> None:

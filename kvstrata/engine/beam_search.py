@@ -82,6 +82,27 @@ class BeamSearchParams:
         return self.beam_width if self.num_returned is None else self.num_returned
 
 
+# Sampling settings beam search does not follow (the server's and the CLI's names), and their values that ask
+# nothing of it besides null and false: temperature 1 is the model's own distribution, which beams are ranked by,
+# and 0 asks for determinism, which beam search has.
+SAMPLING_SETTINGS_NEUTRAL = {
+    "temperature": (0, 1), "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "repetition_penalty": (1,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "allowed_token_ids": (),
+    "bad_words": ([],), "min_tokens": (0,), "stop": ([],), "logprobs": (), "top_logprobs": (0,),
+    "prompt_logprobs": (),
+}
+
+
+def refuse_sampling_settings(settings, beam_search: str) -> None:
+    """ParameterError naming the first sampling setting of `settings` (an object with some of those names as
+    attributes) that asks for something beam search would not do; `beam_search`: what asked for beam search."""
+    for name, neutral in SAMPLING_SETTINGS_NEUTRAL.items():
+        value = getattr(settings, name, None)
+        if not (value is None or value is False or value in neutral):
+            raise ParameterError(name, f"{name} {value!r} cannot be combined with {beam_search}: beam search "
+                                       "samples nothing; it ranks continuations by the model's likelihood")
+
+
 @dataclass(frozen=True)
 class BeamSequence:
     """A finished beam."""

@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvstrata.engine.beam_search import MAX_LENGTH_PENALTY, BeamSearchParams
+from kvstrata.engine.beam_search import MAX_LENGTH_PENALTY, BeamSearchParams, refuse_sampling_settings
 from kvstrata.engine.sampling_params import (
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
@@ -168,17 +168,6 @@ class StreamOptions(BaseModel):
 UNSET_SAMPLING = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.name in SAMPLING_DEFAULT_FIELDS}
 
 
-# Settings beam search does not follow, and their values that ask nothing of it (besides null and false).
-# Temperature 1 is the model's own distribution, which beams are ranked by, and 0 asks for determinism, which
-# beam search has.
-BEAM_SEARCH_NEUTRAL = {
-    "temperature": (0, 1), "top_p": (1,), "top_k": (0, -1), "min_p": (0,), "repetition_penalty": (1,),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "allowed_token_ids": (),
-    "bad_words": ([],), "min_tokens": (0,), "stop": ([],), "logprobs": (), "top_logprobs": (0,),
-    "prompt_logprobs": (),
-}
-
-
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints. Unknown fields are ignored, as vLLM does."""
 
@@ -267,11 +256,7 @@ class _SamplingFields(BaseModel):
         """use_beam_search's parameters, ending where `sampling` (the request's prepared parameters) ends; a
         ParameterError names a setting that beam search would not follow, since it samples nothing and ranks
         continuations by the model's own likelihood."""
-        for name, neutral in BEAM_SEARCH_NEUTRAL.items():
-            value = getattr(self, name, None)
-            if not (value is None or value is False or value in neutral):
-                raise ParameterError(name, f"{name} {value!r} cannot be combined with use_beam_search: beam search "
-                                           "samples nothing; it ranks continuations by the model's likelihood")
+        refuse_sampling_settings(self, "use_beam_search")
         if self.constraint_field is not None:
             raise ParameterError(self.constraint_field, f"{self.constraint_field} cannot be combined with "
                                                         "use_beam_search: beam search does not constrain its output")
