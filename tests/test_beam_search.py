@@ -309,7 +309,7 @@ def test_a_tail_stored_again_reads_back_unchanged_where_its_storage_says_so(case
         assert torch.equal(every_layer[0][layer], one[0]) and torch.equal(every_layer[1][layer], one[1])
     engine.kv_manager.free(computed)
     output = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, keep_tail_kv=True))[0]
-    if not engine.kv_cache.stores_read_kv_exactly:
+    if not engine.kv_cache.restores_exactly(torch.float32):
         assert case.startswith("oaken") and output.tail_kv is None
         return
     tail = output.tail_kv
@@ -353,3 +353,24 @@ def test_a_client_that_leaves_stops_its_search(tiny_llama):
                 steps, quiet_since = len(engine.step_stats), time.time()
         assert steps < 60  # the whole search takes 240 rounds
         assert engine.kv_manager.pool.num_used == 0 and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("options, salted, handed_over", [
+    ({}, False, True),
+    ({"dtype": "bfloat16", "kv_format": "bf16"}, False, True),  # stored in the compute dtype: exact
+    ({"dtype": "bfloat16", "kv_format": "int8"}, False, False),  # decoded int8 rounded to bfloat16: not exact
+    ({"enable_prefix_caching": False}, False, False),  # the continuing request computes its context anyway
+    ({"kv_offload": "h2o"}, False, False),  # evicts tokens
+    ({}, True, False),  # built on a saved context: must not reach unsalted blocks
+])
+def test_a_tail_is_handed_over_only_where_it_is_the_kv_computing_gives(tiny_llama, options, salted, handed_over):
+    engine = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, **options).engine
+    engine.add_request(random_prompt(40, 1), SamplingParams(max_tokens=1, keep_tail_kv=True),
+                       cache_salt=b"context" if salted else None)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [output for output in engine.step() if output.finished]
+    tail = outputs[0].tail_kv
+    assert (tail is not None) == handed_over
+    if handed_over:
+        assert (tail.start, tail.end) == (32, 40) and tail.k.dtype == getattr(torch, options.get("dtype", "float32"))

@@ -584,14 +584,24 @@ class LLMEngine:
         output.tail_kv = tail_kv
         return output
 
+    @functools.cached_property
+    def _tails_handed_over(self) -> bool:
+        """Whether a request's tail KV can be handed to another as it is: with prefix caching (else the other computes
+        its context anyway), where every cached token is live and loaded (not under H2O or InfiniGen, which evict
+        tokens, nor IMPRESS's loads, which leave some unloaded), and where storing it again stores the same values
+        (not Oaken's records, nor a format's decoded values cast to a narrower compute dtype)."""
+        c = self.config
+        return (c.enable_prefix_caching and c.kv_offload in ("none", "full") and c.prefix_loading == "full"
+                and self.kv_cache.restores_exactly(getattr(torch, c.dtype)))
+
     def _tail_kv(self, seq: Sequence) -> PreloadedKV | None:
-        """The KV of `seq`'s computed tokens after its last full block, decoded, in the engine's dtype; None where
-        they fill whole blocks, or where storing them again would not store the same values (Oaken: a request
+        """The KV of `seq`'s computed tokens after its last full block, decoded, in the engine's dtype, for a request
+        that continues them; None where they fill whole blocks or cannot be handed over as they are (a request
         continuing them then computes them)."""
         end = seq.num_computed_tokens
         start = end - end % self.config.block_size
-        if start == end or not self.kv_cache.stores_read_kv_exactly:
-            return None
+        if start == end or seq.cache_salt is not None or not self._tails_handed_over:
+            return None  # a salted sequence's KV (built on a saved context) must not reach unsalted blocks
         dtype = getattr(torch, self.config.dtype)
         k, v = self.kv_cache.read_layers(seq.block_table, end, start)
         return PreloadedKV(start, k.to(dtype), v.to(dtype))

@@ -70,7 +70,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     # the output carries the KV of the request's tokens after its last full block (RequestOutput.tail_kv), which the
     # prefix cache does not keep: a request continuing those tokens takes it as preloaded KV (beam search's rounds);
-    # none where the KV format would not store it again unchanged (Oaken)
+    # none where it cannot be handed over as it is (LLMEngine._tails_handed_over)
     keep_tail_kv: bool = False
 
     def __post_init__(self) -> None:

@@ -60,15 +60,20 @@ class PagedKVCache(KVStorage):
         return tuple(_seam_layout(gather_rows_per_head(cache[layer].view(self.kv_shape[0], -1, self.kv_shape[1]),
                                                slots.reshape(-1)), n, width, dtype) for cache in (self.k, self.v))
 
+    def restores_exactly(self, dtype):
+        """Also where the storage holds the compute dtype itself."""
+        return dtype in (torch.float32, self.k.dtype)
+
     def write(self, block_table, kv, first, end):
-        """KV with every layer at hand is stored in one index_copy each for K and V."""
-        if not isinstance(kv, PreloadedKV):
+        """KV with every layer at hand, on this device in this dtype, is stored in one index_copy each for K and V
+        (another is converted layer by layer, so no whole extra copy is made)."""
+        if not isinstance(kv, PreloadedKV) or kv.k.device != self.device or kv.k.dtype != self.k.dtype:
             return super().write(block_table, kv, first, end)
         slots = self._slots(block_table, first, end)
         layers, kv_heads, head_dim = self.num_layers, *self.kv_shape
         for cache, values in ((self.k, kv.k), (self.v, kv.v)):
             rows = values[:, first - kv.start : end - kv.start].transpose(1, 2)  # [layers, kv_heads, n, head_dim]
-            cache.view(layers, kv_heads, -1, head_dim).index_copy_(2, slots, rows.to(self.device, cache.dtype))
+            cache.view(layers, kv_heads, -1, head_dim).index_copy_(2, slots, rows)
 
     def read_layers(self, block_table, end, first=0):
         """Every layer's rows in one index_select each for K and V."""

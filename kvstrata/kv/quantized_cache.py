@@ -25,7 +25,6 @@ class QuantizedPagedKVCache(KVStorage):
     def __init__(self, kv_format: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, in_place_decode: bool = True):
         self.format = kv_format
-        self.stores_read_kv_exactly = kv_format.encodes_decoded_exactly
         self.block_size = block_size
         self.num_layers = num_layers
         self.kv_shape = (num_kv_heads, head_dim)
@@ -48,6 +47,9 @@ class QuantizedPagedKVCache(KVStorage):
             pages = int(slots * kv_format.expected_sparse_bytes * SPARSE_HEADROOM / SPARSE_PAGE_BYTES) + 1
             self.sparse = {kind: SparsePages(num_layers, num_blocks, block_size, SPARSE_PAGE_BYTES, pages,
                                              kv_format.max_sparse_bytes, device) for kind in ("k", "v")}
+
+    def restores_exactly(self, dtype: torch.dtype) -> bool:
+        return self.format.encodes_decoded_exactly and super().restores_exactly(dtype)
 
     @staticmethod
     def bytes_per_token(kv_format: KVFormat, num_layers: int) -> float:

@@ -23,9 +23,6 @@ class KVStorage(ABC):
     num_layers: int
     kv_shape: tuple[int, int]  # (kv_heads, head_dim)
     device: torch.device
-    # Whether storing the K/V that `read` gives of a partly filled block stores the same values again, so that one
-    # sequence's tokens may be handed to another as decoded KV (beam search's) instead of being computed anew
-    stores_read_kv_exactly = True
 
     @abstractmethod
     def store(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
@@ -98,6 +95,13 @@ class KVStorage(ABC):
 
     def begin_write(self, block_table: torch.Tensor, slots: torch.Tensor, context_len: int) -> None:
         """`write` is about to store a sequence's tokens into `slots`, up to `context_len` (block_table [1, B])."""
+
+    def restores_exactly(self, dtype: torch.dtype) -> bool:
+        """Whether the K/V that `read` gives of a partly filled block, cast to the compute `dtype` and stored again,
+        stores the same values, so that one sequence's tokens may be handed to another as decoded KV (beam search's)
+        instead of being computed anew. Decoded values keep more bits than a narrower dtype holds, so by default
+        only in float32."""
+        return dtype == torch.float32
 
     def read_layers(self, block_table: list[int], end: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, end - first, kv_heads, head_dim] of one sequence's positions first .. end in every

@@ -26,7 +26,7 @@ class KVFormat(ABC):
     has_sparse = False
     # Whether encoding the values a record decodes to gives that record back (int8 and int4: the per-token scale is
     # found again from the decoded values); Oaken chooses a token's outliers and groups again from its decoded
-    # values, which need not give the same record
+    # values, which need not give the same record (KVStorage.restores_exactly)
     encodes_decoded_exactly = True
 
     def __init__(self, width: int):
