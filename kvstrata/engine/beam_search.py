@@ -9,8 +9,9 @@ full block of the parent, and the parent's request handed back the KV of its tok
 (`SamplingParams.keep_tail_kv`), which the beam's request is given as preloaded KV; so a round computes one token
 a beam, the beam's newest. Where that KV would not be what computing gives (LLMEngine._tails_handed_over: Oaken's
 records, a narrower compute dtype, policies that evict or skip tokens), the beam's request computes those tokens
-(at most a block); without prefix caching (H2O, --no-prefix-caching) it computes the beam's whole context. A search in flight holds no blocks between rounds, so under memory pressure a round may find less
-cached and compute more; its result is the same.
+(at most a block); without prefix caching (H2O, --no-prefix-caching) it computes the beam's whole context. A
+search in flight holds no blocks between rounds, so under memory pressure a round may find less cached and compute
+more; its result is the same.
 
 Of each beam, a round needs only its `beam_width + (tokens that end a beam)` likeliest next tokens: transformers
 keeps the best max(2, 1 + end tokens) x beam_width continuations of all beams, continues the best `beam_width` of
