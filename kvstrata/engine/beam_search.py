@@ -256,10 +256,10 @@ def run_searches(engine, searches: list[BeamSearch]) -> None:
     answers: dict[int, list[RequestOutput | None]] = {}  # by id of the search: its round's outputs so far
 
     def start(search: BeamSearch) -> None:
-        requests = search.round_requests()
+        requests, params = search.round_requests(), search.round_params()
         answers[id(search)] = [None] * len(requests)
         for place, request in enumerate(requests):
-            request_id = engine.add_request(request.token_ids, search.round_params(), preloaded=request.preloaded)
+            request_id = engine.add_request(request.token_ids, params, preloaded=request.preloaded)
             rounds[request_id] = (search, place)
 
     def abort(ids: list[str]) -> None:

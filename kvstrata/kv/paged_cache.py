@@ -8,7 +8,6 @@ from kvstrata.kv.attention_batch import CachedKeys
 from kvstrata.kv.fused_decode import FusedDecode
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.preloaded import PreloadedKV
-from kvstrata.kv.slots import slots_of_positions
 from kvstrata.kv.storage import KVStorage
 
 
@@ -69,7 +68,7 @@ class PagedKVCache(KVStorage):
         (another is converted layer by layer, so no whole extra copy is made)."""
         if not isinstance(kv, PreloadedKV) or kv.k.device != self.device or kv.k.dtype != self.k.dtype:
             return super().write(block_table, kv, first, end)
-        slots = self._slots(block_table, first, end)
+        _, _, slots = self.sequence_range(block_table, first, end)
         layers, kv_heads, head_dim = self.num_layers, *self.kv_shape
         for cache, values in ((self.k, kv.k), (self.v, kv.v)):
             rows = values[:, first - kv.start : end - kv.start].transpose(1, 2)  # [layers, kv_heads, n, head_dim]
@@ -77,14 +76,10 @@ class PagedKVCache(KVStorage):
 
     def read_layers(self, block_table, end, first=0):
         """Every layer's rows in one index_select each for K and V."""
-        slots = self._slots(block_table, first, end)
+        _, _, slots = self.sequence_range(block_table, first, end)
         layers, kv_heads, head_dim = self.num_layers, *self.kv_shape
         return tuple(cache.view(layers, kv_heads, -1, head_dim).index_select(2, slots).transpose(1, 2).float()
                      for cache in (self.k, self.v))
-
-    def _slots(self, block_table: list[int], first: int, end: int) -> torch.Tensor:
-        table = torch.tensor([block_table], dtype=torch.long, device=self.device)
-        return slots_of_positions(table, torch.arange(first, end, device=self.device), self.block_size)[0]
 
     def gather_per_head(self, layer, slots, positions, dtype):
         """Each head's own rows: only the selected tokens are read (compiled: K and V of every head in one call;

@@ -82,9 +82,7 @@ class KVStorage(ABC):
     def write(self, block_table: list[int], kv: Preloaded, first: int, end: int) -> None:
         """Store the K and V that `kv` holds for positions first .. end of a sequence, layer after layer
         (each layer is loaded only when it is written), as a step of its own."""
-        table = torch.tensor([block_table], dtype=torch.long, device=self.device)
-        positions = torch.arange(first, end, device=self.device)
-        slots = slots_of_positions(table, positions, self.block_size)[0]
+        table, positions, slots = self.sequence_range(block_table, first, end)
         self.begin_write(table, slots, end)
         try:
             for layer in range(self.num_layers):
@@ -92,6 +90,13 @@ class KVStorage(ABC):
                 self.store(layer, slots, positions, k.to(self.device), v.to(self.device))
         finally:
             self.end_step()
+
+    def sequence_range(self, block_table: list[int], first: int,
+                       end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence's block table [1, B], and the positions first .. end and their slots [end - first]."""
+        table = torch.tensor([block_table], dtype=torch.long, device=self.device)
+        positions = torch.arange(first, end, device=self.device)
+        return table, positions, slots_of_positions(table, positions, self.block_size)[0]
 
     def begin_write(self, block_table: torch.Tensor, slots: torch.Tensor, context_len: int) -> None:
         """`write` is about to store a sequence's tokens into `slots`, up to `context_len` (block_table [1, B])."""
@@ -112,7 +117,6 @@ class KVStorage(ABC):
     def read(self, layer: int, block_table: list[int], end: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [end - first, kv_heads, head_dim] of one sequence's positions first .. end (decoded, fp32), outside
         a step (tools, tests, the KV store's copies)."""
-        table = torch.tensor([block_table], dtype=torch.long, device=self.device)
-        positions = torch.arange(first, end, device=self.device)[None]
-        k, v = self.gather(layer, slots_of_positions(table, positions, self.block_size), positions, torch.float32)
+        _, positions, slots = self.sequence_range(block_table, first, end)
+        k, v = self.gather(layer, slots[None], positions[None], torch.float32)
         return k[0], v[0]

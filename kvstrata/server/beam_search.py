@@ -29,7 +29,8 @@ async def beam_search_choices(engine: AsyncEngine, searches: list[BeamSearch], t
     while running := [search for search in searches if not search.done]:
         if disconnected is not None and await disconnected():
             raise ClientDisconnected("the client left before its beam search ended")
-        requests = [(request, search.round_params()) for search in running for request in search.round_requests()]
+        requests = [(request, params) for search in running
+                    for params in [search.round_params()] for request in search.round_requests()]
         finals: dict[int, RequestOutput] = {}
         async for index, output in engine.generate([(request.token_ids, params) for request, params in requests],
                                                    [request.preloaded for request, _ in requests],
