@@ -28,6 +28,7 @@ GENERATION_CONFIGS = ("auto", "vllm")
 KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
 KV_OFFLOADS = ("none", "full", "infinigen", "h2o")
+SLOT_REWRITING_KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4")  # a token stored again in a slot replaces it
 HOST_EVICTIONS = ("counter", "lru", "fifo")
 PREFIX_LOADINGS = ("full", *PREFIX_LOADING)
 NO_COMPILE_BESIDE_LOADS = ("no compile (the load thread runs the model beside the engine thread, and compiled layers "
@@ -224,6 +225,20 @@ class EngineConfig:
         default=None, metadata=_option("sarathi: round each step's token count down to a multiple of this")
     )
     max_num_seqs: int = field(default=128, metadata=_option("most sequences running at once"))
+    num_speculative_tokens: int = field(
+        default=0,
+        metadata=_option("speculative decoding by prompt lookup: up to this many tokens guessed per decode step from "
+                         "the latest earlier occurrence of the sequence's last n tokens in its prompt and output, all "
+                         "verified in the step, so output that copies its context comes several tokens a step; "
+                         "tokens are sampled from the distributions plain decoding samples from (0: off)"),
+    )
+    prompt_lookup_min: int = field(
+        default=2, metadata=_option("speculative decoding: the fewest last tokens a prompt lookup matches")
+    )
+    prompt_lookup_max: int = field(
+        default=4, metadata=_option("speculative decoding: the most last tokens a prompt lookup matches (the longest "
+                                    "match found wins)")
+    )
     max_prefill_tokens: int | None = field(
         default=None,
         metadata=_option("prefill-first: most prompt tokens in one prefill step (default: max(max_model_len, 2048))"),
@@ -341,6 +356,7 @@ class EngineConfig:
         if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and 0 < self.ttft_slo < 1e6):
             raise KvstrataError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
         self._check_prefix_loading()
+        self._check_speculation()
         for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size",
                      "kv_store_chunk_tokens", "kv_store_timeout_ms"):
             _require_positive(name, getattr(self, name))
@@ -364,6 +380,27 @@ class EngineConfig:
         missing = [what for lacking, what in needs if lacking]
         if missing:
             raise KvstrataError(f"prefix_loading {self.prefix_loading!r} needs {'; '.join(missing)}")
+
+    def _check_speculation(self) -> None:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise KvstrataError(f"num_speculative_tokens must be an integer >= 0 (0: no speculation), got {k!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            _require_positive(name, getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise KvstrataError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max "
+                                f"{self.prompt_lookup_max}")
+        if not k:
+            return
+        # drafts' KV is written and, where rejected, written over: only where attention reads every cached token and
+        # a slot written again holds the new token alone (not KIVI's window nor Oaken's sparse pages)
+        needs = [(self.kv_offload not in ("none", "full"), f"kv_offload none or full, not {self.kv_offload!r}"),
+                 (self.prefix_loading != "full", f"prefix_loading full, not {self.prefix_loading!r}"),
+                 (self.kv_format not in (None, *SLOT_REWRITING_KV_FORMATS),
+                  f"a kv_format of {', '.join(SLOT_REWRITING_KV_FORMATS)}, not {self.kv_format!r}")]
+        missing = [what for lacking, what in needs if lacking]
+        if missing:
+            raise KvstrataError(f"num_speculative_tokens {k} needs {'; '.join(missing)}")
 
     def infinigen_settings(self) -> InfiniGenSettings:
         return InfiniGenSettings(alpha=float(self.infinigen_alpha), partial_ratio=float(self.infinigen_partial_ratio),

@@ -22,12 +22,14 @@ from kvstrata.cachegen.profile import shipped_profile
 from kvstrata.config import EngineConfig
 from kvstrata.engine.bad_words import bad_word_token_ids
 from kvstrata.engine.direct_forward import compute_kv
+from kvstrata.engine.draft_verification import accepted_tokens, draft_histories, sequence_rows
 from kvstrata.engine.grammar_matcher import GrammarCompiler, allowed_tokens, matcher_error
 from kvstrata.engine.important_prefix_load import ImportantLoading
 from kvstrata.engine.kv_offload_setup import attention_policy
 from kvstrata.engine.kv_setup import engine_storage_layout, stored_form
 from kvstrata.engine.kv_store_link import KVStoreLink, make_store
 from kvstrata.engine.model_runner import ModelRunner, PromptRows
+from kvstrata.engine.ngram_proposer import NgramProposer
 from kvstrata.engine.output_processor import OutputProcessor
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.penalties import Histories
@@ -56,6 +58,8 @@ class StepStats:
     num_seqs: int
     num_preempted: int
     seconds: float
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified in the step
+    num_accepted_tokens: int = 0  # and accepted
 
 
 def _device(name: str) -> torch.device:
@@ -99,6 +103,11 @@ class LLMEngine:
         self.attention.attach_block_pool(self.kv_manager.pool)
         self.kv_store = self.make_kv_store_link()  # tiers below the device pool, or None
         self.scheduler = self._make_scheduler()
+        self.drafts = None  # speculative decoding's proposer
+        if config.num_speculative_tokens:
+            self.drafts = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                        config.prompt_lookup_max)
+            self.scheduler.propose_drafts = self._drafts_for
         self.runner = ModelRunner(self.loaded.model, self.attention, config.block_size, self.device,
                                   max_blocks_per_seq=-(-self.max_model_len // config.block_size),
                                   max_num_seqs=config.max_num_seqs)
@@ -442,12 +451,13 @@ class LLMEngine:
         outputs = []
         prefill_tokens, prefill_work = 0, PrefillWork()
         for seq, num_tokens in plan.scheduled:
-            is_decode = num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            is_decode = (num_tokens == 1 or seq.draft_token_ids) and seq.num_computed_tokens >= seq.num_prompt_tokens
             if not is_decode:
                 prefill_tokens += num_tokens
                 prefill_work += PrefillWork.span(seq.num_computed_tokens, num_tokens)
-            seq.num_computed_tokens += num_tokens
-            self.kv_manager.commit(seq, num_tokens)
+            computed = 1 if seq.draft_token_ids else num_tokens  # a draft's KV counts once it is accepted
+            seq.num_computed_tokens += computed
+            self.kv_manager.commit(seq, computed)
             if self.kv_store is not None and not is_decode and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self.kv_store.store_prompt(seq, max(seq.num_cached_prompt_tokens or 0, seq.num_store_tokens))
                 if seq.num_store_tokens:
@@ -458,20 +468,33 @@ class LLMEngine:
         outputs.extend(failed)
         to_sample, logits, constraints, failed = self._constraints(to_sample, logits)
         outputs.extend(failed)
-        histories = Histories([s.token_ids for s in to_sample], [s.num_prompt_tokens for s in to_sample],
+        histories = Histories(draft_histories(to_sample), [s.num_prompt_tokens for s in to_sample],
                               self.outputs.eos_token_ids, [s.bad_words for s in to_sample])
         tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample], histories,
                                   constraints)
         now = time.perf_counter()
         if self.kv_store is not None:
             self.kv_store.observe_prefill(prefill_work, now - start)
-        for seq, token, token_logprobs in zip(to_sample, tokens, logprobs):
-            outputs.append(self._append_token(seq, token, token_logprobs, now))
+        num_drafts = num_accepted = 0
+        for seq, first, end in sequence_rows(to_sample):
+            accepted = accepted_tokens(seq.draft_token_ids, tokens[first:end])
+            num_drafts, num_accepted = num_drafts + len(seq.draft_token_ids), num_accepted + len(accepted) - 1
+            seq.draft_token_ids = []
+            outputs.append(self._append_tokens(seq, accepted, logprobs[first : first + len(accepted)], now))
         self.step_stats.append(
             StepStats(prefill_tokens, plan.num_tokens - prefill_tokens, len(plan.scheduled), len(plan.preempted),
-                      now - start)
+                      now - start, num_drafts, num_accepted)
         )
         return outputs
+
+    def _drafts_for(self, seq: Sequence) -> list[int]:
+        """Tokens guessed to follow `seq`'s last one, for its decode step to verify: none where it has a structured
+        output (its grammar matcher takes tokens one at a time) or nothing could follow them (its max_tokens or
+        the context would end it first)."""
+        if seq.matcher is not None:
+            return []
+        limit = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+        return self.drafts.propose(seq.seq_id, seq.token_ids, limit)
 
     def _schedule_loaded(self) -> None:
         """Requests whose lookup below the device pool ended join the scheduler, with the KV it found. With
@@ -515,15 +538,15 @@ class LLMEngine:
         return failed
 
     def _drop_ended_and_nonfinite(self, to_sample: list[Sequence], logits: torch.Tensor):
-        """Sequences whose logits hold NaN or inf (a corrupt context) end with an error; those that ended earlier in
-        the step are dropped; the rest are sampled."""
-        finite = finite_rows(logits)
-        keep = [ok and seq.finish_reason is None for seq, ok in zip(to_sample, finite)]
+        """Sequences with a row of logits holding NaN or inf (a corrupt context) end with an error; those that ended
+        earlier in the step are dropped; the rest are sampled."""
+        broken = {id(seq): seq for seq, ok in zip(to_sample, finite_rows(logits)) if not ok}
+        keep = [id(seq) not in broken and seq.finish_reason is None for seq in to_sample]
         if all(keep):
             return to_sample, logits, []
         failed = [self._fail(seq, "the model's logits for this request are not finite (NaN or inf): its context "
                                   "(a preloaded KV cache, most likely) is corrupt", corrupt_cache=True)
-                  for seq, ok in zip(to_sample, finite) if not ok and seq.finish_reason is None]
+                  for seq in broken.values() if seq.finish_reason is None]
         return [seq for seq, ok in zip(to_sample, keep) if ok], logits[torch.tensor(keep, device=logits.device)], failed
 
     def _constraints(self, to_sample: list[Sequence], logits: torch.Tensor):
@@ -543,19 +566,27 @@ class LLMEngine:
         rows = [row for row, kept in enumerate(keep) if kept]
         return ([to_sample[row] for row in rows], logits[rows], [constraints[row] for row in rows], failed)
 
-    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> RequestOutput:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
+        """Append the step's tokens to `seq`: its sampled one, or its accepted drafts and the token sampled after
+        them (each draft's KV is computed: it counts once the draft is in the sequence), until one ends it."""
         after_load = (seq.store_load_end, seq.store_plan, seq.store_last_plan)
         if any(told is not None for told in after_load):  # its first token after a store load
             self.kv_store.observe_first_token(seq, now)
-        # the token was allowed, yet consuming it may reach one of the parser's limits
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
-            return self._fail(seq, f"its structured output cannot go on: {matcher_error(seq.matcher)}",
-                              caused_by_input=True)
-        try:
-            self.outputs.append_token(seq, token, logprobs, now)
-        except Exception as exc:  # detokenizing or matching stop strings: a fault of this request's output only
-            log.exception("request %s: its output could not be processed", seq.request_id)
-            return self._fail(seq, f"its output could not be processed: {type(exc).__name__}: {exc}")
+        for i, (token, token_logprobs) in enumerate(zip(tokens, logprobs)):
+            if i:  # the token before was an accepted draft, and nothing ended the sequence there
+                seq.num_computed_tokens += 1
+                self.kv_manager.commit(seq, 1)
+            # the token was allowed, yet consuming it may reach one of the parser's limits
+            if seq.matcher is not None and not seq.matcher.consume_token(token):
+                return self._fail(seq, f"its structured output cannot go on: {matcher_error(seq.matcher)}",
+                                  caused_by_input=True)
+            try:
+                self.outputs.append_token(seq, token, token_logprobs, now)
+            except Exception as exc:  # detokenizing or matching stop strings: a fault of this request's output only
+                log.exception("request %s: its output could not be processed", seq.request_id)
+                return self._fail(seq, f"its output could not be processed: {type(exc).__name__}: {exc}")
+            if seq.finish_reason is not None:
+                break
         if seq.finish_reason is not None:
             self._sequences.pop(seq.request_id, None)
             return self._finish(seq, now)
@@ -576,6 +607,8 @@ class LLMEngine:
         ended_well = seq.finish_reason in ("stop", "length")
         tail_kv = self._tail_kv(seq) if seq.params.keep_tail_kv and ended_well else None  # before its blocks go
         self.scheduler.finish(seq)
+        if self.drafts is not None:
+            self.drafts.forget(seq.seq_id)
         if self.kv_store is not None:
             self.kv_store.forget(seq.request_id)
         seq.status = SequenceStatus.FINISHED

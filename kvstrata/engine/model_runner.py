@@ -49,19 +49,29 @@ class ModelRunner:
         self.block_tables = BlockTables(max_blocks_per_seq, max_num_seqs)
 
     def prepare(self, work: Work) -> StepInputs:
-        """Order the work (decodes first) and build the token ids and attention metadata."""
-        ordered = [w for w in work if w[1] == 1] + [w for w in work if w[1] != 1]
-        seqs = [seq for seq, _ in ordered]
-        counts = np.array([n for _, n in ordered], dtype=np.int64)
-        starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
-        token_ids: list[int] = []
-        for seq, start, n in zip(seqs, starts.tolist(), counts.tolist()):
-            token_ids.extend(seq.token_ids[start : start + n])
+        """Order the work (decodes first) and build the token ids and attention metadata. A sequence verifying
+        drafts is one decode per token, each reading the cached keys up to its own position."""
+        ordered = [w for w in work if _decodes(*w)] + [w for w in work if not _decodes(*w)]
+        num_decode_seqs = sum(1 for w in work if _decodes(*w))
+        seq_rows = self.block_tables.rows_for([seq for seq, _ in ordered])
+        rows, starts, counts, token_ids = [], [], [], []
+        for i, (seq, n) in enumerate(ordered):
+            start = seq.num_computed_tokens
+            if i < num_decode_seqs:
+                rows += [seq_rows[i]] * n
+                starts += range(start, start + n)
+                counts += [1] * n
+                token_ids += [seq.token_ids[start], *seq.draft_token_ids[: n - 1]]
+            else:
+                rows.append(seq_rows[i])
+                starts.append(start)
+                counts.append(n)
+                token_ids += seq.token_ids[start : start + n]
+        rows, starts, counts = (np.array(a, dtype=np.int64) for a in (rows, starts, counts))
         ends = counts.cumsum()
         firsts = ends - counts
-        # position of packed token t = its sequence's start + its index within the sequence's new tokens
+        # position of packed token t = its entry's start + its index within the entry's new tokens
         positions = np.repeat(starts - firsts, counts) + np.arange(ends[-1])
-        rows = self.block_tables.rows_for(seqs)
         to_device = lambda a: torch.from_numpy(a).to(self.device)
         positions_t, rows_t = to_device(positions), to_device(rows)
         tables = self.block_tables.tensor(self.device)
@@ -69,7 +79,7 @@ class ModelRunner:
         slot_mapping = to_device(token_slots(self.block_tables.table, np.repeat(rows, counts), positions,
                                              self.block_size))
         context_lens = to_device(starts + counts)
-        num_decodes = int((counts == 1).sum())
+        num_decodes = len(counts) - (len(ordered) - num_decode_seqs)  # one-token entries
         groups = []
         if num_decodes:
             widest = -(-int((starts[:num_decodes] + 1).max()) // self.block_size)
@@ -77,7 +87,7 @@ class ModelRunner:
             groups.append(AttentionGroup(slice(0, num_decodes), positions_t[:num_decodes, None],
                                          context_lens[:num_decodes],
                                          whole_block_keys(group_tables, context_lens[:num_decodes], self.block_size)))
-        for i in range(num_decodes, len(ordered)):
+        for i in range(num_decodes, len(counts)):
             blocks = -(-int(starts[i] + counts[i]) // self.block_size)
             rows_i = slice(int(firsts[i]), int(ends[i]))
             groups.append(AttentionGroup(rows_i, positions_t[None, rows_i], context_lens[i : i + 1],
@@ -86,7 +96,8 @@ class ModelRunner:
                                          chunk_start=int(starts[i])))
         batch = AttentionBatch(positions_t, slot_mapping, groups, self.block_size)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return StepInputs(ordered, input_ids, batch, (ends - 1).tolist())
+        last_rows = (np.cumsum([n for _, n in ordered]) - 1).tolist()
+        return StepInputs(ordered, input_ids, batch, last_rows)
 
     @torch.inference_mode()
     def forward(self, work: Work) -> tuple[StepInputs, torch.Tensor]:
@@ -103,13 +114,18 @@ class ModelRunner:
     def execute(self, work: Work) -> tuple[list[Sequence], torch.Tensor, list[PromptRows]]:
         """Run the step; return the sequences that reached the end of their known tokens and
         their next-token logits [n, vocab] in fp32 (the others were mid-prompt), and the prompt rows of the
-        sequences that ask for their prompt's logprobs (`record_prompt_logprobs` turns them into logprobs)."""
+        sequences that ask for their prompt's logprobs (`record_prompt_logprobs` turns them into logprobs). A
+        sequence verifying drafts has a row for its last token and one for each draft, in order, its entry in
+        the sequences repeated for each."""
         inputs, hidden = self.forward(work)
         to_sample, rows, prompt_rows = [], [], []
         for (seq, num_tokens), last_row in zip(inputs.ordered, inputs.last_rows):
             if seq.num_computed_tokens + num_tokens == seq.num_tokens:
                 to_sample.append(seq)
                 rows.append(last_row)
+            elif _verifies(seq, num_tokens):
+                to_sample += [seq] * num_tokens
+                rows += range(last_row - num_tokens + 1, last_row + 1)
             if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                 prompt_rows.append(PromptRows(seq, seq.num_computed_tokens,
                                               hidden[last_row - num_tokens + 1 : last_row + 1]))
@@ -129,3 +145,13 @@ class ModelRunner:
             log_dist = self.model.compute_logits(rows.hidden[first - start : last - start]).float().log_softmax(-1)
             seq.prompt_logprobs += token_logprobs(log_dist, seq.token_ids[first + 1 : last + 1],
                                                   seq.params.prompt_logprobs)
+
+
+def _verifies(seq: Sequence, num_tokens: int) -> bool:
+    """Whether `seq`'s step runs its last token and drafts after it (speculative decoding)."""
+    return num_tokens > 1 and seq.num_pending_tokens == 1
+
+
+def _decodes(seq: Sequence, num_tokens: int) -> bool:
+    """Whether `seq`'s step is decoding: one token, or one and its drafts."""
+    return num_tokens == 1 or _verifies(seq, num_tokens)

@@ -143,3 +143,8 @@ class SamplingParams:
     def penalizes(self) -> bool:
         """Whether tokens the sequence already holds are penalized."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the tokens the sequence holds: penalties, min_tokens, bad words."""
+        return self.penalizes or self.min_tokens > 0 or bool(self.bad_words)

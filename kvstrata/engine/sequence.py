@@ -49,6 +49,8 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # speculative decoding: tokens guessed to follow its last one, scheduled with it to be verified in one step
+    draft_token_ids: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: int | None = None  # prefix-cache hits at first admission
     # prompt tokens not computed: prefix-cache hits at first admission and KV placed (the store's, a saved
     # context's) before any preemption

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstrata.engine.sequence import Sequence, SequenceStatus
@@ -27,6 +28,8 @@ class SchedulerOutput:
 
 class Scheduler(ABC):
     shares_prefixes_in_flight = True  # see _next_to_admit
+    # speculative decoding: the tokens guessed to follow a decoding sequence's last one (the engine sets it)
+    propose_drafts: Callable[[Sequence], list[int]] | None = None
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int):
         self.kv = kv
@@ -91,10 +94,20 @@ class Scheduler(ABC):
         return next((seq for seq in self.waiting if not self.kv.waits_for(seq, ahead)), None)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        """One token for every running sequence that is decoding."""
-        for seq in [s for s in self.running if s.num_pending_tokens == 1]:
+        """One token for every running sequence that is decoding, then its drafts (`propose_drafts`) where the pool
+        has room for them: drafts never preempt anything."""
+        decoding = [s for s in self.running if s.num_pending_tokens == 1]
+        for seq in decoding:
             if seq.status is SequenceStatus.RUNNING and self._grow_or_preempt(seq, 1, out):
                 out.scheduled.append((seq, 1))
+        if self.propose_drafts is None:
+            return
+        decoding = {id(seq) for seq in decoding}
+        for index, (seq, _) in enumerate(out.scheduled):
+            if id(seq) in decoding:
+                drafts = self.propose_drafts(seq)
+                seq.draft_token_ids = drafts if drafts and self.kv.grow(seq, 1 + len(drafts)) else []
+                out.scheduled[index] = (seq, 1 + len(seq.draft_token_ids))
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Room for `num_tokens` more tokens of a running `seq`, preempting the newest sequences if short.

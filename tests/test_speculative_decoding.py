@@ -1,0 +1,237 @@
+"""Speculative decoding by prompt lookup (--num-speculative-tokens): the drafts proposed, how they are verified, and
+that the engine's output with them is the output without them."""
+
+import pytest
+import torch
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.config import EngineConfig
+from kvstrata.engine.draft_verification import accepted_tokens, draft_histories, sequence_rows
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.ngram_proposer import NgramProposer
+from kvstrata.engine.sequence import Sequence
+from kvstrata.engine.structured_output import StructuredOutput
+from kvstrata.errors import KvstrataError
+from tests.helpers import hf_greedy
+from tests.tiny_models import VOCAB_SIZE
+
+# Prompts whose greedy continuations on the tiny model repeat themselves (drafts are accepted) and change (drafts
+# are rejected); and a prompt that itself repeats a pattern.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(60, 97)), [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8],
+           [100 + (i * 37) % 150 for i in range(50)]]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> tuple[list[list[int]], int, int]:
+    """Each prompt's output tokens, run together; and the drafts verified and accepted meanwhile."""
+    llm.engine.step_stats.clear()
+    outputs = [out.token_ids for out in llm.generate(prompts, params)]
+    steps = llm.engine.step_stats
+    return outputs, sum(s.num_draft_tokens for s in steps), sum(s.num_accepted_tokens for s in steps)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def speculating(tiny_llama):
+    return LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, num_speculative_tokens=3)
+
+
+# --- drafts ----------------------------------------------------------------------------------------------------------
+
+def test_the_longest_match_wins_and_its_latest_occurrence_is_followed():
+    proposer = NgramProposer(num_tokens=3, min_n=1, max_n=3)
+    #             0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 2, 3, 8, 7, 6, 2, 3]
+    assert proposer.propose(0, tokens, limit=9) == [8, 7, 6]  # "2 3" last seen at 4; "1 2 3" matched nowhere
+    tokens = [4, 1, 2, 3, 5, 5, 9, 2, 3, 6, 1, 2, 3]
+    assert proposer.propose(1, tokens, limit=9) == [5, 5, 9]  # "1 2 3" at 1 beats the later "2 3" at 7
+
+
+def test_drafts_are_cut_at_the_limit_and_the_sequence_end():
+    proposer = NgramProposer(num_tokens=4, min_n=2, max_n=2)
+    assert proposer.propose(0, [1, 2, 3, 4, 5, 1, 2], limit=2) == [3, 4]
+    assert proposer.propose(1, [1, 2, 3, 1, 2], limit=9) == [3, 1, 2]  # what follows, up to the sequence's end
+    assert proposer.propose(2, [1, 2, 3, 1, 2], limit=0) == []
+
+
+def test_no_draft_where_no_suffix_of_the_least_length_recurs():
+    proposer = NgramProposer(num_tokens=3, min_n=2, max_n=4)
+    assert proposer.propose(0, [1, 2, 3, 4, 5, 6, 2], limit=3) == []  # "6 2" never came before; "2" alone is too short
+    assert proposer.propose(1, [8], limit=3) == []
+
+
+def test_a_growing_sequence_is_read_as_a_fresh_one():
+    grown, fresh = NgramProposer(3, 1, 3), NgramProposer(3, 1, 3)
+    tokens = torch.randint(0, 6, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    for end in range(2, 600, 7):  # its buffer grows past its first size on the way
+        assert grown.propose(0, tokens[:end], 3) == fresh.propose(end, tokens[:end], 3)
+    grown.forget(0)
+    assert grown.propose(0, [5, 5], 3) == [5]
+
+
+# --- verification ------------------------------------------------------------------------------------------------------
+
+def test_drafts_are_accepted_while_each_equals_the_token_sampled_before_it():
+    assert accepted_tokens([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all, and the token after the last
+    assert accepted_tokens([4, 5, 6], [4, 9, 6, 7]) == [4, 9]  # 9 was sampled where 5 was guessed
+    assert accepted_tokens([4, 5, 6], [3, 5, 6, 7]) == [3]
+    assert accepted_tokens([], [8]) == [8]
+
+
+def sequence(seq_id: int, tokens: list[int], drafts: list[int], params: SamplingParams) -> Sequence:
+    seq = Sequence(seq_id, str(seq_id), None, tokens, params)
+    seq.draft_token_ids = drafts
+    return seq
+
+
+def test_a_rows_history_holds_the_drafts_before_it_where_sampling_reads_it():
+    penalized = sequence(0, [1, 2], [3, 4], SamplingParams(repetition_penalty=1.2))
+    plain = sequence(1, [5], [6], SamplingParams())
+    rows = [penalized] * 3 + [plain] * 2
+    assert list(sequence_rows(rows)) == [(penalized, 0, 3), (plain, 3, 5)]
+    assert draft_histories(rows) == [[1, 2], [1, 2, 3], [1, 2, 3, 4], [5], [5]]
+    assert sequence(2, [1], [2], SamplingParams(min_tokens=3)).params.reads_history
+
+
+# --- the engine ----------------------------------------------------------------------------------------------------
+
+def test_greedy_output_is_the_output_without_drafts_and_transformers(plain, speculating, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    expected, _, _ = run(plain)
+    outputs, drafted, accepted = run(speculating)
+    assert outputs == expected
+    assert 0 < accepted < drafted  # drafts were accepted and rejected
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_llama)).eval()
+    assert outputs[3] == hf_greedy(hf_model, PROMPTS[3], 40)
+
+
+@pytest.mark.parametrize("options", [
+    dict(scheduler="prefill-first"), dict(scheduler="static"), dict(kv_format="int8"), dict(kv_format="int4"),
+    dict(kv_format="fp16", dtype="float16"), dict(kv_offload="full"), dict(enable_prefix_caching=False),
+    dict(chunk_size=16), dict(num_speculative_tokens=1), dict(prompt_lookup_min=1, prompt_lookup_max=1),
+])
+def test_greedy_output_is_unchanged_under_every_setting_drafts_allow(tiny_llama, options):
+    kwargs = dict(kv_cache_memory="8MiB", max_model_len=256, **options)
+    expected, _, _ = run(LLM(str(tiny_llama), **kwargs))
+    outputs, _, accepted = run(LLM(str(tiny_llama), **{"num_speculative_tokens": 3, **kwargs}))
+    assert outputs == expected
+    assert accepted > 0
+
+
+def test_preempted_sequences_with_drafts_still_give_the_plain_output(tiny_llama):
+    """A pool of 24 blocks of 16 tokens for 5 sequences of up to 130 tokens: sequences are preempted, and drafts
+    find no room at times."""
+    kwargs = dict(kv_cache_memory=24 * 16 * 2 * 2 * 2 * 16 * 4, max_model_len=256, block_size=16)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    plain_llm = LLM(str(tiny_llama), **kwargs)
+    expected, _, _ = run(plain_llm, params=params)
+    speculating = LLM(str(tiny_llama), num_speculative_tokens=4, **kwargs)
+    outputs, _, accepted = run(speculating, params=params)
+    assert outputs == expected and accepted > 0
+    assert sum(s.num_preempted for s in speculating.engine.step_stats) > 0
+
+
+def test_max_tokens_stop_tokens_and_logprobs_are_those_of_plain_decoding(plain, speculating):
+    stop = run(plain, PROMPTS[:1], GREEDY)[0][0][25]  # a token the greedy output reaches late
+    for params in (SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]),
+                   SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)):
+        expected = plain.generate(PROMPTS, params)
+        outputs = speculating.generate(PROMPTS, params)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+        assert [o.finish_reason for o in outputs] == [o.finish_reason for o in expected]
+        for out, exp in zip(outputs, expected):
+            assert len(out.token_ids) <= params.max_tokens
+            if params.logprobs:
+                got = [(lp.token_id, lp.rank, list(lp.top)) for lp in out.logprobs]
+                assert got == [(lp.token_id, lp.rank, list(lp.top)) for lp in exp.logprobs]
+                assert [lp.logprob for lp in out.logprobs] == pytest.approx([lp.logprob for lp in exp.logprobs],
+                                                                            abs=1e-4)
+
+
+def test_penalties_min_tokens_and_bad_words_see_the_drafts_before_each_row(plain, speculating):
+    words = plain.engine.tokenizer.decode(run(plain, PROMPTS[:1], GREEDY)[0][0][4:6])
+    for params in (SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, ignore_eos=False),
+                   SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3),
+                   SamplingParams(max_tokens=30, temperature=0.0, min_tokens=25),
+                   SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, bad_words=[words])):
+        assert run(speculating, params=params)[0] == run(plain, params=params)[0]
+
+
+def test_sampling_with_a_seed_repeats_and_top_k_1_is_greedy(speculating, tiny_llama):
+    seeded = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
+    drafting_more = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, num_speculative_tokens=3,
+                        prompt_lookup_min=1)
+    first, drafted, _ = run(drafting_more, params=seeded)
+    assert drafted > 0 and run(drafting_more, params=seeded)[0] == first
+    top_1 = SamplingParams(max_tokens=40, temperature=1.0, top_k=1, ignore_eos=True)
+    assert run(speculating, params=top_1)[0] == run(speculating)[0]
+
+
+def token_frequencies(outputs: list[list[int]], index: int) -> dict[int, float]:
+    counts: dict[int, float] = {}
+    for tokens in outputs:
+        counts[tokens[index]] = counts.get(tokens[index], 0) + 1 / len(outputs)
+    return counts
+
+
+def test_sampled_tokens_keep_their_distribution(tiny_llama):
+    """600 seeded samples (top-k 4 at temperature 1) of three tokens after a prompt holding every token (so that
+    the second token's step always has a draft for the third) and ending in the model's own greedy output (so
+    that the drafts are often likely): each position's tokens as frequent with drafts as without (total variation
+    under 0.12; an engine that accepted every draft would put the second token on the draft every time)."""
+    kwargs = dict(kv_cache_memory="8MiB", max_model_len=512)
+    plain = LLM(str(tiny_llama), **kwargs)
+    prompt = torch.randperm(VOCAB_SIZE, generator=torch.Generator().manual_seed(1)).tolist() + PROMPTS[0]
+    prompt += plain.generate([prompt], GREEDY)[0].token_ids
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed, ignore_eos=True)
+              for seed in range(600)]
+    plain_outputs = [o.token_ids for o in plain.generate([prompt] * 600, params)]
+    speculating = LLM(str(tiny_llama), num_speculative_tokens=1, prompt_lookup_min=1, **kwargs)
+    outputs, drafted, accepted = run(speculating, [prompt] * 600, params)
+    assert drafted == 600 and 0 < accepted < 600
+    for index in (1, 2):
+        expected, got = token_frequencies(plain_outputs, index), token_frequencies(outputs, index)
+        distance = sum(abs(got.get(t, 0) - expected.get(t, 0)) for t in expected.keys() | got.keys()) / 2
+        assert distance < 0.12, (index, expected, got)
+
+
+def test_a_structured_output_request_gets_no_drafts(speculating, plain):
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured_output=StructuredOutput(regex="(ab)+c"))
+    prompts = [[5, 6, 7]]
+    outputs, drafted, _ = run(speculating, prompts, params)
+    assert drafted == 0 and outputs == run(plain, prompts, params)[0]
+
+
+def test_blocks_filled_with_accepted_drafts_serve_later_prompts(speculating, tiny_llama):
+    """The prefix cache indexes blocks by their tokens; a block drafts filled must hold what it is indexed by: a
+    prompt continuing a speculated output reads its blocks and continues as an engine computing it all."""
+    first = run(speculating, PROMPTS[3:4])[0][0]
+    prompt = PROMPTS[3] + first
+    speculating.engine.step_stats.clear()
+    cached = speculating.generate([prompt], GREEDY)[0]
+    assert cached.num_cached_tokens >= 32
+    uncached = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, enable_prefix_caching=False)
+    assert cached.token_ids == uncached.generate([prompt], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens"), (dict(num_speculative_tokens=True), "got True"),
+    (dict(num_speculative_tokens=2, kv_format="kivi4"), "'kivi4'"),
+    (dict(num_speculative_tokens=2, kv_offload="infinigen"), "'infinigen'"),
+    (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min 3"),
+    (dict(prompt_lookup_min=0), "prompt_lookup_min"),
+])
+def test_settings_drafts_cannot_run_under_are_refused_by_name(options, named):
+    with pytest.raises(KvstrataError, match=named):
+        EngineConfig(**options)
+
+
+def test_an_engine_without_drafts_schedules_one_token_per_decode(tiny_llama):
+    engine = LLMEngine(EngineConfig(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256))
+    assert engine.scheduler.propose_drafts is None
