@@ -235,3 +235,31 @@ def test_settings_drafts_cannot_run_under_are_refused_by_name(options, named):
 def test_an_engine_without_drafts_schedules_one_token_per_decode(tiny_llama):
     engine = LLMEngine(EngineConfig(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256))
     assert engine.scheduler.propose_drafts is None
+
+
+def test_the_server_counts_each_steps_drafts_and_preemptions_once():
+    """Gauges are refreshed after aborts too, between steps: the counters take a step's counts only once."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstrata.engine.llm_engine import StepStats
+    from kvstrata.server.metrics import ServerMetrics
+
+    kv_manager = SimpleNamespace(usage=0.5, prefix_stats=SimpleNamespace(hit_rate=0.0))
+    engine = SimpleNamespace(num_running=1, num_waiting=0, num_loading=0, kv_manager=kv_manager, step_stats=deque())
+    metrics = ServerMetrics("m")
+
+    def totals() -> dict[str, float]:
+        return {sample.name: sample.value for family in text_string_to_metric_families(metrics.render().decode())
+                for sample in family.samples}
+
+    for step in (StepStats(0, 4, 1, 1, 0.1, 3, 2), StepStats(0, 5, 1, 0, 0.1, 4, 1)):
+        engine.step_stats.append(step)
+        metrics.observe_step(engine)
+        metrics.observe_step(engine)  # after an abort, say: the same last step
+    counted = totals()
+    assert counted["kvstrata:spec_decode_num_draft_tokens_total"] == 7
+    assert counted["kvstrata:spec_decode_num_accepted_tokens_total"] == 3
+    assert counted["kvstrata:num_preemptions_total"] == 1

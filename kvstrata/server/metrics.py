@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily
 
 from kvstrata.engine.kv_store_link import KVStoreLink
-from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.llm_engine import LLMEngine, StepStats
 from kvstrata.engine.outputs import RequestOutput
 
 disable_created_metrics()  # the *_created series only add noise for scrapers
@@ -41,6 +41,9 @@ class ServerMetrics:
         self.prompt_tokens = counter("kvstrata:prompt_tokens", "Prompt tokens of requests that got a first token")
         self.generation_tokens = counter("kvstrata:generation_tokens", "Tokens generated")
         self.preemptions = counter("kvstrata:num_preemptions", "Requests preempted for lack of KV blocks")
+        self.draft_tokens = counter("kvstrata:spec_decode_num_draft_tokens", "Speculative decoding: drafts verified")
+        self.accepted_tokens = counter("kvstrata:spec_decode_num_accepted_tokens",
+                                       "Speculative decoding: drafts accepted")
         self.ttft = histogram("kvstrata:time_to_first_token_seconds", "Arrival to first token")
         self.itl = histogram("kvstrata:inter_token_latency_seconds", "Time between consecutive outputs")
         self.e2e = histogram("kvstrata:e2e_request_latency_seconds", "Arrival to the last token")
@@ -50,6 +53,7 @@ class ServerMetrics:
         )
         self.model_name = model_name
         self._last_token_time: dict[str, float] = {}
+        self._counted_step: StepStats | None = None  # the step whose counts the counters hold
 
     def observe_output(self, output: RequestOutput) -> None:
         """Called in the engine thread for every output a step produced."""
@@ -79,8 +83,12 @@ class ServerMetrics:
         self.loading.set(engine.num_loading)
         self.kv_usage.set(engine.kv_manager.usage)
         self.prefix_hit_rate.set(engine.kv_manager.prefix_stats.hit_rate)
-        if engine.step_stats:
-            self.preemptions.inc(engine.step_stats[-1].num_preempted)
+        # counted once: gauges are also refreshed between steps (after aborts), when the last step is the same one
+        if engine.step_stats and engine.step_stats[-1] is not self._counted_step:
+            last = self._counted_step = engine.step_stats[-1]
+            self.preemptions.inc(last.num_preempted)
+            self.draft_tokens.inc(last.num_draft_tokens)
+            self.accepted_tokens.inc(last.num_accepted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
