@@ -262,3 +262,26 @@ def test_beam_search_against_transformers(tiny_llama, capsys):
         assert turn["ratio_to_transformers"] == pytest.approx(turn["transformers_s"] / turn["kvstrata_s"], rel=0.01)
     assert main(["bench", "beam-search", "--model", str(tiny_llama), *TINY, "--rounds", "0"]) == 2
     assert "--rounds and --prompts must be at least 1" in capsys.readouterr().err
+
+
+def test_speculative_decoding_against_plain_decoding_and_transformers(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "speculative", "--model", str(tiny_llama), *TINY, "--tasks", "rewrite,free",
+                      "--prompts", "2", "--max-tokens", "24", "--speculative-tokens", "1,3", "--prompt-lookup-min", "1",
+                      "--json")
+    assert set(report["tasks"]) == {"rewrite", "free"}
+    for task in report["tasks"].values():
+        runs = task["kvstrata"]
+        assert set(runs) == {"plain", "speculative_1", "speculative_3"}
+        assert runs["plain"]["draft_tokens"] == 0
+        for name in ("speculative_1", "speculative_3"):
+            assert runs[name]["outputs_equal_to_plain"] == 2  # the tiny model's float32 weights
+            assert runs[name]["output_tokens"] == runs["plain"]["output_tokens"]
+            assert runs[name]["ratio_to_plain"] == pytest.approx(
+                runs[name]["tokens_per_s"] / runs["plain"]["tokens_per_s"], rel=0.01)
+        assert runs["speculative_3"]["draft_tokens"] > 0
+        hf = task["transformers"]
+        assert hf["plain"]["output_tokens"] > 0 and hf["prompt_lookup"]["output_tokens"] > 0
+    assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--speculative-tokens", "0,2"]) == 2
+    assert "--speculative-tokens takes positive integers" in capsys.readouterr().err
+    assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--tasks", "poem"]) == 2
+    assert "--tasks takes rewrite, extract, free (got 'poem')" in capsys.readouterr().err

@@ -115,3 +115,15 @@ def test_chat_session(tiny_llama):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count(">") >= 3
+
+
+def test_generate_with_speculative_decoding_prints_what_plain_decoding_prints(tiny_llama, capsys):
+    tiny = ["generate", "Emma Woodhouse", "--model", str(tiny_llama), "--max-tokens", "24", "--kv-cache-memory", "8MiB",
+            "--temperature", "0"]
+    assert main(tiny) == 0
+    plain = capsys.readouterr().out
+    assert main([*tiny, "--num-speculative-tokens", "3", "--prompt-lookup-min", "1"]) == 0
+    assert capsys.readouterr().out == plain
+    assert main([*tiny, "--num-speculative-tokens", "3", "--kv-format", "oaken"]) == 2
+    assert "num_speculative_tokens 3 needs a kv_format of fp32, fp16, bf16, int8, int4, not 'oaken'" in (
+        capsys.readouterr().err)

@@ -74,6 +74,26 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(beam)
     add_engine_arguments(beam)
 
+    speculative = bench.add_parser(
+        "speculative", help="speculative decoding by prompt lookup against plain decoding and transformers'",
+        description="For each of --tasks (rewrite, extract, free: chat requests about paragraphs of --text), greedy "
+                    "decoding one request at a time: kvstrata plain, then with each --speculative-tokens value "
+                    "(--prompt-lookup-min/max as given), then transformers plain and with prompt_lookup_num_tokens. "
+                    "Reports tokens/s, ratios, drafts verified and accepted, and the outputs equal to plain "
+                    "decoding's.",
+    )
+    speculative.add_argument("--tasks", default="rewrite,extract,free",
+                             help="comma-separated: rewrite, extract, free (default: all)")
+    speculative.add_argument("--speculative-tokens", default="2,3,4",
+                             help="drafts per step to compare, comma-separated (default: 2,3,4)")
+    speculative.add_argument("--prompts", type=int, default=6, help="paragraphs, one request each (default: 6)")
+    speculative.add_argument("--skip-passages", type=int, default=0,
+                             help="paragraphs of the text passed over first (default: 0)")
+    speculative.add_argument("--max-tokens", type=int, default=160, help="tokens per request at most (default: 160)")
+    speculative.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    _add_output_flags(speculative)
+    add_engine_arguments(speculative)
+
     throughput = bench.add_parser(
         "throughput", help="offline workload: each scheduler against transformers generate",
         description="N requests arrive at once (prompts cut from --text, greedy, fixed seed). kvstrata runs them "
@@ -191,9 +211,10 @@ def run_bench(args: argparse.Namespace) -> None:
     from kvstrata.bench.offload import run_offload
     from kvstrata.bench.run import run_decode, run_roofline, run_sarathi, run_throughput
     from kvstrata.bench.serve import run_bench_serve
+    from kvstrata.bench.speculative import run_speculative_bench
 
     commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi,
                 "decode": run_decode, "infinigen-analysis": run_infinigen_analysis,
                 "offload": run_offload, "impress-analysis": run_impress_analysis,
-                "beam-search": run_beam_search_bench}
+                "beam-search": run_beam_search_bench, "speculative": run_speculative_bench}
     commands[args.bench](args)

@@ -1,0 +1,141 @@
+"""`kvstrata bench speculative`: speculative decoding by prompt lookup against plain decoding and against
+transformers' `generate(prompt_lookup_num_tokens=...)`, one request at a time (the latency it is for).
+
+Each task is a chat request about a passage of --text: `rewrite` (correct it and write it out: the output copies
+the passage), `extract` (quote the sentences that answer a question), `free` (write freely from it: little to copy
+but what the output repeats of itself). Every engine (plain, then one per --speculative-tokens value; the weights
+loaded once) runs the task's prompts one after another, greedy, to --max-tokens tokens or the model's end. Reported
+per task: output tokens/s, the ratio to plain decoding, the drafts verified and accepted, and how many outputs equal
+plain decoding's; transformers' tokens/s with and without prompt lookup (the largest --speculative-tokens value,
+--prompt-lookup-max as its longest n-gram) and kvstrata's best ratio to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from kvstrata.bench.report import emit, engine_info, machine_info, sig
+from kvstrata.bench.transformers_model import transformers_model
+from kvstrata.bench.workload import read_text
+from kvstrata.cli.engine_args import engine_config_from_args
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.errors import KvstrataError
+
+TASKS = {
+    "rewrite": "Correct any spelling mistakes in the following text and write it out in full.\n\n{}",
+    "extract": "Which sentences of the following text say what it is about? Quote them.\n\n{}",
+    "free": "Write a short story inspired by this text.\n\n{}",
+}
+
+
+def run_speculative_bench(args: argparse.Namespace) -> None:
+    counts = _speculative_tokens(args.speculative_tokens)
+    unknown = [task for task in args.tasks.split(",") if task not in TASKS]
+    if unknown or args.prompts < 1 or args.max_tokens < 1:
+        raise KvstrataError(f"--tasks takes {', '.join(TASKS)} (got {args.tasks!r}); --prompts and --max-tokens must "
+                            f"be at least 1")
+    config = engine_config_from_args(args)
+    plain = LLMEngine(dataclasses.replace(config, num_speculative_tokens=0))
+    engines = {0: plain} | {k: LLMEngine(dataclasses.replace(config, num_speculative_tokens=k), plain.loaded)
+                            for k in counts}
+    passages = _passages(read_text(args.text), args.prompts, args.skip_passages)
+    hf_model = None if args.no_transformers else transformers_model(plain.loaded.source)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    for engine in engines.values():  # first calls' one-time costs
+        _generate(engine, [plain.tokenizer.encode("Hello")], SamplingParams(max_tokens=4, temperature=0.0))
+    tasks = {}
+    for task in args.tasks.split(","):
+        prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": TASKS[task].format(p)}],
+                                               add_generation_prompt=True) for p in passages]
+        runs = {k: _run(engine, prompts, params) for k, engine in engines.items()}
+        expected = runs[0].pop("outputs")
+        for k, one in list(runs.items())[1:]:
+            one["outputs_equal_to_plain"] = sum(a == b for a, b in zip(one.pop("outputs"), expected))
+            one["ratio_to_plain"] = sig(one["tokens_per_s"] / runs[0]["tokens_per_s"])
+        result = {"kvstrata": {("plain" if k == 0 else f"speculative_{k}"): one for k, one in runs.items()}}
+        if hf_model is not None:
+            theirs = _transformers(hf_model, prompts, args.max_tokens, max(counts), config.prompt_lookup_max)
+            best = max(one["tokens_per_s"] for one in runs.values())
+            result["transformers"] = theirs
+            result["best_ratio_to_transformers_prompt_lookup"] = sig(best / theirs["prompt_lookup"]["tokens_per_s"])
+        tasks[task] = result
+    emit({
+        "benchmark": "speculative",
+        "machine": machine_info(),
+        **engine_info(plain),
+        "workload": {"text": str(args.text), "prompts": args.prompts, "skip_passages": args.skip_passages,
+                     "max_tokens": args.max_tokens, "speculative_tokens": counts,
+                     "threads": torch.get_num_threads()},
+        "tasks": tasks,
+    }, args.json)
+
+
+def _speculative_tokens(spec: str) -> list[int]:
+    try:
+        counts = [int(part) for part in spec.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise KvstrataError(f"--speculative-tokens takes positive integers, comma-separated, got {spec!r}")
+    return counts
+
+
+def _passages(text: str, count: int, skip: int) -> list[str]:
+    """`count` paragraphs of 300-700 characters, after the first `skip` such."""
+    paragraphs = [p.strip() for p in text.split("\n\n") if 300 <= len(p.strip()) <= 700][skip : skip + count]
+    if len(paragraphs) < count:
+        raise KvstrataError(f"the text has {len(paragraphs)} paragraphs of 300-700 characters after {skip}, fewer "
+                            f"than --prompts {count}")
+    return paragraphs
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Each prompt's output tokens, one request at a time."""
+    outputs = []
+    for prompt in prompts:
+        request_id = engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished and output.request_id == request_id:
+                    outputs.append(list(output.token_ids))
+    return outputs
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    engine.reset_prefix_cache()
+    engine.step_stats.clear()
+    start = time.perf_counter()
+    outputs = _generate(engine, prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(one) for one in outputs)
+    drafted = sum(step.num_draft_tokens for step in engine.step_stats)
+    accepted = sum(step.num_accepted_tokens for step in engine.step_stats)
+    return {"seconds": sig(seconds), "output_tokens": tokens, "tokens_per_s": sig(tokens / seconds),
+            "steps": len(engine.step_stats), "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance": sig(accepted / drafted) if drafted else None, "outputs": outputs}
+
+
+@torch.inference_mode()
+def _transformers(model, prompts: list[list[int]], max_tokens: int, lookup_tokens: int, lookup_max: int) -> dict:
+    """transformers' greedy tokens/s over the prompts one at a time, plain and with prompt lookup."""
+    from transformers import GenerationConfig
+
+    runs = {}
+    for name, lookup in (("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": lookup_tokens,
+                                                          "max_matching_ngram_size": lookup_max})):
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, pad_token_id=0,
+                                  eos_token_id=model.generation_config.eos_token_id, **lookup)
+        tokens, start = 0, time.perf_counter()
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            tokens += out.shape[1] - ids.shape[1]
+        seconds = time.perf_counter() - start
+        runs[name] = {"seconds": sig(seconds), "output_tokens": tokens, "tokens_per_s": sig(tokens / seconds)}
+    runs["prompt_lookup_ratio_to_plain"] = sig(runs["prompt_lookup"]["tokens_per_s"] / runs["plain"]["tokens_per_s"])
+    return runs
