@@ -230,7 +230,8 @@ class EngineConfig:
         metadata=_option("speculative decoding by prompt lookup: up to this many tokens guessed per decode step from "
                          "the latest earlier occurrence of the sequence's last n tokens in its prompt and output, all "
                          "verified in the step, so output that copies its context comes several tokens a step; "
-                         "tokens are sampled from the distributions plain decoding samples from (0: off)"),
+                         "tokens are sampled from the distributions plain decoding samples from (0: off; 3 measured "
+                         "best on the Python tutorial: docs/BENCHMARKS.md)"),
     )
     prompt_lookup_min: int = field(
         default=2, metadata=_option("speculative decoding: the fewest last tokens a prompt lookup matches")

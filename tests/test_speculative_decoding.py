@@ -1,6 +1,8 @@
 """Speculative decoding by prompt lookup (--num-speculative-tokens): the drafts proposed, how they are verified, and
 that the engine's output with them is the output without them."""
 
+import json
+
 import pytest
 import torch
 
@@ -263,3 +265,26 @@ def test_the_server_counts_each_steps_drafts_and_preemptions_once():
     assert counted["kvstrata:spec_decode_num_draft_tokens_total"] == 7
     assert counted["kvstrata:spec_decode_num_accepted_tokens_total"] == 3
     assert counted["kvstrata:num_preemptions_total"] == 1
+
+
+def test_the_server_streams_what_plain_decoding_gives_and_counts_the_drafts(tiny_llama, plain):
+    import httpx
+
+    from tests.server_harness import running_server
+
+    body = {"model": "test-model", "prompt": PROMPTS[3], "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "stream": True}
+    expected = plain.generate([PROMPTS[3]], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    with running_server(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, num_speculative_tokens=3) as (
+            url, _):
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        metrics = httpx.get(f"{url}/metrics").text
+    chunks = [json.loads(event)["choices"][0] for event in events[:-1] if json.loads(event)["choices"]]
+    assert events[-1] == "[DONE]"
+    assert "".join(c["text"] for c in chunks) == expected.text
+    assert sum(len(c["logprobs"]["tokens"]) for c in chunks) == 30
+    assert len(chunks) < 30  # drafts were accepted: some chunks carry several tokens
+    accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("kvstrata:spec_decode_num_accepted_tokens_total"))
+    assert accepted > 0

@@ -451,11 +451,12 @@ class LLMEngine:
         outputs = []
         prefill_tokens, prefill_work = 0, PrefillWork()
         for seq, num_tokens in plan.scheduled:
-            is_decode = (num_tokens == 1 or seq.draft_token_ids) and seq.num_computed_tokens >= seq.num_prompt_tokens
+            verifying = bool(seq.draft_token_ids)  # its last token and its drafts
+            is_decode = (num_tokens == 1 or verifying) and seq.num_computed_tokens >= seq.num_prompt_tokens
             if not is_decode:
                 prefill_tokens += num_tokens
                 prefill_work += PrefillWork.span(seq.num_computed_tokens, num_tokens)
-            computed = 1 if seq.draft_token_ids else num_tokens  # a draft's KV counts once it is accepted
+            computed = 1 if verifying else num_tokens  # a draft's KV counts once it is accepted
             seq.num_computed_tokens += computed
             self.kv_manager.commit(seq, computed)
             if self.kv_store is not None and not is_decode and seq.num_computed_tokens >= seq.num_prompt_tokens:
