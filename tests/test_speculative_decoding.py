@@ -75,7 +75,7 @@ def test_a_growing_sequence_is_read_as_a_fresh_one():
     assert grown.propose(0, [5, 5], 3) == [5]
 
 
-# --- verification ------------------------------------------------------------------------------------------------------
+# --- verification --------------------------------------------------------------------------------------------------
 
 def test_drafts_are_accepted_while_each_equals_the_token_sampled_before_it():
     assert accepted_tokens([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all, and the token after the last
@@ -113,9 +113,9 @@ def test_greedy_output_is_the_output_without_drafts_and_transformers(plain, spec
 
 
 @pytest.mark.parametrize("options", [
-    dict(scheduler="prefill-first"), dict(scheduler="static"), dict(kv_format="int8"), dict(kv_format="int4"),
-    dict(kv_format="fp16", dtype="float16"), dict(kv_offload="full"), dict(enable_prefix_caching=False),
-    dict(chunk_size=16), dict(num_speculative_tokens=1), dict(prompt_lookup_min=1, prompt_lookup_max=1),
+    {"scheduler": "prefill-first"}, {"scheduler": "static"}, {"kv_format": "int8"}, {"kv_format": "int4"},
+    {"kv_format": "fp16", "dtype": "float16"}, {"kv_offload": "full"}, {"enable_prefix_caching": False},
+    {"chunk_size": 16}, {"num_speculative_tokens": 1}, {"prompt_lookup_min": 1, "prompt_lookup_max": 1},
 ])
 def test_greedy_output_is_unchanged_under_every_setting_drafts_allow(tiny_llama, options):
     kwargs = dict(kv_cache_memory="8MiB", max_model_len=256, **options)
@@ -128,7 +128,7 @@ def test_greedy_output_is_unchanged_under_every_setting_drafts_allow(tiny_llama,
 def test_preempted_sequences_with_drafts_still_give_the_plain_output(tiny_llama):
     """A pool of 24 blocks of 16 tokens for 5 sequences of up to 130 tokens: sequences are preempted, and drafts
     find no room at times."""
-    kwargs = dict(kv_cache_memory=24 * 16 * 2 * 2 * 2 * 16 * 4, max_model_len=256, block_size=16)
+    kwargs = {"kv_cache_memory": 24 * 16 * 2 * 2 * 2 * 16 * 4, "max_model_len": 256, "block_size": 16}
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     plain_llm = LLM(str(tiny_llama), **kwargs)
     expected, _, _ = run(plain_llm, params=params)
@@ -187,7 +187,7 @@ def test_sampled_tokens_keep_their_distribution(tiny_llama):
     the second token's step always has a draft for the third) and ending in the model's own greedy output (so
     that the drafts are often likely): each position's tokens as frequent with drafts as without (total variation
     under 0.12; an engine that accepted every draft would put the second token on the draft every time)."""
-    kwargs = dict(kv_cache_memory="8MiB", max_model_len=512)
+    kwargs = {"kv_cache_memory": "8MiB", "max_model_len": 512}
     plain = LLM(str(tiny_llama), **kwargs)
     prompt = torch.randperm(VOCAB_SIZE, generator=torch.Generator().manual_seed(1)).tolist() + PROMPTS[0]
     prompt += plain.generate([prompt], GREEDY)[0].token_ids
@@ -223,11 +223,11 @@ def test_blocks_filled_with_accepted_drafts_serve_later_prompts(speculating, tin
 
 
 @pytest.mark.parametrize("options, named", [
-    (dict(num_speculative_tokens=-1), "num_speculative_tokens"), (dict(num_speculative_tokens=True), "got True"),
-    (dict(num_speculative_tokens=2, kv_format="kivi4"), "'kivi4'"),
-    (dict(num_speculative_tokens=2, kv_offload="infinigen"), "'infinigen'"),
-    (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min 3"),
-    (dict(prompt_lookup_min=0), "prompt_lookup_min"),
+    ({"num_speculative_tokens": -1}, "num_speculative_tokens"), ({"num_speculative_tokens": True}, "got True"),
+    ({"num_speculative_tokens": 2, "kv_format": "kivi4"}, "'kivi4'"),
+    ({"num_speculative_tokens": 2, "kv_offload": "infinigen"}, "'infinigen'"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min 3"),
+    ({"prompt_lookup_min": 0}, "prompt_lookup_min"),
 ])
 def test_settings_drafts_cannot_run_under_are_refused_by_name(options, named):
     with pytest.raises(KvstrataError, match=named):
