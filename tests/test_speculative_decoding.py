@@ -114,7 +114,7 @@ def test_greedy_output_is_the_output_without_drafts_and_transformers(plain, spec
 
 @pytest.mark.parametrize("options", [
     {"scheduler": "prefill-first"}, {"scheduler": "static"}, {"kv_format": "int8"}, {"kv_format": "int4"},
-    {"kv_format": "fp16", "dtype": "float16"}, {"kv_offload": "full"}, {"enable_prefix_caching": False},
+    {"kv_format": "fp16", "dtype": "float16"}, {"enable_prefix_caching": False},
     {"chunk_size": 16}, {"num_speculative_tokens": 1}, {"prompt_lookup_min": 1, "prompt_lookup_max": 1},
 ])
 def test_greedy_output_is_unchanged_under_every_setting_drafts_allow(tiny_llama, options):
@@ -165,14 +165,15 @@ def test_penalties_min_tokens_and_bad_words_see_the_drafts_before_each_row(plain
         assert run(speculating, params=params)[0] == run(plain, params=params)[0]
 
 
-def test_sampling_with_a_seed_repeats_and_top_k_1_is_greedy(speculating, tiny_llama):
+def test_seeded_sampling_gets_no_drafts_and_top_k_1_is_greedy(speculating, plain):
+    """A seed gives the tokens it gives without drafts: such requests decode without them (a row after a rejected
+    draft would draw from the request's generator too)."""
     seeded = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
-    drafting_more = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, num_speculative_tokens=3,
-                        prompt_lookup_min=1)
-    first, drafted, _ = run(drafting_more, params=seeded)
-    assert drafted > 0 and run(drafting_more, params=seeded)[0] == first
+    outputs, drafted, _ = run(speculating, params=seeded)
+    assert drafted == 0 and outputs == run(plain, params=seeded)[0]
     top_1 = SamplingParams(max_tokens=40, temperature=1.0, top_k=1, ignore_eos=True)
-    assert run(speculating, params=top_1)[0] == run(speculating)[0]
+    outputs, drafted, _ = run(speculating, params=top_1)
+    assert drafted > 0 and outputs == run(speculating)[0]
 
 
 def token_frequencies(outputs: list[list[int]], index: int) -> dict[int, float]:
@@ -183,24 +184,26 @@ def token_frequencies(outputs: list[list[int]], index: int) -> dict[int, float]:
 
 
 def test_sampled_tokens_keep_their_distribution(tiny_llama):
-    """600 seeded samples (top-k 4 at temperature 1) of three tokens after a prompt holding every token (so that
-    the second token's step always has a draft for the third) and ending in the model's own greedy output (so
-    that the drafts are often likely): each position's tokens as frequent with drafts as without (total variation
-    under 0.12; an engine that accepted every draft would put the second token on the draft every time)."""
+    """1,000 samples (top-k 2 at temperature 1; torch's generator seeded, so the test repeats) of three tokens after a
+    prompt holding every token (so that the second token's step has a draft for the third) and ending in the
+    model's own greedy output (so that the drafts are often likely): each position's tokens as frequent with drafts
+    as without (total variation under 0.1; an engine that accepted every draft would put the second token on the
+    draft every time)."""
     kwargs = {"kv_cache_memory": "8MiB", "max_model_len": 512}
     plain = LLM(str(tiny_llama), **kwargs)
     prompt = torch.randperm(VOCAB_SIZE, generator=torch.Generator().manual_seed(1)).tolist() + PROMPTS[0]
     prompt += plain.generate([prompt], GREEDY)[0].token_ids
-    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=seed, ignore_eos=True)
-              for seed in range(600)]
-    plain_outputs = [o.token_ids for o in plain.generate([prompt] * 600, params)]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=2, ignore_eos=True)
+    torch.manual_seed(0)
+    plain_outputs = [o.token_ids for o in plain.generate([prompt] * 1000, params)]
     speculating = LLM(str(tiny_llama), num_speculative_tokens=1, prompt_lookup_min=1, **kwargs)
-    outputs, drafted, accepted = run(speculating, [prompt] * 600, params)
-    assert drafted == 600 and 0 < accepted < 600
+    torch.manual_seed(0)
+    outputs, drafted, accepted = run(speculating, [prompt] * 1000, params)
+    assert drafted > 500 and 0 < accepted < drafted  # a few decodes find the step's token budget spent
     for index in (1, 2):
         expected, got = token_frequencies(plain_outputs, index), token_frequencies(outputs, index)
         distance = sum(abs(got.get(t, 0) - expected.get(t, 0)) for t in expected.keys() | got.keys()) / 2
-        assert distance < 0.12, (index, expected, got)
+        assert distance < 0.1, (index, expected, got)
 
 
 def test_a_structured_output_request_gets_no_drafts(speculating, plain):

@@ -19,6 +19,11 @@ from collections.abc import Iterator
 from kvstrata.engine.sequence import Sequence
 
 
+def verifies(seq: Sequence, num_tokens: int) -> bool:
+    """Whether a step of `num_tokens` tokens of `seq` runs its last token and drafts after it."""
+    return num_tokens > 1 and seq.num_pending_tokens == 1
+
+
 def sequence_rows(rows: list[Sequence]) -> Iterator[tuple[Sequence, int, int]]:
     """Each sequence of `rows` (one per logit row, a sequence's rows side by side) with its first row and the row
     after its last."""

@@ -22,7 +22,7 @@ from kvstrata.cachegen.profile import shipped_profile
 from kvstrata.config import EngineConfig
 from kvstrata.engine.bad_words import bad_word_token_ids
 from kvstrata.engine.direct_forward import compute_kv
-from kvstrata.engine.draft_verification import accepted_tokens, draft_histories, sequence_rows
+from kvstrata.engine.draft_verification import accepted_tokens, draft_histories, sequence_rows, verifies
 from kvstrata.engine.grammar_matcher import GrammarCompiler, allowed_tokens, matcher_error
 from kvstrata.engine.important_prefix_load import ImportantLoading
 from kvstrata.engine.kv_offload_setup import attention_policy
@@ -103,9 +103,9 @@ class LLMEngine:
         self.attention.attach_block_pool(self.kv_manager.pool)
         self.kv_store = self.make_kv_store_link()  # tiers below the device pool, or None
         self.scheduler = self._make_scheduler()
-        self.drafts = None  # speculative decoding's proposer
+        self.proposer = None  # speculative decoding's drafts
         if config.num_speculative_tokens:
-            self.drafts = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+            self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                         config.prompt_lookup_max)
             self.scheduler.propose_drafts = self._drafts_for
         self.runner = ModelRunner(self.loaded.model, self.attention, config.block_size, self.device,
@@ -451,7 +451,7 @@ class LLMEngine:
         outputs = []
         prefill_tokens, prefill_work = 0, PrefillWork()
         for seq, num_tokens in plan.scheduled:
-            verifying = bool(seq.draft_token_ids)  # its last token and its drafts
+            verifying = verifies(seq, num_tokens)  # its last token and its drafts
             is_decode = (num_tokens == 1 or verifying) and seq.num_computed_tokens >= seq.num_prompt_tokens
             if not is_decode:
                 prefill_tokens += num_tokens
@@ -490,12 +490,13 @@ class LLMEngine:
 
     def _drafts_for(self, seq: Sequence) -> list[int]:
         """Tokens guessed to follow `seq`'s last one, for its decode step to verify: none where it has a structured
-        output (its grammar matcher takes tokens one at a time) or nothing could follow them (its max_tokens or
-        the context would end it first)."""
-        if seq.matcher is not None:
+        output (its grammar matcher takes tokens one at a time), where it samples with a seed (a row after a rejected
+        draft would draw from its generator too, so the seed would give other tokens than without drafts) or where
+        nothing could follow them (its max_tokens or the context would end it first)."""
+        if seq.matcher is not None or (seq.generator is not None and not seq.params.greedy):
             return []
         limit = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
-        return self.drafts.propose(seq.seq_id, seq.token_ids, limit)
+        return self.proposer.propose(seq.seq_id, seq.token_ids, limit)
 
     def _schedule_loaded(self) -> None:
         """Requests whose lookup below the device pool ended join the scheduler, with the KV it found. With
@@ -608,8 +609,8 @@ class LLMEngine:
         ended_well = seq.finish_reason in ("stop", "length")
         tail_kv = self._tail_kv(seq) if seq.params.keep_tail_kv and ended_well else None  # before its blocks go
         self.scheduler.finish(seq)
-        if self.drafts is not None:
-            self.drafts.forget(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
         if self.kv_store is not None:
             self.kv_store.forget(seq.request_id)
         seq.status = SequenceStatus.FINISHED

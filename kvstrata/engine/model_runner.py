@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvstrata.engine.block_tables import BlockTables
+from kvstrata.engine.draft_verification import verifies
 from kvstrata.engine.sampler import token_logprobs
 from kvstrata.engine.sequence import Sequence
 from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, whole_block_keys
@@ -123,7 +124,7 @@ class ModelRunner:
             if seq.num_computed_tokens + num_tokens == seq.num_tokens:
                 to_sample.append(seq)
                 rows.append(last_row)
-            elif _verifies(seq, num_tokens):
+            elif verifies(seq, num_tokens):
                 to_sample += [seq] * num_tokens
                 rows += range(last_row - num_tokens + 1, last_row + 1)
             if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -147,11 +148,6 @@ class ModelRunner:
                                                   seq.params.prompt_logprobs)
 
 
-def _verifies(seq: Sequence, num_tokens: int) -> bool:
-    """Whether `seq`'s step runs its last token and drafts after it (speculative decoding)."""
-    return num_tokens > 1 and seq.num_pending_tokens == 1
-
-
 def _decodes(seq: Sequence, num_tokens: int) -> bool:
     """Whether `seq`'s step is decoding: one token, or one and its drafts."""
-    return num_tokens == 1 or _verifies(seq, num_tokens)
+    return num_tokens == 1 or verifies(seq, num_tokens)

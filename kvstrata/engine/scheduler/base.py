@@ -94,20 +94,27 @@ class Scheduler(ABC):
         return next((seq for seq in self.waiting if not self.kv.waits_for(seq, ahead)), None)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        """One token for every running sequence that is decoding, then its drafts (`propose_drafts`) where the pool
-        has room for them: drafts never preempt anything."""
-        decoding = [s for s in self.running if s.num_pending_tokens == 1]
-        for seq in decoding:
+        """One token for every running sequence that is decoding."""
+        for seq in [s for s in self.running if s.num_pending_tokens == 1]:
             if seq.status is SequenceStatus.RUNNING and self._grow_or_preempt(seq, 1, out):
                 out.scheduled.append((seq, 1))
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int | None) -> None:
+        """Speculative decoding: the step's decodes of output tokens take their drafts (`propose_drafts`), once
+        everything else of the step has its blocks, where the pool has room (so drafts never preempt anything) and
+        within what is left of a token budget."""
         if self.propose_drafts is None:
             return
-        decoding = {id(seq) for seq in decoding}
-        for index, (seq, _) in enumerate(out.scheduled):
-            if id(seq) in decoding:
-                drafts = self.propose_drafts(seq)
-                seq.draft_token_ids = drafts if drafts and self.kv.grow(seq, 1 + len(drafts)) else []
-                out.scheduled[index] = (seq, 1 + len(seq.draft_token_ids))
+        for index, (seq, num_tokens) in enumerate(out.scheduled):
+            if budget is not None and budget <= 0:
+                return
+            if num_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+                continue  # a prefill, or a prompt's last token
+            drafts = self.propose_drafts(seq)[:budget]
+            if drafts and self.kv.grow(seq, 1 + len(drafts)):
+                seq.draft_token_ids = drafts
+                out.scheduled[index] = (seq, 1 + len(drafts))
+                budget = None if budget is None else budget - len(drafts)
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Room for `num_tokens` more tokens of a running `seq`, preempting the newest sequences if short.
@@ -126,6 +133,7 @@ class Scheduler(ABC):
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []  # it will be prefilled, not verified
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

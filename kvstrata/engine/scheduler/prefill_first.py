@@ -35,6 +35,7 @@ class PrefillFirstScheduler(Scheduler):
         if out.scheduled:
             return out
         self._schedule_decodes(out)
+        self._add_drafts(out, None)
         return out
 
     def _continue_prompts(self, out: SchedulerOutput) -> None:

@@ -30,6 +30,7 @@ class SarathiScheduler(Scheduler):
                 out.scheduled.append((seq, num_tokens))
         while self.waiting and self._admit(out, self.chunk_size - out.num_tokens, whole=False):
             pass
+        self._add_drafts(out, self.chunk_size - out.num_tokens)
         self._align_to_tile(out)
         return out
 
