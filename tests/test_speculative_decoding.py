@@ -291,3 +291,18 @@ def test_the_server_streams_what_plain_decoding_gives_and_counts_the_drafts(tiny
     accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("kvstrata:spec_decode_num_accepted_tokens_total"))
     assert accepted > 0
+
+
+def test_drafts_take_only_what_a_step_leaves_and_a_preempted_sequence_drops_them(tiny_llama):
+    engine = LLMEngine(EngineConfig(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, chunk_size=16,
+                                    num_speculative_tokens=4, prompt_lookup_min=1))
+    engine.add_request(PROMPTS[3], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    while not any(step.num_draft_tokens for step in engine.step_stats):
+        engine.step()
+    engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()
+    assert (engine.step_stats[-1].prefill_tokens, engine.step_stats[-1].num_draft_tokens) == (15, 0)
+    decoding = next(seq for seq in engine.scheduler.running if seq.num_output_tokens > 1)
+    decoding.draft_token_ids = [5, 6]
+    engine.scheduler.preempt(decoding)
+    assert decoding.draft_token_ids == []
