@@ -46,9 +46,8 @@ def speculating(tiny_llama):
 
 def test_the_longest_match_wins_and_its_latest_occurrence_is_followed():
     proposer = NgramProposer(num_tokens=3, min_n=1, max_n=3)
-    #             0  1  2  3  4  5  6  7  8  9
     tokens = [1, 2, 3, 9, 2, 3, 8, 7, 6, 2, 3]
-    assert proposer.propose(0, tokens, limit=9) == [8, 7, 6]  # "2 3" last seen at 4; "1 2 3" matched nowhere
+    assert proposer.propose(0, tokens, limit=9) == [8, 7, 6]  # "6 2 3" was never seen; "2 3" last at 4
     tokens = [4, 1, 2, 3, 5, 5, 9, 2, 3, 6, 1, 2, 3]
     assert proposer.propose(1, tokens, limit=9) == [5, 5, 9]  # "1 2 3" at 1 beats the later "2 3" at 7
 
