@@ -283,5 +283,11 @@ def test_speculative_decoding_against_plain_decoding_and_transformers(tiny_llama
         assert hf["plain"]["output_tokens"] > 0 and hf["prompt_lookup"]["output_tokens"] > 0
     assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--speculative-tokens", "0,2"]) == 2
     assert "--speculative-tokens takes positive integers" in capsys.readouterr().err
+    batched = run_json(capsys, "bench", "speculative", "--model", str(tiny_llama), *TINY, "--tasks", "rewrite",
+                       "--prompts", "3", "--batch", "2", "--max-tokens", "16", "--speculative-tokens", "3",
+                       "--prompt-lookup-min", "1", "--json")
+    assert "transformers" not in batched["tasks"]["rewrite"]  # its prompt lookup takes one sequence at a time
+    runs = batched["tasks"]["rewrite"]["kvstrata"]
+    assert runs["speculative_3"]["outputs_equal_to_plain"] == 3 and runs["speculative_3"]["draft_tokens"] > 0
     assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--tasks", "poem"]) == 2
     assert "--tasks takes rewrite, extract, free (got 'poem')" in capsys.readouterr().err

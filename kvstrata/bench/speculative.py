@@ -1,10 +1,11 @@
 """`kvstrata bench speculative`: speculative decoding by prompt lookup against plain decoding and against
-transformers' `generate(prompt_lookup_num_tokens=...)`, one request at a time (the latency it is for).
+transformers' `generate(prompt_lookup_num_tokens=...)`, one request at a time (the latency it is for), or --batch
+requests at once (what drafts cost a batch).
 
 Each task is a chat request about a passage of --text: `rewrite` (correct it and write it out: the output copies
 the passage), `extract` (quote the sentences that answer a question), `free` (write freely from it: little to copy
 but what the output repeats of itself). Every engine (plain, then one per --speculative-tokens value; the weights
-loaded once) runs the task's prompts one after another, greedy, to --max-tokens tokens or the model's end. Reported
+loaded once) runs the task's prompts, --batch at a time, greedy, to --max-tokens tokens or the model's end. Reported
 per task: output tokens/s, the ratio to plain decoding, the drafts verified and accepted, and how many outputs equal
 plain decoding's; transformers' tokens/s with and without prompt lookup (the largest --speculative-tokens value,
 --prompt-lookup-max as its longest n-gram) and kvstrata's best ratio to it.
@@ -36,23 +37,24 @@ TASKS = {
 def run_speculative_bench(args: argparse.Namespace) -> None:
     counts = _speculative_tokens(args.speculative_tokens)
     unknown = [task for task in args.tasks.split(",") if task not in TASKS]
-    if unknown or args.prompts < 1 or args.max_tokens < 1:
-        raise KvstrataError(f"--tasks takes {', '.join(TASKS)} (got {args.tasks!r}); --prompts and --max-tokens must "
-                            f"be at least 1")
+    if unknown or min(args.prompts, args.max_tokens, args.batch) < 1:
+        raise KvstrataError(f"--tasks takes {', '.join(TASKS)} (got {args.tasks!r}); --prompts, --max-tokens and "
+                            f"--batch must be at least 1")
     config = engine_config_from_args(args)
     plain = LLMEngine(dataclasses.replace(config, num_speculative_tokens=0))
     engines = {0: plain} | {k: LLMEngine(dataclasses.replace(config, num_speculative_tokens=k), plain.loaded)
                             for k in counts}
     passages = _passages(read_text(args.text), args.prompts, args.skip_passages)
-    hf_model = None if args.no_transformers else transformers_model(plain.loaded.source)
+    # transformers' prompt lookup takes one sequence at a time
+    hf_model = None if args.no_transformers or args.batch > 1 else transformers_model(plain.loaded.source)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for engine in engines.values():  # first calls' one-time costs
-        _generate(engine, [plain.tokenizer.encode("Hello")], SamplingParams(max_tokens=4, temperature=0.0))
+        _generate(engine, [plain.tokenizer.encode("Hello")], SamplingParams(max_tokens=4, temperature=0.0), 1)
     tasks = {}
     for task in args.tasks.split(","):
         prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": TASKS[task].format(p)}],
                                                add_generation_prompt=True) for p in passages]
-        runs = {k: _run(engine, prompts, params) for k, engine in engines.items()}
+        runs = {k: _run(engine, prompts, params, args.batch) for k, engine in engines.items()}
         expected = runs[0].pop("outputs")
         for k, one in list(runs.items())[1:]:
             one["outputs_equal_to_plain"] = sum(a == b for a, b in zip(one.pop("outputs"), expected))
@@ -69,7 +71,7 @@ def run_speculative_bench(args: argparse.Namespace) -> None:
         "machine": machine_info(),
         **engine_info(plain),
         "workload": {"text": str(args.text), "prompts": args.prompts, "skip_passages": args.skip_passages,
-                     "max_tokens": args.max_tokens, "speculative_tokens": counts,
+                     "max_tokens": args.max_tokens, "batch": args.batch, "speculative_tokens": counts,
                      "threads": torch.get_num_threads()},
         "tasks": tasks,
     }, args.json)
@@ -94,23 +96,22 @@ def _passages(text: str, count: int, skip: int) -> list[str]:
     return paragraphs
 
 
-def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Each prompt's output tokens, one request at a time."""
-    outputs = []
-    for prompt in prompts:
-        request_id = engine.add_request(prompt, params)
+def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, batch: int) -> list[list[int]]:
+    """Each prompt's output tokens, `batch` requests at a time (each group sent together and run to its end)."""
+    finished: dict[str, list[int]] = {}
+    for first in range(0, len(prompts), batch):
+        for index in range(first, min(first + batch, len(prompts))):
+            engine.add_request(prompts[index], params, request_id=f"prompt-{index}")
         while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished and output.request_id == request_id:
-                    outputs.append(list(output.token_ids))
-    return outputs
+            finished.update((out.request_id, list(out.token_ids)) for out in engine.step() if out.finished)
+    return [finished[f"prompt-{index}"] for index in range(len(prompts))]
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, batch: int) -> dict:
     engine.reset_prefix_cache()
     engine.step_stats.clear()
     start = time.perf_counter()
-    outputs = _generate(engine, prompts, params)
+    outputs = _generate(engine, prompts, params, batch)
     seconds = time.perf_counter() - start
     tokens = sum(len(one) for one in outputs)
     drafted = sum(step.num_draft_tokens for step in engine.step_stats)

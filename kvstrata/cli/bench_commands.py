@@ -90,6 +90,9 @@ def add_bench_commands(commands) -> None:
     speculative.add_argument("--skip-passages", type=int, default=0,
                              help="paragraphs of the text passed over first (default: 0)")
     speculative.add_argument("--max-tokens", type=int, default=160, help="tokens per request at most (default: 160)")
+    speculative.add_argument("--batch", type=int, default=1,
+                             help="requests sent at once, each group run to its end (default: 1; above 1 without "
+                                  "transformers, whose prompt lookup takes one sequence)")
     speculative.add_argument("--no-transformers", action="store_true", help="skip transformers")
     _add_output_flags(speculative)
     add_engine_arguments(speculative)
