@@ -69,6 +69,31 @@ def test_int8_kernel_equals_the_reference_attention_over_the_decoded_records():
 
 
 @needs_kernel
+@pytest.mark.parametrize("lone_len", [40, 150, 600])
+def test_rows_sharing_a_block_table_attend_as_their_sequence_alone(lone_len):
+    """Speculative decoding's rows: one sequence's last token and three drafts, rows with one block table and lengths
+    lone_len .. lone_len + 3. Each row's output is bit for bit what the row gives decoded alone (a lone sequence's
+    tokens are split across threads, a batch's are not: the rows are counted as one sequence), beside another
+    sequence too (then as the two alone)."""
+    k_pool, v_pool = random_pools()
+    gen = torch.Generator().manual_seed(2)
+    table = torch.randperm(40, generator=gen)[:39].reshape(1, 39)
+    lens = torch.arange(lone_len, lone_len + 4)
+    q = torch.randn(4, 9, 64, generator=gen)
+    together = KERNEL.paged_decode_attention(q, k_pool, v_pool, table.expand(4, 39), lens, 0.125)
+    for row in range(4):
+        alone = KERNEL.paged_decode_attention(q[row : row + 1], k_pool, v_pool, table, lens[row : row + 1], 0.125)
+        assert torch.equal(together[row], alone[0])
+    other = torch.randperm(40, generator=gen)[:39].reshape(1, 39)
+    with_other = KERNEL.paged_decode_attention(torch.cat([q, q[:1]]), k_pool, v_pool,
+                                               torch.cat([table.expand(4, 39), other]),
+                                               torch.cat([lens, torch.tensor([300])]), 0.125)
+    pair = KERNEL.paged_decode_attention(torch.cat([q[:1], q[:1]]), k_pool, v_pool, torch.cat([table, other]),
+                                         torch.tensor([lone_len, 300]), 0.125)
+    assert torch.equal(with_other[0], pair[0]) and torch.equal(with_other[4], pair[1])
+
+
+@needs_kernel
 def test_kernel_refuses_out_of_range_blocks_and_lengths():
     k_pool, v_pool = random_pools()
     q = torch.randn(1, 3, 64)

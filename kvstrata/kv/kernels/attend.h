@@ -375,8 +375,18 @@ inline void check_inputs(const at::Tensor& q, const at::Tensor& block_tables, co
   check_tables(block_tables, context_lens, block, num_blocks);
 }
 
-// Where an item's tokens are split (below), the longest sequence's parts hold at least this many
+// Where an item's tokens are split (below), its parts hold at least this many
 constexpr int64_t kMinPartTokens = 64;
+
+// The sequences of a step of decodes: runs of rows with the same block table are one sequence's (speculative
+// decoding's rows for its last token and drafts), counted once, so that they are split as the sequence alone is.
+inline int64_t count_sequences(const int64_t* tables, int64_t n, int64_t width) {
+  int64_t sequences = n > 0;
+  for (int64_t s = 1; s < n; ++s) {
+    sequences += !std::equal(tables + s * width, tables + (s + 1) * width, tables + (s - 1) * width);
+  }
+  return sequences;
+}
 
 // Checks the inputs, then one work item per sequence and `row_heads` KV heads over torch's threads;
 // make_rows(table, first KV head, row_heads) builds the reader of one item, whose rows hold its KV heads side by
@@ -385,7 +395,9 @@ constexpr int64_t kMinPartTokens = 64;
 // outlier entries), which otherwise each head pays again. Else, and for float pools, each KV head is an item.
 // Where there are fewer than two items per thread (a decode of one sequence: one item per KV head, 3 for the default
 // model on 2 threads), each item's tokens are split into parts attended apart and merged by their peaks and totals,
-// so that every thread has work (the split-softmax of flash-decoding).
+// so that every thread has work (the split-softmax of flash-decoding). How a row is split depends only on the
+// number of sequences in the step and its own length: a sequence's rows for its drafts are attended as it is alone,
+// in the same order of sums, so drafts do not change the numbers a decode gives.
 template <typename MakeRows>
 at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t block,
                int64_t num_blocks, double scale, MakeRows make_rows, bool whole_tokens = false) {
@@ -395,7 +407,8 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   check_inputs(q, block_tables, context_lens, kv_heads, block, num_blocks);
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), group = heads / kv_heads;
   const int64_t threads = at::get_num_threads();
-  const int64_t row_heads = whole_tokens && n >= 2 * threads ? kv_heads : 1;
+  const int64_t sequences = count_sequences(block_tables.data_ptr<int64_t>(), n, block_tables.size(1));
+  const int64_t row_heads = whole_tokens && sequences >= 2 * threads ? kv_heads : 1;
   const int64_t items = kv_heads / row_heads, width = block_tables.size(1), item_heads = group * row_heads;
   auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -404,8 +417,10 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   if (n == 0) return out;
   const int64_t longest = *std::max_element(lens, lens + n);
-  const int64_t parts = n * items >= 2 * threads ? 1 : std::clamp<int64_t>(
-      (4 * threads + n * items - 1) / (n * items), 1, std::max<int64_t>(1, longest / kMinPartTokens));
+  const int64_t parts = sequences * items >= 2 * threads ? 1 : std::clamp<int64_t>(
+      (4 * threads + sequences * items - 1) / (sequences * items), 1, std::max<int64_t>(1, longest / kMinPartTokens));
+  // a row's own parts: as many as its length allows, each of at least kMinPartTokens tokens
+  auto parts_of = [&](int64_t s) { return std::min(parts, std::max<int64_t>(1, lens[s] / kMinPartTokens)); };
   if (parts == 1) {
     at::parallel_for(0, n * items, 1, [&](int64_t begin, int64_t end) {
       SpanScratch scratch;
@@ -419,14 +434,24 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
     });
     return out;
   }
-  // part p of an item of sequence s holds its tokens [p * span, (p + 1) * span); parts past its end stay empty
-  auto span_of = [&](int64_t s) { return (lens[s] + parts - 1) / parts; };
+  // part p of an item of sequence s holds its tokens [p * span, (p + 1) * span); parts past its own stay empty, and a
+  // row of one part is attended whole, as unsplit
+  auto span_of = [&](int64_t s) { return (lens[s] + parts_of(s) - 1) / parts_of(s); };
   const int64_t units = n * items * parts;
   std::vector<float> partial(units * item_heads * dim), peaks(units * item_heads), totals(units * item_heads);
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     SpanScratch scratch;
+    std::vector<float> item_peaks(item_heads), item_totals(item_heads);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t item = unit / parts, part = unit % parts, s = item / items, h = item % items * row_heads;
+      if (parts_of(s) == 1) {  // attended whole, as unsplit
+        if (part == 0) {
+          auto rows = make_rows(tables + s * width, h, row_heads);
+          attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, lens[s], group,
+                      row_heads, dim, static_cast<float>(scale), scratch, item_peaks, item_totals);
+        }
+        continue;
+      }
       const int64_t first = part * span_of(s), last = std::min(lens[s], first + span_of(s));
       if (first >= last) continue;
       auto rows = make_rows(tables + s * width, h, row_heads);
@@ -437,6 +462,7 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   });
   for (int64_t item = 0; item < n * items; ++item) {
     const int64_t s = item / items, h = item % items * row_heads;
+    if (parts_of(s) == 1) continue;  // attended whole above
     const int64_t used = (lens[s] + span_of(s) - 1) / span_of(s);  // the parts that hold tokens
     for (int64_t g = 0; g < item_heads; ++g) {
       float peak = -INFINITY;
