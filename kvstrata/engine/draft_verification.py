@@ -6,10 +6,9 @@ and bad words read it), and the drafts are accepted while each equals the token 
 is the accepted drafts and the token sampled after them, each drawn from its row's distribution p: a draft d is
 accepted with probability p(d), and otherwise the token drawn is one of the others, with probability p(t) each (the
 rejection sampling of speculative decoding where the draft's own distribution is certain of d, as prompt lookup's
-is). Greedy decoding gives the tokens it gives without drafts, up to the numerics of a batch: a sequence's rows are
-decoded together as a step's sequences are, and a decode's logits change a little with what it is batched with (the
-attention splits a lone sequence's tokens across threads, and the weights' kernels quantize activations to int8,
-which carries the rounding on), which can turn a near tie.
+is). Greedy decoding gives the tokens it gives without drafts: a sequence's rows compute what its lone decode
+computes (the paged attention kernel attends rows sharing a block table as their sequence alone; the weights' kernels
+multiply rows apart, on a CPU with AVX-512 VNNI).
 """
 
 from __future__ import annotations
