@@ -52,8 +52,9 @@ class ModelRunner:
     def prepare(self, work: Work) -> StepInputs:
         """Order the work (decodes first) and build the token ids and attention metadata. A sequence verifying
         drafts is one decode per token, each reading the cached keys up to its own position."""
-        ordered = [w for w in work if _decodes(*w)] + [w for w in work if not _decodes(*w)]
-        num_decode_seqs = sum(1 for w in work if _decodes(*w))
+        decodes = [_decodes(*w) for w in work]
+        ordered = [w for w, d in zip(work, decodes) if d] + [w for w, d in zip(work, decodes) if not d]
+        num_decode_seqs = sum(decodes)
         seq_rows = self.block_tables.rows_for([seq for seq, _ in ordered])
         rows, starts, counts, token_ids = [], [], [], []
         for i, (seq, n) in enumerate(ordered):
