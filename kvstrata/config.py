@@ -240,6 +240,18 @@ class EngineConfig:
         default=4, metadata=_option("speculative decoding: the most last tokens a prompt lookup matches (the longest "
                                     "match found wins)")
     )
+    enable_lora: bool = field(
+        default=False,
+        metadata=_option("LoRA adapters (vLLM's --enable-lora): a request may run on an adapter, named by the "
+                         "server's model field or offline by a LoRARequest; requests on different adapters and on "
+                         "the base model share a step. Llama-family models"),
+    )
+    lora_modules: str | None = field(
+        default=None,
+        metadata=_option("LoRA adapters loaded at start, comma-separated NAME=PATH pairs (PEFT adapter directories: "
+                         "adapter_config.json and adapter_model.safetensors); the server serves each as a model of "
+                         "that name. Implies --enable-lora (default: none)"),
+    )
     max_prefill_tokens: int | None = field(
         default=None,
         metadata=_option("prefill-first: most prompt tokens in one prefill step (default: max(max_model_len, 2048))"),
@@ -358,6 +370,7 @@ class EngineConfig:
             raise KvstrataError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
         self._check_prefix_loading()
         self._check_speculation()
+        self._check_lora()
         for name in ("block_size", "chunk_size", "max_num_seqs", "kv_cache_memory", "kivi_residual", "int4_group_size",
                      "kv_store_chunk_tokens", "kv_store_timeout_ms"):
             _require_positive(name, getattr(self, name))
@@ -403,6 +416,38 @@ class EngineConfig:
         missing = [what for lacking, what in needs if lacking]
         if missing:
             raise KvstrataError(f"num_speculative_tokens {k} needs {'; '.join(missing)}")
+
+    def lora_module_paths(self) -> list[tuple[str, str]]:
+        """lora_modules as (name, path) pairs, in order."""
+        pairs = []
+        for item in self.lora_modules.split(",") if self.lora_modules is not None else []:
+            name, equals, path = item.strip().partition("=")
+            if not (equals and name.strip() and path.strip()):
+                raise KvstrataError(f"lora_modules entry {item.strip()!r} is not NAME=PATH (e.g. "
+                                    f"sql=/adapters/sql-lora)")
+            pairs.append((name.strip(), path.strip()))
+        names = [name for name, _ in pairs]
+        if len(set(names)) < len(names):
+            raise KvstrataError(f"lora_modules names an adapter twice: {', '.join(names)}")
+        return pairs
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.enable_lora or self.lora_modules)
+
+    def _check_lora(self) -> None:
+        if self.lora_modules is not None:
+            self.lora_module_paths()
+        if not self.lora_enabled:
+            return
+        # the adapters' updates are added where the projections run as torch modules, one step at a time: not in a
+        # compiled graph, nor in InfiniGen's speculation or IMPRESS's layer-by-layer prefill, which run layers apart
+        needs = [(self.compile, "no compile"),
+                 (self.kv_offload == "infinigen", f"kv_offload none, full or h2o, not {self.kv_offload!r}"),
+                 (self.prefix_loading != "full", f"prefix_loading full, not {self.prefix_loading!r}")]
+        missing = [what for lacking, what in needs if lacking]
+        if missing:
+            raise KvstrataError(f"LoRA adapters need {'; '.join(missing)}")
 
     def infinigen_settings(self) -> InfiniGenSettings:
         return InfiniGenSettings(alpha=float(self.infinigen_alpha), partial_ratio=float(self.infinigen_partial_ratio),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from kvstrata.cachegen.profile import CodecProfile
 from kvstrata.config import EngineConfig
 from kvstrata.engine.beam_search import BeamSearchOutput, BeamSearchParams, new_searches, run_searches
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.lora_request import LoRARequest, with_adapters
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
@@ -37,6 +39,7 @@ class LLM:
         context: str | Path | SavedContext | None = None,
         context_level: str | None = None,
         recompute_chunks: Iterable[int] = (),
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched by the scheduler; outputs in the prompts' order.
 
@@ -45,17 +48,24 @@ class LLM:
         prefilled, except `recompute_chunks`, which are prefilled from their tokens. A prompt the engine
         cannot finish (its context turned out corrupt) comes back with finish_reason "error" and `error`
         saying why; the other prompts are unaffected.
+
+        `lora_request` (vLLM's): the LoRA adapter every prompt runs on, or one (or None, the base model) per prompt;
+        the engine needs enable_lora.
         """
         prompts = _as_list(prompts)
-        params_list = self._params_per_prompt(params, len(prompts))
+        params_list = with_adapters(self.engine, self._params_per_prompt(params, len(prompts)), lora_request)
         arrival = time.perf_counter()  # time to first token counts the context's decoding too
         load = ContextLoad.prepare(self.engine, context, context_level, recompute_chunks)
         ids = [self._add(p, sp, load, arrival) for p, sp in zip(prompts, params_list)]
         return self._run_to_completion(ids, use_tqdm)
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """The likeliest continuations of each prompt by beam search, as transformers' `generate(num_beams=...)`
         finds them (engine/beam_search.py); outputs in the prompts' order, each with its best beams first."""
+        if lora_request is not None:
+            params = dataclasses.replace(params, lora_name=self.engine.load_lora(lora_request.lora_name,
+                                                                                 lora_request.lora_path).name)
         searches = new_searches(self.engine, [self.engine.tokenize(prompt) for prompt in _as_list(prompts)], params)
         run_searches(self.engine, searches)
         return [search.output(self.tokenizer) for search in searches]
@@ -86,6 +96,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Like `generate`, for chat conversations (lists of {"role", "content"}) under the chat template. With
         `continue_final_message`, each conversation's last message (an answer begun) is continued rather than
@@ -94,7 +105,7 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [self.chat_prompt(c, continue_final_message, tools, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, params, use_tqdm)
+        return self.generate(prompts, params, use_tqdm, lora_request=lora_request)
 
     def chat_prompt(self, messages: Messages, continue_final_message: bool = False,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
@@ -110,11 +121,13 @@ class LLM:
         params: SamplingParams | None = None,
         context: str | Path | SavedContext | None = None,
         context_level: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gets new tokens; the last one has finished=True."""
         arrival = time.perf_counter()
         load = ContextLoad.prepare(self.engine, context, context_level, ())
-        request_id = self._add(prompt, params or self.engine.default_sampling_params(), load, arrival)
+        [params] = with_adapters(self.engine, [params or self.engine.default_sampling_params()], lora_request)
+        request_id = self._add(prompt, params, load, arrival)
         try:
             while True:
                 for output in self.engine.step():

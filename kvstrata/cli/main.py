@@ -37,6 +37,8 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float)
                        help="subtracted from the logits of tokens the output holds, in [-2, 2] (default: 0)")
     group.add_argument("--frequency-penalty", type=float, default=0.0,
                        help="subtracted once per time the output holds a token, in [-2, 2] (default: 0)")
+    group.add_argument("--lora", metavar="NAME",
+                       help="run on the LoRA adapter that --lora-modules loads under NAME (default: the base model)")
     structured = parser.add_argument_group("structured output (one of these; the output ends when it is complete)")
     constraint = structured.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", type=Path, metavar="FILE", help="JSON that follows the schema in FILE")
@@ -55,7 +57,7 @@ def _sampling_params(args: argparse.Namespace):
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=args.stop, min_p=args.min_p, min_tokens=args.min_tokens,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, structured_output=_structured_output(args),
+        frequency_penalty=args.frequency_penalty, structured_output=_structured_output(args), lora_name=args.lora,
     )
 
 
@@ -181,7 +183,7 @@ def _print_beams(llm, prompt, args: argparse.Namespace) -> None:
         raise KvstrataError("--beam-width cannot be combined with --context or a structured-output flag")
     early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
     params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
-                              length_penalty=args.length_penalty, early_stopping=early_stopping)
+                              length_penalty=args.length_penalty, early_stopping=early_stopping, lora_name=args.lora)
     result = llm.beam_search(prompt, params)[0]
     if result.error is not None:
         raise KvstrataError(f"beam search failed: {result.error}")

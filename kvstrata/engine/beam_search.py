@@ -56,6 +56,7 @@ class BeamSearchParams:
     ignore_eos: bool = False  # the model's end tokens end no beam (stop_token_ids still do)
     stop_token_ids: tuple[int, ...] = ()  # these end a beam too
     skip_special_tokens: bool = True  # the returned texts leave special tokens out
+    lora_name: str | None = None  # the LoRA adapter the beams are scored on (SamplingParams.lora_name)
 
     def __post_init__(self) -> None:
         for name, value, least in (("beam_width", self.beam_width, 1), ("max_tokens", self.max_tokens, 1)):
@@ -185,7 +186,7 @@ class BeamSearch:
         # greedy and ignoring EOS: the token the request draws is not used, only its alternatives' logprobs; the
         # KV after its last full block comes back for its children's requests
         return SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.alternatives, ignore_eos=True,
-                              keep_tail_kv=True)
+                              keep_tail_kv=True, lora_name=self.params.lora_name)
 
     def advance(self, outputs: list[RequestOutput], now: float) -> None:
         """Take a round's outputs (one per running beam, in `round_requests`' order), while the search is not `done`:

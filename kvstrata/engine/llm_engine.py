@@ -44,6 +44,8 @@ from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.model.linear_layers import multiplied_weights
 from kvstrata.model.loader import LoadedModel, load_model
+from kvstrata.model.lora import LoRAAdapter
+from kvstrata.model.lora_layers import LoRALayers
 from kvstrata.model.native_decode import NativeDecode
 from kvstrata.model.tokenizer import Tokenizer
 
@@ -80,6 +82,7 @@ class LLMEngine:
             self._compile_model()
         if hasattr(self.loaded.model, "native_decode"):
             self.loaded.model.native_decode = NativeDecode.for_model(self.loaded.model) if config.native_decode else None
+        self.lora = self._lora_layers()  # None unless LoRA adapters are enabled
         self.tokenizer = self._tokenizer()
         self.sampling_defaults = self._sampling_defaults()  # for the sampling settings a request leaves unset
         # bad words' tokens, found once for a request (in the server's worker thread, which checks it first) and
@@ -119,6 +122,33 @@ class LLMEngine:
         self._seq_ids = itertools.count()
 
     # --- set-up -------------------------------------------------------------------------------
+
+    def _lora_layers(self) -> LoRALayers | None:
+        if not self.config.lora_enabled:
+            return None
+        lora = LoRALayers(self.loaded.model, self.loaded.config, self.device)
+        for name, path in self.config.lora_module_paths():
+            lora.load(name, path)
+        return lora
+
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load a PEFT LoRA adapter under `name` (requests name it in SamplingParams.lora_name); the adapter loaded
+        under that name already where the path is the same."""
+        if self.lora is None:
+            raise KvstrataError("LoRA adapters are not enabled in this engine; start it with enable_lora (or "
+                                "lora_modules)")
+        return self.lora.load(name, path)
+
+    def _request_adapter(self, params: SamplingParams) -> LoRAAdapter | None:
+        if params.lora_name is None:
+            return None
+        if self.lora is None:
+            raise ParameterError("lora_name", f"this request names LoRA adapter {params.lora_name!r}, but LoRA "
+                                              "adapters are not enabled in this engine (enable_lora, lora_modules)")
+        try:
+            return self.lora.adapter(params.lora_name)
+        except KvstrataError as exc:
+            raise ParameterError("lora_name", str(exc)) from None
 
     def _max_model_len(self) -> int:
         mc = self.loaded.config
@@ -315,6 +345,9 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self.check_prompt_length(token_ids)
         self.check_sampling(params)
+        adapter = self._request_adapter(params)
+        if adapter is not None:  # its KV is the adapter's: its prefix-cache blocks are apart from other requests'
+            cache_salt = adapter.digest + (cache_salt or b"")
         if params.prompt_logprobs is not None and preloaded:
             raise KvstrataError("prompt_logprobs needs every prompt token computed; this request's preloaded KV "
                                 "(a saved context) would stand in for some")
@@ -337,6 +370,7 @@ class LLMEngine:
             bad_words=self._bad_word_tokens(params),
             preloaded=preloaded,
             cache_salt=cache_salt,
+            lora=adapter,
         )
         if arrival_time is not None:
             seq.arrival_time = arrival_time

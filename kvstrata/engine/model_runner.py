@@ -105,11 +105,16 @@ class ModelRunner:
     def forward(self, work: Work) -> tuple[StepInputs, torch.Tensor]:
         """The step's final hidden states [T, hidden], with the inputs they came from."""
         inputs = self.prepare(work)
+        lora = getattr(self.model, "lora", None)
+        if lora is not None:
+            lora.begin_step([(seq.lora, num_tokens) for seq, num_tokens in inputs.ordered])
         self.policy.begin_step(inputs.batch)
         try:
             hidden = self.model(inputs.input_ids, inputs.batch.positions, self.policy, inputs.batch)
         finally:
             self.policy.end_step()
+            if lora is not None:
+                lora.end_step()
         return inputs, hidden
 
     @torch.inference_mode()

@@ -72,6 +72,9 @@ class SamplingParams:
     # prefix cache does not keep: a request continuing those tokens takes it as preloaded KV (beam search's rounds);
     # none where it cannot be handed over as it is (LLMEngine._tails_handed_over)
     keep_tail_kv: bool = False
+    # the LoRA adapter (loaded in the engine under this name) the request runs with; None: the base model. vLLM
+    # passes a LoRARequest beside the parameters, as LLM.generate's lora_request does here
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -112,6 +115,9 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY, low_inclusive=True)
         _check_number("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, low_inclusive=True)
         _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE, low_inclusive=True)
+        if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
+            raise KvstrataError(f"lora_name must be a LoRA adapter's name (a non-empty string), got "
+                                f"{self.lora_name!r:.200}")
         self._check_structured_output()
 
     def _check_structured_output(self) -> None:

@@ -13,6 +13,7 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.block_hash import BlockHash
 from kvstrata.kv.preloaded import Preloaded
 from kvstrata.kv.store.prefill_speed import PrefillWork
+from kvstrata.model.lora import LoRAAdapter
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -62,7 +63,10 @@ class Sequence:
     store_load_end: tuple[float, PrefillWork] | None = None  # when its store load ended, the prefill it left
     store_plan: tuple[float, float] | None = None  # its store load's first adaptive choice: when, seconds predicted
     store_last_plan: tuple[float, float] | None = None  # and its last: when, seconds predicted and stretched
-    cache_salt: bytes | None = None  # separates prefix-cache entries built on preloaded KV
+    # separates prefix-cache entries whose KV a plain prefill would not give: built on preloaded KV, or on a LoRA
+    # adapter's weights
+    cache_salt: bytes | None = None
+    lora: LoRAAdapter | None = None  # the adapter its tokens are computed with; None: the base model
     num_preemptions: int = 0
     output_text: str = ""
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -124,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_all_layers = decode_all_layers  # compiled under --compile
         self.native_decode = None  # the compiled loop over all layers (native_decode.py), where the engine sets it
+        self.lora = None  # the LoRA adapters (lora_layers.py), where the engine loads any
 
     def forward(self, input_ids, positions, kv: AttentionPolicy, batch: AttentionBatch) -> torch.Tensor:
         """Final hidden states [T, hidden] of the packed tokens."""
@@ -142,8 +143,11 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def _native_for(self, x: torch.Tensor) -> NativeDecode | None:
-        """The compiled loop (native_decode.py) where the engine set one and it takes these hidden states."""
-        return self.native_decode if self.native_decode is not None and self.native_decode.takes(x) else None
+        """The compiled loop (native_decode.py) where the engine set one and it takes these hidden states; not in a
+        step with rows on a LoRA adapter, whose updates are added where the projections run as modules."""
+        if self.native_decode is None or (self.lora is not None and self.lora.active):
+            return None
+        return self.native_decode if self.native_decode.takes(x) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

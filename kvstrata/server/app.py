@@ -125,6 +125,9 @@ class CatchUnexpected:
 
 def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
+    adapters = {} if engine.lora is None else engine.lora.adapters  # LoRA adapters, each served as a model
+    if model_name in adapters:
+        raise KvstrataError(f"LoRA adapter name {model_name!r} is the served model's name; give it another")
     metrics = ServerMetrics(model_name, engine)
     async_engine = AsyncEngine(engine, options.max_waiting, metrics)
     preparer = RequestPreparer(engine, options)
@@ -144,7 +147,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
     app.add_middleware(BodyLimit, max_bytes=options.max_request_bytes, read_timeout=options.read_timeout)
     if options.api_key is not None:  # added last, so it runs first: no body is read for a request without the key
         app.add_middleware(ApiKeyCheck, key=options.api_key)
-    fix_openapi(app, model_name, engine.model_config.vocab_size, engine.max_model_len, options.max_tokens_limit)
+    fix_openapi(app, [model_name, *adapters], engine.model_config.vocab_size, engine.max_model_len,
+                options.max_tokens_limit)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -162,10 +166,13 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvstrata",
-            "max_model_len": engine.max_model_len,
-        }]}
+        created = int(time.time())
+        base = {"id": model_name, "object": "model", "created": created, "owned_by": "kvstrata",
+                "max_model_len": engine.max_model_len}
+        # each LoRA adapter is a model of its own name, as vLLM lists them: its directory and the model it adapts
+        return {"object": "list", "data": [base, *[
+            {**base, "id": name, "root": str(adapter.path), "parent": model_name} for name, adapter in adapters.items()
+        ]]}
 
     @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def prometheus_metrics():
@@ -175,9 +182,10 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         app.add_api_route(path, endpoint, methods=["HEAD"], operation_id=f"{endpoint.__name__}_head")
 
     def _unknown_model(name: str) -> JSONResponse | None:
-        if name == model_name:
+        if name == model_name or name in adapters:
             return None
-        return _error(404, f"model {name!r} does not exist; this server has {model_name!r}", "model",
+        served = ", ".join(repr(served) for served in (model_name, *adapters))
+        return _error(404, f"model {name!r} does not exist; this server has {served}", "model",
                       code="model_not_found")
 
     @app.post("/tokenize", responses=TOKENIZE_RESPONSES)

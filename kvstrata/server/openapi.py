@@ -127,10 +127,10 @@ METRICS_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string
                            "description": "Prometheus text exposition format"}}
 
 
-def fix_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_len: int,
+def fix_openapi(app: FastAPI, model_names: list[str], vocab_size: int, max_model_len: int,
                 max_tokens_limit: int | None) -> None:
     """Replace FastAPI's generated document by the corrected one, which also states this server's own
-    limits: the one model it serves, the token ids its vocabulary has, the largest max_tokens it takes."""
+    limits: the models it serves (one, and its LoRA adapters), the token ids its vocabulary has, the largest max_tokens it takes."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -149,7 +149,7 @@ def fix_openapi(app: FastAPI, model_name: str, vocab_size: int, max_model_len: i
                 generated = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(generated.pop("$defs", {}))
                 fields = generated["properties"]
-                fields["model"]["enum"] = [model_name]
+                fields["model"]["enum"] = model_names
                 for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if name in fields and max_tokens_limit is not None:
                         fields[name]["anyOf"][0]["maximum"] = max_tokens_limit

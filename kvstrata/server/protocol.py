@@ -266,7 +266,7 @@ class _SamplingFields(BaseModel):
         return BeamSearchParams(beam_width=self.n, max_tokens=sampling.max_tokens,
                                 length_penalty=float(self.length_penalty), early_stopping=self.early_stopping,
                                 ignore_eos=sampling.ignore_eos, stop_token_ids=tuple(sampling.stop_token_ids),
-                                skip_special_tokens=sampling.skip_special_tokens)
+                                skip_special_tokens=sampling.skip_special_tokens, lora_name=sampling.lora_name)
 
     def structured_output(self) -> StructuredOutput | None:
         """The constraint of whichever field gives one; ParameterError naming the field where it is wrong or a

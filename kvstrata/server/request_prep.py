@@ -168,6 +168,8 @@ class RequestPreparer:
                                                f"max_tokens of {max_tokens}")
         logprobs = body.requested_logprobs if chat else body.logprobs
         params = body.sampling_params(max_tokens, logprobs, self.engine.sampling_defaults)
+        if self.engine.lora is not None and body.model in self.engine.lora.adapters:  # a model named by an adapter
+            params = dataclasses.replace(params, lora_name=body.model)
         if chat and body.model_chooses_tools and self._call_tags_are_special:
             params = dataclasses.replace(params, skip_special_tokens=False)  # the parser reads the calls' tags
         try:

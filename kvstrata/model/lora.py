@@ -1,0 +1,183 @@
+"""LoRA adapters in PEFT's saved form (a directory with `adapter_config.json` and `adapter_model.safetensors`),
+read for a Llama-family model: each targeted projection W gains the low-rank update scaling * B A, with
+scaling = lora_alpha / r (lora_alpha / sqrt(r) under rsLoRA), as PEFT computes it.
+
+The model fuses q, k and v into one product and gate and up into another (model/llama.py), so an adapter's
+updates are fused the same way: for a fused projection, the targeted parts' A matrices stacked ([sum of r, in])
+and their B matrices side by side, each in its own rows of the fused output ([out, sum of r], zeros elsewhere).
+One pair of small products per fused projection then adds every part's update.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from kvstrata.errors import KvstrataError
+from kvstrata.model.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILE = "adapter_model.safetensors"
+# PEFT's module names, each in a fused projection of the model: (fused projection, part)
+PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+_WEIGHT_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight")
+# adapter_config.json settings whose effect is not a plain low-rank update of the projections
+_REFUSED_SETTINGS = {
+    "use_dora": "DoRA's magnitude vectors", "modules_to_save": "whole modules saved beside the update",
+    "layer_replication": "repeated layers", "alpha_pattern": "per-module alphas",
+}
+
+
+@dataclass
+class FusedUpdate:
+    """A fused projection's update: output rows += (x @ a.T) @ b.T."""
+
+    a: torch.Tensor  # [sum of the parts' ranks, in_features], float64
+    b: torch.Tensor  # [out_features, sum of the parts' ranks], scaling included, float64
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: Path
+    rank: int  # the largest of its modules' ranks
+    digest: bytes  # of its weights and scaling: requests on other adapters never share its KV blocks
+    updates: dict[tuple[int, str], FusedUpdate] = field(default_factory=dict)  # (layer, fused projection)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(u.a.numel() + u.b.numel() for u in self.updates.values())
+
+
+def part_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Output sizes of each fused projection's parts, in the order they are fused."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"qkv_proj": (q, kv, kv), "o_proj": (config.hidden_size,),
+            "gate_up_proj": (config.intermediate_size, config.intermediate_size), "down_proj": (config.hidden_size,)}
+
+
+def input_sizes(config: ModelConfig) -> dict[str, int]:
+    q = config.num_heads * config.head_dim
+    return {"qkv_proj": config.hidden_size, "o_proj": q, "gate_up_proj": config.hidden_size,
+            "down_proj": config.intermediate_size}
+
+
+def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, device: torch.device) -> LoRAAdapter:
+    """Read and check a PEFT LoRA adapter for a model of `config`; errors name the file, tensor or setting."""
+    path = Path(path).expanduser()
+    settings = _read_settings(path)
+    tensors = _read_weights(path)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in tensors.items():
+        match = _WEIGHT_NAME.fullmatch(tensor_name)
+        if match is None or match.group(2) not in PARTS:
+            allowed = ", ".join(PARTS)
+            raise KvstrataError(f"LoRA adapter {path}: tensor {tensor_name!r} is not a LoRA update of a decoder "
+                                f"layer's projection ({allowed}); embeddings, the LM head and biases are not taken")
+        layer, module, side = int(match.group(1)), match.group(2), match.group(3)
+        if layer >= config.num_layers:
+            raise KvstrataError(f"LoRA adapter {path}: tensor {tensor_name!r} is for layer {layer}; the model has "
+                                f"{config.num_layers} layers")
+        pairs.setdefault((layer, module), {})[side] = tensor
+    if not pairs:
+        raise KvstrataError(f"LoRA adapter {path}: {WEIGHT_FILE} holds no LoRA weights")
+    parts = _checked_parts(path, pairs, config, settings)
+    updates = {key: _fused(parts_of, part_sizes(config)[key[1]], device)
+               for key, parts_of in _by_fused_projection(parts).items()}
+    digest = hashlib.blake2b(digest_size=16)
+    for (layer, module), (a, b) in sorted(parts.items()):
+        digest.update(f"{layer}.{module}".encode())
+        digest.update(a.float().numpy().tobytes())
+        digest.update(b.float().numpy().tobytes())
+    rank = max(a.shape[0] for a, _ in parts.values())
+    return LoRAAdapter(name, path, rank, digest.digest(), updates)
+
+
+def _read_settings(path: Path) -> dict:
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise KvstrataError(f"LoRA adapter {path}: no {CONFIG_FILE} (a PEFT adapter directory holds it and "
+                            f"{WEIGHT_FILE})")
+    try:
+        settings = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KvstrataError(f"LoRA adapter {config_file}: not readable JSON ({exc})") from None
+    if not isinstance(settings, dict):
+        raise KvstrataError(f"LoRA adapter {config_file}: not a JSON object")
+    if settings.get("peft_type", "LORA") != "LORA":
+        raise KvstrataError(f"LoRA adapter {config_file}: peft_type {settings['peft_type']!r} is not LORA")
+    for key, what in _REFUSED_SETTINGS.items():
+        if settings.get(key):
+            raise KvstrataError(f"LoRA adapter {config_file}: {key} ({what}) is not supported")
+    if settings.get("bias", "none") != "none":
+        raise KvstrataError(f"LoRA adapter {config_file}: bias {settings['bias']!r} (trained biases) is not "
+                            f"supported; only 'none'")
+    alpha = settings.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise KvstrataError(f"LoRA adapter {config_file}: lora_alpha {alpha!r} is not a number")
+    return settings
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    weight_file = path / WEIGHT_FILE
+    if not weight_file.is_file():
+        raise KvstrataError(f"LoRA adapter {path}: no {WEIGHT_FILE}")
+    try:
+        return load_file(str(weight_file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise KvstrataError(f"LoRA adapter {weight_file}: not a readable safetensors file ({exc})") from None
+
+
+def _checked_parts(path: Path, pairs: dict[tuple[int, str], dict[str, torch.Tensor]], config: ModelConfig,
+                   settings: dict) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Each (layer, PEFT module)'s A and B in float32, B scaled; shapes checked against the model."""
+    sizes, inputs = part_sizes(config), input_sizes(config)
+    parts = {}
+    for (layer, module), pair in pairs.items():
+        where = f"LoRA adapter {path}: layer {layer} {module}"
+        if set(pair) != {"A", "B"}:
+            raise KvstrataError(f"{where} has lora_{next(iter(pair))} without lora_{'B' if 'A' in pair else 'A'}")
+        a, b = pair["A"].float(), pair["B"].float()
+        fused, index = PARTS[module]
+        out = sizes[fused][index]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inputs[fused] or b.shape != (out, a.shape[0]):
+            raise KvstrataError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+                                f"model (A must be [r, {inputs[fused]}] and B [{out}, r])")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise KvstrataError(f"{where}: the weights hold values that are not finite")
+        rank = a.shape[0]
+        scaling = settings["lora_alpha"] / (math.sqrt(rank) if settings.get("use_rslora") else rank)
+        parts[(layer, module)] = (a, b * scaling)
+    return parts
+
+
+def _by_fused_projection(parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+                         ) -> dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    grouped: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (layer, module), pair in parts.items():
+        fused, index = PARTS[module]
+        grouped.setdefault((layer, fused), {})[index] = pair
+    return grouped
+
+
+def _fused(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], sizes: tuple[int, ...],
+           device: torch.device) -> FusedUpdate:
+    """The parts' A stacked and their B placed in their rows of the fused output."""
+    offsets = [sum(sizes[:index]) for index in range(len(sizes))]
+    ordered = sorted(parts.items())
+    a = torch.cat([a for _, (a, _) in ordered])
+    b = torch.zeros(sum(sizes), a.shape[0])
+    column = 0
+    for index, (part_a, part_b) in ordered:
+        b[offsets[index] : offsets[index] + sizes[index], column : column + part_a.shape[0]] = part_b
+        column += part_a.shape[0]
+    return FusedUpdate(a.to(device, torch.float64), b.to(device, torch.float64))  # lora_layers._low_rank

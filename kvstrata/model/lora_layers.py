@@ -1,0 +1,108 @@
+"""Several LoRA adapters in one step (model/lora.py): each packed token row gets the update of its request's
+adapter, or none. A forward hook on every fused projection of a Llama-family model adds, for each adapter in the
+step, (x[rows] @ A.T) @ B.T to the projection's output at that adapter's rows; the base weights are shared by all
+rows and never changed, so the base model's requests in the same step are untouched.
+
+A step's rows are set before the model runs and cleared after (ModelRunner.forward); with none set, the hooks add
+nothing, and steps without adapter rows keep the compiled whole-model decode (model/llama.py `_native_for`), which
+does not run the projections as modules.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvstrata.errors import KvstrataError
+from kvstrata.model.config import LLAMA_FAMILY, ModelConfig
+from kvstrata.model.lora import FusedUpdate, LoRAAdapter, load_lora_adapter
+
+FUSED_PROJECTIONS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+
+
+class LoRALayers:
+    """The adapters a model has loaded, by name, and the rows of the step in flight that run each."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig, device: torch.device):
+        if config.architecture not in LLAMA_FAMILY:
+            raise KvstrataError(f"LoRA adapters run on {', '.join(LLAMA_FAMILY)} models, not {config.architecture!r}")
+        self.config, self.device = config, device
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.step_rows: list[tuple[LoRAAdapter, torch.Tensor | None]] = []  # None: every row of the step
+        for index, layer in enumerate(model.layers):
+            for fused, parent in FUSED_PROJECTIONS.items():
+                module = getattr(getattr(layer, parent), fused)
+                module.register_forward_hook(functools.partial(self._add_updates, (index, fused)))
+        model.lora = self
+
+    def load(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Load the adapter at `path` as `name`; loading a name again with the same path returns the one loaded."""
+        if not isinstance(name, str) or not name:
+            raise KvstrataError(f"a LoRA adapter's name must be a non-empty string, got {name!r}")
+        loaded = self.adapters.get(name)
+        if loaded is not None:
+            if loaded.path != Path(path).expanduser():
+                raise KvstrataError(f"LoRA adapter name {name!r} is already loaded from {loaded.path}, not {path}")
+            return loaded
+        adapter = load_lora_adapter(name, path, self.config, self.device)
+        self.adapters[name] = adapter
+        return adapter
+
+    def adapter(self, name: str) -> LoRAAdapter:
+        if name not in self.adapters:
+            known = ", ".join(self.adapters) or "none"
+            raise KvstrataError(f"LoRA adapter {name!r} is not loaded (loaded: {known})")
+        return self.adapters[name]
+
+    def begin_step(self, entries: Sequence[tuple[LoRAAdapter | None, int]]) -> None:
+        """The step's packed rows, entry by entry in order: each entry's adapter (None: the base model) and its
+        number of rows."""
+        rows: dict[int, list[range]] = {}
+        adapters: dict[int, LoRAAdapter] = {}
+        start = 0
+        for adapter, count in entries:
+            if adapter is not None:
+                adapters[id(adapter)] = adapter
+                rows.setdefault(id(adapter), []).append(range(start, start + count))
+            start += count
+        self.step_rows = [(adapters[key], _row_index(ranges, start, self.device)) for key, ranges in rows.items()]
+
+    def end_step(self) -> None:
+        self.step_rows = []
+
+    @property
+    def active(self) -> bool:
+        """Whether the step in flight has rows on an adapter."""
+        return bool(self.step_rows)
+
+    def _add_updates(self, key: tuple[int, str], module: nn.Module, inputs: tuple, output: torch.Tensor):
+        if not self.step_rows:
+            return None
+        x = inputs[0]
+        for adapter, rows in self.step_rows:
+            update = adapter.updates.get(key)
+            if update is None:
+                continue
+            delta = _low_rank(x if rows is None else x.index_select(0, rows), update)
+            delta = delta.to(output.dtype)
+            output = output + delta if rows is None else output.index_add(0, rows, delta)
+        return output
+
+
+def _low_rank(x: torch.Tensor, update: FusedUpdate) -> torch.Tensor:
+    """(x @ A.T) @ B.T in float64: a product's sums run in an order that depends on its number of rows, and in float32
+    that moves a row's result by an ulp or so with the batch; where the next layer rounds its input to bfloat16 (the
+    GGUF block kernels), such an ulp can flip a rounding and change a greedy token. Float64 then rounded gives each
+    row the same update whatever the batch (the products are rank-sized: a few percent of the layer's work)."""
+    return (x.double() @ update.a.T) @ update.b.T
+
+
+def _row_index(ranges: list[range], num_rows: int, device: torch.device) -> torch.Tensor | None:
+    """The rows of `ranges` as an index, or None where they are every row of the step."""
+    if len(ranges) == 1 and ranges[0] == range(num_rows):
+        return None
+    return torch.tensor([row for span in ranges for row in span], dtype=torch.long, device=device)

@@ -1,0 +1,221 @@
+"""LoRA adapters (--enable-lora, --lora-modules): an adapter's request gives what transformers gives on the weights
+with the adapter merged in, whatever else shares its steps; adapters' KV blocks are kept apart; bad adapter files
+and names are refused naming what is wrong; the server serves each adapter as a model."""
+
+import json
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from kvstrata import LLM, BeamSearchParams, LoRARequest, SamplingParams
+from kvstrata.bench.lora_adapters import merge_adapter, write_random_adapter
+from kvstrata.config import EngineConfig
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.errors import KvstrataError, ParameterError
+from kvstrata.model.config import ModelConfig
+from kvstrata.model.lora import CONFIG_FILE, WEIGHT_FILE
+from tests.helpers import hf_greedy, hf_logits
+from tests.server_harness import running_server
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPTS = [torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 40, 75)]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    """Two adapters of the tiny Llama: one on every projection (rank 8), one on q, v, gate and down (rank 4, rsLoRA)."""
+    config = ModelConfig.from_checkpoint(tiny_llama)
+    root = tmp_path_factory.mktemp("adapters")
+    return {"all": write_random_adapter(root / "all", config, rank=8, seed=1, std=0.15),
+            "some": write_random_adapter(root / "some", config, rank=4, alpha=8, seed=2, std=0.2, rslora=True,
+                                         modules=("q_proj", "v_proj", "gate_proj", "down_proj"))}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama, adapters):
+    modules = ",".join(f"{name}={path}" for name, path in adapters.items())
+    return LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, lora_modules=modules)
+
+
+def merged(tiny_llama, adapter_dir=None):
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    return model if adapter_dir is None else merge_adapter(model, adapter_dir)
+
+
+def test_prefill_logits_equal_transformers_on_merged_weights(llm, tiny_llama, adapters):
+    prompt = PROMPTS[2]
+    for name, directory in adapters.items():
+        params = SamplingParams(max_tokens=1, prompt_logprobs=3, lora_name=name)
+        ours = [p.logprob for p in llm.generate([prompt], params)[0].prompt_logprobs[1:]]
+        log_probs = hf_logits(merged(tiny_llama, directory), prompt).log_softmax(-1)
+        reference = [log_probs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+        assert torch.allclose(torch.tensor(ours), torch.tensor(reference), atol=1e-4), name
+
+
+def test_adapters_and_the_base_model_in_one_batch_give_each_its_own_greedy_output(llm, tiny_llama, adapters):
+    """Every prompt on the base model and on each adapter, all nine requests scheduled together."""
+    names = [None, *adapters]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, lora_name=name)
+              for name in names for _ in PROMPTS]
+    outputs = llm.generate([p for _ in names for p in PROMPTS], params)
+    for index, name in enumerate(names):
+        reference = merged(tiny_llama, adapters.get(name))
+        for prompt, output in zip(PROMPTS, outputs[index * len(PROMPTS) :]):
+            assert output.token_ids == hf_greedy(reference, prompt, 24), (name, prompt[:3])
+    base, on_all = outputs[: len(PROMPTS)], outputs[len(PROMPTS) : 2 * len(PROMPTS)]
+    assert any(a.token_ids != b.token_ids for a, b in zip(base, on_all))  # the adapter changes the output
+
+
+def test_an_adapters_prefix_blocks_are_not_shared_with_other_adapters_or_the_base_model(llm):
+    prompt = PROMPTS[2]
+    llm.engine.reset_prefix_cache()
+    first = llm.generate([prompt], GREEDY)[0]
+    on_adapter = llm.generate([prompt], SamplingParams(**{**vars(GREEDY), "lora_name": "all"}))[0]
+    again = llm.generate([prompt], SamplingParams(**{**vars(GREEDY), "lora_name": "all"}))[0]
+    other = llm.generate([prompt], SamplingParams(**{**vars(GREEDY), "lora_name": "some"}))[0]
+    assert first.num_cached_tokens == 0
+    assert on_adapter.num_cached_tokens == 0 and other.num_cached_tokens == 0
+    assert again.num_cached_tokens > 0 and again.token_ids == on_adapter.token_ids
+
+
+def test_lora_request_loads_the_adapter_as_vllm_takes_it(tiny_llama, adapters):
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, enable_lora=True)
+    request = LoRARequest("mine", 1, str(adapters["some"]))
+    outputs = llm.generate(PROMPTS[:2], GREEDY, lora_request=[request, None])
+    assert outputs[0].token_ids == hf_greedy(merged(tiny_llama, adapters["some"]), PROMPTS[0], 24)
+    assert outputs[1].token_ids == hf_greedy(merged(tiny_llama), PROMPTS[1], 24)
+    streamed = list(llm.stream(PROMPTS[0], GREEDY, lora_request=request))[-1]
+    assert streamed.token_ids == outputs[0].token_ids
+    with pytest.raises(KvstrataError, match="already loaded from"):
+        llm.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("mine", 2, str(adapters["all"])))
+
+
+def test_beam_search_scores_beams_on_the_adapter(llm, tiny_llama, adapters):
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    on_adapter = llm.beam_search(PROMPTS[1], params, lora_request=LoRARequest("all", 1, str(adapters["all"])))[0]
+    with torch.inference_mode():
+        reference = merged(tiny_llama, adapters["all"]).generate(
+            torch.tensor([PROMPTS[1]]), num_beams=3, num_return_sequences=3, max_new_tokens=6, do_sample=False,
+            early_stopping=False, pad_token_id=0, eos_token_id=None)
+    assert [list(beam.token_ids) for beam in on_adapter.sequences] == [row[len(PROMPTS[1]):].tolist()
+                                                                      for row in reference]
+
+
+def test_speculative_decoding_on_an_adapter_keeps_its_greedy_output(tiny_llama, adapters, llm):
+    speculating = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, num_speculative_tokens=3,
+                      lora_modules=f"all={adapters['all']}")
+    params = SamplingParams(**{**vars(GREEDY), "lora_name": "all"})
+    repeating = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]
+    assert ([o.token_ids for o in speculating.generate([*PROMPTS, repeating], params)]
+            == [o.token_ids for o in llm.generate([*PROMPTS, repeating], params)])
+
+
+def test_block_weights_run_an_adapter_beside_base_requests(tiny_gguf_style, tmp_path):
+    """On GGUF blocks a step without adapter rows runs the compiled whole-model decode and one with them the
+    layers as modules; either way each request's output is its own."""
+    adapter = write_random_adapter(tmp_path / "a", ModelConfig.from_checkpoint(tiny_gguf_style), rank=8, seed=3, std=0.2)
+    llm = LLM(str(tiny_gguf_style), kv_cache_memory="8MiB", max_model_len=256, lora_modules=f"a={adapter}")
+    on_adapter = SamplingParams(**{**vars(GREEDY), "lora_name": "a"})
+    alone = [llm.generate([p], params)[0].token_ids for p in PROMPTS[:2] for params in (GREEDY, on_adapter)]
+    together = llm.generate([p for p in PROMPTS[:2] for _ in range(2)], [GREEDY, on_adapter] * 2)
+    assert [o.token_ids for o in together] == alone
+    assert alone[0] != alone[1]
+
+
+def test_unknown_or_disabled_adapters_are_refused_by_name(llm, tiny_llama):
+    with pytest.raises(ParameterError, match="'nope' is not loaded \\(loaded: all, some\\)"):
+        llm.generate(PROMPTS[0], SamplingParams(lora_name="nope"))
+    plain = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB"))
+    with pytest.raises(ParameterError, match="not enabled"):
+        plain.add_request(PROMPTS[0], SamplingParams(lora_name="all"))
+    with pytest.raises(KvstrataError, match="not enabled"):
+        plain.load_lora("x", "/nowhere")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"lora_modules": "a"}, "'a' is not NAME=PATH"),
+    ({"lora_modules": "a=/x,a=/y"}, "names an adapter twice"),
+    ({"enable_lora": True, "compile": True}, "LoRA adapters need no compile"),
+    ({"enable_lora": True, "kv_offload": "infinigen"}, "kv_offload none, full or h2o"),
+])
+def test_engine_options_that_cannot_run_adapters_are_refused(options, message):
+    with pytest.raises(KvstrataError, match=message):
+        EngineConfig(**options)
+
+
+def test_opt_models_refuse_adapters(tiny_opt):
+    with pytest.raises(KvstrataError, match="not 'opt'"):
+        LLMEngine(EngineConfig(model=str(tiny_opt), kv_cache_memory="8MiB", enable_lora=True))
+
+
+def _broken(source, directory, tensors=None, settings=None):
+    directory.mkdir()
+    weights = load_file(str(source / WEIGHT_FILE))
+    save_file(tensors(weights) if tensors else weights, str(directory / WEIGHT_FILE))
+    config = json.loads((source / CONFIG_FILE).read_text())
+    (directory / CONFIG_FILE).write_text(json.dumps(settings(config) if settings else config))
+    return directory
+
+
+def _first_a(weights):
+    return next(name for name in weights if name.endswith("lora_A.weight"))
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda d: (d / CONFIG_FILE).unlink(), f"no {CONFIG_FILE}"),
+    (lambda d: (d / WEIGHT_FILE).write_bytes(b"not safetensors"), "not a readable safetensors file"),
+    (lambda d: (d / CONFIG_FILE).write_text("{"), "not readable JSON"),
+])
+def test_missing_or_corrupt_adapter_files_are_refused(llm, adapters, tmp_path, breakage, message):
+    broken = _broken(adapters["all"], tmp_path / "broken")
+    breakage(broken)
+    with pytest.raises(KvstrataError, match=message):
+        llm.engine.load_lora("broken", str(broken))
+    assert "broken" not in llm.engine.lora.adapters
+
+
+@pytest.mark.parametrize("tensors, settings, message", [
+    (lambda w: {**w, _first_a(w): w[_first_a(w)][:, :10].contiguous()}, None, "do not fit the model"),
+    (lambda w: {k: v for k, v in w.items() if k != _first_a(w)}, None, "has lora_B without lora_A"),
+    (lambda w: {**w, "base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(8, 320)}, None,
+     "embed_tokens.lora_A.weight' is not a LoRA update"),
+    (lambda w: {k.replace("layers.2.", "layers.9."): v for k, v in w.items()}, None, "is for layer 9"),
+    (lambda w: {**w, _first_a(w): w[_first_a(w)] * float("nan")}, None, "not finite"),
+    (None, lambda c: {**c, "use_dora": True}, "use_dora"),
+    (None, lambda c: {**c, "bias": "all"}, "bias 'all'"),
+    (None, lambda c: {**c, "lora_alpha": "big"}, "lora_alpha 'big' is not a number"),
+])
+def test_adapters_that_do_not_fit_the_model_are_refused_naming_the_fault(llm, adapters, tmp_path, tensors, settings,
+                                                                         message):
+    broken = _broken(adapters["all"], tmp_path / "broken", tensors, settings)
+    with pytest.raises(KvstrataError, match=message):
+        llm.engine.load_lora("broken", str(broken))
+
+
+def test_the_server_serves_each_adapter_as_a_model(tiny_llama, adapters):
+    modules = ",".join(f"{name}={path}" for name, path in adapters.items())
+    with running_server(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, lora_modules=modules) as (url, _):
+        listed = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in listed] == [("test-model", None), ("all", "test-model"),
+                                                                 ("some", "test-model")]
+        texts = {}
+        for model in ("test-model", "all"):
+            body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            texts[model] = reply.json()["choices"][0]["text"]
+        unknown = httpx.post(f"{url}/v1/completions", json={"model": "other", "prompt": "Hi"}, timeout=60)
+        assert unknown.status_code == 404 and "'all', 'some'" in unknown.json()["error"]["message"]
+    offline = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, lora_modules=modules)
+    expected = offline.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                             lora_name="all"))[0].text
+    assert texts["all"] == expected != texts["test-model"]
+
+
+def test_an_adapter_may_not_take_the_served_models_name(tiny_llama, adapters):
+    with pytest.raises(KvstrataError, match="is the served model's name"), \
+            running_server(str(tiny_llama), kv_cache_memory="8MiB", lora_modules=f"test-model={adapters['all']}"):
+        pass
