@@ -97,6 +97,22 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(speculative)
     add_engine_arguments(speculative)
 
+    lora = bench.add_parser(
+        "lora", help="LoRA adapters: base model, one adapter and mixed adapters, against transformers' merged weights",
+        description="--adapters random LoRA adapters of --rank on every projection; --requests prompts of "
+                    "--prompt-tokens tokens generated together, greedy to --max-tokens tokens: all on the base model, "
+                    "all on one adapter, and spread over the adapters (every step mixes them). Then transformers "
+                    "generates each adapter's requests in a batch on its merged weights. Reports tokens/s and ratios.",
+    )
+    lora.add_argument("--adapters", type=int, default=4, help="adapters the mixed run spreads over (default: 4)")
+    lora.add_argument("--rank", type=int, default=16, help="rank of every adapter (default: 16)")
+    lora.add_argument("--requests", type=int, default=16, help="requests generated together (default: 16)")
+    lora.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt (default: 256)")
+    lora.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates (default: 64)")
+    lora.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    _add_output_flags(lora)
+    add_engine_arguments(lora)
+
     throughput = bench.add_parser(
         "throughput", help="offline workload: each scheduler against transformers generate",
         description="N requests arrive at once (prompts cut from --text, greedy, fixed seed). kvstrata runs them "
@@ -211,6 +227,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from kvstrata.bench.beam_search import run_beam_search_bench
     from kvstrata.bench.impress_analysis import run_impress_analysis
     from kvstrata.bench.infinigen_analysis import run_infinigen_analysis
+    from kvstrata.bench.lora import run_lora_bench
     from kvstrata.bench.offload import run_offload
     from kvstrata.bench.run import run_decode, run_roofline, run_sarathi, run_throughput
     from kvstrata.bench.serve import run_bench_serve
@@ -219,5 +236,5 @@ def run_bench(args: argparse.Namespace) -> None:
     commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi,
                 "decode": run_decode, "infinigen-analysis": run_infinigen_analysis,
                 "offload": run_offload, "impress-analysis": run_impress_analysis,
-                "beam-search": run_beam_search_bench, "speculative": run_speculative_bench}
+                "beam-search": run_beam_search_bench, "speculative": run_speculative_bench, "lora": run_lora_bench}
     commands[args.bench](args)

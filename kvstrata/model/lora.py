@@ -3,13 +3,14 @@ read for a Llama-family model: each targeted projection W gains the low-rank upd
 scaling = lora_alpha / r (lora_alpha / sqrt(r) under rsLoRA), as PEFT computes it.
 
 The model fuses q, k and v into one product and gate and up into another (model/llama.py), so an adapter's
-updates are fused the same way: for a fused projection, the targeted parts' A matrices stacked ([sum of r, in])
-and their B matrices side by side, each in its own rows of the fused output ([out, sum of r], zeros elsewhere).
-One pair of small products per fused projection then adds every part's update.
+updates are grouped the same way: for a fused projection, the targeted parts' A matrices stacked ([sum of r, in]),
+so that one product gives every part's x A.T, and each part's B apart, with the rows of the fused output it adds
+to.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -38,11 +39,18 @@ _REFUSED_SETTINGS = {
 
 
 @dataclass
-class FusedUpdate:
-    """A fused projection's update: output rows += (x @ a.T) @ b.T."""
+class PartUpdate:
+    """One part of a fused projection: output[:, outputs] += (x @ a.T)[:, ranks] @ b.T."""
 
-    a: torch.Tensor  # [sum of the parts' ranks, in_features], float64
-    b: torch.Tensor  # [out_features, sum of the parts' ranks], scaling included, float64
+    outputs: slice  # of the fused projection's output
+    ranks: slice  # of the stacked A's rows
+    b: torch.Tensor  # [part's out_features, part's rank], scaling included, float64
+
+
+@dataclass
+class FusedUpdate:
+    a: torch.Tensor  # [sum of the parts' ranks, in_features], float64 (model/lora_layers.py says why)
+    parts: list[PartUpdate]
 
 
 @dataclass
@@ -55,7 +63,7 @@ class LoRAAdapter:
 
     @property
     def num_parameters(self) -> int:
-        return sum(u.a.numel() + u.b.numel() for u in self.updates.values())
+        return sum(u.a.numel() + sum(part.b.numel() for part in u.parts) for u in self.updates.values())
 
 
 def part_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -171,13 +179,13 @@ def _by_fused_projection(parts: dict[tuple[int, str], tuple[torch.Tensor, torch.
 
 def _fused(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], sizes: tuple[int, ...],
            device: torch.device) -> FusedUpdate:
-    """The parts' A stacked and their B placed in their rows of the fused output."""
-    offsets = [sum(sizes[:index]) for index in range(len(sizes))]
-    ordered = sorted(parts.items())
-    a = torch.cat([a for _, (a, _) in ordered])
-    b = torch.zeros(sum(sizes), a.shape[0])
-    column = 0
-    for index, (part_a, part_b) in ordered:
-        b[offsets[index] : offsets[index] + sizes[index], column : column + part_a.shape[0]] = part_b
-        column += part_a.shape[0]
-    return FusedUpdate(a.to(device, torch.float64), b.to(device, torch.float64))  # lora_layers._low_rank
+    """The parts' A stacked, and each part's B with the output rows it adds to."""
+    as_float64 = functools.partial(torch.Tensor.to, device=device, dtype=torch.float64)
+    stacked, updates, rank = [], [], 0
+    for index, (a, b) in sorted(parts.items()):
+        offset = sum(sizes[:index])
+        updates.append(PartUpdate(slice(offset, offset + sizes[index]), slice(rank, rank + a.shape[0]),
+                                  as_float64(b)))
+        stacked.append(a)
+        rank += a.shape[0]
+    return FusedUpdate(as_float64(torch.cat(stacked)), updates)

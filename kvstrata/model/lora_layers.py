@@ -19,7 +19,7 @@ from torch import nn
 
 from kvstrata.errors import KvstrataError
 from kvstrata.model.config import LLAMA_FAMILY, ModelConfig
-from kvstrata.model.lora import FusedUpdate, LoRAAdapter, load_lora_adapter
+from kvstrata.model.lora import LoRAAdapter, load_lora_adapter
 
 FUSED_PROJECTIONS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
@@ -80,6 +80,8 @@ class LoRALayers:
         return bool(self.step_rows)
 
     def _add_updates(self, key: tuple[int, str], module: nn.Module, inputs: tuple, output: torch.Tensor):
+        """Each adapter's update added to its rows of the projection's output, in place (the output is the
+        projection's own new tensor)."""
         if not self.step_rows:
             return None
         x = inputs[0]
@@ -87,22 +89,23 @@ class LoRALayers:
             update = adapter.updates.get(key)
             if update is None:
                 continue
-            delta = _low_rank(x if rows is None else x.index_select(0, rows), update)
-            delta = delta.to(output.dtype)
-            output = output + delta if rows is None else output.index_add(0, rows, delta)
+            # float64: a product sums in an order that depends on its number of rows, and in float32 that moves a
+            # row's result by an ulp or so with the batch; where the next layer rounds its input to bfloat16 (the
+            # GGUF block kernels) such an ulp can flip a rounding and change a greedy token. In float64, then
+            # rounded, each row gets the same update whatever else the step holds.
+            projected = (x if rows is None else x.index_select(0, rows)).double() @ update.a.T
+            for part in update.parts:
+                delta = (projected[:, part.ranks] @ part.b.T).to(output.dtype)
+                target = output[:, part.outputs]
+                if rows is None:
+                    target += delta
+                else:
+                    target.index_add_(0, rows, delta)
         return output
 
 
-def _low_rank(x: torch.Tensor, update: FusedUpdate) -> torch.Tensor:
-    """(x @ A.T) @ B.T in float64: a product's sums run in an order that depends on its number of rows, and in float32
-    that moves a row's result by an ulp or so with the batch; where the next layer rounds its input to bfloat16 (the
-    GGUF block kernels), such an ulp can flip a rounding and change a greedy token. Float64 then rounded gives each
-    row the same update whatever the batch (the products are rank-sized: a few percent of the layer's work)."""
-    return (x.double() @ update.a.T) @ update.b.T
-
-
 def _row_index(ranges: list[range], num_rows: int, device: torch.device) -> torch.Tensor | None:
-    """The rows of `ranges` as an index, or None where they are every row of the step."""
-    if len(ranges) == 1 and ranges[0] == range(num_rows):
+    """The rows of `ranges` (in order, apart) as an index, or None where they are every row of the step."""
+    if sum(len(span) for span in ranges) == num_rows:
         return None
     return torch.tensor([row for span in ranges for row in span], dtype=torch.long, device=device)

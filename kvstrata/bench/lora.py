@@ -1,0 +1,120 @@
+"""`kvstrata bench lora`: what serving LoRA adapters costs, and what it gains over running each adapter's merged
+weights in transformers (the way to serve several fine-tunes without multi-adapter batching).
+
+--adapters random adapters of --rank on every projection of the model are written to a temporary directory and
+loaded. --requests prompts of --prompt-tokens tokens (consecutive windows of Emma) are generated together, greedy
+to exactly --max-tokens tokens, three times on one engine: all on the base model, all on one adapter, and request i
+on adapter i mod --adapters (every step mixes them). Reported: output tokens/s and the ratio to the base model's.
+transformers then merges each adapter into a copy of the weights and generates that adapter's requests in one
+padded batch (the merges are not timed); its tokens/s over the mixed workload, kvstrata's ratio to it, and how many
+of kvstrata's outputs equal transformers' (kvstrata runs the GGUF's blocks, transformers their float32 reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvstrata.bench.lora_adapters import merge_adapter, write_random_adapter
+from kvstrata.bench.report import emit, engine_info, machine_info, sig
+from kvstrata.bench.transformers_model import transformers_model
+from kvstrata.bench.workload import prompts_from_text
+from kvstrata.cli.engine_args import engine_config_from_args
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.errors import KvstrataError
+
+ADAPTER_STD = 0.02  # of the random A and B: an update of a few percent of the projections' output
+
+
+def run_lora_bench(args: argparse.Namespace) -> None:
+    if min(args.adapters, args.rank, args.requests, args.prompt_tokens, args.max_tokens) < 1:
+        raise KvstrataError("--adapters, --rank, --requests, --prompt-tokens and --max-tokens must be at least 1")
+    config = engine_config_from_args(args)
+    with tempfile.TemporaryDirectory(prefix="kvstrata-lora-") as root:
+        probe = LLMEngine(dataclasses.replace(config, lora_modules=None, enable_lora=False))
+        directories = [write_random_adapter(Path(root) / f"adapter{i}", probe.loaded.config, rank=args.rank,
+                                            alpha=2 * args.rank, seed=i, std=ADAPTER_STD)
+                       for i in range(args.adapters)]
+        modules = ",".join(f"adapter{i}={directory}" for i, directory in enumerate(directories))
+        engine = LLMEngine(dataclasses.replace(config, lora_modules=modules), probe.loaded)
+        prompts = prompts_from_text(engine.tokenizer, args.requests, args.prompt_tokens)
+        adapters = {"base": [None] * args.requests, "one_adapter": ["adapter0"] * args.requests,
+                    "mixed": [f"adapter{i % args.adapters}" for i in range(args.requests)]}
+        _generate(engine, prompts[:1], [None], 4)  # first calls' one-time costs
+        runs = {name: _run(engine, prompts, names, args.max_tokens) for name, names in adapters.items()}
+        for one in runs.values():
+            one["ratio_to_base"] = sig(one["tokens_per_s"] / runs["base"]["tokens_per_s"])
+        report = {"kvstrata": runs}
+        if not args.no_transformers:
+            theirs = _transformers(engine, directories, prompts, adapters["mixed"], args.max_tokens)
+            mixed = runs["mixed"]
+            mixed["outputs_equal_to_transformers"] = sum(a == b for a, b in zip(mixed["outputs"], theirs.pop("outputs")))
+            report["transformers_merged_per_adapter"] = theirs
+            report["mixed_ratio_to_transformers"] = sig(mixed["tokens_per_s"] / theirs["tokens_per_s"])
+    for one in runs.values():
+        del one["outputs"]
+    emit({
+        "benchmark": "lora",
+        "machine": machine_info(),
+        **engine_info(engine),
+        "workload": {"adapters": args.adapters, "rank": args.rank, "modules": "all seven projections",
+                     "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                     "threads": torch.get_num_threads()},
+        **report,
+    }, args.json)
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None],
+              max_tokens: int) -> list[list[int]]:
+    """Each prompt's output tokens, every request sent at once, prompt i on adapters[i]."""
+    for index, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora_name=adapter)
+        engine.add_request(prompt, params, request_id=f"prompt-{index}")
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, list(out.token_ids)) for out in engine.step() if out.finished)
+    return [finished[f"prompt-{index}"] for index in range(len(prompts))]
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None], max_tokens: int) -> dict:
+    engine.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = _generate(engine, prompts, adapters, max_tokens)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(one) for one in outputs)
+    return {"seconds": sig(seconds), "output_tokens": tokens, "tokens_per_s": sig(tokens / seconds),
+            "outputs": outputs}
+
+
+@torch.inference_mode()
+def _transformers(engine: LLMEngine, directories: list[Path], prompts: list[list[int]], adapters: list[str],
+                  max_tokens: int) -> dict:
+    """Each adapter's requests in one batch (left-padded where lengths differ) on its merged weights; seconds of the
+    generate calls only."""
+    from transformers import GenerationConfig
+
+    # a GenerationConfig of its own: no end token, so every output runs to max_tokens as kvstrata's (ignore_eos)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
+    outputs: dict[int, list[int]] = {}
+    seconds = 0.0
+    for index, directory in enumerate(directories):
+        mine = [i for i, name in enumerate(adapters) if name == f"adapter{index}"]
+        if not mine:
+            continue
+        model = merge_adapter(transformers_model(engine.loaded.source), directory)
+        width = max(len(prompts[i]) for i in mine)
+        ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in mine])
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in mine])
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+        seconds += time.perf_counter() - start
+        outputs.update((i, row[width:].tolist()) for i, row in zip(mine, out))
+    tokens = sum(len(one) for one in outputs.values())
+    return {"seconds": sig(seconds), "output_tokens": tokens, "tokens_per_s": sig(tokens / seconds),
+            "outputs": [outputs[i] for i in range(len(prompts))]}
