@@ -206,7 +206,10 @@ def test_the_server_serves_each_adapter_as_a_model(tiny_llama, adapters):
             body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
             reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             assert reply.status_code == 200, reply.text
+            assert reply.json()["model"] == model
             texts[model] = reply.json()["choices"][0]["text"]
+        chat = {"model": "some", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()["model"] == "some"
         unknown = httpx.post(f"{url}/v1/completions", json={"model": "other", "prompt": "Hi"}, timeout=60)
         assert unknown.status_code == 404 and "'all', 'some'" in unknown.json()["error"]["message"]
     offline = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, lora_modules=modules)

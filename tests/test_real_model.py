@@ -143,3 +143,29 @@ def test_eval_ppl_matches_transformers_on_a_2048_token_window(llm, hf_model, emm
         logits = hf_model(torch.tensor([ids])).logits[0, 1535:2047].float()
     reference = math.exp(F.cross_entropy(logits, torch.tensor(ids[1536:])).item())
     assert abs(ours / reference - 1) < 0.005
+
+
+def test_lora_adapters_match_transformers_on_merged_weights(llm, hf_model, tmp_path):
+    """The default model with two random adapters (rank 16 on every projection), the chat questions spread over
+    the base model and both, all at once: each output is transformers' on the weights with its adapter merged."""
+    from kvstrata.bench.lora_adapters import merge_adapter, write_random_adapter
+    from kvstrata.bench.transformers_model import transformers_model
+
+    config = llm.engine.loaded.config
+    adapters = {name: write_random_adapter(tmp_path / name, config, rank=16, alpha=32, seed=seed, std=0.02)
+                for seed, name in enumerate(("first", "second"))}
+    engine = LLM(kv_cache_memory="512MiB", weights="fp32",
+                 lora_modules=",".join(f"{name}={path}" for name, path in adapters.items()))
+    names = [None, "first", "second"] * 3
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, lora_name=name) for name in names]
+    outputs = engine.generate(prompts, params[: len(prompts)])
+    references = {None: hf_model}
+    for name, directory in adapters.items():
+        references[name] = merge_adapter(transformers_model(default_model_path()), directory)
+        references[name].generation_config.eos_token_id = None
+    changed = 0
+    for prompt, name, output in zip(prompts, names, outputs):
+        assert output.token_ids == hf_greedy(references[name], prompt, 24), name
+        changed += name is not None and output.token_ids != hf_greedy(hf_model, prompt, 24)
+    assert changed  # the adapters change answers

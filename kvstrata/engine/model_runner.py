@@ -53,7 +53,9 @@ class ModelRunner:
         """Order the work (decodes first) and build the token ids and attention metadata. A sequence verifying
         drafts is one decode per token, each reading the cached keys up to its own position."""
         decodes = [_decodes(*w) for w in work]
-        ordered = [w for w, d in zip(work, decodes) if d] + [w for w, d in zip(work, decodes) if not d]
+        # decodes first, those on one LoRA adapter side by side (each adapter's rows one span: lora_layers.py)
+        ordered = (sorted((w for w, d in zip(work, decodes) if d), key=lambda w: _adapter_name(w[0]))
+                   + [w for w, d in zip(work, decodes) if not d])
         num_decode_seqs = sum(decodes)
         seq_rows = self.block_tables.rows_for([seq for seq, _ in ordered])
         rows, starts, counts, token_ids = [], [], [], []
@@ -152,6 +154,10 @@ class ModelRunner:
             log_dist = self.model.compute_logits(rows.hidden[first - start : last - start]).float().log_softmax(-1)
             seq.prompt_logprobs += token_logprobs(log_dist, seq.token_ids[first + 1 : last + 1],
                                                   seq.params.prompt_logprobs)
+
+
+def _adapter_name(seq: Sequence) -> str:
+    return "" if seq.lora is None else seq.lora.name
 
 
 def _decodes(seq: Sequence, num_tokens: int) -> bool:

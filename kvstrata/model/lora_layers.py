@@ -32,7 +32,7 @@ class LoRALayers:
             raise KvstrataError(f"LoRA adapters run on {', '.join(LLAMA_FAMILY)} models, not {config.architecture!r}")
         self.config, self.device = config, device
         self.adapters: dict[str, LoRAAdapter] = {}
-        self.step_rows: list[tuple[LoRAAdapter, torch.Tensor | None]] = []  # None: every row of the step
+        self.step_spans: list[tuple[LoRAAdapter, int, int]] = []  # the step's rows [start, end) on each adapter
         for index, layer in enumerate(model.layers):
             for fused, parent in FUSED_PROJECTIONS.items():
                 module = getattr(getattr(layer, parent), fused)
@@ -60,32 +60,31 @@ class LoRALayers:
 
     def begin_step(self, entries: Sequence[tuple[LoRAAdapter | None, int]]) -> None:
         """The step's packed rows, entry by entry in order: each entry's adapter (None: the base model) and its
-        number of rows."""
-        rows: dict[int, list[range]] = {}
-        adapters: dict[int, LoRAAdapter] = {}
+        number of rows. Neighbouring entries on one adapter make one span of rows (the runner puts a step's decodes
+        on one adapter side by side)."""
+        spans: list[tuple[LoRAAdapter, int, int]] = []
         start = 0
         for adapter, count in entries:
             if adapter is not None:
-                adapters[id(adapter)] = adapter
-                rows.setdefault(id(adapter), []).append(range(start, start + count))
+                if spans and spans[-1][0] is adapter and spans[-1][2] == start:
+                    spans[-1] = (adapter, spans[-1][1], start + count)
+                else:
+                    spans.append((adapter, start, start + count))
             start += count
-        self.step_rows = [(adapters[key], _row_index(ranges, start, self.device)) for key, ranges in rows.items()]
+        self.step_spans = spans
 
     def end_step(self) -> None:
-        self.step_rows = []
+        self.step_spans = []
 
     @property
     def active(self) -> bool:
         """Whether the step in flight has rows on an adapter."""
-        return bool(self.step_rows)
+        return bool(self.step_spans)
 
     def _add_updates(self, key: tuple[int, str], module: nn.Module, inputs: tuple, output: torch.Tensor):
         """Each adapter's update added to its rows of the projection's output, in place (the output is the
         projection's own new tensor)."""
-        if not self.step_rows:
-            return None
-        x = inputs[0]
-        for adapter, rows in self.step_rows:
+        for adapter, start, end in self.step_spans:
             update = adapter.updates.get(key)
             if update is None:
                 continue
@@ -93,19 +92,7 @@ class LoRALayers:
             # row's result by an ulp or so with the batch; where the next layer rounds its input to bfloat16 (the
             # GGUF block kernels) such an ulp can flip a rounding and change a greedy token. In float64, then
             # rounded, each row gets the same update whatever else the step holds.
-            projected = (x if rows is None else x.index_select(0, rows)).double() @ update.a.T
+            projected = inputs[0][start:end].double() @ update.a.T
             for part in update.parts:
-                delta = (projected[:, part.ranks] @ part.b.T).to(output.dtype)
-                target = output[:, part.outputs]
-                if rows is None:
-                    target += delta
-                else:
-                    target.index_add_(0, rows, delta)
-        return output
-
-
-def _row_index(ranges: list[range], num_rows: int, device: torch.device) -> torch.Tensor | None:
-    """The rows of `ranges` (in order, apart) as an index, or None where they are every row of the step."""
-    if sum(len(span) for span in ranges) == num_rows:
-        return None
-    return torch.tensor([row for span in ranges for row in span], dtype=torch.long, device=device)
+                output[start:end, part.outputs] += (projected[:, part.ranks] @ part.b.T).to(output.dtype)
+        return output if self.step_spans else None

@@ -225,7 +225,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         if isinstance(started, Response):
             return started
         builder, first, outputs, requests = started
-        shaper = ResponseShaper(body, model_name, tokenizer, requests[0][1])
+        shaper = ResponseShaper(body, body.model, tokenizer, requests[0][1])
         if body.stream:
             return StreamingResponse(_response_events(shaper, builder, first, outputs), media_type="text/event-stream")
         return await _whole(first, outputs, 1, request, lambda final: shaper.full(builder.full(final)))
@@ -258,7 +258,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         if not chat and body.echo:
             whole = body.truncate_prompt_tokens is None  # else the prompt's tokens kept are what is echoed
             echo_texts = [p if isinstance(p, str) and whole else None for p in body.prompts]
-        builder = ResponseBuilder(chat, model_name, tokenizer, body.n, echo_texts,
+        builder = ResponseBuilder(chat, body.model, tokenizer, body.n, echo_texts,
                                   prompt_only=not chat and body.max_tokens == 0,
                                   tool_calls=preparer.tool_calls(body),
                                   reasoning=preparer.reasoning(body),
