@@ -17,6 +17,7 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.lora import CONFIG_FILE, WEIGHT_FILE
+from kvstrata.server.options import ServerOptions
 from tests.helpers import hf_greedy, hf_logits
 from tests.server_harness import running_server
 
@@ -222,3 +223,32 @@ def test_an_adapter_may_not_take_the_served_models_name(tiny_llama, adapters):
     with pytest.raises(KvstrataError, match="is the served model's name"), \
             running_server(str(tiny_llama), kv_cache_memory="8MiB", lora_modules=f"test-model={adapters['all']}"):
         pass
+
+
+def test_adapters_loaded_and_unloaded_by_request_where_the_server_allows_it(tiny_llama, adapters, tmp_path):
+    options = ServerOptions(allow_runtime_lora_updating=True)
+    with running_server(str(tiny_llama), server_options=options, kv_cache_memory="8MiB", max_model_len=256,
+                        enable_lora=True) as (url, _):
+        def post(path, body):
+            return httpx.post(f"{url}{path}", json=body, timeout=60)
+
+        completion = {"model": "late", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        assert post("/v1/completions", completion).status_code == 404
+        loaded = post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(adapters["all"])})
+        assert loaded.status_code == 200 and "'late'" in loaded.text
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["test-model", "late"]
+        reply = post("/v1/completions", completion)
+        assert reply.status_code == 200 and reply.json()["model"] == "late"
+        again = post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(adapters["some"])})
+        assert again.status_code == 400 and "taken" in again.json()["error"]["message"]
+        missing = post("/v1/load_lora_adapter", {"lora_name": "other", "lora_path": str(tmp_path / "nowhere")})
+        assert missing.status_code == 400 and "no adapter_config.json" in missing.json()["error"]["message"]
+        assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+        assert post("/v1/completions", completion).status_code == 404
+        assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 404
+    with running_server(str(tiny_llama), kv_cache_memory="8MiB", enable_lora=True) as (url, _):
+        refused = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}, timeout=60)
+        assert refused.status_code == 404  # not offered without --allow-runtime-lora-updating
+    expected = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, lora_modules=f"all={adapters['all']}")
+    assert reply.json()["choices"][0]["text"] == expected.generate(
+        [PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora_name="all"))[0].text

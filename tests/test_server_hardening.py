@@ -346,14 +346,20 @@ def read_response(sock: socket.socket) -> str:
 # --- schemathesis ---------------------------------------------------------------------------------------
 
 
-def test_schemathesis_finds_no_server_error_and_no_schema_violation(tiny_llama, tmp_path):
+@pytest.mark.parametrize("options, engine_options, paths", [
+    (ServerOptions(max_tokens_limit=8), {}, []),
+    # the LoRA endpoints alone (the model names are not listed in the schema where adapters come and go)
+    (ServerOptions(allow_runtime_lora_updating=True), {"enable_lora": True}, ["--include-path-regex", "lora"]),
+], ids=["every-endpoint", "lora-updating"])
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(tiny_llama, tmp_path, options, engine_options,
+                                                                   paths):
     """Every check on but positive_data_acceptance: a prompt's length in tokens, which decides whether it fits
     the context (a 400 otherwise, as OpenAI and vLLM answer), cannot be stated in JSON Schema."""
-    with running_server(str(tiny_llama), MODEL, ServerOptions(max_tokens_limit=8), kv_cache_memory="8MiB",
-                        max_model_len=512) as (url, _):
+    with running_server(str(tiny_llama), MODEL, options, kv_cache_memory="8MiB", max_model_len=512,
+                        **engine_options) as (url, _):
         result = subprocess.run(
             [os.path.join(os.path.dirname(sys.executable), "st"), "run", url + "/openapi.json", "--checks", "all",
-             "--exclude-checks", "positive_data_acceptance", "--max-examples", "60", "--seed", "1",
+             "--exclude-checks", "positive_data_acceptance", *paths, "--max-examples", "60", "--seed", "1",
              "--generation-deterministic", "--request-timeout", "60", "--no-color"],
             check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path,
         )

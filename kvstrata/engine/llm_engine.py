@@ -139,6 +139,12 @@ class LLMEngine:
                                 "lora_modules)")
         return self.lora.load(name, path)
 
+    def unload_lora(self, name: str) -> None:
+        """Forget LoRA adapter `name` (requests already running on it finish on it)."""
+        if self.lora is None:
+            raise KvstrataError("LoRA adapters are not enabled in this engine")
+        self.lora.unload(name)
+
     def _request_adapter(self, params: SamplingParams) -> LoRAAdapter | None:
         if params.lora_name is None:
             return None

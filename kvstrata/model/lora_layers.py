@@ -52,6 +52,11 @@ class LoRALayers:
         self.adapters[name] = adapter
         return adapter
 
+    def unload(self, name: str) -> None:
+        """Forget adapter `name`: later requests cannot name it; those running keep it to their end."""
+        self.adapter(name)
+        del self.adapters[name]
+
     def adapter(self, name: str) -> LoRAAdapter:
         if name not in self.adapters:
             known = ", ".join(self.adapters) or "none"

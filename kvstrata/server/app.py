@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -26,6 +26,7 @@ from kvstrata.server.body_limit import BodyLimit
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.openapi import (
     DETOKENIZE_RESPONSES,
+    LORA_UPDATE_RESPONSES,
     METRICS_RESPONSES,
     TOKENIZE_RESPONSES,
     ChatCompletionResponse,
@@ -40,7 +41,9 @@ from kvstrata.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from kvstrata.server.request_prep import RequestPreparer
 from kvstrata.server.responses import ResponseBuilder, error_body, sse
@@ -128,6 +131,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
     adapters = {} if engine.lora is None else engine.lora.adapters  # LoRA adapters, each served as a model
     if model_name in adapters:
         raise KvstrataError(f"LoRA adapter name {model_name!r} is the served model's name; give it another")
+    if options.allow_runtime_lora_updating and engine.lora is None:
+        raise KvstrataError("--allow-runtime-lora-updating loads LoRA adapters: it needs --enable-lora")
     metrics = ServerMetrics(model_name, engine)
     async_engine = AsyncEngine(engine, options.max_waiting, metrics)
     preparer = RequestPreparer(engine, options)
@@ -147,8 +152,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
     app.add_middleware(BodyLimit, max_bytes=options.max_request_bytes, read_timeout=options.read_timeout)
     if options.api_key is not None:  # added last, so it runs first: no body is read for a request without the key
         app.add_middleware(ApiKeyCheck, key=options.api_key)
-    fix_openapi(app, [model_name, *adapters], engine.model_config.vocab_size, engine.max_model_len,
-                options.max_tokens_limit)
+    fix_openapi(app, None if options.allow_runtime_lora_updating else [model_name, *adapters],
+                engine.model_config.vocab_size, engine.max_model_len, options.max_tokens_limit)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -206,6 +211,28 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             return {"prompt": await asyncio.to_thread(preparer.detokenize, body)}
         except ParameterError as exc:
             return _error(400, str(exc), exc.param)
+
+    if options.allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter", responses=LORA_UPDATE_RESPONSES)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            name = body.lora_name
+            if name == model_name or name in adapters:
+                return _error(400, f"the name {name!r} is taken: "
+                                   f"{'the served model' if name == model_name else 'a loaded LoRA adapter'}",
+                              "lora_name")
+            try:
+                await asyncio.to_thread(engine.load_lora, name, body.lora_path)  # reads and checks its files
+            except KvstrataError as exc:
+                return _error(400, str(exc), "lora_path")
+            return PlainTextResponse(f"Success: LoRA adapter {name!r} added successfully.")
+
+        @app.post("/v1/unload_lora_adapter", responses=LORA_UPDATE_RESPONSES)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            name = body.lora_name
+            if name not in adapters:
+                return _error(404, f"no LoRA adapter {name!r} is loaded", "lora_name", code="model_not_found")
+            engine.unload_lora(name)  # requests running on it finish on it
+            return PlainTextResponse(f"Success: LoRA adapter {name!r} removed successfully.")
 
     @app.post("/v1/completions", responses=completion_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):

@@ -123,14 +123,21 @@ def _plain_responses(model: type[BaseModel]) -> dict:
 
 TOKENIZE_RESPONSES = _plain_responses(TokenizeResponse)
 DETOKENIZE_RESPONSES = _plain_responses(DetokenizeResponse)
+LORA_UPDATE_RESPONSES = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "What was done, in a sentence"},
+    **{status: {"model": ErrorResponse, "description": text} for status, text in (
+        (400, "The adapter cannot be loaded (the message says why), or its name is taken"),
+        (401, _ERRORS[401]), (404, "No LoRA adapter of that name is loaded"), (408, _ERRORS[408]),
+        (413, _ERRORS[413]))},
+}
 METRICS_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                            "description": "Prometheus text exposition format"}}
 
 
-def fix_openapi(app: FastAPI, model_names: list[str], vocab_size: int, max_model_len: int,
+def fix_openapi(app: FastAPI, model_names: list[str] | None, vocab_size: int, max_model_len: int,
                 max_tokens_limit: int | None) -> None:
     """Replace FastAPI's generated document by the corrected one, which also states this server's own
-    limits: the models it serves (one, and its LoRA adapters), the token ids its vocabulary has, the largest max_tokens it takes."""
+    limits: the models it serves (one, and its LoRA adapters; None: they change while it runs), the token ids its vocabulary has, the largest max_tokens it takes."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -149,7 +156,8 @@ def fix_openapi(app: FastAPI, model_names: list[str], vocab_size: int, max_model
                 generated = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(generated.pop("$defs", {}))
                 fields = generated["properties"]
-                fields["model"]["enum"] = model_names
+                if model_names is not None:
+                    fields["model"]["enum"] = model_names
                 for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if name in fields and max_tokens_limit is not None:
                         fields[name]["anyOf"][0]["maximum"] = max_tokens_limit

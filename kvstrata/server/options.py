@@ -1,5 +1,5 @@
 """What a server operator can set about the HTTP side: queue, input limits, timeouts, chat special tokens, tool
-calls the model chooses, a reasoning model's thinking."""
+calls the model chooses, a reasoning model's thinking, LoRA adapters loaded by request."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # chat's thinking handed back apart from the answer (reasoning.py)
+    # LoRA adapters loaded and unloaded by request (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_request_bytes"):

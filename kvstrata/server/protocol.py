@@ -572,6 +572,20 @@ class DetokenizeRequest(BaseModel):
     tokens: TokenIds
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter: a PEFT adapter directory on the server's machine, served as model `lora_name`."""
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter (its lora_int_id is taken and not needed: names identify adapters here)."""
+
+    lora_name: StrictStr
+    lora_int_id: StrictInt | None = None
+
+
 REQUEST_FIELDS = frozenset(
     field.alias or name
     for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat,

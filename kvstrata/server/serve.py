@@ -69,6 +69,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hand a reasoning model's thinking back as reasoning_content, apart from its answer: "
                              "qwen3 (<think>...</think> where the output begins with it) or deepseek_r1 (thinking "
                              "until </think>, the prompt having opened it)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="with --enable-lora: POST /v1/load_lora_adapter {\"lora_name\", \"lora_path\"} loads an "
+                             "adapter from a directory on this machine and /v1/unload_lora_adapter {\"lora_name\"} "
+                             "forgets one (vLLM's endpoints; only for trusted clients: they name paths to read)")
     cluster = parser.add_argument_group("replicas (Ray Serve; pip install 'kvstrata[cluster]')")
     cluster.add_argument("--replicas", type=int, default=None,
                          help="run this many engine replicas on Ray Serve behind one endpoint (default: one process, "
@@ -102,7 +106,8 @@ def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
                          special_tokens_in_chat=args.special_tokens_in_chat, shutdown_grace=args.shutdown_grace,
                          trust_request_chat_template=args.trust_request_chat_template,
                          api_key=args.api_key, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                         allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 class GracefulServer(uvicorn.Server):
