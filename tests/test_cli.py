@@ -63,6 +63,22 @@ def test_generate_prints_the_beams_of_a_search(tiny_llama, capsys):
     assert "temperature 0.7 cannot be combined with --beam-width" in capsys.readouterr().err
 
 
+def test_generate_runs_on_a_lora_adapter(tiny_llama, tmp_path, capsys):
+    from kvstrata import LLM, SamplingParams
+    from kvstrata.bench.lora_adapters import write_random_adapter
+    from kvstrata.model.config import ModelConfig
+
+    adapter = write_random_adapter(tmp_path / "a", ModelConfig.from_checkpoint(tiny_llama), rank=4, std=0.2)
+    tiny = ["--model", str(tiny_llama), "--max-tokens", "8", "--kv-cache-memory", "8MiB", "--lora-modules",
+            f"mine={adapter}"]
+    assert main(["generate", "Emma", *tiny, "--lora", "mine"]) == 0
+    expected = LLM(str(tiny_llama), kv_cache_memory="8MiB", lora_modules=f"mine={adapter}").generate(
+        "Emma", SamplingParams(max_tokens=8, temperature=0.0, lora_name="mine"))[0].text
+    assert capsys.readouterr().out.strip() == expected.strip()
+    assert main(["generate", "Emma", *tiny, "--lora", "other"]) == 2
+    assert "LoRA adapter 'other' is not loaded (loaded: mine)" in capsys.readouterr().err
+
+
 def test_generate_holds_the_output_to_a_structured_constraint(tiny_llama, tmp_path, capsys):
     tiny = ["--model", str(tiny_llama), "--max-tokens", "12", "--kv-cache-memory", "8MiB"]
     assert main(["generate", "Emma", *tiny, "--regex", "[0-9]{3}-[a-z]+", "--temperature", "1", "--seed", "3"]) == 0
