@@ -111,6 +111,7 @@ def test_replicas_get_their_own_disk_directory_and_a_share_of_the_cores():
     (["--routing", "round-robin"], "--routing applies to replicated serving only; add --replicas N"),
     (["--ray-address", "auto"], "--ray-address applies to replicated serving only"),
     (["--replicas", "0"], "--replicas must be at least 1, got 0"),
+    (["--replicas", "2", "--allow-runtime-lora-updating"], "--allow-runtime-lora-updating serves one process"),
 ])
 def test_serve_refuses_cluster_flags_that_do_not_fit(flags, message, capsys):
     from kvstrata.cli.main import main

@@ -96,6 +96,9 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
         return
     if args.replicas < 1:
         raise KvstrataError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.allow_runtime_lora_updating:  # a load request would reach one replica of the N
+        raise KvstrataError("--allow-runtime-lora-updating serves one process; with --replicas give every adapter in "
+                            "--lora-modules")
     if args.routing_prefix_tokens < 1:
         raise KvstrataError(f"--routing-prefix-tokens must be at least 1, got {args.routing_prefix_tokens}")
 
