@@ -25,6 +25,7 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULERS = ("sarathi", "prefill-first", "static")
 GENERATION_CONFIGS = ("auto", "vllm")
+LORA_DTYPES = ("float64", "float32")
 KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
 KV_OFFLOADS = ("none", "full", "infinigen", "h2o")
@@ -252,6 +253,13 @@ class EngineConfig:
                          "adapter_config.json and adapter_model.safetensors); the server serves each as a model of "
                          "that name. Implies --enable-lora (default: none)"),
     )
+    lora_dtype: str = field(
+        default="float64",
+        metadata=_option("the LoRA updates' products (vLLM's --lora-dtype): float64 gives a row the same update "
+                         "whatever else shares its step (a float32 product's rounding moves with the number of rows, "
+                         "which the GGUF kernels' int8 activations can turn into another greedy token); float32 "
+                         "prefills faster (docs/BENCHMARKS.md, \"LoRA adapters\")", choices=LORA_DTYPES),
+    )
     max_prefill_tokens: int | None = field(
         default=None,
         metadata=_option("prefill-first: most prompt tokens in one prefill step (default: max(max_model_len, 2048))"),
@@ -345,7 +353,7 @@ class EngineConfig:
         if self.chat_template is not None:  # the text itself from here on, so that replicas need no file
             self.chat_template = read_chat_template(self.chat_template)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
-                   ("generation_config", GENERATION_CONFIGS),
+                   ("generation_config", GENERATION_CONFIGS), ("lora_dtype", LORA_DTYPES),
                    ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
                    ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS),
                    ("prefix_loading", PREFIX_LOADINGS), ("impress_rule", SHARED_SET_RULES),

@@ -56,8 +56,11 @@ def test_prefill_logits_equal_transformers_on_merged_weights(llm, tiny_llama, ad
         assert torch.allclose(torch.tensor(ours), torch.tensor(reference), atol=1e-4), name
 
 
-def test_adapters_and_the_base_model_in_one_batch_give_each_its_own_greedy_output(llm, tiny_llama, adapters):
+@pytest.mark.parametrize("lora_dtype", ["float64", "float32"])
+def test_adapters_and_the_base_model_in_one_batch_give_each_its_own_greedy_output(tiny_llama, adapters, lora_dtype):
     """Every prompt on the base model and on each adapter, all nine requests scheduled together."""
+    modules = ",".join(f"{name}={path}" for name, path in adapters.items())
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, lora_modules=modules, lora_dtype=lora_dtype)
     names = [None, *adapters]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, lora_name=name)
               for name in names for _ in PROMPTS]
@@ -114,16 +117,21 @@ def test_speculative_decoding_on_an_adapter_keeps_its_greedy_output(tiny_llama, 
             == [o.token_ids for o in llm.generate([*PROMPTS, repeating], params)])
 
 
-def test_block_weights_run_an_adapter_beside_base_requests(tiny_gguf_style, tmp_path):
+def test_block_weights_give_a_request_on_an_adapter_its_output_whatever_shares_its_steps(tiny_gguf_style, tmp_path):
     """On GGUF blocks a step without adapter rows runs the compiled whole-model decode and one with them the
-    layers as modules; either way each request's output is its own."""
-    adapter = write_random_adapter(tmp_path / "a", ModelConfig.from_checkpoint(tiny_gguf_style), rank=8, seed=3, std=0.2)
+    layers as modules, whose int8 activations would turn a float32 product's rounding (which moves with the rows
+    it is computed with) into other greedy tokens: with float64 products (the default) each request's output is the
+    same alone, beside base requests, and among five others on its adapter."""
+    adapter = write_random_adapter(tmp_path / "a", ModelConfig.from_checkpoint(tiny_gguf_style), rank=8, seed=3,
+                                   std=0.2)
     llm = LLM(str(tiny_gguf_style), kv_cache_memory="8MiB", max_model_len=256, lora_modules=f"a={adapter}")
     on_adapter = SamplingParams(**{**vars(GREEDY), "lora_name": "a"})
-    alone = [llm.generate([p], params)[0].token_ids for p in PROMPTS[:2] for params in (GREEDY, on_adapter)]
-    together = llm.generate([p for p in PROMPTS[:2] for _ in range(2)], [GREEDY, on_adapter] * 2)
-    assert [o.token_ids for o in together] == alone
-    assert alone[0] != alone[1]
+    prompts = [*PROMPTS, *[torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                           for n in (12, 33, 50)]]
+    alone = [llm.generate([p], on_adapter)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, on_adapter)] == alone
+    beside_base = llm.generate([prompts[0], prompts[0]], [GREEDY, on_adapter])
+    assert beside_base[1].token_ids == alone[0] != beside_base[0].token_ids == llm.generate(prompts[0], GREEDY)[0].token_ids
 
 
 def test_unknown_or_disabled_adapters_are_refused_by_name(llm, tiny_llama):
@@ -139,6 +147,7 @@ def test_unknown_or_disabled_adapters_are_refused_by_name(llm, tiny_llama):
 @pytest.mark.parametrize("options, message", [
     ({"lora_modules": "a"}, "'a' is not NAME=PATH"),
     ({"lora_modules": "a=/x,a=/y"}, "names an adapter twice"),
+    ({"enable_lora": True, "lora_dtype": "float16"}, "lora_dtype 'float16' is not one of float64, float32"),
     ({"enable_lora": True, "compile": True}, "LoRA adapters need no compile"),
     ({"enable_lora": True, "kv_offload": "infinigen"}, "kv_offload none, full or h2o"),
 ])

@@ -44,12 +44,12 @@ class PartUpdate:
 
     outputs: slice  # of the fused projection's output
     ranks: slice  # of the stacked A's rows
-    b: torch.Tensor  # [part's out_features, part's rank], scaling included, float64
+    b: torch.Tensor  # [part's out_features, part's rank], scaling included
 
 
 @dataclass
 class FusedUpdate:
-    a: torch.Tensor  # [sum of the parts' ranks, in_features], float64 (model/lora_layers.py says why)
+    a: torch.Tensor  # [sum of the parts' ranks, in_features]
     parts: list[PartUpdate]
 
 
@@ -79,8 +79,10 @@ def input_sizes(config: ModelConfig) -> dict[str, int]:
             "down_proj": config.intermediate_size}
 
 
-def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, device: torch.device) -> LoRAAdapter:
-    """Read and check a PEFT LoRA adapter for a model of `config`; errors name the file, tensor or setting."""
+def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, device: torch.device,
+                      dtype: torch.dtype) -> LoRAAdapter:
+    """Read and check a PEFT LoRA adapter for a model of `config`, its updates kept in `dtype`; errors name the file,
+    tensor or setting."""
     path = Path(path).expanduser()
     settings = _read_settings(path)
     tensors = _read_weights(path)
@@ -99,7 +101,7 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, device: 
     if not pairs:
         raise KvstrataError(f"LoRA adapter {path}: {WEIGHT_FILE} holds no LoRA weights")
     parts = _checked_parts(path, pairs, config, settings)
-    updates = {key: _fused(parts_of, part_sizes(config)[key[1]], device)
+    updates = {key: _fused(parts_of, part_sizes(config)[key[1]], device, dtype)
                for key, parts_of in _by_fused_projection(parts).items()}
     digest = hashlib.blake2b(digest_size=16)
     for (layer, module), (a, b) in sorted(parts.items()):
@@ -177,15 +179,15 @@ def _by_fused_projection(parts: dict[tuple[int, str], tuple[torch.Tensor, torch.
     return grouped
 
 
-def _fused(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], sizes: tuple[int, ...],
-           device: torch.device) -> FusedUpdate:
+def _fused(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], sizes: tuple[int, ...], device: torch.device,
+           dtype: torch.dtype) -> FusedUpdate:
     """The parts' A stacked, and each part's B with the output rows it adds to."""
-    as_float64 = functools.partial(torch.Tensor.to, device=device, dtype=torch.float64)
+    placed = functools.partial(torch.Tensor.to, device=device, dtype=dtype)
     stacked, updates, rank = [], [], 0
     for index, (a, b) in sorted(parts.items()):
         offset = sum(sizes[:index])
         updates.append(PartUpdate(slice(offset, offset + sizes[index]), slice(rank, rank + a.shape[0]),
-                                  as_float64(b)))
+                                  placed(b)))
         stacked.append(a)
         rank += a.shape[0]
-    return FusedUpdate(as_float64(torch.cat(stacked)), updates)
+    return FusedUpdate(placed(torch.cat(stacked)), updates)

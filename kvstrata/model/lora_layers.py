@@ -27,10 +27,11 @@ FUSED_PROJECTIONS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_pr
 class LoRALayers:
     """The adapters a model has loaded, by name, and the rows of the step in flight that run each."""
 
-    def __init__(self, model: nn.Module, config: ModelConfig, device: torch.device):
+    def __init__(self, model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+        """`dtype`: of the updates' products (EngineConfig.lora_dtype)."""
         if config.architecture not in LLAMA_FAMILY:
             raise KvstrataError(f"LoRA adapters run on {', '.join(LLAMA_FAMILY)} models, not {config.architecture!r}")
-        self.config, self.device = config, device
+        self.config, self.device, self.dtype = config, device, dtype
         self.adapters: dict[str, LoRAAdapter] = {}
         self.step_spans: list[tuple[LoRAAdapter, int, int]] = []  # the step's rows [start, end) on each adapter
         for index, layer in enumerate(model.layers):
@@ -48,7 +49,7 @@ class LoRALayers:
             if loaded.path != Path(path).expanduser():
                 raise KvstrataError(f"LoRA adapter name {name!r} is already loaded from {loaded.path}, not {path}")
             return loaded
-        adapter = load_lora_adapter(name, path, self.config, self.device)
+        adapter = load_lora_adapter(name, path, self.config, self.device, self.dtype)
         self.adapters[name] = adapter
         return adapter
 
@@ -93,11 +94,7 @@ class LoRALayers:
             update = adapter.updates.get(key)
             if update is None:
                 continue
-            # float64: a product sums in an order that depends on its number of rows, and in float32 that moves a
-            # row's result by an ulp or so with the batch; where the next layer rounds its input to bfloat16 (the
-            # GGUF block kernels) such an ulp can flip a rounding and change a greedy token. In float64, then
-            # rounded, each row gets the same update whatever else the step holds.
-            projected = inputs[0][start:end].double() @ update.a.T
+            projected = inputs[0][start:end].to(self.dtype) @ update.a.T
             for part in update.parts:
                 output[start:end, part.outputs] += (projected[:, part.ranks] @ part.b.T).to(output.dtype)
         return output if self.step_spans else None
