@@ -291,3 +291,18 @@ def test_speculative_decoding_against_plain_decoding_and_transformers(tiny_llama
     assert runs["speculative_3"]["outputs_equal_to_plain"] == 3 and runs["speculative_3"]["draft_tokens"] > 0
     assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--tasks", "poem"]) == 2
     assert "--tasks takes rewrite, extract, free (got 'poem')" in capsys.readouterr().err
+
+
+def test_lora_adapters_against_the_base_model_and_transformers_merged_weights(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "lora", "--model", str(tiny_llama), *TINY, "--adapters", "2", "--rank", "4",
+                      "--requests", "4", "--prompt-tokens", "32", "--max-tokens", "8", "--json")
+    runs = report["kvstrata"]
+    assert set(runs) == {"base", "one_adapter", "mixed"}
+    for run in runs.values():
+        assert run["output_tokens"] == 4 * 8
+        assert run["ratio_to_base"] == pytest.approx(run["tokens_per_s"] / runs["base"]["tokens_per_s"], rel=0.01)
+    for name in ("base", "mixed"):  # the tiny model's float32 weights: transformers' outputs exactly
+        assert runs[name]["outputs_equal_to_transformers"] == 4
+        assert report["transformers"][name]["output_tokens"] == 4 * 8
+    assert main(["bench", "lora", "--model", str(tiny_llama), *TINY, "--rank", "0"]) == 2
+    assert "--rank" in capsys.readouterr().err

@@ -5,9 +5,11 @@ weights in transformers (the way to serve several fine-tunes without multi-adapt
 loaded. --requests prompts of --prompt-tokens tokens (consecutive windows of Emma) are generated together, greedy
 to exactly --max-tokens tokens, three times on one engine: all on the base model, all on one adapter, and request i
 on adapter i mod --adapters (every step mixes them). Reported: output tokens/s and the ratio to the base model's.
-transformers then merges each adapter into a copy of the weights and generates that adapter's requests in one
-padded batch (the merges are not timed); its tokens/s over the mixed workload, kvstrata's ratio to it, and how many
-of kvstrata's outputs equal transformers' (kvstrata runs the GGUF's blocks, transformers their float32 reading).
+transformers then runs the base workload in one batch, and the mixed one with each adapter merged into a copy of
+the weights, that adapter's requests in one batch (the merges are not timed): its tokens/s, kvstrata's ratio to it,
+and how many of kvstrata's outputs equal transformers' (kvstrata runs the GGUF's blocks, transformers their
+float32 reading, so outputs part where two tokens are close; the base workload shows how often that happens
+without adapters).
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ def run_lora_bench(args: argparse.Namespace) -> None:
             one["ratio_to_base"] = sig(one["tokens_per_s"] / runs["base"]["tokens_per_s"])
         report = {"kvstrata": runs}
         if not args.no_transformers:
-            theirs = _transformers(engine, directories, prompts, adapters["mixed"], args.max_tokens)
-            mixed = runs["mixed"]
-            mixed["outputs_equal_to_transformers"] = sum(a == b for a, b in zip(mixed["outputs"], theirs.pop("outputs")))
-            report["transformers_merged_per_adapter"] = theirs
-            report["mixed_ratio_to_transformers"] = sig(mixed["tokens_per_s"] / theirs["tokens_per_s"])
+            theirs = {name: _transformers(engine, directories, prompts, adapters[name], args.max_tokens)
+                      for name in ("base", "mixed")}
+            for name, one in theirs.items():
+                ours = runs[name]
+                ours["outputs_equal_to_transformers"] = sum(a == b for a, b in zip(ours["outputs"], one.pop("outputs")))
+                ours["ratio_to_transformers"] = sig(ours["tokens_per_s"] / one["tokens_per_s"])
+            report["transformers"] = theirs
     for one in runs.values():
         del one["outputs"]
     emit({
@@ -93,21 +97,23 @@ def _run(engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None]
 
 
 @torch.inference_mode()
-def _transformers(engine: LLMEngine, directories: list[Path], prompts: list[list[int]], adapters: list[str],
+def _transformers(engine: LLMEngine, directories: list[Path], prompts: list[list[int]], adapters: list[str | None],
                   max_tokens: int) -> dict:
-    """Each adapter's requests in one batch (left-padded where lengths differ) on its merged weights; seconds of the
-    generate calls only."""
+    """Each adapter's requests (None: the base model's) in one batch (left-padded where lengths differ) on its merged
+    weights; seconds of the generate calls only."""
     from transformers import GenerationConfig
 
     # a GenerationConfig of its own: no end token, so every output runs to max_tokens as kvstrata's (ignore_eos)
     config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
     outputs: dict[int, list[int]] = {}
     seconds = 0.0
-    for index, directory in enumerate(directories):
-        mine = [i for i, name in enumerate(adapters) if name == f"adapter{index}"]
+    for name, directory in [(None, None), *[(f"adapter{i}", directory) for i, directory in enumerate(directories)]]:
+        mine = [i for i, asked in enumerate(adapters) if asked == name]
         if not mine:
             continue
-        model = merge_adapter(transformers_model(engine.loaded.source), directory)
+        model = transformers_model(engine.loaded.source)
+        if directory is not None:
+            merge_adapter(model, directory)
         width = max(len(prompts[i]) for i in mine)
         ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in mine])
         mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in mine])

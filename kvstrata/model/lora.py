@@ -61,10 +61,6 @@ class LoRAAdapter:
     digest: bytes  # of its weights and scaling: requests on other adapters never share its KV blocks
     updates: dict[tuple[int, str], FusedUpdate] = field(default_factory=dict)  # (layer, fused projection)
 
-    @property
-    def num_parameters(self) -> int:
-        return sum(u.a.numel() + sum(part.b.numel() for part in u.parts) for u in self.updates.values())
-
 
 def part_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Output sizes of each fused projection's parts, in the order they are fused."""
