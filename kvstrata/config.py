@@ -255,10 +255,10 @@ class EngineConfig:
     )
     lora_dtype: str = field(
         default="float64",
-        metadata=_option("the LoRA updates' products (vLLM's --lora-dtype): float64 gives a row the same update "
-                         "whatever else shares its step (a float32 product's rounding moves with the number of rows, "
-                         "which the GGUF kernels' int8 activations can turn into another greedy token); float32 "
-                         "prefills faster (docs/BENCHMARKS.md, \"LoRA adapters\")", choices=LORA_DTYPES),
+        metadata=_option("the LoRA updates' products: float64 gives a row the same update whatever else shares "
+                         "its step (a float32 product's rounding moves with the number of rows, which the GGUF "
+                         "kernels' int8 activation codes can turn into another greedy token); float32 prefills "
+                         "faster (docs/BENCHMARKS.md, \"LoRA adapters\")", choices=LORA_DTYPES),
     )
     max_prefill_tokens: int | None = field(
         default=None,

@@ -1,6 +1,6 @@
-"""LoRA adapters (--enable-lora, --lora-modules): an adapter's request gives what transformers gives on the weights
-with the adapter merged in, whatever else shares its steps; adapters' KV blocks are kept apart; bad adapter files
-and names are refused naming what is wrong; the server serves each adapter as a model."""
+"""LoRA adapters (--enable-lora, --lora-modules): an adapter's request gives what PEFT gives with that adapter,
+whatever else shares its steps; adapters' KV blocks are kept apart; bad adapter files and names are refused naming
+what is wrong; the server serves each adapter as a model."""
 
 import json
 
@@ -11,14 +11,15 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from kvstrata import LLM, BeamSearchParams, LoRARequest, SamplingParams
-from kvstrata.bench.lora_adapters import merge_adapter, write_random_adapter
+from kvstrata.bench.lora_adapters import write_random_adapter
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.model.config import ModelConfig
-from kvstrata.model.lora import CONFIG_FILE, WEIGHT_FILE
+from kvstrata.model.lora import CONFIG_FILE, PICKLED_WEIGHT_FILE, WEIGHT_FILE
 from kvstrata.server.options import ServerOptions
 from tests.helpers import hf_greedy, hf_logits
+from tests.peft_adapters import peft_reference, save_peft_adapter
 from tests.server_harness import running_server
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -27,12 +28,14 @@ PROMPTS = [torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(n
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory):
-    """Two adapters of the tiny Llama: one on every projection (rank 8), one on q, v, gate and down (rank 4, rsLoRA)."""
-    config = ModelConfig.from_checkpoint(tiny_llama)
+    """Two adapters of the tiny Llama saved by PEFT: one on every projection (rank 8), one on q, v, gate and down
+    (rank 4, 2 for down through rank_pattern, rsLoRA's scaling)."""
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
     root = tmp_path_factory.mktemp("adapters")
-    return {"all": write_random_adapter(root / "all", config, rank=8, seed=1, std=0.15),
-            "some": write_random_adapter(root / "some", config, rank=4, alpha=8, seed=2, std=0.2, rslora=True,
-                                         modules=("q_proj", "v_proj", "gate_proj", "down_proj"))}
+    return {"all": save_peft_adapter(base, root / "all", seed=1, r=8, lora_alpha=16),
+            "some": save_peft_adapter(base, root / "some", seed=2, r=4, lora_alpha=8, use_rslora=True,
+                                      rank_pattern={"down_proj": 2},
+                                      target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])}
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +44,18 @@ def llm(tiny_llama, adapters):
     return LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, lora_modules=modules)
 
 
-def merged(tiny_llama, adapter_dir=None):
+def peft_model(tiny_llama, adapter_dir=None):
+    """transformers on the tiny Llama, with the adapter in `adapter_dir` as PEFT runs it."""
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
-    return model if adapter_dir is None else merge_adapter(model, adapter_dir)
+    return model if adapter_dir is None else peft_reference(model, adapter_dir)
 
 
-def test_prefill_logits_equal_transformers_on_merged_weights(llm, tiny_llama, adapters):
+def test_prefill_logits_equal_peft(llm, tiny_llama, adapters):
     prompt = PROMPTS[2]
     for name, directory in adapters.items():
         params = SamplingParams(max_tokens=1, prompt_logprobs=3, lora_name=name)
         ours = [p.logprob for p in llm.generate([prompt], params)[0].prompt_logprobs[1:]]
-        log_probs = hf_logits(merged(tiny_llama, directory), prompt).log_softmax(-1)
+        log_probs = hf_logits(peft_model(tiny_llama, directory), prompt).log_softmax(-1)
         reference = [log_probs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
         assert torch.allclose(torch.tensor(ours), torch.tensor(reference), atol=1e-4), name
 
@@ -66,9 +70,9 @@ def test_adapters_and_the_base_model_in_one_batch_give_each_its_own_greedy_outpu
               for name in names for _ in PROMPTS]
     outputs = llm.generate([p for _ in names for p in PROMPTS], params)
     for index, name in enumerate(names):
-        reference = merged(tiny_llama, adapters.get(name))
+        model = peft_model(tiny_llama, adapters.get(name))
         for prompt, output in zip(PROMPTS, outputs[index * len(PROMPTS) :]):
-            assert output.token_ids == hf_greedy(reference, prompt, 24), (name, prompt[:3])
+            assert output.token_ids == hf_greedy(model, prompt, 24), (name, prompt[:3])
     base, on_all = outputs[: len(PROMPTS)], outputs[len(PROMPTS) : 2 * len(PROMPTS)]
     assert any(a.token_ids != b.token_ids for a, b in zip(base, on_all))  # the adapter changes the output
 
@@ -85,12 +89,65 @@ def test_an_adapters_prefix_blocks_are_not_shared_with_other_adapters_or_the_bas
     assert again.num_cached_tokens > 0 and again.token_ids == on_adapter.token_ids
 
 
+def test_requests_on_one_adapter_sent_together_compute_their_shared_prompt_once(llm):
+    llm.engine.reset_prefix_cache()
+    params = SamplingParams(**{**vars(GREEDY), "lora_name": "all"})
+    alone = llm.generate([PROMPTS[2]], params)[0].token_ids
+    llm.engine.reset_prefix_cache()
+    together = llm.generate([PROMPTS[2]] * 3, params)
+    assert [o.token_ids for o in together] == [alone] * 3
+    assert sum(o.num_cached_tokens for o in together) > 0
+
+
+def test_preempted_requests_on_adapters_keep_their_outputs(tiny_llama, adapters, llm):
+    params = [SamplingParams(**{**vars(GREEDY), "lora_name": name}) for name in ("all", "some", None) * 2]
+    prompts = [*PROMPTS, *PROMPTS]
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    bytes_per_block = 16 * 2 * 3 * 2 * 16 * 4  # tokens * (K,V) * layers * kv heads * head dim * fp32
+    cramped = LLM(str(tiny_llama), kv_cache_memory=10 * bytes_per_block, max_model_len=128, chunk_size=32,
+                  lora_modules=",".join(f"{name}={path}" for name, path in adapters.items()))
+    outputs = cramped.generate(prompts, params)
+    assert sum(s.num_preempted for s in cramped.engine.step_stats) > 0
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_full_offload_serves_adapters(tiny_llama, adapters, llm):
+    offloaded = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, kv_offload="full",
+                    lora_modules=f"all={adapters['all']}")
+    params = SamplingParams(**{**vars(GREEDY), "lora_name": "all"})
+    assert ([o.token_ids for o in offloaded.generate(PROMPTS, params)]
+            == [o.token_ids for o in llm.generate(PROMPTS, params)])
+
+
+def test_a_request_on_an_adapter_takes_no_saved_context(llm, tmp_path):
+    path = tmp_path / "context.kv"
+    llm.save_context(PROMPTS[2], path, levels=["near-lossless"])
+    with pytest.raises(KvstrataError, match="computed without LoRA adapter 'all'"):
+        llm.generate([PROMPTS[0]], SamplingParams(lora_name="all"), context=path)
+
+
+def test_an_adapter_unloaded_while_a_request_runs_on_it_serves_that_request_to_its_end(tiny_llama, adapters, llm):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256,
+                                    lora_modules=f"all={adapters['all']}"))
+    params = SamplingParams(**{**vars(GREEDY), "lora_name": "all"})
+    request = engine.add_request(PROMPTS[1], params)
+    for _ in range(3):
+        engine.step()
+    engine.unload_lora("all")
+    with pytest.raises(ParameterError, match="'all' is not loaded \\(loaded: none\\)"):
+        engine.add_request(PROMPTS[0], params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    assert finished[request] == llm.generate([PROMPTS[1]], params)[0].token_ids
+
+
 def test_lora_request_loads_the_adapter_as_vllm_takes_it(tiny_llama, adapters):
     llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, enable_lora=True)
     request = LoRARequest("mine", 1, str(adapters["some"]))
     outputs = llm.generate(PROMPTS[:2], GREEDY, lora_request=[request, None])
-    assert outputs[0].token_ids == hf_greedy(merged(tiny_llama, adapters["some"]), PROMPTS[0], 24)
-    assert outputs[1].token_ids == hf_greedy(merged(tiny_llama), PROMPTS[1], 24)
+    assert outputs[0].token_ids == hf_greedy(peft_model(tiny_llama, adapters["some"]), PROMPTS[0], 24)
+    assert outputs[1].token_ids == hf_greedy(peft_model(tiny_llama), PROMPTS[1], 24)
     streamed = list(llm.stream(PROMPTS[0], GREEDY, lora_request=request))[-1]
     assert streamed.token_ids == outputs[0].token_ids
     with pytest.raises(KvstrataError, match="already loaded from"):
@@ -101,7 +158,7 @@ def test_beam_search_scores_beams_on_the_adapter(llm, tiny_llama, adapters):
     params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     on_adapter = llm.beam_search(PROMPTS[1], params, lora_request=LoRARequest("all", 1, str(adapters["all"])))[0]
     with torch.inference_mode():
-        reference = merged(tiny_llama, adapters["all"]).generate(
+        reference = peft_model(tiny_llama, adapters["all"]).generate(
             torch.tensor([PROMPTS[1]]), num_beams=3, num_return_sequences=3, max_new_tokens=6, do_sample=False,
             early_stopping=False, pad_token_id=0, eos_token_id=None)
     assert [list(beam.token_ids) for beam in on_adapter.sequences] == [row[len(PROMPTS[1]):].tolist()
@@ -176,7 +233,7 @@ def _first_a(weights):
 
 @pytest.mark.parametrize("breakage, message", [
     (lambda d: (d / CONFIG_FILE).unlink(), f"no {CONFIG_FILE}"),
-    (lambda d: (d / WEIGHT_FILE).write_bytes(b"not safetensors"), "not a readable safetensors file"),
+    (lambda d: (d / WEIGHT_FILE).write_bytes(b"not safetensors"), "its weights are not readable"),
     (lambda d: (d / CONFIG_FILE).write_text("{"), "not readable JSON"),
 ])
 def test_missing_or_corrupt_adapter_files_are_refused(llm, adapters, tmp_path, breakage, message):
@@ -197,12 +254,32 @@ def test_missing_or_corrupt_adapter_files_are_refused(llm, adapters, tmp_path, b
     (None, lambda c: {**c, "use_dora": True}, "use_dora"),
     (None, lambda c: {**c, "bias": "all"}, "bias 'all'"),
     (None, lambda c: {**c, "lora_alpha": "big"}, "lora_alpha 'big' is not a number"),
+    (None, lambda c: {**c, "use_rslora": "false"}, "use_rslora 'false' is not true or false"),
+    (None, lambda c: {**c, "lora_bias": True}, "lora_bias"),
+    (lambda w: {**w, _first_a(w).replace(".lora_A.", ".lora_A.default."): w[_first_a(w)].clone()}, None,
+     "has two lora_A tensors"),
+    (lambda w: {k.replace("mlp.gate_proj", "self_attn.gate_proj"): v for k, v in w.items()}, None,
+     "self_attn.gate_proj.lora_A.weight' is not a LoRA update"),
+    (lambda w: {**w, _first_a(w): w[_first_a(w)][:0].contiguous(),
+                _first_a(w).replace("lora_A", "lora_B"): w[_first_a(w).replace("lora_A", "lora_B")][:, :0].contiguous()},
+     None, "r >= 1"),
 ])
 def test_adapters_that_do_not_fit_the_model_are_refused_naming_the_fault(llm, adapters, tmp_path, tensors, settings,
                                                                          message):
     broken = _broken(adapters["all"], tmp_path / "broken", tensors, settings)
     with pytest.raises(KvstrataError, match=message):
         llm.engine.load_lora("broken", str(broken))
+
+
+def test_an_adapter_saved_as_pytorch_pickle_is_read_as_its_safetensors_twin(llm, adapters, tmp_path):
+    directory = tmp_path / "pickled"
+    directory.mkdir()
+    (directory / CONFIG_FILE).write_text((adapters["some"] / CONFIG_FILE).read_text())
+    torch.save(load_file(str(adapters["some"] / WEIGHT_FILE)), directory / PICKLED_WEIGHT_FILE)
+    llm.engine.load_lora("pickled", str(directory))
+    on = {name: SamplingParams(**{**vars(GREEDY), "lora_name": name}) for name in ("pickled", "some")}
+    assert llm.generate(PROMPTS[1], on["pickled"])[0].token_ids == llm.generate(PROMPTS[1], on["some"])[0].token_ids
+    llm.engine.unload_lora("pickled")
 
 
 def test_the_server_serves_each_adapter_as_a_model(tiny_llama, adapters):

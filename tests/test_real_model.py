@@ -145,14 +145,13 @@ def test_eval_ppl_matches_transformers_on_a_2048_token_window(llm, hf_model, emm
     assert abs(ours / reference - 1) < 0.005
 
 
-def test_lora_adapters_match_transformers_on_merged_weights(llm, hf_model, tmp_path):
-    """The default model with two random adapters (rank 16 on every projection), the chat questions spread over
-    the base model and both, all at once: each output is transformers' on the weights with its adapter merged."""
-    from kvstrata.bench.lora_adapters import merge_adapter, write_random_adapter
+def test_lora_adapters_match_peft(llm, hf_model, tmp_path):
+    """The default model with two random adapters saved by PEFT (rank 16 on every projection), the chat questions
+    spread over the base model and both, all at once: each output is PEFT's with its adapter."""
     from kvstrata.bench.transformers_model import transformers_model
+    from tests.peft_adapters import peft_reference, save_peft_adapter
 
-    config = llm.engine.loaded.config
-    adapters = {name: write_random_adapter(tmp_path / name, config, rank=16, alpha=32, seed=seed, std=0.02)
+    adapters = {name: save_peft_adapter(hf_model, tmp_path / name, seed=seed, r=16, lora_alpha=32)
                 for seed, name in enumerate(("first", "second"))}
     engine = LLM(kv_cache_memory="512MiB", weights="fp32",
                  lora_modules=",".join(f"{name}={path}" for name, path in adapters.items()))
@@ -162,7 +161,7 @@ def test_lora_adapters_match_transformers_on_merged_weights(llm, hf_model, tmp_p
     outputs = engine.generate(prompts, params[: len(prompts)])
     references = {None: hf_model}
     for name, directory in adapters.items():
-        references[name] = merge_adapter(transformers_model(default_model_path()), directory)
+        references[name] = peft_reference(transformers_model(default_model_path()), directory)
         references[name].generation_config.eos_token_id = None
     changed = 0
     for prompt, name, output in zip(prompts, names, outputs):

@@ -37,14 +37,13 @@ ADAPTER_STD = 0.02  # of the random A and B: an update of a few percent of the p
 def run_lora_bench(args: argparse.Namespace) -> None:
     if min(args.adapters, args.rank, args.requests, args.prompt_tokens, args.max_tokens) < 1:
         raise KvstrataError("--adapters, --rank, --requests, --prompt-tokens and --max-tokens must be at least 1")
-    config = engine_config_from_args(args)
+    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_lora=True))
     with tempfile.TemporaryDirectory(prefix="kvstrata-lora-") as root:
-        probe = LLMEngine(dataclasses.replace(config, lora_modules=None, enable_lora=False))
-        directories = [write_random_adapter(Path(root) / f"adapter{i}", probe.loaded.config, rank=args.rank,
+        directories = [write_random_adapter(Path(root) / f"adapter{i}", engine.loaded.config, rank=args.rank,
                                             alpha=2 * args.rank, seed=i, std=ADAPTER_STD)
                        for i in range(args.adapters)]
-        modules = ",".join(f"adapter{i}={directory}" for i, directory in enumerate(directories))
-        engine = LLMEngine(dataclasses.replace(config, lora_modules=modules), probe.loaded)
+        for i, directory in enumerate(directories):
+            engine.load_lora(f"adapter{i}", str(directory))
         prompts = prompts_from_text(engine.tokenizer, args.requests, args.prompt_tokens)
         adapters = {"base": [None] * args.requests, "one_adapter": ["adapter0"] * args.requests,
                     "mixed": [f"adapter{i % args.adapters}" for i in range(args.requests)]}

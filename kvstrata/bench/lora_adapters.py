@@ -26,8 +26,7 @@ def write_random_adapter(directory: Path, config: ModelConfig, rank: int = 8, al
     tensors = {}
     for layer in range(config.num_layers):
         for module in modules:
-            fused, index = PARTS[module]
-            parent = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+            parent, fused, index = PARTS[module]
             name = f"base_model.model.model.layers.{layer}.{parent}.{module}"
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, inputs[fused], generator=generator) * std
             tensors[f"{name}.lora_B.weight"] = torch.randn(sizes[fused][index], rank, generator=generator) * std

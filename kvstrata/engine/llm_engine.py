@@ -353,6 +353,9 @@ class LLMEngine:
         self.check_sampling(params)
         adapter = self._request_adapter(params)
         if adapter is not None:  # its KV is the adapter's: its prefix-cache blocks are apart from other requests'
+            if preloaded:
+                raise KvstrataError(f"KV given ready-made (a saved context) was computed without LoRA adapter "
+                                    f"{adapter.name!r}; a request on it computes its whole prompt")
             cache_salt = adapter.digest + (cache_salt or b"")
         if params.prompt_logprobs is not None and preloaded:
             raise KvstrataError("prompt_logprobs needs every prompt token computed; this request's preloaded KV "
@@ -676,7 +679,9 @@ class LLMEngine:
         end = seq.num_computed_tokens
         start = end - end % self.config.block_size
         if start == end or seq.cache_salt is not None or not self._tails_handed_over:
-            return None  # a salted sequence's KV (built on a saved context) must not reach unsalted blocks
+            # a salted sequence's KV (built on a saved context, or by a LoRA adapter) must not reach unsalted blocks,
+            # and a request on an adapter takes no KV ready-made (add_request): its beams compute their last block
+            return None
         dtype = getattr(torch, self.config.dtype)
         k, v = self.kv_cache.read_layers(seq.block_table, end, start)
         return PreloadedKV(start, k.to(dtype), v.to(dtype))

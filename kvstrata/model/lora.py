@@ -1,5 +1,5 @@
-"""LoRA adapters in PEFT's saved form (a directory with `adapter_config.json` and `adapter_model.safetensors`),
-read for a Llama-family model: each targeted projection W gains the low-rank update scaling * B A, with
+"""LoRA adapters in PEFT's saved form (a directory with `adapter_config.json` and `adapter_model.safetensors`, or
+an older `adapter_model.bin`), read for a Llama-family model: each targeted projection W gains the low-rank update scaling * B A, with
 scaling = lora_alpha / r (lora_alpha / sqrt(r) under rsLoRA), as PEFT computes it.
 
 The model fuses q, k and v into one product and gate and up into another (model/llama.py), so an adapter's
@@ -27,14 +27,18 @@ from kvstrata.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILE = "adapter_model.safetensors"
-# PEFT's module names, each in a fused projection of the model: (fused projection, part)
-PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
-_WEIGHT_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight")
+PICKLED_WEIGHT_FILE = "adapter_model.bin"  # PEFT's older form: read with torch.load(weights_only=True)
+# PEFT's module names: the block that holds each, and its fused projection in the model and place in it
+PARTS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
+         "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", 0),
+         "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
+         "down_proj": ("mlp", "down_proj", 0)}
+_WEIGHT_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight")
 # adapter_config.json settings whose effect is not a plain low-rank update of the projections
 _REFUSED_SETTINGS = {
     "use_dora": "DoRA's magnitude vectors", "modules_to_save": "whole modules saved beside the update",
-    "layer_replication": "repeated layers", "alpha_pattern": "per-module alphas",
+    "layer_replication": "repeated layers", "alpha_pattern": "per-module alphas", "lora_bias": "a bias on lora_B",
+    "trainable_token_indices": "trained embedding rows", "use_qalora": "QA-LoRA's pooled inputs",
 }
 
 
@@ -57,7 +61,6 @@ class FusedUpdate:
 class LoRAAdapter:
     name: str
     path: Path
-    rank: int  # the largest of its modules' ranks
     digest: bytes  # of its weights and scaling: requests on other adapters never share its KV blocks
     updates: dict[tuple[int, str], FusedUpdate] = field(default_factory=dict)  # (layer, fused projection)
 
@@ -85,15 +88,19 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, device: 
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         match = _WEIGHT_NAME.fullmatch(tensor_name)
-        if match is None or match.group(2) not in PARTS:
-            allowed = ", ".join(PARTS)
+        if match is None or PARTS.get(match.group(3), ("",))[0] != match.group(2):
+            allowed = ", ".join(f"{parent}.{module}" for module, (parent, *_) in PARTS.items())
             raise KvstrataError(f"LoRA adapter {path}: tensor {tensor_name!r} is not a LoRA update of a decoder "
                                 f"layer's projection ({allowed}); embeddings, the LM head and biases are not taken")
-        layer, module, side = int(match.group(1)), match.group(2), match.group(3)
+        layer, module, side = int(match.group(1)), match.group(3), match.group(4)
         if layer >= config.num_layers:
             raise KvstrataError(f"LoRA adapter {path}: tensor {tensor_name!r} is for layer {layer}; the model has "
                                 f"{config.num_layers} layers")
-        pairs.setdefault((layer, module), {})[side] = tensor
+        pair = pairs.setdefault((layer, module), {})
+        if side in pair:
+            raise KvstrataError(f"LoRA adapter {path}: layer {layer} {module} has two lora_{side} tensors (the "
+                                f"second is {tensor_name!r})")
+        pair[side] = tensor
     if not pairs:
         raise KvstrataError(f"LoRA adapter {path}: {WEIGHT_FILE} holds no LoRA weights")
     parts = _checked_parts(path, pairs, config, settings)
@@ -102,10 +109,9 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, device: 
     digest = hashlib.blake2b(digest_size=16)
     for (layer, module), (a, b) in sorted(parts.items()):
         digest.update(f"{layer}.{module}".encode())
-        digest.update(a.float().numpy().tobytes())
-        digest.update(b.float().numpy().tobytes())
-    rank = max(a.shape[0] for a, _ in parts.values())
-    return LoRAAdapter(name, path, rank, digest.digest(), updates)
+        digest.update(a.numpy().tobytes())
+        digest.update(b.numpy().tobytes())
+    return LoRAAdapter(name, path, digest.digest(), updates)
 
 
 def _read_settings(path: Path) -> dict:
@@ -130,34 +136,41 @@ def _read_settings(path: Path) -> dict:
     alpha = settings.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise KvstrataError(f"LoRA adapter {config_file}: lora_alpha {alpha!r} is not a number")
+    if not isinstance(settings.get("use_rslora", False), bool):
+        raise KvstrataError(f"LoRA adapter {config_file}: use_rslora {settings['use_rslora']!r} is not true or false")
     return settings
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    weight_file = path / WEIGHT_FILE
-    if not weight_file.is_file():
-        raise KvstrataError(f"LoRA adapter {path}: no {WEIGHT_FILE}")
+    weight_file, pickled = path / WEIGHT_FILE, path / PICKLED_WEIGHT_FILE
     try:
-        return load_file(str(weight_file))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise KvstrataError(f"LoRA adapter {weight_file}: not a readable safetensors file ({exc})") from None
+        if weight_file.is_file():
+            return load_file(str(weight_file))
+        if pickled.is_file():
+            tensors = torch.load(pickled, map_location="cpu", weights_only=True)
+            if isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values()):
+                return tensors
+            raise ValueError("it does not hold a dict of tensors")
+    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError) as exc:
+        raise KvstrataError(f"LoRA adapter {path}: its weights are not readable ({exc})") from None
+    raise KvstrataError(f"LoRA adapter {path}: no {WEIGHT_FILE} (or {PICKLED_WEIGHT_FILE})")
 
 
 def _checked_parts(path: Path, pairs: dict[tuple[int, str], dict[str, torch.Tensor]], config: ModelConfig,
                    settings: dict) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Each (layer, PEFT module)'s A and B in float32, B scaled; shapes checked against the model."""
+    """Each (layer, PEFT module)'s A and B in float64, B scaled; shapes checked against the model."""
     sizes, inputs = part_sizes(config), input_sizes(config)
     parts = {}
     for (layer, module), pair in pairs.items():
         where = f"LoRA adapter {path}: layer {layer} {module}"
         if set(pair) != {"A", "B"}:
             raise KvstrataError(f"{where} has lora_{next(iter(pair))} without lora_{'B' if 'A' in pair else 'A'}")
-        a, b = pair["A"].float(), pair["B"].float()
-        fused, index = PARTS[module]
+        a, b = pair["A"].double(), pair["B"].double()
+        _, fused, index = PARTS[module]
         out = sizes[fused][index]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inputs[fused] or b.shape != (out, a.shape[0]):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inputs[fused] or b.shape != (out, a.shape[0]) or not len(a):
             raise KvstrataError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
-                                f"model (A must be [r, {inputs[fused]}] and B [{out}, r])")
+                                f"model (A must be [r, {inputs[fused]}] and B [{out}, r], r >= 1)")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise KvstrataError(f"{where}: the weights hold values that are not finite")
         rank = a.shape[0]
@@ -170,7 +183,7 @@ def _by_fused_projection(parts: dict[tuple[int, str], tuple[torch.Tensor, torch.
                          ) -> dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     grouped: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), pair in parts.items():
-        fused, index = PARTS[module]
+        _, fused, index = PARTS[module]
         grouped.setdefault((layer, fused), {})[index] = pair
     return grouped
 

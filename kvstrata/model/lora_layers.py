@@ -11,6 +11,7 @@ does not run the projections as modules.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,9 +20,9 @@ from torch import nn
 
 from kvstrata.errors import KvstrataError
 from kvstrata.model.config import LLAMA_FAMILY, ModelConfig
-from kvstrata.model.lora import LoRAAdapter, load_lora_adapter
+from kvstrata.model.lora import PARTS, LoRAAdapter, load_lora_adapter
 
-FUSED_PROJECTIONS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+FUSED_PROJECTIONS = {fused: parent for parent, fused, _ in PARTS.values()}  # the model's, and the block holding it
 
 
 class LoRALayers:
@@ -31,8 +32,13 @@ class LoRALayers:
         """`dtype`: of the updates' products (EngineConfig.lora_dtype)."""
         if config.architecture not in LLAMA_FAMILY:
             raise KvstrataError(f"LoRA adapters run on {', '.join(LLAMA_FAMILY)} models, not {config.architecture!r}")
+        if model.lora is not None:  # its hooks read that one's steps
+            raise KvstrataError("these weights already serve LoRA adapters in another engine; load the model again")
         self.config, self.device, self.dtype = config, device, dtype
+        # read by the engine thread, changed by the server's (load, unload): each change under the lock, and readers
+        # that iterate take a copy
         self.adapters: dict[str, LoRAAdapter] = {}
+        self._changing = threading.Lock()
         self.step_spans: list[tuple[LoRAAdapter, int, int]] = []  # the step's rows [start, end) on each adapter
         for index, layer in enumerate(model.layers):
             for fused, parent in FUSED_PROJECTIONS.items():
@@ -41,28 +47,33 @@ class LoRALayers:
         model.lora = self
 
     def load(self, name: str, path: str | Path) -> LoRAAdapter:
-        """Load the adapter at `path` as `name`; loading a name again with the same path returns the one loaded."""
+        """Load the adapter at `path` as `name`; loading a name again from the same directory returns the one
+        loaded."""
         if not isinstance(name, str) or not name:
             raise KvstrataError(f"a LoRA adapter's name must be a non-empty string, got {name!r}")
-        loaded = self.adapters.get(name)
-        if loaded is not None:
-            if loaded.path != Path(path).expanduser():
-                raise KvstrataError(f"LoRA adapter name {name!r} is already loaded from {loaded.path}, not {path}")
-            return loaded
-        adapter = load_lora_adapter(name, path, self.config, self.device, self.dtype)
-        self.adapters[name] = adapter
-        return adapter
+        directory = Path(path).expanduser().resolve()
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            adapter = load_lora_adapter(name, directory, self.config, self.device, self.dtype)  # outside the lock
+        with self._changing:  # another load of this name may have ended meanwhile
+            loaded = self.adapters.setdefault(name, adapter)
+        if loaded.path != directory:
+            raise KvstrataError(f"LoRA adapter name {name!r} is already loaded from {loaded.path}, not {directory}")
+        return loaded
 
     def unload(self, name: str) -> None:
-        """Forget adapter `name`: later requests cannot name it; those running keep it to their end."""
-        self.adapter(name)
-        del self.adapters[name]
+        """Forget adapter `name`: later requests cannot name it; those running keep it to their end (a beam search's
+        rounds are requests of their own, so its next round fails)."""
+        with self._changing:
+            self.adapter(name)
+            del self.adapters[name]
 
     def adapter(self, name: str) -> LoRAAdapter:
-        if name not in self.adapters:
-            known = ", ".join(self.adapters) or "none"
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            known = ", ".join(dict(self.adapters)) or "none"
             raise KvstrataError(f"LoRA adapter {name!r} is not loaded (loaded: {known})")
-        return self.adapters[name]
+        return adapter
 
     def begin_step(self, entries: Sequence[tuple[LoRAAdapter | None, int]]) -> None:
         """The step's packed rows, entry by entry in order: each entry's adapter (None: the base model) and its

@@ -176,7 +176,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
                 "max_model_len": engine.max_model_len}
         # each LoRA adapter is a model of its own name, as vLLM lists them: its directory and the model it adapts
         return {"object": "list", "data": [base, *[
-            {**base, "id": name, "root": str(adapter.path), "parent": model_name} for name, adapter in adapters.items()
+            {**base, "id": name, "root": str(adapter.path), "parent": model_name}
+            for name, adapter in dict(adapters).items()  # a copy: a load may change them meanwhile
         ]]}
 
     @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
@@ -189,7 +190,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
     def _unknown_model(name: str) -> JSONResponse | None:
         if name == model_name or name in adapters:
             return None
-        served = ", ".join(repr(served) for served in (model_name, *adapters))
+        served = ", ".join(repr(served) for served in (model_name, *dict(adapters)))
         return _error(404, f"model {name!r} does not exist; this server has {served}", "model",
                       code="model_not_found")
 
@@ -216,6 +217,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         @app.post("/v1/load_lora_adapter", responses=LORA_UPDATE_RESPONSES)
         async def load_lora_adapter(body: LoadLoRAAdapterRequest):
             name = body.lora_name
+            if not name:
+                return _error(400, "lora_name must not be empty", "lora_name")
             if name == model_name or name in adapters:
                 return _error(400, f"the name {name!r} is taken: "
                                    f"{'the served model' if name == model_name else 'a loaded LoRA adapter'}",
@@ -268,7 +271,10 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         named = named or {}
         try:
             preparer.precheck(body)
-            requests = await asyncio.to_thread(preparer.prepare, body)
+            # named by the model checked above: an adapter unloaded meanwhile fails the request (404), never
+            # leaves it to the base model
+            lora_name = None if body.model == model_name else body.model
+            requests = await asyncio.to_thread(preparer.prepare, body, lora_name)
             if body.use_beam_search:
                 outputs = beam_search_choices(async_engine, preparer.beam_searches(body, requests), tokenizer,
                                               request and request.is_disconnected)
@@ -276,6 +282,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
                 outputs = async_engine.generate(requests)
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
         except ParameterError as exc:
+            if exc.param == "lora_name":  # the model asked for (an adapter) was unloaded since it was checked
+                return _error(404, str(exc), "model", code="model_not_found")
             return _error(400, str(exc), named.get(exc.param, exc.param) or None)
         except KvstrataError as exc:
             return _error(400, str(exc), named.get("messages", "messages") if chat else "prompt")

@@ -100,9 +100,9 @@ class RequestPreparer:
                                         f"({self.engine.max_model_len} tokens of at most "
                                         f"{self.engine.tokenizer.max_chars_per_token} characters) can fit the context")
 
-    def prepare(self, body: Body) -> list[tuple[list[int], SamplingParams]]:
+    def prepare(self, body: Body, lora_name: str | None = None) -> list[tuple[list[int], SamplingParams]]:
         """In a worker thread: the token ids and sampling parameters of each of the request's choices (`n` per
-        prompt; choice p * n + i is prompt p's sample i)."""
+        prompt; choice p * n + i is prompt p's sample i), on LoRA adapter `lora_name` (None: the base model)."""
         prompts = [None] if isinstance(body, ChatCompletionRequest) else body.prompts
         limit = self.options.max_waiting
         if len(prompts) * body.n > limit:  # its choices could never be admitted together
@@ -114,7 +114,7 @@ class RequestPreparer:
         for number, prompt in enumerate(prompts):
             where = "" if len(prompts) == 1 else f"prompt {number} of the batch: "
             token_ids = self._token_ids(body, prompt, where)
-            params = self._sampling_params(body, len(token_ids), where)
+            params = dataclasses.replace(self._sampling_params(body, len(token_ids), where), lora_name=lora_name)
             requests += [(token_ids, choice) for choice in choices(params, body.n)]
         return requests
 
@@ -168,8 +168,6 @@ class RequestPreparer:
                                                f"max_tokens of {max_tokens}")
         logprobs = body.requested_logprobs if chat else body.logprobs
         params = body.sampling_params(max_tokens, logprobs, self.engine.sampling_defaults)
-        if self.engine.lora is not None and body.model in self.engine.lora.adapters:  # a model named by an adapter
-            params = dataclasses.replace(params, lora_name=body.model)
         if chat and body.model_chooses_tools and self._call_tags_are_special:
             params = dataclasses.replace(params, skip_special_tokens=False)  # the parser reads the calls' tags
         try:
