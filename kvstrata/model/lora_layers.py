@@ -1,11 +1,11 @@
 """Several LoRA adapters in one step (model/lora.py): each packed token row gets the update of its request's
 adapter, or none. A forward hook on every fused projection of a Llama-family model adds, for each adapter in the
 step, (x[rows] @ A.T) @ B.T to the projection's output at that adapter's rows; the base weights are shared by all
-rows and never changed, so the base model's requests in the same step are untouched.
+rows and never changed, so the base model's rows in the same step get no update.
 
 A step's rows are set before the model runs and cleared after (ModelRunner.forward); with none set, the hooks add
 nothing, and steps without adapter rows keep the compiled whole-model decode (model/llama.py `_native_for`), which
-does not run the projections as modules.
+does not run the projections as modules (a step with adapter rows runs all its rows through torch's layers).
 """
 
 from __future__ import annotations
