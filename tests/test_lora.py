@@ -235,6 +235,8 @@ def _first_a(weights):
     (lambda d: (d / CONFIG_FILE).unlink(), f"no {CONFIG_FILE}"),
     (lambda d: (d / WEIGHT_FILE).write_bytes(b"not safetensors"), "its weights are not readable"),
     (lambda d: (d / CONFIG_FILE).write_text("{"), "not readable JSON"),
+    (lambda d: ((d / WEIGHT_FILE).unlink(), (d / PICKLED_WEIGHT_FILE).write_bytes(b"garbage")),
+     "its weights are not readable"),
 ])
 def test_missing_or_corrupt_adapter_files_are_refused(llm, adapters, tmp_path, breakage, message):
     broken = _broken(adapters["all"], tmp_path / "broken")
@@ -242,6 +244,11 @@ def test_missing_or_corrupt_adapter_files_are_refused(llm, adapters, tmp_path, b
     with pytest.raises(KvstrataError, match=message):
         llm.engine.load_lora("broken", str(broken))
     assert "broken" not in llm.engine.lora.adapters
+
+
+def test_a_path_that_cannot_be_a_directory_is_refused(llm):
+    with pytest.raises(KvstrataError, match="cannot be read: embedded null byte"):
+        llm.engine.load_lora("nul", "/tmp/a\x00b")
 
 
 @pytest.mark.parametrize("tensors, settings, message", [

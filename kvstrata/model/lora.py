@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import math
+import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,7 +152,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
             if isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values()):
                 return tensors
             raise ValueError("it does not hold a dict of tensors")
-    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError) as exc:
+    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         raise KvstrataError(f"LoRA adapter {path}: its weights are not readable ({exc})") from None
     raise KvstrataError(f"LoRA adapter {path}: no {WEIGHT_FILE} (or {PICKLED_WEIGHT_FILE})")
 

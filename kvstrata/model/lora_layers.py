@@ -51,7 +51,10 @@ class LoRALayers:
         loaded."""
         if not isinstance(name, str) or not name:
             raise KvstrataError(f"a LoRA adapter's name must be a non-empty string, got {name!r}")
-        directory = Path(path).expanduser().resolve()
+        try:
+            directory = Path(path).expanduser().resolve()
+        except (OSError, RuntimeError, ValueError) as exc:  # a loop of links, a NUL in the path, ...
+            raise KvstrataError(f"LoRA adapter path {path!r} cannot be read: {exc}") from None
         adapter = self.adapters.get(name)
         if adapter is None:
             adapter = load_lora_adapter(name, directory, self.config, self.device, self.dtype)  # outside the lock
