@@ -103,7 +103,7 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, device: 
                                 f"second is {tensor_name!r})")
         pair[side] = tensor
     if not pairs:
-        raise KvstrataError(f"LoRA adapter {path}: {WEIGHT_FILE} holds no LoRA weights")
+        raise KvstrataError(f"LoRA adapter {path}: its weights file holds no LoRA tensors")
     parts = _checked_parts(path, pairs, config, settings)
     updates = {key: _fused(parts_of, part_sizes(config)[key[1]], device, dtype)
                for key, parts_of in _by_fused_projection(parts).items()}
