@@ -298,6 +298,9 @@ def test_lora_adapters_against_the_base_model_and_transformers_merged_weights(ti
                       "--requests", "4", "--prompt-tokens", "32", "--max-tokens", "8", "--json")
     runs = report["kvstrata"]
     assert set(runs) == {"base", "one_adapter", "mixed"}
+    # per layer, rank 4: A 4 x 64 for q, k, v, o, gate and up, 4 x 128 for down; B 64 + 32 + 32 + 64 + 128 + 128 + 64
+    # rows of 4; three layers, float64
+    assert report["adapter_bytes"] == 3 * 4 * (6 * 64 + 128 + 512) * 8
     for run in runs.values():
         assert run["output_tokens"] == 4 * 8
         assert run["ratio_to_base"] == pytest.approx(run["tokens_per_s"] / runs["base"]["tokens_per_s"], rel=0.01)

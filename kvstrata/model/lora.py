@@ -65,6 +65,11 @@ class LoRAAdapter:
     digest: bytes  # of its weights and scaling: requests on other adapters never share its KV blocks
     updates: dict[tuple[int, str], FusedUpdate] = field(default_factory=dict)  # (layer, fused projection)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory its updates take (in --lora-dtype, beside the KV cache's budget)."""
+        return sum(u.a.nbytes + sum(part.b.nbytes for part in u.parts) for u in self.updates.values())
+
 
 def part_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Output sizes of each fused projection's parts, in the order they are fused."""
