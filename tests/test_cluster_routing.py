@@ -143,3 +143,11 @@ def test_replicas_without_ray_say_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if the cluster extra were not installed
     with pytest.raises(KvstrataError, match=r"pip install 'kvstrata\[cluster\]'"):
         deploy(EngineConfig(model="m"), ServerOptions(), 2, "prefix", "127.0.0.1", 8000)
+
+
+def test_merged_info_gauges_keep_the_latest_reading():
+    page = ('# HELP kvstrata:lora_requests_info LoRA adapters\n# TYPE kvstrata:lora_requests_info gauge\n'
+            'kvstrata:lora_requests_info{max_lora="",running_lora_adapters="sql",waiting_lora_adapters=""} {}\n')
+    text = merge_replica_metrics({0: page.replace("{}", "100.0"), 1: page.replace("{}", "250.0")}).decode()
+    assert ('kvstrata:lora_requests_info{max_lora="",running_lora_adapters="sql",waiting_lora_adapters=""} 250.0'
+            in text)

@@ -312,6 +312,22 @@ def test_the_server_serves_each_adapter_as_a_model(tiny_llama, adapters):
     assert texts["all"] == expected != texts["test-model"]
 
 
+def test_metrics_name_the_adapters_of_running_and_waiting_requests(tiny_llama, adapters):
+    from kvstrata.server.metrics import ServerMetrics
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, max_num_seqs=2,
+                                    lora_modules=",".join(f"{name}={path}" for name, path in adapters.items())))
+    for name in ("some", None, "all"):  # two run, the third waits
+        engine.add_request(PROMPTS[0], SamplingParams(**{**vars(GREEDY), "lora_name": name}))
+    engine.step()
+    metrics = ServerMetrics("m", engine)
+    metrics.observe_step(engine)
+    assert ('kvstrata:lora_requests_info{max_lora="",running_lora_adapters="some",waiting_lora_adapters="all"}'
+            in metrics.render().decode())
+    assert "lora_requests_info" not in ServerMetrics("m", LLMEngine(EngineConfig(
+        model=str(tiny_llama), kv_cache_memory="8MiB"))).render().decode()
+
+
 def test_an_adapter_may_not_take_the_served_models_name(tiny_llama, adapters):
     with pytest.raises(KvstrataError, match="is the served model's name"), \
             running_server(str(tiny_llama), kv_cache_memory="8MiB", lora_modules=f"test-model={adapters['all']}"):

@@ -11,6 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # Gauges that are fractions: their cluster value is the replicas' mean, not their sum.
 MEAN_SUFFIXES = ("_perc", "_rate")
+# Gauges whose labels carry the information and whose value is when it was read: the cluster's is the latest.
+INFO_SUFFIX = "_info"
 
 
 class _Families:
@@ -34,8 +36,10 @@ def merge_replica_metrics(pages: dict[int, str], own: CollectorRegistry | None =
                 totals[(family.name, sample.name, tuple(sorted(sample.labels.items())))].append(sample.value)
     for (family_name, sample_name, labels), values in totals.items():
         family = families[family_name]
-        mean = family.type == "gauge" and family_name.endswith(MEAN_SUFFIXES)
-        family.add_sample(sample_name, dict(labels), fmean(values) if mean else sum(values))
+        gauge = family.type == "gauge"
+        total = (fmean(values) if gauge and family_name.endswith(MEAN_SUFFIXES)
+                 else max(values) if gauge and family_name.endswith(INFO_SUFFIX) else sum(values))
+        family.add_sample(sample_name, dict(labels), total)
     registry = CollectorRegistry()
     registry.register(_Families(list(families.values())))
     text = generate_latest(registry)

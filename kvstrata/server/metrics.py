@@ -51,6 +51,13 @@ class ServerMetrics:
             "kvstrata:request_success", "Requests finished, by reason", ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        # vLLM's: one series whose labels name the LoRA adapters of running and waiting requests (comma-separated)
+        # and whose value is when they were read; max_lora is empty, since kvstrata caps no adapter count
+        self.lora_info = None
+        if engine is not None and engine.lora is not None:
+            self.lora_info = Gauge("kvstrata:lora_requests_info", "LoRA adapters of running and waiting requests",
+                                   ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                   registry=self.registry)
         self.model_name = model_name
         self._last_token_time: dict[str, float] = {}
         self._counted_step: StepStats | None = None  # the step whose counts the counters hold
@@ -83,6 +90,12 @@ class ServerMetrics:
         self.loading.set(engine.num_loading)
         self.kv_usage.set(engine.kv_manager.usage)
         self.prefix_hit_rate.set(engine.kv_manager.prefix_stats.hit_rate)
+        if self.lora_info is not None:
+            running, waiting = (",".join(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))
+                                for seqs in (engine.scheduler.running, engine.scheduler.waiting))
+            self.lora_info.clear()
+            self.lora_info.labels(max_lora="", waiting_lora_adapters=waiting,
+                                  running_lora_adapters=running).set(time.time())
         # counted once: gauges are also refreshed between steps (after aborts), when the last step is the same one
         if engine.step_stats and engine.step_stats[-1] is not self._counted_step:
             last = self._counted_step = engine.step_stats[-1]
