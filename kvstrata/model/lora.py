@@ -1,6 +1,6 @@
 """LoRA adapters in PEFT's saved form (a directory with `adapter_config.json` and `adapter_model.safetensors`, or
-an older `adapter_model.bin`), read for a Llama-family model: each targeted projection W gains the low-rank update scaling * B A, with
-scaling = lora_alpha / r (lora_alpha / sqrt(r) under rsLoRA), as PEFT computes it.
+an older `adapter_model.bin`), read for a Llama-family model: each targeted projection W gains the low-rank update
+scaling * B A, with scaling = lora_alpha / r (lora_alpha / sqrt(r) under rsLoRA), as PEFT computes it.
 
 The model fuses q, k and v into one product and gate and up into another (model/llama.py), so an adapter's
 updates are grouped the same way: for a fused projection, the targeted parts' A matrices stacked ([sum of r, in]),

@@ -137,7 +137,8 @@ METRICS_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string
 def fix_openapi(app: FastAPI, model_names: list[str] | None, vocab_size: int, max_model_len: int,
                 max_tokens_limit: int | None) -> None:
     """Replace FastAPI's generated document by the corrected one, which also states this server's own
-    limits: the models it serves (one, and its LoRA adapters; None: they change while it runs), the token ids its vocabulary has, the largest max_tokens it takes."""
+    limits: the models it serves (one, and its LoRA adapters; None: they change while it runs), the token ids its
+    vocabulary has, the largest max_tokens it takes."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
