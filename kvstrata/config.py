@@ -250,15 +250,15 @@ class EngineConfig:
     lora_modules: str | None = field(
         default=None,
         metadata=_option("LoRA adapters loaded at start, comma-separated NAME=PATH pairs (PEFT adapter directories: "
-                         "adapter_config.json and adapter_model.safetensors); the server serves each as a model of "
-                         "that name. Implies --enable-lora (default: none)"),
+                         "adapter_config.json and adapter_model.safetensors or .bin); the server serves each as a "
+                         "model of that name. Implies --enable-lora (default: none)"),
     )
     lora_dtype: str = field(
         default="float64",
         metadata=_option("the LoRA updates' products: float64 gives a row the same update whatever else shares "
                          "its step (a float32 product's rounding moves with the number of rows, which the GGUF "
-                         "kernels' int8 activation codes can turn into another greedy token); float32 prefills "
-                         "faster (docs/BENCHMARKS.md, \"LoRA adapters\")", choices=LORA_DTYPES),
+                         "kernels' int8 activation codes can turn into another greedy token); float32 is faster "
+                         "(docs/BENCHMARKS.md, \"LoRA adapters\")", choices=LORA_DTYPES),
     )
     max_prefill_tokens: int | None = field(
         default=None,

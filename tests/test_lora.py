@@ -251,9 +251,41 @@ def test_missing_or_corrupt_adapter_files_are_refused(llm, adapters, tmp_path, b
     assert "broken" not in llm.engine.lora.adapters
 
 
-def test_a_path_that_cannot_be_a_directory_is_refused(llm):
+def test_a_path_that_cannot_be_a_directory_is_refused(llm, tmp_path):
     with pytest.raises(KvstrataError, match="cannot be read: embedded null byte"):
         llm.engine.load_lora("nul", "/tmp/a\x00b")
+    with pytest.raises(KvstrataError, match="not readable \\(OSError"):  # a name longer than the file system takes
+        llm.engine.load_lora("long", str(tmp_path / ("x" * 300)))
+
+
+def test_a_pickle_of_anything_but_named_dense_tensors_is_refused(llm, adapters, tmp_path):
+    directory = tmp_path / "pickled"
+    directory.mkdir()
+    (directory / CONFIG_FILE).write_text((adapters["some"] / CONFIG_FILE).read_text())
+    torch.save({0: torch.zeros(2, 2)}, directory / PICKLED_WEIGHT_FILE)
+    with pytest.raises(KvstrataError, match="not hold a dict of names to dense tensors"):
+        llm.engine.load_lora("pickled", str(directory))
+
+
+def test_a_name_comes_back_only_for_the_weights_it_stood_for(tiny_llama, adapters):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB", enable_lora=True))
+    engine.load_lora("x", str(adapters["all"]))
+    engine.unload_lora("x")
+    with pytest.raises(KvstrataError, match="'x' stood for other weights before"):
+        engine.load_lora("x", str(adapters["some"]))
+    assert engine.load_lora("x", str(adapters["all"])).name == "x"
+
+
+def test_engines_on_the_same_weights_share_their_lora_layers(tiny_llama, adapters):
+    """A calibration twin or a benchmark's second engine is built on the first one's weights."""
+    first = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB",
+                                   lora_modules=f"all={adapters['all']}"))
+    second = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB", num_speculative_tokens=2,
+                                    lora_modules=f"some={adapters['some']}"), first.loaded)
+    assert second.lora is first.lora and set(second.lora.adapters) == {"all", "some"}
+    with pytest.raises(KvstrataError, match="with lora_dtype float64, not float32"):
+        LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB", enable_lora=True,
+                               lora_dtype="float32"), first.loaded)
 
 
 @pytest.mark.parametrize("tensors, settings, message", [
@@ -326,8 +358,14 @@ def test_metrics_name_the_adapters_of_running_and_waiting_requests(tiny_llama, a
     engine.step()
     metrics = ServerMetrics("m", engine)
     metrics.observe_step(engine)
-    assert ('kvstrata:lora_requests_info{max_lora="",running_lora_adapters="some",waiting_lora_adapters="all"}'
+    assert ('kvstrata:lora_requests_info{max_lora="2",running_lora_adapters="some",waiting_lora_adapters="all"}'
             in metrics.render().decode())
+    while engine.has_unfinished_requests():
+        engine.step()
+    metrics.observe_step(engine)
+    page = metrics.render().decode()
+    assert 'kvstrata:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in page
+    assert page.count("kvstrata:lora_requests_info{") == 1  # the earlier reading is gone
     assert "lora_requests_info" not in ServerMetrics("m", LLMEngine(EngineConfig(
         model=str(tiny_llama), kv_cache_memory="8MiB"))).render().decode()
 

@@ -42,8 +42,8 @@ def run_lora_bench(args: argparse.Namespace) -> None:
         directories = [write_random_adapter(Path(root) / f"adapter{i}", engine.loaded.config, rank=args.rank,
                                             alpha=2 * args.rank, seed=i, std=ADAPTER_STD)
                        for i in range(args.adapters)]
-        adapter_bytes = [engine.load_lora(f"adapter{i}", str(directory)).nbytes
-                         for i, directory in enumerate(directories)]
+        for i, directory in enumerate(directories):
+            engine.load_lora(f"adapter{i}", str(directory))
         prompts = prompts_from_text(engine.tokenizer, args.requests, args.prompt_tokens)
         adapters = {"base": [None] * args.requests, "one_adapter": ["adapter0"] * args.requests,
                     "mixed": [f"adapter{i % args.adapters}" for i in range(args.requests)]}
@@ -66,7 +66,7 @@ def run_lora_bench(args: argparse.Namespace) -> None:
         "benchmark": "lora",
         "machine": machine_info(),
         **engine_info(engine),
-        "adapter_bytes": adapter_bytes[0],  # each adapter's, in --lora-dtype
+        "adapter_bytes": engine.lora.adapter("adapter0").nbytes,  # each adapter's (one shape), in --lora-dtype
         "workload": {"adapters": args.adapters, "rank": args.rank, "modules": "all seven projections",
                      "requests": args.requests, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                      "threads": torch.get_num_threads()},

@@ -126,7 +126,7 @@ class LLMEngine:
     def _lora_layers(self) -> LoRALayers | None:
         if not self.config.lora_enabled:
             return None
-        lora = LoRALayers(self.loaded.model, self.loaded.config, self.device, getattr(torch, self.config.lora_dtype))
+        lora = LoRALayers.of(self.loaded.model, self.loaded.config, self.device, getattr(torch, self.config.lora_dtype))
         for name, path in self.config.lora_module_paths():
             lora.load(name, path)
         return lora

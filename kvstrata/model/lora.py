@@ -124,7 +124,7 @@ def _read_settings(path: Path) -> dict:
     config_file = path / CONFIG_FILE
     if not config_file.is_file():
         raise KvstrataError(f"LoRA adapter {path}: no {CONFIG_FILE} (a PEFT adapter directory holds it and "
-                            f"{WEIGHT_FILE})")
+                            f"{WEIGHT_FILE} or {PICKLED_WEIGHT_FILE})")
     try:
         settings = json.loads(config_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -154,9 +154,11 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(weight_file))
         if pickled.is_file():
             tensors = torch.load(pickled, map_location="cpu", weights_only=True)
-            if isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            if isinstance(tensors, dict) and all(isinstance(name, str) and isinstance(t, torch.Tensor)
+                                                 and t.layout == torch.strided and not t.is_quantized
+                                                 for name, t in tensors.items()):
                 return tensors
-            raise ValueError("it does not hold a dict of tensors")
+            raise ValueError("it does not hold a dict of names to dense tensors")
     except (SafetensorError, OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         raise KvstrataError(f"LoRA adapter {path}: its weights are not readable ({exc})") from None
     raise KvstrataError(f"LoRA adapter {path}: no {WEIGHT_FILE} (or {PICKLED_WEIGHT_FILE})")

@@ -32,19 +32,31 @@ class LoRALayers:
         """`dtype`: of the updates' products (EngineConfig.lora_dtype)."""
         if config.architecture not in LLAMA_FAMILY:
             raise KvstrataError(f"LoRA adapters run on {', '.join(LLAMA_FAMILY)} models, not {config.architecture!r}")
-        if model.lora is not None:  # its hooks read that one's steps
-            raise KvstrataError("these weights already serve LoRA adapters in another engine; load the model again")
         self.config, self.device, self.dtype = config, device, dtype
         # read by the engine thread, changed by the server's (load, unload): each change under the lock, and readers
         # that iterate take a copy
         self.adapters: dict[str, LoRAAdapter] = {}
         self._changing = threading.Lock()
+        # the digest each name ever stood for: a name unloaded may come back only for the same weights, so that
+        # nothing that holds the name (a beam search between rounds) finds other weights under it
+        self._digests: dict[str, bytes] = {}
         self.step_spans: list[tuple[LoRAAdapter, int, int]] = []  # the step's rows [start, end) on each adapter
         for index, layer in enumerate(model.layers):
             for fused, parent in FUSED_PROJECTIONS.items():
                 module = getattr(getattr(layer, parent), fused)
                 module.register_forward_hook(functools.partial(self._add_updates, (index, fused)))
         model.lora = self
+
+    @classmethod
+    def of(cls, model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoRALayers:
+        """The model's LoRA layers: those of an engine built on the same weights before (a calibration twin, a
+        benchmark's engines, which run one at a time), else new ones."""
+        if getattr(model, "lora", None) is None:  # OPT has no such attribute: the constructor refuses it
+            return cls(model, config, device, dtype)
+        if model.lora.dtype != dtype:
+            theirs, asked = (str(d).removeprefix("torch.") for d in (model.lora.dtype, dtype))
+            raise KvstrataError(f"these weights already serve LoRA adapters with lora_dtype {theirs}, not {asked}")
+        return model.lora
 
     def load(self, name: str, path: str | Path) -> LoRAAdapter:
         """Load the adapter at `path` as `name`; loading a name again from the same directory returns the one
@@ -57,8 +69,16 @@ class LoRALayers:
             raise KvstrataError(f"LoRA adapter path {path!r} cannot be read: {exc}") from None
         adapter = self.adapters.get(name)
         if adapter is None:
-            adapter = load_lora_adapter(name, directory, self.config, self.device, self.dtype)  # outside the lock
+            try:  # outside the lock: it reads and checks the files
+                adapter = load_lora_adapter(name, directory, self.config, self.device, self.dtype)
+            except (OSError, TypeError, ValueError, RuntimeError) as exc:
+                if isinstance(exc, KvstrataError):
+                    raise
+                raise KvstrataError(f"LoRA adapter {directory}: not readable ({type(exc).__name__}: {exc})") from None
         with self._changing:  # another load of this name may have ended meanwhile
+            if self._digests.setdefault(name, adapter.digest) != adapter.digest:
+                raise KvstrataError(f"LoRA adapter name {name!r} stood for other weights before; give these another "
+                                    f"name")
             loaded = self.adapters.setdefault(name, adapter)
         if loaded.path != directory:
             raise KvstrataError(f"LoRA adapter name {name!r} is already loaded from {loaded.path}, not {directory}")

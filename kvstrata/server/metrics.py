@@ -52,12 +52,14 @@ class ServerMetrics:
             registry=self.registry,
         )
         # vLLM's: one series whose labels name the LoRA adapters of running and waiting requests (comma-separated)
-        # and whose value is when they were read; max_lora is empty, since kvstrata caps no adapter count
+        # and whose value is when they were read; max_lora, the most adapters a step may hold: every one loaded
         self.lora_info = None
+        self._lora_labels: dict[str, str] | None = None
         if engine is not None and engine.lora is not None:
             self.lora_info = Gauge("kvstrata:lora_requests_info", "LoRA adapters of running and waiting requests",
                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                                    registry=self.registry)
+            self._observe_lora(engine)
         self.model_name = model_name
         self._last_token_time: dict[str, float] = {}
         self._counted_step: StepStats | None = None  # the step whose counts the counters hold
@@ -91,17 +93,24 @@ class ServerMetrics:
         self.kv_usage.set(engine.kv_manager.usage)
         self.prefix_hit_rate.set(engine.kv_manager.prefix_stats.hit_rate)
         if self.lora_info is not None:
-            running, waiting = (",".join(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))
-                                for seqs in (engine.scheduler.running, engine.scheduler.waiting))
-            self.lora_info.clear()
-            self.lora_info.labels(max_lora="", waiting_lora_adapters=waiting,
-                                  running_lora_adapters=running).set(time.time())
+            self._observe_lora(engine)
         # counted once: gauges are also refreshed between steps (after aborts), when the last step is the same one
         if engine.step_stats and engine.step_stats[-1] is not self._counted_step:
             last = self._counted_step = engine.step_stats[-1]
             self.preemptions.inc(last.num_preempted)
             self.draft_tokens.inc(last.num_draft_tokens)
             self.accepted_tokens.inc(last.num_accepted_tokens)
+
+    def _observe_lora(self, engine: LLMEngine) -> None:
+        """The new series set before the old one goes, so that a scrape in between never finds none."""
+        running, waiting = (",".join(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))
+                            for seqs in (engine.scheduler.running, engine.scheduler.waiting))
+        labels = {"max_lora": str(len(engine.lora.adapters)), "waiting_lora_adapters": waiting,
+                  "running_lora_adapters": running}
+        self.lora_info.labels(**labels).set(time.time())
+        if self._lora_labels not in (None, labels):
+            self.lora_info.remove(*self._lora_labels.values())
+        self._lora_labels = labels
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
