@@ -25,7 +25,7 @@ import torch
 from kvstrata.bench.lora_adapters import merge_adapter, write_random_adapter
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.transformers_model import transformers_model
-from kvstrata.bench.workload import prompts_from_text
+from kvstrata.bench.workload import generate_together, prompts_from_text
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
@@ -47,7 +47,7 @@ def run_lora_bench(args: argparse.Namespace) -> None:
         prompts = prompts_from_text(engine.tokenizer, args.requests, args.prompt_tokens)
         adapters = {"base": [None] * args.requests, "one_adapter": ["adapter0"] * args.requests,
                     "mixed": [f"adapter{i % args.adapters}" for i in range(args.requests)]}
-        _generate(engine, prompts[:1], [None], 4)  # first calls' one-time costs
+        generate_together(engine, prompts[:1], [SamplingParams(max_tokens=4, temperature=0.0)])  # one-time costs
         runs = {name: _run(engine, prompts, names, args.max_tokens) for name, names in adapters.items()}
         for one in runs.values():
             one["ratio_to_base"] = sig(one["tokens_per_s"] / runs["base"]["tokens_per_s"])
@@ -74,22 +74,12 @@ def run_lora_bench(args: argparse.Namespace) -> None:
     }, args.json)
 
 
-def _generate(engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None],
-              max_tokens: int) -> list[list[int]]:
-    """Each prompt's output tokens, every request sent at once, prompt i on adapters[i]."""
-    for index, (prompt, adapter) in enumerate(zip(prompts, adapters)):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora_name=adapter)
-        engine.add_request(prompt, params, request_id=f"prompt-{index}")
-    finished: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        finished.update((out.request_id, list(out.token_ids)) for out in engine.step() if out.finished)
-    return [finished[f"prompt-{index}"] for index in range(len(prompts))]
-
-
 def _run(engine: LLMEngine, prompts: list[list[int]], adapters: list[str | None], max_tokens: int) -> dict:
     engine.reset_prefix_cache()
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, lora_name=adapter)
+              for adapter in adapters]
     start = time.perf_counter()
-    outputs = _generate(engine, prompts, adapters, max_tokens)
+    outputs = generate_together(engine, prompts, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(one) for one in outputs)
     return {"seconds": sig(seconds), "output_tokens": tokens, "tokens_per_s": sig(tokens / seconds),

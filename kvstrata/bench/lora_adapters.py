@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvstrata.model.config import ModelConfig
-from kvstrata.model.lora import CONFIG_FILE, PARTS, WEIGHT_FILE, input_sizes, part_sizes
+from kvstrata.model.lora import CONFIG_FILE, PARTS, WEIGHT_FILE, input_sizes, part_sizes, scaling
 
 ALL_MODULES = tuple(PARTS)
 
@@ -50,8 +50,6 @@ def merge_adapter(hf_model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Modu
             if ".lora_A." not in name:
                 continue
             b = tensors[name.replace(".lora_A.", ".lora_B.")]
-            rank = a.shape[0]
-            scaling = settings["lora_alpha"] / (rank ** 0.5 if settings.get("use_rslora") else rank)
             weight = parameters[name.removeprefix("base_model.model.").split(".lora_A.")[0] + ".weight"]
-            weight += (scaling * b.double() @ a.double()).to(weight.dtype)
+            weight += (scaling(settings, a.shape[0]) * b.double() @ a.double()).to(weight.dtype)
     return hf_model

@@ -21,7 +21,7 @@ import torch
 
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.transformers_model import transformers_model
-from kvstrata.bench.workload import read_text
+from kvstrata.bench.workload import generate_together, read_text
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
@@ -98,13 +98,8 @@ def _passages(text: str, count: int, skip: int) -> list[str]:
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, batch: int) -> list[list[int]]:
     """Each prompt's output tokens, `batch` requests at a time (each group sent together and run to its end)."""
-    finished: dict[str, list[int]] = {}
-    for first in range(0, len(prompts), batch):
-        for index in range(first, min(first + batch, len(prompts))):
-            engine.add_request(prompts[index], params, request_id=f"prompt-{index}")
-        while engine.has_unfinished_requests():
-            finished.update((out.request_id, list(out.token_ids)) for out in engine.step() if out.finished)
-    return [finished[f"prompt-{index}"] for index in range(len(prompts))]
+    return [tokens for first in range(0, len(prompts), batch)
+            for tokens in generate_together(engine, prompts[first : first + batch], [params] * batch)]
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, batch: int) -> dict:

@@ -1,4 +1,4 @@
-"""Prompts for benchmarks, cut from a text file."""
+"""Prompts for benchmarks, cut from a text file, and running them together."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def prompts_from_text(tokenizer, count: int, length: int, text_file: Path = EMMA
     if len(ids) < count * length:
         raise KvstrataError(f"{text_file} has {len(ids)} tokens, fewer than {count} x {length}")
     return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def generate_together(engine, prompts: list[list[int]], params: list) -> list[list[int]]:
+    """Each prompt's output tokens (prompt i with params[i]), every request sent at once and run to its end."""
+    ids = [engine.add_request(prompt, one) for prompt, one in zip(prompts, params)]
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, list(out.token_ids)) for out in engine.step() if out.finished)
+    return [finished[request_id] for request_id in ids]
 
 
 def parse_length(spec: str, flag: str):

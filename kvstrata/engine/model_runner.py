@@ -53,9 +53,9 @@ class ModelRunner:
         """Order the work (decodes first) and build the token ids and attention metadata. A sequence verifying
         drafts is one decode per token, each reading the cached keys up to its own position."""
         decodes = [_decodes(*w) for w in work]
-        # decodes first, those on one LoRA adapter side by side (each adapter's rows one span: lora_layers.py)
-        ordered = (sorted((w for w, d in zip(work, decodes) if d), key=lambda w: _adapter_name(w[0]))
-                   + [w for w, d in zip(work, decodes) if not d])
+        ordered = [w for w, d in zip(work, decodes) if d] + [w for w, d in zip(work, decodes) if not d]
+        if getattr(self.model, "lora", None) is not None:  # decodes on one adapter side by side: one span of rows
+            ordered[: sum(decodes)] = sorted(ordered[: sum(decodes)], key=lambda w: _adapter_name(w[0]))
         num_decode_seqs = sum(decodes)
         seq_rows = self.block_tables.rows_for([seq for seq, _ in ordered])
         rows, starts, counts, token_ids = [], [], [], []

@@ -181,10 +181,13 @@ def _checked_parts(path: Path, pairs: dict[tuple[int, str], dict[str, torch.Tens
                                 f"model (A must be [r, {inputs[fused]}] and B [{out}, r], r >= 1)")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise KvstrataError(f"{where}: the weights hold values that are not finite")
-        rank = a.shape[0]
-        scaling = settings["lora_alpha"] / (math.sqrt(rank) if settings.get("use_rslora") else rank)
-        parts[(layer, module)] = (a, b * scaling)
+        parts[(layer, module)] = (a, b * scaling(settings, a.shape[0]))
     return parts
+
+
+def scaling(settings: dict, rank: int) -> float:
+    """PEFT's factor of a module's B A: lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA."""
+    return settings["lora_alpha"] / (math.sqrt(rank) if settings.get("use_rslora") else rank)
 
 
 def _by_fused_projection(parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
