@@ -24,6 +24,7 @@ from kvstrata.model.weight_format import WEIGHT_FORMATS
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULERS = ("sarathi", "prefill-first", "static")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # engine/scheduler/policy.py
 GENERATION_CONFIGS = ("auto", "vllm")
 LORA_DTYPES = ("float64", "float32")
 KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
@@ -226,6 +227,13 @@ class EngineConfig:
         default=None, metadata=_option("sarathi: round each step's token count down to a multiple of this")
     )
     max_num_seqs: int = field(default=128, metadata=_option("most sequences running at once"))
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=_option("the order requests are served in (vLLM's --scheduling-policy): fcfs (first come, first "
+                         "served), or priority (each request's priority, lower first, ties by arrival; a waiting "
+                         "request that finds no room preempts running ones of a larger number)",
+                         choices=SCHEDULING_POLICIES),
+    )
     num_speculative_tokens: int = field(
         default=0,
         metadata=_option("speculative decoding by prompt lookup: up to this many tokens guessed per decode step from "
@@ -352,7 +360,8 @@ class EngineConfig:
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         if self.chat_template is not None:  # the text itself from here on, so that replicas need no file
             self.chat_template = read_chat_template(self.chat_template)
-        choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS), ("kv_format", KV_FORMATS),
+        choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS),
+                   ("scheduling_policy", SCHEDULING_POLICIES), ("kv_format", KV_FORMATS),
                    ("generation_config", GENERATION_CONFIGS), ("lora_dtype", LORA_DTYPES),
                    ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
                    ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS),

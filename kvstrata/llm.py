@@ -40,6 +40,7 @@ class LLM:
         context_level: str | None = None,
         recompute_chunks: Iterable[int] = (),
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched by the scheduler; outputs in the prompts' order.
 
@@ -50,10 +51,12 @@ class LLM:
         saying why; the other prompts are unaffected.
 
         `lora_request` (vLLM's): the LoRA adapter every prompt runs on, or one (or None, the base model) per prompt;
-        the engine needs enable_lora.
+        the engine needs enable_lora. `priority` (vLLM's): each prompt's priority, lower first, under
+        scheduling_policy "priority" (SamplingParams.priority).
         """
         prompts = _as_list(prompts)
         params_list = with_adapters(self.engine, self._params_per_prompt(params, len(prompts)), lora_request)
+        params_list = _with_priorities(params_list, priority)
         arrival = time.perf_counter()  # time to first token counts the context's decoding too
         load = ContextLoad.prepare(self.engine, context, context_level, recompute_chunks)
         ids = [self._add(p, sp, load, arrival) for p, sp in zip(prompts, params_list)]
@@ -97,6 +100,7 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Like `generate`, for chat conversations (lists of {"role", "content"}) under the chat template. With
         `continue_final_message`, each conversation's last message (an answer begun) is continued rather than
@@ -105,7 +109,7 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [self.chat_prompt(c, continue_final_message, tools, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, params, use_tqdm, lora_request=lora_request, priority=priority)
 
     def chat_prompt(self, messages: Messages, continue_final_message: bool = False,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
@@ -154,6 +158,15 @@ class LLM:
         if len(params) != count:
             raise KvstrataError(f"got {len(params)} sampling params for {count} prompts; give one or one per prompt")
         return list(params)
+
+
+def _with_priorities(params: list[SamplingParams], priority: Sequence[int] | None) -> list[SamplingParams]:
+    """`params` (one per prompt) with each prompt's priority, where one is given per prompt."""
+    if priority is None:
+        return params
+    if isinstance(priority, int) or len(priority) != len(params):
+        raise KvstrataError(f"priority {priority!r:.200} is not a list of one priority per prompt ({len(params)})")
+    return [dataclasses.replace(one, priority=value) for one, value in zip(params, priority)]
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:

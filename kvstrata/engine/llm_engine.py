@@ -209,13 +209,13 @@ class LLMEngine:
     def _make_scheduler(self) -> Scheduler:
         c = self.config
         if c.scheduler == "sarathi":
-            return SarathiScheduler(self.kv_manager, c.max_num_seqs, c.chunk_size, c.tile)
+            return SarathiScheduler(self.kv_manager, c.max_num_seqs, c.chunk_size, c.tile, c.scheduling_policy)
         if c.scheduler == "prefill-first":
             budget = c.max_prefill_tokens or max(self.max_model_len, 2048)
             if budget < self.max_model_len:
                 raise KvstrataError(f"max_prefill_tokens {budget} is below max_model_len {self.max_model_len}")
-            return PrefillFirstScheduler(self.kv_manager, c.max_num_seqs, budget)
-        return StaticScheduler(self.kv_manager, c.max_num_seqs)
+            return PrefillFirstScheduler(self.kv_manager, c.max_num_seqs, budget, c.scheduling_policy)
+        return StaticScheduler(self.kv_manager, c.max_num_seqs, c.scheduling_policy)
 
     def _tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, with the chat template given in place of its own."""
@@ -292,7 +292,12 @@ class LLMEngine:
         """What only the model can tell of a request's sampling parameters: the token ids they name (bad_words' too)
         lie in the vocabulary (the sampler indexes its logits by them), while min_tokens and bad_words ban tokens
         some token is left to generate (else a row of the batched sampler has no finite logit), and its structured
-        output compiles (ParameterError "structured_output" otherwise; kept for add_request)."""
+        output compiles (ParameterError "structured_output" otherwise; kept for add_request). A priority other
+        than 0 needs the priority scheduling policy, as vLLM's does."""
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ParameterError("priority", f"priority {params.priority} needs the priority scheduling policy "
+                                             f"(--scheduling-policy priority); this engine schedules "
+                                             f"{self.config.scheduling_policy}")
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)
         vocab = self.loaded.config.vocab_size

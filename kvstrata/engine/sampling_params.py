@@ -37,6 +37,11 @@ def _check_number(name: str, value, low: float, high: float, low_inclusive: bool
         raise KvstrataError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
 
 
+def check_priority(priority) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ParameterError("priority", f"priority must be an integer (lower runs earlier), got {priority!r:.200}")
+
+
 @dataclass
 class SamplingParams:
     """temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy; top_k 0, top_p 1, min_p 0, the penalties'
@@ -75,6 +80,9 @@ class SamplingParams:
     # the LoRA adapter (loaded in the engine under this name) the request runs with; None: the base model. vLLM
     # passes a LoRARequest beside the parameters, as LLM.generate's lora_request does here
     lora_name: str | None = None
+    # its place in the queues under the engine's priority scheduling: lower runs earlier, and may preempt running
+    # requests of a larger number (vLLM passes it beside the parameters, as LLM.generate's priority does here)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -118,6 +126,7 @@ class SamplingParams:
         if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
             raise KvstrataError(f"lora_name must be a LoRA adapter's name (a non-empty string), got "
                                 f"{self.lora_name!r:.200}")
+        check_priority(self.priority)
         self._check_structured_output()
 
     def _check_structured_output(self) -> None:

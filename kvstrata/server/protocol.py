@@ -92,6 +92,11 @@ def integer(**constraints):
     return Annotated[StrictInt, Field(**constraints), BeforeValidator(_whole_number)]
 
 
+# vLLM's request priority: lower is served earlier, under --scheduling-policy priority (anything but 0 is refused
+# otherwise); a 64-bit integer
+Priority = integer(ge=-(2**63), le=2**63 - 1)
+
+
 def _template_variables(value: dict) -> dict:
     taken = sorted(value.keys() & set(TEMPLATE_ARGUMENTS))
     if taken:
@@ -200,6 +205,7 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: integer(ge=1) | None = None  # only the prompt's last k tokens are used
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    priority: Priority = 0
     # vLLM's beam search: n beams wide, all n returned, best first (engine/beam_search.py); length_penalty and
     # early_stopping as transformers takes them
     use_beam_search: StrictBool = False
@@ -250,6 +256,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             structured_output=self.structured_output(),
             prompt_logprobs=self.prompt_logprobs,
+            priority=self.priority,
         )
 
     def beam_search_params(self, sampling: SamplingParams) -> BeamSearchParams:
@@ -266,7 +273,8 @@ class _SamplingFields(BaseModel):
         return BeamSearchParams(beam_width=self.n, max_tokens=sampling.max_tokens,
                                 length_penalty=float(self.length_penalty), early_stopping=self.early_stopping,
                                 ignore_eos=sampling.ignore_eos, stop_token_ids=tuple(sampling.stop_token_ids),
-                                skip_special_tokens=sampling.skip_special_tokens, lora_name=sampling.lora_name)
+                                skip_special_tokens=sampling.skip_special_tokens, lora_name=sampling.lora_name,
+                                priority=sampling.priority)
 
     def structured_output(self) -> StructuredOutput | None:
         """The constraint of whichever field gives one; ParameterError naming the field where it is wrong or a

@@ -21,6 +21,7 @@ from kvstrata.server.protocol import (
     Number,
     OnlyFalse,
     OnlyNull,
+    Priority,
     Text,
     integer,
 )
@@ -145,11 +146,12 @@ class ResponsesRequest(BaseModel):
     conversation: OnlyNull = None  # a stored conversation's
     prompt: OnlyNull = None  # a stored prompt template's
     background: OnlyFalse = False
+    priority: Priority = 0  # vLLM's (the chat endpoint's)
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request this one amounts to (pydantic's ValidationError where the chat endpoint refuses it)."""
         body = {"model": self.model, "messages": self._messages(), "stream": self.stream,
-                "parallel_tool_calls": self.parallel_tool_calls}
+                "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority}
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p)):
             if value is not None:

@@ -2,7 +2,8 @@
 
 A scheduler only decides which tokens of which sequences run in the next step; the engine runs
 them. Preemption is by recompute: a preempted sequence gives back its blocks, returns to the
-front of the waiting queue and is prefilled again (often from the prefix cache) when it resumes.
+waiting queue (at the front, or in its priority's place: policy.py) and is prefilled again (often
+from the prefix cache) when it resumes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvstrata.engine.scheduler.policy import scheduling_policy
 from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.kv.cache_manager import KVCacheManager
 
@@ -31,17 +33,18 @@ class Scheduler(ABC):
     # speculative decoding: the tokens guessed to follow a decoding sequence's last one (the engine sets it)
     propose_drafts: Callable[[Sequence], list[int]] | None = None
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, policy: str = "fcfs"):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
-        self.waiting: deque[Sequence] = deque()
+        self.policy = scheduling_policy(policy)
+        self.waiting: deque[Sequence] = deque()  # in the policy's order, as `running` is
         self.running: list[Sequence] = []
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput: ...
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.policy.enqueue(self.waiting, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -56,29 +59,47 @@ class Scheduler(ABC):
 
     def _admit(self, out: SchedulerOutput, token_budget: int | None, whole: bool) -> bool:
         """Move the first waiting sequence that need not wait (`_next_to_admit`) to running, scheduling up to
-        `token_budget` of its tokens.
+        `token_budget` of its tokens; short of KV blocks or of room in the batch, it preempts running sequences
+        the policy ranks below it, worst first, until it fits.
 
         `whole` demands all its pending tokens in this step. False when it does not fit.
         """
-        if len(self.running) >= self.max_num_seqs or (token_budget is not None and token_budget <= 0):
+        if token_budget is not None and token_budget <= 0:
             return False
         seq = self._next_to_admit(out)
         if seq is None:
             return False
+        while True:
+            fits = self._try_admit(seq, out, token_budget, whole)
+            if fits is not None:
+                return fits
+            victim = self.running[-1] if self.running else None
+            if victim is None or not self.policy.ranks_below(victim, seq):
+                return False
+            self._preempt_in_step(victim, out)
+
+    def _try_admit(self, seq: Sequence, out: SchedulerOutput, token_budget: int | None, whole: bool) -> bool | None:
+        """Admit `seq` if it fits: True when admitted, False when the step's token budget is short, None when
+        the batch or the block pool is (which preempting others could mend)."""
+        if len(self.running) >= self.max_num_seqs:
+            return None
         hits = self.kv.match_prefix(seq)
         placed = self.kv.place_preloaded(seq)
         pending = seq.num_tokens_to_compute
         num_tokens = pending if token_budget is None else min(pending, token_budget)
-        if not placed or (whole and num_tokens < pending) or not self.kv.grow(seq, num_tokens):
+        if whole and num_tokens < pending:
             self.kv.free(seq)
             return False
+        if not placed or not self.kv.grow(seq, num_tokens):
+            self.kv.free(seq)
+            return None
         self.kv.prefix_stats.record(seq.num_tokens, hits)
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = hits
             seq.num_reused_prompt_tokens = seq.num_computed_tokens
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.policy.start(self.running, seq)
         out.scheduled.append((seq, num_tokens))
         return True
 
@@ -117,19 +138,24 @@ class Scheduler(ABC):
                 budget = None if budget is None else budget - len(drafts)
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Room for `num_tokens` more tokens of a running `seq`, preempting the newest sequences if short.
+        """Room for `num_tokens` more tokens of a running `seq`, preempting the last running sequences (the
+        newest, or the worst by priority) if short.
 
-        False when `seq` itself had to be preempted. Sequences are visited oldest first, so the
-        oldest always progresses and no step is left empty while anything runs.
+        False when `seq` itself had to be preempted. Sequences are visited in the running queue's order, so the
+        first always progresses and no step is left empty while anything runs.
         """
         while not self.kv.grow(seq, num_tokens):
             victim = self.running[-1]
-            self.preempt(victim)
-            out.preempted.append(victim)
-            out.scheduled = [(s, n) for s, n in out.scheduled if s is not victim]
+            self._preempt_in_step(victim, out)
             if victim is seq:
                 return False
         return True
+
+    def _preempt_in_step(self, victim: Sequence, out: SchedulerOutput) -> None:
+        """Preempt `victim` while the step is being planned: whatever of it the step had scheduled is dropped."""
+        self.preempt(victim)
+        out.preempted.append(victim)
+        out.scheduled = [(s, n) for s, n in out.scheduled if s is not victim]
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -137,4 +163,4 @@ class Scheduler(ABC):
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.policy.requeue(self.waiting, seq)

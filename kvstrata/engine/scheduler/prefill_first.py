@@ -17,8 +17,9 @@ from kvstrata.kv.cache_manager import KVCacheManager
 
 
 class PrefillFirstScheduler(Scheduler):
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int | None):
-        super().__init__(kv, max_num_seqs)
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int | None,
+                 policy: str = "fcfs"):
+        super().__init__(kv, max_num_seqs, policy)
         self.max_prefill_tokens = max_prefill_tokens
 
     def may_admit(self) -> bool:
@@ -50,8 +51,8 @@ class StaticScheduler(PrefillFirstScheduler):
     # wait for the whole batch instead.
     shares_prefixes_in_flight = False
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int):
-        super().__init__(kv, max_num_seqs, max_prefill_tokens=None)
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, policy: str = "fcfs"):
+        super().__init__(kv, max_num_seqs, max_prefill_tokens=None, policy=policy)
 
     def may_admit(self) -> bool:
         return not self.running

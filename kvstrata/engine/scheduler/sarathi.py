@@ -13,8 +13,9 @@ from kvstrata.kv.cache_manager import KVCacheManager
 
 
 class SarathiScheduler(Scheduler):
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, chunk_size: int, tile: int | None = None):
-        super().__init__(kv, max_num_seqs)
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, chunk_size: int, tile: int | None = None,
+                 policy: str = "fcfs"):
+        super().__init__(kv, max_num_seqs, policy)
         self.chunk_size = chunk_size
         self.tile = tile
 

@@ -1,0 +1,171 @@
+"""--scheduling-policy: fcfs and priority order admission and preemption (engine/scheduler/policy.py)."""
+
+import httpx
+import pytest
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.engine.beam_search import BeamSearchParams
+from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, StaticScheduler
+from kvstrata.engine.sequence import Sequence
+from kvstrata.errors import KvstrataError, ParameterError
+from kvstrata.kv.cache_manager import KVCacheManager
+from kvstrata.server.responses_protocol import ResponsesRequest
+from tests.server_harness import running_server
+from tests.test_schedulers import run, shape
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def seq(seq_id: int, prompt_len: int, priority: int = 0) -> Sequence:
+    tokens = list(range(1000 * seq_id, 1000 * seq_id + prompt_len))
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(priority=priority), arrival_time=float(seq_id))
+
+
+def sarathi(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8, chunk_size: int = 64):
+    return SarathiScheduler(KVCacheManager(num_blocks, block_size), max_num_seqs, chunk_size, policy="priority")
+
+
+def test_the_waiting_are_admitted_by_priority_then_arrival():
+    sched = sarathi(chunk_size=32)
+    for seq_id, priority in ((0, 2), (1, 0), (2, 2), (3, -1)):
+        sched.add(seq(seq_id, 20, priority))
+    assert [s.seq_id for s in sched.waiting] == [3, 1, 0, 2]
+    assert shape(sched.schedule()) == [(3, 20), (1, 12)]
+
+
+def test_fcfs_admits_in_arrival_order_whatever_the_requests_priorities():
+    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=32)
+    sched.add(seq(0, 20, priority=5))
+    sched.add(seq(1, 20, priority=0))
+    assert shape(sched.schedule()) == [(0, 20), (1, 12)]
+
+
+def test_a_waiting_request_short_of_blocks_preempts_a_running_one_of_worse_priority():
+    sched = sarathi(num_blocks=4, block_size=4)
+    low = seq(0, 11, priority=2)
+    sched.add(low)
+    run(sched, sched.schedule())  # 12 tokens: 3 of the 4 blocks
+    middle, urgent = seq(1, 7, priority=1), seq(2, 7, priority=0)  # 2 blocks each: only 1 is free
+    sched.add(middle)
+    sched.add(urgent)
+    out = sched.schedule()
+    # low's decode, scheduled first, was dropped; low goes back behind middle, which then fits
+    assert out.preempted == [low] and shape(out) == [(2, 7), (1, 7)]
+    assert list(sched.waiting) == [low] and low.num_computed_tokens == 0 and low.num_preemptions == 1
+    run(sched, out)
+    sched.finish(urgent)
+    sched.finish(middle)
+    assert shape(sched.schedule()) == [(0, 12)]  # it resumes: its prompt and the token it had sampled
+
+
+def test_a_waiting_request_does_not_preempt_one_of_its_own_priority():
+    sched = sarathi(num_blocks=4, block_size=4)
+    first = seq(0, 11, priority=1)
+    sched.add(first)
+    run(sched, sched.schedule())
+    sched.add(seq(1, 7, priority=1))
+    out = sched.schedule()
+    assert not out.preempted and shape(out) == [(0, 1)]
+    assert [s.seq_id for s in sched.waiting] == [1]
+
+
+def test_a_full_batch_makes_room_for_a_better_request():
+    sched = sarathi(max_num_seqs=2)
+    for seq_id in (0, 1):
+        sched.add(seq(seq_id, 10, priority=3))
+    run(sched, sched.schedule())
+    sched.add(seq(2, 10, priority=1))
+    out = sched.schedule()
+    assert [s.seq_id for s in out.preempted] == [1]  # of two alike, the later one
+    assert shape(out) == [(0, 1), (2, 10)]
+
+
+def test_a_running_request_short_of_blocks_preempts_the_worst_priority_not_the_newest():
+    sched = sarathi(num_blocks=5, block_size=4)
+    low, high = seq(0, 8, priority=2), seq(1, 8, priority=0)
+    sched.add(low)
+    run(sched, sched.schedule())
+    sched.add(high)
+    run(sched, sched.schedule())  # low's ninth token takes a third block, high's prompt two: all five
+    assert [s.seq_id for s in sched.running] == [1, 0]  # best first
+    out = sched.schedule()  # high's ninth token needs a sixth block: low, older but worse, gives way
+    assert out.preempted == [low] and shape(out) == [(1, 1)]
+
+
+def test_prefill_first_and_static_admit_by_priority():
+    for sched in (PrefillFirstScheduler(KVCacheManager(64, 16), 8, 2048, policy="priority"),
+                  StaticScheduler(KVCacheManager(64, 16), max_num_seqs=1, policy="priority")):
+        sched.add(seq(0, 10, priority=1))
+        sched.add(seq(1, 10, priority=0))
+        assert shape(sched.schedule())[0] == (1, 10)
+
+
+def test_a_priority_must_be_an_integer():
+    with pytest.raises(ParameterError, match="priority must be an integer") as error:
+        SamplingParams(priority=1.5)
+    assert error.value.param == "priority"
+    with pytest.raises(ParameterError, match="priority must be an integer"):
+        BeamSearchParams(beam_width=2, priority="high")
+
+
+def test_a_priority_needs_the_priority_policy(tiny_llama):
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB")
+    with pytest.raises(ParameterError, match="priority 2 needs the priority scheduling policy") as error:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, priority=2))
+    assert error.value.param == "priority"
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, priority=0))[0].finish_reason == "length"
+    with pytest.raises(KvstrataError, match="scheduling_policy 'lifo' is not one of fcfs, priority"):
+        LLM(str(tiny_llama), scheduling_policy="lifo")
+
+
+def test_priorities_reorder_and_preempt_but_never_change_outputs(tiny_llama):
+    prompts = [[3 + (7 * i + j) % 300 for j in range(length)] for i, length in enumerate((5, 37, 12, 64, 3, 90, 21, 48))]
+    expected = [o.token_ids for o in LLM(str(tiny_llama), kv_cache_memory="8MiB").generate(prompts, GREEDY)]
+    bytes_per_block = 16 * 2 * 3 * 2 * 16 * 4  # tokens * (K,V) * layers * kv heads * head dim * fp32
+    cramped = LLM(str(tiny_llama), kv_cache_memory=10 * bytes_per_block, max_model_len=128, chunk_size=32,
+                  scheduling_policy="priority")
+    priorities = [3, 0, 2, 1, 0, 3, 1, 2]
+    outputs = cramped.generate(prompts, GREEDY, priority=priorities)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(s.num_preempted for s in cramped.engine.step_stats) > 0
+    assert cramped.engine.kv_manager.pool.num_used == 0
+    with pytest.raises(KvstrataError, match="not a list of one priority per prompt"):
+        cramped.generate(prompts, GREEDY, priority=[0])
+
+
+def test_the_urgent_request_finishes_first_under_priority_and_last_under_fcfs(tiny_llama):
+    prompts = [[3 + i] * 40 for i in range(4)]
+    order = {}
+    for policy in ("fcfs", "priority"):
+        llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", chunk_size=48, scheduling_policy=policy)
+        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, priority=0 if i == 3 or policy ==
+                                 "fcfs" else 1) for i in range(4)]
+        ids = [llm.engine.add_request(prompt, one) for prompt, one in zip(prompts, params)]
+        finished = []
+        while llm.engine.has_unfinished_requests():
+            finished += [out.request_id for out in llm.engine.step() if out.finished]
+        order[policy] = [ids.index(request_id) for request_id in finished]
+    assert order["priority"][0] == 3
+    assert order["fcfs"][-1] == 3
+
+
+def test_the_server_takes_vllm_s_priority_field_where_the_policy_is_priority(tiny_llama):
+    completion = {"model": "m", "prompt": "Emma Woodhouse", "max_tokens": 2}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    with running_server(str(tiny_llama), "m", kv_cache_memory="8MiB", max_model_len=256) as (url, _):
+        refused = httpx.post(f"{url}/v1/completions", json={**completion, "priority": 3}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+        assert "--scheduling-policy priority" in refused.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/completions", json={**completion, "priority": 0}, timeout=60).status_code == 200
+    with running_server(str(tiny_llama), "m", kv_cache_memory="8MiB", max_model_len=256,
+                        scheduling_policy="priority") as (url, _):
+        for path, body in (("completions", {**completion, "priority": -4}), ("chat/completions", {**chat, "priority": 9}),
+                           ("completions", {**completion, "priority": 2, "use_beam_search": True, "n": 2}),
+                           ("responses", {"model": "m", "input": "Hello", "max_output_tokens": 2, "priority": 1})):
+            assert httpx.post(f"{url}/v1/{path}", json=body, timeout=60).status_code == 200, path
+        wrong = httpx.post(f"{url}/v1/completions", json={**completion, "priority": "high"}, timeout=60)
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "priority"
+
+
+def test_a_responses_request_keeps_its_priority():
+    assert ResponsesRequest(model="m", input="hi", priority=-2).chat_request().priority == -2
