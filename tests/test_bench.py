@@ -309,3 +309,19 @@ def test_lora_adapters_against_the_base_model_and_transformers_merged_weights(ti
         assert report["transformers"][name]["output_tokens"] == 4 * 8
     assert main(["bench", "lora", "--model", str(tiny_llama), *TINY, "--rank", "0"]) == 2
     assert "--rank" in capsys.readouterr().err
+
+
+def test_priority_serves_the_urgent_requests_sooner_than_fcfs(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "priority", "--model", str(tiny_llama), "--background", "6",
+                      "--background-running", "2", "--background-prompt-tokens", "32", "--background-max-tokens", "16",
+                      "--urgent", "2", "--urgent-prompt-tokens", "8", "--urgent-max-tokens", "4", "--urgent-after", "3",
+                      "--urgent-every", "5", "--rounds", "1", "--json")
+    assert report["workload"]["urgent_arrival_steps"] == [3, 8]
+    fcfs, priority = report["medians"]["fcfs"], report["medians"]["priority"]
+    # steps, not seconds: under fcfs each urgent request waits for background requests to finish; under priority it
+    # preempts one and has its first token the next step
+    assert priority["urgent_ttft_steps_mean"] == 1 < fcfs["urgent_ttft_steps_mean"]
+    assert priority["preemptions"] >= 1 and priority["recomputed_tokens"] > 0
+    assert report["fcfs_over_priority"]["urgent_ttft_steps_mean"] == fcfs["urgent_ttft_steps_mean"]
+    assert main(["bench", "priority", "--model", str(tiny_llama), "--urgent", "0"]) == 2
+    assert "--urgent" in capsys.readouterr().err

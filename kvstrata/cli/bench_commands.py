@@ -114,6 +114,29 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(lora)
     add_engine_arguments(lora)
 
+    priority = bench.add_parser(
+        "priority", help="urgent requests behind a batch job: --scheduling-policy priority against fcfs",
+        description="--background requests (priority 1) sent at once to a KV budget that holds --background-running "
+                    "of them; --urgent shorter requests (priority 0) arriving before step --urgent-after and every "
+                    "--urgent-every steps after it. The same workload under fcfs and under priority, alternately "
+                    "for --rounds rounds. Reports the urgent requests' time to first token and latency, the "
+                    "background's latency, tokens/s, preemptions and recomputed tokens, and fcfs over priority.",
+    )
+    priority.add_argument("--background", type=int, default=16, help="background requests (default: 16)")
+    priority.add_argument("--background-running", type=int, default=8,
+                          help="background requests the KV budget holds at full length (default: 8)")
+    priority.add_argument("--background-prompt-tokens", type=int, default=256, help="(default: 256)")
+    priority.add_argument("--background-max-tokens", type=int, default=128, help="(default: 128)")
+    priority.add_argument("--urgent", type=int, default=4, help="urgent requests (default: 4)")
+    priority.add_argument("--urgent-prompt-tokens", type=int, default=64, help="(default: 64)")
+    priority.add_argument("--urgent-max-tokens", type=int, default=16, help="(default: 16)")
+    priority.add_argument("--urgent-after", type=int, default=16, help="step before which the first arrives "
+                                                                       "(default: 16)")
+    priority.add_argument("--urgent-every", type=int, default=32, help="steps between arrivals (default: 32)")
+    priority.add_argument("--rounds", type=int, default=2, help="rounds of fcfs then priority (default: 2)")
+    _add_output_flags(priority)
+    add_engine_arguments(priority)
+
     throughput = bench.add_parser(
         "throughput", help="offline workload: each scheduler against transformers generate",
         description="N requests arrive at once (prompts cut from --text, greedy, fixed seed). kvstrata runs them "
@@ -230,6 +253,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from kvstrata.bench.infinigen_analysis import run_infinigen_analysis
     from kvstrata.bench.lora import run_lora_bench
     from kvstrata.bench.offload import run_offload
+    from kvstrata.bench.priority import run_priority_bench
     from kvstrata.bench.run import run_decode, run_roofline, run_sarathi, run_throughput
     from kvstrata.bench.serve import run_bench_serve
     from kvstrata.bench.speculative import run_speculative_bench
@@ -237,5 +261,6 @@ def run_bench(args: argparse.Namespace) -> None:
     commands = {"serve": run_bench_serve, "roofline": run_roofline, "throughput": run_throughput, "sarathi": run_sarathi,
                 "decode": run_decode, "infinigen-analysis": run_infinigen_analysis,
                 "offload": run_offload, "impress-analysis": run_impress_analysis,
-                "beam-search": run_beam_search_bench, "speculative": run_speculative_bench, "lora": run_lora_bench}
+                "beam-search": run_beam_search_bench, "speculative": run_speculative_bench, "lora": run_lora_bench,
+                "priority": run_priority_bench}
     commands[args.bench](args)
