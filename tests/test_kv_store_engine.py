@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from kvstrata import LLM
 from kvstrata.cachegen.profile import calibrate
 from kvstrata.config import EngineConfig
 from kvstrata.engine import llm_engine
@@ -395,3 +396,16 @@ def test_a_store_under_int4_weights_costs_prefill_like_float_weights(tiny_llama)
         ratios[weights] = engine.kv_store.estimate.prefill.pair_cost_ratio
         engine.kv_store.close()
     assert ratios["int4"] == ratios["fp32"] > 0
+
+
+def test_requests_on_a_saved_context_neither_look_up_nor_write_chunks(tiny_llama, tmp_path):
+    """Their KV is the context's decoded bitstream, not what a prefill computes: it is kept out of the store."""
+    llm = LLM(str(tiny_llama), kv_cache_memory="480KiB", threads=1, kv_store_chunk_tokens=CHUNK,
+              kv_store=f"disk:{tmp_path}/kv:64MiB")
+    llm.save_context(PROMPTS[0], tmp_path / "context.kv", levels=["near-lossless"])
+    llm.generate([PROMPTS[1][:80]], SamplingParams(temperature=0, max_tokens=2), context=tmp_path / "context.kv")
+    llm.engine.kv_store.flush()
+    assert llm.engine.kv_store.stats.requests_looked_up == 0 and llm.engine.kv_store.stats.chunks_queued == 0
+    llm.generate([PROMPTS[1][:80]], SamplingParams(temperature=0, max_tokens=2))  # the control: a plain request
+    llm.engine.kv_store.flush()
+    assert llm.engine.kv_store.stats.requests_looked_up == 1 and llm.engine.kv_store.stats.chunks_queued == 2

@@ -126,6 +126,36 @@ def test_a_request_on_an_adapter_takes_no_saved_context(llm, tmp_path):
         llm.generate([PROMPTS[0]], SamplingParams(lora_name="all"), context=path)
 
 
+def test_an_adapter_s_chunks_in_the_kv_store_serve_only_that_adapter_in_its_dtype(tiny_llama, adapters, llm, tmp_path):
+    modules = ",".join(f"{name}={path}" for name, path in adapters.items())
+    prompt = PROMPTS[2]  # 75 tokens: two chunks of 32 before its last token
+    expected = {name: llm.generate([prompt], SamplingParams(**{**vars(GREEDY), "lora_name": name}))[0].token_ids
+                for name in (None, *adapters)}
+
+    def ask(engine, name):
+        """The request's output and the prompt tokens the store gave it, with nothing in the device pool."""
+        engine.reset_prefix_cache()
+        request_id = engine.add_request(prompt, SamplingParams(**{**vars(GREEDY), "lora_name": name}))
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [out for out in engine.step() if out.finished and out.request_id == request_id]
+        engine.kv_store.flush()
+        return finished[0].token_ids, finished[0].num_cached_tokens
+
+    def make(dtype="float64"):
+        return LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256,
+                                      lora_modules=modules, lora_dtype=dtype, kv_store_chunk_tokens=32,
+                                      kv_store=f"disk:{tmp_path}/kv:64MiB"))
+
+    writer = make()
+    assert ask(writer, "all") == (expected["all"], 0)  # computed, then written to the disk tier
+    assert ask(writer, "all") == (expected["all"], 64)  # read back on the same adapter
+    assert ask(writer, "some") == (expected["some"], 0)  # another adapter computes it
+    assert ask(writer, None) == (expected[None], 0)  # and so does the base model
+    assert ask(make(), "all") == (expected["all"], 64)  # an engine started later finds it on disk
+    assert ask(make("float32"), "all")[1] == 0  # KV rounded otherwise is not taken
+
+
 def test_an_adapter_unloaded_while_a_request_runs_on_it_serves_that_request_to_its_end(tiny_llama, adapters, llm):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256,
                                     lora_modules=f"all={adapters['all']}"))

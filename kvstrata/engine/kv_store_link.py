@@ -152,15 +152,17 @@ class KVStoreLink:
     def num_loading(self) -> int:
         return len(self._loads)
 
-    def chunk_keys(self, token_ids: list[int], num_chunks: int) -> list[str]:
-        hashes = full_block_hashes(token_ids[: num_chunks * self.chunk_tokens], self.chunk_tokens, [], self.root)
+    def chunk_keys(self, token_ids: list[int], num_chunks: int, salt: bytes = b"") -> list[str]:
+        """The keys of the first `num_chunks` chunks of `token_ids`, in the chain `salt` starts (Sequence.store_salt)."""
+        hashes = full_block_hashes(token_ids[: num_chunks * self.chunk_tokens], self.chunk_tokens, [],
+                                   self.root + salt)
         return [h.hex() for h in hashes]
 
     def begin_load(self, seq) -> bool:
         """Start fetching the chunks of `seq`'s prompt that the device pool lacks; False if there is nothing to
         look up (the caller schedules it at once)."""
         usable = (seq.num_tokens - 1) // self.chunk_tokens  # the last token is always computed: its logits
-        if usable == 0 or seq.preloaded or seq.cache_salt is not None or not seq.reads_cached_prefix:
+        if usable == 0 or seq.preloaded or seq.store_salt is None or not seq.reads_cached_prefix:
             return False
         first = self.kv_manager.cached_prefix_tokens(seq) // self.chunk_tokens
         if first >= usable:
@@ -169,8 +171,9 @@ class KVStoreLink:
         # Requests with one prompt (the `n` samples of a request) share one load: its chunks are read and decoded
         # once and moved to the device once; the first admitted places them, the others find them in the device
         # pool. (Each request still counts in `stats`: requests_loaded and loaded_tokens are per request.)
-        keys = self.chunk_keys(seq.token_ids, usable)
-        same = next((load.future for load in self._loads.values() if load.seq.token_ids == seq.token_ids), None)
+        keys = self.chunk_keys(seq.token_ids, usable, seq.store_salt)
+        same = next((load.future for load in self._loads.values()
+                     if load.seq.token_ids == seq.token_ids and load.keys == keys), None)
         if same is None:
             same = self._load_thread.submit(self._load, seq, keys, first, self._sharing(keys, first))
         self._loads[seq.request_id] = StoreLoad(seq, same, keys, first)

@@ -26,9 +26,9 @@ MAX_PENDING_WRITE_BYTES = 512 * 2**20  # snapshots waiting to be written; beyond
 
 class StoreWrites:
     def __init__(self, store: TieredStore, chunk_tokens: int, kv_cache: KVStorage, stats,
-                 chunk_keys: Callable[[list[int], int], list[str]]):
+                 chunk_keys: Callable[[list[int], int, bytes], list[str]]):
         """`stats`: the link's LinkStats (chunks_queued, writes_skipped); `chunk_keys`: the keys of a token
-        sequence's first n chunks."""
+        sequence's first n chunks in a salt's chain."""
         self.store = store
         self.chunk_tokens = chunk_tokens
         self.kv_cache = kv_cache
@@ -45,7 +45,7 @@ class StoreWrites:
         """Queue the full chunks of `seq`'s prompt that its prefill computed (those ending after the first
         `reused_tokens`, which came from the device pool or the store) for writing. The KV is copied now,
         while `seq` holds its blocks; encoding and writing happen on the write thread."""
-        if seq.cache_salt is not None:
+        if seq.store_salt is None:
             return
         num_chunks = seq.num_prompt_tokens // self.chunk_tokens
         first = reused_tokens // self.chunk_tokens
@@ -70,7 +70,7 @@ class StoreWrites:
             self._release(size)
             return
         self.stats.chunks_queued += fitting
-        self._thread.submit(self._write, self.chunk_keys(seq.token_ids, end)[first:], first * self.chunk_tokens,
+        self._thread.submit(self._write, self.chunk_keys(seq.token_ids, end, seq.store_salt)[first:], first * self.chunk_tokens,
                             k, v, size)
 
     def _read(self, block_table: list[int], first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

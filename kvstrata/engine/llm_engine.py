@@ -357,11 +357,14 @@ class LLMEngine:
         self.check_prompt_length(token_ids)
         self.check_sampling(params)
         adapter = self._request_adapter(params)
-        if adapter is not None:  # its KV is the adapter's: its prefix-cache blocks are apart from other requests'
+        store_salt = None if cache_salt is not None else b""
+        if adapter is not None:  # its KV is the adapter's: its prefix-cache blocks and stored chunks are apart
             if preloaded:
                 raise KvstrataError(f"KV given ready-made (a saved context) was computed without LoRA adapter "
                                     f"{adapter.name!r}; a request on it computes its whole prompt")
             cache_salt = adapter.digest + (cache_salt or b"")
+            # float32 products round the KV otherwise than float64's: engines sharing a store keep them apart
+            store_salt = cache_salt + self.config.lora_dtype.encode()
         if params.prompt_logprobs is not None and preloaded:
             raise KvstrataError("prompt_logprobs needs every prompt token computed; this request's preloaded KV "
                                 "(a saved context) would stand in for some")
@@ -384,6 +387,7 @@ class LLMEngine:
             bad_words=self._bad_word_tokens(params),
             preloaded=preloaded,
             cache_salt=cache_salt,
+            store_salt=store_salt,
             lora=adapter,
         )
         if arrival_time is not None:

@@ -66,6 +66,10 @@ class Sequence:
     # separates prefix-cache entries whose KV a plain prefill would not give: built on preloaded KV, or on a LoRA
     # adapter's weights
     cache_salt: bytes | None = None
+    # what its chunks' keys in the KV store (below the device pool) are salted with: b"" on the base model, a LoRA
+    # adapter's digest and products' dtype on one; None where it neither looks up nor writes chunks (its KV came
+    # ready-made: a saved context's)
+    store_salt: bytes | None = b""
     lora: LoRAAdapter | None = None  # the adapter its tokens are computed with; None: the base model
     num_preemptions: int = 0
     output_text: str = ""
