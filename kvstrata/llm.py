@@ -17,6 +17,7 @@ from kvstrata.engine.beam_search import BeamSearchOutput, BeamSearchParams, new_
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.lora_request import LoRARequest, with_adapters
 from kvstrata.engine.outputs import RequestOutput
+from kvstrata.engine.pooling_params import PoolingParams
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
 
@@ -60,6 +61,30 @@ class LLM:
         arrival = time.perf_counter()  # time to first token counts the context's decoding too
         load = ContextLoad.prepare(self.engine, context, context_level, recompute_chunks)
         ids = [self._add(p, sp, load, arrival) for p, sp in zip(prompts, params_list)]
+        return self._run_to_completion(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Each prompt's embedding (`RequestOutput.embedding`, float32), in the prompts' order: the final hidden
+        state of its last token, normalized unless `pooling_params` (one, or one per prompt) says otherwise
+        (engine/pooling_params.py). The prompts are scheduled as any others are: batched with whatever runs, a
+        prefix the prefix cache or the KV store holds read rather than computed."""
+        prompts = _as_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise KvstrataError(f"got {len(pooling_params)} pooling params for {len(prompts)} prompts; give one or "
+                                f"one per prompt")
+        params = [SamplingParams(max_tokens=1, pooling=pooling) for pooling in pooling_params]
+        params = _with_priorities(with_adapters(self.engine, params, lora_request), priority)
+        arrival = time.perf_counter()
+        ids = [self.engine.add_request(prompt, one, arrival_time=arrival) for prompt, one in zip(prompts, params)]
         return self._run_to_completion(ids, use_tqdm)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,

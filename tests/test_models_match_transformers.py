@@ -62,7 +62,7 @@ def test_packed_step_matches_separate_runs(tiny_llama):
     work = [(seqs[2], 40), (seqs[0], 1), (seqs[3], 17), (seqs[1], 1)]
     for seq, n in work:
         engine.kv_manager.grow(seq, n)
-    to_sample, logits, _ = engine.runner.execute(work)
-    by_id = {seq.seq_id: row for seq, row in zip(to_sample, logits)}
+    result = engine.runner.execute(work)
+    by_id = {seq.seq_id: row for seq, row in zip(result.to_sample, result.logits)}
     for i in range(4):
         assert torch.allclose(by_id[i], alone[i], atol=1e-5), i

@@ -119,7 +119,8 @@ def test_a_priority_needs_the_priority_policy(tiny_llama):
 
 
 def test_priorities_reorder_and_preempt_but_never_change_outputs(tiny_llama):
-    prompts = [[3 + (7 * i + j) % 300 for j in range(length)] for i, length in enumerate((5, 37, 12, 64, 3, 90, 21, 48))]
+    lengths = (5, 37, 12, 64, 3, 90, 21, 48)
+    prompts = [[3 + (7 * i + j) % 300 for j in range(length)] for i, length in enumerate(lengths)]
     expected = [o.token_ids for o in LLM(str(tiny_llama), kv_cache_memory="8MiB").generate(prompts, GREEDY)]
     bytes_per_block = 16 * 2 * 3 * 2 * 16 * 4  # tokens * (K,V) * layers * kv heads * head dim * fp32
     cramped = LLM(str(tiny_llama), kv_cache_memory=10 * bytes_per_block, max_model_len=128, chunk_size=32,
@@ -159,7 +160,8 @@ def test_the_server_takes_vllm_s_priority_field_where_the_policy_is_priority(tin
         assert httpx.post(f"{url}/v1/completions", json={**completion, "priority": 0}, timeout=60).status_code == 200
     with running_server(str(tiny_llama), "m", kv_cache_memory="8MiB", max_model_len=256,
                         scheduling_policy="priority") as (url, _):
-        for path, body in (("completions", {**completion, "priority": -4}), ("chat/completions", {**chat, "priority": 9}),
+        for path, body in (("completions", {**completion, "priority": -4}),
+                           ("chat/completions", {**chat, "priority": 9}),
                            ("completions", {**completion, "priority": 2, "use_beam_search": True, "n": 2}),
                            ("responses", {"model": "m", "input": "Hello", "max_output_tokens": 2, "priority": 1})):
             assert httpx.post(f"{url}/v1/{path}", json=body, timeout=60).status_code == 200, path

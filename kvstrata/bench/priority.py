@@ -3,8 +3,8 @@ batch job holds the KV cache, and what it costs the batch job.
 
 --background requests (--background-prompt-tokens windows of the text, exactly --background-max-tokens greedy
 tokens each, priority 1) are sent at once to an engine whose KV budget holds --background-running of them at
-full length, so the rest wait. Then --urgent requests (shorter: --urgent-prompt-tokens and --urgent-max-tokens, priority 0)
-arrive, the first before step --urgent-after and one more every --urgent-every steps after it. The same workload
+full length, so the rest wait. Then --urgent requests (shorter: --urgent-prompt-tokens and --urgent-max-tokens,
+priority 0) arrive, the first before step --urgent-after and one more every --urgent-every steps after it. The same workload
 runs under fcfs (every priority 0: fcfs refuses others, and ignores them anyway) and under priority, alternately
 for --rounds rounds, on one set of weights. Reported per run: the urgent requests' time to first token and
 end-to-end latency, the background requests' end-to-end latency, output tokens/s over the whole run, preemptions

@@ -153,7 +153,7 @@ class KVStoreLink:
         return len(self._loads)
 
     def chunk_keys(self, token_ids: list[int], num_chunks: int, salt: bytes = b"") -> list[str]:
-        """The keys of the first `num_chunks` chunks of `token_ids`, in the chain `salt` starts (Sequence.store_salt)."""
+        """The keys of the first `num_chunks` chunks of `token_ids`, in the chain `salt` starts (`store_salt`)."""
         hashes = full_block_hashes(token_ids[: num_chunks * self.chunk_tokens], self.chunk_tokens, [],
                                    self.root + salt)
         return [h.hex() for h in hashes]

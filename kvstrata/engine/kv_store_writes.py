@@ -70,8 +70,8 @@ class StoreWrites:
             self._release(size)
             return
         self.stats.chunks_queued += fitting
-        self._thread.submit(self._write, self.chunk_keys(seq.token_ids, end, seq.store_salt)[first:], first * self.chunk_tokens,
-                            k, v, size)
+        keys = self.chunk_keys(seq.token_ids, end, seq.store_salt)[first:]
+        self._thread.submit(self._write, keys, first * self.chunk_tokens, k, v, size)
 
     def _read(self, block_table: list[int], first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [layers, end - first, kv_heads, head_dim] of one sequence's tokens, as float32 on the CPU."""

@@ -293,7 +293,12 @@ class LLMEngine:
         lie in the vocabulary (the sampler indexes its logits by them), while min_tokens and bad_words ban tokens
         some token is left to generate (else a row of the batched sampler has no finite logit), and its structured
         output compiles (ParameterError "structured_output" otherwise; kept for add_request). A priority other
-        than 0 needs the priority scheduling policy, as vLLM's does."""
+        than 0 needs the priority scheduling policy, as vLLM's does; an embedding has at most the model's
+        hidden size of dimensions."""
+        hidden_size = self.loaded.config.hidden_size
+        if params.pooling is not None and (params.pooling.dimensions or 0) > hidden_size:
+            raise ParameterError("dimensions", f"dimensions {params.pooling.dimensions} exceeds this model's "
+                                               f"embedding size of {hidden_size}")
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise ParameterError("priority", f"priority {params.priority} needs the priority scheduling policy "
                                              f"(--scheduling-policy priority); this engine schedules "
@@ -496,7 +501,7 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         try:
-            to_sample, logits, prompt_rows = self.runner.execute(plan.scheduled)
+            result = self.runner.execute(plan.scheduled)
         except Exception as exc:
             log.exception("a step's forward pass failed; ending the %d requests in it", len(plan.scheduled))
             return [self._fail(seq, f"internal engine error: {type(exc).__name__}: {exc}") for seq, _ in plan.scheduled]
@@ -516,8 +521,9 @@ class LLMEngine:
                 if seq.num_store_tokens:
                     seq.preloaded = []  # placed: free the host copy (after a preemption the prompt is prefilled)
             outputs.extend(self._place_preloaded(seq))
-        outputs.extend(self._record_prompt_logprobs(prompt_rows))
-        to_sample, logits, failed = self._drop_ended_and_nonfinite(to_sample, logits)
+        outputs.extend(self._record_prompt_logprobs(result.prompt_rows))
+        outputs.extend(self._pool(result.pooled))
+        to_sample, logits, failed = self._drop_ended_and_nonfinite(result.to_sample, result.logits)
         outputs.extend(failed)
         to_sample, logits, constraints, failed = self._constraints(to_sample, logits)
         outputs.extend(failed)
@@ -590,6 +596,24 @@ class LLMEngine:
                 failed.append(self._fail(rows.seq, f"its prompt's logprobs could not be computed: "
                                                    f"{type(exc).__name__}: {exc}"))
         return failed
+
+    def _pool(self, pooled: list[tuple[Sequence, torch.Tensor]]) -> list[RequestOutput]:
+        """End each pooling request whose prompt the step completed, with its embedding (after the step's commit:
+        its prompt's blocks stay cached for others); one that is not finite fails that request alone."""
+        outputs = []
+        for seq, hidden in pooled:
+            if seq.finish_reason is not None:  # ended earlier in the step
+                continue
+            seq.embedding = seq.params.pooling.embedding(hidden)
+            if seq.embedding is None:
+                outputs.append(self._fail(seq, "its embedding is not finite"))
+                continue
+            now = time.perf_counter()
+            seq.first_token_time = now  # what the request asked for is here: time to first token ends
+            seq.finish_reason = "stop"
+            self._sequences.pop(seq.request_id, None)
+            outputs.append(self._finish(seq, now))
+        return outputs
 
     def _drop_ended_and_nonfinite(self, to_sample: list[Sequence], logits: torch.Tensor):
         """Sequences with a row of logits holding NaN or inf (a corrupt context) end with an error; those that ended

@@ -33,6 +33,14 @@ class PromptRows:
 
 
 @dataclass
+class StepResult:
+    to_sample: list[Sequence]  # the sequences that reached the end of their known tokens (a row each, or more)
+    logits: torch.Tensor  # [rows, vocab] fp32, their next-token logits
+    prompt_rows: list[PromptRows]  # of the sequences asking for their prompt's logprobs
+    pooled: list[tuple[Sequence, torch.Tensor]]  # pooling sequences whose prompt ended: its last final hidden state
+
+
+@dataclass
 class StepInputs:
     ordered: Work  # decodes first
     input_ids: torch.Tensor  # [T]
@@ -120,16 +128,19 @@ class ModelRunner:
         return inputs, hidden
 
     @torch.inference_mode()
-    def execute(self, work: Work) -> tuple[list[Sequence], torch.Tensor, list[PromptRows]]:
+    def execute(self, work: Work) -> StepResult:
         """Run the step; return the sequences that reached the end of their known tokens and
-        their next-token logits [n, vocab] in fp32 (the others were mid-prompt), and the prompt rows of the
-        sequences that ask for their prompt's logprobs (`record_prompt_logprobs` turns them into logprobs). A
-        sequence verifying drafts has a row for its last token and one for each draft, in order, its entry in
-        the sequences repeated for each."""
+        their next-token logits [n, vocab] in fp32 (the others were mid-prompt), the prompt rows of the
+        sequences that ask for their prompt's logprobs (`record_prompt_logprobs` turns them into logprobs), and the
+        last hidden state of those that pool (embed their prompt, which the step ended). A sequence verifying
+        drafts has a row for its last token and one for each draft, in order, its entry in the sequences repeated
+        for each."""
         inputs, hidden = self.forward(work)
-        to_sample, rows, prompt_rows = [], [], []
+        to_sample, rows, prompt_rows, pooled = [], [], [], []
         for (seq, num_tokens), last_row in zip(inputs.ordered, inputs.last_rows):
-            if seq.num_computed_tokens + num_tokens == seq.num_tokens:
+            if seq.num_computed_tokens + num_tokens == seq.num_tokens and seq.params.pooling is not None:
+                pooled.append((seq, hidden[last_row]))
+            elif seq.num_computed_tokens + num_tokens == seq.num_tokens:
                 to_sample.append(seq)
                 rows.append(last_row)
             elif verifies(seq, num_tokens):
@@ -139,7 +150,7 @@ class ModelRunner:
                 prompt_rows.append(PromptRows(seq, seq.num_computed_tokens,
                                               hidden[last_row - num_tokens + 1 : last_row + 1]))
         logits = self.model.compute_logits(hidden[rows]).float()
-        return to_sample, logits, prompt_rows
+        return StepResult(to_sample, logits, prompt_rows, pooled)
 
     @torch.inference_mode()
     def record_prompt_logprobs(self, rows: PromptRows) -> None:

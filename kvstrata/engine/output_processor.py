@@ -101,6 +101,7 @@ class OutputProcessor:
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             error=seq.error,
             error_caused_by_input=seq.error_caused_by_input,
+            embedding=seq.embedding,
         )
 
     def forget(self, seq: Sequence) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvstrata.engine.sequence import TokenLogprobs
 from kvstrata.kv.preloaded import PreloadedKV
 
@@ -60,6 +62,7 @@ class RequestOutput:
     # asked for with SamplingParams.keep_tail_kv: the KV of the tokens after the last full block, which a request
     # continuing them takes as preloaded KV; None where they fill whole blocks
     tail_kv: PreloadedKV | None = field(default=None, repr=False)
+    embedding: torch.Tensor | None = field(default=None, repr=False)  # float32 [dimensions]: a pooling request's
 
     @property
     def token_ids(self) -> list[int]:

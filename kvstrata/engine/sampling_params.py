@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvstrata.engine.pooling_params import PoolingParams
 from kvstrata.engine.structured_output import StructuredOutput
 from kvstrata.errors import KvstrataError, ParameterError
 
@@ -83,6 +84,9 @@ class SamplingParams:
     # its place in the queues under the engine's priority scheduling: lower runs earlier, and may preempt running
     # requests of a larger number (vLLM passes it beside the parameters, as LLM.generate's priority does here)
     priority: int = 0
+    # the request embeds its prompt instead of generating (LLM.embed, /v1/embeddings; vLLM passes PoolingParams in
+    # place of SamplingParams): its output carries the embedding, and nothing else here applies
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -127,6 +131,11 @@ class SamplingParams:
             raise KvstrataError(f"lora_name must be a LoRA adapter's name (a non-empty string), got "
                                 f"{self.lora_name!r:.200}")
         check_priority(self.priority)
+        if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
+            raise KvstrataError(f"pooling must be a PoolingParams, got {self.pooling!r:.200}")
+        if self.pooling is not None and (self.prompt_logprobs is not None or self.structured_output is not None):
+            raise KvstrataError("a request that embeds its prompt generates nothing: prompt_logprobs and "
+                                "structured_output do not apply")
         self._check_structured_output()
 
     def _check_structured_output(self) -> None:

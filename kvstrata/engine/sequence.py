@@ -76,6 +76,7 @@ class Sequence:
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # per prompt position, when asked for: None for the first token (nothing predicts it), then each token's
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    embedding: torch.Tensor | None = None  # float32 [dimensions], once a request that pools (params.pooling) has it
     finish_reason: str | None = None
     error: str | None = None  # why it ended, when finish_reason is "error"
     error_caused_by_input: bool = False  # that error came of what the request asked (a server answers 400)

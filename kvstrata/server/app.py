@@ -23,9 +23,11 @@ from kvstrata.server.api_key import ApiKeyCheck
 from kvstrata.server.async_engine import AsyncEngine, Choice, ServerError
 from kvstrata.server.beam_search import beam_search_choices
 from kvstrata.server.body_limit import BodyLimit
+from kvstrata.server.embeddings import EMBEDDING_FIELDS, EmbeddingRequest, embedding_response, prepare_embeddings
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.openapi import (
     DETOKENIZE_RESPONSES,
+    EMBEDDING_RESPONSES,
     LORA_UPDATE_RESPONSES,
     METRICS_RESPONSES,
     TOKENIZE_RESPONSES,
@@ -81,7 +83,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         return _error(400, f"request body must be a JSON object: {message}")
     # Union members add their type's name to the location; keep field names and list indexes (and the name of a
     # field a body may not have, which is the error).
-    named = [p for p in location if isinstance(p, int) or p in REQUEST_FIELDS or p in RESPONSES_FIELDS]
+    named = [p for p in location
+             if isinstance(p, int) or p in REQUEST_FIELDS or p in RESPONSES_FIELDS or p in EMBEDDING_FIELDS]
     if chosen["type"] == "extra_forbidden" and named[-1:] != [location[-1]]:
         named.append(location[-1])
     param = ".".join(str(p) for p in named)
@@ -259,6 +262,25 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         if body.stream:
             return StreamingResponse(_response_events(shaper, builder, first, outputs), media_type="text/event-stream")
         return await _whole(first, outputs, 1, request, lambda final: shaper.full(builder.full(final)))
+
+    @app.post("/v1/embeddings", responses=EMBEDDING_RESPONSES)
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        if (unknown := _unknown_model(body.model)) is not None:
+            return unknown
+        try:
+            lora_name = None if body.model == model_name else body.model
+            requests = await asyncio.to_thread(prepare_embeddings, engine, options, body, lora_name)
+            outputs = async_engine.generate(requests)
+            first = await anext(outputs)
+        except ParameterError as exc:
+            if exc.param == "lora_name":  # the model asked for (an adapter) was unloaded since it was checked
+                return _error(404, str(exc), "model", code="model_not_found")
+            return _error(400, str(exc), exc.param)
+        except KvstrataError as exc:
+            return _error(400, str(exc), "input")
+        except ServerError as exc:
+            return _server_error(exc)
+        return await _whole(first, outputs, len(requests), request, lambda final: embedding_response(body, final))
 
     async def _start(body: CompletionRequest | ChatCompletionRequest, named: dict[str, str] | None = None,
                      request: Request | None = None):

@@ -9,10 +9,12 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from kvstrata.server.embeddings import EmbeddingRequest, EmbeddingResponse
 from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvstrata.server.responses_protocol import ResponsesRequest
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest)
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
+                  EmbeddingRequest)
 
 
 class ErrorDetail(BaseModel):
@@ -122,6 +124,8 @@ def _plain_responses(model: type[BaseModel]) -> dict:
 
 
 TOKENIZE_RESPONSES = _plain_responses(TokenizeResponse)
+EMBEDDING_RESPONSES = {200: {"model": EmbeddingResponse},
+                       **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}}
 DETOKENIZE_RESPONSES = _plain_responses(DetokenizeResponse)
 LORA_UPDATE_RESPONSES = {
     200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "What was done, in a sentence"},
@@ -162,8 +166,9 @@ def fix_openapi(app: FastAPI, model_names: list[str] | None, vocab_size: int, ma
                 for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     if name in fields and max_tokens_limit is not None:
                         fields[name]["anyOf"][0]["maximum"] = max_tokens_limit
-                if "prompt" in fields:  # a prompt of token ids, alone or in a batch (the Responses API's is null)
-                    for form in fields["prompt"].get("anyOf", []):
+                # a prompt or embedding input of token ids, alone or in a batch (the Responses API's prompt is null)
+                for name in ("prompt", "input"):
+                    for form in fields.get(name, {}).get("anyOf", []):
                         token_ids = form["items"] if form.get("items", {}).get("type") == "array" else form
                         if token_ids.get("items", {}).get("type") == "integer":
                             token_ids["items"]["maximum"] = vocab_size - 1
