@@ -209,6 +209,7 @@ def test_the_front_renders_a_chat_s_routing_key_with_the_replicas_chat_template(
     from kvstrata.cluster.frontend import Frontend, FrontOptions
     from kvstrata.cluster.routing import prompt_blocks
     from kvstrata.model.tokenizer import Tokenizer
+    from kvstrata.server.embeddings import EmbeddingRequest
     from kvstrata.server.protocol import ChatCompletionRequest
     from kvstrata.server.responses_protocol import ResponsesRequest
 
@@ -220,3 +221,5 @@ def test_the_front_renders_a_chat_s_routing_key_with_the_replicas_chat_template(
     assert blocks == prompt_blocks(Tokenizer.from_directory(tiny_llama).encode("[user] Where is Highbury?\n"), 16)
     responses = b'{"model": "m", "input": "Where is Highbury?", "stream": true}'  # the chat request it amounts to
     assert Frontend(options, None)._route_on(ResponsesRequest, responses) == (blocks, True)
+    embedding = b'{"model": "m", "input": ["[user] Where is Highbury?\\n", "Hartfield"]}'  # by its first input
+    assert Frontend(options, None)._route_on(EmbeddingRequest, embedding) == (blocks, False)

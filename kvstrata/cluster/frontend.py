@@ -30,14 +30,16 @@ from kvstrata.cluster.routing import make_routing, prompt_blocks
 from kvstrata.errors import KvstrataError
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.api_key import refusal
+from kvstrata.server.embeddings import EmbeddingRequest
 from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.server.responses import error_body, sse
 from kvstrata.server.responses_output import sse_event
 from kvstrata.server.responses_protocol import ResponsesRequest
 
 log = logging.getLogger("kvstrata.cluster")
+# the requests routed by their prompt (the others go where the routing policy sends a request without one)
 COMPLETION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                    "/v1/responses": ResponsesRequest}
+                    "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest}
 PROBE_SECONDS = 1.0  # how often a replica marked down is asked whether it is back
 PROBE_TIMEOUT_SECONDS = 5.0
 METRICS_TIMEOUT_SECONDS = 5.0
@@ -150,8 +152,8 @@ class Frontend:
                             status_code=503, headers={"Retry-After": "1"})
 
     def _route_on(self, schema, body: bytes) -> tuple[list[bytes] | None, bool]:
-        """(the prompt's block hashes, streamed?) of a completion request; no hashes for a body its replica
-        will refuse."""
+        """(the prompt's block hashes, streamed?) of a completion or embedding request; no hashes for a body its
+        replica will refuse."""
         try:
             parsed = schema.model_validate_json(body)
             if isinstance(parsed, ResponsesRequest):
@@ -160,9 +162,10 @@ class Frontend:
                 token_ids = self.tokenizer.encode_chat([m.plain() for m in parsed.messages], tools=parsed.plain_tools,
                                                        template_kwargs=parsed.chat_template_kwargs)
             else:
-                prompt = parsed.prompts[0]  # a batch of prompts goes where its first one would
+                # a batch of prompts goes where its first one would
+                prompt = (parsed.inputs if isinstance(parsed, EmbeddingRequest) else parsed.prompts)[0]
                 token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-            return prompt_blocks(token_ids, self.options.block_size), bool(parsed.stream)
+            return prompt_blocks(token_ids, self.options.block_size), bool(getattr(parsed, "stream", False))
         except (ValidationError, KvstrataError, ValueError, OverflowError):  # e.g. a token id beyond 64 bits
             return None, False
 

@@ -4,17 +4,19 @@ prompt that generates nothing (engine/pooling_params.py), batched with whatever 
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.pooling_params import PoolingParams
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.server.options import ServerOptions
 from kvstrata.server.protocol import Priority, Text, TokenIds, integer
+
+if TYPE_CHECKING:  # the cluster's front reads requests without an engine
+    from kvstrata.engine.llm_engine import LLMEngine
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
 
