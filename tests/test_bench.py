@@ -325,3 +325,18 @@ def test_priority_serves_the_urgent_requests_sooner_than_fcfs(tiny_llama, capsys
     assert report["fcfs_over_priority"]["urgent_ttft_steps_mean"] == fcfs["urgent_ttft_steps_mean"]
     assert main(["bench", "priority", "--model", str(tiny_llama), "--urgent", "0"]) == 2
     assert "--urgent" in capsys.readouterr().err
+
+
+def test_embed_against_transformers_on_distinct_and_shared_prefix_texts(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "embed", "--model", str(tiny_llama), *TINY, "--texts", "6", "--length",
+                      "uniform:8:40", "--prefix-tokens", "48", "--suffix-tokens", "8", "--hf-batch-size", "4",
+                      "--json")
+    for name in ("distinct", "shared_prefix"):
+        row = report[name]
+        assert row["texts"] == 6 and row["min_cosine_to_transformers"] > 0.9999  # float32 weights: the same states
+        assert row["ratio_to_transformers"] == pytest.approx(
+            row["kvstrata"]["texts_per_s"] / row["transformers"]["texts_per_s"], rel=0.01)
+    shared = report["shared_prefix"]
+    assert shared["prompt_tokens"] == 6 * 56
+    assert shared["kvstrata"]["computed_tokens"] == 56 + 5 * (56 - 48)  # the passage's 3 blocks computed once
+    assert report["distinct"]["kvstrata"]["computed_tokens"] == report["distinct"]["prompt_tokens"]

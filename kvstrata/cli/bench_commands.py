@@ -114,6 +114,24 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(lora)
     add_engine_arguments(lora)
 
+    embed = bench.add_parser(
+        "embed", help="embeddings against transformers' forward pass, on distinct texts and texts sharing a prefix",
+        description="--texts texts of --length tokens (distinct), and --texts texts of one --prefix-tokens passage "
+                    "followed by --suffix-tokens of their own (shared_prefix), embedded by kvstrata together and by "
+                    "transformers in left-padded batches of --hf-batch-size. Reports texts/s, kvstrata's ratio, the "
+                    "prompt tokens it computed and the lowest cosine similarity between the two engines' embeddings.",
+    )
+    embed.add_argument("--texts", type=int, default=32, help="texts per workload (default: 32)")
+    embed.add_argument("--length", default="lognormal:256:0.8:32:1024",
+                       help="distinct texts' tokens: N, uniform:LOW:HIGH or lognormal:MEDIAN:SIGMA:LOW:HIGH "
+                            "(default: lognormal:256:0.8:32:1024)")
+    embed.add_argument("--prefix-tokens", type=int, default=512, help="the shared passage's tokens (default: 512)")
+    embed.add_argument("--suffix-tokens", type=int, default=64, help="each text's own tokens after it (default: 64)")
+    embed.add_argument("--hf-batch-size", type=int, default=8, help="transformers' batch (default: 8)")
+    embed.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    _add_output_flags(embed)
+    add_engine_arguments(embed)
+
     priority = bench.add_parser(
         "priority", help="urgent requests behind a batch job: --scheduling-policy priority against fcfs",
         description="--background requests (priority 1) sent at once to a KV budget that holds --background-running "
@@ -249,6 +267,7 @@ def _add_impress_commands(bench) -> None:
 
 def run_bench(args: argparse.Namespace) -> None:
     from kvstrata.bench.beam_search import run_beam_search_bench
+    from kvstrata.bench.embed import run_embed_bench
     from kvstrata.bench.impress_analysis import run_impress_analysis
     from kvstrata.bench.infinigen_analysis import run_infinigen_analysis
     from kvstrata.bench.lora import run_lora_bench
@@ -262,5 +281,5 @@ def run_bench(args: argparse.Namespace) -> None:
                 "decode": run_decode, "infinigen-analysis": run_infinigen_analysis,
                 "offload": run_offload, "impress-analysis": run_impress_analysis,
                 "beam-search": run_beam_search_bench, "speculative": run_speculative_bench, "lora": run_lora_bench,
-                "priority": run_priority_bench}
+                "priority": run_priority_bench, "embed": run_embed_bench}
     commands[args.bench](args)
