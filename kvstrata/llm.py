@@ -78,9 +78,9 @@ class LLM:
         prompts = _as_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
-        if len(pooling_params) != len(prompts):
-            raise KvstrataError(f"got {len(pooling_params)} pooling params for {len(prompts)} prompts; give one or "
-                                f"one per prompt")
+        if len(pooling_params) != len(prompts) or not all(isinstance(p, PoolingParams) for p in pooling_params):
+            raise KvstrataError(f"got {len(pooling_params)} pooling params for {len(prompts)} prompts; give one "
+                                f"PoolingParams or one per prompt")
         params = [SamplingParams(max_tokens=1, pooling=pooling) for pooling in pooling_params]
         params = _with_priorities(with_adapters(self.engine, params, lora_request), priority)
         arrival = time.perf_counter()

@@ -325,6 +325,17 @@ def test_priority_serves_the_urgent_requests_sooner_than_fcfs(tiny_llama, capsys
     assert report["fcfs_over_priority"]["urgent_ttft_steps_mean"] == fcfs["urgent_ttft_steps_mean"]
     assert main(["bench", "priority", "--model", str(tiny_llama), "--urgent", "0"]) == 2
     assert "--urgent" in capsys.readouterr().err
+    assert main(["bench", "priority", "--model", str(tiny_llama), "--urgent-every", "0"]) == 2
+    assert "--urgent-every at least 1" in capsys.readouterr().err
+
+
+def test_priority_sends_urgent_requests_due_after_the_background_finished(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "priority", "--model", str(tiny_llama), "--background", "1",
+                      "--background-running", "1", "--background-prompt-tokens", "8", "--background-max-tokens", "2",
+                      "--urgent", "2", "--urgent-prompt-tokens", "8", "--urgent-max-tokens", "2", "--urgent-after",
+                      "20", "--urgent-every", "3", "--rounds", "1", "--json")
+    for policy in ("fcfs", "priority"):  # nothing else runs by then: each has its first token the next step
+        assert report["medians"][policy]["urgent_ttft_steps_mean"] == 1
 
 
 def test_embed_against_transformers_on_distinct_and_shared_prefix_texts(tiny_llama, capsys):

@@ -35,6 +35,7 @@ def test_an_embedding_is_the_last_token_s_final_hidden_state(model, request):
     outputs = llm.embed(PROMPTS)
     raw = llm.embed(PROMPTS, PoolingParams(normalize=False))
     for prompt, output, plain in zip(PROMPTS, outputs, raw):
+        assert plain.embedding.untyped_storage().nbytes() == 4 * len(plain.embedding)  # its own, not the step's
         expected = reference(path, prompt)
         assert torch.allclose(plain.embedding, expected, atol=1e-4)
         assert torch.allclose(output.embedding, F.normalize(expected, dim=0), atol=1e-5)
@@ -81,7 +82,7 @@ def test_what_an_embedding_cannot_be_is_refused_by_name(llm):
         assert error.value.param == param
     with pytest.raises(KvstrataError, match="embeds its prompt generates nothing"):
         SamplingParams(pooling=PoolingParams(), prompt_logprobs=1)
-    with pytest.raises(KvstrataError, match="2 pooling params for 3 prompts"):
+    with pytest.raises(KvstrataError, match="2 pooling params for 3 prompts; give one PoolingParams"):
         llm.embed(PROMPTS, [PoolingParams()] * 2)
 
 
@@ -113,3 +114,6 @@ def test_the_server_answers_openai_s_embeddings_request(tiny_llama, llm):
                                     ({"input": text, "model": "other"}, 404, "model")):
             reply = post(body)
             assert (reply.status_code, reply.json()["error"]["param"]) == (status, param), body
+        metrics = httpx.get(f"{url}/metrics").text  # embedding requests count their prompts, as vLLM counts them
+        counted = next(line for line in metrics.splitlines() if line.startswith("kvstrata:prompt_tokens_total"))
+        assert float(counted.split()[-1]) >= tokens + len(PROMPTS[2])

@@ -9,6 +9,7 @@ import torch
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.penalties import Histories
+from kvstrata.engine.pooling_params import PoolingParams
 from kvstrata.engine.sampler import finite_rows, greedy_tokens, sample
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.preloaded import LayerwiseKV, PreloadedKV
@@ -150,3 +151,27 @@ def test_a_row_with_one_non_finite_logit_is_not_finite(bad):
     logits[2, 7] = bad
     logits[3, :2] = torch.tensor([math.inf, -math.inf])
     assert finite_rows(logits) == [True, True, False, False]
+
+
+def test_a_nan_context_fails_its_embedding_alone_and_is_never_served_again(tiny_llama, clean, context_kv):
+    k, v = context_kv
+    k = k.clone()
+    k[:, 10] = float("nan")
+    embed = SamplingParams(max_tokens=1, pooling=PoolingParams())
+
+    def add(engine):
+        engine.add_request(CONTEXT + [7, 8], embed, request_id="bad", cache_salt=b"file",
+                           preloaded=[PreloadedKV(0, k, v)])
+
+    engine = new_engine(tiny_llama)
+    finished = run(engine, add)
+    assert finished["bad"].finish_reason == "error" and "embedding is not finite" in finished["bad"].error
+    assert finished["bad"].embedding is None
+    assert_bystanders_unharmed(finished, clean)
+    hits = engine.kv_manager.prefix_stats.hit_tokens
+    engine.add_request(CONTEXT + [7, 8], embed, request_id="again", cache_salt=b"file",
+                       preloaded=[PreloadedKV(0, *context_kv)])
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert outputs[0].embedding is not None and engine.kv_manager.prefix_stats.hit_tokens == hits

@@ -69,6 +69,18 @@ def test_a_waiting_request_does_not_preempt_one_of_its_own_priority():
     assert [s.seq_id for s in sched.waiting] == [1]
 
 
+def test_nothing_is_preempted_in_vain():
+    sched = sarathi(num_blocks=6, block_size=4)
+    high, low = seq(0, 15, priority=0), seq(1, 3, priority=2)
+    sched.add(high)
+    sched.add(low)
+    run(sched, sched.schedule())  # 16 + 4 tokens: 4 + 1 of the 6 blocks
+    sched.add(seq(2, 11, priority=1))  # 3 blocks: the free one and low's would not do, high's may not be taken
+    out = sched.schedule()
+    assert not out.preempted and shape(out) == [(0, 1), (1, 1)]
+    assert [s.seq_id for s in sched.waiting] == [2]
+
+
 def test_a_full_batch_makes_room_for_a_better_request():
     sched = sarathi(max_num_seqs=2)
     for seq_id in (0, 1):

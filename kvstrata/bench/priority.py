@@ -53,8 +53,8 @@ def run_priority_bench(args: argparse.Namespace) -> None:
            args.urgent, args.urgent_prompt_tokens, args.urgent_max_tokens, args.rounds) < 1:
         raise KvstrataError("--background, --background-running, --urgent, their --*-tokens and --rounds must be at "
                             "least 1")
-    if args.urgent_after < 0 or args.urgent_every < 0:
-        raise KvstrataError("--urgent-after and --urgent-every must be at least 0")
+    if args.urgent_after < 0 or args.urgent_every < 1:
+        raise KvstrataError("--urgent-after must be at least 0 and --urgent-every at least 1")
     base = engine_config_from_args(args)
     probe = LLMEngine(base)
     prompts = prompts_from_text(probe.tokenizer, args.background + args.urgent,
@@ -77,10 +77,12 @@ def run_priority_bench(args: argparse.Namespace) -> None:
     medians = {policy: {key: sig(statistics.median(run[key] for run in one)) for key in one[0]}
                for policy, one in runs.items()}
     fcfs, priority = medians["fcfs"], medians["priority"]
+    info = engine_info(engines["priority"])
+    info["config"]["scheduling_policy"] = list(SCHEDULING_POLICIES)  # the runs take turns
     emit({
         "benchmark": "priority",
         "machine": machine_info(),
-        **engine_info(engines["priority"]),
+        **info,
         "workload": {"background": args.background, "background_running": args.background_running,
                      "background_prompt_tokens": args.background_prompt_tokens,
                      "background_max_tokens": args.background_max_tokens, "urgent": args.urgent,
@@ -126,7 +128,7 @@ def _run(engine: LLMEngine, workload: Workload) -> dict:
     urgent, first_step, finished = {}, {}, {}
     start = time.perf_counter()
     step = 0
-    while engine.has_unfinished_requests() or step in arrivals:
+    while engine.has_unfinished_requests() or step <= max(arrivals):  # every urgent request is sent
         if step in arrivals:
             urgent[engine.add_request(arrivals[step], params(workload.urgent_max_tokens, URGENT_PRIORITY))] = step
         for out in engine.step():

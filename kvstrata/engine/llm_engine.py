@@ -295,10 +295,10 @@ class LLMEngine:
         output compiles (ParameterError "structured_output" otherwise; kept for add_request). A priority other
         than 0 needs the priority scheduling policy, as vLLM's does; an embedding has at most the model's
         hidden size of dimensions."""
-        hidden_size = self.loaded.config.hidden_size
-        if params.pooling is not None and (params.pooling.dimensions or 0) > hidden_size:
+        width = self.loaded.config.word_embed_proj_dim or self.loaded.config.hidden_size  # of the final states
+        if params.pooling is not None and (params.pooling.dimensions or 0) > width:
             raise ParameterError("dimensions", f"dimensions {params.pooling.dimensions} exceeds this model's "
-                                               f"embedding size of {hidden_size}")
+                                               f"embedding size of {width}")
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise ParameterError("priority", f"priority {params.priority} needs the priority scheduling policy "
                                              f"(--scheduling-policy priority); this engine schedules "
@@ -599,14 +599,20 @@ class LLMEngine:
 
     def _pool(self, pooled: list[tuple[Sequence, torch.Tensor]]) -> list[RequestOutput]:
         """End each pooling request whose prompt the step completed, with its embedding (after the step's commit:
-        its prompt's blocks stay cached for others); one that is not finite fails that request alone."""
+        its prompt's blocks stay cached for others); a failure ends that request alone, and one that is not finite
+        keeps its blocks from other requests (its context may be corrupt, as with logits that are not)."""
         outputs = []
         for seq, hidden in pooled:
             if seq.finish_reason is not None:  # ended earlier in the step
                 continue
-            seq.embedding = seq.params.pooling.embedding(hidden)
+            try:
+                seq.embedding = seq.params.pooling.embedding(hidden)
+            except Exception as exc:
+                log.exception("request %s: its embedding could not be made", seq.request_id)
+                outputs.append(self._fail(seq, f"its embedding could not be made: {type(exc).__name__}: {exc}"))
+                continue
             if seq.embedding is None:
-                outputs.append(self._fail(seq, "its embedding is not finite"))
+                outputs.append(self._fail(seq, "its embedding is not finite", corrupt_cache=True))
                 continue
             now = time.perf_counter()
             seq.first_token_time = now  # what the request asked for is here: time to first token ends

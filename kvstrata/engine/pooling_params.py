@@ -33,4 +33,5 @@ class PoolingParams:
         vector = hidden.float()[: self.dimensions]
         if not torch.isfinite(vector).all():
             return None
-        return (F.normalize(vector, dim=0) if self.normalize else vector).cpu()
+        # a copy: a view would keep the step's hidden states alive
+        return (F.normalize(vector, dim=0) if self.normalize else vector).to("cpu", copy=True)

@@ -5,6 +5,7 @@ background (engine/kv_store_link.py); what it finds arrives here as preloaded KV
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -185,6 +186,11 @@ class KVCacheManager:
             seq.num_preloaded_tokens += end - start
             self.commit(seq, end - start)
         return True
+
+    def blocks_freed_by(self, seqs: list[Sequence]) -> int:
+        """Blocks that freeing every one of `seqs` would return to the pool: those no other sequence holds."""
+        held = Counter(block for seq in seqs for block in seq.block_table)
+        return sum(1 for block, count in held.items() if self.pool.ref_counts[block] == count)
 
     def discard(self, seq: Sequence) -> None:
         """Free a failed sequence's blocks and take those only it held out of the prefix cache: what it

@@ -77,6 +77,9 @@ class ServerMetrics:
             else:
                 self.itl.observe(now - last)
             self._last_token_time[output.request_id] = now
+        elif output.embedding is not None:  # an embedding request: its prompt, and the time to its embedding
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.ttft.observe(output.metrics.ttft)
         if output.finished:
             self.observe_finished(output)
 

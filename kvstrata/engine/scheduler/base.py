@@ -60,11 +60,13 @@ class Scheduler(ABC):
     def _admit(self, out: SchedulerOutput, token_budget: int | None, whole: bool) -> bool:
         """Move the first waiting sequence that need not wait (`_next_to_admit`) to running, scheduling up to
         `token_budget` of its tokens; short of KV blocks or of room in the batch, it preempts running sequences
-        the policy ranks below it, worst first, until it fits.
+        the policy ranks below it, worst first, until it fits (where preempting them all could make room).
 
         `whole` demands all its pending tokens in this step. False when it does not fit.
         """
         if token_budget is not None and token_budget <= 0:
+            return False
+        if len(self.running) >= self.max_num_seqs and not self.policy.preempts_for_admission:
             return False
         seq = self._next_to_admit(out)
         if seq is None:
@@ -73,16 +75,13 @@ class Scheduler(ABC):
             fits = self._try_admit(seq, out, token_budget, whole)
             if fits is not None:
                 return fits
-            victim = self.running[-1] if self.running else None
-            if victim is None or not self.policy.ranks_below(victim, seq):
+            if not self.policy.preempts_for_admission or not self._could_make_room(seq, token_budget):
                 return False
-            self._preempt_in_step(victim, out)
+            self._preempt_in_step(self.running[-1], out)  # the worst: one the policy ranks below `seq`
 
     def _try_admit(self, seq: Sequence, out: SchedulerOutput, token_budget: int | None, whole: bool) -> bool | None:
         """Admit `seq` if it fits: True when admitted, False when the step's token budget is short, None when
         the batch or the block pool is (which preempting others could mend)."""
-        if len(self.running) >= self.max_num_seqs:
-            return None
         hits = self.kv.match_prefix(seq)
         placed = self.kv.place_preloaded(seq)
         pending = seq.num_tokens_to_compute
@@ -90,7 +89,7 @@ class Scheduler(ABC):
         if whole and num_tokens < pending:
             self.kv.free(seq)
             return False
-        if not placed or not self.kv.grow(seq, num_tokens):
+        if len(self.running) >= self.max_num_seqs or not placed or not self.kv.grow(seq, num_tokens):
             self.kv.free(seq)
             return None
         self.kv.prefix_stats.record(seq.num_tokens, hits)
@@ -103,8 +102,20 @@ class Scheduler(ABC):
         out.scheduled.append((seq, num_tokens))
         return True
 
+    def _could_make_room(self, seq: Sequence, token_budget: int | None) -> bool:
+        """Whether preempting every running sequence the policy ranks below `seq` would free a place in the batch
+        and the blocks its admission needs (its whole prompt where it brings preloaded KV, else the budget's
+        chunk after its cached prefix), so that none is preempted in vain."""
+        victims = [s for s in self.running if self.policy.ranks_below(s, seq)]
+        if not victims or len(self.running) - len(victims) >= self.max_num_seqs:
+            return False
+        hits = self.kv.cached_prefix_tokens(seq)
+        end = seq.num_tokens if token_budget is None or seq.preloaded else min(seq.num_tokens, hits + token_budget)
+        needed = self.kv.blocks_needed(end) - hits // self.kv.block_size
+        return needed <= self.kv.pool.num_free + self.kv.blocks_freed_by(victims)
+
     def _next_to_admit(self, out: SchedulerOutput) -> Sequence | None:
-        """The oldest waiting sequence, passing over those that share a prompt prefix with running sequences
+        """The first waiting sequence in the policy's order, passing over those that share a prompt prefix with running sequences
         which have yet to compute it (requests that arrive together with one prompt, or `n` samples of it;
         `KVCacheManager.waits_for` says when waiting pays): each is admitted once the others computed the
         prefix, and reads it from the prefix cache, so a shared prefix is computed once. None when every waiting

@@ -32,10 +32,6 @@ class FirstComeFirstServed:
     def start(self, running: list[Sequence], seq: Sequence) -> None:
         running.append(seq)
 
-    def ranks_below(self, seq: Sequence, other: Sequence) -> bool:
-        """Whether `seq` may be preempted to make room for `other`; never under fcfs."""
-        return False
-
 
 def _rank(seq: Sequence) -> tuple[int, float, int]:
     return seq.params.priority, seq.arrival_time, seq.seq_id

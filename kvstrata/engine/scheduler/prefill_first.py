@@ -6,7 +6,7 @@ so running decodes stall behind it.
 
 `StaticScheduler`: request-level batching. A batch is admitted at once and runs until every
 member finishes; only then is the next batch admitted. A member preempted for lack of KV
-blocks goes back to the waiting queue's front and joins the next batch.
+blocks goes back to the waiting queue (its front, under fcfs) and joins a later batch.
 """
 
 from __future__ import annotations
