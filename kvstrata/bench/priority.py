@@ -1,15 +1,15 @@
 """`kvstrata bench priority`: what `--scheduling-policy priority` does for urgent requests that arrive while a
 batch job holds the KV cache, and what it costs the batch job.
 
---background requests (--background-prompt-tokens windows of the text, exactly --background-max-tokens greedy
-tokens each, priority 1) are sent at once to an engine whose KV budget holds --background-running of them at
-full length, so the rest wait. Then --urgent requests (shorter: --urgent-prompt-tokens and --urgent-max-tokens,
-priority 0) arrive, the first before step --urgent-after and one more every --urgent-every steps after it. The same workload
-runs under fcfs (every priority 0: fcfs refuses others, and ignores them anyway) and under priority, alternately
-for --rounds rounds, on one set of weights. Reported per run: the urgent requests' time to first token and
-end-to-end latency, the background requests' end-to-end latency, output tokens/s over the whole run, preemptions
-and the prompt tokens computed again after them; and fcfs's over priority's medians, so a figure above 1 is what
-priority saves (or, for tokens/s, priority's over fcfs's: what it costs).
+--background requests (--background-prompt-tokens windows of the text, exactly --background-max-tokens greedy tokens
+each, priority 1) are sent at once to an engine whose KV budget holds --background-running of them at full length, so
+the rest wait. Then --urgent requests (shorter: --urgent-prompt-tokens and --urgent-max-tokens, priority 0) arrive,
+the first before step --urgent-after and one more every --urgent-every steps after it. The same workload runs under
+fcfs (every priority 0: fcfs refuses others, and ignores them anyway) and under priority, alternately for --rounds
+rounds, on one set of weights. Reported per run: the urgent requests' time to first token and end-to-end latency, the
+background requests' end-to-end latency, output tokens/s over the whole run, preemptions and the prompt tokens
+computed again after them; and fcfs's over priority's medians, so a figure above 1 is what priority saves (or, for
+tokens/s, priority's over fcfs's: what it costs).
 """
 
 from __future__ import annotations

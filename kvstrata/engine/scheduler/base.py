@@ -115,11 +115,11 @@ class Scheduler(ABC):
         return needed <= self.kv.pool.num_free + self.kv.blocks_freed_by(victims)
 
     def _next_to_admit(self, out: SchedulerOutput) -> Sequence | None:
-        """The first waiting sequence in the policy's order, passing over those that share a prompt prefix with running sequences
-        which have yet to compute it (requests that arrive together with one prompt, or `n` samples of it;
-        `KVCacheManager.waits_for` says when waiting pays): each is admitted once the others computed the
-        prefix, and reads it from the prefix cache, so a shared prefix is computed once. None when every waiting
-        sequence waits so. Nobody waits in a step that runs nothing, so the engine never idles."""
+        """The first waiting sequence in the policy's order, passing over those that share a prompt prefix with
+        running sequences which have yet to compute it (requests that arrive together with one prompt, or `n`
+        samples of it; `KVCacheManager.waits_for` says when waiting pays): each is admitted once the others
+        computed the prefix, and reads it from the prefix cache, so a shared prefix is computed once. None when
+        every waiting sequence waits so. Nobody waits in a step that runs nothing, so the engine never idles."""
         ahead = set()
         if self.shares_prefixes_in_flight and out.scheduled:
             ahead = self.kv.prompt_blocks_ahead(self.running)
