@@ -73,6 +73,17 @@ def test_embeddings_and_generations_share_steps_and_keep_their_results(llm):
         assert torch.allclose(finished[request_id].embedding, embedding, atol=1e-5)
 
 
+def test_a_prompt_to_embed_may_fill_the_context(tiny_llama):
+    llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=32)
+    prompt = PROMPTS[2][:32]
+    assert torch.allclose(llm.embed([prompt])[0].embedding, F.normalize(reference(tiny_llama, prompt), dim=0),
+                          atol=1e-5)
+    with pytest.raises(KvstrataError, match="the context allows at most 31"):
+        llm.generate([prompt])
+    with pytest.raises(KvstrataError, match="allows at most 32 \\(max_model_len 32\\)"):
+        llm.embed([PROMPTS[2][:33]])
+
+
 def test_what_an_embedding_cannot_be_is_refused_by_name(llm):
     for make, param in ((lambda: PoolingParams(dimensions=0), "dimensions"),
                         (lambda: PoolingParams(normalize="yes"), "normalize"),
@@ -117,3 +128,15 @@ def test_the_server_answers_openai_s_embeddings_request(tiny_llama, llm):
         metrics = httpx.get(f"{url}/metrics").text  # embedding requests count their prompts, as vLLM counts them
         counted = next(line for line in metrics.splitlines() if line.startswith("kvstrata:prompt_tokens_total"))
         assert float(counted.split()[-1]) >= tokens + len(PROMPTS[2])
+
+
+def test_an_embedding_reads_its_prefix_from_the_kv_store(tiny_llama, llm, tmp_path):
+    store = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, kv_store=f"disk:{tmp_path}/kv:64MiB",
+                kv_store_chunk_tokens=32)
+    first = store.embed(PROMPTS[2:])[0]
+    store.engine.kv_store.flush()
+    store.engine.reset_prefix_cache()
+    again = store.embed(PROMPTS[2:])[0]  # its two chunks before the last token come from the disk tier
+    assert store.engine.kv_store.stats.loaded_tokens == 64 and again.num_cached_tokens == 64
+    assert torch.allclose(first.embedding, again.embedding, atol=1e-5)
+    assert torch.allclose(again.embedding, llm.embed(PROMPTS[2:])[0].embedding, atol=1e-5)

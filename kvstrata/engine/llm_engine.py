@@ -333,13 +333,15 @@ class LLMEngine:
             raise ParameterError("bad_words", "this model has no tokenizer to find bad_words' tokens with")
         return self._bad_word_tokens_of(tuple(params.bad_words))
 
-    def check_prompt_length(self, token_ids: list[int]) -> None:
+    def check_prompt_length(self, token_ids: list[int], generates: bool = True) -> None:
+        """A prompt that generates keeps one token of the context for its output; one that embeds may fill it."""
         if not token_ids:
             raise KvstrataError("the prompt is empty; give at least one token")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_model_len - generates:
+            kept = ", one token kept for the output" if generates else ""
             raise KvstrataError(
-                f"the prompt has {len(token_ids)} tokens; the context allows at most {self.max_model_len - 1} "
-                f"(max_model_len {self.max_model_len}, one token kept for the output)"
+                f"the prompt has {len(token_ids)} tokens; the context allows at most {self.max_model_len - generates} "
+                f"(max_model_len {self.max_model_len}{kept})"
             )
 
     def add_request(
@@ -359,7 +361,7 @@ class LLMEngine:
         """
         params = params or self.default_sampling_params()
         token_ids = self.tokenize(prompt)
-        self.check_prompt_length(token_ids)
+        self.check_prompt_length(token_ids, generates=params.pooling is None)
         self.check_sampling(params)
         adapter = self._request_adapter(params)
         store_salt = None if cache_salt is not None else b""

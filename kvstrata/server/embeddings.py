@@ -85,7 +85,7 @@ def prepare_embeddings(engine: LLMEngine, options: ServerOptions, body: Embeddin
             token_ids = engine.tokenize(text)
             if body.truncate_prompt_tokens is not None:
                 token_ids = token_ids[-body.truncate_prompt_tokens :]
-            engine.check_prompt_length(token_ids)
+            engine.check_prompt_length(token_ids, generates=False)
         except KvstrataError as exc:
             raise ParameterError("input", where + str(exc)) from exc
         requests.append((token_ids, params))
