@@ -140,3 +140,33 @@ def test_an_embedding_reads_its_prefix_from_the_kv_store(tiny_llama, llm, tmp_pa
     assert store.engine.kv_store.stats.loaded_tokens == 64 and again.num_cached_tokens == 64
     assert torch.allclose(first.embedding, again.embedding, atol=1e-5)
     assert torch.allclose(again.embedding, llm.embed(PROMPTS[2:])[0].embedding, atol=1e-5)
+
+
+def test_score_and_rerank_are_the_cosines_of_the_embeddings(tiny_llama, llm):
+    query, documents = "Who lives at Hartfield?", ["Emma lives at Hartfield.", "Box Hill", "Mr. Knightley's Donwell"]
+    vectors = [o.embedding for o in llm.embed([query, *documents])]
+    cosines = [float(vectors[0] @ v) for v in vectors[1:]]
+    with running_server(str(tiny_llama), "m", kv_cache_memory="8MiB", max_model_len=256) as (url, _):
+        def post(path, body):
+            return httpx.post(f"{url}{path}", json={"model": "m", **body}, timeout=60)
+
+        for path in ("/score", "/v1/score"):
+            answer = post(path, {"text_1": query, "text_2": documents}).json()
+            assert [d["index"] for d in answer["data"]] == [0, 1, 2]
+            assert np.allclose([d["score"] for d in answer["data"]], cosines, atol=1e-5)
+        pairwise = post("/score", {"text_1": [query, documents[1]], "text_2": [documents[0], documents[2]]}).json()
+        assert np.isclose(pairwise["data"][1]["score"], float(vectors[2] @ vectors[3]), atol=1e-5)
+        best_first = sorted(range(3), key=lambda i: -cosines[i])
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            results = post(path, {"query": query, "documents": documents, "top_n": 2}).json()["results"]
+            assert [r["index"] for r in results] == best_first[:2]
+            assert results[0]["document"] == {"text": documents[best_first[0]]}
+            assert np.isclose(results[0]["relevance_score"], cosines[best_first[0]], atol=1e-5)
+        for path, body, param in (("/score", {"text_1": [query] * 2, "text_2": documents}, "text_1"),
+                                  ("/score", {"text_1": query, "text_2": [documents[0], ""]}, "text_2.1"),
+                                  ("/rerank", {"query": query, "documents": []}, "documents"),
+                                  ("/rerank", {"query": query, "documents": [documents[0], "word " * 300]},
+                                   "documents.1"),
+                                  ("/rerank", {"query": query, "documents": documents * 682}, "documents")):
+            reply = post(path, body)
+            assert (reply.status_code, reply.json()["error"]["param"]) == (400, param), body

@@ -30,6 +30,8 @@ from kvstrata.server.openapi import (
     EMBEDDING_RESPONSES,
     LORA_UPDATE_RESPONSES,
     METRICS_RESPONSES,
+    RERANK_RESPONSES,
+    SCORE_RESPONSES,
     TOKENIZE_RESPONSES,
     ChatCompletionResponse,
     CompletionResponse,
@@ -51,6 +53,7 @@ from kvstrata.server.request_prep import RequestPreparer
 from kvstrata.server.responses import ResponseBuilder, error_body, sse
 from kvstrata.server.responses_output import ResponseEvents, ResponseShaper, sse_event
 from kvstrata.server.responses_protocol import CHAT_FIELDS_AS_NAMED_HERE, RESPONSES_FIELDS, ResponsesRequest
+from kvstrata.server.scoring import SCORING_FIELDS, RerankRequest, ScoreRequest, rerank_response, score_response
 
 log = logging.getLogger("kvstrata.server")
 RETRY_AFTER_SECONDS = 1
@@ -83,8 +86,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         return _error(400, f"request body must be a JSON object: {message}")
     # Union members add their type's name to the location; keep field names and list indexes (and the name of a
     # field a body may not have, which is the error).
-    named = [p for p in location
-             if isinstance(p, int) or p in REQUEST_FIELDS or p in RESPONSES_FIELDS or p in EMBEDDING_FIELDS]
+    fields = REQUEST_FIELDS | RESPONSES_FIELDS | EMBEDDING_FIELDS | SCORING_FIELDS
+    named = [p for p in location if isinstance(p, int) or p in fields]
     if chosen["type"] == "extra_forbidden" and named[-1:] != [location[-1]]:
         named.append(location[-1])
     param = ".".join(str(p) for p in named)
@@ -265,11 +268,35 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
 
     @app.post("/v1/embeddings", responses=EMBEDDING_RESPONSES)
     async def embeddings(body: EmbeddingRequest, request: Request):
+        return await _embedded(body, request, None, lambda final: embedding_response(body, final))
+
+    async def score(body: ScoreRequest, request: Request):
+        try:
+            texts, pairs = body.pairs()
+        except ParameterError as exc:
+            return _error(400, str(exc), exc.param)
+        return await _embedded(body.embedding_request(texts), request, body.field_names(texts),
+                               lambda final: score_response(body, pairs, final))
+
+    async def rerank(body: RerankRequest, request: Request):
+        return await _embedded(body.embedding_request(), request, body.field_names(),
+                               lambda final: rerank_response(body, final))
+
+    for paths, endpoint, answers in ((("/score", "/v1/score"), score, SCORE_RESPONSES),
+                                     (("/rerank", "/v1/rerank", "/v2/rerank"), rerank, RERANK_RESPONSES)):
+        for path in paths:  # vLLM's paths, and Jina's and Cohere's for rerank
+            app.add_api_route(path, endpoint, methods=["POST"], responses=answers,
+                              operation_id=path.strip("/").replace("/", "_"))
+
+    async def _embedded(body: EmbeddingRequest, request: Request, fields: list[str] | None,
+                        shape: Callable[[list[RequestOutput]], dict]):
+        """Embed the body's inputs (`fields`: what the client's request calls them) and shape the answer from their
+        outputs, or the error response."""
         if (unknown := _unknown_model(body.model)) is not None:
             return unknown
         try:
             lora_name = None if body.model == model_name else body.model
-            requests = await asyncio.to_thread(prepare_embeddings, engine, options, body, lora_name)
+            requests = await asyncio.to_thread(prepare_embeddings, engine, options, body, lora_name, fields)
             outputs = async_engine.generate(requests)
             first = await anext(outputs)
         except ParameterError as exc:
@@ -280,7 +307,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             return _error(400, str(exc), "input")
         except ServerError as exc:
             return _server_error(exc)
-        return await _whole(first, outputs, len(requests), request, lambda final: embedding_response(body, final))
+        return await _whole(first, outputs, len(requests), request, shape)
 
     async def _start(body: CompletionRequest | ChatCompletionRequest, named: dict[str, str] | None = None,
                      request: Request | None = None):

@@ -67,27 +67,29 @@ class EmbeddingResponse(BaseModel):
 EMBEDDING_FIELDS = frozenset(EmbeddingRequest.model_fields)  # the names its errors may give
 
 
-def prepare_embeddings(engine: LLMEngine, options: ServerOptions, body: EmbeddingRequest,
-                       lora_name: str | None) -> list[tuple[list[int], SamplingParams]]:
+def prepare_embeddings(engine: LLMEngine, options: ServerOptions, body: EmbeddingRequest, lora_name: str | None,
+                       fields: list[str] | None = None) -> list[tuple[list[int], SamplingParams]]:
     """In a worker thread: each input's token ids and parameters, on LoRA adapter `lora_name` (None: the base
-    model); ParameterError naming what is wrong."""
+    model); ParameterError naming what is wrong. `fields`: what the client's request calls each input (the score
+    and rerank requests' texts); by default `input`, or `input.i` in a batch."""
     inputs = body.inputs
+    if fields is None:
+        fields = ["input"] if len(inputs) == 1 else [f"input.{i}" for i in range(len(inputs))]
     if len(inputs) > options.max_waiting:  # they could never be admitted together
-        raise ParameterError("input", f"{len(inputs)} inputs exceed this server's --max-waiting of "
-                                      f"{options.max_waiting}")
+        raise ParameterError(fields[-1].partition(".")[0], f"{len(inputs)} texts exceed this server's "
+                                                           f"--max-waiting of {options.max_waiting}")
     params = SamplingParams(max_tokens=1, pooling=PoolingParams(body.normalize, body.dimensions),
                             lora_name=lora_name, priority=body.priority)
     engine.check_sampling(params)
     requests = []
-    for number, text in enumerate(inputs):
-        where = "" if len(inputs) == 1 else f"input {number}: "
+    for field, text in zip(fields, inputs):
         try:
             token_ids = engine.tokenize(text)
             if body.truncate_prompt_tokens is not None:
                 token_ids = token_ids[-body.truncate_prompt_tokens :]
             engine.check_prompt_length(token_ids, generates=False)
         except KvstrataError as exc:
-            raise ParameterError("input", where + str(exc)) from exc
+            raise ParameterError(field, f"{field}: {exc}") from exc
         requests.append((token_ids, params))
     return requests
 

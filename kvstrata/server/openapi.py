@@ -12,9 +12,10 @@ from pydantic import BaseModel
 from kvstrata.server.embeddings import EmbeddingRequest, EmbeddingResponse
 from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvstrata.server.responses_protocol import ResponsesRequest
+from kvstrata.server.scoring import RerankRequest, ScoreRequest
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
-                  EmbeddingRequest)
+                  EmbeddingRequest, ScoreRequest, RerankRequest)
 
 
 class ErrorDetail(BaseModel):
@@ -88,6 +89,34 @@ class ResponsesResponse(BaseModel):
     usage: dict | None
 
 
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: dict
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: dict
+    relevance_score: float
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: dict
+    results: list[RerankResult]
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
@@ -124,8 +153,15 @@ def _plain_responses(model: type[BaseModel]) -> dict:
 
 
 TOKENIZE_RESPONSES = _plain_responses(TokenizeResponse)
-EMBEDDING_RESPONSES = {200: {"model": EmbeddingResponse},
-                       **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}}
+def _engine_responses(model: type[BaseModel]) -> dict:
+    """An endpoint whose requests run in the engine, answered whole: its answer, or any error."""
+    return {200: {"model": model},
+            **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}}
+
+
+EMBEDDING_RESPONSES = _engine_responses(EmbeddingResponse)
+SCORE_RESPONSES = _engine_responses(ScoreResponse)
+RERANK_RESPONSES = _engine_responses(RerankResponse)
 DETOKENIZE_RESPONSES = _plain_responses(DetokenizeResponse)
 LORA_UPDATE_RESPONSES = {
     200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "What was done, in a sentence"},
