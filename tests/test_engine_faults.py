@@ -71,9 +71,15 @@ def test_a_preloaded_context_whose_loader_fails_ends_its_request_alone(tiny_llam
     assert engine.kv_manager.pool.num_used == 0
 
 
-@pytest.mark.parametrize("kv_format", ["fp32", "int8", "int4", "kivi4"])
-def test_a_nan_context_fails_its_request_and_is_never_served_again(tiny_llama, clean, context_kv, kv_format):
-    """A quantized cache stores NaN as NaN too (no host check per layer): the request fails alone."""
+EMBED = SamplingParams(max_tokens=1, pooling=PoolingParams())
+
+
+@pytest.mark.parametrize("kv_format, params", [("fp32", GREEDY), ("int8", GREEDY), ("int4", GREEDY),
+                                               ("kivi4", GREEDY), ("fp32", EMBED)],
+                         ids=["fp32", "int8", "int4", "kivi4", "fp32-embedding"])
+def test_a_nan_context_fails_its_request_and_is_never_served_again(tiny_llama, clean, context_kv, kv_format, params):
+    """A quantized cache stores NaN as NaN too (no host check per layer): the request fails alone, whether it
+    generates (its logits are not finite) or embeds its prompt (its embedding is not)."""
     if kv_format != "fp32":
         clean = {rid: out.token_ids for rid, out in run(new_engine(tiny_llama, kv_format)).items()}
     k, v = context_kv
@@ -81,7 +87,7 @@ def test_a_nan_context_fails_its_request_and_is_never_served_again(tiny_llama, c
     k[:, 10] = float("nan")
 
     def add(engine):
-        engine.add_request(CONTEXT + [7, 8], GREEDY, request_id="bad", cache_salt=b"file",
+        engine.add_request(CONTEXT + [7, 8], params, request_id="bad", cache_salt=b"file",
                            preloaded=[PreloadedKV(0, k, v)])
 
     engine = new_engine(tiny_llama, kv_format)
@@ -90,12 +96,13 @@ def test_a_nan_context_fails_its_request_and_is_never_served_again(tiny_llama, c
     assert_bystanders_unharmed(finished, clean)
     # Its blocks left the prefix cache: the same context and salt, given good KV now, is placed afresh.
     hits = engine.kv_manager.prefix_stats.hit_tokens
-    engine.add_request(CONTEXT + [7, 8], GREEDY, request_id="again", cache_salt=b"file",
+    engine.add_request(CONTEXT + [7, 8], params, request_id="again", cache_salt=b"file",
                        preloaded=[PreloadedKV(0, *context_kv)])
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
-    assert outputs[0].finish_reason == "length" and engine.kv_manager.prefix_stats.hit_tokens == hits
+    assert outputs[0].finish_reason != "error" and engine.kv_manager.prefix_stats.hit_tokens == hits
+    assert (outputs[0].embedding is not None) == (params is EMBED)
     assert outputs[0].num_cached_tokens == len(CONTEXT)  # the KV given, placed (reused, not computed)
 
 
@@ -151,27 +158,3 @@ def test_a_row_with_one_non_finite_logit_is_not_finite(bad):
     logits[2, 7] = bad
     logits[3, :2] = torch.tensor([math.inf, -math.inf])
     assert finite_rows(logits) == [True, True, False, False]
-
-
-def test_a_nan_context_fails_its_embedding_alone_and_is_never_served_again(tiny_llama, clean, context_kv):
-    k, v = context_kv
-    k = k.clone()
-    k[:, 10] = float("nan")
-    embed = SamplingParams(max_tokens=1, pooling=PoolingParams())
-
-    def add(engine):
-        engine.add_request(CONTEXT + [7, 8], embed, request_id="bad", cache_salt=b"file",
-                           preloaded=[PreloadedKV(0, k, v)])
-
-    engine = new_engine(tiny_llama)
-    finished = run(engine, add)
-    assert finished["bad"].finish_reason == "error" and "embedding is not finite" in finished["bad"].error
-    assert finished["bad"].embedding is None
-    assert_bystanders_unharmed(finished, clean)
-    hits = engine.kv_manager.prefix_stats.hit_tokens
-    engine.add_request(CONTEXT + [7, 8], embed, request_id="again", cache_salt=b"file",
-                       preloaded=[PreloadedKV(0, *context_kv)])
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += [o for o in engine.step() if o.finished]
-    assert outputs[0].embedding is not None and engine.kv_manager.prefix_stats.hit_tokens == hits
