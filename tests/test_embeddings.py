@@ -128,6 +128,10 @@ def test_the_server_answers_openai_s_embeddings_request(tiny_llama, llm):
         metrics = httpx.get(f"{url}/metrics").text  # embedding requests count their prompts, as vLLM counts them
         counted = next(line for line in metrics.splitlines() if line.startswith("kvstrata:prompt_tokens_total"))
         assert float(counted.split()[-1]) >= tokens + len(PROMPTS[2])
+        schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
+        lengths = {name: schema[name]["properties"][field]["anyOf"][1]["maxItems"]
+                   for name, field in (("EmbeddingRequest", "input"), ("CompletionRequest", "prompt"))}
+        assert lengths == {"EmbeddingRequest": 256, "CompletionRequest": 255}  # an input to embed may fill it
 
 
 def test_an_embedding_reads_its_prefix_from_the_kv_store(tiny_llama, llm, tmp_path):
@@ -162,11 +166,14 @@ def test_score_and_rerank_are_the_cosines_of_the_embeddings(tiny_llama, llm):
             assert [r["index"] for r in results] == best_first[:2]
             assert results[0]["document"] == {"text": documents[best_first[0]]}
             assert np.isclose(results[0]["relevance_score"], cosines[best_first[0]], atol=1e-5)
+        every = post("/rerank", {"query": query, "documents": documents, "top_n": -1}).json()["results"]
+        assert [r["index"] for r in every] == best_first  # 0 or less: all, as vLLM takes it
         for path, body, param in (("/score", {"text_1": [query] * 2, "text_2": documents}, "text_1"),
                                   ("/score", {"text_1": query, "text_2": [documents[0], ""]}, "text_2.1"),
                                   ("/rerank", {"query": query, "documents": []}, "documents"),
                                   ("/rerank", {"query": query, "documents": [documents[0], "word " * 300]},
                                    "documents.1"),
-                                  ("/rerank", {"query": query, "documents": documents * 682}, "documents")):
+                                  ("/rerank", {"query": query, "documents": documents * 682}, "documents"),
+                                  ("/rerank", {"query": "Highbury " * 10_000, "documents": documents}, "query")):
             reply = post(path, body)
             assert (reply.status_code, reply.json()["error"]["param"]) == (400, param), body

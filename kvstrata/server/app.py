@@ -271,6 +271,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
         return await _embedded(body, request, None, lambda final: embedding_response(body, final))
 
     async def score(body: ScoreRequest, request: Request):
+        if (unknown := _unknown_model(body.model)) is not None:
+            return unknown
         try:
             texts, pairs = body.pairs()
         except ParameterError as exc:
@@ -296,7 +298,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             return unknown
         try:
             lora_name = None if body.model == model_name else body.model
-            requests = await asyncio.to_thread(prepare_embeddings, engine, options, body, lora_name, fields)
+            requests = await asyncio.to_thread(prepare_embeddings, preparer, body, lora_name, fields)
             outputs = async_engine.generate(requests)
             first = await anext(outputs)
         except ParameterError as exc:
@@ -304,7 +306,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
                 return _error(404, str(exc), "model", code="model_not_found")
             return _error(400, str(exc), exc.param)
         except KvstrataError as exc:
-            return _error(400, str(exc), "input")
+            return _error(400, str(exc), (fields or ["input"])[0].partition(".")[0])
         except ServerError as exc:
             return _server_error(exc)
         return await _whole(first, outputs, len(requests), request, shape)

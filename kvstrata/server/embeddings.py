@@ -12,11 +12,10 @@ from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.pooling_params import PoolingParams
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError, ParameterError
-from kvstrata.server.options import ServerOptions
 from kvstrata.server.protocol import Priority, Text, TokenIds, integer
 
 if TYPE_CHECKING:  # the cluster's front reads requests without an engine
-    from kvstrata.engine.llm_engine import LLMEngine
+    from kvstrata.server.request_prep import RequestPreparer
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
 
@@ -67,22 +66,25 @@ class EmbeddingResponse(BaseModel):
 EMBEDDING_FIELDS = frozenset(EmbeddingRequest.model_fields)  # the names its errors may give
 
 
-def prepare_embeddings(engine: LLMEngine, options: ServerOptions, body: EmbeddingRequest, lora_name: str | None,
+def prepare_embeddings(preparer: RequestPreparer, body: EmbeddingRequest, lora_name: str | None,
                        fields: list[str] | None = None) -> list[tuple[list[int], SamplingParams]]:
     """In a worker thread: each input's token ids and parameters, on LoRA adapter `lora_name` (None: the base
     model); ParameterError naming what is wrong. `fields`: what the client's request calls each input (the score
     and rerank requests' texts); by default `input`, or `input.i` in a batch."""
+    engine, limit = preparer.engine, preparer.options.max_waiting
     inputs = body.inputs
     if fields is None:
         fields = ["input"] if len(inputs) == 1 else [f"input.{i}" for i in range(len(inputs))]
-    if len(inputs) > options.max_waiting:  # they could never be admitted together
+    if len(inputs) > limit:  # they could never be admitted together
         raise ParameterError(fields[-1].partition(".")[0], f"{len(inputs)} texts exceed this server's "
-                                                           f"--max-waiting of {options.max_waiting}")
+                                                           f"--max-waiting of {limit}")
     params = SamplingParams(max_tokens=1, pooling=PoolingParams(body.normalize, body.dimensions),
                             lora_name=lora_name, priority=body.priority)
     engine.check_sampling(params)
     requests = []
     for field, text in zip(fields, inputs):
+        if isinstance(text, str) and body.truncate_prompt_tokens is None:
+            preparer.check_text_length(field, field, len(text))
         try:
             token_ids = engine.tokenize(text)
             if body.truncate_prompt_tokens is not None:

@@ -152,13 +152,13 @@ def _plain_responses(model: type[BaseModel]) -> dict:
     return {200: {"model": model}, **errors}
 
 
-TOKENIZE_RESPONSES = _plain_responses(TokenizeResponse)
 def _engine_responses(model: type[BaseModel]) -> dict:
     """An endpoint whose requests run in the engine, answered whole: its answer, or any error."""
     return {200: {"model": model},
             **{status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}}
 
 
+TOKENIZE_RESPONSES = _plain_responses(TokenizeResponse)
 EMBEDDING_RESPONSES = _engine_responses(EmbeddingResponse)
 SCORE_RESPONSES = _engine_responses(ScoreResponse)
 RERANK_RESPONSES = _engine_responses(RerankResponse)
@@ -208,7 +208,8 @@ def fix_openapi(app: FastAPI, model_names: list[str] | None, vocab_size: int, ma
                         token_ids = form["items"] if form.get("items", {}).get("type") == "array" else form
                         if token_ids.get("items", {}).get("type") == "integer":
                             token_ids["items"]["maximum"] = vocab_size - 1
-                            token_ids["maxItems"] = max_model_len - 1
+                            # a prompt keeps a token for its output; an input to embed may fill the context
+                            token_ids["maxItems"] = max_model_len - (name == "prompt")
                 if "tokens" in fields:
                     fields["tokens"]["items"]["maximum"] = vocab_size - 1
                 components[model.__name__] = generated

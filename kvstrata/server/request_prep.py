@@ -56,7 +56,7 @@ class RequestPreparer:
         if body.truncate_prompt_tokens is not None:
             return
         if chat:
-            self._precheck_text("messages", "the messages text", sum(len(m.text) for m in body.messages))
+            self.check_text_length("messages", "the messages text", sum(len(m.text) for m in body.messages))
             return
         for number, prompt in enumerate(body.prompts):
             what = "the prompt" if len(body.prompts) == 1 else f"prompt {number} of the batch"
@@ -65,7 +65,7 @@ class RequestPreparer:
                     raise ParameterError("prompt", f"{what} has {len(prompt)} tokens; the context allows at most "
                                                    f"{self.engine.max_model_len - 1}")
             else:
-                self._precheck_text("prompt", f"{what} text", len(prompt))
+                self.check_text_length("prompt", f"{what} text", len(prompt))
 
     def tool_calls(self, body: Body) -> ToolCalls | AutoToolCalls | None:
         """How a chat's outputs become tool calls: held to the calls tool_choice asks for, or parsed from the text
@@ -94,7 +94,8 @@ class RequestPreparer:
         tags = PARSERS[self.options.tool_call_parser].special_tags
         return any(tag in self.engine.tokenizer.special_token_texts for tag in tags)
 
-    def _precheck_text(self, param: str, what: str, chars: int) -> None:
+    def check_text_length(self, param: str, what: str, chars: int) -> None:
+        """Refuse a text certainly too long for the context, before tokenizing it."""
         if self.max_chars is not None and chars > self.max_chars:
             raise ParameterError(param, f"{what} has {chars} characters, more than {self.max_chars} "
                                         f"({self.engine.max_model_len} tokens of at most "

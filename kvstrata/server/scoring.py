@@ -58,7 +58,7 @@ class RerankRequest(BaseModel):
     model: Text
     query: Passage
     documents: Passages
-    top_n: integer(ge=0) = 0
+    top_n: integer() = 0  # 0 or less: all, as vLLM takes it
     truncate_prompt_tokens: integer(ge=1) | None = None
     priority: Priority = 0
 
@@ -83,7 +83,8 @@ def _name(field: str, value: str | list[str], index: int) -> str:
 
 
 def _cosine(outputs: list[RequestOutput], a: int, b: int) -> float:
-    return float(outputs[a].embedding @ outputs[b].embedding)  # both normalized
+    """The cosine of two normalized embeddings (their dot product, kept in [-1, 1] against float rounding)."""
+    return min(1.0, max(-1.0, float(outputs[a].embedding @ outputs[b].embedding)))
 
 
 def _prompt_tokens(outputs: list[RequestOutput]) -> int:
@@ -99,7 +100,7 @@ def score_response(body: ScoreRequest, pairs: list[tuple[int, int]], outputs: li
 
 def rerank_response(body: RerankRequest, outputs: list[RequestOutput]) -> dict:
     scores = [_cosine(outputs, 0, 1 + i) for i in range(len(body.documents))]
-    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or None]
+    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n if body.top_n > 0 else None]
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": body.model,
             "usage": {"total_tokens": _prompt_tokens(outputs)},
             "results": [{"index": i, "document": {"text": body.documents[i]}, "relevance_score": scores[i]}
