@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.transformers_model import transformers_model
-from kvstrata.bench.workload import parse_length, read_text
+from kvstrata.bench.workload import parse_length, read_text, run_together
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.pooling_params import PoolingParams
@@ -83,14 +83,11 @@ def _embed(engine: LLMEngine, texts: list[list[int]]) -> dict:
     params = SamplingParams(max_tokens=1, pooling=PoolingParams())
     engine.step_stats.clear()
     start = time.perf_counter()
-    ids = [engine.add_request(text, params) for text in texts]
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    outputs = run_together(engine, texts, [params] * len(texts))
     seconds = time.perf_counter() - start
     computed = sum(s.prefill_tokens for s in engine.step_stats)
     return {"figures": _rates(texts, seconds) | {"computed_tokens": computed},
-            "embeddings": [finished[request_id].embedding for request_id in ids]}
+            "embeddings": [output.embedding for output in outputs]}
 
 
 @torch.inference_mode()

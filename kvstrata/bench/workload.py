@@ -24,13 +24,18 @@ def prompts_from_text(tokenizer, count: int, length: int, text_file: Path = EMMA
     return [ids[i * length : (i + 1) * length] for i in range(count)]
 
 
-def generate_together(engine, prompts: list[list[int]], params: list) -> list[list[int]]:
-    """Each prompt's output tokens (prompt i with params[i]), every request sent at once and run to its end."""
+def run_together(engine, prompts: list[list[int]], params: list) -> list:
+    """Each prompt's final output (prompt i with params[i]), every request sent at once and run to its end."""
     ids = [engine.add_request(prompt, one) for prompt, one in zip(prompts, params)]
-    finished: dict[str, list[int]] = {}
+    finished = {}
     while engine.has_unfinished_requests():
-        finished.update((out.request_id, list(out.token_ids)) for out in engine.step() if out.finished)
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
     return [finished[request_id] for request_id in ids]
+
+
+def generate_together(engine, prompts: list[list[int]], params: list) -> list[list[int]]:
+    """Each prompt's output tokens, as `run_together` runs them."""
+    return [list(out.token_ids) for out in run_together(engine, prompts, params)]
 
 
 def parse_length(spec: str, flag: str):

@@ -72,6 +72,19 @@ def _server_error(exc: ServerError) -> JSONResponse:
     return _error(exc.status, str(exc), kind=exc.kind, headers=headers)
 
 
+def _not_started(exc: KvstrataError | ServerError, field: Callable[[str | None], str | None],
+                 fallback: str) -> JSONResponse:
+    """The answer to a request that could not start: its fault (a 400 naming `field` of the parameter at fault, or
+    `fallback` where none is named; a 404 for an adapter unloaded since the model was checked) or the server's."""
+    if isinstance(exc, ServerError):
+        return _server_error(exc)
+    if isinstance(exc, ParameterError) and exc.param == "lora_name":
+        return _error(404, str(exc), "model", code="model_not_found")
+    if isinstance(exc, ParameterError):
+        return _error(400, str(exc), field(exc.param))
+    return _error(400, str(exc), fallback)
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0]
@@ -301,14 +314,8 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             requests = await asyncio.to_thread(prepare_embeddings, preparer, body, lora_name, fields)
             outputs = async_engine.generate(requests)
             first = await anext(outputs)
-        except ParameterError as exc:
-            if exc.param == "lora_name":  # the model asked for (an adapter) was unloaded since it was checked
-                return _error(404, str(exc), "model", code="model_not_found")
-            return _error(400, str(exc), exc.param)
-        except KvstrataError as exc:
-            return _error(400, str(exc), (fields or ["input"])[0].partition(".")[0])
-        except ServerError as exc:
-            return _server_error(exc)
+        except (KvstrataError, ServerError) as exc:
+            return _not_started(exc, lambda param: param, (fields or ["input"])[0].partition(".")[0])
         return await _whole(first, outputs, len(requests), request, shape)
 
     async def _start(body: CompletionRequest | ChatCompletionRequest, named: dict[str, str] | None = None,
@@ -332,14 +339,9 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
             else:
                 outputs = async_engine.generate(requests)
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
-        except ParameterError as exc:
-            if exc.param == "lora_name":  # the model asked for (an adapter) was unloaded since it was checked
-                return _error(404, str(exc), "model", code="model_not_found")
-            return _error(400, str(exc), named.get(exc.param, exc.param) or None)
-        except KvstrataError as exc:
-            return _error(400, str(exc), named.get("messages", "messages") if chat else "prompt")
-        except ServerError as exc:
-            return _server_error(exc)
+        except (KvstrataError, ServerError) as exc:
+            return _not_started(exc, lambda param: named.get(param, param) or None,
+                                named.get("messages", "messages") if chat else "prompt")
         echo_texts = None
         if not chat and body.echo:
             whole = body.truncate_prompt_tokens is None  # else the prompt's tokens kept are what is echoed
