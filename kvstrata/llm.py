@@ -70,18 +70,20 @@ class LLM:
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Each prompt's embedding (`RequestOutput.embedding`, float32), in the prompts' order: the final hidden
         state of its last token, normalized unless `pooling_params` (one, or one per prompt) says otherwise
         (engine/pooling_params.py). The prompts are scheduled as any others are: batched with whatever runs, a
-        prefix the prefix cache or the KV store holds read rather than computed."""
+        prefix the prefix cache or the KV store holds read rather than computed (only from requests with the same
+        `cache_salt`: SamplingParams.cache_salt, which generate takes in its params)."""
         prompts = _as_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         if len(pooling_params) != len(prompts) or not all(isinstance(p, PoolingParams) for p in pooling_params):
             raise KvstrataError(f"got {len(pooling_params)} pooling params for {len(prompts)} prompts; give one "
                                 f"PoolingParams or one per prompt")
-        params = [SamplingParams(max_tokens=1, pooling=pooling) for pooling in pooling_params]
+        params = [SamplingParams(max_tokens=1, pooling=pooling, cache_salt=cache_salt) for pooling in pooling_params]
         params = _with_priorities(with_adapters(self.engine, params, lora_request), priority)
         arrival = time.perf_counter()
         ids = [self.engine.add_request(prompt, one, arrival_time=arrival) for prompt, one in zip(prompts, params)]

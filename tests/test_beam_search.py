@@ -355,18 +355,20 @@ def test_a_client_that_leaves_stops_its_search(tiny_llama):
         assert engine.kv_manager.pool.num_used == 0 and not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("options, salted, handed_over", [
-    ({}, False, True),
-    ({"dtype": "bfloat16", "kv_format": "bf16"}, False, True),  # stored in the compute dtype: exact
-    ({"dtype": "bfloat16", "kv_format": "int8"}, False, False),  # decoded int8 rounded to bfloat16: not exact
-    ({"enable_prefix_caching": False}, False, False),  # the continuing request computes its context anyway
-    ({"kv_offload": "h2o"}, False, False),  # evicts tokens
-    ({}, True, False),  # built on a saved context: must not reach unsalted blocks
+@pytest.mark.parametrize("options, salt, handed_over", [
+    ({}, None, True),
+    ({"dtype": "bfloat16", "kv_format": "bf16"}, None, True),  # stored in the compute dtype: exact
+    ({"dtype": "bfloat16", "kv_format": "int8"}, None, False),  # decoded int8 rounded to bfloat16: not exact
+    ({"enable_prefix_caching": False}, None, False),  # the continuing request computes its context anyway
+    ({"kv_offload": "h2o"}, None, False),  # evicts tokens
+    ({}, "saved context", False),  # built on a saved context: must not reach blocks a prefill would build
+    ({}, "tenant", True),  # a tenant's cache_salt keeps the KV apart, but it is what computing gives
 ])
-def test_a_tail_is_handed_over_only_where_it_is_the_kv_computing_gives(tiny_llama, options, salted, handed_over):
+def test_a_tail_is_handed_over_only_where_it_is_the_kv_computing_gives(tiny_llama, options, salt, handed_over):
     engine = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, **options).engine
-    engine.add_request(random_prompt(40, 1), SamplingParams(max_tokens=1, keep_tail_kv=True),
-                       cache_salt=b"context" if salted else None)
+    engine.add_request(random_prompt(40, 1),
+                       SamplingParams(max_tokens=1, keep_tail_kv=True, cache_salt="a" if salt == "tenant" else None),
+                       cache_salt=b"context" if salt == "saved context" else None)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [output for output in engine.step() if output.finished]

@@ -165,7 +165,8 @@ class Frontend:
                 # a batch of prompts goes where its first one would
                 prompt = (parsed.inputs if isinstance(parsed, EmbeddingRequest) else parsed.prompts)[0]
                 token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-            return prompt_blocks(token_ids, self.options.block_size), bool(getattr(parsed, "stream", False))
+            blocks = prompt_blocks(token_ids, self.options.block_size, parsed.cache_salt)
+            return blocks, bool(getattr(parsed, "stream", False))
         except (ValidationError, KvstrataError, ValueError, OverflowError):  # e.g. a token id beyond 64 bits
             return None, False
 

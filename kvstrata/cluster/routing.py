@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict
 
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.block_hash import chained_block_hash, full_block_hashes
+from kvstrata.kv.block_hash import chained_block_hash, full_block_hashes, tenant_salt
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
 VIRTUAL_NODES = 64  # points per replica on the hash ring: spreads keys evenly over few replicas
@@ -25,11 +25,13 @@ MATCH_TOKENS = 8192  # how much of a prompt is matched against remembered prefix
 MEMORY_BLOCKS = 500_000  # remembered block hashes (about 50 MB): the front's picture of the replicas' caches
 
 
-def prompt_blocks(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks (its first MATCH_TOKENS tokens); a prompt shorter than
-    one block is hashed whole, so it still has a key of its own."""
-    blocks = full_block_hashes(token_ids[:MATCH_TOKENS], block_size, [])
-    return blocks or [chained_block_hash(None, token_ids)]
+def prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks (its first MATCH_TOKENS tokens), in the chain of its cache salt
+    (as the replicas' prefix caches keep them apart); a prompt shorter than one block is hashed whole, so it still
+    has a key of its own."""
+    salt = None if cache_salt is None else tenant_salt(cache_salt)
+    blocks = full_block_hashes(token_ids[:MATCH_TOKENS], block_size, [], salt)
+    return blocks or [chained_block_hash(salt, token_ids)]
 
 
 def _point(data: bytes) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.outputs import RequestOutput
-from kvstrata.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_priority
+from kvstrata.engine.sampling_params import MAX_LOGPROBS, SamplingParams, check_cache_salt, check_priority
 from kvstrata.errors import ParameterError
 from kvstrata.kv.preloaded import PreloadedKV
 
@@ -58,6 +58,7 @@ class BeamSearchParams:
     skip_special_tokens: bool = True  # the returned texts leave special tokens out
     lora_name: str | None = None  # the LoRA adapter the beams are scored on (SamplingParams.lora_name)
     priority: int = 0  # its rounds' requests' (SamplingParams.priority)
+    cache_salt: str | None = None  # its rounds' requests' (SamplingParams.cache_salt)
 
     def __post_init__(self) -> None:
         for name, value, least in (("beam_width", self.beam_width, 1), ("max_tokens", self.max_tokens, 1)):
@@ -78,6 +79,7 @@ class BeamSearchParams:
             raise ParameterError("early_stopping", f"early_stopping must be true, false or \"never\", got "
                                                    f"{self.early_stopping!r}")
         check_priority(self.priority)
+        check_cache_salt(self.cache_salt)
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
 
@@ -188,7 +190,8 @@ class BeamSearch:
         # greedy and ignoring EOS: the token the request draws is not used, only its alternatives' logprobs; the
         # KV after its last full block comes back for its children's requests
         return SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.alternatives, ignore_eos=True,
-                              keep_tail_kv=True, lora_name=self.params.lora_name, priority=self.params.priority)
+                              keep_tail_kv=True, lora_name=self.params.lora_name, priority=self.params.priority,
+                              cache_salt=self.params.cache_salt)
 
     def advance(self, outputs: list[RequestOutput], now: float) -> None:
         """Take a round's outputs (one per running beam, in `round_requests`' order), while the search is not `done`:

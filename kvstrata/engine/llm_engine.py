@@ -39,6 +39,7 @@ from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, S
 from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.engine.torch_threads import keep_torch_threads, use_torch_threads
 from kvstrata.errors import KvstrataError, ParameterError, RequestFailed
+from kvstrata.kv.block_hash import tenant_salt
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
@@ -357,14 +358,18 @@ class LLMEngine:
 
         `arrival_time` (a `time.perf_counter()` reading) lets a server count queueing before this call.
         `preloaded` gives ready KV for ranges of the prompt (placed instead of prefilled); `cache_salt`
-        keeps the prefix-cache blocks built on it apart from those of plain prefills.
+        keeps the prefix-cache blocks built on it apart from those of plain prefills (a tenant's own salt is
+        `params.cache_salt`).
         """
         params = params or self.default_sampling_params()
         token_ids = self.tokenize(prompt)
         self.check_prompt_length(token_ids, generates=params.pooling is None)
         self.check_sampling(params)
         adapter = self._request_adapter(params)
-        store_salt = None if cache_salt is not None else b""
+        tenant = b"" if params.cache_salt is None else tenant_salt(params.cache_salt)
+        store_salt = None if cache_salt is not None else tenant  # a saved context's KV is not stored below
+        if tenant:
+            cache_salt = (cache_salt or b"") + tenant
         if adapter is not None:  # its KV is the adapter's: its prefix-cache blocks and stored chunks are apart
             if preloaded:
                 raise KvstrataError(f"KV given ready-made (a saved context) was computed without LoRA adapter "
@@ -719,9 +724,9 @@ class LLMEngine:
         continuing them then computes them)."""
         end = seq.num_computed_tokens
         start = end - end % self.config.block_size
-        if start == end or seq.cache_salt is not None or not self._tails_handed_over:
-            # a salted sequence's KV (built on a saved context, or by a LoRA adapter) must not reach unsalted blocks,
-            # and a request on an adapter takes no KV ready-made (add_request): its beams compute their last block
+        if start == end or not seq.computes_plain_kv or not self._tails_handed_over:
+            # KV built on a saved context must not reach blocks a plain prefill would have built, and a request on
+            # an adapter takes no KV ready-made (add_request): its beams compute their last block
             return None
         dtype = getattr(torch, self.config.dtype)
         k, v = self.kv_cache.read_layers(seq.block_table, end, start)

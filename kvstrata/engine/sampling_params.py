@@ -43,6 +43,11 @@ def check_priority(priority) -> None:
         raise ParameterError("priority", f"priority must be an integer (lower runs earlier), got {priority!r:.200}")
 
 
+def check_cache_salt(cache_salt) -> None:
+    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+        raise ParameterError("cache_salt", f"cache_salt must be a non-empty string, got {cache_salt!r:.200}")
+
+
 @dataclass
 class SamplingParams:
     """temperature 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy; top_k 0, top_p 1, min_p 0, the penalties'
@@ -84,6 +89,9 @@ class SamplingParams:
     # its place in the queues under the engine's priority scheduling: lower runs earlier, and may preempt running
     # requests of a larger number (vLLM passes it beside the parameters, as LLM.generate's priority does here)
     priority: int = 0
+    # vLLM's cache_salt: the request reuses cached KV (the prefix cache's, the KV store's) only from requests that
+    # gave the same string, and its own is reused only by those (kv/block_hash.py tenant_salt); None: shared by all
+    cache_salt: str | None = None
     # the request embeds its prompt instead of generating (LLM.embed, /v1/embeddings; vLLM passes PoolingParams in
     # place of SamplingParams): its output carries the embedding, and nothing else here applies
     pooling: PoolingParams | None = None
@@ -131,6 +139,7 @@ class SamplingParams:
             raise KvstrataError(f"lora_name must be a LoRA adapter's name (a non-empty string), got "
                                 f"{self.lora_name!r:.200}")
         check_priority(self.priority)
+        check_cache_salt(self.cache_salt)
         if self.pooling is not None and not isinstance(self.pooling, PoolingParams):
             raise KvstrataError(f"pooling must be a PoolingParams, got {self.pooling!r:.200}")
         if self.pooling is not None and (self.prompt_logprobs is not None or self.structured_output is not None):

@@ -63,12 +63,12 @@ class Sequence:
     store_load_end: tuple[float, PrefillWork] | None = None  # when its store load ended, the prefill it left
     store_plan: tuple[float, float] | None = None  # its store load's first adaptive choice: when, seconds predicted
     store_last_plan: tuple[float, float] | None = None  # and its last: when, seconds predicted and stretched
-    # separates prefix-cache entries whose KV a plain prefill would not give: built on preloaded KV, or on a LoRA
-    # adapter's weights
+    # separates prefix-cache entries whose KV a plain prefill would not give (built on preloaded KV, or on a LoRA
+    # adapter's weights) and those of a tenant (SamplingParams.cache_salt, last)
     cache_salt: bytes | None = None
     # what its chunks' keys in the KV store (below the device pool) are salted with: b"" on the base model, a LoRA
-    # adapter's digest and products' dtype on one; None where it neither looks up nor writes chunks (its KV came
-    # ready-made: a saved context's)
+    # adapter's digest and products' dtype on one, and the tenant's salt among them where it gave one; None where
+    # it neither looks up nor writes chunks (its KV came ready-made: a saved context's)
     store_salt: bytes | None = b""
     lora: LoRAAdapter | None = None  # the adapter its tokens are computed with; None: the base model
     num_preemptions: int = 0
@@ -100,6 +100,12 @@ class Sequence:
         """Whether KV cached by other requests (the prefix cache, the KV store) may stand in for its prompt's tokens:
         not when it asks for their logprobs, which only computing them gives."""
         return self.params.prompt_logprobs is None
+
+    @property
+    def computes_plain_kv(self) -> bool:
+        """Whether its KV is what a prefill on the base model gives (not built on a saved context's, nor by a LoRA
+        adapter), whatever tenant's salt keeps it apart."""
+        return self.store_salt is not None and self.lora is None
 
     @property
     def constraint_complete(self) -> bool:

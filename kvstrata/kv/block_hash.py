@@ -8,6 +8,13 @@ from array import array
 BlockHash = bytes
 
 
+def tenant_salt(cache_salt: str) -> bytes:
+    """The bytes a request's `cache_salt` (vLLM's) starts its chains with: requests share cached KV only with those
+    bringing the same string, so one tenant cannot learn from its time to first token what another has asked. A
+    digest of fixed length, so that it joins the other salts (a LoRA adapter's, a saved context's) unambiguously."""
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"cache_salt").digest()
+
+
 def chained_block_hash(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", token_ids).tobytes())

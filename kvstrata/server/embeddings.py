@@ -12,7 +12,7 @@ from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.pooling_params import PoolingParams
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError, ParameterError
-from kvstrata.server.protocol import Priority, Text, TokenIds, integer
+from kvstrata.server.protocol import CacheSalt, Priority, Text, TokenIds, integer
 
 if TYPE_CHECKING:  # the cluster's front reads requests without an engine
     from kvstrata.server.request_prep import RequestPreparer
@@ -21,7 +21,7 @@ MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
 
 
 class EmbeddingRequest(BaseModel):
-    """OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize and priority. Unknown fields are ignored, as the
+    """OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize, priority and cache_salt. Unknown fields are ignored, as the
     other endpoints do."""
 
     model_config = ConfigDict(extra="ignore")
@@ -37,6 +37,7 @@ class EmbeddingRequest(BaseModel):
     truncate_prompt_tokens: integer(ge=1) | None = None  # only each input's last k tokens are used
     normalize: StrictBool = True  # to unit length
     priority: Priority = 0
+    cache_salt: CacheSalt | None = None
 
     @property
     def inputs(self) -> list[str | list[int]]:
@@ -79,7 +80,7 @@ def prepare_embeddings(preparer: RequestPreparer, body: EmbeddingRequest, lora_n
         raise ParameterError(fields[-1].partition(".")[0], f"{len(inputs)} texts exceed this server's "
                                                            f"--max-waiting of {limit}")
     params = SamplingParams(max_tokens=1, pooling=PoolingParams(body.normalize, body.dimensions),
-                            lora_name=lora_name, priority=body.priority)
+                            lora_name=lora_name, priority=body.priority, cache_salt=body.cache_salt)
     engine.check_sampling(params)
     requests = []
     for field, text in zip(fields, inputs):

@@ -106,6 +106,8 @@ def _template_variables(value: dict) -> dict:
 
 
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
+# vLLM's cache_salt: cached KV is shared only between requests giving the same string (SamplingParams.cache_salt)
+CacheSalt = Annotated[Text, Field(min_length=1)]
 # Further variables the chat template reads (vLLM's chat_template_kwargs; e.g. Qwen3's enable_thinking).
 TemplateKwargs = Annotated[dict[str, object], AfterValidator(_template_variables)]
 Number = StrictFloat  # takes ints too, not bools
@@ -206,6 +208,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     priority: Priority = 0
+    cache_salt: CacheSalt | None = None
     # vLLM's beam search: n beams wide, all n returned, best first (engine/beam_search.py); length_penalty and
     # early_stopping as transformers takes them
     use_beam_search: StrictBool = False
@@ -257,6 +260,7 @@ class _SamplingFields(BaseModel):
             structured_output=self.structured_output(),
             prompt_logprobs=self.prompt_logprobs,
             priority=self.priority,
+            cache_salt=self.cache_salt,
         )
 
     def beam_search_params(self, sampling: SamplingParams) -> BeamSearchParams:
@@ -274,7 +278,7 @@ class _SamplingFields(BaseModel):
                                 length_penalty=float(self.length_penalty), early_stopping=self.early_stopping,
                                 ignore_eos=sampling.ignore_eos, stop_token_ids=tuple(sampling.stop_token_ids),
                                 skip_special_tokens=sampling.skip_special_tokens, lora_name=sampling.lora_name,
-                                priority=sampling.priority)
+                                priority=sampling.priority, cache_salt=sampling.cache_salt)
 
     def structured_output(self) -> StructuredOutput | None:
         """The constraint of whichever field gives one; ParameterError naming the field where it is wrong or a

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag
 
 from kvstrata.server.protocol import (
+    CacheSalt,
     ChatCompletionRequest,
     JsonSchemaFormat,
     Number,
@@ -147,11 +148,13 @@ class ResponsesRequest(BaseModel):
     prompt: OnlyNull = None  # a stored prompt template's
     background: OnlyFalse = False
     priority: Priority = 0  # vLLM's (the chat endpoint's)
+    cache_salt: CacheSalt | None = None  # vLLM's (the chat endpoint's)
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request this one amounts to (pydantic's ValidationError where the chat endpoint refuses it)."""
         body = {"model": self.model, "messages": self._messages(), "stream": self.stream,
-                "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority}
+                "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority,
+                "cache_salt": self.cache_salt}
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p)):
             if value is not None:

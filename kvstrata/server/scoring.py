@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.errors import ParameterError
 from kvstrata.server.embeddings import MAX_INPUTS, EmbeddingRequest
-from kvstrata.server.protocol import Priority, Text, integer
+from kvstrata.server.protocol import CacheSalt, Priority, Text, integer
 
 Passage = Annotated[Text, Field(min_length=1)]
 Passages = Annotated[list[Passage], Field(min_length=1, max_length=MAX_INPUTS)]
@@ -29,6 +29,7 @@ class ScoreRequest(BaseModel):
     text_2: Passage | Passages
     truncate_prompt_tokens: integer(ge=1) | None = None  # only each text's last k tokens are used
     priority: Priority = 0
+    cache_salt: CacheSalt | None = None
 
     def pairs(self) -> tuple[list[str], list[tuple[int, int]]]:
         """The texts to embed and the pairs scored, as indexes into them."""
@@ -61,6 +62,7 @@ class RerankRequest(BaseModel):
     top_n: integer() = 0  # 0 or less: all, as vLLM takes it
     truncate_prompt_tokens: integer(ge=1) | None = None
     priority: Priority = 0
+    cache_salt: CacheSalt | None = None
 
     def embedding_request(self) -> EmbeddingRequest:
         return _embedding_request(self, [self.query, *self.documents])
@@ -75,7 +77,7 @@ SCORING_FIELDS = frozenset(ScoreRequest.model_fields) | frozenset(RerankRequest.
 def _embedding_request(body: ScoreRequest | RerankRequest, texts: list[str]) -> EmbeddingRequest:
     """The embeddings of `texts`, checked as the body's (a request may hold more texts than an embeddings request)."""
     return EmbeddingRequest.model_construct(model=body.model, input=texts, priority=body.priority,
-                                            truncate_prompt_tokens=body.truncate_prompt_tokens)
+                                            cache_salt=body.cache_salt, truncate_prompt_tokens=body.truncate_prompt_tokens)
 
 
 def _name(field: str, value: str | list[str], index: int) -> str:
