@@ -21,8 +21,8 @@ MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one request
 
 
 class EmbeddingRequest(BaseModel):
-    """OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize, priority and cache_salt. Unknown fields are ignored, as the
-    other endpoints do."""
+    """OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize, priority and cache_salt. Unknown fields are
+    ignored, as the other endpoints do."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -77,7 +77,8 @@ SCORING_FIELDS = frozenset(ScoreRequest.model_fields) | frozenset(RerankRequest.
 def _embedding_request(body: ScoreRequest | RerankRequest, texts: list[str]) -> EmbeddingRequest:
     """The embeddings of `texts`, checked as the body's (a request may hold more texts than an embeddings request)."""
     return EmbeddingRequest.model_construct(model=body.model, input=texts, priority=body.priority,
-                                            cache_salt=body.cache_salt, truncate_prompt_tokens=body.truncate_prompt_tokens)
+                                            cache_salt=body.cache_salt,
+                                            truncate_prompt_tokens=body.truncate_prompt_tokens)
 
 
 def _name(field: str, value: str | list[str], index: int) -> str:
