@@ -24,7 +24,7 @@ from kvstrata.model.weight_format import WEIGHT_FORMATS
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULERS = ("sarathi", "prefill-first", "static")
-SCHEDULING_POLICIES = ("fcfs", "priority")  # engine/scheduler/policy.py
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")  # engine/scheduler/policy.py
 GENERATION_CONFIGS = ("auto", "vllm")
 LORA_DTYPES = ("float64", "float32")
 KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
@@ -230,8 +230,9 @@ class EngineConfig:
     scheduling_policy: str = field(
         default="fcfs",
         metadata=_option("the order requests are served in (vLLM's --scheduling-policy): fcfs (first come, first "
-                         "served), or priority (each request's priority, lower first, ties by arrival; a waiting "
-                         "request that finds no room preempts running ones of a larger number)",
+                         "served), priority (each request's priority, lower first, ties by arrival; a waiting "
+                         "request that finds no room preempts running ones of a larger number), or lpm (SGLang's "
+                         "longest prefix match: the waiting whose prompt the prefix cache holds most of first)",
                          choices=SCHEDULING_POLICIES),
     )
     num_speculative_tokens: int = field(

@@ -183,3 +183,68 @@ def test_the_server_takes_vllm_s_priority_field_where_the_policy_is_priority(tin
 
 def test_a_responses_request_keeps_its_priority():
     assert ResponsesRequest(model="m", input="hi", priority=-2).chat_request().priority == -2
+
+
+def doc_seq(seq_id: int, doc: int, question: int, doc_len: int = 32) -> Sequence:
+    """A prompt of a document's tokens, then a question of 8 tokens."""
+    tokens = [1000 + 100 * doc + i for i in range(doc_len)] + [9000 + 10 * question + i for i in range(8)]
+    return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(), arrival_time=float(seq_id))
+
+
+def test_lpm_admits_first_the_waiting_whose_prefix_the_pool_holds_then_by_arrival():
+    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16, policy="lpm")
+    first = doc_seq(0, doc=0, question=0)
+    sched.add(first)
+    for _ in range(3):
+        run(sched, sched.schedule(), index_blocks=True)  # its 40 tokens, in chunks of 16
+    sched.finish(first)  # its two full blocks stay cached
+    for seq_id, doc in ((1, 1), (2, 2), (3, 0), (4, 0)):
+        sched.add(doc_seq(seq_id, doc, question=seq_id))
+    # requests 3 and 4 find their document's 32 tokens cached, and go ahead of 1 and 2, in arrival order
+    assert shape(sched.schedule()) == [(3, 8), (4, 8)]
+    assert [s.seq_id for s in sched.waiting] == [1, 2]
+
+
+def test_fcfs_admits_in_arrival_order_whatever_the_pool_holds():
+    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16)
+    first = doc_seq(0, doc=0, question=0)
+    sched.add(first)
+    for _ in range(3):
+        run(sched, sched.schedule(), index_blocks=True)
+    sched.finish(first)
+    for seq_id, doc in ((1, 1), (2, 0)):
+        sched.add(doc_seq(seq_id, doc, question=seq_id))
+    assert shape(sched.schedule()) == [(1, 16)]
+
+
+def test_lpm_orders_a_long_queue_by_arrival(monkeypatch):
+    monkeypatch.setattr("kvstrata.engine.scheduler.policy.LPM_MAX_WAITING", 2)
+    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16, policy="lpm")
+    first = doc_seq(0, doc=0, question=0)
+    sched.add(first)
+    for _ in range(3):
+        run(sched, sched.schedule(), index_blocks=True)
+    sched.finish(first)
+    for seq_id, doc in ((1, 1), (2, 2), (3, 0)):
+        sched.add(doc_seq(seq_id, doc, question=seq_id))
+    assert shape(sched.schedule()) == [(1, 16)]  # three waiting: more than 2, so by arrival
+
+
+def test_lpm_computes_each_shared_document_fewer_times_for_the_same_outputs(tiny_llama):
+    # 6 documents of 96 tokens, 4 questions each, sent at once in a shuffled order; the pool holds about 3 requests
+    documents = [[5 + (13 * d + 7 * i) % 240 for i in range(96)] for d in range(6)]
+    order = [(d, q) for q in range(4) for d in range(6)]
+    order = order[::5] + order[1::5] + order[2::5] + order[3::5] + order[4::5]
+    prompts = [documents[d] + [250 + q, 251 + d, 252] for d, q in order]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    bytes_per_block = 16 * 2 * 3 * 2 * 16 * 4  # tokens * (K,V) * layers * kv heads * head dim * fp32
+    outputs, reused = {}, {}
+    for policy_name in ("fcfs", "lpm"):
+        llm = LLM(str(tiny_llama), kv_cache_memory=24 * bytes_per_block, max_model_len=128, chunk_size=64,
+                  max_num_seqs=4, scheduling_policy=policy_name)
+        done = llm.generate(prompts, params)
+        outputs[policy_name] = [o.token_ids for o in done]
+        reused[policy_name] = sum(o.num_cached_tokens for o in done)
+        assert llm.engine.kv_manager.pool.num_used == 0
+    assert outputs["lpm"] == outputs["fcfs"]
+    assert reused["lpm"] >= reused["fcfs"] + 96 * 12, reused  # twelve documents computed fewer times

@@ -25,7 +25,6 @@ import torch
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.workload import prompts_from_text
 from kvstrata.cli.engine_args import engine_config_from_args
-from kvstrata.config import SCHEDULING_POLICIES
 from kvstrata.engine.kv_setup import engine_storage_layout
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
@@ -33,6 +32,7 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
 
 BACKGROUND_PRIORITY, URGENT_PRIORITY = 1, 0
+POLICIES = ("fcfs", "priority")  # the policies compared
 
 
 @dataclasses.dataclass
@@ -64,13 +64,13 @@ def run_priority_bench(args: argparse.Namespace) -> None:
                         args.urgent_max_tokens, args.urgent_after, args.urgent_every)
     config = _capped_config(probe, base, args)
     engines = {policy: LLMEngine(dataclasses.replace(config, scheduling_policy=policy), loaded=probe.loaded)
-               for policy in SCHEDULING_POLICIES}
+               for policy in POLICIES}
     del probe
     for engine in engines.values():  # one-time costs (the compiled decode) before anything is timed
         engine.add_request(workload.urgent[0], SamplingParams(max_tokens=2, temperature=0.0))
         while engine.has_unfinished_requests():
             engine.step()
-    runs = {policy: [] for policy in SCHEDULING_POLICIES}
+    runs = {policy: [] for policy in POLICIES}
     for _ in range(args.rounds):
         for policy, engine in engines.items():
             runs[policy].append(_run(engine, workload))
@@ -78,7 +78,7 @@ def run_priority_bench(args: argparse.Namespace) -> None:
                for policy, one in runs.items()}
     fcfs, priority = medians["fcfs"], medians["priority"]
     info = engine_info(engines["priority"])
-    info["config"]["scheduling_policy"] = list(SCHEDULING_POLICIES)  # the runs take turns
+    info["config"]["scheduling_policy"] = list(POLICIES)  # the runs take turns
     emit({
         "benchmark": "priority",
         "machine": machine_info(),

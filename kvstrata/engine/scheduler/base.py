@@ -40,8 +40,13 @@ class Scheduler(ABC):
         self.waiting: deque[Sequence] = deque()  # in the policy's order, as `running` is
         self.running: list[Sequence] = []
 
+    def schedule(self) -> SchedulerOutput:
+        """The next step's tokens; the waiting are first put in the policy's order for what the pool holds now."""
+        self.policy.order(self.waiting, self.kv)
+        return self._plan()
+
     @abstractmethod
-    def schedule(self) -> SchedulerOutput: ...
+    def _plan(self) -> SchedulerOutput: ...
 
     def add(self, seq: Sequence) -> None:
         self.policy.enqueue(self.waiting, seq)

@@ -9,6 +9,14 @@ need not wait and, short of KV blocks, preempts `running`'s last one.
 - `priority`: each request's `priority` (lower runs earlier; ties go by arrival) orders both queues, and a
   waiting sequence that finds no room preempts running ones of a worse priority until it fits (as vLLM's
   priority scheduling does), so a request sent urgent does not wait for a batch of others to finish.
+- `lpm`: longest prefix match first (SGLang's `--schedule-policy lpm`). Before each step the waiting are
+  ordered by how many of their prompt's tokens the device pool holds now (most first, ties by arrival), so
+  requests over a prefix that is cached, or that running requests are computing, run while it is there instead
+  of after other prompts pushed it out: where many requests share a few long prefixes (documents asked several
+  questions, few-shot prompts) and the pool holds only some of them, each prefix is computed about once. A
+  request whose prefix nobody shares may wait behind a stream of ones that hit (as under SGLang's); with more
+  than LPM_MAX_WAITING waiting, matching them all every step would cost more than it saves, and the queue
+  goes by arrival, as SGLang's does. Running sequences are preempted as under `fcfs`.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ import bisect
 from collections import deque
 
 from kvstrata.engine.sequence import Sequence
+from kvstrata.kv.cache_manager import KVCacheManager
+
+LPM_MAX_WAITING = 128  # SGLang's bound
 
 
 class FirstComeFirstServed:
@@ -32,12 +43,32 @@ class FirstComeFirstServed:
     def start(self, running: list[Sequence], seq: Sequence) -> None:
         running.append(seq)
 
+    def order(self, waiting: deque[Sequence], kv: KVCacheManager) -> None:
+        """Put `waiting` in the order of the coming step's admissions (for a policy whose order changes with what
+        the pool holds); the queue keeps its order otherwise."""
+
+
+class LongestPrefixMatch(FirstComeFirstServed):
+    def order(self, waiting: deque[Sequence], kv: KVCacheManager) -> None:
+        if len(waiting) < 2:
+            return
+        if len(waiting) > LPM_MAX_WAITING:
+            ranked = sorted(waiting, key=_arrival)
+        else:
+            ranked = sorted(waiting, key=lambda seq: (-kv.cached_prefix_tokens(seq), *_arrival(seq)))
+        waiting.clear()
+        waiting.extend(ranked)
+
+
+def _arrival(seq: Sequence) -> tuple[float, int]:
+    return seq.arrival_time, seq.seq_id
+
 
 def _rank(seq: Sequence) -> tuple[int, float, int]:
-    return seq.params.priority, seq.arrival_time, seq.seq_id
+    return seq.params.priority, *_arrival(seq)
 
 
-class ByPriority:
+class ByPriority(FirstComeFirstServed):
     preempts_for_admission = True
 
     def enqueue(self, waiting: deque[Sequence], seq: Sequence) -> None:
@@ -54,5 +85,5 @@ class ByPriority:
         return seq.params.priority > other.params.priority
 
 
-def scheduling_policy(name: str) -> FirstComeFirstServed | ByPriority:
-    return ByPriority() if name == "priority" else FirstComeFirstServed()
+def scheduling_policy(name: str) -> FirstComeFirstServed:
+    return {"priority": ByPriority, "lpm": LongestPrefixMatch}.get(name, FirstComeFirstServed)()

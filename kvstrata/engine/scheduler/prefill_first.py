@@ -25,7 +25,7 @@ class PrefillFirstScheduler(Scheduler):
     def may_admit(self) -> bool:
         return True
 
-    def schedule(self) -> SchedulerOutput:
+    def _plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._continue_prompts(out)
         if self.waiting and self.may_admit():

@@ -19,7 +19,7 @@ class SarathiScheduler(Scheduler):
         self.chunk_size = chunk_size
         self.tile = tile
 
-    def schedule(self) -> SchedulerOutput:
+    def _plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._schedule_decodes(out)
         for seq in [s for s in self.running if s.num_pending_tokens > 1]:
