@@ -338,6 +338,22 @@ def test_priority_sends_urgent_requests_due_after_the_background_finished(tiny_l
         assert report["medians"][policy]["urgent_ttft_steps_mean"] == 1
 
 
+def test_lpm_computes_less_of_the_shared_documents_than_fcfs_for_the_same_outputs(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "lpm", "--model", str(tiny_llama), "--documents", "4", "--document-tokens",
+                      "64", "--questions", "3", "--question-tokens", "8", "--max-tokens", "4", "--documents-held", "2",
+                      "--rounds", "1", "--json")
+    fcfs, lpm = report["medians"]["fcfs"], report["medians"]["lpm"]
+    assert report["same_outputs"] is True
+    # every request's prompt is computed at least in part; a document shared by its questions at most once each
+    # under lpm, where it is read from the prefix cache by the others
+    assert 4 * (64 + 3 * 8) <= lpm["computed_prompt_tokens"] < fcfs["computed_prompt_tokens"]
+    assert lpm["prefix_hit_share"] > fcfs["prefix_hit_share"]
+    assert report["fcfs_over_lpm"]["computed_prompt_tokens"] == pytest.approx(
+        fcfs["computed_prompt_tokens"] / lpm["computed_prompt_tokens"], rel=1e-3)
+    assert main(["bench", "lpm", "--model", str(tiny_llama), "--questions", "0"]) == 2
+    assert "--questions" in capsys.readouterr().err
+
+
 def test_embed_against_transformers_on_distinct_and_shared_prefix_texts(tiny_llama, capsys):
     report = run_json(capsys, "bench", "embed", "--model", str(tiny_llama), *TINY, "--texts", "6", "--length",
                       "uniform:8:40", "--prefix-tokens", "48", "--suffix-tokens", "8", "--hf-batch-size", "4",

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import time
 
 import torch
 
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
-from kvstrata.bench.workload import prompts_from_text
+from kvstrata.bench.workload import kv_budget_for, prompts_from_text
 from kvstrata.cli.engine_args import engine_config_from_args
-from kvstrata.engine.kv_setup import engine_storage_layout
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.engine.sampling_params import SamplingParams
@@ -105,11 +103,8 @@ def _capped_config(probe: LLMEngine, base, args: argparse.Namespace):
     context that fits the longer kind of request)."""
     longest = max(args.background_prompt_tokens + args.background_max_tokens,
                   args.urgent_prompt_tokens + args.urgent_max_tokens)
-    per_token = engine_storage_layout(probe, getattr(torch, base.dtype)).bytes_per_token
-    blocks_per_request = -(-(args.background_prompt_tokens + args.background_max_tokens) // base.block_size)
-    block_bytes = math.ceil(base.block_size * per_token)  # as the engine sizes its pool
-    return dataclasses.replace(base, kv_cache_memory=args.background_running * blocks_per_request * block_bytes,
-                               max_model_len=longest + 1)
+    budget = kv_budget_for(probe, args.background_running, args.background_prompt_tokens + args.background_max_tokens)
+    return dataclasses.replace(base, kv_cache_memory=budget, max_model_len=longest + 1)
 
 
 def _run(engine: LLMEngine, workload: Workload) -> dict:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
+
 from kvstrata.data import EMMA
+from kvstrata.engine.kv_setup import engine_storage_layout
 from kvstrata.errors import KvstrataError
 
 
@@ -22,6 +25,14 @@ def prompts_from_text(tokenizer, count: int, length: int, text_file: Path = EMMA
     if len(ids) < count * length:
         raise KvstrataError(f"{text_file} has {len(ids)} tokens, fewer than {count} x {length}")
     return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def kv_budget_for(engine, requests: int, tokens: int) -> int:
+    """Bytes of a KV pool that holds exactly `requests` requests of `tokens` tokens each in `engine`'s storage (its
+    format and dtype), in whole blocks, as the engine sizes its pool."""
+    block_size = engine.config.block_size
+    per_token = engine_storage_layout(engine, getattr(torch, engine.config.dtype)).bytes_per_token
+    return requests * -(-tokens // block_size) * math.ceil(block_size * per_token)
 
 
 def run_together(engine, prompts: list[list[int]], params: list) -> list:

@@ -155,6 +155,26 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(priority)
     add_engine_arguments(priority)
 
+    lpm = bench.add_parser(
+        "lpm", help="documents each asked several questions, all at once: --scheduling-policy lpm against fcfs",
+        description="--documents passages of --document-tokens, each asked --questions questions of --question-tokens, "
+                    "all sent at once in a shuffled order (--seed) to a KV budget that holds --documents-held "
+                    "requests. The same workload under fcfs and under lpm, alternately for --rounds rounds. Reports "
+                    "seconds, tokens/s, prompt tokens computed, the prefix-cache hit share, time to first token, "
+                    "latency and preemptions, whether the outputs agree, and fcfs over lpm.",
+    )
+    lpm.add_argument("--documents", type=int, default=8, help="(default: 8)")
+    lpm.add_argument("--document-tokens", type=int, default=1024, help="(default: 1024)")
+    lpm.add_argument("--questions", type=int, default=4, help="questions per document (default: 4)")
+    lpm.add_argument("--question-tokens", type=int, default=32, help="(default: 32)")
+    lpm.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per request (default: 32)")
+    lpm.add_argument("--documents-held", type=int, default=3,
+                     help="requests the KV budget holds at full length (default: 3)")
+    lpm.add_argument("--seed", type=int, default=0, help="the requests' order (default: 0)")
+    lpm.add_argument("--rounds", type=int, default=2, help="rounds of fcfs then lpm (default: 2)")
+    _add_output_flags(lpm)
+    add_engine_arguments(lpm)
+
     throughput = bench.add_parser(
         "throughput", help="offline workload: each scheduler against transformers generate",
         description="N requests arrive at once (prompts cut from --text, greedy, fixed seed). kvstrata runs them "
@@ -271,6 +291,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from kvstrata.bench.impress_analysis import run_impress_analysis
     from kvstrata.bench.infinigen_analysis import run_infinigen_analysis
     from kvstrata.bench.lora import run_lora_bench
+    from kvstrata.bench.lpm import run_lpm_bench
     from kvstrata.bench.offload import run_offload
     from kvstrata.bench.priority import run_priority_bench
     from kvstrata.bench.run import run_decode, run_roofline, run_sarathi, run_throughput
@@ -281,5 +302,5 @@ def run_bench(args: argparse.Namespace) -> None:
                 "decode": run_decode, "infinigen-analysis": run_infinigen_analysis,
                 "offload": run_offload, "impress-analysis": run_impress_analysis,
                 "beam-search": run_beam_search_bench, "speculative": run_speculative_bench, "lora": run_lora_bench,
-                "priority": run_priority_bench, "embed": run_embed_bench}
+                "priority": run_priority_bench, "embed": run_embed_bench, "lpm": run_lpm_bench}
     commands[args.bench](args)
