@@ -8,8 +8,12 @@ over a set of documents. The KV budget holds --documents-held requests at full l
 passage. The same workload runs under fcfs (what vLLM does) and under lpm, alternately for --rounds rounds, on one set
 of weights. Reported per run: seconds, output tokens/s, prompt tokens computed (prefill work, recomputation after
 preemption included) and the share of prompt tokens read from the prefix cache, time to first token percentiles,
-end-to-end latency, preemptions; whether both policies gave the same greedy outputs; and fcfs over lpm (above 1: what
+end-to-end latency, preemptions; how many requests got the same greedy output under both policies; and fcfs over lpm (above 1: what
 lpm saves; tokens/s: lpm over fcfs).
+
+The outputs are compared rather than required equal: a step's products sum in an order set by how many rows it has,
+so a request batched with others, or reading its prefix from the cache rather than computing it, can come out an ulp
+apart and, where two tokens are nearly tied, continue otherwise (on the tiny float32 test model they are equal).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def run_lpm_bench(args: argparse.Namespace) -> None:
                      "threads": torch.get_num_threads()},
         "runs": runs,
         "medians": medians,
-        "same_outputs": outputs["fcfs"] == outputs["lpm"],
+        "outputs_compared": _compare(outputs["fcfs"], outputs["lpm"]),
         "fcfs_over_lpm": {key: sig(fcfs[key] / lpm[key]) if lpm[key] else None
                           for key in ("seconds", "computed_prompt_tokens", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s",
                                       "mean_e2e_s")},
@@ -111,3 +115,10 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
         "mean_e2e_s": statistics.mean(out.metrics.e2e for out in done),
         "preemptions": sum(s.num_preempted for s in engine.step_stats),
     }, [list(out.token_ids) for out in done]
+
+
+def _compare(first: list[list[int]], second: list[list[int]]) -> dict:
+    """How many requests got the same output tokens, and where each of the others first differs."""
+    differ = [next((i for i, (a, b) in enumerate(zip(one, other)) if a != b), min(len(one), len(other)))
+              for one, other in zip(first, second) if one != other]
+    return {"requests": len(first), "same": len(first) - len(differ), "first_difference_at": sorted(differ)}
