@@ -235,6 +235,12 @@ class EngineConfig:
                          "longest prefix match: the waiting whose prompt the prefix cache holds most of first)",
                          choices=SCHEDULING_POLICIES),
     )
+    lpm_aging_tokens_per_s: float = field(
+        default=0.0,
+        metadata=_option("lpm: a waiting request counts this many more cached tokens for every second it has waited, "
+                         "so one whose prompt nobody shares overtakes a request matching M tokens after M / this "
+                         "seconds (0: by match alone, as SGLang's lpm)"),
+    )
     num_speculative_tokens: int = field(
         default=0,
         metadata=_option("speculative decoding by prompt lookup: up to this many tokens guessed per decode step from "
@@ -384,6 +390,10 @@ class EngineConfig:
                                     f"{self.kv_offload!r}")
         if not (isinstance(self.h2o_budget, (int, float)) and 0 < self.h2o_budget <= 1):
             raise KvstrataError(f"h2o_budget {self.h2o_budget!r} must be in (0, 1]")
+        aging = self.lpm_aging_tokens_per_s
+        if isinstance(aging, bool) or not (isinstance(aging, (int, float)) and 0 <= aging < float("inf")):
+            raise KvstrataError(f"lpm_aging_tokens_per_s must be a number >= 0 (tokens per second waited), got "
+                                f"{aging!r}")
         if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and 0 < self.ttft_slo < 1e6):
             raise KvstrataError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
         self._check_prefix_loading()

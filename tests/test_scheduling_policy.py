@@ -1,11 +1,14 @@
-"""--scheduling-policy: fcfs and priority order admission and preemption (engine/scheduler/policy.py)."""
+"""--scheduling-policy: fcfs, priority and lpm order admission and preemption (engine/scheduler/policy.py)."""
+
+import time
 
 import httpx
 import pytest
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.config import EngineConfig
 from kvstrata.engine.beam_search import BeamSearchParams
-from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, StaticScheduler
+from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, StaticScheduler, policy
 from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.kv.cache_manager import KVCacheManager
@@ -149,15 +152,15 @@ def test_priorities_reorder_and_preempt_but_never_change_outputs(tiny_llama):
 def test_the_urgent_request_finishes_first_under_priority_and_last_under_fcfs(tiny_llama):
     prompts = [[3 + i] * 40 for i in range(4)]
     order = {}
-    for policy in ("fcfs", "priority"):
-        llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", chunk_size=48, scheduling_policy=policy)
-        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, priority=0 if i == 3 or policy ==
+    for name in ("fcfs", "priority"):
+        llm = LLM(str(tiny_llama), kv_cache_memory="8MiB", chunk_size=48, scheduling_policy=name)
+        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, priority=0 if i == 3 or name ==
                                  "fcfs" else 1) for i in range(4)]
         ids = [llm.engine.add_request(prompt, one) for prompt, one in zip(prompts, params)]
         finished = []
         while llm.engine.has_unfinished_requests():
             finished += [out.request_id for out in llm.engine.step() if out.finished]
-        order[policy] = [ids.index(request_id) for request_id in finished]
+        order[name] = [ids.index(request_id) for request_id in finished]
     assert order["priority"][0] == 3
     assert order["fcfs"][-1] == 3
 
@@ -218,7 +221,7 @@ def test_fcfs_admits_in_arrival_order_whatever_the_pool_holds():
 
 
 def test_lpm_orders_a_long_queue_by_arrival(monkeypatch):
-    monkeypatch.setattr("kvstrata.engine.scheduler.policy.LPM_MAX_WAITING", 2)
+    monkeypatch.setattr(policy, "LPM_MAX_WAITING", 2)
     sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16, policy="lpm")
     first = doc_seq(0, doc=0, question=0)
     sched.add(first)
@@ -248,3 +251,26 @@ def test_lpm_computes_each_shared_document_fewer_times_for_the_same_outputs(tiny
         assert llm.engine.kv_manager.pool.num_used == 0
     assert outputs["lpm"] == outputs["fcfs"]
     assert reused["lpm"] >= reused["fcfs"] + 96 * 12, reused  # twelve documents computed fewer times
+
+
+@pytest.mark.parametrize("aging, first", [(0.0, 3), (4.0, 1)])
+def test_lpm_aging_lets_a_request_that_waited_overtake_a_newer_one_that_matches_more(aging, first):
+    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16,
+                             policy=policy.LongestPrefixMatch(aging))
+    done = doc_seq(0, doc=0, question=0)
+    sched.add(done)
+    for _ in range(3):
+        run(sched, sched.schedule(), index_blocks=True)
+    sched.finish(done)
+    now = time.perf_counter()
+    cold, hot = doc_seq(1, doc=1, question=1), doc_seq(3, doc=0, question=3)  # hot: 32 tokens cached
+    cold.arrival_time, hot.arrival_time = now - 10.0, now  # 10 s x 4 tokens/s = 40 > 32
+    sched.add(cold)
+    sched.add(hot)
+    assert shape(sched.schedule())[0][0] == first
+
+
+def test_lpm_aging_must_be_a_number_of_tokens_per_second():
+    for wrong in (-1, float("inf"), "fast", True):
+        with pytest.raises(KvstrataError, match="lpm_aging_tokens_per_s must be a number >= 0"):
+            EngineConfig(lpm_aging_tokens_per_s=wrong)

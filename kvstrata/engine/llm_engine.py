@@ -36,6 +36,7 @@ from kvstrata.engine.penalties import Histories
 from kvstrata.engine.sampler import finite_rows, sample
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
+from kvstrata.engine.scheduler.policy import scheduling_policy
 from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.engine.torch_threads import keep_torch_threads, use_torch_threads
 from kvstrata.errors import KvstrataError, ParameterError, RequestFailed
@@ -209,14 +210,15 @@ class LLMEngine:
 
     def _make_scheduler(self) -> Scheduler:
         c = self.config
+        policy = scheduling_policy(c.scheduling_policy, float(c.lpm_aging_tokens_per_s))
         if c.scheduler == "sarathi":
-            return SarathiScheduler(self.kv_manager, c.max_num_seqs, c.chunk_size, c.tile, c.scheduling_policy)
+            return SarathiScheduler(self.kv_manager, c.max_num_seqs, c.chunk_size, c.tile, policy)
         if c.scheduler == "prefill-first":
             budget = c.max_prefill_tokens or max(self.max_model_len, 2048)
             if budget < self.max_model_len:
                 raise KvstrataError(f"max_prefill_tokens {budget} is below max_model_len {self.max_model_len}")
-            return PrefillFirstScheduler(self.kv_manager, c.max_num_seqs, budget, c.scheduling_policy)
-        return StaticScheduler(self.kv_manager, c.max_num_seqs, c.scheduling_policy)
+            return PrefillFirstScheduler(self.kv_manager, c.max_num_seqs, budget, policy)
+        return StaticScheduler(self.kv_manager, c.max_num_seqs, policy)
 
     def _tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, with the chat template given in place of its own."""

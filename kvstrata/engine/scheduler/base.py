@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvstrata.engine.scheduler.policy import scheduling_policy
+from kvstrata.engine.scheduler.policy import FirstComeFirstServed, scheduling_policy
 from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.kv.cache_manager import KVCacheManager
 
@@ -33,10 +33,11 @@ class Scheduler(ABC):
     # speculative decoding: the tokens guessed to follow a decoding sequence's last one (the engine sets it)
     propose_drafts: Callable[[Sequence], list[int]] | None = None
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, policy: str = "fcfs"):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, policy: str | FirstComeFirstServed = "fcfs"):
+        """`policy`: a scheduling policy, or its name (with its defaults)."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
-        self.policy = scheduling_policy(policy)
+        self.policy = scheduling_policy(policy) if isinstance(policy, str) else policy
         self.waiting: deque[Sequence] = deque()  # in the policy's order, as `running` is
         self.running: list[Sequence] = []
 

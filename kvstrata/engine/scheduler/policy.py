@@ -14,14 +14,17 @@ need not wait and, short of KV blocks, preempts `running`'s last one.
   requests over a prefix that is cached, or that running requests are computing, run while it is there instead
   of after other prompts pushed it out: where many requests share a few long prefixes (documents asked several
   questions, few-shot prompts) and the pool holds only some of them, each prefix is computed about once. A
-  request whose prefix nobody shares may wait behind a stream of ones that hit (as under SGLang's); with more
-  than LPM_MAX_WAITING waiting, matching them all every step would cost more than it saves, and the queue
-  goes by arrival, as SGLang's does. Running sequences are preempted as under `fcfs`.
+  request whose prefix nobody shares may wait behind a stream of ones that hit, as under SGLang's, unless
+  `--lpm-aging-tokens-per-s` N counts N more tokens for every second a request has waited: it then overtakes a
+  request matching M tokens that arrived M / N seconds or more after it. With more than LPM_MAX_WAITING waiting,
+  matching them all every step would cost more than it saves, and the queue goes by arrival, as SGLang's does.
+  Running sequences are preempted as under `fcfs`.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 
 from kvstrata.engine.sequence import Sequence
@@ -49,13 +52,21 @@ class FirstComeFirstServed:
 
 
 class LongestPrefixMatch(FirstComeFirstServed):
+    def __init__(self, aging_tokens_per_s: float = 0.0):
+        self.aging_tokens_per_s = aging_tokens_per_s
+
     def order(self, waiting: deque[Sequence], kv: KVCacheManager) -> None:
         if len(waiting) < 2:
             return
         if len(waiting) > LPM_MAX_WAITING:
             ranked = sorted(waiting, key=_arrival)
         else:
-            ranked = sorted(waiting, key=lambda seq: (-kv.cached_prefix_tokens(seq), *_arrival(seq)))
+            now = time.perf_counter()  # the clock of Sequence.arrival_time
+
+            def score(seq: Sequence) -> float:
+                return kv.cached_prefix_tokens(seq) + self.aging_tokens_per_s * (now - seq.arrival_time)
+
+            ranked = sorted(waiting, key=lambda seq: (-score(seq), *_arrival(seq)))
         waiting.clear()
         waiting.extend(ranked)
 
@@ -85,5 +96,7 @@ class ByPriority(FirstComeFirstServed):
         return seq.params.priority > other.params.priority
 
 
-def scheduling_policy(name: str) -> FirstComeFirstServed:
-    return {"priority": ByPriority, "lpm": LongestPrefixMatch}.get(name, FirstComeFirstServed)()
+def scheduling_policy(name: str, lpm_aging_tokens_per_s: float = 0.0) -> FirstComeFirstServed:
+    if name == "lpm":
+        return LongestPrefixMatch(lpm_aging_tokens_per_s)
+    return ByPriority() if name == "priority" else FirstComeFirstServed()

@@ -12,13 +12,14 @@ blocks goes back to the waiting queue (its front, under fcfs) and joins a later 
 from __future__ import annotations
 
 from kvstrata.engine.scheduler.base import Scheduler, SchedulerOutput
+from kvstrata.engine.scheduler.policy import FirstComeFirstServed
 from kvstrata.engine.sequence import SequenceStatus
 from kvstrata.kv.cache_manager import KVCacheManager
 
 
 class PrefillFirstScheduler(Scheduler):
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int | None,
-                 policy: str = "fcfs"):
+                 policy: str | FirstComeFirstServed = "fcfs"):
         super().__init__(kv, max_num_seqs, policy)
         self.max_prefill_tokens = max_prefill_tokens
 
@@ -51,7 +52,7 @@ class StaticScheduler(PrefillFirstScheduler):
     # wait for the whole batch instead.
     shares_prefixes_in_flight = False
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, policy: str = "fcfs"):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, policy: str | FirstComeFirstServed = "fcfs"):
         super().__init__(kv, max_num_seqs, max_prefill_tokens=None, policy=policy)
 
     def may_admit(self) -> bool:

@@ -8,13 +8,14 @@ count is rounded down to a multiple of the tile by shortening the last prefill c
 from __future__ import annotations
 
 from kvstrata.engine.scheduler.base import Scheduler, SchedulerOutput
+from kvstrata.engine.scheduler.policy import FirstComeFirstServed
 from kvstrata.engine.sequence import SequenceStatus
 from kvstrata.kv.cache_manager import KVCacheManager
 
 
 class SarathiScheduler(Scheduler):
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, chunk_size: int, tile: int | None = None,
-                 policy: str = "fcfs"):
+                 policy: str | FirstComeFirstServed = "fcfs"):
         super().__init__(kv, max_num_seqs, policy)
         self.chunk_size = chunk_size
         self.tile = tile
