@@ -343,15 +343,28 @@ def test_lpm_computes_less_of_the_shared_documents_than_fcfs_for_the_same_output
                       "64", "--questions", "3", "--question-tokens", "8", "--max-tokens", "4", "--documents-held", "2",
                       "--rounds", "1", "--json")
     fcfs, lpm = report["medians"]["fcfs"], report["medians"]["lpm"]
-    assert report["outputs_compared"] == {"requests": 12, "same": 12, "first_difference_at": []}
+    assert report["outputs_compared"] == {"lpm": {"requests": 12, "same": 12, "first_difference_at": []}}
     # every request's prompt is computed at least in part; a document shared by its questions at most once each
     # under lpm, where it is read from the prefix cache by the others
     assert 4 * (64 + 3 * 8) <= lpm["computed_prompt_tokens"] < fcfs["computed_prompt_tokens"]
     assert lpm["prefix_hit_share"] > fcfs["prefix_hit_share"]
-    assert report["fcfs_over_lpm"]["computed_prompt_tokens"] == pytest.approx(
+    assert report["fcfs_over"]["lpm"]["computed_prompt_tokens"] == pytest.approx(
         fcfs["computed_prompt_tokens"] / lpm["computed_prompt_tokens"], rel=1e-3)
     assert main(["bench", "lpm", "--model", str(tiny_llama), "--questions", "0"]) == 2
     assert "--questions" in capsys.readouterr().err
+
+
+def test_lpm_with_cold_requests_arriving_one_by_one_and_aging(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "lpm", "--model", str(tiny_llama), "--documents", "2", "--document-tokens",
+                      "48", "--questions", "4", "--question-tokens", "8", "--max-tokens", "4", "--documents-held", "2",
+                      "--cold", "2", "--arrive-every", "2", "--lpm-aging-tokens-per-s", "100", "--rounds", "1",
+                      "--json")
+    assert set(report["medians"]) == {"fcfs", "lpm", "lpm_aging"}
+    assert report["workload"]["cold"] == 2
+    for name in ("lpm", "lpm_aging"):
+        assert report["outputs_compared"][name] == {"requests": 10, "same": 10, "first_difference_at": []}
+        assert report["medians"][name]["max_cold_ttft_s"] >= report["medians"][name]["p50_cold_ttft_s"] > 0
+        assert "max_cold_ttft_s" in report["fcfs_over"][name]
 
 
 def test_embed_against_transformers_on_distinct_and_shared_prefix_texts(tiny_llama, capsys):

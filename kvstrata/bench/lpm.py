@@ -5,11 +5,14 @@ share a few long prefixes and the KV pool holds only some of them.
 (each its own --question-tokens, the windows after the passages), and exactly --max-tokens greedy tokens are
 generated per request. All requests are sent at once in a shuffled order (--seed): a batch job, or a burst of users
 over a set of documents. The KV budget holds --documents-held requests at full length, so the pool cannot keep every
-passage. The same workload runs under fcfs (what vLLM does) and under lpm, alternately for --rounds rounds, on one set
-of weights. Reported per run: seconds, output tokens/s, prompt tokens computed (prefill work, recomputation after
-preemption included) and the share of prompt tokens read from the prefix cache, time to first token percentiles,
-end-to-end latency, preemptions; how many requests got the same greedy output under both policies; and fcfs over lpm (above 1: what
-lpm saves; tokens/s: lpm over fcfs).
+passage. --cold more requests over passages of their own are spread through the order, and with --arrive-every K
+request i is sent before step i x K instead (a stream that may starve the cold ones under lpm). The same workload
+runs under fcfs (what vLLM does), lpm, and lpm with --lpm-aging-tokens-per-s where that is given, in turn for
+--rounds rounds, on one set of weights. Reported per run: seconds, output tokens/s, prompt tokens computed (prefill
+work, recomputation after preemption included) and the share of prompt tokens read from the prefix cache, time to
+first token percentiles, end-to-end latency, preemptions (and the cold requests' time to first token); how many requests got the same greedy
+output as under fcfs; and fcfs's figures over each lpm configuration's (above 1: what it saves; tokens/s: the other
+way round).
 
 The outputs are compared rather than required equal: a step's products sum in an order set by how many rows it has,
 so a request batched with others, or reading its prefix from the cache rather than computing it, can come out an ulp
@@ -34,87 +37,118 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
 
-POLICIES = ("fcfs", "lpm")
-
 
 def run_lpm_bench(args: argparse.Namespace) -> None:
     if min(args.documents, args.document_tokens, args.questions, args.question_tokens, args.max_tokens,
-           args.documents_held, args.rounds) < 1:
+           args.documents_held, args.rounds) < 1 or min(args.cold, args.arrive_every) < 0:
         raise KvstrataError("--documents, --document-tokens, --questions, --question-tokens, --max-tokens, "
-                            "--documents-held and --rounds must be at least 1")
+                            "--documents-held and --rounds must be at least 1, --cold and --arrive-every at least 0")
     base = engine_config_from_args(args)
     probe = LLMEngine(base)
-    windows = prompts_from_text(probe.tokenizer, args.documents * (1 + args.questions), args.document_tokens,
-                                args.text)
-    documents = windows[: args.documents]
-    questions = [window[: args.question_tokens] for window in windows[args.documents :]]
-    pairs = [(d, q) for d in range(args.documents) for q in range(args.questions)]
-    random.Random(args.seed).shuffle(pairs)
-    prompts = [documents[d] + questions[d * args.questions + q] for d, q in pairs]
+    workload = _workload(probe.tokenizer, args)
     request_tokens = args.document_tokens + args.question_tokens + args.max_tokens
     config = dataclasses.replace(base, kv_cache_memory=kv_budget_for(probe, args.documents_held, request_tokens),
                                  max_model_len=request_tokens + 1)
-    engines = {policy: LLMEngine(dataclasses.replace(config, scheduling_policy=policy), loaded=probe.loaded)
-               for policy in POLICIES}
+    policies = {"fcfs": ("fcfs", 0.0), "lpm": ("lpm", 0.0)}
+    if config.lpm_aging_tokens_per_s:
+        policies["lpm_aging"] = ("lpm", config.lpm_aging_tokens_per_s)
+    engines = {name: LLMEngine(dataclasses.replace(config, scheduling_policy=policy, lpm_aging_tokens_per_s=aging),
+                               loaded=probe.loaded)
+               for name, (policy, aging) in policies.items()}
     del probe
     for engine in engines.values():  # one-time costs (the compiled decode) before anything is timed
-        engine.add_request(questions[0], SamplingParams(max_tokens=2, temperature=0.0))
+        engine.add_request(workload.prompts[0][: args.question_tokens], SamplingParams(max_tokens=2, temperature=0.0))
         while engine.has_unfinished_requests():
             engine.step()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    runs = {policy: [] for policy in POLICIES}
+    runs = {name: [] for name in engines}
     outputs = {}
     for _ in range(args.rounds):
-        for policy, engine in engines.items():
-            figures, outputs[policy] = _run(engine, prompts, params)
-            runs[policy].append(figures)
-    medians = {policy: {key: sig(statistics.median(run[key] for run in one)) for key in one[0]}
-               for policy, one in runs.items()}
-    fcfs, lpm = medians["fcfs"], medians["lpm"]
+        for name, engine in engines.items():
+            figures, outputs[name] = _run(engine, workload, params, args.arrive_every)
+            runs[name].append(figures)
+    medians = {name: {key: sig(statistics.median(run[key] for run in one)) for key in one[0]}
+               for name, one in runs.items()}
     info = engine_info(engines["lpm"])
-    info["config"]["scheduling_policy"] = list(POLICIES)  # the runs take turns
+    info["config"]["scheduling_policy"] = list(engines)  # the runs take turns
+    ratios = ["seconds", "computed_prompt_tokens", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "max_ttft_s", "mean_e2e_s"]
+    if args.cold:
+        ratios += ["p50_cold_ttft_s", "max_cold_ttft_s"]
     emit({
         "benchmark": "lpm",
         "machine": machine_info(),
         **info,
         "workload": {"text": str(args.text), "documents": args.documents, "document_tokens": args.document_tokens,
-                     "questions": args.questions, "question_tokens": args.question_tokens,
-                     "max_tokens": args.max_tokens, "documents_held": args.documents_held, "seed": args.seed,
-                     "rounds": args.rounds, "kv_cache_memory": config.kv_cache_memory,
-                     "threads": torch.get_num_threads()},
+                     "questions": args.questions, "question_tokens": args.question_tokens, "cold": args.cold,
+                     "arrive_every": args.arrive_every, "max_tokens": args.max_tokens,
+                     "documents_held": args.documents_held, "seed": args.seed, "rounds": args.rounds,
+                     "kv_cache_memory": config.kv_cache_memory, "threads": torch.get_num_threads()},
         "runs": runs,
         "medians": medians,
-        "outputs_compared": _compare(outputs["fcfs"], outputs["lpm"]),
-        "fcfs_over_lpm": {key: sig(fcfs[key] / lpm[key]) if lpm[key] else None
-                          for key in ("seconds", "computed_prompt_tokens", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s",
-                                      "mean_e2e_s")},
-        "lpm_over_fcfs_tokens_per_s": sig(lpm["output_tokens_per_s"] / fcfs["output_tokens_per_s"]),
+        "outputs_compared": {name: _compare(outputs["fcfs"], outputs[name]) for name in engines if name != "fcfs"},
+        # fcfs's over each lpm configuration's (above 1: what it saves); tokens/s the other way round
+        "fcfs_over": {name: {key: sig(medians["fcfs"][key] / one[key]) if one[key] else None for key in ratios}
+                      for name, one in medians.items() if name != "fcfs"},
+        "tokens_per_s_over_fcfs": {name: sig(one["output_tokens_per_s"] / medians["fcfs"]["output_tokens_per_s"])
+                                   for name, one in medians.items() if name != "fcfs"},
     }, args.json)
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict, list[list[int]]]:
-    """Send every request at once and run them to their end; the run's figures, and each request's output tokens."""
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]  # in the order they are sent
+    cold: set[int]  # the indexes of those over a passage of their own
+
+
+def _workload(tokenizer, args: argparse.Namespace) -> Workload:
+    """The passages' questions in a shuffled order, with the --cold requests (a passage and a question each, shared
+    with no other) spread evenly through it."""
+    hot_windows = args.documents * (1 + args.questions)
+    windows = prompts_from_text(tokenizer, hot_windows + 2 * args.cold, args.document_tokens, args.text)
+    documents = windows[: args.documents]
+    questions = [window[: args.question_tokens] for window in windows[args.documents : hot_windows]]
+    pairs = [(d, q) for d in range(args.documents) for q in range(args.questions)]
+    random.Random(args.seed).shuffle(pairs)
+    hot = iter([documents[d] + questions[d * args.questions + q] for d, q in pairs])
+    own = iter([windows[i] + windows[i + 1][: args.question_tokens] for i in range(hot_windows, len(windows), 2)])
+    total = len(pairs) + args.cold
+    cold = {int((i + 0.5) * total / args.cold) for i in range(args.cold)} if args.cold else set()
+    return Workload([next(own) if i in cold else next(hot) for i in range(total)], cold)
+
+
+def _run(engine: LLMEngine, workload: Workload, params: SamplingParams,
+         arrive_every: int) -> tuple[dict, list[list[int]]]:
+    """Send request i before step i x `arrive_every` (all at once where 0) and run them to their end; the run's
+    figures, and each request's output tokens."""
     engine.reset_prefix_cache()  # nothing reused from the run before
     engine.step_stats.clear()
     start = time.perf_counter()
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
-    finished = {}
-    while engine.has_unfinished_requests():
+    ids, finished, step = [], {}, 0
+    while len(ids) < len(workload.prompts) or engine.has_unfinished_requests():
+        while len(ids) < len(workload.prompts) and len(ids) * arrive_every <= step:
+            ids.append(engine.add_request(workload.prompts[len(ids)], params))
         finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        step += 1
     seconds = time.perf_counter() - start
     done = [finished[request_id] for request_id in ids]
-    prompt_tokens = sum(len(prompt) for prompt in prompts)
-    return {
+    prompt_tokens = sum(len(prompt) for prompt in workload.prompts)
+    ttft = [out.metrics.ttft for out in done]
+    figures = {
         "seconds": seconds,
         "output_tokens_per_s": sum(out.metrics.num_output_tokens for out in done) / seconds,
         # prompt tokens run through the model: the first prefill's and every one after a preemption
         "computed_prompt_tokens": sum(s.prefill_tokens for s in engine.step_stats),
         # prompt tokens read from the prefix cache at each request's first admission, over all prompt tokens
         "prefix_hit_share": sum(out.num_cached_tokens for out in done) / prompt_tokens,
-        **summarize([out.metrics.ttft for out in done], "ttft_s"),
+        **summarize(ttft, "ttft_s"),
+        "max_ttft_s": max(ttft),
         "mean_e2e_s": statistics.mean(out.metrics.e2e for out in done),
         "preemptions": sum(s.num_preempted for s in engine.step_stats),
-    }, [list(out.token_ids) for out in done]
+    }
+    if workload.cold:
+        cold = [ttft[i] for i in sorted(workload.cold)]
+        figures.update({"p50_cold_ttft_s": statistics.median(cold), "max_cold_ttft_s": max(cold)})
+    return figures, [list(out.token_ids) for out in done]
 
 
 def _compare(first: list[list[int]], second: list[list[int]]) -> dict:

@@ -159,9 +159,11 @@ def add_bench_commands(commands) -> None:
         "lpm", help="documents each asked several questions, all at once: --scheduling-policy lpm against fcfs",
         description="--documents passages of --document-tokens, each asked --questions questions of --question-tokens, "
                     "all sent at once in a shuffled order (--seed) to a KV budget that holds --documents-held "
-                    "requests. The same workload under fcfs and under lpm, alternately for --rounds rounds. Reports "
-                    "seconds, tokens/s, prompt tokens computed, the prefix-cache hit share, time to first token, "
-                    "latency and preemptions, whether the outputs agree, and fcfs over lpm.",
+                    "requests; --cold requests over passages of their own among them; with --arrive-every K one "
+                    "sent every K steps. The same workload under fcfs, lpm, and lpm with --lpm-aging-tokens-per-s "
+                    "where given, in turn for --rounds rounds. Reports seconds, tokens/s, prompt tokens computed, "
+                    "the prefix-cache hit share, time to first token, latency and preemptions, how many outputs agree "
+                    "with fcfs's, and fcfs over each lpm configuration.",
     )
     lpm.add_argument("--documents", type=int, default=8, help="(default: 8)")
     lpm.add_argument("--document-tokens", type=int, default=1024, help="(default: 1024)")
@@ -170,6 +172,10 @@ def add_bench_commands(commands) -> None:
     lpm.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per request (default: 32)")
     lpm.add_argument("--documents-held", type=int, default=3,
                      help="requests the KV budget holds at full length (default: 3)")
+    lpm.add_argument("--cold", type=int, default=0,
+                     help="more requests, each over a passage of its own, spread through the order (default: 0)")
+    lpm.add_argument("--arrive-every", type=int, default=0,
+                     help="send request i before step i x this (default: 0, all at once)")
     lpm.add_argument("--seed", type=int, default=0, help="the requests' order (default: 0)")
     lpm.add_argument("--rounds", type=int, default=2, help="rounds of fcfs then lpm (default: 2)")
     _add_output_flags(lpm)
