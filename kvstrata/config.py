@@ -394,6 +394,12 @@ class EngineConfig:
         if isinstance(aging, bool) or not (isinstance(aging, (int, float)) and 0 <= aging < float("inf")):
             raise KvstrataError(f"lpm_aging_tokens_per_s must be a number >= 0 (tokens per second waited), got "
                                 f"{aging!r}")
+        if aging and self.scheduling_policy != "lpm":
+            raise KvstrataError(f"lpm_aging_tokens_per_s {aging!r} applies to scheduling_policy lpm; this engine's "
+                                f"is {self.scheduling_policy}")
+        if self.scheduling_policy == "lpm" and not self.enable_prefix_caching:
+            raise KvstrataError("scheduling_policy lpm orders requests by what the prefix cache holds; it needs "
+                                "prefix caching (drop --no-enable-prefix-caching, or choose fcfs)")
         if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and 0 < self.ttft_slo < 1e6):
             raise KvstrataError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
         self._check_prefix_loading()

@@ -351,7 +351,9 @@ def test_lpm_computes_less_of_the_shared_documents_than_fcfs_for_the_same_output
     assert report["fcfs_over"]["lpm"]["computed_prompt_tokens"] == pytest.approx(
         fcfs["computed_prompt_tokens"] / lpm["computed_prompt_tokens"], rel=1e-3)
     assert main(["bench", "lpm", "--model", str(tiny_llama), "--questions", "0"]) == 2
-    assert "--questions" in capsys.readouterr().err
+    assert "--questions must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["bench", "lpm", "--model", str(tiny_llama), "--question-tokens", "2000"]) == 2
+    assert "--question-tokens 2000 must be at most --document-tokens 1024" in capsys.readouterr().err
 
 
 def test_lpm_with_cold_requests_arriving_one_by_one_and_aging(tiny_llama, capsys):
@@ -360,6 +362,7 @@ def test_lpm_with_cold_requests_arriving_one_by_one_and_aging(tiny_llama, capsys
                       "--cold", "2", "--arrive-every", "2", "--lpm-aging-tokens-per-s", "100", "--rounds", "1",
                       "--json")
     assert set(report["medians"]) == {"fcfs", "lpm", "lpm_aging"}
+    assert report["config"]["lpm_aging_tokens_per_s"] == {"fcfs": 0.0, "lpm": 0.0, "lpm_aging": 100.0}
     assert report["workload"]["cold"] == 2
     for name in ("lpm", "lpm_aging"):
         assert report["outputs_compared"][name] == {"requests": 10, "same": 10, "first_difference_at": []}

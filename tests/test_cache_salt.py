@@ -17,12 +17,12 @@ PROMPT = [3 + (11 * i) % 240 for i in range(75)]  # 4 blocks of 16 and 2 store c
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def ask(engine: LLMEngine, salt: str | None, forget: bool = False) -> tuple[list[int], int]:
+def ask(engine: LLMEngine, salt: str | None, forget: bool = False, prompt: list[int] = PROMPT) -> tuple[list[int], int]:
     """The request's output and its prompt tokens not computed; `forget`: with nothing in the device pool, so that
     only the KV store may give them."""
     if forget:
         engine.reset_prefix_cache()
-    request_id = engine.add_request(PROMPT, SamplingParams(**{**vars(GREEDY), "cache_salt": salt}))
+    request_id = engine.add_request(prompt, SamplingParams(**{**vars(GREEDY), "cache_salt": salt}))
     finished = []
     while engine.has_unfinished_requests():
         finished += [out for out in engine.step() if out.finished and out.request_id == request_id]
@@ -31,12 +31,14 @@ def ask(engine: LLMEngine, salt: str | None, forget: bool = False) -> tuple[list
 
 
 def test_cached_kv_is_shared_only_between_requests_with_the_same_salt(tiny_llama, tmp_path):
-    expected = LLM(str(tiny_llama), kv_cache_memory="8MiB").generate([PROMPT], GREEDY)[0].token_ids
+    other = PROMPT[::-1]
+    expected, other_expected = (o.token_ids for o in LLM(str(tiny_llama), kv_cache_memory="8MiB").generate(
+        [PROMPT, other], GREEDY))
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256,
                                     kv_store_chunk_tokens=32, kv_store=f"disk:{tmp_path}/kv:64MiB"))
-    # the prefix cache
-    assert ask(engine, None) == (expected, 0)
+    # the prefix cache, both ways
     assert ask(engine, "alice") == (expected, 0)
+    assert ask(engine, None) == (expected, 0)
     assert ask(engine, "alice") == (expected, 64)
     assert ask(engine, "bob") == (expected, 0)
     assert ask(engine, None) == (expected, 64)
@@ -45,6 +47,10 @@ def test_cached_kv_is_shared_only_between_requests_with_the_same_salt(tiny_llama
     assert ask(engine, "carol", forget=True) == (expected, 0)
     assert ask(engine, None, forget=True) == (expected, 64)
     assert ask(engine, "alice ", forget=True) == (expected, 0)  # another string is another tenant
+    # a prompt only a tenant asked is found by that tenant alone, unsalted requests included
+    assert ask(engine, "alice", forget=True, prompt=other) == (other_expected, 0)
+    assert ask(engine, None, forget=True, prompt=other) == (other_expected, 0)
+    assert ask(engine, "alice", forget=True, prompt=other) == (other_expected, 64)
 
 
 def test_a_cache_salt_must_be_a_non_empty_string():

@@ -1,9 +1,11 @@
 """--scheduling-policy: fcfs, priority and lpm order admission and preemption (engine/scheduler/policy.py)."""
 
 import time
+from collections import deque
 
 import httpx
 import pytest
+import torch
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.config import EngineConfig
@@ -12,6 +14,7 @@ from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, S
 from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.kv.cache_manager import KVCacheManager
+from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.server.responses_protocol import ResponsesRequest
 from tests.server_harness import running_server
 from tests.test_schedulers import run, shape
@@ -270,7 +273,21 @@ def test_lpm_aging_lets_a_request_that_waited_overtake_a_newer_one_that_matches_
     assert shape(sched.schedule())[0][0] == first
 
 
-def test_lpm_aging_must_be_a_number_of_tokens_per_second():
+def test_lpm_aging_must_be_a_number_of_tokens_per_second_under_lpm_with_prefix_caching():
     for wrong in (-1, float("inf"), "fast", True):
         with pytest.raises(KvstrataError, match="lpm_aging_tokens_per_s must be a number >= 0"):
-            EngineConfig(lpm_aging_tokens_per_s=wrong)
+            EngineConfig(scheduling_policy="lpm", lpm_aging_tokens_per_s=wrong)
+    with pytest.raises(KvstrataError, match="lpm_aging_tokens_per_s 5 applies to scheduling_policy lpm; this "
+                                            "engine's is fcfs"):
+        EngineConfig(lpm_aging_tokens_per_s=5)
+    with pytest.raises(KvstrataError, match="scheduling_policy lpm orders requests by what the prefix cache holds"):
+        EngineConfig(scheduling_policy="lpm", enable_prefix_caching=False)
+
+
+def test_lpm_counts_the_kv_a_store_load_brought_as_held():
+    fresh, loaded = doc_seq(1, doc=1, question=1), doc_seq(2, doc=2, question=2)
+    passage = torch.zeros(1, 32, 1, 1)
+    loaded.preloaded = [PreloadedKV(0, passage, passage)]  # its passage, loaded from the store before admission
+    waiting = deque([fresh, loaded])
+    policy.LongestPrefixMatch().order(waiting, KVCacheManager(64, 16))
+    assert [s.seq_id for s in waiting] == [2, 1]

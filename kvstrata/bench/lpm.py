@@ -39,19 +39,23 @@ from kvstrata.errors import KvstrataError
 
 
 def run_lpm_bench(args: argparse.Namespace) -> None:
-    if min(args.documents, args.document_tokens, args.questions, args.question_tokens, args.max_tokens,
-           args.documents_held, args.rounds) < 1 or min(args.cold, args.arrive_every) < 0:
-        raise KvstrataError("--documents, --document-tokens, --questions, --question-tokens, --max-tokens, "
-                            "--documents-held and --rounds must be at least 1, --cold and --arrive-every at least 0")
-    base = engine_config_from_args(args)
+    for flag, least in (("documents", 1), ("document_tokens", 1), ("questions", 1), ("question_tokens", 1),
+                        ("max_tokens", 1), ("documents_held", 1), ("rounds", 1), ("cold", 0), ("arrive_every", 0)):
+        if getattr(args, flag) < least:
+            raise KvstrataError(f"--{flag.replace('_', '-')} must be at least {least}, got {getattr(args, flag)}")
+    if args.question_tokens > args.document_tokens:
+        raise KvstrataError(f"--question-tokens {args.question_tokens} must be at most --document-tokens "
+                            f"{args.document_tokens} (a question is cut from a window of the text)")
+    aging = args.lpm_aging_tokens_per_s  # the third configuration's; the engine options' policy is each run's own
+    base = engine_config_from_args(argparse.Namespace(**{**vars(args), "lpm_aging_tokens_per_s": 0.0}))
     probe = LLMEngine(base)
     workload = _workload(probe.tokenizer, args)
     request_tokens = args.document_tokens + args.question_tokens + args.max_tokens
     config = dataclasses.replace(base, kv_cache_memory=kv_budget_for(probe, args.documents_held, request_tokens),
                                  max_model_len=request_tokens + 1)
     policies = {"fcfs": ("fcfs", 0.0), "lpm": ("lpm", 0.0)}
-    if config.lpm_aging_tokens_per_s:
-        policies["lpm_aging"] = ("lpm", config.lpm_aging_tokens_per_s)
+    if aging:
+        policies["lpm_aging"] = ("lpm", float(aging))
     engines = {name: LLMEngine(dataclasses.replace(config, scheduling_policy=policy, lpm_aging_tokens_per_s=aging),
                                loaded=probe.loaded)
                for name, (policy, aging) in policies.items()}
@@ -70,7 +74,9 @@ def run_lpm_bench(args: argparse.Namespace) -> None:
     medians = {name: {key: sig(statistics.median(run[key] for run in one)) for key in one[0]}
                for name, one in runs.items()}
     info = engine_info(engines["lpm"])
-    info["config"]["scheduling_policy"] = list(engines)  # the runs take turns
+    # the runs take turns: each configuration's policy and aging
+    info["config"]["scheduling_policy"] = {name: policy for name, (policy, _) in policies.items()}
+    info["config"]["lpm_aging_tokens_per_s"] = {name: aging for name, (_, aging) in policies.items()}
     ratios = ["seconds", "computed_prompt_tokens", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "max_ttft_s", "mean_e2e_s"]
     if args.cold:
         ratios += ["p50_cold_ttft_s", "max_cold_ttft_s"]
@@ -118,8 +124,8 @@ def _workload(tokenizer, args: argparse.Namespace) -> Workload:
 
 def _run(engine: LLMEngine, workload: Workload, params: SamplingParams,
          arrive_every: int) -> tuple[dict, list[list[int]]]:
-    """Send request i before step i x `arrive_every` (all at once where 0) and run them to their end; the run's
-    figures, and each request's output tokens."""
+    """Send request i before step i x `arrive_every` (all at once where 0; an idle engine's empty steps count) and
+    run them to their end; the run's figures, and each request's output tokens."""
     engine.reset_prefix_cache()  # nothing reused from the run before
     engine.step_stats.clear()
     start = time.perf_counter()

@@ -10,7 +10,8 @@ need not wait and, short of KV blocks, preempts `running`'s last one.
   waiting sequence that finds no room preempts running ones of a worse priority until it fits (as vLLM's
   priority scheduling does), so a request sent urgent does not wait for a batch of others to finish.
 - `lpm`: longest prefix match first (SGLang's `--schedule-policy lpm`). Before each step the waiting are
-  ordered by how many of their prompt's tokens the device pool holds now (most first, ties by arrival), so
+  ordered by how many of their prompt's tokens the device pool holds now, or the KV store has loaded for them
+  (most first, ties by arrival), so
   requests over a prefix that is cached, or that running requests are computing, run while it is there instead
   of after other prompts pushed it out: where many requests share a few long prefixes (documents asked several
   questions, few-shot prompts) and the pool holds only some of them, each prefix is computed about once. A
@@ -18,7 +19,8 @@ need not wait and, short of KV blocks, preempts `running`'s last one.
   `--lpm-aging-tokens-per-s` N counts N more tokens for every second a request has waited: it then overtakes a
   request matching M tokens that arrived M / N seconds or more after it. With more than LPM_MAX_WAITING waiting,
   matching them all every step would cost more than it saves, and the queue goes by arrival, as SGLang's does.
-  Running sequences are preempted as under `fcfs`.
+  The running sequence preempted is the newest, as under `fcfs`; it goes back to the waiting, where the next
+  step's order places it (usually early: its blocks stay cached until reused).
 """
 
 from __future__ import annotations
@@ -64,11 +66,21 @@ class LongestPrefixMatch(FirstComeFirstServed):
             now = time.perf_counter()  # the clock of Sequence.arrival_time
 
             def score(seq: Sequence) -> float:
-                return kv.cached_prefix_tokens(seq) + self.aging_tokens_per_s * (now - seq.arrival_time)
+                return _ready_tokens(seq, kv) + self.aging_tokens_per_s * (now - seq.arrival_time)
 
             ranked = sorted(waiting, key=lambda seq: (-score(seq), *_arrival(seq)))
         waiting.clear()
         waiting.extend(ranked)
+
+
+def _ready_tokens(seq: Sequence, kv: KVCacheManager) -> int:
+    """The prompt tokens `seq` would not compute if admitted now: the prefix the pool holds, continued by KV given
+    ready-made (loaded from the KV store, or a saved context's) from there."""
+    ready = kv.cached_prefix_tokens(seq)
+    for segment in seq.preloaded:  # in order
+        if segment.start <= ready < segment.end:
+            ready = segment.end
+    return ready
 
 
 def _arrival(seq: Sequence) -> tuple[float, int]:
