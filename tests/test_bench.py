@@ -352,8 +352,8 @@ def test_lpm_computes_less_of_the_shared_documents_than_fcfs_for_the_same_output
         fcfs["computed_prompt_tokens"] / lpm["computed_prompt_tokens"], rel=1e-3)
     assert main(["bench", "lpm", "--model", str(tiny_llama), "--questions", "0"]) == 2
     assert "--questions must be at least 1, got 0" in capsys.readouterr().err
-    assert main(["bench", "lpm", "--model", str(tiny_llama), "--question-tokens", "2000"]) == 2
-    assert "--question-tokens 2000 must be at most --document-tokens 1024" in capsys.readouterr().err
+    assert main(["bench", "lpm", "--model", str(tiny_llama), "--documents", "1000"]) == 2
+    assert "fewer than the 1152000 of 1000 passages of 1024 and 4000 questions of 32" in capsys.readouterr().err
 
 
 def test_lpm_with_cold_requests_arriving_one_by_one_and_aging(tiny_llama, capsys):

@@ -2,7 +2,7 @@
 share a few long prefixes and the KV pool holds only some of them.
 
 --documents passages of --document-tokens (consecutive windows of the text) are each asked --questions questions
-(each its own --question-tokens, the windows after the passages), and exactly --max-tokens greedy tokens are
+(each its own --question-tokens of the text after the passages), and exactly --max-tokens greedy tokens are
 generated per request. All requests are sent at once in a shuffled order (--seed): a batch job, or a burst of users
 over a set of documents. The KV budget holds --documents-held requests at full length, so the pool cannot keep every
 passage. --cold more requests over passages of their own are spread through the order, and with --arrive-every K
@@ -31,7 +31,7 @@ import torch
 
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.stats import summarize
-from kvstrata.bench.workload import kv_budget_for, prompts_from_text
+from kvstrata.bench.workload import kv_budget_for, read_text
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
@@ -43,9 +43,6 @@ def run_lpm_bench(args: argparse.Namespace) -> None:
                         ("max_tokens", 1), ("documents_held", 1), ("rounds", 1), ("cold", 0), ("arrive_every", 0)):
         if getattr(args, flag) < least:
             raise KvstrataError(f"--{flag.replace('_', '-')} must be at least {least}, got {getattr(args, flag)}")
-    if args.question_tokens > args.document_tokens:
-        raise KvstrataError(f"--question-tokens {args.question_tokens} must be at most --document-tokens "
-                            f"{args.document_tokens} (a question is cut from a window of the text)")
     aging = args.lpm_aging_tokens_per_s  # the third configuration's; the engine options' policy is each run's own
     base = engine_config_from_args(argparse.Namespace(**{**vars(args), "lpm_aging_tokens_per_s": 0.0}))
     probe = LLMEngine(base)
@@ -108,15 +105,21 @@ class Workload:
 
 def _workload(tokenizer, args: argparse.Namespace) -> Workload:
     """The passages' questions in a shuffled order, with the --cold requests (a passage and a question each, shared
-    with no other) spread evenly through it."""
-    hot_windows = args.documents * (1 + args.questions)
-    windows = prompts_from_text(tokenizer, hot_windows + 2 * args.cold, args.document_tokens, args.text)
-    documents = windows[: args.documents]
-    questions = [window[: args.question_tokens] for window in windows[args.documents : hot_windows]]
+    with no other) spread evenly through it. The text gives the passages, then the questions, one after another."""
+    ids = tokenizer.encode(read_text(args.text))
+    size, asked = args.document_tokens, args.documents * args.questions + args.cold
+    passages = args.documents + args.cold
+    needed = passages * size + asked * args.question_tokens
+    if len(ids) < needed:
+        raise KvstrataError(f"{args.text} has {len(ids)} tokens, fewer than the {needed} of {passages} passages of "
+                            f"{size} and {asked} questions of {args.question_tokens}")
+    passage = [ids[i * size : (i + 1) * size] for i in range(passages)]
+    start = passages * size
+    question = [ids[start + i * args.question_tokens : start + (i + 1) * args.question_tokens] for i in range(asked)]
     pairs = [(d, q) for d in range(args.documents) for q in range(args.questions)]
     random.Random(args.seed).shuffle(pairs)
-    hot = iter([documents[d] + questions[d * args.questions + q] for d, q in pairs])
-    own = iter([windows[i] + windows[i + 1][: args.question_tokens] for i in range(hot_windows, len(windows), 2)])
+    hot = iter([passage[d] + question[d * args.questions + q] for d, q in pairs])
+    own = iter([passage[args.documents + i] + question[len(pairs) + i] for i in range(args.cold)])
     total = len(pairs) + args.cold
     cold = {int((i + 0.5) * total / args.cold) for i in range(args.cold)} if args.cold else set()
     return Workload([next(own) if i in cold else next(hot) for i in range(total)], cold)
