@@ -10,9 +10,9 @@ request i is sent before step i x K instead (a stream that may starve the cold o
 runs under fcfs (what vLLM does), lpm, and lpm with --lpm-aging-tokens-per-s where that is given, in turn for
 --rounds rounds, on one set of weights. Reported per run: seconds, output tokens/s, prompt tokens computed (prefill
 work, recomputation after preemption included) and the share of prompt tokens read from the prefix cache, time to
-first token percentiles, end-to-end latency, preemptions (and the cold requests' time to first token); how many requests got the same greedy
-output as under fcfs; and fcfs's figures over each lpm configuration's (above 1: what it saves; tokens/s: the other
-way round).
+first token percentiles, end-to-end latency, preemptions (and the cold requests' time to first token); how many
+requests got the same greedy output as under fcfs; and fcfs's figures over each lpm configuration's (above 1: what
+it saves; tokens/s: the other way round).
 
 The outputs are compared rather than required equal: a step's products sum in an order set by how many rows it has,
 so a request batched with others, or reading its prefix from the cache rather than computing it, can come out an ulp
@@ -53,9 +53,9 @@ def run_lpm_bench(args: argparse.Namespace) -> None:
     policies = {"fcfs": ("fcfs", 0.0), "lpm": ("lpm", 0.0)}
     if aging:
         policies["lpm_aging"] = ("lpm", float(aging))
-    engines = {name: LLMEngine(dataclasses.replace(config, scheduling_policy=policy, lpm_aging_tokens_per_s=aging),
+    engines = {name: LLMEngine(dataclasses.replace(config, scheduling_policy=policy, lpm_aging_tokens_per_s=rate),
                                loaded=probe.loaded)
-               for name, (policy, aging) in policies.items()}
+               for name, (policy, rate) in policies.items()}
     del probe
     for engine in engines.values():  # one-time costs (the compiled decode) before anything is timed
         engine.add_request(workload.prompts[0][: args.question_tokens], SamplingParams(max_tokens=2, temperature=0.0))
@@ -73,7 +73,7 @@ def run_lpm_bench(args: argparse.Namespace) -> None:
     info = engine_info(engines["lpm"])
     # the runs take turns: each configuration's policy and aging
     info["config"]["scheduling_policy"] = {name: policy for name, (policy, _) in policies.items()}
-    info["config"]["lpm_aging_tokens_per_s"] = {name: aging for name, (_, aging) in policies.items()}
+    info["config"]["lpm_aging_tokens_per_s"] = {name: rate for name, (_, rate) in policies.items()}
     ratios = ["seconds", "computed_prompt_tokens", "p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "max_ttft_s", "mean_e2e_s"]
     if args.cold:
         ratios += ["p50_cold_ttft_s", "max_cold_ttft_s"]
