@@ -41,6 +41,7 @@ from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.engine.torch_threads import keep_torch_threads, use_torch_threads
 from kvstrata.errors import KvstrataError, ParameterError, RequestFailed
 from kvstrata.kv.block_hash import tenant_salt
+from kvstrata.kv.cache_factory import FLOAT_FORMAT_OF_DTYPE
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
@@ -94,6 +95,11 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
+        tokens = num_blocks * config.block_size
+        log.info("KV cache: %s tokens (%d blocks of %d) in %s, %.1f bytes a token; maximum concurrency for "
+                 "%d-token requests: %.2fx", f"{tokens:,}", num_blocks, config.block_size,
+                 config.kv_format or FLOAT_FORMAT_OF_DTYPE[dtype],
+                 layout.bytes_per_token, self.max_model_len, tokens / self.max_model_len)
         # the KV storage: on the compute device, or a pool in host memory under --kv-offload full|infinigen
         in_host_pool = config.kv_offload in ("full", "infinigen")
         self.kv_cache = layout.build(num_blocks, torch.device("cpu") if in_host_pool else self.device)
