@@ -188,8 +188,9 @@ def test_other_architectures_generate_like_transformers(name, prompts, request):
 
 def test_the_engine_logs_its_kv_capacity_as_vllm_does(tiny_llama, caplog):
     with caplog.at_level("INFO", logger="kvstrata.engine"):
-        engine = LLM(str(tiny_llama), kv_cache_memory="1MiB", max_model_len=256, kv_format="int8").engine
+        engine = LLM(str(tiny_llama), kv_cache_memory="1MiB", max_model_len=250, kv_format="int8").engine
     blocks = engine.kv_manager.pool.num_blocks
-    # a token's K and V records in each of 3 layers: int8 codes over the width (2 kv heads x 16) and a float16 scale
+    # a token's K and V records in each of 3 layers: int8 codes over the width (2 kv heads x 16) and a float16 scale;
+    # a 250-token request takes 16 whole blocks
     assert f"KV cache: {blocks * 16:,} tokens ({blocks} blocks of 16) in int8, {3 * 2 * (32 + 2)}.0 bytes a token; " \
-           f"maximum concurrency for 256-token requests: {blocks * 16 / 256:.2f}x" in caplog.text
+           f"maximum concurrency for 250-token requests: {blocks / 16:.2f}x" in caplog.text

@@ -95,11 +95,11 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
-        tokens = num_blocks * config.block_size
+        # the concurrency counts whole blocks, as vLLM's start-up line does
         log.info("KV cache: %s tokens (%d blocks of %d) in %s, %.1f bytes a token; maximum concurrency for "
-                 "%d-token requests: %.2fx", f"{tokens:,}", num_blocks, config.block_size,
-                 config.kv_format or FLOAT_FORMAT_OF_DTYPE[dtype],
-                 layout.bytes_per_token, self.max_model_len, tokens / self.max_model_len)
+                 "%d-token requests: %.2fx", f"{num_blocks * config.block_size:,}", num_blocks, config.block_size,
+                 config.kv_format or FLOAT_FORMAT_OF_DTYPE[dtype], layout.bytes_per_token, self.max_model_len,
+                 num_blocks / -(-self.max_model_len // config.block_size))
         # the KV storage: on the compute device, or a pool in host memory under --kv-offload full|infinigen
         in_host_pool = config.kv_offload in ("full", "infinigen")
         self.kv_cache = layout.build(num_blocks, torch.device("cpu") if in_host_pool else self.device)

@@ -11,9 +11,10 @@ need not wait and, short of KV blocks, preempts `running`'s last one.
   priority scheduling does), so a request sent urgent does not wait for a batch of others to finish.
 - `lpm`: longest prefix match first (SGLang's `--schedule-policy lpm`). Before each step the waiting are
   ordered by how many of their prompt's tokens the device pool holds now, or the KV store has loaded for them
-  (most first, ties by arrival), so requests over a prefix that is cached, or that running requests are
-  computing, run while it is there instead of after other prompts pushed it out: where many requests share a few long prefixes (documents asked several
-  questions, few-shot prompts) and the pool holds only some of them, each prefix is computed about once. A
+  (most first, ties by arrival; the blocks running requests have computed so far count), so requests over a
+  cached prefix run while it is there instead of after other prompts pushed it out: where many requests share a
+  few long prefixes (documents asked several questions, few-shot prompts) and the pool holds only some of them,
+  each prefix is computed about once. A
   request whose prefix nobody shares may wait behind a stream of ones that hit, as under SGLang's, unless
   `--lpm-aging-tokens-per-s` N counts N more tokens for every second a request has waited: it then overtakes a
   request matching M tokens that arrived M / N seconds or more after it. With more than LPM_MAX_WAITING waiting,
