@@ -1,4 +1,4 @@
-"""Drive the engine's model and cache directly, for comparisons with transformers."""
+"""Drive the engine's model and cache directly, for comparisons with transformers; run one request alone."""
 
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ def prefill_in_chunks(engine: LLMEngine, token_ids: list[int], chunk: int,
             pieces.append(engine.runner.model.compute_logits(hidden).float())
             seq.num_computed_tokens += n
     return torch.cat(pieces), seq
+
+
+def ask_alone(engine: LLMEngine, prompt: list[int], params: SamplingParams,
+              forget: bool = True) -> tuple[list[int], int]:
+    """One request run to its end on an engine with a KV store, its chunks written before returning: its output
+    tokens and the prompt tokens it did not compute. `forget`: with nothing in the device pool first, so that only
+    the store may give them."""
+    if forget:
+        engine.reset_prefix_cache()
+    request_id = engine.add_request(prompt, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished and out.request_id == request_id]
+    engine.kv_store.flush()
+    return finished[0].token_ids, finished[0].num_cached_tokens
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:

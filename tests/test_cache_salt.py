@@ -11,6 +11,7 @@ from kvstrata.engine.beam_search import BeamSearchParams
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.errors import ParameterError
 from kvstrata.server.responses_protocol import ResponsesRequest
+from tests.helpers import ask_alone
 from tests.server_harness import running_server
 
 PROMPT = [3 + (11 * i) % 240 for i in range(75)]  # 4 blocks of 16 and 2 store chunks of 32 before its last token
@@ -20,14 +21,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def ask(engine: LLMEngine, salt: str | None, forget: bool = False, prompt: list[int] = PROMPT) -> tuple[list[int], int]:
     """The request's output and its prompt tokens not computed; `forget`: with nothing in the device pool, so that
     only the KV store may give them."""
-    if forget:
-        engine.reset_prefix_cache()
-    request_id = engine.add_request(prompt, SamplingParams(**{**vars(GREEDY), "cache_salt": salt}))
-    finished = []
-    while engine.has_unfinished_requests():
-        finished += [out for out in engine.step() if out.finished and out.request_id == request_id]
-    engine.kv_store.flush()
-    return finished[0].token_ids, finished[0].num_cached_tokens
+    return ask_alone(engine, prompt, SamplingParams(**{**vars(GREEDY), "cache_salt": salt}), forget)
 
 
 def test_cached_kv_is_shared_only_between_requests_with_the_same_salt(tiny_llama, tmp_path):

@@ -18,7 +18,7 @@ from kvstrata.errors import KvstrataError, ParameterError
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.lora import CONFIG_FILE, PICKLED_WEIGHT_FILE, WEIGHT_FILE
 from kvstrata.server.options import ServerOptions
-from tests.helpers import hf_greedy, hf_logits
+from tests.helpers import ask_alone, hf_greedy, hf_logits
 from tests.peft_adapters import peft_reference, save_peft_adapter
 from tests.server_harness import running_server
 
@@ -134,13 +134,7 @@ def test_an_adapter_s_chunks_in_the_kv_store_serve_only_that_adapter_in_its_dtyp
 
     def ask(engine, name):
         """The request's output and the prompt tokens the store gave it, with nothing in the device pool."""
-        engine.reset_prefix_cache()
-        request_id = engine.add_request(prompt, SamplingParams(**{**vars(GREEDY), "lora_name": name}))
-        finished = []
-        while engine.has_unfinished_requests():
-            finished += [out for out in engine.step() if out.finished and out.request_id == request_id]
-        engine.kv_store.flush()
-        return finished[0].token_ids, finished[0].num_cached_tokens
+        return ask_alone(engine, prompt, SamplingParams(**{**vars(GREEDY), "lora_name": name}))
 
     def make(dtype="float64"):
         return LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256,

@@ -31,7 +31,7 @@ import torch
 
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.stats import summarize
-from kvstrata.bench.workload import kv_budget_for, read_text
+from kvstrata.bench.workload import kv_budget_for, medians, read_text, take_turns, warm_up
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
@@ -57,19 +57,13 @@ def run_lpm_bench(args: argparse.Namespace) -> None:
                                loaded=probe.loaded)
                for name, (policy, rate) in policies.items()}
     del probe
-    for engine in engines.values():  # one-time costs (the compiled decode) before anything is timed
-        engine.add_request(workload.prompts[0][: args.question_tokens], SamplingParams(max_tokens=2, temperature=0.0))
-        while engine.has_unfinished_requests():
-            engine.step()
+    warm_up(engines.values(), workload.prompts[0][: args.question_tokens])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    runs = {name: [] for name in engines}
-    outputs = {}
-    for _ in range(args.rounds):
-        for name, engine in engines.items():
-            figures, outputs[name] = _run(engine, workload, params, args.arrive_every)
-            runs[name].append(figures)
-    exact = {name: {key: statistics.median(run[key] for run in one) for key in one[0]} for name, one in runs.items()}
-    medians = {name: {key: sig(value) for key, value in one.items()} for name, one in exact.items()}
+    results = take_turns(engines, args.rounds, lambda engine: _run(engine, workload, params, args.arrive_every))
+    runs = {name: [figures for figures, _ in one] for name, one in results.items()}
+    outputs = {name: one[-1][1] for name, one in results.items()}  # the last round's
+    exact = medians(runs)
+    rounded = {name: {key: sig(value) for key, value in one.items()} for name, one in exact.items()}
     info = engine_info(engines["lpm"])
     # the runs take turns: each configuration's policy and aging
     info["config"]["scheduling_policy"] = {name: policy for name, (policy, _) in policies.items()}
@@ -87,7 +81,7 @@ def run_lpm_bench(args: argparse.Namespace) -> None:
                      "documents_held": args.documents_held, "seed": args.seed, "rounds": args.rounds,
                      "kv_cache_memory": config.kv_cache_memory, "threads": torch.get_num_threads()},
         "runs": runs,
-        "medians": medians,
+        "medians": rounded,
         "outputs_compared": {name: _compare(outputs["fcfs"], outputs[name]) for name in engines if name != "fcfs"},
         # fcfs's over each lpm configuration's (above 1: what it saves); tokens/s the other way round
         "fcfs_over": {name: {key: sig(exact["fcfs"][key] / one[key]) if one[key] else None for key in ratios}

@@ -22,7 +22,7 @@ import time
 import torch
 
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
-from kvstrata.bench.workload import kv_budget_for, prompts_from_text
+from kvstrata.bench.workload import kv_budget_for, medians, prompts_from_text, take_turns, warm_up
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.outputs import RequestOutput
@@ -64,17 +64,10 @@ def run_priority_bench(args: argparse.Namespace) -> None:
     engines = {policy: LLMEngine(dataclasses.replace(config, scheduling_policy=policy), loaded=probe.loaded)
                for policy in POLICIES}
     del probe
-    for engine in engines.values():  # one-time costs (the compiled decode) before anything is timed
-        engine.add_request(workload.urgent[0], SamplingParams(max_tokens=2, temperature=0.0))
-        while engine.has_unfinished_requests():
-            engine.step()
-    runs = {policy: [] for policy in POLICIES}
-    for _ in range(args.rounds):
-        for policy, engine in engines.items():
-            runs[policy].append(_run(engine, workload))
-    medians = {policy: {key: sig(statistics.median(run[key] for run in one)) for key in one[0]}
-               for policy, one in runs.items()}
-    fcfs, priority = medians["fcfs"], medians["priority"]
+    warm_up(engines.values(), workload.urgent[0])
+    runs = take_turns(engines, args.rounds, lambda engine: _run(engine, workload))
+    rounded = {policy: {key: sig(value) for key, value in one.items()} for policy, one in medians(runs).items()}
+    fcfs, priority = rounded["fcfs"], rounded["priority"]
     info = engine_info(engines["priority"])
     info["config"]["scheduling_policy"] = list(POLICIES)  # the runs take turns
     emit({
@@ -88,7 +81,7 @@ def run_priority_bench(args: argparse.Namespace) -> None:
                      "urgent_arrival_steps": workload.arrival_steps(), "rounds": args.rounds,
                      "kv_cache_memory": config.kv_cache_memory, "threads": torch.get_num_threads()},
         "runs": runs,
-        "medians": medians,
+        "medians": rounded,
         "fcfs_over_priority": {
             key: sig(fcfs[key] / priority[key])
             for key in ("urgent_ttft_steps_mean", "urgent_ttft_s_mean", "urgent_ttft_s_max", "urgent_e2e_s_mean",

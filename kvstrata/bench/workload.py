@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvstrata.data import EMMA
 from kvstrata.engine.kv_setup import engine_storage_layout
+from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
 
 
@@ -42,6 +45,27 @@ def run_together(engine, prompts: list[list[int]], params: list) -> list:
     while engine.has_unfinished_requests():
         finished.update((out.request_id, out) for out in engine.step() if out.finished)
     return [finished[request_id] for request_id in ids]
+
+
+def warm_up(engines, prompt: list[int]) -> None:
+    """Pay each engine's one-time costs (the compiled decode) before anything is timed."""
+    for engine in engines:
+        run_together(engine, [prompt], [SamplingParams(max_tokens=2, temperature=0.0)])
+
+
+def take_turns(engines: dict, rounds: int, run: Callable) -> dict[str, list]:
+    """`run(engine)` for each engine in turn, `rounds` times over, so that the machine's drift falls on all alike;
+    each engine's results, by its name."""
+    results = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            results[name].append(run(engine))
+    return results
+
+
+def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per name, the median over its runs of each figure."""
+    return {name: {key: statistics.median(run[key] for run in one) for key in one[0]} for name, one in runs.items()}
 
 
 def generate_together(engine, prompts: list[list[int]], params: list) -> list[list[int]]:

@@ -138,11 +138,12 @@ class ModelRunner:
         inputs, hidden = self.forward(work)
         to_sample, rows, prompt_rows, pooled = [], [], [], []
         for (seq, num_tokens), last_row in zip(inputs.ordered, inputs.last_rows):
-            if seq.num_computed_tokens + num_tokens == seq.num_tokens and seq.params.pooling is not None:
-                pooled.append((seq, hidden[last_row]))
-            elif seq.num_computed_tokens + num_tokens == seq.num_tokens:
-                to_sample.append(seq)
-                rows.append(last_row)
+            if seq.num_computed_tokens + num_tokens == seq.num_tokens:
+                if seq.params.pooling is not None:
+                    pooled.append((seq, hidden[last_row]))
+                else:
+                    to_sample.append(seq)
+                    rows.append(last_row)
             elif verifies(seq, num_tokens):
                 to_sample += [seq] * num_tokens
                 rows += range(last_row - num_tokens + 1, last_row + 1)

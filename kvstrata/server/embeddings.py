@@ -100,9 +100,14 @@ def prepare_embeddings(preparer: RequestPreparer, body: EmbeddingRequest, lora_n
 def embedding_response(body: EmbeddingRequest, outputs: list[RequestOutput]) -> dict:
     data = [{"object": "embedding", "index": index, "embedding": _encoded(output, body.encoding_format)}
             for index, output in enumerate(outputs)]
-    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    tokens = prompt_tokens(outputs)
     return {"object": "list", "data": data, "model": body.model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def prompt_tokens(outputs: list[RequestOutput]) -> int:
+    """The usage of embedding requests: their prompts' tokens."""
+    return sum(len(output.prompt_token_ids) for output in outputs)
 
 
 def _encoded(output: RequestOutput, encoding_format: str) -> list[float] | str:

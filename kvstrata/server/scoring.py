@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvstrata.engine.outputs import RequestOutput
 from kvstrata.errors import ParameterError
-from kvstrata.server.embeddings import MAX_INPUTS, EmbeddingRequest
+from kvstrata.server.embeddings import MAX_INPUTS, EmbeddingRequest, prompt_tokens
 from kvstrata.server.protocol import CacheSalt, Priority, Text, integer
 
 Passage = Annotated[Text, Field(min_length=1)]
@@ -90,12 +90,8 @@ def _cosine(outputs: list[RequestOutput], a: int, b: int) -> float:
     return min(1.0, max(-1.0, float(outputs[a].embedding @ outputs[b].embedding)))
 
 
-def _prompt_tokens(outputs: list[RequestOutput]) -> int:
-    return sum(len(output.prompt_token_ids) for output in outputs)
-
-
 def score_response(body: ScoreRequest, pairs: list[tuple[int, int]], outputs: list[RequestOutput]) -> dict:
-    tokens = _prompt_tokens(outputs)
+    tokens = prompt_tokens(outputs)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,
             "data": [{"index": i, "object": "score", "score": _cosine(outputs, a, b)} for i, (a, b) in enumerate(pairs)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
@@ -105,6 +101,6 @@ def rerank_response(body: RerankRequest, outputs: list[RequestOutput]) -> dict:
     scores = [_cosine(outputs, 0, 1 + i) for i in range(len(body.documents))]
     ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n if body.top_n > 0 else None]
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": body.model,
-            "usage": {"total_tokens": _prompt_tokens(outputs)},
+            "usage": {"total_tokens": prompt_tokens(outputs)},
             "results": [{"index": i, "document": {"text": body.documents[i]}, "relevance_score": scores[i]}
                         for i in ranked]}
