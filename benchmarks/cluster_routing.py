@@ -76,12 +76,12 @@ def measure(policy: str, store: RedisServer | None, shared: bool, seed: int) -> 
     return row
 
 
-def ratios(rows: list[dict]) -> list[dict]:
-    """Prefix routing against each other policy under the same workload and store."""
+def ratios(rows: list[dict], policy: str) -> list[dict]:
+    """`policy` against each other policy under the same workload and store."""
     out = []
-    for prefix in (r for r in rows if r["routing"] == "prefix"):
+    for prefix in (r for r in rows if r["routing"] == policy):
         for other in rows:
-            if other["routing"] == "prefix" or (other["store"], other["workload"]) != (prefix["store"], prefix["workload"]):
+            if other["routing"] == policy or (other["store"], other["workload"]) != (prefix["store"], prefix["workload"]):
                 continue
             out.append({
                 "workload": prefix["workload"], "store": prefix["store"], "against": other["routing"],
@@ -92,14 +92,15 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def part_routing(store: RedisServer, seed: int) -> dict:
+def part_routing(store: RedisServer, seed: int, policies: list[str]) -> dict:
     rows = []
     for shared, stores in ((True, (None, store)), (False, (None,))):
         for tier in stores:
-            for policy in POLICIES:
+            for policy in policies:
                 rows.append(measure(policy, tier, shared, seed))
                 print(json.dumps(rows[-1]), file=sys.stderr)
-    return {"rows": rows, "prefix_routing_against": ratios(rows)}
+    return {"rows": rows, **{f"{policy.replace('-', '_')}_routing_against": ratios(rows, policy)
+                             for policy in ("prefix", "kv-aware") if policy in policies}}
 
 
 # --- a replica killed under load -----------------------------------------------------------------------
@@ -197,15 +198,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["routing", "faults"], required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default=",".join(POLICIES), help="routing: the policies to run, comma-separated")
     parser.add_argument("--requests", type=int, default=96, help="faults: requests in each run")
     parser.add_argument("--clients", type=int, default=32, help="faults: concurrent clients")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
+    unknown = set(args.policies.split(",")) - set(POLICIES)
+    if unknown:
+        parser.error(f"--policies: {', '.join(sorted(unknown))} not among {', '.join(POLICIES)}")
     ray.init(include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as scratch:
         store = RedisServer(Path(scratch)).start()
         try:
-            figures = part_routing(store, args.seed) if args.part == "routing" else \
+            figures = part_routing(store, args.seed, args.policies.split(",")) if args.part == "routing" else \
                 part_faults(store, args.seed, args.requests, args.clients)
         finally:
             store.stop()

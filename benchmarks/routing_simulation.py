@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvstrata.cluster.routing import POLICIES, PrefixRouting, Routing, make_routing, prompt_blocks
+from kvstrata.cluster.routing import POLICIES, KVAwareRouting, PrefixRouting, Routing, make_routing, prompt_blocks
+from kvstrata.kv.kv_events import KVEvents
 
 # ---- Modeled costs: one replica = one GPU serving a Llama-3.1-8B-class model (assumptions, not measurements) ----
 MODEL_PARAMETERS = 8.03e9  # Llama-3.1-8B
@@ -69,6 +70,7 @@ class Workload:
     offered_load: float = 1.1
     cache_share: float = 0.015  # each replica's prefix cache holds this share of all distinct prefix tokens
     warmup_share: float = 0.2  # the first requests fill the caches and are left out of the figures
+    fronts: int = 1  # routers in front of the replicas, taking requests in turn; each sees only its own traffic
     seed: int = 0
 
 
@@ -126,12 +128,14 @@ class BlockLRU:
     """A replica's prefix cache, LRU over blocks. A prompt's blocks are touched together, so the cache keeps
     one entry per prefix (how many of its leading blocks it holds) and one per request for its unique blocks;
     room is made from the least recently used entry, its last blocks first (what block-level LRU evicting a
-    request's blocks tail first does)."""
+    request's blocks tail first does). `on_change` is told (entry, blocks held before, blocks held now): the
+    replica's KV events."""
 
-    def __init__(self, capacity_blocks: int):
+    def __init__(self, capacity_blocks: int, on_change=None):
         self.capacity = capacity_blocks
         self.used = 0
         self.entries: OrderedDict[int, int] = OrderedDict()
+        self.on_change = on_change
 
     def held(self, entry: int) -> int:
         return self.entries.get(entry, 0)
@@ -142,6 +146,7 @@ class BlockLRU:
         if blocks > old:
             self.entries[entry] = blocks
             self.used += blocks - old
+            self._changed(entry, old, blocks)
         if old:
             self.entries.move_to_end(entry)
         while self.used > self.capacity:
@@ -152,6 +157,11 @@ class BlockLRU:
                 del self.entries[oldest]
             else:
                 self.entries[oldest] = count - drop
+            self._changed(oldest, count, count - drop)
+
+    def _changed(self, entry: int, old: int, new: int) -> None:
+        if self.on_change is not None:
+            self.on_change(entry, old, new)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -168,14 +178,35 @@ def make_policy(policy: str, replicas: int) -> Routing:
     return make_routing(policy, replicas)
 
 
+def kv_events(trace: Trace, fronts: list[Routing], replica: int):
+    """Under kv-aware routing, a replica cache's changes as the KV events every front reads, applied at once (the
+    engine's front polls every 0.1 s). Only shared prefixes' routing blocks are reported: a unique request's
+    blocks are never asked for again."""
+    if not isinstance(fronts[0], KVAwareRouting):
+        return None
+    blocks_of_prefix = {int(p): trace.blocks[i] for i, p in enumerate(trace.prefix_of) if p >= 0}
+
+    def changed(entry: int, old: int, new: int) -> None:
+        if entry < 0:
+            return
+        blocks = blocks_of_prefix[entry]
+        changes = [(True, b) for b in blocks[old:new]] + [(False, b) for b in blocks[new:old]]
+        if changes:
+            for routing in fronts:
+                routing.apply(replica, b"", KVEvents("simulated", 0, changes, snapshot=False))
+
+    return changed
+
+
 def simulate(trace: Trace, replicas: int, policy: str, shared_tier: bool) -> dict:
     """One configuration; the discrete-event loop. Times are modeled seconds."""
     w = trace.workload
-    routing = make_policy(policy, replicas)
+    # Each request reaches one of the fronts, which share nothing but the replicas' events
+    fronts = [make_policy(policy, replicas) for _ in range(w.fronts)]
     up = [True] * replicas
-    loads = [0] * replicas  # requests in flight per replica: routed and not yet done decoding
+    loads = [[0] * replicas for _ in fronts]  # per front, its requests in flight per replica (not yet done decoding)
     capacity_blocks = max(1, int(w.cache_share * trace.distinct_prefix_tokens) // BLOCK_SIZE)
-    caches = [BlockLRU(capacity_blocks) for _ in range(replicas)]
+    caches = [BlockLRU(capacity_blocks, kv_events(trace, fronts, r)) for r in range(replicas)]
     queues: list[deque] = [deque() for _ in range(replicas)]
     busy = [False] * replicas
     busy_s = [0.0] * replicas
@@ -240,15 +271,17 @@ def simulate(trace: Trace, replicas: int, policy: str, shared_tier: bool) -> dic
             if queues[r]:
                 start(r, now)
         else:
-            loads[r] -= 1
+            loads[i % w.fronts][r] -= 1
 
     for i in range(w.requests):
         now = float(arrivals[i])
         while events and events[0][0] <= now:
             handle(heapq.heappop(events))
-        r = routing.order(trace.blocks[i], loads, up)[0]
-        routing.served(trace.blocks[i], r)
-        loads[r] += 1
+        front = i % w.fronts
+        r = fronts[front].order(trace.blocks[i], loads[front], up)[0]
+        fronts[front].routed(trace.blocks[i], r)
+        fronts[front].served(trace.blocks[i], r)
+        loads[front][r] += 1
         ready, preloaded, fetched = now, 0, 0
         p = int(prefix_of[i])
         if shared_tier and p >= 0 and stored_chunks.get(p, 0):
@@ -297,7 +330,10 @@ def run(workload: Workload, replica_counts: list[int], policies: tuple[str, ...]
         "note": ("Simulated hit rates; modeled times. Nothing here ran an engine or was measured on hardware: "
                  "routing is kvstrata/cluster/routing.py's real code, the replicas are a queueing and LRU model."),
         "command": "python -m benchmarks.routing_simulation",
-        "policies": {"prefix": "consistent hashing with bounded load (load factor 1.25)",
+        "policies": {"prefix": "the replica that last served the prompt's longest prefix, else consistent hashing; "
+                               "bounded load (load factor 1.25)",
+                     "kv-aware": "the replica whose cache holds the prompt's longest prefix (its KV events applied at "
+                                 "once), else consistent hashing; bounded load (load factor 1.25)",
                      "round-robin": "round-robin", "least-loaded": "fewest requests in flight",
                      UNBOUNDED: "not a cluster policy: prefix routing with the load bound lifted, for comparison"},
         "workload": {**asdict(workload),
@@ -333,9 +369,11 @@ def main() -> None:
     parser.add_argument("--prefixes", type=int, default=Workload.prefixes)
     parser.add_argument("--replicas", default="8,16,32,64", help="comma-separated replica counts")
     parser.add_argument("--seed", type=int, default=Workload.seed)
+    parser.add_argument("--fronts", type=int, default=Workload.fronts,
+                        help="routers taking the requests in turn, each with its own picture (default: 1)")
     parser.add_argument("--out", help="also write the JSON document here")
     args = parser.parse_args()
-    workload = Workload(requests=args.requests, prefixes=args.prefixes, seed=args.seed)
+    workload = Workload(requests=args.requests, prefixes=args.prefixes, seed=args.seed, fronts=args.fronts)
     document = run(workload, [int(n) for n in args.replicas.split(",")])
     text = json.dumps(document, indent=2)
     print(text)

@@ -4,9 +4,10 @@ import pytest
 
 from kvstrata.cluster.metrics_merge import merge_replica_metrics
 from kvstrata.cluster.replica import per_replica_store, replica_config
-from kvstrata.cluster.routing import PrefixRouting, make_routing, prompt_blocks
+from kvstrata.cluster.routing import KVAwareRouting, PrefixRouting, make_routing, prompt_blocks
 from kvstrata.config import EngineConfig
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.kv_events import KVEvents
 from kvstrata.server.metrics import ServerMetrics
 
 
@@ -67,6 +68,62 @@ def test_bounded_load_diverts_from_a_hot_replica():
     assert routing.order(key, loads, [True, True])[0] == home
 
 
+def stored(blocks: list[bytes]) -> list[tuple[bool, bytes]]:
+    return [(True, block) for block in blocks]
+
+
+def test_kv_aware_routing_goes_where_the_longest_prefix_is_held_now():
+    routing, idle, up = KVAwareRouting(3), [0] * 3, [True] * 3
+    document = prompt_blocks(list(range(200)), 16)  # 12 blocks
+    question = prompt_blocks(list(range(200)) + list(range(500, 540)), 16)
+    by_hashing = routing.order(question, idle, up)[0]  # nobody is known to hold anything: the ring, as under prefix
+    assert by_hashing == PrefixRouting(3).order(question, idle, up)[0]
+    holder, partial = (by_hashing + 1) % 3, (by_hashing + 2) % 3
+    routing.apply(holder, b"", KVEvents("log-h", 12, stored(document), snapshot=False))
+    routing.apply(partial, b"", KVEvents("log-p", 6, stored(document[:6]), snapshot=False))
+    assert routing.order(question, idle, up)[0] == holder  # the whole document beats its first half
+    routing.apply(partial, b"", KVEvents("log-p", 12, stored(document[6:]), snapshot=False))
+    loads = [2, 2, 2]
+    loads[partial] = 1
+    assert routing.order(question, loads, up)[0] == partial  # both hold it all: the less loaded
+    assert routing.order(question, idle, up)[0] == min(holder, partial, key=routing.ring_order(question[-1]).index)
+    routing.apply(partial, b"", KVEvents("log-p", 13, [(False, document[3])], snapshot=False))  # evicted
+    assert routing.order(question, loads, up)[0] == holder
+    loads[holder] = 9  # at the load bound: passed over, for the next shorter match
+    assert routing.order(question, loads, up)[0] == partial
+    assert routing.cursors[partial] == ("log-p", 13)
+
+
+def test_kv_aware_routing_starts_over_from_a_snapshot_and_forgets_a_failed_replica():
+    routing, idle, up = KVAwareRouting(2), [0, 0], [True, True]
+    first, second = prompt_blocks(list(range(64)), 16), prompt_blocks(list(range(100, 164)), 16)
+    home = 1 - routing.order(first, idle, up)[0]  # not where hashing alone would send it
+    routing.apply(home, b"ns/", KVEvents("log", 4, stored(first), snapshot=False))
+    assert routing.namespace == b"ns/"  # the front hashes prompts in the replicas' namespace from now on
+    assert routing.order(first, idle, up)[0] == home
+    routing.apply(home, b"ns/", KVEvents("restarted", 4, stored(second), snapshot=True))  # replaces what was known
+    assert routing.order(first, idle, up)[0] == 1 - home
+    routing.forget(home)
+    assert routing.cursors[home] == (None, 0) and routing.order(second, idle, up) == routing.ring_order(second[-1])
+    routing.served(second, home)  # no memory of its own: only the replicas' events say who holds what
+    assert routing.order(second, idle, up) == routing.ring_order(second[-1])
+
+
+def test_kv_aware_routing_counts_a_prompt_as_held_where_it_was_sent_until_the_replica_reports():
+    routing, idle, up = KVAwareRouting(2, pending_blocks=6), [0, 0], [True, True]
+    passage = prompt_blocks(list(range(64)), 16)
+    elsewhere = 1 - routing.order(passage, idle, up)[0]
+    routing.routed(passage, elsewhere)  # sent there (the bounded load, say); nothing computed yet
+    assert routing.order(passage, idle, up)[0] == elsewhere  # the next question queues behind it, not beside
+    routing.apply(elsewhere, b"", KVEvents("log", 4, stored(passage), snapshot=False))
+    routing.apply(elsewhere, b"", KVEvents("log", 5, [(False, passage[0])], snapshot=False))  # then evicted
+    assert routing.order(passage, idle, up)[0] == 1 - elsewhere
+    routing.routed(prompt_blocks(list(range(100, 164)), 16), elsewhere)  # a request that never ran...
+    routing.routed(prompt_blocks(list(range(200, 264)), 16), elsewhere)  # ...is forgotten past pending_blocks
+    assert routing.order(prompt_blocks(list(range(100, 164)), 16), idle, up) == \
+        routing.ring_order(prompt_blocks(list(range(100, 164)), 16)[-1])
+
+
 def test_round_robin_and_least_loaded():
     rr = make_routing("round-robin", 3)
     assert [rr.order(None, [0] * 3, [True] * 3)[0] for _ in range(6)] == [0, 1, 2, 0, 1, 2]
@@ -76,7 +133,7 @@ def test_round_robin_and_least_loaded():
 
 
 def test_bad_policy_and_sizes_are_refused():
-    with pytest.raises(KvstrataError, match="'sticky' is not one of prefix, round-robin, least-loaded"):
+    with pytest.raises(KvstrataError, match="'sticky' is not one of prefix, kv-aware, round-robin, least-loaded"):
         make_routing("sticky", 2)
     with pytest.raises(KvstrataError, match="at least one replica"):
         make_routing("prefix", 0)

@@ -1,5 +1,6 @@
-"""Replicated serving on a local Ray instance with a real redis-server: routing, the shared Redis tier,
-a replica killed mid-request, and the official OpenAI client against the one endpoint."""
+"""Replicated serving on a local Ray instance with a real redis-server: kv-aware routing (the replicas' KV events
+reaching the front), the shared Redis tier, a replica killed mid-request, and the official OpenAI client against the
+one endpoint. (`serve --replicas` under the default prefix routing: test_cluster_cli.py.)"""
 
 import json
 import os
@@ -15,6 +16,7 @@ from ray import serve
 from kvstrata.bench.redis_server import RedisServer, free_port
 from kvstrata.cluster.frontend import REPLICA_HEADER
 from kvstrata.cluster.launch import APP_NAME, deploy, undeploy
+from kvstrata.cluster.routing import KVAwareRouting, prompt_blocks
 from kvstrata.config import EngineConfig
 from kvstrata.server.options import ServerOptions
 
@@ -34,7 +36,7 @@ def redis(tmp_path_factory):
 def cluster(tiny_llama, redis):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = EngineConfig(model=str(tiny_llama), kv_store=f"host:64MiB,{redis.url}", kv_store_chunk_tokens=64)
-    url = deploy(config, ServerOptions(api_key=KEY), replicas=2, routing="prefix", host="127.0.0.1", port=free_port(),
+    url = deploy(config, ServerOptions(api_key=KEY), replicas=2, routing="kv-aware", host="127.0.0.1", port=free_port(),
                  model_name=MODEL, routing_prefix_tokens=64)
     yield url
     undeploy(stop_ray=True)
@@ -89,6 +91,29 @@ def test_the_same_prefix_meets_the_same_replica_and_distinct_prefixes_spread(clu
         homes.append(first.headers[REPLICA_HEADER])
     assert set(homes) == {"0", "1"}
     assert metric(cluster, "kvstrata:prefix_cache_hits_total") > 0  # the second questions reused the first's blocks
+
+
+def test_a_prompt_goes_where_a_replica_reports_holding_its_prefix(cluster):
+    head = [3 + (5 * i) % 300 for i in range(48)]  # three blocks: one short of the 64-token hashing key
+    questions = [head + [7 + (11 * q + i) % 300 for i in range(20)] for q in range(8)]
+    namespace, _ = replica(0).kv_events.remote(None, 0).result()
+    hashing = KVAwareRouting(2, 16, 64)
+    by_hashing = [hashing.order(prompt_blocks(q, 16, None, namespace), [0, 0], [True, True])[0] for q in questions]
+    assert set(by_hashing) == {0, 1}  # the ring alone would split the questions
+
+    def ask(prompt: list[int]) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        answer = httpx.post(cluster + "/v1/completions", json=body, headers=AUTH, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return int(answer.headers[REPLICA_HEADER])
+
+    home = ask(questions[0])
+    _, events = replica(home).kv_events.remote(None, 0).result()
+    held = {block for _, block in events.changes}
+    assert set(prompt_blocks(head, 16, None, namespace)) <= held  # the replica reports the front's own keys
+    wait_until(lambda: metric(cluster, "kvstrata:router_kv_blocks", home, default=0.0) >= len(held), 30,
+               "the front to read the replica's events")
+    assert [ask(q) for q in questions[1:]] == [home] * 7
 
 
 def test_a_prefix_computed_on_one_replica_is_a_store_hit_on_the_other(cluster):

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvstrata.cluster.asgi_call import ResponseStart
 from kvstrata.cluster.metrics_merge import merge_replica_metrics
-from kvstrata.cluster.routing import make_routing, prompt_blocks
+from kvstrata.cluster.routing import KVAwareRouting, make_routing, prompt_blocks
 from kvstrata.errors import KvstrataError
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.api_key import refusal
@@ -43,6 +43,7 @@ COMPLETION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions"
 PROBE_SECONDS = 1.0  # how often a replica marked down is asked whether it is back
 PROBE_TIMEOUT_SECONDS = 5.0
 METRICS_TIMEOUT_SECONDS = 5.0
+KV_EVENTS_SECONDS = 0.1  # how often a kv-aware front asks each replica what its prefix cache gained and lost
 REPLICA_HEADER = "x-kvstrata-replica"  # which replica answered: for operators and tests
 disable_created_metrics()  # as the single server does: the *_created series only add noise for scrapers
 
@@ -96,6 +97,7 @@ class Frontend:
         # first replica that answers if Serve restarted this front.
         self.fingerprint: str | None = None
         self._probes: dict[int, asyncio.Task] = {}
+        self._kv_events: asyncio.Task | None = None  # follows the replicas' KV events (kv-aware routing)
         self.registry = CollectorRegistry()
         self.routed = Counter("kvstrata:router_requests", "Requests sent to each replica (retries included)",
                               ["replica", "routing"], registry=self.registry)
@@ -105,6 +107,9 @@ class Frontend:
                                 ["replica"], registry=self.registry)
         for i in range(len(replicas)):
             self.replica_up.labels(replica=str(i)).set(1)
+        if isinstance(self.routing, KVAwareRouting):
+            self.kv_blocks = Gauge("kvstrata:router_kv_blocks", "Blocks the replica's prefix cache holds, as the "
+                                   "front knows from its KV events", ["replica"], registry=self.registry)
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -119,6 +124,8 @@ class Frontend:
             live = sum(self.up)
             return JSONResponse({"status": "ok" if live else "no replica up", "replicas_up": live},
                                 status_code=200 if live else 503)
+        if isinstance(self.routing, KVAwareRouting) and self._kv_events is None:
+            self._kv_events = asyncio.create_task(self._follow_kv_events())
         body = await request.body()
         if len(body) > self.options.max_request_bytes:
             return JSONResponse(error_body(f"the request body has {len(body)} bytes, more than the "
@@ -135,6 +142,7 @@ class Frontend:
         for attempt, index in enumerate(order):
             if attempt:
                 self.retries.inc()
+            self.routing.routed(blocks, index)
             try:
                 response = await self._send(index, call, streaming)
             except ReplicaFailed as exc:
@@ -165,7 +173,7 @@ class Frontend:
                 # a batch of prompts goes where its first one would
                 prompt = (parsed.inputs if isinstance(parsed, EmbeddingRequest) else parsed.prompts)[0]
                 token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-            blocks = prompt_blocks(token_ids, self.options.block_size, parsed.cache_salt)
+            blocks = prompt_blocks(token_ids, self.options.block_size, parsed.cache_salt, self.routing.namespace)
             return blocks, bool(getattr(parsed, "stream", False))
         except (ValidationError, KvstrataError, ValueError, OverflowError):  # e.g. a token id beyond 64 bits
             return None, False
@@ -230,6 +238,8 @@ class Frontend:
             return  # the other requests it held are failing too: one probe, one forget
         self.up[index] = False
         self.routing.forget(index)
+        if isinstance(self.routing, KVAwareRouting):
+            self.kv_blocks.labels(replica=str(index)).set(0)
         self.replica_up.labels(replica=str(index)).set(0)
         if index not in self._probes or self._probes[index].done():
             self._probes[index] = asyncio.create_task(self._probe_until_back(index))
@@ -252,6 +262,26 @@ class Frontend:
             self.replica_up.labels(replica=str(index)).set(1)
             log.info("replica %d is back", index)
             return
+
+    async def _follow_kv_events(self) -> None:
+        """Keep the kv-aware policy's picture of every live replica's prefix cache current. A replica that does
+        not answer in time is asked again next round (its events wait in its log); one marked down was forgotten
+        by the policy and sends its whole picture once it is back."""
+        async def follow(index: int) -> None:
+            log_id, cursor = self.routing.cursors[index]
+            try:
+                namespace, events = await asyncio.wait_for(
+                    self.replicas[index].kv_events.remote(log_id, cursor), PROBE_TIMEOUT_SECONDS)
+            except Exception as exc:  # noqa: BLE001 - a replica that cannot answer now is asked again later
+                log.debug("replica %d sent no KV events: %s", index, type(exc).__name__)
+                return
+            if self.up[index] and self.routing.cursors[index] == (log_id, cursor):  # not forgotten meanwhile
+                self.routing.apply(index, namespace, events)
+                self.kv_blocks.labels(replica=str(index)).set(self.routing.num_held(index))
+
+        while True:
+            await asyncio.gather(*(follow(i) for i, up in enumerate(self.up) if up))
+            await asyncio.sleep(KV_EVENTS_SECONDS)
 
     async def check_replicas(self) -> str:
         """Called once at deployment: every replica must serve the same model; a replica that restarts must

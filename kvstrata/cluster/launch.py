@@ -63,7 +63,7 @@ def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing:
         serve.deployment(EngineReplica, name=f"kvstrata-replica-{i}", num_replicas=1,
                          ray_actor_options={"num_cpus": 0}, max_ongoing_requests=most_in_flight,
                          health_check_period_s=HEALTH_CHECK_SECONDS, graceful_shutdown_timeout_s=options.shutdown_grace)
-        .bind(replica_config(config, i, replicas), model_name, options)
+        .bind(replica_config(config, i, replicas), model_name, options, kv_events=routing == "kv-aware")
         for i in range(replicas)
     ]
     front = FrontOptions(checkpoint=str(checkpoint), routing=routing,

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from kvstrata.cluster.asgi_call import ResponseStart, call_app
 from kvstrata.config import EngineConfig
+from kvstrata.kv.kv_events import KVEventLog, KVEvents
 from kvstrata.kv.store.spec import disk_part
 from kvstrata.server.options import ServerOptions
 
@@ -37,11 +38,14 @@ def replica_config(config: EngineConfig, index: int, num_replicas: int) -> Engin
 class EngineReplica:
     """A Ray Serve deployment of one engine and its OpenAI-compatible app."""
 
-    def __init__(self, config: EngineConfig, model_name: str, options: ServerOptions):
+    def __init__(self, config: EngineConfig, model_name: str, options: ServerOptions, kv_events: bool = False):
         from kvstrata.engine.llm_engine import LLMEngine
         from kvstrata.server.app import build_app
 
         self.engine = LLMEngine(config)
+        self.events = None  # what the prefix cache holds, for a kv-aware front
+        if kv_events:
+            self.events = self.engine.kv_manager.pool.events = KVEventLog()
         self.app = build_app(self.engine, model_name, options)
         self.app.state.async_engine.start()  # what the app's lifespan does under uvicorn
 
@@ -49,6 +53,13 @@ class EngineReplica:
                       body: bytes) -> AsyncIterator[ResponseStart | bytes]:
         async for message in call_app(self.app, method, path, query, headers, body):
             yield message
+
+    def kv_events(self, log_id: str | None, cursor: int) -> tuple[bytes, KVEvents]:
+        """The changes to the prefix cache after `cursor` (or a snapshot: kv_events.py), with the namespace its
+        block hashes are chained from."""
+        if self.events is None:
+            raise RuntimeError("this replica was started without KV events (the front's routing is not kv-aware)")
+        return self.engine.kv_manager.namespace, self.events.since(log_id, cursor)
 
     def identity(self) -> dict:
         """What the front checks before sending a replica requests (the fingerprint of the model it serves),

@@ -1,8 +1,9 @@
 """Which replica serves a request: by prefix (remembered prefixes, else consistent hashing, with bounded
-load), round-robin, least-loaded.
+load), by the replicas' reports of what their caches hold (kv-aware), round-robin, least-loaded.
 
-A request is described by the chained hashes of its prompt's full blocks (the prefix cache's own keys,
-without the namespace: every replica serves the same model). Every policy answers with an order over
+A request is described by the chained hashes of its prompt's full blocks (the prefix cache's own keys; under
+kv-aware routing in the replicas' namespace, so they are the very keys the replicas report, elsewhere
+without it). Every policy answers with an order over
 the replicas: the first is the choice, the rest are where a request goes if that replica dies under it.
 Replicas marked down come last (the front skips them: Serve would hold a request for a dead one).
 """
@@ -16,22 +17,25 @@ import math
 from collections import OrderedDict
 
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.block_hash import chained_block_hash, full_block_hashes, tenant_salt
+from kvstrata.kv.block_hash import BlockHash, chained_block_hash, full_block_hashes, tenant_salt
+from kvstrata.kv.kv_events import KVEvents
 
-POLICIES = ("prefix", "round-robin", "least-loaded")
+POLICIES = ("prefix", "kv-aware", "round-robin", "least-loaded")
 VIRTUAL_NODES = 64  # points per replica on the hash ring: spreads keys evenly over few replicas
 LOAD_FACTOR = 1.25  # bounded load: no replica takes more than 1.25x the mean of requests in flight
 MATCH_TOKENS = 8192  # how much of a prompt is matched against remembered prefixes
 MEMORY_BLOCKS = 500_000  # remembered block hashes (about 50 MB): the front's picture of the replicas' caches
+PENDING_BLOCKS = 100_000  # kv-aware: per replica, blocks sent there that it has not reported stored yet
 
 
-def prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks (its first MATCH_TOKENS tokens), in the chain of its cache salt
-    (as the replicas' prefix caches keep them apart); a prompt shorter than one block is hashed whole, so it still
-    has a key of its own."""
-    salt = None if cache_salt is None else tenant_salt(cache_salt)
-    blocks = full_block_hashes(token_ids[:MATCH_TOKENS], block_size, [], salt)
-    return blocks or [chained_block_hash(salt, token_ids)]
+def prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None = None,
+                  namespace: bytes = b"") -> list[bytes]:
+    """Chained hashes of the prompt's full blocks (its first MATCH_TOKENS tokens), in the chain of its namespace and
+    cache salt (as the replicas' prefix caches keep them apart); a prompt shorter than one block is hashed whole, so
+    it still has a key of its own."""
+    root = namespace + (b"" if cache_salt is None else tenant_salt(cache_salt))
+    blocks = full_block_hashes(token_ids[:MATCH_TOKENS], block_size, [], root)
+    return blocks or [chained_block_hash(root, token_ids)]
 
 
 def _point(data: bytes) -> int:
@@ -45,6 +49,7 @@ class Routing:
         if num_replicas < 1:
             raise KvstrataError(f"a routing policy needs at least one replica, got {num_replicas}")
         self.num_replicas = num_replicas
+        self.namespace = b""  # what `prompt_blocks` chains a request's blocks from
 
     def order(self, blocks: list[bytes] | None, loads: list[int], up: list[bool]) -> list[int]:
         preferred = self.preference(blocks, loads, up)
@@ -52,6 +57,9 @@ class Routing:
 
     def preference(self, blocks: list[bytes] | None, loads: list[int], up: list[bool]) -> list[int]:
         raise NotImplementedError
+
+    def routed(self, blocks: list[bytes] | None, replica: int) -> None:
+        """Told that a request is being sent to `replica` (answered or not)."""
 
     def served(self, blocks: list[bytes] | None, replica: int) -> None:
         """Told which replica answered a request (its prefix cache now holds the prompt's blocks)."""
@@ -122,11 +130,15 @@ class PrefixRouting(Routing):
         def open_(replica: int) -> bool:
             return up[replica] and loads[replica] < capacity
 
-        remembered = (self._memory.get(block) for block in reversed(blocks))
-        chosen = next((r for r in remembered if r is not None and open_(r)), None)
+        chosen = self.holder(blocks, ring, open_, loads)
         if chosen is None:
             chosen = next((i for i in ring if open_(i)), ring[0])
         return [chosen] + [i for i in ring if i != chosen]
+
+    def holder(self, blocks: list[bytes], ring: list[int], open_, loads: list[int]) -> int | None:
+        """An open replica that holds a prefix of the prompt: here the one remembered for its longest prefix."""
+        remembered = (self._memory.get(block) for block in reversed(blocks))
+        return next((r for r in remembered if r is not None and open_(r)), None)
 
     def served(self, blocks, replica):
         """The replica that served a block last is its home from now on: it holds the block most recently
@@ -143,9 +155,93 @@ class PrefixRouting(Routing):
             del self._memory[block]
 
 
+class KVAwareRouting(PrefixRouting):
+    """The replica whose prefix cache holds the longest prefix of the prompt, as the replicas' own KV events
+    report it (kv/kv_events.py), rather than where the front last sent such a prompt: a replica that evicted a
+    passage is no longer sent its questions. Events come only once a prompt's KV is computed, so the blocks of a
+    prompt routed to a replica count as held there from the moment it is sent (`routed`) until the replica
+    reports them stored or evicted; without that, the questions arriving while the first one on a passage is
+    still queued would be spread by hashing and computed twice. Among replicas holding equally much, the least
+    loaded, then the ring's order (chosen in benchmarks/routing_simulation.py over the ring's order alone and the
+    replica last sent the prompt); a prompt nobody holds goes by consistent hashing, and every choice keeps the
+    bounded load, as under `prefix`."""
+
+    def __init__(self, num_replicas: int, block_size: int = 16, key_tokens: int = 256,
+                 pending_blocks: int = PENDING_BLOCKS):
+        super().__init__(num_replicas, block_size, key_tokens)
+        self._holders: dict[BlockHash, set[int]] = {}
+        self._held: list[set[BlockHash]] = [set() for _ in range(num_replicas)]  # as the replica reported
+        self._pending: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._pending_blocks = pending_blocks
+        self.cursors: list[tuple[str | None, int]] = [(None, 0)] * num_replicas  # where each replica's stream is read to
+
+    def routed(self, blocks, replica):
+        held, pending = self._held[replica], self._pending[replica]
+        for block in blocks or ():
+            if block not in held:
+                pending[block] = None
+                pending.move_to_end(block)
+                self._holders.setdefault(block, set()).add(replica)
+        while len(pending) > self._pending_blocks:  # a request that failed before its prompt was computed
+            self._release(pending.popitem(last=False)[0], replica)
+
+    def apply(self, replica: int, namespace: bytes, events: KVEvents) -> None:
+        held, pending = self._held[replica], self._pending[replica]
+        if events.snapshot:  # what was reported before is replaced; what was sent since still counts
+            old, self._held[replica] = held, set()
+            held = self._held[replica]
+            for block in old:
+                self._release(block, replica)
+        self.namespace = namespace  # every replica serves one model in one KV form: one namespace
+        for stored, block in events.changes:
+            pending.pop(block, None)
+            if stored:
+                held.add(block)
+                self._holders.setdefault(block, set()).add(replica)
+            else:
+                held.discard(block)
+                self._release(block, replica)
+        self.cursors[replica] = (events.log_id, events.cursor)
+
+    def num_held(self, replica: int) -> int:
+        return len(self._held[replica])
+
+    def _release(self, block: BlockHash, replica: int) -> None:
+        """Take `replica` off the block's holders unless it still holds or awaits it."""
+        if block in self._held[replica] or block in self._pending[replica]:
+            return
+        holders = self._holders.get(block)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[block]
+
+    def holder(self, blocks, ring, open_, loads):
+        holding: set[int] = {r for r in range(self.num_replicas) if open_(r)}
+        longest: set[int] = set()
+        for block in blocks:
+            holding = holding & self._holders.get(block, set())
+            if not holding:
+                break
+            longest = holding
+        return min(longest, key=lambda r: (loads[r], ring.index(r))) if longest else None
+
+    def served(self, blocks, replica):
+        """Nothing to remember: `routed` counted the blocks, and the replica's events will confirm them."""
+
+    def forget(self, replica):
+        blocks = self._held[replica] | set(self._pending[replica])
+        self._held[replica], self._pending[replica] = set(), OrderedDict()
+        for block in blocks:
+            self._release(block, replica)
+        self.cursors[replica] = (None, 0)
+
+
 def make_routing(policy: str, num_replicas: int, block_size: int = 16, key_tokens: int = 256) -> Routing:
     if policy == "prefix":
         return PrefixRouting(num_replicas, block_size, key_tokens)
+    if policy == "kv-aware":
+        return KVAwareRouting(num_replicas, block_size, key_tokens)
     if policy == "round-robin":
         return RoundRobinRouting(num_replicas)
     if policy == "least-loaded":

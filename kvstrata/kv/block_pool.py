@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvstrata.kv.block_hash import BlockHash
+from kvstrata.kv.kv_events import KVEventLog
 
 EvictionListener = Callable[[int, BlockHash], None]
 
@@ -27,6 +28,7 @@ class BlockPool:
         # Told (block, its hash) when a cached block is about to be reused: its content is still intact
         # during the call, so a lower tier can copy it.
         self.eviction_listeners: list[EvictionListener] = []
+        self.events: KVEventLog | None = None  # told every hash that becomes findable or stops being so
 
     @property
     def num_free(self) -> int:
@@ -44,8 +46,7 @@ class BlockPool:
         if cached is not None:
             for listener in self.eviction_listeners:
                 listener(block, cached)
-            del self.block_of_hash[cached]
-            self.hash_of_block[block] = None
+            self.forget(block)
         self.ref_counts[block] = 1
         return block
 
@@ -75,6 +76,8 @@ class BlockPool:
         if self.hash_of_block[block] is None and block_hash not in self.block_of_hash:
             self.block_of_hash[block_hash] = block
             self.hash_of_block[block] = block_hash
+            if self.events is not None:
+                self.events.stored(block_hash)
 
     def forget_free(self) -> int:
         """Take every free block out of the prefix-cache index (blocks a request holds keep theirs); how many."""
@@ -90,3 +93,5 @@ class BlockPool:
         if cached is not None:
             del self.block_of_hash[cached]
             self.hash_of_block[block] = None
+            if self.events is not None:
+                self.events.removed(cached)

@@ -81,9 +81,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                          help="with --replicas: join this Ray cluster (e.g. auto, or ray://HEAD:10001) instead of "
                               "starting a local one")
     cluster.add_argument("--routing", default="prefix", choices=POLICIES,
-                         help="with --replicas: how a request picks its replica (default: prefix)")
+                         help="with --replicas: how a request picks its replica: prefix (where prompts starting alike "
+                              "went before), kv-aware (the replica whose prefix cache reports holding the longest "
+                              "prefix of the prompt), round-robin or least-loaded (default: prefix)")
     cluster.add_argument("--routing-prefix-tokens", type=int, default=256,
-                         help="with --replicas --routing prefix: prompt tokens the routing key covers (default: 256)")
+                         help="with --replicas --routing prefix or kv-aware: prompt tokens the consistent-hashing key of "
+                              "a prompt nobody holds covers (default: 256)")
     add_engine_arguments(parser)
 
 
@@ -101,6 +104,9 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
                             "--lora-modules")
     if args.routing_prefix_tokens < 1:
         raise KvstrataError(f"--routing-prefix-tokens must be at least 1, got {args.routing_prefix_tokens}")
+    if args.routing == "kv-aware" and not args.enable_prefix_caching:
+        raise KvstrataError("--routing kv-aware follows what the replicas' prefix caches hold; it needs prefix "
+                            "caching, which --no-enable-prefix-caching turns off")
 
 
 def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
