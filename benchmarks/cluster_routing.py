@@ -92,13 +92,16 @@ def ratios(rows: list[dict], policy: str) -> list[dict]:
     return out
 
 
-def part_routing(store: RedisServer, seed: int, policies: list[str]) -> dict:
+WORKLOADS = {"shared": (True, False), "shared-redis": (True, True), "distinct": (False, False)}  # (shared, Redis?)
+
+
+def part_routing(store: RedisServer, seed: int, policies: list[str], workloads: list[str]) -> dict:
     rows = []
-    for shared, stores in ((True, (None, store)), (False, (None,))):
-        for tier in stores:
-            for policy in policies:
-                rows.append(measure(policy, tier, shared, seed))
-                print(json.dumps(rows[-1]), file=sys.stderr)
+    for workload in workloads:
+        shared, redis = WORKLOADS[workload]
+        for policy in policies:
+            rows.append(measure(policy, store if redis else None, shared, seed))
+            print(json.dumps(rows[-1]), file=sys.stderr)
     return {"rows": rows, **{f"{policy.replace('-', '_')}_routing_against": ratios(rows, policy)
                              for policy in ("prefix", "kv-aware") if policy in policies}}
 
@@ -199,18 +202,21 @@ def main() -> None:
     parser.add_argument("--part", choices=["routing", "faults"], required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", default=",".join(POLICIES), help="routing: the policies to run, comma-separated")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"routing: the workloads to run them on, comma-separated among {', '.join(WORKLOADS)}")
     parser.add_argument("--requests", type=int, default=96, help="faults: requests in each run")
     parser.add_argument("--clients", type=int, default=32, help="faults: concurrent clients")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
-    unknown = set(args.policies.split(",")) - set(POLICIES)
-    if unknown:
-        parser.error(f"--policies: {', '.join(sorted(unknown))} not among {', '.join(POLICIES)}")
+    for flag, given, allowed in (("--policies", args.policies, POLICIES), ("--workloads", args.workloads, WORKLOADS)):
+        unknown = set(given.split(",")) - set(allowed)
+        if unknown:
+            parser.error(f"{flag}: {', '.join(sorted(unknown))} not among {', '.join(allowed)}")
     ray.init(include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as scratch:
         store = RedisServer(Path(scratch)).start()
         try:
-            figures = part_routing(store, args.seed, args.policies.split(",")) if args.part == "routing" else \
+            figures = part_routing(store, args.seed, args.policies.split(","), args.workloads.split(",")) if args.part == "routing" else \
                 part_faults(store, args.seed, args.requests, args.clients)
         finally:
             store.stop()

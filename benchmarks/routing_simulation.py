@@ -271,7 +271,11 @@ def simulate(trace: Trace, replicas: int, policy: str, shared_tier: bool) -> dic
             if queues[r]:
                 start(r, now)
         else:
+            front = fronts[i % w.fronts]
             loads[i % w.fronts][r] -= 1
+            front.finished(trace.blocks[i], r)
+            if isinstance(front, KVAwareRouting):  # the events are applied as they happen: all read already
+                front.settle(r, front.num_finished(r))
 
     for i in range(w.requests):
         now = float(arrivals[i])

@@ -109,19 +109,25 @@ def test_kv_aware_routing_starts_over_from_a_snapshot_and_forgets_a_failed_repli
     assert routing.order(second, idle, up) == routing.ring_order(second[-1])
 
 
-def test_kv_aware_routing_counts_a_prompt_as_held_where_it_was_sent_until_the_replica_reports():
-    routing, idle, up = KVAwareRouting(2, pending_blocks=6), [0, 0], [True, True]
+def test_kv_aware_routing_counts_a_prompt_as_held_where_it_is_in_flight_until_its_events_were_read():
+    routing, idle, up = KVAwareRouting(2), [0, 0], [True, True]
     passage = prompt_blocks(list(range(64)), 16)
     elsewhere = 1 - routing.order(passage, idle, up)[0]
     routing.routed(passage, elsewhere)  # sent there (the bounded load, say); nothing computed yet
     assert routing.order(passage, idle, up)[0] == elsewhere  # the next question queues behind it, not beside
-    routing.apply(elsewhere, b"", KVEvents("log", 4, stored(passage), snapshot=False))
-    routing.apply(elsewhere, b"", KVEvents("log", 5, [(False, passage[0])], snapshot=False))  # then evicted
-    assert routing.order(passage, idle, up)[0] == 1 - elsewhere
-    routing.routed(prompt_blocks(list(range(100, 164)), 16), elsewhere)  # a request that never ran...
-    routing.routed(prompt_blocks(list(range(200, 264)), 16), elsewhere)  # ...is forgotten past pending_blocks
-    assert routing.order(prompt_blocks(list(range(100, 164)), 16), idle, up) == \
-        routing.ring_order(prompt_blocks(list(range(100, 164)), 16)[-1])
+    routing.apply(elsewhere, b"", KVEvents("log", 1, [(False, passage[0])], snapshot=False))  # an old copy's eviction
+    routing.apply(elsewhere, b"", KVEvents("restarted", 0, [], snapshot=True))
+    assert routing.order(passage, idle, up)[0] == elsewhere  # neither cancels a request still in flight
+    routing.finished(passage, elsewhere)
+    finished = routing.num_finished(elsewhere)
+    assert routing.order(passage, idle, up)[0] == elsewhere  # ended, but its events may not have been read yet
+    routing.apply(elsewhere, b"", KVEvents("restarted", 4, stored(passage[:2]), snapshot=False))
+    routing.settle(elsewhere, finished)
+    assert routing.num_finished(elsewhere) == 0
+    assert routing.order(passage, idle, up)[0] == elsewhere  # what it reported holding still counts...
+    question = prompt_blocks(list(range(64)) + list(range(300, 340)), 16)
+    routing.apply(1 - elsewhere, b"", KVEvents("other", 6, stored(question), snapshot=False))
+    assert routing.order(question, idle, up)[0] == 1 - elsewhere  # ...against a replica holding more of the prompt
 
 
 def test_round_robin_and_least_loaded():
@@ -169,6 +175,8 @@ def test_replicas_get_their_own_disk_directory_and_a_share_of_the_cores():
     (["--ray-address", "auto"], "--ray-address applies to replicated serving only"),
     (["--replicas", "0"], "--replicas must be at least 1, got 0"),
     (["--replicas", "2", "--allow-runtime-lora-updating"], "--allow-runtime-lora-updating serves one process"),
+    (["--replicas", "2", "--routing", "kv-aware", "--no-enable-prefix-caching"], "--routing kv-aware follows"),
+    (["--replicas", "2", "--routing", "kv-aware", "--kv-offload", "h2o"], "--routing kv-aware follows"),
 ])
 def test_serve_refuses_cluster_flags_that_do_not_fit(flags, message, capsys):
     from kvstrata.cli.main import main

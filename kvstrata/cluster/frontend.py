@@ -97,7 +97,8 @@ class Frontend:
         # first replica that answers if Serve restarted this front.
         self.fingerprint: str | None = None
         self._probes: dict[int, asyncio.Task] = {}
-        self._kv_events: asyncio.Task | None = None  # follows the replicas' KV events (kv-aware routing)
+        self._kv_events: list[asyncio.Task] = []  # one per replica, following its KV events (kv-aware routing)
+        self._first_kv_events = asyncio.Event()  # set once a replica's events were first read (or waited for)
         self.registry = CollectorRegistry()
         self.routed = Counter("kvstrata:router_requests", "Requests sent to each replica (retries included)",
                               ["replica", "routing"], registry=self.registry)
@@ -110,6 +111,8 @@ class Frontend:
         if isinstance(self.routing, KVAwareRouting):
             self.kv_blocks = Gauge("kvstrata:router_kv_blocks", "Blocks the replica's prefix cache holds, as the "
                                    "front knows from its KV events", ["replica"], registry=self.registry)
+            for i in range(len(replicas)):
+                self.kv_blocks.labels(replica=str(i)).set(0)
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -124,8 +127,8 @@ class Frontend:
             live = sum(self.up)
             return JSONResponse({"status": "ok" if live else "no replica up", "replicas_up": live},
                                 status_code=200 if live else 503)
-        if isinstance(self.routing, KVAwareRouting) and self._kv_events is None:
-            self._kv_events = asyncio.create_task(self._follow_kv_events())
+        if isinstance(self.routing, KVAwareRouting):
+            await self._kv_events_started()
         body = await request.body()
         if len(body) > self.options.max_request_bytes:
             return JSONResponse(error_body(f"the request body has {len(body)} bytes, more than the "
@@ -142,9 +145,8 @@ class Frontend:
         for attempt, index in enumerate(order):
             if attempt:
                 self.retries.inc()
-            self.routing.routed(blocks, index)
             try:
-                response = await self._send(index, call, streaming)
+                response = await self._send(index, call, streaming, blocks)
             except ReplicaFailed as exc:
                 log.warning("replica %d failed a request (%s); %s", index, exc,
                             "trying the next" if attempt + 1 < len(order) else "none left")
@@ -178,10 +180,11 @@ class Frontend:
         except (ValidationError, KvstrataError, ValueError, OverflowError):  # e.g. a token id beyond 64 bits
             return None, False
 
-    async def _send(self, index: int, call: tuple, streaming: bool) -> Response:
+    async def _send(self, index: int, call: tuple, streaming: bool, blocks: list[bytes] | None) -> Response:
         """One replica's answer. Raises ReplicaFailed while the client has received nothing yet."""
         self.routed.labels(replica=str(index), routing=self.options.routing).inc()
         self.loads[index] += 1
+        self.routing.routed(blocks, index)
         messages = self.replicas[index].forward.options(stream=True).remote(*call)
         released = committed = False
 
@@ -190,6 +193,7 @@ class Frontend:
             if not released:
                 released = True
                 self.loads[index] -= 1
+                self.routing.finished(blocks, index)
                 # Best effort, a no-op once the stream ended. Serve already passes a client's leaving on to
                 # the replica; this also stops a request the front itself gave up on.
                 with contextlib.suppress(Exception):
@@ -263,25 +267,43 @@ class Frontend:
             log.info("replica %d is back", index)
             return
 
-    async def _follow_kv_events(self) -> None:
-        """Keep the kv-aware policy's picture of every live replica's prefix cache current. A replica that does
-        not answer in time is asked again next round (its events wait in its log); one marked down was forgotten
-        by the policy and sends its whole picture once it is back."""
-        async def follow(index: int) -> None:
-            log_id, cursor = self.routing.cursors[index]
-            try:
-                namespace, events = await asyncio.wait_for(
-                    self.replicas[index].kv_events.remote(log_id, cursor), PROBE_TIMEOUT_SECONDS)
-            except Exception as exc:  # noqa: BLE001 - a replica that cannot answer now is asked again later
-                log.debug("replica %d sent no KV events: %s", index, type(exc).__name__)
-                return
-            if self.up[index] and self.routing.cursors[index] == (log_id, cursor):  # not forgotten meanwhile
-                self.routing.apply(index, namespace, events)
-                self.kv_blocks.labels(replica=str(index)).set(self.routing.num_held(index))
+    async def _kv_events_started(self) -> None:
+        """The first request waits for a replica's first events: until then the replicas' namespace is unknown, and a
+        prompt hashed without it would meet another replica on the ring than the same prompt later. It waits once:
+        where no replica answers in time, requests are routed without the picture until one does."""
+        if not self._kv_events:
+            self._kv_events = [asyncio.create_task(self._follow_kv_events(i)) for i in range(len(self.replicas))]
+        if not self._first_kv_events.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._first_kv_events.wait(), PROBE_TIMEOUT_SECONDS)
+            self._first_kv_events.set()
 
+    async def _follow_kv_events(self, index: int) -> None:
+        """Keep the kv-aware policy's picture of one replica's prefix cache current, on its own, so a slow replica
+        delays no other's. A replica that does not answer in time is asked again (its events wait in its log); one
+        marked down was forgotten by the policy and sends its whole picture once it is back."""
         while True:
-            await asyncio.gather(*(follow(i) for i, up in enumerate(self.up) if up))
+            if self.up[index]:
+                try:
+                    await self._read_kv_events(index)
+                except Exception:  # the picture goes stale, routing goes on; logged, tried again
+                    log.exception("replica %d's KV events could not be applied", index)
             await asyncio.sleep(KV_EVENTS_SECONDS)
+
+    async def _read_kv_events(self, index: int) -> None:
+        log_id, cursor = self.routing.cursors[index]
+        finished = self.routing.num_finished(index)  # requests that ended before the events were asked for
+        try:
+            namespace, events = await asyncio.wait_for(
+                self.replicas[index].kv_events.remote(log_id, cursor), PROBE_TIMEOUT_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - a replica that cannot answer now is asked again later
+            log.debug("replica %d sent no KV events: %s", index, type(exc).__name__)
+            return
+        if self.up[index] and self.routing.cursors[index] == (log_id, cursor):  # not forgotten meanwhile
+            self.routing.apply(index, namespace, events)
+            self.routing.settle(index, finished)
+            self.kv_blocks.labels(replica=str(index)).set(self.routing.num_held(index))
+            self._first_kv_events.set()
 
     async def check_replicas(self) -> str:
         """Called once at deployment: every replica must serve the same model; a replica that restarts must

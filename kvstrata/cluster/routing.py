@@ -3,8 +3,8 @@ load), by the replicas' reports of what their caches hold (kv-aware), round-robi
 
 A request is described by the chained hashes of its prompt's full blocks (the prefix cache's own keys; under
 kv-aware routing in the replicas' namespace, so they are the very keys the replicas report, elsewhere
-without it). Every policy answers with an order over
-the replicas: the first is the choice, the rest are where a request goes if that replica dies under it.
+without it). Every policy answers with an order over the replicas: the first is the choice, the rest are
+where a request goes if that replica dies under it.
 Replicas marked down come last (the front skips them: Serve would hold a request for a dead one).
 """
 
@@ -14,7 +14,7 @@ import bisect
 import hashlib
 import itertools
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.block_hash import BlockHash, chained_block_hash, full_block_hashes, tenant_salt
@@ -25,7 +25,6 @@ VIRTUAL_NODES = 64  # points per replica on the hash ring: spreads keys evenly o
 LOAD_FACTOR = 1.25  # bounded load: no replica takes more than 1.25x the mean of requests in flight
 MATCH_TOKENS = 8192  # how much of a prompt is matched against remembered prefixes
 MEMORY_BLOCKS = 500_000  # remembered block hashes (about 50 MB): the front's picture of the replicas' caches
-PENDING_BLOCKS = 100_000  # kv-aware: per replica, blocks sent there that it has not reported stored yet
 
 
 def prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None = None,
@@ -59,7 +58,10 @@ class Routing:
         raise NotImplementedError
 
     def routed(self, blocks: list[bytes] | None, replica: int) -> None:
-        """Told that a request is being sent to `replica` (answered or not)."""
+        """Told that a request is being sent to `replica`; `finished` follows once it ended there, however."""
+
+    def finished(self, blocks: list[bytes] | None, replica: int) -> None:
+        """Told that a request sent to `replica` ended (answered, refused, failed or given up)."""
 
     def served(self, blocks: list[bytes] | None, replica: int) -> None:
         """Told which replica answered a request (its prefix cache now holds the prompt's blocks)."""
@@ -86,17 +88,15 @@ class LeastLoadedRouting(RoundRobinRouting):
         return sorted(rotation, key=lambda i: loads[i])  # sorted() is stable: ties keep the rotation
 
 
-class PrefixRouting(Routing):
-    """The replica that last served the longest prefix of the prompt the front remembers (a conversation's
-    next turn, another question on the same document); for a prefix never seen, consistent hashing of
-    the first `key_tokens` tokens onto a ring of replicas, so fronts that share no memory still agree.
-    Either way with bounded load (Mirrokni, Thorup and Zadimoghaddam): a replica already at
-    ceil(LOAD_FACTOR x mean load) is passed over for the next shorter match, or the next replica on the
-    ring. Adding or losing a replica moves only its own keys."""
+class RingRouting(Routing):
+    """Consistent hashing of the prompt's first `key_tokens` tokens onto a ring of replicas, so fronts that share
+    no memory still agree, unless `holder` names a replica that holds a prefix of the prompt. Either way with
+    bounded load (Mirrokni, Thorup and Zadimoghaddam): a replica already at ceil(LOAD_FACTOR x mean load) is
+    passed over, for another holder or the next replica on the ring. Adding or losing a replica moves only its
+    own keys."""
 
     def __init__(self, num_replicas: int, block_size: int = 16, key_tokens: int = 256,
-                 virtual_nodes: int = VIRTUAL_NODES, load_factor: float = LOAD_FACTOR,
-                 memory_blocks: int = MEMORY_BLOCKS):
+                 virtual_nodes: int = VIRTUAL_NODES, load_factor: float = LOAD_FACTOR):
         super().__init__(num_replicas)
         if load_factor < 1:
             raise KvstrataError(f"the load factor must be at least 1, got {load_factor}")
@@ -106,8 +106,6 @@ class PrefixRouting(Routing):
                       for replica in range(num_replicas) for v in range(virtual_nodes))
         self._points = [point for point, _ in ring]
         self._owners = [replica for _, replica in ring]
-        self._memory: OrderedDict[bytes, int] = OrderedDict()  # block hash -> replica that last served it
-        self._memory_blocks = memory_blocks
         self._least_loaded = LeastLoadedRouting(num_replicas)
 
     def ring_order(self, key: bytes) -> list[int]:
@@ -136,7 +134,22 @@ class PrefixRouting(Routing):
         return [chosen] + [i for i in ring if i != chosen]
 
     def holder(self, blocks: list[bytes], ring: list[int], open_, loads: list[int]) -> int | None:
-        """An open replica that holds a prefix of the prompt: here the one remembered for its longest prefix."""
+        """An open replica that holds a prefix of the prompt, or None."""
+        raise NotImplementedError
+
+
+class PrefixRouting(RingRouting):
+    """The replica that last served the longest prefix of the prompt the front remembers (a conversation's
+    next turn, another question on the same document), else the ring; with bounded load."""
+
+    def __init__(self, num_replicas: int, block_size: int = 16, key_tokens: int = 256,
+                 virtual_nodes: int = VIRTUAL_NODES, load_factor: float = LOAD_FACTOR,
+                 memory_blocks: int = MEMORY_BLOCKS):
+        super().__init__(num_replicas, block_size, key_tokens, virtual_nodes, load_factor)
+        self._memory: OrderedDict[bytes, int] = OrderedDict()  # block hash -> replica that last served it
+        self._memory_blocks = memory_blocks
+
+    def holder(self, blocks, ring, open_, loads):
         remembered = (self._memory.get(block) for block in reversed(blocks))
         return next((r for r in remembered if r is not None and open_(r)), None)
 
@@ -155,46 +168,60 @@ class PrefixRouting(Routing):
             del self._memory[block]
 
 
-class KVAwareRouting(PrefixRouting):
+class KVAwareRouting(RingRouting):
     """The replica whose prefix cache holds the longest prefix of the prompt, as the replicas' own KV events
     report it (kv/kv_events.py), rather than where the front last sent such a prompt: a replica that evicted a
-    passage is no longer sent its questions. Events come only once a prompt's KV is computed, so the blocks of a
-    prompt routed to a replica count as held there from the moment it is sent (`routed`) until the replica
-    reports them stored or evicted; without that, the questions arriving while the first one on a passage is
-    still queued would be spread by hashing and computed twice. Among replicas holding equally much, the least
-    loaded, then the ring's order (chosen in benchmarks/routing_simulation.py over the ring's order alone and the
-    replica last sent the prompt); a prompt nobody holds goes by consistent hashing, and every choice keeps the
-    bounded load, as under `prefix`."""
+    passage is no longer sent its questions, and what other fronts or other traffic put in a cache counts.
 
-    def __init__(self, num_replicas: int, block_size: int = 16, key_tokens: int = 256,
-                 pending_blocks: int = PENDING_BLOCKS):
+    Events come only once a prompt's KV is computed, so a prompt's blocks also count as held on the replica it
+    was sent to while the request is in flight, and until the replica's events after its end have been read
+    (`routed`, `finished`, `settle`); without that, the questions arriving while the first one on a passage is
+    still queued would be spread by hashing and computed twice. Among replicas holding equally much, the less
+    loaded, then the ring's order; a prompt nobody holds goes by consistent hashing; bounded load as under
+    `prefix`. Requests on a LoRA adapter have chains the front cannot compute (the adapter's digest starts
+    them): they go by hashing."""
+
+    def __init__(self, num_replicas: int, block_size: int = 16, key_tokens: int = 256):
         super().__init__(num_replicas, block_size, key_tokens)
-        self._holders: dict[BlockHash, set[int]] = {}
+        self._holders: dict[BlockHash, set[int]] = {}  # who holds or is computing each block
         self._held: list[set[BlockHash]] = [set() for _ in range(num_replicas)]  # as the replica reported
-        self._pending: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(num_replicas)]
-        self._pending_blocks = pending_blocks
+        self._in_flight: list[Counter[BlockHash]] = [Counter() for _ in range(num_replicas)]  # requests sent with it
+        self._finished: list[list[list[BlockHash]]] = [[] for _ in range(num_replicas)]  # ended, not yet settled
         self.cursors: list[tuple[str | None, int]] = [(None, 0)] * num_replicas  # where each replica's stream is read to
 
     def routed(self, blocks, replica):
-        held, pending = self._held[replica], self._pending[replica]
         for block in blocks or ():
-            if block not in held:
-                pending[block] = None
-                pending.move_to_end(block)
-                self._holders.setdefault(block, set()).add(replica)
-        while len(pending) > self._pending_blocks:  # a request that failed before its prompt was computed
-            self._release(pending.popitem(last=False)[0], replica)
+            self._in_flight[replica][block] += 1
+            self._holders.setdefault(block, set()).add(replica)
+
+    def finished(self, blocks, replica):
+        """The request sent with `blocks` ended (answered or not): they stop counting once `settle` is called with
+        a count taken after this, that is, once events the replica sent after the end were read."""
+        self._finished[replica].append(list(blocks or ()))
+
+    def num_finished(self, replica: int) -> int:
+        return len(self._finished[replica])
+
+    def settle(self, replica: int, count: int) -> None:
+        """The first `count` requests that finished on `replica` stop counting as in flight."""
+        in_flight = self._in_flight[replica]
+        for blocks in self._finished[replica][:count]:
+            for block in blocks:
+                in_flight[block] -= 1
+                if in_flight[block] <= 0:
+                    del in_flight[block]
+                    self._release(block, replica)
+        del self._finished[replica][:count]
 
     def apply(self, replica: int, namespace: bytes, events: KVEvents) -> None:
-        held, pending = self._held[replica], self._pending[replica]
-        if events.snapshot:  # what was reported before is replaced; what was sent since still counts
+        held = self._held[replica]
+        if events.snapshot:  # what was reported before is replaced; requests in flight still count
             old, self._held[replica] = held, set()
             held = self._held[replica]
             for block in old:
                 self._release(block, replica)
         self.namespace = namespace  # every replica serves one model in one KV form: one namespace
         for stored, block in events.changes:
-            pending.pop(block, None)
             if stored:
                 held.add(block)
                 self._holders.setdefault(block, set()).add(replica)
@@ -207,8 +234,8 @@ class KVAwareRouting(PrefixRouting):
         return len(self._held[replica])
 
     def _release(self, block: BlockHash, replica: int) -> None:
-        """Take `replica` off the block's holders unless it still holds or awaits it."""
-        if block in self._held[replica] or block in self._pending[replica]:
+        """Take `replica` off the block's holders unless it still holds it or a request in flight brings it."""
+        if block in self._held[replica] or block in self._in_flight[replica]:
             return
         holders = self._holders.get(block)
         if holders is not None:
@@ -226,12 +253,9 @@ class KVAwareRouting(PrefixRouting):
             longest = holding
         return min(longest, key=lambda r: (loads[r], ring.index(r))) if longest else None
 
-    def served(self, blocks, replica):
-        """Nothing to remember: `routed` counted the blocks, and the replica's events will confirm them."""
-
     def forget(self, replica):
-        blocks = self._held[replica] | set(self._pending[replica])
-        self._held[replica], self._pending[replica] = set(), OrderedDict()
+        blocks = self._held[replica] | self._in_flight[replica].keys()
+        self._held[replica], self._in_flight[replica], self._finished[replica] = set(), Counter(), []
         for block in blocks:
             self._release(block, replica)
         self.cursors[replica] = (None, 0)

@@ -104,9 +104,9 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
                             "--lora-modules")
     if args.routing_prefix_tokens < 1:
         raise KvstrataError(f"--routing-prefix-tokens must be at least 1, got {args.routing_prefix_tokens}")
-    if args.routing == "kv-aware" and not args.enable_prefix_caching:
+    if args.routing == "kv-aware" and (not args.enable_prefix_caching or args.kv_offload == "h2o"):
         raise KvstrataError("--routing kv-aware follows what the replicas' prefix caches hold; it needs prefix "
-                            "caching, which --no-enable-prefix-caching turns off")
+                            "caching, which --no-enable-prefix-caching and --kv-offload h2o turn off")
 
 
 def server_options_from_args(args: argparse.Namespace) -> ServerOptions:
