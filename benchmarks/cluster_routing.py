@@ -5,7 +5,8 @@ without shared prefixes (docs/BENCHMARKS.md, "Replicas on Ray Serve").
     .venv/bin/python -m benchmarks.cluster_routing --part routing --out benchmarks/results/cluster_routing.json
     .venv/bin/python -m benchmarks.cluster_routing --part faults --out benchmarks/results/cluster_faults.json
 
-(`--out` writes the JSON to a file: Ray's own messages also reach stdout.)
+(`--out` writes the JSON to a file: Ray's own messages also reach stdout. `--policies` and `--workloads` run a
+subset: e.g. `--policies prefix,kv-aware --workloads shared`.)
 
 Both replicas share this machine's cores (one thread each), so the figures are ratios between policies
 measured in the same run, not a cluster's capacity. Each configuration gets a fresh deployment (empty
@@ -79,15 +80,15 @@ def measure(policy: str, store: RedisServer | None, shared: bool, seed: int) -> 
 def ratios(rows: list[dict], policy: str) -> list[dict]:
     """`policy` against each other policy under the same workload and store."""
     out = []
-    for prefix in (r for r in rows if r["routing"] == policy):
+    for mine in (r for r in rows if r["routing"] == policy):
         for other in rows:
-            if other["routing"] == policy or (other["store"], other["workload"]) != (prefix["store"], prefix["workload"]):
+            if other["routing"] == policy or (other["store"], other["workload"]) != (mine["store"], mine["workload"]):
                 continue
             out.append({
-                "workload": prefix["workload"], "store": prefix["store"], "against": other["routing"],
-                "hit_rate": [prefix["prefix_cache_hit_rate"], other["prefix_cache_hit_rate"]],
-                "ttft_p50_ratio": round(other["p50_ttft_ms"] / prefix["p50_ttft_ms"], 3),
-                "throughput_ratio": round(prefix["request_throughput"] / other["request_throughput"], 3),
+                "workload": mine["workload"], "store": mine["store"], "against": other["routing"],
+                "hit_rate": [mine["prefix_cache_hit_rate"], other["prefix_cache_hit_rate"]],
+                "ttft_p50_ratio": round(other["p50_ttft_ms"] / mine["p50_ttft_ms"], 3),
+                "throughput_ratio": round(mine["request_throughput"] / other["request_throughput"], 3),
             })
     return out
 

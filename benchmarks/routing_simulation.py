@@ -180,7 +180,7 @@ def make_policy(policy: str, replicas: int) -> Routing:
 
 def kv_events(trace: Trace, fronts: list[Routing], replica: int):
     """Under kv-aware routing, a replica cache's changes as the KV events every front reads, applied at once (the
-    engine's front polls every 0.1 s). Only shared prefixes' routing blocks are reported: a unique request's
+    engine's front polls every 0.5 s). Only shared prefixes' routing blocks are reported: a unique request's
     blocks are never asked for again."""
     if not isinstance(fronts[0], KVAwareRouting):
         return None

@@ -43,7 +43,9 @@ COMPLETION_PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions"
 PROBE_SECONDS = 1.0  # how often a replica marked down is asked whether it is back
 PROBE_TIMEOUT_SECONDS = 5.0
 METRICS_TIMEOUT_SECONDS = 5.0
-KV_EVENTS_SECONDS = 0.1  # how often a kv-aware front asks each replica what its prefix cache gained and lost
+# How often a kv-aware front asks each replica what its prefix cache gained and lost. Requests in flight count as
+# held without waiting for it, so this only delays what evictions and other traffic did; each call costs both sides.
+KV_EVENTS_SECONDS = 0.5
 REPLICA_HEADER = "x-kvstrata-replica"  # which replica answered: for operators and tests
 disable_created_metrics()  # as the single server does: the *_created series only add noise for scrapers
 

@@ -1,0 +1,88 @@
+"""The cluster's front under kv-aware routing, with stand-in replicas (no Ray): it reads each replica's KV events
+before routing its first request, hashes prompts in the namespace they bring, and stops counting a request's
+blocks as in flight once the events after its end were read."""
+
+import asyncio
+
+import httpx
+from starlette.requests import Request
+
+from kvstrata.cluster.asgi_call import ResponseStart
+from kvstrata.cluster.frontend import REPLICA_HEADER, Frontend, FrontOptions
+from kvstrata.cluster.routing import prompt_blocks
+from kvstrata.kv.kv_events import KVEventLog
+
+NAMESPACE = b"model/weights/form/"
+
+
+class Call:
+    """A deployment handle's method: `.options(...).remote(...)` as Ray Serve's."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        return self.function(*args)
+
+
+class Answer:
+    """A forwarded request's reply, as the replica's stream of messages."""
+
+    def __init__(self, messages):
+        self._messages = iter(messages)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return next(self._messages)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self):
+        pass
+
+
+class StandInReplica:
+    def __init__(self):
+        self.log = KVEventLog()
+        self.forward = Call(lambda *call: Answer([ResponseStart(200, [("content-type", "application/json")]), b"{}"]))
+        self.kv_events = Call(self._kv_events)
+
+    async def _kv_events(self, log_id, cursor):
+        return NAMESPACE, self.log.since(log_id, cursor)
+
+
+def test_the_front_routes_by_the_events_it_reads_and_settles_what_it_sent(tiny_llama):
+    replicas = [StandInReplica(), StandInReplica()]
+    front = Frontend(FrontOptions(checkpoint=str(tiny_llama), routing="kv-aware", block_size=16,
+                                  routing_prefix_tokens=64, max_request_bytes=2**20), *replicas)
+    passage = [3 + (5 * i) % 300 for i in range(80)]
+    blocks = prompt_blocks(passage, 16, None, NAMESPACE)
+    holder = 1 - front.routing.ring_order(blocks[3])[0]  # not where hashing alone would send it
+    for block in blocks:
+        replicas[holder].log.stored(block)
+
+    async def app(scope, receive, send):
+        response = await front(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://front") as client:
+            answer = await client.post("/v1/completions", json={"model": "m", "prompt": passage + [9]})
+            assert answer.status_code == 200 and answer.headers[REPLICA_HEADER] == str(holder)
+            assert front.routing.num_finished(holder) == 1  # ended; its blocks count until the next events are read
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if front.routing.num_finished(holder) == 0:
+                    break
+            assert front.routing.num_finished(holder) == 0
+            assert not front.routing._in_flight[holder]
+            for task in front._kv_events:
+                task.cancel()
+
+    asyncio.run(scenario())
