@@ -61,9 +61,14 @@ def test_the_front_routes_by_the_events_it_reads_and_settles_what_it_sent(tiny_l
     replicas = [StandInReplica(), StandInReplica()]
     front = Frontend(FrontOptions(checkpoint=str(tiny_llama), routing="kv-aware", block_size=16,
                                   routing_prefix_tokens=64, max_request_bytes=2**20), *replicas)
-    passage = [3 + (5 * i) % 300 for i in range(80)]
+    def by_hashing(passage: list[int], namespace: bytes) -> int:
+        return front.routing.ring_order(prompt_blocks(passage, 16, None, namespace)[3])[0]
+
+    # A passage that hashing sends to one replica, with or without the namespace; only its events name the other.
+    passage = next(p for p in ([3 + (k * i) % 300 for i in range(80)] for k in range(5, 50))
+                   if by_hashing(p, NAMESPACE) == by_hashing(p, b""))
     blocks = prompt_blocks(passage, 16, None, NAMESPACE)
-    holder = 1 - front.routing.ring_order(blocks[3])[0]  # not where hashing alone would send it
+    holder = 1 - by_hashing(passage, NAMESPACE)
     for block in blocks:
         replicas[holder].log.stored(block)
 
