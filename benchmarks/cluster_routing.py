@@ -217,8 +217,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         store = RedisServer(Path(scratch)).start()
         try:
-            figures = part_routing(store, args.seed, args.policies.split(","), args.workloads.split(",")) if args.part == "routing" else \
-                part_faults(store, args.seed, args.requests, args.clients)
+            if args.part == "routing":
+                figures = part_routing(store, args.seed, args.policies.split(","), args.workloads.split(","))
+            else:
+                figures = part_faults(store, args.seed, args.requests, args.clients)
         finally:
             store.stop()
             undeploy(stop_ray=True)

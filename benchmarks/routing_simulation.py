@@ -271,20 +271,22 @@ def simulate(trace: Trace, replicas: int, policy: str, shared_tier: bool) -> dic
             if queues[r]:
                 start(r, now)
         else:
-            front = fronts[i % w.fronts]
-            loads[i % w.fronts][r] -= 1
-            front.finished(trace.blocks[i], r)
-            if isinstance(front, KVAwareRouting):  # the events are applied as they happen: all read already
-                front.settle(r, front.num_finished(r))
+            front = i % w.fronts
+            loads[front][r] -= 1
+            routing = fronts[front]
+            routing.finished(trace.blocks[i], r)
+            if isinstance(routing, KVAwareRouting):  # the events are applied as they happen: all read already
+                routing.settle(r, routing.num_finished(r))
 
     for i in range(w.requests):
         now = float(arrivals[i])
         while events and events[0][0] <= now:
             handle(heapq.heappop(events))
         front = i % w.fronts
-        r = fronts[front].order(trace.blocks[i], loads[front], up)[0]
-        fronts[front].routed(trace.blocks[i], r)
-        fronts[front].served(trace.blocks[i], r)
+        routing = fronts[front]
+        r = routing.order(trace.blocks[i], loads[front], up)[0]
+        routing.routed(trace.blocks[i], r)
+        routing.served(trace.blocks[i], r)
         loads[front][r] += 1
         ready, preloaded, fetched = now, 0, 0
         p = int(prefix_of[i])

@@ -33,3 +33,10 @@ def test_prefix_routing_beats_round_robin_on_shared_prefixes():
     for policy in POLICIES:
         assert by[(8, policy, True)]["token_hit_rate"] >= by[(8, policy, False)]["token_hit_rate"]
     assert by[(8, "round-robin", True)]["tier_hit_rate"] > by[(8, "prefix", True)]["tier_hit_rate"]
+
+
+def test_kv_aware_fronts_share_the_replicas_events_where_prefix_fronts_each_remember_a_part():
+    workload = Workload(requests=3_000, prefixes=200, seed=3, fronts=4)
+    by = {r["policy"]: r for r in run(workload, [8], policies=("prefix", "kv-aware"), tiers=(False,))["results"]}
+    assert by["kv-aware"]["token_hit_rate"] > by["prefix"]["token_hit_rate"]
+    assert by["kv-aware"]["requests_measured"] == 3_000 - int(workload.warmup_share * 3_000)
