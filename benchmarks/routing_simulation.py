@@ -379,6 +379,8 @@ def main() -> None:
                         help="routers taking the requests in turn, each with its own picture (default: 1)")
     parser.add_argument("--out", help="also write the JSON document here")
     args = parser.parse_args()
+    if args.fronts < 1:
+        parser.error(f"--fronts must be at least 1, got {args.fronts}")
     workload = Workload(requests=args.requests, prefixes=args.prefixes, seed=args.seed, fronts=args.fronts)
     document = run(workload, [int(n) for n in args.replicas.split(",")])
     text = json.dumps(document, indent=2)

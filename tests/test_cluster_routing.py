@@ -129,6 +129,16 @@ def test_kv_aware_routing_counts_a_prompt_as_held_where_it_is_in_flight_until_it
     routing.apply(1 - elsewhere, b"", KVEvents("other", 6, stored(question), snapshot=False))
     assert routing.order(question, idle, up)[0] == 1 - elsewhere  # ...against a replica holding more of the prompt
 
+    another = prompt_blocks(list(range(500, 564)), 16)
+    away = 1 - routing.order(another, idle, up)[0]
+    routing.routed(another, away)
+    routing.forget(away)  # marked down: what it reported is gone...
+    assert routing.num_held(away) == 0
+    assert routing.order(another, idle, up)[0] == away  # ...but the request sent before it still ends there
+    routing.finished(another, away)
+    routing.settle(away, routing.num_finished(away))
+    assert routing.order(another, idle, up)[0] == 1 - away
+
 
 def test_round_robin_and_least_loaded():
     rr = make_routing("round-robin", 3)

@@ -1,16 +1,18 @@
 """The cluster's front under kv-aware routing, with stand-in replicas (no Ray): it reads each replica's KV events
-before routing its first request, hashes prompts in the namespace they bring, and stops counting a request's
-blocks as in flight once the events after its end were read."""
+before routing its first request, hashes prompts in the namespace they bring (a LoRA adapter's in a chain of its
+own), and stops counting a request's blocks as in flight once the events after its end were read."""
 
 import asyncio
 
 import httpx
 from starlette.requests import Request
 
+from kvstrata.cluster import frontend
 from kvstrata.cluster.asgi_call import ResponseStart
 from kvstrata.cluster.frontend import REPLICA_HEADER, Frontend, FrontOptions
 from kvstrata.cluster.routing import prompt_blocks
 from kvstrata.kv.kv_events import KVEventLog
+from kvstrata.server.protocol import CompletionRequest
 
 NAMESPACE = b"model/weights/form/"
 
@@ -57,10 +59,12 @@ class StandInReplica:
         return NAMESPACE, self.log.since(log_id, cursor)
 
 
-def test_the_front_routes_by_the_events_it_reads_and_settles_what_it_sent(tiny_llama):
+def test_the_front_routes_by_the_events_it_reads_and_settles_what_it_sent(tiny_llama, monkeypatch):
+    monkeypatch.setattr(frontend, "KV_EVENTS_SECONDS", 3600)  # the first read only; the test reads the next itself
     replicas = [StandInReplica(), StandInReplica()]
     front = Frontend(FrontOptions(checkpoint=str(tiny_llama), routing="kv-aware", block_size=16,
-                                  routing_prefix_tokens=64, max_request_bytes=2**20), *replicas)
+                                  routing_prefix_tokens=64, max_request_bytes=2**20, lora_names=("sql",)), *replicas)
+
     def by_hashing(passage: list[int], namespace: bytes) -> int:
         return front.routing.ring_order(prompt_blocks(passage, 16, None, namespace)[3])[0]
 
@@ -81,13 +85,14 @@ def test_the_front_routes_by_the_events_it_reads_and_settles_what_it_sent(tiny_l
             answer = await client.post("/v1/completions", json={"model": "m", "prompt": passage + [9]})
             assert answer.status_code == 200 and answer.headers[REPLICA_HEADER] == str(holder)
             assert front.routing.num_finished(holder) == 1  # ended; its blocks count until the next events are read
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if front.routing.num_finished(holder) == 0:
-                    break
-            assert front.routing.num_finished(holder) == 0
-            assert not front.routing._in_flight[holder]
-            for task in front._kv_events:
+            await front._read_kv_events(holder)
+            assert front.routing.num_finished(holder) == 0 and not front.routing._in_flight[holder]
+            for task in front._kv_event_tasks:
                 task.cancel()
+
+            on_adapter, _ = front._route_on(CompletionRequest, b'{"model": "sql", "prompt": "Where is Highbury?"}')
+            on_base, _ = front._route_on(CompletionRequest, b'{"model": "m", "prompt": "Where is Highbury?"}')
+            assert on_base == prompt_blocks(front.tokenizer.encode("Where is Highbury?"), 16, None, NAMESPACE)
+            assert set(on_adapter).isdisjoint(on_base)
 
     asyncio.run(scenario())

@@ -29,7 +29,7 @@ def test_a_reader_learns_the_very_keys_a_router_computes_and_their_eviction(tiny
     assert set(prompt_blocks(first, 16, None)).isdisjoint(held(log))  # the namespace is part of the key
 
     start = log.since(None, 0)  # a reader that is up to date from here on
-    llm.generate([[3 + (7 * i) % 300 for i in range(16 * 23)]], GREEDY)  # needs nearly the whole pool: evicts the first prompt's
+    llm.generate([[3 + (7 * i) % 300 for i in range(16 * 23)]], GREEDY)  # nearly the whole pool: evicts the first
     news = log.since(start.log_id, start.cursor)
     assert not news.snapshot and news.cursor > start.cursor
     removed = {block for stored, block in news.changes if not stored}

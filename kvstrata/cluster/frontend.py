@@ -59,6 +59,9 @@ class FrontOptions:
     max_request_bytes: int
     api_key: str | None = field(default=None, repr=False)  # the replicas' too: checked here before any routing
     chat_template: str | None = None  # the replicas' --chat-template, which a chat's routing key is rendered with
+    # The replicas' --lora-modules names: a request on one is hashed in a chain of its adapter's, as the replicas
+    # start its chain with the adapter's digest, so it never meets the base model's blocks.
+    lora_names: tuple[str, ...] = ()
 
 
 class ReplicaFailed(Exception):
@@ -99,7 +102,7 @@ class Frontend:
         # first replica that answers if Serve restarted this front.
         self.fingerprint: str | None = None
         self._probes: dict[int, asyncio.Task] = {}
-        self._kv_events: list[asyncio.Task] = []  # one per replica, following its KV events (kv-aware routing)
+        self._kv_event_tasks: list[asyncio.Task] = []  # one per replica, following its KV events (kv-aware routing)
         self._first_kv_events = asyncio.Event()  # set once a replica's events were first read (or waited for)
         self.registry = CollectorRegistry()
         self.routed = Counter("kvstrata:router_requests", "Requests sent to each replica (retries included)",
@@ -177,7 +180,10 @@ class Frontend:
                 # a batch of prompts goes where its first one would
                 prompt = (parsed.inputs if isinstance(parsed, EmbeddingRequest) else parsed.prompts)[0]
                 token_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-            blocks = prompt_blocks(token_ids, self.options.block_size, parsed.cache_salt, self.routing.namespace)
+            root = self.routing.namespace
+            if parsed.model in self.options.lora_names:
+                root += f"lora/{parsed.model}/".encode()
+            blocks = prompt_blocks(token_ids, self.options.block_size, parsed.cache_salt, root)
             return blocks, bool(getattr(parsed, "stream", False))
         except (ValidationError, KvstrataError, ValueError, OverflowError):  # e.g. a token id beyond 64 bits
             return None, False
@@ -273,12 +279,16 @@ class Frontend:
         """The first request waits for a replica's first events: until then the replicas' namespace is unknown, and a
         prompt hashed without it would meet another replica on the ring than the same prompt later. It waits once:
         where no replica answers in time, requests are routed without the picture until one does."""
-        if not self._kv_events:
-            self._kv_events = [asyncio.create_task(self._follow_kv_events(i)) for i in range(len(self.replicas))]
+        self._follow_every_replica()
         if not self._first_kv_events.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._first_kv_events.wait(), PROBE_TIMEOUT_SECONDS)
             self._first_kv_events.set()
+
+    def _follow_every_replica(self) -> None:
+        """Start following the replicas' KV events (at deployment, or at the first request of a restarted front)."""
+        if not self._kv_event_tasks:
+            self._kv_event_tasks = [asyncio.create_task(self._follow_kv_events(i)) for i in range(len(self.replicas))]
 
     async def _follow_kv_events(self, index: int) -> None:
         """Keep the kv-aware policy's picture of one replica's prefix cache current, on its own, so a slow replica
@@ -315,6 +325,8 @@ class Frontend:
         if len(fingerprints) != 1:
             raise KvstrataError(f"the replicas serve different models: {sorted(fingerprints)}")
         self.fingerprint = fingerprints.pop()
+        if isinstance(self.routing, KVAwareRouting):
+            self._follow_every_replica()
         return self.fingerprint
 
     async def _metrics(self) -> Response:

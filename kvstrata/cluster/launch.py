@@ -69,7 +69,8 @@ def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing:
     front = FrontOptions(checkpoint=str(checkpoint), routing=routing,
                          block_size=config.block_size, routing_prefix_tokens=routing_prefix_tokens,
                          max_request_bytes=options.max_request_bytes, api_key=options.api_key,
-                         chat_template=config.chat_template)
+                         chat_template=config.chat_template,
+                         lora_names=tuple(name for name, _ in config.lora_module_paths()))
     app = serve.deployment(Frontend, name="kvstrata-front", num_replicas=1, ray_actor_options={"num_cpus": 0},
                            max_ongoing_requests=replicas * most_in_flight,
                            # outlives the replicas' grace, so their streams' closing error events get through

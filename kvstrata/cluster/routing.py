@@ -178,8 +178,7 @@ class KVAwareRouting(RingRouting):
     (`routed`, `finished`, `settle`); without that, the questions arriving while the first one on a passage is
     still queued would be spread by hashing and computed twice. Among replicas holding equally much, the less
     loaded, then the ring's order; a prompt nobody holds goes by consistent hashing; bounded load as under
-    `prefix`. Requests on a LoRA adapter have chains the front cannot compute (the adapter's digest starts
-    them): they go by hashing."""
+    `prefix`."""
 
     def __init__(self, num_replicas: int, block_size: int = 16, key_tokens: int = 256):
         super().__init__(num_replicas, block_size, key_tokens)
@@ -187,7 +186,8 @@ class KVAwareRouting(RingRouting):
         self._held: list[set[BlockHash]] = [set() for _ in range(num_replicas)]  # as the replica reported
         self._in_flight: list[Counter[BlockHash]] = [Counter() for _ in range(num_replicas)]  # requests sent with it
         self._finished: list[list[list[BlockHash]]] = [[] for _ in range(num_replicas)]  # ended, not yet settled
-        self.cursors: list[tuple[str | None, int]] = [(None, 0)] * num_replicas  # where each replica's stream is read to
+        # where each replica's stream has been read to
+        self.cursors: list[tuple[str | None, int]] = [(None, 0)] * num_replicas
 
     def routed(self, blocks, replica):
         for block in blocks or ():
@@ -254,9 +254,10 @@ class KVAwareRouting(RingRouting):
         return min(longest, key=lambda r: (loads[r], ring.index(r))) if longest else None
 
     def forget(self, replica):
-        blocks = self._held[replica] | self._in_flight[replica].keys()
-        self._held[replica], self._in_flight[replica], self._finished[replica] = set(), Counter(), []
-        for block in blocks:
+        """What the replica reported is gone with it; its requests in flight still end (`finished`) and settle as
+        usual, and while it is down it is not open to be chosen anyway."""
+        old, self._held[replica] = self._held[replica], set()
+        for block in old:
             self._release(block, replica)
         self.cursors[replica] = (None, 0)
 

@@ -85,8 +85,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                               "went before), kv-aware (the replica whose prefix cache reports holding the longest "
                               "prefix of the prompt), round-robin or least-loaded (default: prefix)")
     cluster.add_argument("--routing-prefix-tokens", type=int, default=256,
-                         help="with --replicas --routing prefix or kv-aware: prompt tokens the consistent-hashing key of "
-                              "a prompt nobody holds covers (default: 256)")
+                         help="with --replicas --routing prefix or kv-aware: prompt tokens the consistent-hashing "
+                              "key of a prompt nobody holds covers (default: 256)")
     add_engine_arguments(parser)
 
 
