@@ -6,7 +6,7 @@ without shared prefixes (docs/BENCHMARKS.md, "Replicas on Ray Serve").
     .venv/bin/python -m benchmarks.cluster_routing --part faults --out benchmarks/results/cluster_faults.json
 
 (`--out` writes the JSON to a file: Ray's own messages also reach stdout. `--policies` and `--workloads` run a
-subset: e.g. `--policies prefix,kv-aware --workloads shared`.)
+subset: e.g. `--policies prefix,kv-aware --workloads shared`; `--fronts 2` puts two routers in front.)
 
 Both replicas share this machine's cores (one thread each), so the figures are ratios between policies
 measured in the same run, not a cluster's capacity. Each configuration gets a fresh deployment (empty
@@ -61,16 +61,16 @@ def serve_args(base_url: str, shared: bool, seed: int) -> argparse.Namespace:
     return parser.parse_args(flags)
 
 
-def measure(policy: str, store: RedisServer | None, shared: bool, seed: int) -> dict:
+def measure(policy: str, store: RedisServer | None, shared: bool, seed: int, fronts: int = 1) -> dict:
     config = EngineConfig(**ENGINE, kv_store=None if store is None else store.url)
-    url = deploy(config, ServerOptions(), REPLICAS, policy, "127.0.0.1", PORT)
+    url = deploy(config, ServerOptions(), REPLICAS, policy, "127.0.0.1", PORT, fronts=fronts)
     try:
         report, _ = benchmark_server(serve_args(url, shared, seed))
     finally:
         undeploy(stop_ray=False)
         if store is not None:
             store.flush()
-    row = {"routing": policy, "store": "redis" if store else "none",
+    row = {"routing": policy, "fronts": fronts, "store": "redis" if store else "none",
            "workload": "shared prefixes" if shared else "no shared prefixes"}
     row.update({key: report.get(key) for key in REPORTED})
     row.update({key: value for key, value in report.items() if key.startswith("kv_store_hit_tokens_")})
@@ -96,12 +96,12 @@ def ratios(rows: list[dict], policy: str) -> list[dict]:
 WORKLOADS = {"shared": (True, False), "shared-redis": (True, True), "distinct": (False, False)}  # (shared, Redis?)
 
 
-def part_routing(store: RedisServer, seed: int, policies: list[str], workloads: list[str]) -> dict:
+def part_routing(store: RedisServer, seed: int, policies: list[str], workloads: list[str], fronts: int) -> dict:
     rows = []
     for workload in workloads:
         shared, redis = WORKLOADS[workload]
         for policy in policies:
-            rows.append(measure(policy, store if redis else None, shared, seed))
+            rows.append(measure(policy, store if redis else None, shared, seed, fronts))
             print(json.dumps(rows[-1]), file=sys.stderr)
     return {"rows": rows, **{f"{policy.replace('-', '_')}_routing_against": ratios(rows, policy)
                              for policy in ("prefix", "kv-aware") if policy in policies}}
@@ -205,6 +205,7 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES), help="routing: the policies to run, comma-separated")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"routing: the workloads to run them on, comma-separated among {', '.join(WORKLOADS)}")
+    parser.add_argument("--fronts", type=int, default=1, help="routing: routers in front of the replicas (default: 1)")
     parser.add_argument("--requests", type=int, default=96, help="faults: requests in each run")
     parser.add_argument("--clients", type=int, default=32, help="faults: concurrent clients")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -218,7 +219,8 @@ def main() -> None:
         store = RedisServer(Path(scratch)).start()
         try:
             if args.part == "routing":
-                figures = part_routing(store, args.seed, args.policies.split(","), args.workloads.split(","))
+                figures = part_routing(store, args.seed, args.policies.split(","), args.workloads.split(","),
+                                       args.fronts)
             else:
                 figures = part_faults(store, args.seed, args.requests, args.clients)
         finally:

@@ -1,4 +1,4 @@
-"""`kvstrata serve --replicas 2` as a user starts it: a process that serves, then exits 0 on SIGTERM."""
+"""`kvstrata serve --replicas 2 --fronts 2` as a user starts it: a process that serves, then exits 0 on SIGTERM."""
 
 import os
 import signal
@@ -13,7 +13,7 @@ from kvstrata.bench.redis_server import free_port
 
 def test_serve_with_replicas_answers_and_stops_cleanly_on_sigterm(tiny_llama):
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "kvstrata.cli.main", "serve", "--replicas", "2", "--port",
+    server = subprocess.Popen([sys.executable, "-m", "kvstrata.cli.main", "serve", "--replicas", "2", "--fronts", "2", "--port",
                                str(port), "--model", str(tiny_llama), "--served-model-name", "tiny"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"

@@ -183,6 +183,8 @@ def test_replicas_get_their_own_disk_directory_and_a_share_of_the_cores():
 @pytest.mark.parametrize("flags, message", [
     (["--routing", "round-robin"], "--routing applies to replicated serving only; add --replicas N"),
     (["--ray-address", "auto"], "--ray-address applies to replicated serving only"),
+    (["--fronts", "2"], "--fronts applies to replicated serving only"),
+    (["--replicas", "2", "--fronts", "0"], "--fronts must be at least 1, got 0"),
     (["--replicas", "0"], "--replicas must be at least 1, got 0"),
     (["--replicas", "2", "--allow-runtime-lora-updating"], "--allow-runtime-lora-updating serves one process"),
     (["--replicas", "2", "--routing", "kv-aware", "--no-enable-prefix-caching"], "--routing kv-aware follows"),

@@ -43,13 +43,18 @@ def connect_ray(address: str | None) -> None:
 
 def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing: str, host: str, port: int,
            model_name: str | None = None, ray_address: str | None = None,
-           routing_prefix_tokens: int = 256) -> str:
+           routing_prefix_tokens: int = 256, fronts: int = 1) -> str:
     """Start (or join, with `ray_address`) Ray, run the replicas and the front; returns the endpoint's URL.
-    Serve keeps the host and port it first started with for as long as its Ray instance lives."""
+    Serve keeps the host and port it first started with for as long as its Ray instance lives. With `fronts`
+    above 1 the front deployment has that many replicas, among which Serve's proxy spreads the requests; each
+    keeps its own routing state (its loads, and under prefix routing its memory; the replicas' KV events are
+    every kv-aware front's)."""
     from kvstrata.model.loader import resolve_checkpoint
 
     if replicas < 1:
         raise KvstrataError(f"--replicas must be at least 1, got {replicas}")
+    if fronts < 1:
+        raise KvstrataError(f"--fronts must be at least 1, got {fronts}")
     _, serve = _ray()
     from kvstrata.cluster.frontend import Frontend, FrontOptions  # imports Ray
 
@@ -71,7 +76,7 @@ def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing:
                          max_request_bytes=options.max_request_bytes, api_key=options.api_key,
                          chat_template=config.chat_template,
                          lora_names=tuple(name for name, _ in config.lora_module_paths()))
-    app = serve.deployment(Frontend, name="kvstrata-front", num_replicas=1, ray_actor_options={"num_cpus": 0},
+    app = serve.deployment(Frontend, name="kvstrata-front", num_replicas=fronts, ray_actor_options={"num_cpus": 0},
                            max_ongoing_requests=replicas * most_in_flight,
                            # outlives the replicas' grace, so their streams' closing error events get through
                            graceful_shutdown_timeout_s=options.shutdown_grace + 10).bind(front, *bound)
@@ -103,7 +108,8 @@ def run_replicated(args: argparse.Namespace, config: EngineConfig, options: Serv
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     url = deploy(config, options, args.replicas, args.routing, args.host, args.port, args.served_model_name,
-                 args.ray_address, args.routing_prefix_tokens)
-    logging.getLogger("kvstrata.cluster").info("%d replicas behind %s (routing: %s)", args.replicas, url, args.routing)
+                 args.ray_address, args.routing_prefix_tokens, args.fronts)
+    logging.getLogger("kvstrata.cluster").info("%d replicas behind %s (routing: %s, %d front%s)", args.replicas, url,
+                                               args.routing, args.fronts, "" if args.fronts == 1 else "s")
     stop.wait()
     undeploy(stop_ray=args.ray_address is None)  # an existing cluster keeps running

@@ -87,13 +87,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--routing-prefix-tokens", type=int, default=256,
                          help="with --replicas --routing prefix or kv-aware: prompt tokens the consistent-hashing "
                               "key of a prompt nobody holds covers (default: 256)")
+    cluster.add_argument("--fronts", type=int, default=1,
+                         help="with --replicas: routers in front of the replicas, each taking a share of the requests "
+                              "with routing state of its own (default: 1)")
     add_engine_arguments(parser)
 
 
 def _check_cluster_flags(args: argparse.Namespace) -> None:
     if args.replicas is None:
         for flag, value, default in (("--ray-address", args.ray_address, None), ("--routing", args.routing, "prefix"),
-                                     ("--routing-prefix-tokens", args.routing_prefix_tokens, 256)):
+                                     ("--routing-prefix-tokens", args.routing_prefix_tokens, 256),
+                                     ("--fronts", args.fronts, 1)):
             if value != default:
                 raise KvstrataError(f"{flag} applies to replicated serving only; add --replicas N")
         return
@@ -104,6 +108,8 @@ def _check_cluster_flags(args: argparse.Namespace) -> None:
                             "--lora-modules")
     if args.routing_prefix_tokens < 1:
         raise KvstrataError(f"--routing-prefix-tokens must be at least 1, got {args.routing_prefix_tokens}")
+    if args.fronts < 1:
+        raise KvstrataError(f"--fronts must be at least 1, got {args.fronts}")
     if args.routing == "kv-aware" and (not args.enable_prefix_caching or args.kv_offload == "h2o"):
         raise KvstrataError("--routing kv-aware follows what the replicas' prefix caches hold; it needs prefix "
                             "caching, which --no-enable-prefix-caching and --kv-offload h2o turn off")
