@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.bench.workload import run_together
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.sequence import Sequence
@@ -31,12 +32,9 @@ def ask_alone(engine: LLMEngine, prompt: list[int], params: SamplingParams,
     the store may give them."""
     if forget:
         engine.reset_prefix_cache()
-    request_id = engine.add_request(prompt, params)
-    finished = []
-    while engine.has_unfinished_requests():
-        finished += [out for out in engine.step() if out.finished and out.request_id == request_id]
+    out = run_together(engine, [prompt], [params])[0]
     engine.kv_store.flush()
-    return finished[0].token_ids, finished[0].num_cached_tokens
+    return out.token_ids, out.num_cached_tokens
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:

@@ -197,13 +197,19 @@ def doc_seq(seq_id: int, doc: int, question: int, doc_len: int = 32) -> Sequence
     return Sequence(seq_id, str(seq_id), None, tokens, SamplingParams(), arrival_time=float(seq_id))
 
 
-def test_lpm_admits_first_the_waiting_whose_prefix_the_pool_holds_then_by_arrival():
-    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16, policy="lpm")
+def scheduler_with_document_0_cached(policy_choice="fcfs") -> SarathiScheduler:
+    """A scheduler whose pool holds document 0's two full blocks, computed by a request that has finished."""
+    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16, policy=policy_choice)
     first = doc_seq(0, doc=0, question=0)
     sched.add(first)
     for _ in range(3):
         run(sched, sched.schedule(), index_blocks=True)  # its 40 tokens, in chunks of 16
     sched.finish(first)  # its two full blocks stay cached
+    return sched
+
+
+def test_lpm_admits_first_the_waiting_whose_prefix_the_pool_holds_then_by_arrival():
+    sched = scheduler_with_document_0_cached("lpm")
     for seq_id, doc in ((1, 1), (2, 2), (3, 0), (4, 0)):
         sched.add(doc_seq(seq_id, doc, question=seq_id))
     # requests 3 and 4 find their document's 32 tokens cached, and go ahead of 1 and 2, in arrival order
@@ -212,12 +218,7 @@ def test_lpm_admits_first_the_waiting_whose_prefix_the_pool_holds_then_by_arriva
 
 
 def test_fcfs_admits_in_arrival_order_whatever_the_pool_holds():
-    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16)
-    first = doc_seq(0, doc=0, question=0)
-    sched.add(first)
-    for _ in range(3):
-        run(sched, sched.schedule(), index_blocks=True)
-    sched.finish(first)
+    sched = scheduler_with_document_0_cached()
     for seq_id, doc in ((1, 1), (2, 0)):
         sched.add(doc_seq(seq_id, doc, question=seq_id))
     assert shape(sched.schedule()) == [(1, 16)]
@@ -225,12 +226,7 @@ def test_fcfs_admits_in_arrival_order_whatever_the_pool_holds():
 
 def test_lpm_orders_a_long_queue_by_arrival(monkeypatch):
     monkeypatch.setattr(policy, "LPM_MAX_WAITING", 2)
-    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16, policy="lpm")
-    first = doc_seq(0, doc=0, question=0)
-    sched.add(first)
-    for _ in range(3):
-        run(sched, sched.schedule(), index_blocks=True)
-    sched.finish(first)
+    sched = scheduler_with_document_0_cached("lpm")
     for seq_id, doc in ((1, 1), (2, 2), (3, 0)):
         sched.add(doc_seq(seq_id, doc, question=seq_id))
     assert shape(sched.schedule()) == [(1, 16)]  # three waiting: more than 2, so by arrival
@@ -258,13 +254,7 @@ def test_lpm_computes_each_shared_document_fewer_times_for_the_same_outputs(tiny
 
 @pytest.mark.parametrize("aging, first", [(0.0, 3), (4.0, 1)])
 def test_lpm_aging_lets_a_request_that_waited_overtake_a_newer_one_that_matches_more(aging, first):
-    sched = SarathiScheduler(KVCacheManager(64, 16), max_num_seqs=8, chunk_size=16,
-                             policy=policy.LongestPrefixMatch(aging))
-    done = doc_seq(0, doc=0, question=0)
-    sched.add(done)
-    for _ in range(3):
-        run(sched, sched.schedule(), index_blocks=True)
-    sched.finish(done)
+    sched = scheduler_with_document_0_cached(policy.LongestPrefixMatch(aging))
     now = time.perf_counter()
     cold, hot = doc_seq(1, doc=1, question=1), doc_seq(3, doc=0, question=3)  # hot: 32 tokens cached
     cold.arrival_time, hot.arrival_time = now - 10.0, now  # 10 s x 4 tokens/s = 40 > 32

@@ -113,7 +113,8 @@ class Frontend:
                                 ["replica"], registry=self.registry)
         for i in range(len(replicas)):
             self.replica_up.labels(replica=str(i)).set(1)
-        if isinstance(self.routing, KVAwareRouting):
+        self.kv_aware = isinstance(self.routing, KVAwareRouting)  # follows the replicas' KV events
+        if self.kv_aware:
             self.kv_blocks = Gauge("kvstrata:router_kv_blocks", "Blocks the replica's prefix cache holds, as the "
                                    "front knows from its KV events", ["replica"], registry=self.registry)
             for i in range(len(replicas)):
@@ -132,7 +133,7 @@ class Frontend:
             live = sum(self.up)
             return JSONResponse({"status": "ok" if live else "no replica up", "replicas_up": live},
                                 status_code=200 if live else 503)
-        if isinstance(self.routing, KVAwareRouting):
+        if self.kv_aware:
             await self._kv_events_started()
         body = await request.body()
         if len(body) > self.options.max_request_bytes:
@@ -250,7 +251,7 @@ class Frontend:
             return  # the other requests it held are failing too: one probe, one forget
         self.up[index] = False
         self.routing.forget(index)
-        if isinstance(self.routing, KVAwareRouting):
+        if self.kv_aware:
             self.kv_blocks.labels(replica=str(index)).set(0)
         self.replica_up.labels(replica=str(index)).set(0)
         if index not in self._probes or self._probes[index].done():
@@ -325,7 +326,7 @@ class Frontend:
         if len(fingerprints) != 1:
             raise KvstrataError(f"the replicas serve different models: {sorted(fingerprints)}")
         self.fingerprint = fingerprints.pop()
-        if isinstance(self.routing, KVAwareRouting):
+        if self.kv_aware:
             self._follow_every_replica()
         return self.fingerprint
 

@@ -214,12 +214,9 @@ class KVAwareRouting(RingRouting):
         del self._finished[replica][:count]
 
     def apply(self, replica: int, namespace: bytes, events: KVEvents) -> None:
-        held = self._held[replica]
         if events.snapshot:  # what was reported before is replaced; requests in flight still count
-            old, self._held[replica] = held, set()
-            held = self._held[replica]
-            for block in old:
-                self._release(block, replica)
+            self._drop_reported(replica)
+        held = self._held[replica]
         self.namespace = namespace  # every replica serves one model in one KV form: one namespace
         for stored, block in events.changes:
             if stored:
@@ -256,10 +253,13 @@ class KVAwareRouting(RingRouting):
     def forget(self, replica):
         """What the replica reported is gone with it; its requests in flight still end (`finished`) and settle as
         usual, and while it is down it is not open to be chosen anyway."""
+        self._drop_reported(replica)
+        self.cursors[replica] = (None, 0)
+
+    def _drop_reported(self, replica: int) -> None:
         old, self._held[replica] = self._held[replica], set()
         for block in old:
             self._release(block, replica)
-        self.cursors[replica] = (None, 0)
 
 
 def make_routing(policy: str, num_replicas: int, block_size: int = 16, key_tokens: int = 256) -> Routing:

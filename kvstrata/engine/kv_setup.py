@@ -27,14 +27,19 @@ def engine_storage_layout(engine, model_dtype: torch.dtype, kv_format: str | Non
     shape = CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, c.block_size)
     options = FormatOptions(c.int4_group_size, c.kivi_residual, c.max_num_seqs, c.chunk_size,
                             oaken_format=lambda: oaken_format_for(engine), in_place_decode=c.paged_kernel)
-    return storage_layout(kv_format or c.kv_format or FLOAT_FORMAT_OF_DTYPE[model_dtype], shape, options)
+    return storage_layout(kv_format or kv_format_name(c, model_dtype), shape, options)
+
+
+def kv_format_name(config, model_dtype: torch.dtype) -> str:
+    """The engine's KV format: `--kv-format`, or the float format of the dtype the model computes in."""
+    return config.kv_format or FLOAT_FORMAT_OF_DTYPE[model_dtype]
 
 
 def stored_form(config, model_dtype: torch.dtype) -> str:
     """The KV format with every option that changes what a token's stored K/V hold, and the dtype they were
     computed in: block hashes are namespaced by it (and by the model's fingerprint), so KV of one form never
     stands in for another's."""
-    name = config.kv_format or FLOAT_FORMAT_OF_DTYPE[model_dtype]
+    name = kv_format_name(config, model_dtype)
     options = {
         "int4": (config.int4_group_size,),
         "kivi4": (config.kivi_residual,),  # which blocks hold quantized and which float16 K/V

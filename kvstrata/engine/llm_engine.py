@@ -26,7 +26,7 @@ from kvstrata.engine.draft_verification import accepted_tokens, draft_histories,
 from kvstrata.engine.grammar_matcher import GrammarCompiler, allowed_tokens, matcher_error
 from kvstrata.engine.important_prefix_load import ImportantLoading
 from kvstrata.engine.kv_offload_setup import attention_policy
-from kvstrata.engine.kv_setup import engine_storage_layout, stored_form
+from kvstrata.engine.kv_setup import engine_storage_layout, kv_format_name, stored_form
 from kvstrata.engine.kv_store_link import KVStoreLink, make_store
 from kvstrata.engine.model_runner import ModelRunner, PromptRows
 from kvstrata.engine.ngram_proposer import NgramProposer
@@ -41,7 +41,6 @@ from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.engine.torch_threads import keep_torch_threads, use_torch_threads
 from kvstrata.errors import KvstrataError, ParameterError, RequestFailed
 from kvstrata.kv.block_hash import tenant_salt
-from kvstrata.kv.cache_factory import FLOAT_FORMAT_OF_DTYPE
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
@@ -98,7 +97,7 @@ class LLMEngine:
         # the concurrency counts whole blocks, as vLLM's start-up line does
         log.info("KV cache: %s tokens (%d blocks of %d) in %s, %.1f bytes a token; maximum concurrency for "
                  "%d-token requests: %.2fx", f"{num_blocks * config.block_size:,}", num_blocks, config.block_size,
-                 config.kv_format or FLOAT_FORMAT_OF_DTYPE[dtype], layout.bytes_per_token, self.max_model_len,
+                 kv_format_name(config, dtype), layout.bytes_per_token, self.max_model_len,
                  num_blocks / -(-self.max_model_len // config.block_size))
         # the KV storage: on the compute device, or a pool in host memory under --kv-offload full|infinigen
         in_host_pool = config.kv_offload in ("full", "infinigen")

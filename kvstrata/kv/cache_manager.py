@@ -89,7 +89,8 @@ class KVCacheManager:
         its last token, whose logits must be computed)."""
         if not self.enable_prefix_caching:
             return 0, 0
-        seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes, self.hash_root(seq))
+        if len(seq.block_hashes) < seq.num_tokens // self.block_size:  # hashed once per block, not once per step
+            seq.block_hashes = full_block_hashes(seq.token_ids, self.block_size, seq.block_hashes, self.hash_root(seq))
         if not seq.reads_cached_prefix:
             return 0, 0  # it computes every prompt token (its blocks are cached for others all the same)
         usable = (seq.num_tokens - 1) // self.block_size
