@@ -149,6 +149,14 @@ class EngineConfig:
                          "Triton kernels, a launch or two per layer and K/V (both measured faster); off: torch "
                          "operations encode, gather and decode, then torch's batched products"),
     )
+    cascade_min_tokens: int = field(
+        default=512,
+        metadata=_option("decodes: a prefix of at least this many tokens that 8 or more sequences of a step hold in "
+                         "the same blocks (a shared system prompt, n > 1 samples, beams) is read once for all of them "
+                         "and attended as matrix products (cascade attention, in the compiled CPU readers of every "
+                         "--kv-format but KIVI's); 0: never. The prefix's sums then depend on how many sequences "
+                         "share it, by float rounding"),
+    )
     kv_offload: str = field(
         default="none",
         metadata=_option("where the KV cache lives: none (on the compute device), full (a host pool; each layer's "
@@ -400,6 +408,9 @@ class EngineConfig:
         if self.scheduling_policy == "lpm" and not self.enable_prefix_caching:
             raise KvstrataError("scheduling_policy lpm orders requests by what the prefix cache holds; it needs "
                                 "prefix caching (drop --no-enable-prefix-caching, or choose fcfs)")
+        tokens = self.cascade_min_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise KvstrataError(f"cascade_min_tokens must be an integer >= 0 (0: never), got {tokens!r}")
         if self.ttft_slo is not None and not (isinstance(self.ttft_slo, (int, float)) and 0 < self.ttft_slo < 1e6):
             raise KvstrataError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
         self._check_prefix_loading()

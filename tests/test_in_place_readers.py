@@ -56,6 +56,31 @@ def prefilled(tiny_llama_kv64, oaken_calibrations, case: str, lens: list[int]):
     return engine, whole_block_keys(tables, torch.tensor(lens), engine.kv_cache.block_size)
 
 
+@pytest.mark.parametrize("case", [case for case, (kv_format, _) in CASES.items() if not kv_format.startswith("kivi")])
+def test_a_prefix_eight_sequences_share_is_read_once_and_equals_the_torch_path(case, reader_threads, tiny_llama_kv64,
+                                                                              oaken_calibrations):
+    """Eight sequences whose first 3 blocks (48 tokens) are the first sequence's, as the prefix cache shares them,
+    each with tokens of its own after them: the reader reads the prefix once for all of them (the kernel counts it)
+    and its attention equals the torch path's over the same cache. KIVI's readers never do: a sequence's newest
+    tokens lie in its own window, not in its blocks."""
+    own = [0, 1, 9, 16, 17, 30, 2, 40]
+    engine, keys = prefilled(tiny_llama_kv64, oaken_calibrations, case, [48 + n for n in own])
+    tables = keys.block_tables.clone()
+    tables[1:, :3] = tables[0, :3]
+    keys = whole_block_keys(tables, keys.context_lens, engine.kv_cache.block_size)
+    torch.set_num_threads(reader_threads)
+    storage, config = engine.kv_cache, engine.loaded.config
+    storage.cascade_min_tokens = 48
+    q = torch.randn(len(own), config.num_heads, config.head_dim, generator=torch.Generator().manual_seed(5)) * 2
+    for layer in (0, config.num_layers - 1):
+        reads = KERNEL.shared_prefix_reads()
+        got = storage.attend_in_place(layer, q, keys, keys.context_lens)
+        assert KERNEL.shared_prefix_reads() == reads + 1
+        k, v = storage.gather(layer, keys.slots, keys.positions, torch.float32)
+        want = attend(q[:, None], k, v, (keys.positions != -1)[:, None])[:, 0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", [case for case, (kv_format, _) in CASES.items() if kv_format not in FLOAT_POOLS])
 def test_whole_block_read_equals_the_torch_gather(case, reader_threads, tiny_llama_kv64, oaken_calibrations,
                                                   monkeypatch):

@@ -93,6 +93,72 @@ def test_rows_sharing_a_block_table_attend_as_their_sequence_alone(lone_len):
     assert torch.equal(with_other[0], pair[0]) and torch.equal(with_other[4], pair[1])
 
 
+def tables_sharing_a_prefix(sequences: int, shared_blocks: int, own_lens: list[int], seed: int = 6):
+    """Block tables of `sequences` rows whose first shared_blocks blocks are the same, then blocks of their own, with
+    context lengths shared_blocks x 16 + own_lens[row] (a row of own length 0 holds the prefix alone)."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(40, generator=gen)
+    own_blocks = max(-(-n // 16) for n in own_lens)
+    tables = torch.stack([torch.cat([order[:shared_blocks],
+                                     order[shared_blocks + row * own_blocks:][:own_blocks]]) for row in range(sequences)])
+    return tables, torch.tensor([shared_blocks * 16 + n for n in own_lens])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prefix_shared_by_eight_sequences_is_read_once_with_the_same_result(dtype, threads):
+    """Eight sequences whose tables begin with the same 4 blocks (64 tokens, and one of them holds nothing else):
+    with min_shared_tokens 64 the kernel reads that prefix once for all (the count of such calls goes up) and gives
+    what it gives reading each sequence's copy, to float rounding; the rows of one sequence's drafts count as one
+    sequence, so seven sequences and a draft are too few; a prefix shorter than asked is read per sequence."""
+    k_pool, v_pool = (pool.to(dtype) for pool in random_pools(num_blocks=40))
+    tables, lens = tables_sharing_a_prefix(8, 4, [0, 1, 5, 16, 17, 30, 31, 3])
+    q = torch.randn(8, 9, 64, generator=torch.Generator().manual_seed(7))
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plain = KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125)
+        reads = KERNEL.shared_prefix_reads()
+        shared = KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 64)
+        assert KERNEL.shared_prefix_reads() == reads + 1
+        torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-6)
+        drafted = tables.clone()
+        drafted[7] = drafted[6]  # row 7: a draft of row 6's sequence
+        KERNEL.paged_decode_attention(q, k_pool, v_pool, drafted, lens, 0.125, 64)
+        KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 80)
+        assert KERNEL.shared_prefix_reads() == reads + 1
+    finally:
+        torch.set_num_threads(before_threads)
+
+
+@needs_kernel
+def test_the_shared_prefix_is_the_blocks_every_row_holds_within_its_context():
+    """Rows that share 3 blocks, then a fourth that all but one hold: the prefix is 3 blocks (48 tokens) and the
+    result is the per-sequence one; a long shared prefix is read in chunks (300 tokens: two)."""
+    k_pool, v_pool = random_pools(num_blocks=40)
+    tables, lens = tables_sharing_a_prefix(9, 4, [2, 9, 20, 1, 7, 16, 3, 12, 5])
+    tables[8, 3] = tables[8, 4]  # row 8's fourth block is one of its own
+    q = torch.randn(9, 9, 64, generator=torch.Generator().manual_seed(8))
+    plain = KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125)
+    reads = KERNEL.shared_prefix_reads()
+    torch.testing.assert_close(KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 48), plain,
+                               rtol=1e-5, atol=1e-6)
+    assert KERNEL.shared_prefix_reads() == reads + 1
+    KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 49)  # 64 asked for: 48 shared
+    assert KERNEL.shared_prefix_reads() == reads + 1
+    k_pool, v_pool = random_pools(num_blocks=60)
+    gen = torch.Generator().manual_seed(9)
+    order = torch.randperm(60, generator=gen)
+    long_tables = torch.stack([torch.cat([order[:19], order[19 + 4 * row :][:4]]) for row in range(8)])
+    long_lens = torch.tensor([300 + 7 * row for row in range(8)])
+    q = torch.randn(8, 9, 64, generator=gen)
+    torch.testing.assert_close(KERNEL.paged_decode_attention(q, k_pool, v_pool, long_tables, long_lens, 0.125, 256),
+                               KERNEL.paged_decode_attention(q, k_pool, v_pool, long_tables, long_lens, 0.125),
+                               rtol=1e-5, atol=1e-6)
+    assert KERNEL.shared_prefix_reads() == reads + 2
+
+
 @needs_kernel
 def test_kernel_refuses_out_of_range_blocks_and_lengths():
     k_pool, v_pool = random_pools()

@@ -181,6 +181,23 @@ def add_bench_commands(commands) -> None:
     _add_output_flags(lpm)
     add_engine_arguments(lpm)
 
+    cascade = bench.add_parser(
+        "cascade", help="decodes sharing a long prefix: read once for all (cascade attention) against once each",
+        description="One prefix of --prefix-tokens tokens of the text and a question of its own per request, all "
+                    "--requests sent at once, exactly --max-tokens greedy tokens each (several values of either: "
+                    "every pair). For each of --kv-formats, engines with the options' --cascade-min-tokens and with "
+                    "0 take turns for --rounds rounds. Reports decode and output tokens/s, cascade's over plain's, "
+                    "and the requests given the same greedy tokens by both.",
+    )
+    cascade.add_argument("--requests", default="32", help="requests sharing the prefix, comma-separated (default: 32)")
+    cascade.add_argument("--prefix-tokens", default="2048", help="tokens of the prefix, comma-separated (default: 2048)")
+    cascade.add_argument("--question-tokens", type=int, default=32, help="each request's own tokens (default: 32)")
+    cascade.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default: 64)")
+    cascade.add_argument("--kv-formats", default="fp32,int4,oaken", help="KV formats compared (default: fp32,int4,oaken)")
+    cascade.add_argument("--rounds", type=int, default=2, help="rounds of cascade then plain (default: 2)")
+    _add_output_flags(cascade)
+    add_engine_arguments(cascade)
+
     throughput = bench.add_parser(
         "throughput", help="offline workload: each scheduler against transformers generate",
         description="N requests arrive at once (prompts cut from --text, greedy, fixed seed). kvstrata runs them "
@@ -293,6 +310,7 @@ def _add_impress_commands(bench) -> None:
 
 def run_bench(args: argparse.Namespace) -> None:
     from kvstrata.bench.beam_search import run_beam_search_bench
+    from kvstrata.bench.cascade import run_cascade_bench
     from kvstrata.bench.embed import run_embed_bench
     from kvstrata.bench.impress_analysis import run_impress_analysis
     from kvstrata.bench.infinigen_analysis import run_infinigen_analysis
@@ -308,5 +326,6 @@ def run_bench(args: argparse.Namespace) -> None:
                 "decode": run_decode, "infinigen-analysis": run_infinigen_analysis,
                 "offload": run_offload, "impress-analysis": run_impress_analysis,
                 "beam-search": run_beam_search_bench, "speculative": run_speculative_bench, "lora": run_lora_bench,
-                "priority": run_priority_bench, "embed": run_embed_bench, "lpm": run_lpm_bench}
+                "priority": run_priority_bench, "embed": run_embed_bench, "lpm": run_lpm_bench,
+                "cascade": run_cascade_bench}
     commands[args.bench](args)

@@ -42,6 +42,7 @@ class FormatOptions:
     chunk_size: int = 1024  # ... and those a step's prefill chunks complete
     oaken_format: Callable[[], KVFormat] | None = None  # resolves the model's calibration (engine/kv_setup.py)
     in_place_decode: bool = True  # decodes on the CPU: the compiled decode-attention kernels where they build
+    cascade_min_tokens: int = 0  # ... which read a prefix this long that the decodes share once for all (0: never)
 
 
 class StorageLayout(ABC):
@@ -63,10 +64,10 @@ class StorageLayout(ABC):
 
 
 class FloatLayout(StorageLayout):
-    def __init__(self, shape: CacheShape, dtype: torch.dtype, in_place_decode: bool = True):
+    def __init__(self, shape: CacheShape, dtype: torch.dtype, options: FormatOptions):
         super().__init__(shape)
         self.dtype = dtype
-        self.in_place_decode = in_place_decode
+        self.options = options
 
     @property
     def bytes_per_token(self) -> float:
@@ -76,14 +77,14 @@ class FloatLayout(StorageLayout):
     def build(self, num_blocks, device) -> KVStorage:
         s = self.shape
         return PagedKVCache(s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim, self.dtype, device,
-                            self.in_place_decode)
+                            self.options.in_place_decode, self.options.cascade_min_tokens)
 
 
 class QuantizedLayout(StorageLayout):
-    def __init__(self, shape: CacheShape, kv_format: KVFormat, in_place_decode: bool = True):
+    def __init__(self, shape: CacheShape, kv_format: KVFormat, options: FormatOptions):
         super().__init__(shape)
         self.format = kv_format
-        self.in_place_decode = in_place_decode
+        self.options = options
 
     @property
     def bytes_per_token(self) -> float:
@@ -92,7 +93,7 @@ class QuantizedLayout(StorageLayout):
     def build(self, num_blocks, device) -> KVStorage:
         s = self.shape
         return QuantizedPagedKVCache(self.format, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim,
-                                     device, self.in_place_decode)
+                                     device, self.options.in_place_decode, self.options.cascade_min_tokens)
 
 
 class KiviLayout(StorageLayout):
@@ -123,16 +124,15 @@ class KiviLayout(StorageLayout):
 def _oaken(shape: CacheShape, options: FormatOptions) -> StorageLayout:
     if options.oaken_format is None:
         raise KvstrataError("kv_format 'oaken' needs the model's calibration; build it with the engine")
-    return QuantizedLayout(shape, options.oaken_format(), options.in_place_decode)
+    return QuantizedLayout(shape, options.oaken_format(), options)
 
 
 KV_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], StorageLayout]] = {
-    "fp32": lambda shape, options: FloatLayout(shape, torch.float32, options.in_place_decode),
-    "fp16": lambda shape, options: FloatLayout(shape, torch.float16, options.in_place_decode),
-    "bf16": lambda shape, options: FloatLayout(shape, torch.bfloat16, options.in_place_decode),
-    "int8": lambda shape, options: QuantizedLayout(shape, Int8Format(shape.width), options.in_place_decode),
-    "int4": lambda shape, options: QuantizedLayout(shape, Int4Format(shape.width, options.int4_group_size),
-                                                   options.in_place_decode),
+    "fp32": lambda shape, options: FloatLayout(shape, torch.float32, options),
+    "fp16": lambda shape, options: FloatLayout(shape, torch.float16, options),
+    "bf16": lambda shape, options: FloatLayout(shape, torch.bfloat16, options),
+    "int8": lambda shape, options: QuantizedLayout(shape, Int8Format(shape.width), options),
+    "int4": lambda shape, options: QuantizedLayout(shape, Int4Format(shape.width, options.int4_group_size), options),
     "kivi4": lambda shape, options: KiviLayout(shape, 4, options),
     "kivi2": lambda shape, options: KiviLayout(shape, 2, options),
     "oaken": _oaken,

@@ -22,6 +22,7 @@ class FusedDecode(NamedTuple):
     slots: torch.Tensor  # [n] the slot of each sequence's new token
     block_tables: torch.Tensor  # [n, B]
     context_lens: torch.Tensor  # [n] tokens in each sequence's cache once the new one is stored
+    min_shared_tokens: int = 0  # a prefix this long or longer that the sequences share is read once for all; 0: never
 
 
 def store_and_attend(layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -29,12 +30,13 @@ def store_and_attend(layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: to
     """Store layer `layer`'s new K/V [n, kv_heads, head_dim] and return the attention output of q [n, heads,
     head_dim] over each sequence's cached keys."""
     return torch.ops.kvstrata.store_and_decode_attention(q, k_new, v_new, step.k_pools, step.v_pools, layer, step.slots,
-                                                         step.block_tables, step.context_lens, q.shape[-1] ** -0.5)
+                                                         step.block_tables, step.context_lens, q.shape[-1] ** -0.5,
+                                                         step.min_shared_tokens)
 
 
 def register_fake() -> None:
     """What the operator returns, for torch.compile's tracing (shapes only); called once the kernels are loaded."""
 
     @torch.library.register_fake("kvstrata::store_and_decode_attention")
-    def _(q, k_new, v_new, k_pools, v_pools, layer, slots, block_tables, context_lens, scale):
+    def _(q, k_new, v_new, k_pools, v_pools, layer, slots, block_tables, context_lens, scale, min_shared_tokens):
         return q.new_empty(q.shape)  # the kernel's output is contiguous whatever q's strides

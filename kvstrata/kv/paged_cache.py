@@ -27,6 +27,7 @@ class PagedKVCache(KVStorage):
         dtype: torch.dtype,
         device: torch.device,
         in_place_decode: bool = True,
+        cascade_min_tokens: int = 0,
     ):
         shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         # empty, not zeros: pages cost memory (and zeroing costs time) only once a block is used;
@@ -39,6 +40,7 @@ class PagedKVCache(KVStorage):
         self.device = device
         # on the CPU, decodes read their blocks where they lie, with the compiled kernel (if it builds)
         self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
+        self.cascade_min_tokens = cascade_min_tokens  # ... reading a prefix the decodes share once for all (0: never)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -102,13 +104,15 @@ class PagedKVCache(KVStorage):
             return None
         with torch.profiler.record_function("kvstrata::paged_decode_attention"):  # named in profiles
             return self.decode_kernel.paged_decode_attention(q, self.k[layer], self.v[layer], keys.block_tables,
-                                                             context_lens, q.shape[-1] ** -0.5)
+                                                             context_lens, q.shape[-1] ** -0.5,
+                                                             self.cascade_min_tokens)
 
     def fused_decode(self, batch, dtype):
         keys = batch.groups[0].keys
         if self.decode_kernel is None or dtype != torch.float32 or keys.block_tables is None:
             return None
-        return FusedDecode(self.k, self.v, batch.slot_mapping, keys.block_tables, batch.groups[0].context_lens)
+        return FusedDecode(self.k, self.v, batch.slot_mapping, keys.block_tables, batch.groups[0].context_lens,
+                           self.cascade_min_tokens)
 
     def gather_keys(self, layer, keys: CachedKeys, dtype):
         """Whole blocks are copied block by block (several times faster on CPU than slot by slot)."""

@@ -23,7 +23,7 @@ SPARSE_HEADROOM = 1.25  # sparse pages reserved beyond the expected outlier byte
 
 class QuantizedPagedKVCache(KVStorage):
     def __init__(self, kv_format: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device, in_place_decode: bool = True):
+                 head_dim: int, device: torch.device, in_place_decode: bool = True, cascade_min_tokens: int = 0):
         self.format = kv_format
         self.block_size = block_size
         self.num_layers = num_layers
@@ -38,6 +38,7 @@ class QuantizedPagedKVCache(KVStorage):
         # on the CPU, decodes read the records where they lie, dequantizing one row at a time in the compiled
         # kernel (if it builds and the format has a reader); elsewhere every gathered token is decoded first
         self.decode_kernel = paged_decode.kernel() if in_place_decode and device.type == "cpu" else None
+        self.cascade_min_tokens = cascade_min_tokens  # ... reading a prefix the decodes share once for all (0: never)
         # on the CPU, formats with a compiled writer encode and write a layer's new K/V in one call
         self.store_kernel = paged_decode.kernel() if device.type == "cpu" else None
         # on a GPU, formats with Triton kernels (kv/gpu) encode, and decode what is gathered, a launch or two each
@@ -92,7 +93,7 @@ class QuantizedPagedKVCache(KVStorage):
         with torch.profiler.record_function(f"kvstrata::paged_decode_attention_{self.format.name}"):  # in profiles
             return self.format.attend_in_place(
                 self.decode_kernel, layer, q, self._layer_records[layer],
-                self.sparse, keys.block_tables, context_lens, self.block_size)
+                self.sparse, keys.block_tables, context_lens, self.block_size, self.cascade_min_tokens)
 
     def gather_keys(self, layer, keys, dtype):
         """Whole-block keys (a prefill chunk's) are decoded where they lie by the format's compiled reader, where the

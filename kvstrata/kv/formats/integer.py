@@ -40,9 +40,11 @@ class Int8Format(KVFormat):
         kernel.integer_store(k, v, slots, records["k"], records["v"], 8, 0)
         return True
 
-    def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size):
+    def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size,
+                        min_shared_tokens=0):
         return kernel.paged_decode_attention_int8(q, records["k"], records["v"], block_tables, context_lens,
-                                                  block_size, self.width // q.shape[-1], q.shape[-1] ** -0.5)
+                                                  block_size, self.width // q.shape[-1], q.shape[-1] ** -0.5,
+                                                  min_shared_tokens)
 
     def read_in_place(self, kernel, layer, records, sparse, block_tables, context_lens, block_size):
         # records are read whole: one "head" of all the token's values
@@ -95,10 +97,11 @@ class Int4Format(KVFormat):
         kernel.integer_store(k, v, slots, records["k"], records["v"], 4, self.group)
         return True
 
-    def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size):
+    def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size,
+                        min_shared_tokens=0):
         return kernel.paged_decode_attention_int4(q, records["k"], records["v"], block_tables, context_lens,
                                                   block_size, self.width // q.shape[-1], self.group,
-                                                  q.shape[-1] ** -0.5)
+                                                  q.shape[-1] ** -0.5, min_shared_tokens)
 
     def read_in_place(self, kernel, layer, records, sparse, block_tables, context_lens, block_size):
         return kernel.paged_read_int4(records["k"], records["v"], block_tables, context_lens, block_size, 1,

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,143 +23,9 @@
 #include <utility>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace kvstrata {
-
-// Conversions the readers spend their time in, with F16C and AVX2 (built with -mf16c -mavx2).
-
-// A float16 stored at any byte address (records pack them at odd offsets).
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return _cvtsh_ss(bits);
-}
-
-// n float16 values (at any address) widened into out.
-inline void widen_halves(const void* halves, int64_t n, float* out) {
-  const uint8_t* p = static_cast<const uint8_t*>(halves);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
-  }
-  for (; i < n; ++i) out[i] = half_at(p + 2 * i);
-}
-
-// The 16 4-bit codes of 8 bytes (value 2j in the low nibble of byte j, 2j + 1 in the high one) as floats, in order:
-// codes 0-7 in first, 8-15 in second.
-inline void nibble_codes(const uint8_t* bytes, __m256& first, __m256& second) {
-  const __m128i mask = _mm_set1_epi8(15);
-  const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-  first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
-  second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
-}
-
-inline float nibble_at(const uint8_t* bytes, int64_t i) { return static_cast<float>((bytes[i / 2] >> (4 * (i % 2))) & 15); }
-
-// 2 * n_bytes 4-bit codes (laid out as nibble_codes reads them) as finish(low + code * step), finish taking and
-// giving 8 floats (a scalar tail goes through lane 0).
-template <typename Finish>
-inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out, Finish finish) {
-  const __m256 lows = _mm256_set1_ps(low), steps = _mm256_set1_ps(step);
-  int64_t j = 0;
-  for (; j + 8 <= n_bytes; j += 8) {  // 8 bytes: 16 codes in order
-    __m256 first, second;
-    nibble_codes(bytes + j, first, second);
-    _mm256_storeu_ps(out + 2 * j, finish(_mm256_fmadd_ps(first, steps, lows)));
-    _mm256_storeu_ps(out + 2 * j + 8, finish(_mm256_fmadd_ps(second, steps, lows)));
-  }
-  for (int64_t i = 2 * j; i < 2 * n_bytes; ++i) {
-    out[i] = _mm256_cvtss_f32(finish(_mm256_set1_ps(low + nibble_at(bytes, i) * step)));
-  }
-}
-
-inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out) {
-  widen_nibbles(bytes, n_bytes, low, step, out, [](__m256 x) { return x; });
-}
-
-// 2 * n_bytes 4-bit codes as low[i] + code * step[i]: every value with a minimum and a step of its own.
-inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, const float* low, const float* step, float* out) {
-  int64_t j = 0;
-  for (; j + 8 <= n_bytes; j += 8) {
-    __m256 first, second;
-    nibble_codes(bytes + j, first, second);
-    const int64_t i = 2 * j;
-    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(first, _mm256_loadu_ps(step + i), _mm256_loadu_ps(low + i)));
-    _mm256_storeu_ps(out + i + 8, _mm256_fmadd_ps(second, _mm256_loadu_ps(step + i + 8), _mm256_loadu_ps(low + i + 8)));
-  }
-  for (int64_t i = 2 * j; i < 2 * n_bytes; ++i) out[i] = low[i] + nibble_at(bytes, i) * step[i];
-}
-
-// n (minimum, step) pairs of float16 (at any address) widened into two arrays.
-inline void widen_pairs(const void* pairs, int64_t n, float* minimum, float* step) {
-  const uint8_t* p = static_cast<const uint8_t*>(pairs);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {  // pairs 0-3 in a, 4-7 in b
-    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * i)));
-    const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * i + 16)));
-    // in-lane shuffles give each 128-bit lane two pairs' worth of a and of b: [0 1 4 5 | 2 3 6 7], put in order
-    const auto ordered = [](__m256 x) {
-      return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8));
-    };
-    _mm256_storeu_ps(minimum + i, ordered(_mm256_shuffle_ps(a, b, 0x88)));
-    _mm256_storeu_ps(step + i, ordered(_mm256_shuffle_ps(a, b, 0xDD)));
-  }
-  for (; i < n; ++i) {
-    minimum[i] = half_at(p + 4 * i);
-    step[i] = half_at(p + 4 * i + 2);
-  }
-}
-
-// e^x of 8 floats: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 (ln 2 in two parts, so that r keeps its
-// digits), e^r by its Taylor polynomial of degree 6 (|r| <= ln 2 / 2: relative error below 2e-7). x is clamped
-// below at -87, where e^x nears float32's smallest normal (softmax weights that small vanish beside the peak's 1);
-// a NaN stays NaN.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // this operand order returns x where x is NaN
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
-// row[t] = e^(row[t] - peak) for t < len; returns their sum.
-inline float exp_minus_peak(float* row, int64_t len, float peak) {
-  const __m256 peaks = _mm256_set1_ps(peak);
-  __m256 sums = _mm256_setzero_ps();
-  int64_t t = 0;
-  for (; t + 8 <= len; t += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), peaks));
-    _mm256_storeu_ps(row + t, e);
-    sums = _mm256_add_ps(sums, e);
-  }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, sums);
-  float total = 0.0f;
-  for (const float lane : lanes) total += lane;
-  for (; t < len; ++t) total += (row[t] = std::exp(row[t] - peak));
-  return total;
-}
-
-// The dot product of two float vectors of n values: two chains of 8 lanes, summed across lanes at the end (a
-// compiler's reduction stores the lanes and adds them one after another, on the critical path of every score).
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    even = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), even);
-    odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), odd);
-  }
-  const __m256 both = _mm256_add_ps(even, odd);
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  float total = _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
-  for (; d < n; ++d) total += a[d] * b[d];
-  return total;
-}
 
 // The slot of a sequence's token t (block table entry t / block, offset t % block) for many tokens of one block size
 // (>= 1): a shift and a mask where it is a power of two (it is by default), since a division per row read is a
@@ -388,6 +255,179 @@ inline int64_t count_sequences(const int64_t* tables, int64_t n, int64_t width) 
   return sequences;
 }
 
+// Softmax parts of one query head merged into o: part p has peak peaks[p], total totals[p] (the sum of its weights
+// e^(score - peak)) and outputs[p], its dim values weighted by them, not yet divided. A part whose scores are all
+// -inf weighs nothing; NaN where a part's scores were: o is then NaN, as unsplit.
+inline void merge_parts(int64_t count, const float* peaks, const float* totals, const float* const* outputs,
+                        int64_t dim, float* o) {
+  float peak = -INFINITY;
+  for (int64_t p = 0; p < count; ++p) peak = std::max(peak, peaks[p]);
+  std::fill(o, o + dim, 0.0f);
+  float total = 0.0f;
+  for (int64_t p = 0; p < count; ++p) {
+    const float weight = peaks[p] == -INFINITY ? 0.0f : std::exp(peaks[p] - peak);
+    total += weight * totals[p];
+    for (int64_t d = 0; d < dim; ++d) o[d] += weight * outputs[p][d];
+  }
+  for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+}
+
+// The tokens every row reads from the same blocks: the whole blocks at the head of every row's block table that lie
+// within every row's context.
+inline int64_t shared_prefix_tokens(const int64_t* tables, const int64_t* lens, int64_t n, int64_t width,
+                                    int64_t block) {
+  const int64_t blocks = std::min(width, *std::min_element(lens, lens + n) / block);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t s = 1; s < n; ++s) {
+      if (tables[s * width + b] != tables[b]) return b * block;
+    }
+  }
+  return blocks * block;
+}
+
+// Calls of `run` that read a shared prefix once for all rows (below), counted for tests: paged_decode.cpp.
+std::atomic<int64_t>& shared_prefix_reads();
+
+// Sequences that a prefix must be shared by to be read once for all (below): with fewer, the matrix products' rows
+// are too few to pay for the set-up (a measurement: docs/BENCHMARKS.md, "Cascade attention").
+constexpr int64_t kCascadeMinSequences = 8;
+
+// Tokens of a shared prefix (below) one work item reads: a fixed count, so that how a row's prefix is split depends on
+// the prefix's length alone.
+constexpr int64_t kSharedChunkTokens = 256;
+
+// A float32 tensor of `sizes` over memory the calling thread keeps from call to call (`kept`, grown where too small):
+// memory freshly allocated at these sizes would be faulted in page by page in every layer of every step.
+inline at::Tensor kept_tensor(std::vector<float>& kept, at::IntArrayRef sizes) {
+  int64_t count = 1;
+  for (const int64_t size : sizes) count *= size;
+  if (static_cast<int64_t>(kept.size()) < count) kept.resize(count);
+  return at::from_blob(kept.data(), sizes, at::kFloat);
+}
+
+// Tokens [first, last) of a reader's K (keys) or V rows, `width` floats each, into out: copied, or decoded into `row`
+// first (a reader may write one value past a row).
+template <typename Rows>
+void copy_rows(Rows& rows, bool keys, int64_t first, int64_t last, int64_t width, float* out,
+               std::vector<float>& row) {
+  row.resize(width + 1);
+  for (int64_t t = first; t < last; ++t) {
+    const float* from = row.data();
+    if constexpr (stable_rows<Rows>::value) {
+      from = keys ? rows.key(t) : rows.value(t);
+    } else if (keys) {
+      rows.key(t, row.data());
+    } else {
+      rows.value(t, row.data());
+    }
+    std::memcpy(out + (t - first) * width, from, width * sizeof(float));
+  }
+}
+
+// Scores x [tokens, columns] turned in place into their weights e^(score - peak) per column, with each column's peak
+// and total (the sum of its weights), 8 columns a vector.
+inline void softmax_columns(float* x, int64_t tokens, int64_t columns, float* peaks, float* totals) {
+  std::fill(peaks, peaks + columns, -INFINITY);
+  std::fill(totals, totals + columns, 0.0f);
+  const int64_t vectors = columns / 8 * 8;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = x + t * columns;
+    int64_t c = 0;
+    for (; c < vectors; c += 8) {
+      _mm256_storeu_ps(peaks + c, _mm256_max_ps(_mm256_loadu_ps(peaks + c), _mm256_loadu_ps(row + c)));
+    }
+    for (; c < columns; ++c) peaks[c] = std::max(peaks[c], row[c]);
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* row = x + t * columns;
+    int64_t c = 0;
+    for (; c < vectors; c += 8) {
+      const __m256 weights = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + c), _mm256_loadu_ps(peaks + c)));
+      _mm256_storeu_ps(row + c, weights);
+      _mm256_storeu_ps(totals + c, _mm256_add_ps(_mm256_loadu_ps(totals + c), weights));
+    }
+    for (; c < columns; ++c) totals[c] += (row[c] = std::exp(row[c] - peaks[c]));
+  }
+}
+
+// Decode attention where every row's first `shared` tokens lie in the same blocks (cascade attention). The prefix is
+// read, and decoded where the storage keeps another form, once for all rows instead of once per row, in chunks over
+// torch's threads; a chunk is attended by every row's queries of a KV head together, as two matrix products (the
+// chunk's keys [tokens, dim] by the queries [n * group, dim], the weights by the values), which run several times
+// faster than a row's query at a time. Each row then reads its own tokens, and its parts are merged by their peaks and
+// totals. The products sum in the matrix library's order, which may depend on how many rows there are. Arguments as
+// `run` has them below; the prefix is read in items of prefix_row_heads KV heads, the rows' own tokens in items of
+// row_heads.
+template <typename MakeRows>
+void attend_shared_prefix(const at::Tensor& q, at::Tensor& out, const int64_t* tables, const int64_t* lens,
+                          int64_t width, int64_t kv_heads, int64_t row_heads, int64_t prefix_row_heads,
+                          int64_t shared, double scale, MakeRows& make_rows) {
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), group = heads / kv_heads, columns = n * group;
+  const int64_t chunks = (shared + kSharedChunkTokens - 1) / kSharedChunkTokens, prefix_items = kv_heads / prefix_row_heads;
+  // each KV head's queries of every row [n * group, dim], scaled
+  const at::Tensor queries = q.view({n, kv_heads, group, dim}).transpose(0, 1).reshape({kv_heads, columns, dim}) * scale;
+  // chunk c's sums for KV head h: outputs [columns, dim], peaks and totals [columns], at (c * kv_heads + h)
+  thread_local std::vector<float> kept_outputs, kept_peaks, kept_totals;
+  float* chunk_outputs = kept_tensor(kept_outputs, {chunks * kv_heads * columns * dim}).data_ptr<float>();
+  float* chunk_peaks = kept_tensor(kept_peaks, {chunks * kv_heads * columns}).data_ptr<float>();
+  float* chunk_totals = kept_tensor(kept_totals, {chunks * kv_heads * columns}).data_ptr<float>();
+  at::parallel_for(0, chunks * prefix_items, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> kept_keys, kept_values, kept_weights, row;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t c = unit / prefix_items, first_head = unit % prefix_items * prefix_row_heads;
+      const int64_t first = c * kSharedChunkTokens, last = std::min(shared, first + kSharedChunkTokens);
+      const int64_t len = last - first, item_width = prefix_row_heads * dim;
+      auto rows = make_rows(tables, first_head, prefix_row_heads);  // the first row's table: the prefix is every row's
+      at::Tensor keys = kept_tensor(kept_keys, {len, item_width}), values = kept_tensor(kept_values, {len, item_width});
+      copy_rows(rows, true, first, last, item_width, keys.data_ptr<float>(), row);
+      copy_rows(rows, false, first, last, item_width, values.data_ptr<float>(), row);
+      at::Tensor weights = kept_tensor(kept_weights, {len, columns});
+      for (int64_t h = first_head; h < first_head + prefix_row_heads; ++h) {
+        const int64_t at = c * kv_heads + h;
+        at::mm_out(weights, keys.narrow(1, (h - first_head) * dim, dim), queries[h].t());
+        softmax_columns(weights.data_ptr<float>(), len, columns, chunk_peaks + at * columns,
+                        chunk_totals + at * columns);
+        at::Tensor outputs = at::from_blob(chunk_outputs + at * columns * dim, {columns, dim}, at::kFloat);
+        at::mm_out(outputs, weights.t(), values.narrow(1, (h - first_head) * dim, dim));
+      }
+    }
+  });
+  const int64_t items = kv_heads / row_heads, item_heads = group * row_heads;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * items, 1, [&](int64_t begin, int64_t end) {
+    SpanScratch scratch;
+    std::vector<float> own_outputs(item_heads * dim), own_peaks(item_heads), own_totals(item_heads);
+    std::vector<float> peaks(chunks + 1), totals(chunks + 1);
+    std::vector<const float*> outputs(chunks + 1);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t s = unit / items, first_head = unit % items * row_heads;
+      std::fill(own_outputs.begin(), own_outputs.end(), 0.0f);
+      std::fill(own_peaks.begin(), own_peaks.end(), -INFINITY);  // nothing of its own weighs nothing below
+      std::fill(own_totals.begin(), own_totals.end(), 0.0f);
+      if (lens[s] > shared) {
+        auto rows = make_rows(tables + s * width, first_head, row_heads);
+        attend_span(rows, qp + (s * heads + first_head * group) * dim, own_outputs.data(), shared, lens[s], group,
+                    row_heads, dim, static_cast<float>(scale), scratch, own_peaks.data(), own_totals.data());
+      }
+      for (int64_t g = 0; g < item_heads; ++g) {
+        const int64_t h = first_head + g / group, column = s * group + g % group;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t at = (c * kv_heads + h) * columns + column;
+          peaks[c] = chunk_peaks[at];
+          totals[c] = chunk_totals[at];
+          outputs[c] = chunk_outputs + at * dim;
+        }
+        peaks[chunks] = own_peaks[g];
+        totals[chunks] = own_totals[g];
+        outputs[chunks] = own_outputs.data() + g * dim;
+        merge_parts(chunks + 1, peaks.data(), totals.data(), outputs.data(), dim,
+                    op + (s * heads + first_head * group + g) * dim);
+      }
+    }
+  });
+}
+
 // Checks the inputs, then one work item per sequence and `row_heads` KV heads over torch's threads;
 // make_rows(table, first KV head, row_heads) builds the reader of one item, whose rows hold its KV heads side by
 // side. A reader of whole-token records (whole_tokens) gets all of a token's KV heads in one item where there are
@@ -397,10 +437,13 @@ inline int64_t count_sequences(const int64_t* tables, int64_t n, int64_t width) 
 // model on 2 threads), each item's tokens are split into parts attended apart and merged by their peaks and totals,
 // so that every thread has work (the split-softmax of flash-decoding). How a row is split depends only on the
 // number of sequences in the step and its own length: a sequence's rows for its drafts are attended as it is alone,
-// in the same order of sums, so drafts do not change the numbers a decode gives.
+// in the same order of sums, so drafts do not change the numbers a decode gives. Where kCascadeMinSequences or more
+// sequences share their first min_shared_tokens tokens or more in the same blocks (0: never looked for), those are
+// read once for all (attend_shared_prefix).
 template <typename MakeRows>
 at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t block,
-               int64_t num_blocks, double scale, MakeRows make_rows, bool whole_tokens = false) {
+               int64_t num_blocks, double scale, MakeRows make_rows, bool whole_tokens = false,
+               int64_t min_shared_tokens = 0) {
   q = q.contiguous();
   block_tables = block_tables.to(at::kLong).contiguous();
   context_lens = context_lens.to(at::kLong).contiguous();
@@ -416,6 +459,15 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   if (n == 0) return out;
+  if (min_shared_tokens > 0 && sequences >= kCascadeMinSequences) {
+    const int64_t shared = shared_prefix_tokens(tables, lens, n, width, block);
+    if (shared >= min_shared_tokens) {
+      attend_shared_prefix(q, out, tables, lens, width, kv_heads, row_heads, whole_tokens ? kv_heads : 1, shared,
+                           scale, make_rows);
+      ++shared_prefix_reads();
+      return out;
+    }
+  }
   const int64_t longest = *std::max_element(lens, lens + n);
   const int64_t parts = sequences * items >= 2 * threads ? 1 : std::clamp<int64_t>(
       (4 * threads + sequences * items - 1) / (sequences * items), 1, std::max<int64_t>(1, longest / kMinPartTokens));
@@ -460,26 +512,21 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
                   totals.data() + unit * item_heads);
     }
   });
+  std::vector<float> part_peaks(parts), part_totals(parts);
+  std::vector<const float*> part_outputs(parts);
   for (int64_t item = 0; item < n * items; ++item) {
     const int64_t s = item / items, h = item % items * row_heads;
     if (parts_of(s) == 1) continue;  // attended whole above
     const int64_t used = (lens[s] + span_of(s) - 1) / span_of(s);  // the parts that hold tokens
     for (int64_t g = 0; g < item_heads; ++g) {
-      float peak = -INFINITY;
-      for (int64_t p = 0; p < used; ++p) peak = std::max(peak, peaks[(item * parts + p) * item_heads + g]);
-      float* o = op + (s * heads + h * group + g) * dim;
-      std::fill(o, o + dim, 0.0f);
-      float total = 0.0f;
       for (int64_t p = 0; p < used; ++p) {
         const int64_t at = (item * parts + p) * item_heads + g;
-        // a part whose scores are all -inf weighs nothing; NaN where a part's scores were: the head's output is
-        // then NaN, as unsplit
-        const float weight = peaks[at] == -INFINITY ? 0.0f : std::exp(peaks[at] - peak);
-        total += weight * totals[at];
-        const float* part_out = partial.data() + at * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] += weight * part_out[d];
+        part_peaks[p] = peaks[at];
+        part_totals[p] = totals[at];
+        part_outputs[p] = partial.data() + at * dim;
       }
-      for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+      merge_parts(used, part_peaks.data(), part_totals.data(), part_outputs.data(), dim,
+                  op + (s * heads + h * group + g) * dim);
     }
   }
   return out;
@@ -532,13 +579,14 @@ bool avx512_path();
 
 // The storages' entry points (one file each), bound in paged_decode.cpp.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
-                                  at::Tensor context_lens, double scale);
+                                  at::Tensor context_lens, double scale, int64_t min_shared_tokens);
 at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
                                        at::Tensor block_tables, at::Tensor context_lens, int64_t block,
-                                       int64_t kv_heads, double scale);
+                                       int64_t kv_heads, double scale, int64_t min_shared_tokens);
 at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
                                        at::Tensor block_tables, at::Tensor context_lens, int64_t block,
-                                       int64_t kv_heads, int64_t group_size, double scale);
+                                       int64_t kv_heads, int64_t group_size, double scale,
+                                       int64_t min_shared_tokens);
 at::Tensor paged_decode_attention_kivi(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                                        at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
                                        int64_t bits, int64_t kv_heads, double scale);
@@ -546,7 +594,7 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
                                         std::vector<double> key_shift, std::vector<double> value_shift,
                                         std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos,
                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
-                                        int64_t block, int64_t kv_heads, double scale);
+                                        int64_t block, int64_t kv_heads, double scale, int64_t min_shared_tokens);
 // The same readers' rows read out (read_rows): K and V of whole-block keys, for a prefill chunk's attention.
 std::vector<at::Tensor> paged_read_int8(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
                                         at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim);

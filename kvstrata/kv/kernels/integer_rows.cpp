@@ -90,17 +90,20 @@ static auto int4_rows(const at::Tensor& k_records, const at::Tensor& v_records, 
 
 at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
                                        at::Tensor block_tables, at::Tensor context_lens, int64_t block,
-                                       int64_t kv_heads, double scale) {
+                                       int64_t kv_heads, double scale, int64_t min_shared_tokens) {
   const auto rows = int8_rows(k_records, v_records, block, kv_heads, q.size(2), "paged_decode_attention_int8");
-  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true);
+  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true,
+             min_shared_tokens);
 }
 
 at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
                                        at::Tensor block_tables, at::Tensor context_lens, int64_t block,
-                                       int64_t kv_heads, int64_t group_size, double scale) {
+                                       int64_t kv_heads, int64_t group_size, double scale,
+                                       int64_t min_shared_tokens) {
   const auto rows =
       int4_rows(k_records, v_records, block, kv_heads, q.size(2), group_size, "paged_decode_attention_int4");
-  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true);
+  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true,
+             min_shared_tokens);
 }
 
 std::vector<at::Tensor> paged_read_int8(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,

@@ -46,7 +46,7 @@ struct FloatRows<float> : PoolRows<float> {
 
 template <typename T>
 at::Tensor attend_float(at::Tensor q, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor block_tables,
-                        at::Tensor context_lens, double scale) {
+                        at::Tensor context_lens, double scale, int64_t min_shared_tokens) {
   const int64_t kv_heads = k_pool.size(0), num_blocks = k_pool.size(1), block = k_pool.size(2);
   const int64_t dim = q.size(2);
   TORCH_CHECK(k_pool.size(3) == dim, "paged_decode_attention: head_dim of q and the pools differ");
@@ -56,18 +56,21 @@ at::Tensor attend_float(at::Tensor q, const at::Tensor& k_pool, const at::Tensor
   return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
              [&](const int64_t* table, int64_t h, int64_t /* row_heads: 1 */) {
     return FloatRows<T>{{k, v, table, BlockSlots{block}, dim, h * num_blocks * block}};
-  });
+  }, false, min_shared_tokens);
 }
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
-                                  at::Tensor context_lens, double scale) {
+                                  at::Tensor context_lens, double scale, int64_t min_shared_tokens) {
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   k_pool.sizes() == v_pool.sizes() && k_pool.dim() == 4,
               "paged_decode_attention: K and V pools must be contiguous [kv_heads, blocks, block, dim] of one dtype");
   switch (k_pool.scalar_type()) {
-    case at::kFloat: return attend_float<float>(q, k_pool, v_pool, block_tables, context_lens, scale);
-    case at::kHalf: return attend_float<at::Half>(q, k_pool, v_pool, block_tables, context_lens, scale);
-    case at::kBFloat16: return attend_float<at::BFloat16>(q, k_pool, v_pool, block_tables, context_lens, scale);
+    case at::kFloat:
+      return attend_float<float>(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens);
+    case at::kHalf:
+      return attend_float<at::Half>(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens);
+    case at::kBFloat16:
+      return attend_float<at::BFloat16>(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens);
     default: TORCH_CHECK(false, "paged_decode_attention: pools must be float32, float16 or bfloat16");
   }
 }
@@ -93,10 +96,12 @@ void store_rows(const at::Tensor& pool, const at::Tensor& rows, const int64_t* s
 }
 
 // Writes k_new and v_new [n, kv_heads, dim] at `slots` [n] of layer `layer` of the pools [layers, kv_heads,
-// blocks, block, dim], then attends each of the n decoding sequences over its first context_lens tokens.
+// blocks, block, dim], then attends each of the n decoding sequences over its first context_lens tokens (a prefix
+// of min_shared_tokens or more that they share read once for all; 0: never).
 at::Tensor store_and_decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                                       at::Tensor& k_pools, at::Tensor& v_pools, int64_t layer, const at::Tensor& slots,
-                                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                      int64_t min_shared_tokens) {
   TORCH_CHECK(k_pools.dim() == 5 && layer >= 0 && layer < k_pools.size(0) && k_pools.is_contiguous() &&
                   v_pools.is_contiguous() && k_pools.sizes() == v_pools.sizes() &&
                   k_pools.scalar_type() == v_pools.scalar_type(),
@@ -120,7 +125,7 @@ at::Tensor store_and_decode_attention(const at::Tensor& q, const at::Tensor& k_n
       default: TORCH_CHECK(false, "store_and_decode_attention: pools must be float32, float16 or bfloat16");
     }
   }
-  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale);
+  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens);
 }
 
 std::atomic<bool> avx512_allowed{true};
@@ -134,26 +139,44 @@ bool avx512_path() {
 // Sets whether readers may take their AVX-512 code; returns what it was.
 bool allow_avx512(bool allowed) { return avx512_allowed.exchange(allowed); }
 
+std::atomic<int64_t>& shared_prefix_reads() {
+  static std::atomic<int64_t> reads{0};
+  return reads;
+}
+
 }  // namespace kvstrata
 
 TORCH_LIBRARY(kvstrata, m) {
   m.def("store_and_decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_pools, Tensor(b!) v_pools, "
-        "int layer, Tensor slots, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+        "int layer, Tensor slots, Tensor block_tables, Tensor context_lens, float scale, int min_shared_tokens) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvstrata, CPU, m) { m.impl("store_and_decode_attention", &kvstrata::store_and_decode_attention); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // min_shared_tokens (0: never) is where a prefix the sequences share is read once for all (attend.h's run)
+  using pybind11::arg;
   m.def("paged_decode_attention", &kvstrata::paged_decode_attention,
-        "decode attention read in place from float32, float16 or bfloat16 KV pools");
+        "decode attention read in place from float32, float16 or bfloat16 KV pools", arg("q"), arg("k_pool"),
+        arg("v_pool"), arg("block_tables"), arg("context_lens"), arg("scale"), arg("min_shared_tokens") = 0);
   m.def("paged_decode_attention_int8", &kvstrata::paged_decode_attention_int8,
-        "decode attention read in place from int8 KV records, dequantized one row at a time");
+        "decode attention read in place from int8 KV records, dequantized one row at a time", arg("q"),
+        arg("k_records"), arg("v_records"), arg("block_tables"), arg("context_lens"), arg("block"), arg("kv_heads"),
+        arg("scale"), arg("min_shared_tokens") = 0);
   m.def("paged_decode_attention_int4", &kvstrata::paged_decode_attention_int4,
-        "decode attention read in place from int4 KV records (groups of min and step), one row at a time");
+        "decode attention read in place from int4 KV records (groups of min and step), one row at a time", arg("q"),
+        arg("k_records"), arg("v_records"), arg("block_tables"), arg("context_lens"), arg("block"), arg("kv_heads"),
+        arg("group_size"), arg("scale"), arg("min_shared_tokens") = 0);
   m.def("paged_decode_attention_kivi", &kvstrata::paged_decode_attention_kivi,
         "decode attention read in place from KIVI's quantized blocks and its float16 window");
   m.def("paged_decode_attention_oaken", &kvstrata::paged_decode_attention_oaken,
-        "decode attention read in place from Oaken's dense records and sparse pages");
+        "decode attention read in place from Oaken's dense records and sparse pages", arg("q"), arg("keys"),
+        arg("values"), arg("key_shift"), arg("value_shift"), arg("layout"), arg("key_mean"), arg("cos"), arg("sin"),
+        arg("block_tables"), arg("context_lens"), arg("block"), arg("kv_heads"), arg("scale"),
+        arg("min_shared_tokens") = 0);
+  m.def("shared_prefix_reads", [] { return kvstrata::shared_prefix_reads().load(); },
+        "decode attention calls so far that read a prefix the sequences share once for all of them");
   m.def("allow_avx512", &kvstrata::allow_avx512,
         "whether the readers may take their AVX-512 code where the CPU has it (tests turn it off); returns the last");
   m.def("paged_read_int8", &kvstrata::paged_read_int8, "whole-block K and V decoded from int8 KV records");

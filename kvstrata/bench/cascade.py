@@ -1,0 +1,116 @@
+"""`kvstrata bench cascade`: decodes that share a long prefix (a system prompt, a document asked many questions),
+with the prefix read once for all of them (`--cascade-min-tokens`, cascade attention) against once per sequence.
+
+For each pair of --requests and --prefix-tokens: one prefix of that many tokens of the text, then per request a
+question of its own (--question-tokens of the text after the prefix); all requests are sent at once and generate
+exactly --max-tokens greedy tokens. The prefix cache gives every request the prefix's blocks, so their decodes read it
+from the same blocks. For each --kv-formats entry two engines on one set of weights take turns for --rounds rounds:
+`cascade` (the engine options' --cascade-min-tokens, 512 by default) and `plain` (0: each sequence reads its own
+copy of the prefix). Reported per run: seconds, decode tokens/s (decode steps only: no prompt tokens in them) and
+output tokens/s; their medians; cascade's over plain's; and how many requests got the same greedy tokens from both
+in the last round (the prefix's sums run in another order, so a near tie may continue otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from kvstrata.bench.report import emit, engine_info, machine_info, sig
+from kvstrata.bench.workload import medians, read_text, take_turns, warm_up
+from kvstrata.cli.engine_args import engine_config_from_args
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
+from kvstrata.errors import KvstrataError
+
+
+def run_cascade_bench(args: argparse.Namespace) -> None:
+    requests, prefixes = _counts(args.requests, "requests"), _counts(args.prefix_tokens, "prefix-tokens")
+    for flag in ("question_tokens", "max_tokens", "rounds"):
+        if getattr(args, flag) < 1:
+            raise KvstrataError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    base = engine_config_from_args(args)
+    if base.cascade_min_tokens == 0:
+        raise KvstrataError("--cascade-min-tokens 0 turns cascade attention off; the benchmark compares it with that")
+    formats = [name.strip() for name in args.kv_formats.split(",") if name.strip()]
+    if not formats:
+        raise KvstrataError(f"--kv-formats {args.kv_formats!r} names no format")
+    loaded, cases = None, []
+    for kv_format in formats:
+        config = dataclasses.replace(base, kv_format=kv_format)
+        engines = {"cascade": LLMEngine(config, loaded=loaded)}
+        loaded = engines["cascade"].loaded
+        engines["plain"] = LLMEngine(dataclasses.replace(config, cascade_min_tokens=0), loaded=loaded)
+        ids = engines["plain"].tokenizer.encode(read_text(args.text))
+        warm_up(engines.values(), ids[: args.question_tokens])
+        for count in requests:
+            for prefix_tokens in prefixes:
+                prompts = _prompts(ids, count, prefix_tokens, args)
+                cases.append(_compare(engines, prompts, kv_format, prefix_tokens, args))
+        info = engine_info(engines["cascade"])
+    info["config"]["kv_format"] = formats
+    emit({"benchmark": "cascade", "machine": machine_info(), **info,
+          "workload": {"text": str(args.text), "question_tokens": args.question_tokens, "max_tokens": args.max_tokens,
+                       "rounds": args.rounds, "threads": torch.get_num_threads()},
+          "cases": cases}, args.json)
+
+
+def _counts(spec: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in str(spec).split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise KvstrataError(f"--{flag} {spec!r} must be positive integers, comma-separated")
+    return values
+
+
+def _prompts(ids: list[int], count: int, prefix_tokens: int, args: argparse.Namespace) -> list[list[int]]:
+    """The prefix, then question i (the i-th window of --question-tokens after it), for each request."""
+    needed = prefix_tokens + count * args.question_tokens
+    if len(ids) < needed:
+        raise KvstrataError(f"{args.text} has {len(ids)} tokens, fewer than the {needed} of a {prefix_tokens}-token "
+                            f"prefix and {count} questions of {args.question_tokens}")
+    size = args.question_tokens
+    return [ids[:prefix_tokens] + ids[prefix_tokens + i * size : prefix_tokens + (i + 1) * size] for i in range(count)]
+
+
+def _compare(engines: dict, prompts: list[list[int]], kv_format: str, prefix_tokens: int,
+             args: argparse.Namespace) -> dict:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    results = take_turns(engines, args.rounds, lambda engine: _run(engine, prompts, params))
+    runs = {name: [figures for figures, _ in one] for name, one in results.items()}
+    cascade, plain = (results[name][-1][1] for name in ("cascade", "plain"))
+    exact = medians(runs)
+    return {
+        "kv_format": kv_format, "requests": len(prompts), "prefix_tokens": prefix_tokens,
+        "runs": runs,
+        "medians": {name: {key: sig(value) for key, value in one.items()} for name, one in exact.items()},
+        "cascade_over_plain": {key: sig(exact["cascade"][key] / exact["plain"][key])
+                               for key in ("decode_tokens_per_s", "output_tokens_per_s")},
+        "same_greedy_outputs": sum(a == b for a, b in zip(cascade, plain)),
+    }
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict, list[list[int]]]:
+    """Every prompt sent at once and run to its end, the prefix cache emptied first; the run's figures and each
+    request's output tokens."""
+    engine.reset_prefix_cache()
+    engine.step_stats.clear()
+    start = time.perf_counter()
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    seconds = time.perf_counter() - start
+    decodes = [step for step in engine.step_stats if step.prefill_tokens == 0]
+    figures = {
+        "seconds": seconds,
+        "decode_tokens_per_s": sum(step.decode_tokens for step in decodes) / sum(step.seconds for step in decodes),
+        "output_tokens_per_s": len(prompts) * params.max_tokens / seconds,
+        "preemptions": sum(step.num_preempted for step in engine.step_stats),
+    }
+    return figures, [list(finished[request_id].token_ids) for request_id in ids]

@@ -1,0 +1,51 @@
+"""Cascade attention in the engine (`cascade_min_tokens`): requests that share a prompt prefix decode over the
+prefix cache's blocks of it, which the compiled readers then read once for all of them. The kernel's own tests
+(test_paged_kernel.py, test_in_place_readers.py) hold its results equal to reading each sequence's copy."""
+
+import pytest
+import torch
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.errors import KvstrataError
+from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
+from kvstrata.kv.kernels import paged_decode
+
+KERNEL = paged_decode.kernel()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernels could not be built")
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Nine prompts: the same 64 tokens (4 blocks), then 3 of their own."""
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 300, (64,), generator=gen).tolist()
+    return [prefix + torch.randint(3, 300, (3,), generator=gen).tolist() for _ in range(9)]
+
+
+def generate_counting(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Greedy tokens of the prompts sent together, and the decode attention calls that read a shared prefix once."""
+    reads = KERNEL.shared_prefix_reads()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    return [list(out.token_ids) for out in outputs], KERNEL.shared_prefix_reads() - reads
+
+
+@pytest.mark.parametrize(("model", "kv_format"), [("tiny_gguf_style", "fp32"), ("tiny_llama_kv64", "int4"),
+                                                  ("tiny_llama_kv64", "oaken")],
+                         ids=["native-loop-fp32", "layers-int4", "layers-oaken"])
+def test_requests_sharing_a_prefix_read_it_once_and_generate_the_same(model, kv_format, request, oaken_calibrations):
+    """Nine requests sharing 64 prompt tokens: with cascade_min_tokens 32 their decodes read the prefix once for all
+    (in the compiled loop over all layers, and layer by layer for the quantized formats) and give the greedy tokens
+    they give with it off, where nothing is read that way."""
+    path = request.getfixturevalue(model)
+    options = {"kv_format": kv_format, "threads": 2, "kv_cache_memory": "16MiB",
+               "oaken_calibration": str(oaken_calibrations[DEFAULT_RATIOS]) if kv_format == "oaken" else None}
+    prompts = shared_prefix_prompts()
+    cascade, cascade_reads = generate_counting(LLM(str(path), cascade_min_tokens=32, **options), prompts)
+    plain, plain_reads = generate_counting(LLM(str(path), cascade_min_tokens=0, **options), prompts)
+    assert cascade_reads > 0 and plain_reads == 0
+    assert cascade == plain
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_a_bad_threshold_is_refused_naming_it(tiny_llama, value):
+    with pytest.raises(KvstrataError, match="cascade_min_tokens must be an integer >= 0"):
+        LLM(str(tiny_llama), cascade_min_tokens=value)
