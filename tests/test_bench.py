@@ -356,6 +356,27 @@ def test_lpm_computes_less_of_the_shared_documents_than_fcfs_for_the_same_output
     assert "fewer than the 1152000 of 1000 passages of 1024 and 4000 questions of 32" in capsys.readouterr().err
 
 
+def test_cascade_reads_each_shared_prefix_once_for_the_same_outputs(tiny_llama, capsys):
+    report = run_json(capsys, "bench", "cascade", "--model", str(tiny_llama), *TINY, "--requests", "16", "--prefixes",
+                      "1,2", "--prefix-tokens", "32", "--question-tokens", "8", "--max-tokens", "4",
+                      "--cascade-min-tokens", "32", "--kv-formats", "fp32,int8", "--rounds", "2", "--json")
+    cases = report["cases"]
+    assert [(case["kv_format"], case["prefixes"]) for case in cases] == [("fp32", 1), ("fp32", 2), ("int8", 1),
+                                                                         ("int8", 2)]
+    for case in cases:
+        # 16 requests over one prefix or 8 over each of two: every decode step reads each prefix once per layer
+        assert all(run["shared_prefix_reads"] > 0 for run in case["runs"]["cascade"])
+        assert all(run["shared_prefix_reads"] == 0 for run in case["runs"]["plain"])
+        assert case["plain_same_every_round"] == 16 and case["same_greedy_outputs"] == 16
+        medians = case["medians"]
+        assert case["cascade_over_plain"]["decode_tokens_per_s"] == pytest.approx(
+            medians["cascade"]["decode_tokens_per_s"] / medians["plain"]["decode_tokens_per_s"], rel=2e-3)
+    assert main(["bench", "cascade", "--model", str(tiny_llama), "--prefixes", "0"]) == 2
+    assert "--prefixes '0' must be positive integers" in capsys.readouterr().err
+    assert main(["bench", "cascade", "--model", str(tiny_llama), "--cascade-min-tokens", "0"]) == 2
+    assert "the benchmark compares it with that" in capsys.readouterr().err
+
+
 def test_lpm_with_cold_requests_arriving_one_by_one_and_aging(tiny_llama, capsys):
     report = run_json(capsys, "bench", "lpm", "--model", str(tiny_llama), "--documents", "2", "--document-tokens",
                       "48", "--questions", "4", "--question-tokens", "8", "--max-tokens", "4", "--documents-held", "2",

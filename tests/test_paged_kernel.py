@@ -160,6 +160,32 @@ def test_the_shared_prefix_is_the_blocks_every_row_holds_within_its_context():
 
 
 @needs_kernel
+def test_each_prefix_eight_sequences_share_is_read_once_and_the_other_rows_as_before():
+    """A step of 8 sequences over one document (4 blocks), 9 over another (3 blocks), a lone sequence of its own and
+    7 over a third (2 blocks), interleaved: the two prefixes of 8 or more sequences are read once each, and every
+    row's output is what reading each sequence's copy gives."""
+    k_pool, v_pool = random_pools(num_blocks=160)
+    gen = torch.Generator().manual_seed(10)
+    order = torch.randperm(160, generator=gen).tolist()
+    documents = [order[:4], order[4:7], order[7:9]]
+    spare = iter(order[9:])
+    rows = [0] * 8 + [1] * 9 + [None] + [2] * 7
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
+    tables, lens = [], []
+    for document in rows:
+        shared = documents[document] if document is not None else [next(spare)]
+        tables.append(shared + [next(spare) for _ in range(6 - len(shared))])
+        lens.append(16 * len(shared) + int(torch.randint(1, 30, (1,), generator=gen)))
+    tables, lens = torch.tensor(tables), torch.tensor(lens)
+    q = torch.randn(len(rows), 9, 64, generator=gen)
+    plain = KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125)
+    reads = KERNEL.shared_prefix_reads()
+    torch.testing.assert_close(KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 32), plain,
+                               rtol=1e-5, atol=1e-6)
+    assert KERNEL.shared_prefix_reads() == reads + 2
+
+
+@needs_kernel
 def test_kernel_refuses_out_of_range_blocks_and_lengths():
     k_pool, v_pool = random_pools()
     q = torch.randn(1, 3, 64)

@@ -1,14 +1,17 @@
 """`kvstrata bench cascade`: decodes that share a long prefix (a system prompt, a document asked many questions),
 with the prefix read once for all of them (`--cascade-min-tokens`, cascade attention) against once per sequence.
 
-For each pair of --requests and --prefix-tokens: one prefix of that many tokens of the text, then per request a
-question of its own (--question-tokens of the text after the prefix); all requests are sent at once and generate
-exactly --max-tokens greedy tokens. The prefix cache gives every request the prefix's blocks, so their decodes read it
-from the same blocks. For each --kv-formats entry two engines on one set of weights take turns for --rounds rounds:
+For each combination of --requests, --prefixes and --prefix-tokens: that many prefixes of that many tokens (windows
+of the text, one after another), request i reading prefix i mod --prefixes and then a question of its own
+(--question-tokens of the text after the prefixes); all requests are sent at once and generate exactly --max-tokens
+greedy tokens. The prefix cache gives the requests over a prefix its blocks, so their decodes read it from the same
+blocks. For each --kv-formats entry two engines on one set of weights take turns for --rounds rounds:
 `cascade` (the engine options' --cascade-min-tokens, 512 by default) and `plain` (0: each sequence reads its own
-copy of the prefix). Reported per run: seconds, decode tokens/s (decode steps only: no prompt tokens in them) and
-output tokens/s; their medians; cascade's over plain's; and how many requests got the same greedy tokens from both
-in the last round (the prefix's sums run in another order, so a near tie may continue otherwise).
+copy of the prefix). Reported per run: seconds, decode tokens/s (decode steps only: no prompt tokens in them),
+output tokens/s and the prefixes read once for all the decodes sharing them (layers x steps x groups); their medians; cascade's over plain's; how many requests got the same greedy tokens from both in
+the last round (the prefix's sums run in another order, so a near tie may continue otherwise, and a quantized KV
+format or int8 activation codes can make a rounding difference a different code), and how many got the same from
+plain in every round (what the comparison stands on).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.kernels import paged_decode
 
 
 def run_cascade_bench(args: argparse.Namespace) -> None:
-    requests, prefixes = _counts(args.requests, "requests"), _counts(args.prefix_tokens, "prefix-tokens")
+    requests, prefixes = _counts(args.requests, "requests"), _counts(args.prefixes, "prefixes")
+    lengths = _counts(args.prefix_tokens, "prefix-tokens")
     for flag in ("question_tokens", "max_tokens", "rounds"):
         if getattr(args, flag) < 1:
             raise KvstrataError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
@@ -47,9 +52,12 @@ def run_cascade_bench(args: argparse.Namespace) -> None:
         ids = engines["plain"].tokenizer.encode(read_text(args.text))
         warm_up(engines.values(), ids[: args.question_tokens])
         for count in requests:
-            for prefix_tokens in prefixes:
-                prompts = _prompts(ids, count, prefix_tokens, args)
-                cases.append(_compare(engines, prompts, kv_format, prefix_tokens, args))
+            for documents in prefixes:
+                for prefix_tokens in lengths:
+                    prompts = _prompts(ids, count, documents, prefix_tokens, args)
+                    case = {"kv_format": kv_format, "requests": count, "prefixes": documents,
+                            "prefix_tokens": prefix_tokens}
+                    cases.append({**case, **_compare(engines, prompts, args)})
         info = engine_info(engines["cascade"])
     info["config"]["kv_format"] = formats
     emit({"benchmark": "cascade", "machine": machine_info(), **info,
@@ -68,30 +76,33 @@ def _counts(spec: str, flag: str) -> list[int]:
     return values
 
 
-def _prompts(ids: list[int], count: int, prefix_tokens: int, args: argparse.Namespace) -> list[list[int]]:
-    """The prefix, then question i (the i-th window of --question-tokens after it), for each request."""
-    needed = prefix_tokens + count * args.question_tokens
-    if len(ids) < needed:
-        raise KvstrataError(f"{args.text} has {len(ids)} tokens, fewer than the {needed} of a {prefix_tokens}-token "
-                            f"prefix and {count} questions of {args.question_tokens}")
-    size = args.question_tokens
-    return [ids[:prefix_tokens] + ids[prefix_tokens + i * size : prefix_tokens + (i + 1) * size] for i in range(count)]
+def _prompts(ids: list[int], count: int, documents: int, prefix_tokens: int,
+             args: argparse.Namespace) -> list[list[int]]:
+    """Request i: prefix i mod `documents` (the text's windows of prefix_tokens, one after another), then question i
+    (the i-th window of --question-tokens after the prefixes)."""
+    start, size = documents * prefix_tokens, args.question_tokens
+    if len(ids) < start + count * size:
+        raise KvstrataError(f"{args.text} has {len(ids)} tokens, fewer than the {start + count * size} of {documents} "
+                            f"prefixes of {prefix_tokens} and {count} questions of {size}")
+    prefix = [ids[d * prefix_tokens : (d + 1) * prefix_tokens] for d in range(documents)]
+    return [prefix[i % documents] + ids[start + i * size : start + (i + 1) * size] for i in range(count)]
 
 
-def _compare(engines: dict, prompts: list[list[int]], kv_format: str, prefix_tokens: int,
-             args: argparse.Namespace) -> dict:
+def _compare(engines: dict, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     results = take_turns(engines, args.rounds, lambda engine: _run(engine, prompts, params))
     runs = {name: [figures for figures, _ in one] for name, one in results.items()}
     cascade, plain = (results[name][-1][1] for name in ("cascade", "plain"))
+    plain_rounds = [outputs for _, outputs in results["plain"]]
     exact = medians(runs)
     return {
-        "kv_format": kv_format, "requests": len(prompts), "prefix_tokens": prefix_tokens,
         "runs": runs,
         "medians": {name: {key: sig(value) for key, value in one.items()} for name, one in exact.items()},
         "cascade_over_plain": {key: sig(exact["cascade"][key] / exact["plain"][key])
                                for key in ("decode_tokens_per_s", "output_tokens_per_s")},
         "same_greedy_outputs": sum(a == b for a, b in zip(cascade, plain)),
+        "plain_same_every_round": sum(all(one == first for one in others)
+                                      for first, *others in zip(*plain_rounds)),
     }
 
 
@@ -100,6 +111,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
     request's output tokens."""
     engine.reset_prefix_cache()
     engine.step_stats.clear()
+    kernel = paged_decode.kernel()
+    reads = kernel.shared_prefix_reads() if kernel is not None else 0
     start = time.perf_counter()
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     finished = {}
@@ -112,5 +125,6 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
         "decode_tokens_per_s": sum(step.decode_tokens for step in decodes) / sum(step.seconds for step in decodes),
         "output_tokens_per_s": len(prompts) * params.max_tokens / seconds,
         "preemptions": sum(step.num_preempted for step in engine.step_stats),
+        "shared_prefix_reads": (kernel.shared_prefix_reads() if kernel is not None else 0) - reads,
     }
     return figures, [list(finished[request_id].token_ids) for request_id in ids]

@@ -183,13 +183,15 @@ def add_bench_commands(commands) -> None:
 
     cascade = bench.add_parser(
         "cascade", help="decodes sharing a long prefix: read once for all (cascade attention) against once each",
-        description="One prefix of --prefix-tokens tokens of the text and a question of its own per request, all "
-                    "--requests sent at once, exactly --max-tokens greedy tokens each (several values of either: "
-                    "every pair). For each of --kv-formats, engines with the options' --cascade-min-tokens and with "
-                    "0 take turns for --rounds rounds. Reports decode and output tokens/s, cascade's over plain's, "
-                    "and the requests given the same greedy tokens by both.",
+        description="--prefixes prefixes of --prefix-tokens tokens of the text, request i reading prefix i mod "
+                    "--prefixes and a question of its own; all --requests sent at once, exactly --max-tokens greedy "
+                    "tokens each (several values of any of the three: every combination). For each of --kv-formats, "
+                    "engines with the options' --cascade-min-tokens and with 0 take turns for --rounds rounds. "
+                    "Reports decode and output tokens/s, cascade's over plain's, and the requests given the same "
+                    "greedy tokens by both.",
     )
-    cascade.add_argument("--requests", default="32", help="requests sharing the prefix, comma-separated (default: 32)")
+    cascade.add_argument("--requests", default="32", help="requests, comma-separated (default: 32)")
+    cascade.add_argument("--prefixes", default="1", help="prefixes the requests share, comma-separated (default: 1)")
     cascade.add_argument("--prefix-tokens", default="2048", help="tokens of the prefix, comma-separated (default: 2048)")
     cascade.add_argument("--question-tokens", type=int, default=32, help="each request's own tokens (default: 32)")
     cascade.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default: 64)")

@@ -285,12 +285,42 @@ inline int64_t shared_prefix_tokens(const int64_t* tables, const int64_t* lens, 
   return blocks * block;
 }
 
-// Calls of `run` that read a shared prefix once for all rows (below), counted for tests: paged_decode.cpp.
+// Prefixes read once for all the rows sharing them (below), counted for tests: paged_decode.cpp.
 std::atomic<int64_t>& shared_prefix_reads();
 
 // Sequences that a prefix must be shared by to be read once for all (below): with fewer, the matrix products' rows
 // are too few to pay for the set-up (a measurement: docs/BENCHMARKS.md, "Cascade attention").
 constexpr int64_t kCascadeMinSequences = 8;
+
+// Rows of a step that share a prefix of `tokens` tokens, to be read once for all of them.
+struct SharedPrefixGroup {
+  std::vector<int64_t> rows;
+  int64_t tokens;
+};
+
+// The step's rows grouped by their first block, and each group's shared prefix (shared_prefix_tokens): the groups of
+// kCascadeMinSequences sequences or more (count_sequences) whose prefix holds min_shared_tokens tokens or more.
+inline std::vector<SharedPrefixGroup> shared_prefix_groups(const int64_t* tables, const int64_t* lens, int64_t n,
+                                                           int64_t width, int64_t block, int64_t min_shared_tokens) {
+  std::vector<int64_t> order(n);
+  for (int64_t s = 0; s < n; ++s) order[s] = s;
+  // stable: a sequence's rows for its drafts stay side by side, so that they count as one sequence
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return tables[a * width] < tables[b * width]; });
+  std::vector<SharedPrefixGroup> groups;
+  for (int64_t first = 0, last = 0; first < n; first = last) {
+    while (last < n && tables[order[last] * width] == tables[order[first] * width]) ++last;
+    std::vector<int64_t> group_tables((last - first) * width), group_lens(last - first);
+    for (int64_t i = first; i < last; ++i) {
+      std::copy_n(tables + order[i] * width, width, group_tables.begin() + (i - first) * width);
+      group_lens[i - first] = lens[order[i]];
+    }
+    if (count_sequences(group_tables.data(), last - first, width) < kCascadeMinSequences) continue;
+    const int64_t tokens = shared_prefix_tokens(group_tables.data(), group_lens.data(), last - first, width, block);
+    if (tokens >= min_shared_tokens) groups.push_back({{order.begin() + first, order.begin() + last}, tokens});
+  }
+  return groups;
+}
 
 // Tokens of a shared prefix (below) one work item reads: a fixed count, so that how a row's prefix is split depends on
 // the prefix's length alone.
@@ -363,9 +393,11 @@ void attend_shared_prefix(const at::Tensor& q, at::Tensor& out, const int64_t* t
                           int64_t width, int64_t kv_heads, int64_t row_heads, int64_t prefix_row_heads,
                           int64_t shared, double scale, MakeRows& make_rows) {
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), group = heads / kv_heads, columns = n * group;
-  const int64_t chunks = (shared + kSharedChunkTokens - 1) / kSharedChunkTokens, prefix_items = kv_heads / prefix_row_heads;
+  const int64_t chunks = (shared + kSharedChunkTokens - 1) / kSharedChunkTokens;
+  const int64_t prefix_items = kv_heads / prefix_row_heads;
   // each KV head's queries of every row [n * group, dim], scaled
-  const at::Tensor queries = q.view({n, kv_heads, group, dim}).transpose(0, 1).reshape({kv_heads, columns, dim}) * scale;
+  const at::Tensor queries =
+      q.view({n, kv_heads, group, dim}).transpose(0, 1).reshape({kv_heads, columns, dim}) * scale;
   // chunk c's sums for KV head h: outputs [columns, dim], peaks and totals [columns], at (c * kv_heads + h)
   thread_local std::vector<float> kept_outputs, kept_peaks, kept_totals;
   float* chunk_outputs = kept_tensor(kept_outputs, {chunks * kv_heads * columns * dim}).data_ptr<float>();
@@ -439,7 +471,7 @@ void attend_shared_prefix(const at::Tensor& q, at::Tensor& out, const int64_t* t
 // number of sequences in the step and its own length: a sequence's rows for its drafts are attended as it is alone,
 // in the same order of sums, so drafts do not change the numbers a decode gives. Where kCascadeMinSequences or more
 // sequences share their first min_shared_tokens tokens or more in the same blocks (0: never looked for), those are
-// read once for all (attend_shared_prefix).
+// read once for all of them (attend_shared_prefix), and the other rows as above.
 template <typename MakeRows>
 at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t block,
                int64_t num_blocks, double scale, MakeRows make_rows, bool whole_tokens = false,
@@ -460,11 +492,31 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   if (n == 0) return out;
   if (min_shared_tokens > 0 && sequences >= kCascadeMinSequences) {
-    const int64_t shared = shared_prefix_tokens(tables, lens, n, width, block);
-    if (shared >= min_shared_tokens) {
-      attend_shared_prefix(q, out, tables, lens, width, kv_heads, row_heads, whole_tokens ? kv_heads : 1, shared,
-                           scale, make_rows);
-      ++shared_prefix_reads();
+    const auto groups = shared_prefix_groups(tables, lens, n, width, block, min_shared_tokens);
+    if (!groups.empty()) {
+      std::vector<bool> grouped(n, false);
+      for (const auto& group : groups) {
+        const at::Tensor rows = at::tensor(group.rows, at::kLong);
+        const at::Tensor group_tables = block_tables.index_select(0, rows);
+        const at::Tensor group_lens = context_lens.index_select(0, rows);
+        at::Tensor group_out = at::empty({rows.size(0), heads, dim}, q.options());
+        attend_shared_prefix(q.index_select(0, rows), group_out, group_tables.data_ptr<int64_t>(),
+                             group_lens.data_ptr<int64_t>(), width, kv_heads, row_heads, whole_tokens ? kv_heads : 1,
+                             group.tokens, scale, make_rows);
+        out.index_copy_(0, rows, group_out);
+        ++shared_prefix_reads();
+        for (const int64_t row : group.rows) grouped[row] = true;
+      }
+      std::vector<int64_t> rest;
+      for (int64_t s = 0; s < n; ++s) {
+        if (!grouped[s]) rest.push_back(s);
+      }
+      if (!rest.empty()) {  // each reading its own tokens, as a step of its own
+        const at::Tensor rows = at::tensor(rest, at::kLong);
+        out.index_copy_(0, rows, run(q.index_select(0, rows), block_tables.index_select(0, rows),
+                                     context_lens.index_select(0, rows), kv_heads, block, num_blocks, scale, make_rows,
+                                     whole_tokens));
+      }
       return out;
     }
   }
