@@ -375,6 +375,8 @@ def test_cascade_reads_each_shared_prefix_once_for_the_same_outputs(tiny_llama, 
     assert "--prefixes '0' must be positive integers" in capsys.readouterr().err
     assert main(["bench", "cascade", "--model", str(tiny_llama), "--cascade-min-tokens", "0"]) == 2
     assert "the benchmark compares it with that" in capsys.readouterr().err
+    assert main(["bench", "cascade", "--model", str(tiny_llama), "--max-tokens", "1"]) == 2
+    assert "--max-tokens must be at least 2, got 1" in capsys.readouterr().err
 
 
 def test_lpm_with_cold_requests_arriving_one_by_one_and_aging(tiny_llama, capsys):

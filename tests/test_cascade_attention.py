@@ -22,7 +22,7 @@ def shared_prefix_prompts() -> list[list[int]]:
 
 
 def generate_counting(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
-    """Greedy tokens of the prompts sent together, and the decode attention calls that read a shared prefix once."""
+    """Greedy tokens of the prompts sent together, and the prefixes read once for the decodes sharing them."""
     reads = KERNEL.shared_prefix_reads()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     return [list(out.token_ids) for out in outputs], KERNEL.shared_prefix_reads() - reads

@@ -105,13 +105,13 @@ def tables_sharing_a_prefix(sequences: int, shared_blocks: int, own_lens: list[i
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_prefix_shared_by_eight_sequences_is_read_once_with_the_same_result(dtype, threads):
     """Eight sequences whose tables begin with the same 4 blocks (64 tokens, and one of them holds nothing else):
-    with min_shared_tokens 64 the kernel reads that prefix once for all (the count of such calls goes up) and gives
-    what it gives reading each sequence's copy, to float rounding; the rows of one sequence's drafts count as one
-    sequence, so seven sequences and a draft are too few; a prefix shorter than asked is read per sequence."""
+    with min_shared_tokens 64 the kernel reads that prefix once for all (the count of prefixes so read goes up) and
+    gives what it gives reading each sequence's copy, to float rounding; the rows of one sequence's drafts count as
+    one sequence, so seven sequences and a draft are too few; a prefix shorter than asked is read per sequence."""
     k_pool, v_pool = (pool.to(dtype) for pool in random_pools(num_blocks=40))
     tables, lens = tables_sharing_a_prefix(8, 4, [0, 1, 5, 16, 17, 30, 31, 3])
     q = torch.randn(8, 9, 64, generator=torch.Generator().manual_seed(7))
@@ -125,8 +125,9 @@ def test_a_prefix_shared_by_eight_sequences_is_read_once_with_the_same_result(dt
         torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-6)
         drafted = tables.clone()
         drafted[7] = drafted[6]  # row 7: a draft of row 6's sequence
-        KERNEL.paged_decode_attention(q, k_pool, v_pool, drafted, lens, 0.125, 64)
-        KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 80)
+        assert torch.equal(KERNEL.paged_decode_attention(q, k_pool, v_pool, drafted, lens, 0.125, 64),
+                           KERNEL.paged_decode_attention(q, k_pool, v_pool, drafted, lens, 0.125))
+        assert torch.equal(KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 80), plain)
         assert KERNEL.shared_prefix_reads() == reads + 1
     finally:
         torch.set_num_threads(before_threads)
@@ -134,8 +135,10 @@ def test_a_prefix_shared_by_eight_sequences_is_read_once_with_the_same_result(dt
 
 @needs_kernel
 def test_the_shared_prefix_is_the_blocks_every_row_holds_within_its_context():
-    """Rows that share 3 blocks, then a fourth that all but one hold: the prefix is 3 blocks (48 tokens) and the
-    result is the per-sequence one; a long shared prefix is read in chunks (300 tokens: two)."""
+    """Nine rows that share 3 blocks, then a fourth that all but the last hold: asked for 48 tokens, the nine read
+    their 48 once; asked for 49, the eight that hold 4 blocks read those 64 tokens once and the last its own copy;
+    the result is the per-sequence one. A prefix of 300 tokens in 19 blocks shares the 18 whole ones (288 tokens),
+    read in chunks."""
     k_pool, v_pool = random_pools(num_blocks=40)
     tables, lens = tables_sharing_a_prefix(9, 4, [2, 9, 20, 1, 7, 16, 3, 12, 5])
     tables[8, 3] = tables[8, 4]  # row 8's fourth block is one of its own
@@ -145,8 +148,9 @@ def test_the_shared_prefix_is_the_blocks_every_row_holds_within_its_context():
     torch.testing.assert_close(KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 48), plain,
                                rtol=1e-5, atol=1e-6)
     assert KERNEL.shared_prefix_reads() == reads + 1
-    KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 49)  # 64 asked for: 48 shared
-    assert KERNEL.shared_prefix_reads() == reads + 1
+    torch.testing.assert_close(KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 49), plain,
+                               rtol=1e-5, atol=1e-6)
+    assert KERNEL.shared_prefix_reads() == reads + 2
     k_pool, v_pool = random_pools(num_blocks=60)
     gen = torch.Generator().manual_seed(9)
     order = torch.randperm(60, generator=gen)
@@ -156,28 +160,33 @@ def test_the_shared_prefix_is_the_blocks_every_row_holds_within_its_context():
     torch.testing.assert_close(KERNEL.paged_decode_attention(q, k_pool, v_pool, long_tables, long_lens, 0.125, 256),
                                KERNEL.paged_decode_attention(q, k_pool, v_pool, long_tables, long_lens, 0.125),
                                rtol=1e-5, atol=1e-6)
-    assert KERNEL.shared_prefix_reads() == reads + 2
+    assert KERNEL.shared_prefix_reads() == reads + 3
 
 
 @needs_kernel
 def test_each_prefix_eight_sequences_share_is_read_once_and_the_other_rows_as_before():
     """A step of 8 sequences over one document (4 blocks), 9 over another (3 blocks), a lone sequence of its own and
-    7 over a third (2 blocks), interleaved: the two prefixes of 8 or more sequences are read once each, and every
-    row's output is what reading each sequence's copy gives."""
+    7 over a third (2 blocks), interleaved, every one beginning with the same block (a chat template's system
+    prompt), and two drafts of sequences over the first document: the two documents of 8 or more sequences are read
+    once each, and every row's output is what reading each sequence's copy gives."""
     k_pool, v_pool = random_pools(num_blocks=160)
     gen = torch.Generator().manual_seed(10)
     order = torch.randperm(160, generator=gen).tolist()
-    documents = [order[:4], order[4:7], order[7:9]]
-    spare = iter(order[9:])
+    system = order[:1]
+    documents = [system + order[1:4], system + order[4:7], system + order[7:8]]
+    spare = iter(order[8:])
     rows = [0] * 8 + [1] * 9 + [None] + [2] * 7
     rows = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
     tables, lens = [], []
     for document in rows:
-        shared = documents[document] if document is not None else [next(spare)]
+        shared = documents[document] if document is not None else system
         tables.append(shared + [next(spare) for _ in range(6 - len(shared))])
         lens.append(16 * len(shared) + int(torch.randint(1, 30, (1,), generator=gen)))
+    drafts = [row for row, document in enumerate(rows) if document == 0][:2]
+    tables += [tables[row] for row in drafts]
+    lens += [lens[row] + 1 for row in drafts]
     tables, lens = torch.tensor(tables), torch.tensor(lens)
-    q = torch.randn(len(rows), 9, 64, generator=gen)
+    q = torch.randn(len(tables), 9, 64, generator=gen)
     plain = KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125)
     reads = KERNEL.shared_prefix_reads()
     torch.testing.assert_close(KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125, 32), plain,

@@ -5,7 +5,8 @@ For each combination of --requests, --prefixes and --prefix-tokens: that many pr
 of the text, one after another), request i reading prefix i mod --prefixes and then a question of its own
 (--question-tokens of the text after the prefixes); all requests are sent at once and generate exactly --max-tokens
 greedy tokens. The prefix cache gives the requests over a prefix its blocks, so their decodes read it from the same
-blocks. For each --kv-formats entry two engines on one set of weights take turns for --rounds rounds:
+blocks. For each --kv-formats entry two engines on one set of weights take turns for --rounds rounds (each round
+in the other order, after a warm-up on a workload of this kind):
 `cascade` (the engine options' --cascade-min-tokens, 512 by default) and `plain` (0: each sequence reads its own
 copy of the prefix). Reported per run: seconds, decode tokens/s (decode steps only: no prompt tokens in them),
 output tokens/s and the prefixes read once for all the decodes sharing them (layers x steps x groups); their medians; cascade's over plain's; how many requests got the same greedy tokens from both in
@@ -23,7 +24,7 @@ import time
 import torch
 
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
-from kvstrata.bench.workload import medians, read_text, take_turns, warm_up
+from kvstrata.bench.workload import medians, read_text, run_together
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
@@ -34,9 +35,10 @@ from kvstrata.kv.kernels import paged_decode
 def run_cascade_bench(args: argparse.Namespace) -> None:
     requests, prefixes = _counts(args.requests, "requests"), _counts(args.prefixes, "prefixes")
     lengths = _counts(args.prefix_tokens, "prefix-tokens")
-    for flag in ("question_tokens", "max_tokens", "rounds"):
-        if getattr(args, flag) < 1:
-            raise KvstrataError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    # two tokens at least: the first comes from the prompt's step, the decodes time the rest
+    for flag, least in (("question_tokens", 1), ("max_tokens", 2), ("rounds", 1)):
+        if getattr(args, flag) < least:
+            raise KvstrataError(f"--{flag.replace('_', '-')} must be at least {least}, got {getattr(args, flag)}")
     base = engine_config_from_args(args)
     if base.cascade_min_tokens == 0:
         raise KvstrataError("--cascade-min-tokens 0 turns cascade attention off; the benchmark compares it with that")
@@ -50,7 +52,9 @@ def run_cascade_bench(args: argparse.Namespace) -> None:
         loaded = engines["cascade"].loaded
         engines["plain"] = LLMEngine(dataclasses.replace(config, cascade_min_tokens=0), loaded=loaded)
         ids = engines["plain"].tokenizer.encode(read_text(args.text))
-        warm_up(engines.values(), ids[: args.question_tokens])
+        warm_up = _prompts(ids, 8, 1, base.cascade_min_tokens, args)  # the fewest sequences that read it once
+        for engine in engines.values():  # the compiled kernels' and the matrix library's first calls
+            run_together(engine, warm_up, [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)] * 8)
         for count in requests:
             for documents in prefixes:
                 for prefix_tokens in lengths:
@@ -90,7 +94,10 @@ def _prompts(ids: list[int], count: int, documents: int, prefix_tokens: int,
 
 def _compare(engines: dict, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    results = take_turns(engines, args.rounds, lambda engine: _run(engine, prompts, params))
+    results = {name: [] for name in engines}
+    for round_ in range(args.rounds):  # the first to run in a round goes second in the next
+        for name in list(engines)[:: 1 if round_ % 2 == 0 else -1]:
+            results[name].append(_run(engines[name], prompts, params))
     runs = {name: [figures for figures, _ in one] for name, one in results.items()}
     cascade, plain = (results[name][-1][1] for name in ("cascade", "plain"))
     plain_rounds = [outputs for _, outputs in results["plain"]]

@@ -256,8 +256,9 @@ inline int64_t count_sequences(const int64_t* tables, int64_t n, int64_t width) 
 }
 
 // Softmax parts of one query head merged into o: part p has peak peaks[p], total totals[p] (the sum of its weights
-// e^(score - peak)) and outputs[p], its dim values weighted by them, not yet divided. A part whose scores are all
-// -inf weighs nothing; NaN where a part's scores were: o is then NaN, as unsplit.
+// e^(score - peak)) and outputs[p], its dim values weighted by them, not yet divided. A part of peak -inf (no tokens,
+// or scores all -inf that its attention left at total 0) weighs nothing; NaN where a part's scores were: o is then
+// NaN, as unsplit.
 inline void merge_parts(int64_t count, const float* peaks, const float* totals, const float* const* outputs,
                         int64_t dim, float* o) {
   float peak = -INFINITY;
@@ -285,7 +286,7 @@ inline int64_t shared_prefix_tokens(const int64_t* tables, const int64_t* lens, 
   return blocks * block;
 }
 
-// Prefixes read once for all the rows sharing them (below), counted for tests: paged_decode.cpp.
+// Prefixes read once for all the rows sharing them (below; one per group and call), counted: paged_decode.cpp.
 std::atomic<int64_t>& shared_prefix_reads();
 
 // Sequences that a prefix must be shared by to be read once for all (below): with fewer, the matrix products' rows
@@ -298,39 +299,52 @@ struct SharedPrefixGroup {
   int64_t tokens;
 };
 
-// The step's rows grouped by their first block, and each group's shared prefix (shared_prefix_tokens): the groups of
-// kCascadeMinSequences sequences or more (count_sequences) whose prefix holds min_shared_tokens tokens or more.
+// The step's rows grouped by their first min_shared_tokens tokens' blocks (rows with fewer whole blocks in their
+// context are left out), and each group's shared prefix (shared_prefix_tokens, at least those blocks): the groups of
+// kCascadeMinSequences sequences or more (count_sequences). Grouping by a prefix that long, not by the first block,
+// keeps requests over different documents apart though they all begin alike (a chat template's system prompt).
 inline std::vector<SharedPrefixGroup> shared_prefix_groups(const int64_t* tables, const int64_t* lens, int64_t n,
                                                            int64_t width, int64_t block, int64_t min_shared_tokens) {
-  std::vector<int64_t> order(n);
-  for (int64_t s = 0; s < n; ++s) order[s] = s;
+  const int64_t key_blocks = std::min(width, (min_shared_tokens + block - 1) / block);
+  std::vector<int64_t> order;
+  for (int64_t s = 0; s < n; ++s) {
+    if (lens[s] / block >= key_blocks) order.push_back(s);
+  }
+  auto key = [&](int64_t s) { return tables + s * width; };
+  auto before = [&](int64_t a, int64_t b) {
+    return std::lexicographical_compare(key(a), key(a) + key_blocks, key(b), key(b) + key_blocks);
+  };
   // stable: a sequence's rows for its drafts stay side by side, so that they count as one sequence
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return tables[a * width] < tables[b * width]; });
+  std::stable_sort(order.begin(), order.end(), before);
   std::vector<SharedPrefixGroup> groups;
-  for (int64_t first = 0, last = 0; first < n; first = last) {
-    while (last < n && tables[order[last] * width] == tables[order[first] * width]) ++last;
-    std::vector<int64_t> group_tables((last - first) * width), group_lens(last - first);
-    for (int64_t i = first; i < last; ++i) {
-      std::copy_n(tables + order[i] * width, width, group_tables.begin() + (i - first) * width);
-      group_lens[i - first] = lens[order[i]];
+  for (size_t first = 0, last = 0; first < order.size(); first = last) {
+    while (last < order.size() && !before(order[first], order[last])) ++last;
+    const int64_t rows = static_cast<int64_t>(last - first);
+    std::vector<int64_t> group_tables(rows * width), group_lens(rows);
+    for (int64_t i = 0; i < rows; ++i) {
+      std::copy_n(key(order[first + i]), width, group_tables.begin() + i * width);
+      group_lens[i] = lens[order[first + i]];
     }
-    if (count_sequences(group_tables.data(), last - first, width) < kCascadeMinSequences) continue;
-    const int64_t tokens = shared_prefix_tokens(group_tables.data(), group_lens.data(), last - first, width, block);
+    if (count_sequences(group_tables.data(), rows, width) < kCascadeMinSequences) continue;
+    const int64_t tokens = shared_prefix_tokens(group_tables.data(), group_lens.data(), rows, width, block);
     if (tokens >= min_shared_tokens) groups.push_back({{order.begin() + first, order.begin() + last}, tokens});
   }
   return groups;
 }
 
-// Tokens of a shared prefix (below) one work item reads: a fixed count, so that how a row's prefix is split depends on
-// the prefix's length alone.
+// Tokens of a shared prefix (below) one work item reads: at most this many, and fewer only to give every thread two.
 constexpr int64_t kSharedChunkTokens = 256;
 
+// The most floats a thread keeps in one buffer between calls (kept_tensor): 4 MiB.
+constexpr int64_t kKeptFloats = int64_t{1} << 20;
+
 // A float32 tensor of `sizes` over memory the calling thread keeps from call to call (`kept`, grown where too small):
-// memory freshly allocated at these sizes would be faulted in page by page in every layer of every step.
+// memory freshly allocated at these sizes would be faulted in page by page in every layer of every step. Larger
+// tensors are allocated for the call, so that one very large step leaves no large buffer behind.
 inline at::Tensor kept_tensor(std::vector<float>& kept, at::IntArrayRef sizes) {
   int64_t count = 1;
   for (const int64_t size : sizes) count *= size;
+  if (count > kKeptFloats) return at::empty(sizes, at::kFloat);
   if (static_cast<int64_t>(kept.size()) < count) kept.resize(count);
   return at::from_blob(kept.data(), sizes, at::kFloat);
 }
@@ -393,21 +407,28 @@ void attend_shared_prefix(const at::Tensor& q, at::Tensor& out, const int64_t* t
                           int64_t width, int64_t kv_heads, int64_t row_heads, int64_t prefix_row_heads,
                           int64_t shared, double scale, MakeRows& make_rows) {
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), group = heads / kv_heads, columns = n * group;
-  const int64_t chunks = (shared + kSharedChunkTokens - 1) / kSharedChunkTokens;
-  const int64_t prefix_items = kv_heads / prefix_row_heads;
+  const int64_t prefix_items = kv_heads / prefix_row_heads, threads = at::get_num_threads();
+  // chunks of whole tiles, as many as give every thread two work items where the prefix is long enough
+  const int64_t chunk_tokens = std::clamp<int64_t>(
+      (shared * prefix_items / (2 * threads) + kTileTokens - 1) / kTileTokens * kTileTokens, kTileTokens,
+      kSharedChunkTokens);
+  const int64_t chunks = (shared + chunk_tokens - 1) / chunk_tokens;
   // each KV head's queries of every row [n * group, dim], scaled
   const at::Tensor queries =
       q.view({n, kv_heads, group, dim}).transpose(0, 1).reshape({kv_heads, columns, dim}) * scale;
   // chunk c's sums for KV head h: outputs [columns, dim], peaks and totals [columns], at (c * kv_heads + h)
   thread_local std::vector<float> kept_outputs, kept_peaks, kept_totals;
-  float* chunk_outputs = kept_tensor(kept_outputs, {chunks * kv_heads * columns * dim}).data_ptr<float>();
-  float* chunk_peaks = kept_tensor(kept_peaks, {chunks * kv_heads * columns}).data_ptr<float>();
-  float* chunk_totals = kept_tensor(kept_totals, {chunks * kv_heads * columns}).data_ptr<float>();
+  const at::Tensor outputs_held = kept_tensor(kept_outputs, {chunks * kv_heads * columns * dim});
+  const at::Tensor peaks_held = kept_tensor(kept_peaks, {chunks * kv_heads * columns});
+  const at::Tensor totals_held = kept_tensor(kept_totals, {chunks * kv_heads * columns});
+  float* chunk_outputs = outputs_held.data_ptr<float>();
+  float* chunk_peaks = peaks_held.data_ptr<float>();
+  float* chunk_totals = totals_held.data_ptr<float>();
   at::parallel_for(0, chunks * prefix_items, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> kept_keys, kept_values, kept_weights, row;
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t c = unit / prefix_items, first_head = unit % prefix_items * prefix_row_heads;
-      const int64_t first = c * kSharedChunkTokens, last = std::min(shared, first + kSharedChunkTokens);
+      const int64_t first = c * chunk_tokens, last = std::min(shared, first + chunk_tokens);
       const int64_t len = last - first, item_width = prefix_row_heads * dim;
       auto rows = make_rows(tables, first_head, prefix_row_heads);  // the first row's table: the prefix is every row's
       at::Tensor keys = kept_tensor(kept_keys, {len, item_width}), values = kept_tensor(kept_values, {len, item_width});
@@ -471,7 +492,8 @@ void attend_shared_prefix(const at::Tensor& q, at::Tensor& out, const int64_t* t
 // number of sequences in the step and its own length: a sequence's rows for its drafts are attended as it is alone,
 // in the same order of sums, so drafts do not change the numbers a decode gives. Where kCascadeMinSequences or more
 // sequences share their first min_shared_tokens tokens or more in the same blocks (0: never looked for), those are
-// read once for all of them (attend_shared_prefix), and the other rows as above.
+// read once for all of them (attend_shared_prefix), and the other rows as above; the prefix's matrix products may sum
+// in an order that depends on how many rows share it, drafts included.
 template <typename MakeRows>
 at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t block,
                int64_t num_blocks, double scale, MakeRows make_rows, bool whole_tokens = false,

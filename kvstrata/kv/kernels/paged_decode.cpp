@@ -148,7 +148,7 @@ std::atomic<int64_t>& shared_prefix_reads() {
 
 TORCH_LIBRARY(kvstrata, m) {
   m.def("store_and_decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_pools, Tensor(b!) v_pools, "
-        "int layer, Tensor slots, Tensor block_tables, Tensor context_lens, float scale, int min_shared_tokens) "
+        "int layer, Tensor slots, Tensor block_tables, Tensor context_lens, float scale, int min_shared_tokens=0) "
         "-> Tensor");
 }
 
@@ -176,7 +176,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("block_tables"), arg("context_lens"), arg("block"), arg("kv_heads"), arg("scale"),
         arg("min_shared_tokens") = 0);
   m.def("shared_prefix_reads", [] { return kvstrata::shared_prefix_reads().load(); },
-        "decode attention calls so far that read a prefix the sequences share once for all of them");
+        "prefixes read once for all the decodes sharing them so far (one per group of sequences and call)");
   m.def("allow_avx512", &kvstrata::allow_avx512,
         "whether the readers may take their AVX-512 code where the CPU has it (tests turn it off); returns the last");
   m.def("paged_read_int8", &kvstrata::paged_read_int8, "whole-block K and V decoded from int8 KV records");
