@@ -289,8 +289,9 @@ inline int64_t shared_prefix_tokens(const int64_t* tables, const int64_t* lens, 
 // Prefixes read once for all the rows sharing them (below; one per group and call), counted: paged_decode.cpp.
 std::atomic<int64_t>& shared_prefix_reads();
 
-// Sequences that a prefix must be shared by to be read once for all (below): with fewer, the matrix products' rows
-// are too few to pay for the set-up (a measurement: docs/BENCHMARKS.md, "Cascade attention").
+// Sequences that a prefix must be shared by to be read once for all (below): with fewer, the matrix products have
+// too few rows to pay for their set-up. 8 is vLLM's threshold for its cascade attention too (untuned there, and here
+// only measured from 8 up: docs/BENCHMARKS.md, "Cascade attention").
 constexpr int64_t kCascadeMinSequences = 8;
 
 // Rows of a step that share a prefix of `tokens` tokens, to be read once for all of them.
@@ -397,9 +398,8 @@ inline void softmax_columns(float* x, int64_t tokens, int64_t columns, float* pe
 // Decode attention where every row's first `shared` tokens lie in the same blocks (cascade attention). The prefix is
 // read, and decoded where the storage keeps another form, once for all rows instead of once per row, in chunks over
 // torch's threads; a chunk is attended by every row's queries of a KV head together, as two matrix products (the
-// chunk's keys [tokens, dim] by the queries [n * group, dim], the weights by the values), which run several times
-// faster than a row's query at a time. Each row then reads its own tokens, and its parts are merged by their peaks and
-// totals. The products sum in the matrix library's order, which may depend on how many rows there are. Arguments as
+// chunk's keys [tokens, dim] by the queries [n * group, dim], the weights by the values). Each row then reads its own
+// tokens, and its parts are merged by their peaks and totals. The products sum in the matrix library's order, which may depend on how many rows there are. Arguments as
 // `run` has them below; the prefix is read in items of prefix_row_heads KV heads, the rows' own tokens in items of
 // row_heads.
 template <typename MakeRows>
