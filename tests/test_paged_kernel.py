@@ -99,8 +99,8 @@ def tables_sharing_a_prefix(sequences: int, shared_blocks: int, own_lens: list[i
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(40, generator=gen)
     own_blocks = max(-(-n // 16) for n in own_lens)
-    tables = torch.stack([torch.cat([order[:shared_blocks],
-                                     order[shared_blocks + row * own_blocks:][:own_blocks]]) for row in range(sequences)])
+    own = [order[shared_blocks + row * own_blocks :][:own_blocks] for row in range(sequences)]
+    tables = torch.stack([torch.cat([order[:shared_blocks], blocks]) for blocks in own])
     return tables, torch.tensor([shared_blocks * 16 + n for n in own_lens])
 
 

@@ -5,14 +5,15 @@ For each combination of --requests, --prefixes and --prefix-tokens: that many pr
 of the text, one after another), request i reading prefix i mod --prefixes and then a question of its own
 (--question-tokens of the text after the prefixes); all requests are sent at once and generate exactly --max-tokens
 greedy tokens. The prefix cache gives the requests over a prefix its blocks, so their decodes read it from the same
-blocks. For each --kv-formats entry two engines on one set of weights take turns for --rounds rounds (each round
-in the other order, after a warm-up on a workload of this kind):
-`cascade` (the engine options' --cascade-min-tokens, 512 by default) and `plain` (0: each sequence reads its own
-copy of the prefix). Reported per run: seconds, decode tokens/s (decode steps only: no prompt tokens in them),
-output tokens/s and the prefixes read once for all the decodes sharing them (layers x steps x groups); their medians; cascade's over plain's; how many requests got the same greedy tokens from both in
-the last round (the prefix's sums run in another order, so a near tie may continue otherwise, and a quantized KV
-format or int8 activation codes can make a rounding difference a different code), and how many got the same from
-plain in every round (what the comparison stands on).
+blocks. For each --kv-formats entry two engines on one set of weights take turns for --rounds rounds, each round in
+the other order, after a warm-up on a workload of this kind: `cascade` (the engine options' --cascade-min-tokens, 512
+by default) and `plain` (0: each sequence reads its own copy of the prefix).
+
+Reported per run: seconds, decode tokens/s (decode steps only: no prompt tokens in them), output tokens/s and the
+prefixes read once for all the decodes sharing them (layers x steps x groups); their medians; cascade's over
+plain's; how many requests got the same greedy tokens from both in the last round (the prefix's sums run in another
+order, so a near tie may continue otherwise, and a quantized KV format or int8 activation codes can turn a rounding
+difference into another code); and how many got the same from plain in every round (what that comparison stands on).
 """
 
 from __future__ import annotations
