@@ -9,6 +9,7 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
 from kvstrata.kv.kernels import paged_decode
+from kvstrata.server.metrics import ServerMetrics
 
 KERNEL = paged_decode.kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernels could not be built")
@@ -49,3 +50,19 @@ def test_requests_sharing_a_prefix_read_it_once_and_generate_the_same(model, kv_
 def test_a_bad_threshold_is_refused_naming_it(tiny_llama, value):
     with pytest.raises(KvstrataError, match="cascade_min_tokens must be an integer >= 0"):
         LLM(str(tiny_llama), cascade_min_tokens=value)
+
+
+def test_the_server_counts_the_prefixes_read_once(tiny_gguf_style):
+    """/metrics' kvstrata:cascade_prefix_reads_total goes up by what the kernels counted; an engine with it off
+    has no such series."""
+    def reads(metrics: ServerMetrics) -> float:
+        lines = metrics.render().decode().splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("kvstrata:cascade_prefix_reads"))
+
+    llm = LLM(str(tiny_gguf_style), cascade_min_tokens=32, kv_cache_memory="16MiB")
+    metrics = ServerMetrics("test-model", llm.engine)
+    before = reads(metrics)
+    _, counted = generate_counting(llm, shared_prefix_prompts())
+    assert counted > 0 and reads(metrics) - before == counted
+    off = ServerMetrics("test-model", LLM(str(tiny_gguf_style), cascade_min_tokens=0, kv_cache_memory="16MiB").engine)
+    assert "cascade_prefix_reads" not in off.render().decode()

@@ -20,6 +20,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         if engine is not None:
             self.registry.register(PrefixCacheCollector(engine, model_name))
+        kernel = getattr(engine.kv_cache, "decode_kernel", None) if engine is not None else None
+        if kernel is not None and engine.config.cascade_min_tokens:
+            self.registry.register(CascadeCollector(kernel, model_name))
         if engine is not None and engine.kv_store is not None:
             self.registry.register(KVStoreCollector(engine, model_name))
         labels = {"model_name": model_name}
@@ -135,6 +138,22 @@ class PrefixCacheCollector:
             family = CounterMetricFamily(f"kvstrata:prefix_cache_{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+
+
+class CascadeCollector:
+    """Prefixes the compiled decode kernels read once for all the decodes sharing them (cascade attention,
+    `--cascade-min-tokens`; one per group of sequences, layer and step), as a counter: whether shared prefixes are
+    read that way under the server's traffic. The kernels count for their process, which serves one engine."""
+
+    def __init__(self, kernel, model_name: str):
+        self.kernel = kernel
+        self.model_name = model_name
+
+    def collect(self):
+        family = CounterMetricFamily("kvstrata:cascade_prefix_reads", "Shared prefixes read once for all the decodes "
+                                     "sharing them (one per group, layer and step)", labels=["model_name"])
+        family.add_metric([self.model_name], self.kernel.shared_prefix_reads())
+        yield family
 
 
 # Per-tier counters of the KV store below the paged cache: (name, TierStats field, help).
