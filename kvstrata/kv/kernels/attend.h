@@ -611,8 +611,8 @@ constexpr int64_t kReadPartTokens = 256;
 
 // Every cached row of n sequences read out by make_rows' readers (whole-token ones: an item reads all kv_heads KV
 // heads of a token), for attention over more than one new token (a prefill chunk): K and V float32 [n, T, kv_heads *
-// dim], T = block_tables' width in tokens, row t of sequence s its token t, zeros from context_lens[s] on. A reader
-// may write one value past a row (its scratch place), so each row is decoded into a place of its own first.
+// dim], T = block_tables' width in tokens, row t of sequence s its token t, zeros from context_lens[s] on
+// (copy_rows: each row decoded into a place of its own first).
 template <typename MakeRows>
 std::vector<at::Tensor> read_rows(at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t dim,
                                   int64_t block, int64_t num_blocks, MakeRows make_rows) {
@@ -627,18 +627,13 @@ std::vector<at::Tensor> read_rows(at::Tensor block_tables, at::Tensor context_le
   float* k = out[0].data_ptr<float>();
   float* v = out[1].data_ptr<float>();
   at::parallel_for(0, n * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(width + 1);
+    std::vector<float> row;
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t s = unit / parts, first = unit % parts * kReadPartTokens;
       const int64_t last = std::min(tokens, first + kReadPartTokens), filled = std::clamp(lens[s], first, last);
       auto rows = make_rows(tables + s * block_tables.size(1), 0, kv_heads);
-      for (int64_t t = first; t < filled; ++t) {
-        const int64_t at = (s * tokens + t) * width;
-        rows.key(t, row.data());
-        std::memcpy(k + at, row.data(), width * sizeof(float));
-        rows.value(t, row.data());
-        std::memcpy(v + at, row.data(), width * sizeof(float));
-      }
+      copy_rows(rows, true, first, filled, width, k + (s * tokens + first) * width, row);
+      copy_rows(rows, false, first, filled, width, v + (s * tokens + first) * width, row);
       const int64_t tail = (s * tokens + filled) * width, tail_values = (last - filled) * width;
       std::fill(k + tail, k + tail + tail_values, 0.0f);
       std::fill(v + tail, v + tail + tail_values, 0.0f);
