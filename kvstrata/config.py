@@ -264,6 +264,12 @@ class EngineConfig:
         default=4, metadata=_option("speculative decoding: the most last tokens a prompt lookup matches (the longest "
                                     "match found wins)")
     )
+    speculative_disable_by_batch_size: int | None = field(
+        default=None,
+        metadata=_option("speculative decoding: while this many sequences or more are running, decode steps draft "
+                         "nothing (vLLM's --speculative-disable-by-batch-size): a full batch already multiplies many "
+                         "rows per weight read, so drafts cost it more than they save (default: always draft)"),
+    )
     enable_lora: bool = field(
         default=False,
         metadata=_option("LoRA adapters (vLLM's --enable-lora): a request may run on an adapter, named by the "
@@ -449,6 +455,13 @@ class EngineConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise KvstrataError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max "
                                 f"{self.prompt_lookup_max}")
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 2:
+                raise KvstrataError(f"speculative_disable_by_batch_size must be an integer >= 2 (the running "
+                                    f"sequences from which steps draft nothing), got {limit!r}")
+            if not k:
+                raise KvstrataError(f"speculative_disable_by_batch_size {limit} needs num_speculative_tokens > 0")
         if not k:
             return
         # drafts' KV is written and, where rejected, written over: only where attention reads every cached token and

@@ -224,8 +224,24 @@ def test_blocks_filled_with_accepted_drafts_serve_later_prompts(speculating, tin
     assert cached.token_ids == uncached.generate([prompt], GREEDY)[0].token_ids
 
 
+def test_steps_draft_nothing_while_the_batch_is_at_the_size_that_turns_drafts_off(tiny_llama, plain):
+    """Five requests of different lengths drain the batch one by one: only the steps run below three sequences
+    draft, and the output is plain decoding's."""
+    limited = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, num_speculative_tokens=3,
+                  speculative_disable_by_batch_size=3)
+    params = [SamplingParams(max_tokens=12 * (i + 1), temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    outputs, drafted, _ = run(limited, PROMPTS, params)
+    steps = limited.engine.step_stats
+    assert drafted > 0 and any(step.num_seqs >= 3 for step in steps)
+    assert all(step.num_seqs < 3 for step in steps if step.num_draft_tokens)
+    assert outputs == run(plain, PROMPTS, params)[0]
+
+
 @pytest.mark.parametrize("options, named", [
     ({"num_speculative_tokens": -1}, "num_speculative_tokens"), ({"num_speculative_tokens": True}, "got True"),
+    ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 1}, "speculative_disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": "8"}, "got '8'"),
+    ({"speculative_disable_by_batch_size": 8}, "needs num_speculative_tokens > 0"),
     ({"num_speculative_tokens": 2, "kv_format": "kivi4"}, "'kivi4'"),
     ({"num_speculative_tokens": 2, "kv_offload": "infinigen"}, "'infinigen'"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min 3"),

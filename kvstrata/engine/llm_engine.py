@@ -561,10 +561,14 @@ class LLMEngine:
         return outputs
 
     def _drafts_for(self, seq: Sequence) -> list[int]:
-        """Tokens guessed to follow `seq`'s last one, for its decode step to verify: none where it has a structured
-        output (its grammar matcher takes tokens one at a time), where it samples with a seed (a row after a rejected
-        draft would draw from its generator too, so the seed would give other tokens than without drafts) or where
-        nothing could follow them (its max_tokens or the context would end it first)."""
+        """Tokens guessed to follow `seq`'s last one, for its decode step to verify: none while the running batch is
+        at the size from which drafting is off, where it has a structured output (its grammar matcher takes tokens one
+        at a time), where it samples with a seed (a row after a rejected draft would draw from its generator too, so
+        the seed would give other tokens than without drafts) or where nothing could follow them (its max_tokens or
+        the context would end it first)."""
+        batch_limit = self.config.speculative_disable_by_batch_size
+        if batch_limit is not None and len(self.scheduler.running) >= batch_limit:
+            return []
         if seq.matcher is not None or (seq.generator is not None and not seq.params.greedy):
             return []
         limit = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
