@@ -456,12 +456,9 @@ class EngineConfig:
             raise KvstrataError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max "
                                 f"{self.prompt_lookup_max}")
         limit = self.speculative_disable_by_batch_size
-        if limit is not None:
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 2:
-                raise KvstrataError(f"speculative_disable_by_batch_size must be an integer >= 2 (the running "
-                                    f"sequences from which steps draft nothing), got {limit!r}")
-            if not k:
-                raise KvstrataError(f"speculative_disable_by_batch_size {limit} needs num_speculative_tokens > 0")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):
+            raise KvstrataError(f"speculative_disable_by_batch_size must be an integer >= 2 (the running sequences "
+                                f"from which steps draft nothing), got {limit!r}")
         if not k:
             return
         # drafts' KV is written and, where rejected, written over: only where attention reads every cached token and

@@ -41,7 +41,7 @@ def run_speculative_bench(args: argparse.Namespace) -> None:
         raise KvstrataError(f"--tasks takes {', '.join(TASKS)} (got {args.tasks!r}); --prompts, --max-tokens and "
                             f"--batch must be at least 1")
     config = engine_config_from_args(args)
-    plain = LLMEngine(dataclasses.replace(config, num_speculative_tokens=0, speculative_disable_by_batch_size=None))
+    plain = LLMEngine(dataclasses.replace(config, num_speculative_tokens=0))
     engines = {0: plain} | {k: LLMEngine(dataclasses.replace(config, num_speculative_tokens=k), plain.loaded)
                             for k in counts}
     passages = _passages(read_text(args.text), args.prompts, args.skip_passages)
