@@ -30,7 +30,8 @@ LORA_DTYPES = ("float64", "float32")
 KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
 KV_OFFLOADS = ("none", "full", "infinigen", "h2o")
-SLOT_REWRITING_KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4")  # a token stored again in a slot replaces it
+# a token stored again in a slot replaces it (Oaken's once its rejected drafts are discarded: KVStorage.discard_tokens)
+SLOT_REWRITING_KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "oaken")
 HOST_EVICTIONS = ("counter", "lru", "fifo")
 PREFIX_LOADINGS = ("full", *PREFIX_LOADING)
 NO_COMPILE_BESIDE_LOADS = ("no compile (the load thread runs the model beside the engine thread, and compiled layers "
@@ -462,8 +463,8 @@ class EngineConfig:
         if not k:
             return
         # drafts' KV is written and, where rejected, written over: only where attention reads every cached token and
-        # a slot written again holds the new token alone (not KIVI's window nor Oaken's sparse pages); a host pool
-        # would copy a sequence's whole context to the device once for each of its drafts
+        # a slot written again holds the new token alone (not KIVI's window); a host pool would copy a sequence's
+        # whole context to the device once for each of its drafts
         needs = [(self.kv_offload != "none", f"kv_offload none, not {self.kv_offload!r}"),
                  (self.prefix_loading != "full", f"prefix_loading full, not {self.prefix_loading!r}"),
                  (self.kv_format not in (None, *SLOT_REWRITING_KV_FORMATS),

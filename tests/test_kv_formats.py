@@ -248,6 +248,51 @@ def test_sparse_pages_keep_every_tokens_bytes_and_grow_when_short(writer):
     check_reads(pages, 0, written[0], [s for s in range(slots) if not block_size <= s < 2 * block_size][::-1])
 
 
+@pytest.mark.parametrize("writer", ["compiled", "torch", "gpu"])
+def test_discarded_drafts_leave_no_bytes_or_pages_behind_and_their_slots_are_written_anew(writer):
+    """A sequence's drafts in the last slots of block 0 and across blocks 1 and 2 are rejected: each block's fill
+    goes back to the bytes of its kept tokens, pages past it are freed, and the tokens written there next read back
+    their own bytes, in every writer."""
+    num_layers, block_size, page_bytes, max_bytes = 2, 8, 16, 20
+    pages = SparsePages(num_layers, 3, block_size, page_bytes, initial_pages=4, max_bytes_per_token=max_bytes,
+                        device=torch.device("cpu"))
+    if writer == "torch":
+        pages.compiled = None
+    elif writer == "gpu":
+        skip_unless_interpreted_gpu_writer()
+        pages.write = append_on_gpu_as_write(pages, max_bytes)
+    elif pages.compiled is None:
+        pytest.skip("no C++ compiler: the compiled writer could not be built")
+    gen = torch.Generator().manual_seed(3)
+    written = [{} for _ in range(num_layers)]
+
+    def write(slots: list[int], counts: list[int]) -> None:
+        for layer in range(num_layers):
+            chunks = [torch.randint(0, 256, (c,), dtype=torch.uint8, generator=gen) for c in counts]
+            written[layer].update(zip(slots, chunks))
+            pages.write(layer, torch.tensor(slots), torch.cat(chunks), torch.tensor(counts))
+
+    def check(kept: list[int]) -> None:
+        check_page_accounting(pages)
+        for layer in range(num_layers):
+            check_reads(pages, layer, written[layer], kept[::-1])
+            fills = [sum(len(written[layer][s]) for s in kept if s // block_size == b) for b in range(3)]
+            assert pages.block_fill[layer].tolist() == fills
+
+    kept = [0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13]
+    write(kept, [3, 0, 7, 20, 1, 5, 2, 20, 20, 0, 9, 4])
+    drafts = [6, 7, 14, 15, 16, 17]
+    write(drafts, [max_bytes] * len(drafts))
+    in_use = pages.pages_in_use()
+    pages.discard(torch.tensor(drafts))
+    assert pages.pages_in_use() < in_use and (pages.token_count[:, drafts] == 0).all()
+    check(kept)
+    grown, again = pages.grown_pages, [6, 14, 15, 16]
+    write(again, [5, 20, 1, 20])  # fewer bytes than the drafts' freed pages held
+    check(kept + again)
+    assert pages.grown_pages == grown or writer == "gpu"  # the GPU writer grows by a bound, not the exact need
+
+
 def test_gpu_writer_grows_the_pool_only_past_the_calls_bytes():
     """Eight tokens of 2 bytes fit in the 4 free pages, though their worst case (20 bytes each: 16 pages) does not:
     the writer reads the call's bytes before it grows anything. Then a call that does need more pages grows the

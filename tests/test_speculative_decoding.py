@@ -14,6 +14,7 @@ from kvstrata.engine.ngram_proposer import NgramProposer
 from kvstrata.engine.sequence import Sequence
 from kvstrata.engine.structured_output import StructuredOutput
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
 from tests.helpers import hf_greedy
 from tests.tiny_models import VOCAB_SIZE
 
@@ -122,6 +123,21 @@ def test_greedy_output_is_unchanged_under_every_setting_drafts_allow(tiny_llama,
     outputs, _, accepted = run(LLM(str(tiny_llama), **{"num_speculative_tokens": 3, **kwargs}))
     assert outputs == expected
     assert accepted > 0
+
+
+def test_oaken_drafts_give_the_plain_output_and_leave_no_rejected_bytes_behind(tiny_llama_kv64, oaken_calibrations):
+    """Oaken appends a token's outliers to its block's sparse pages; a rejected draft's are discarded, so every
+    block holds the bytes of the tokens it keeps and no more, and the tokens written in their place read back their
+    own."""
+    kwargs = {"kv_cache_memory": "8MiB", "max_model_len": 256, "kv_format": "oaken",
+              "oaken_calibration": str(oaken_calibrations[DEFAULT_RATIOS])}
+    expected, _, _ = run(LLM(str(tiny_llama_kv64), **kwargs))
+    speculating = LLM(str(tiny_llama_kv64), num_speculative_tokens=3, **kwargs)
+    outputs, drafted, accepted = run(speculating)
+    assert outputs == expected and 0 < accepted < drafted
+    for pages in speculating.engine.kv_cache.sparse.values():
+        per_block = pages.token_count.long().unflatten(1, (-1, pages.block_size)).sum(2)
+        assert torch.equal(pages.block_fill, per_block)
 
 
 def test_preempted_sequences_with_drafts_still_give_the_plain_output(tiny_llama):

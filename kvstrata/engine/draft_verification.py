@@ -43,6 +43,12 @@ def draft_histories(rows: list[Sequence]) -> list[list[int]]:
     return histories
 
 
+def rejected_draft_positions(seq: Sequence, num_accepted_tokens: int) -> range:
+    """Positions of `seq`'s drafts that its step rejected (their KV was written), given the tokens it gains
+    (`accepted_tokens`) and before they are appended."""
+    return range(seq.num_tokens + num_accepted_tokens - 1, seq.num_tokens + len(seq.draft_token_ids))
+
+
 def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
     """The tokens a sequence gains: the drafts that equal the token sampled before them, and the token sampled
     after the last of those (`sampled` holds one token per row: len(drafts) + 1)."""

@@ -16,13 +16,20 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvstrata.cachegen.profile import shipped_profile
 from kvstrata.config import EngineConfig
 from kvstrata.engine.bad_words import bad_word_token_ids
 from kvstrata.engine.direct_forward import compute_kv
-from kvstrata.engine.draft_verification import accepted_tokens, draft_histories, sequence_rows, verifies
+from kvstrata.engine.draft_verification import (
+    accepted_tokens,
+    draft_histories,
+    rejected_draft_positions,
+    sequence_rows,
+    verifies,
+)
 from kvstrata.engine.grammar_matcher import GrammarCompiler, allowed_tokens, matcher_error
 from kvstrata.engine.important_prefix_load import ImportantLoading
 from kvstrata.engine.kv_offload_setup import attention_policy
@@ -43,6 +50,7 @@ from kvstrata.errors import KvstrataError, ParameterError, RequestFailed
 from kvstrata.kv.block_hash import tenant_salt
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
+from kvstrata.kv.slots import token_slots
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
 from kvstrata.model.linear_layers import multiplied_weights
 from kvstrata.model.loader import LoadedModel, load_model
@@ -549,11 +557,17 @@ class LLMEngine:
         if self.kv_store is not None:
             self.kv_store.observe_prefill(prefill_work, now - start)
         num_drafts = num_accepted = 0
+        rejected_slots = []
         for seq, first, end in sequence_rows(to_sample):
             accepted = accepted_tokens(seq.draft_token_ids, tokens[first:end])
             num_drafts, num_accepted = num_drafts + len(seq.draft_token_ids), num_accepted + len(accepted) - 1
+            if rejected := rejected_draft_positions(seq, len(accepted)):
+                rejected_slots += token_slots(np.asarray([seq.block_table]), 0, np.asarray(rejected),
+                                              self.config.block_size).tolist()
             seq.draft_token_ids = []
             outputs.append(self._append_tokens(seq, accepted, logprobs[first : first + len(accepted)], now))
+        if rejected_slots:
+            self.kv_cache.discard_tokens(torch.tensor(rejected_slots, device=self.kv_cache.device))
         self.step_stats.append(
             StepStats(prefill_tokens, plan.num_tokens - prefill_tokens, len(plan.scheduled), len(plan.preempted),
                       now - start, num_drafts, num_accepted)

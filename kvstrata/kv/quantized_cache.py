@@ -70,6 +70,11 @@ class QuantizedPagedKVCache(KVStorage):
         for pages in self.sparse.values():
             pages.release(blocks)
 
+    def discard_tokens(self, slots: torch.Tensor) -> None:
+        # a token's records are overwritten in place; its outliers were appended to its block's sparse pages
+        for pages in self.sparse.values():
+            pages.discard(slots)
+
     def store(self, layer, slots, positions, k, v) -> None:
         k, v = float32_rows(k), float32_rows(v)
         layer_records = self._layer_records[layer]

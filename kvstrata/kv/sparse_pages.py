@@ -56,17 +56,35 @@ class SparsePages:
 
     def release(self, blocks: list[int]) -> None:
         index = torch.tensor(blocks, dtype=torch.long, device=self.data.device)
-        owned = self.block_pages[:, index].flatten(1)  # [layers, the blocks' page entries], -1: no page
-        kept = owned >= 0
-        # every layer's pages go on top of its free stack, in the order the blocks list them; all layers in a few
-        # operations, since this runs for every batch of blocks handed out
-        places = self.free_count[:, None] + kept.cumsum(1) - 1
-        layers = torch.arange(len(owned), device=owned.device)[:, None].expand_as(owned)
-        self.free_stack[layers[kept], places[kept]] = owned[kept]
-        self.free_count += kept.sum(1)
+        owned = self.block_pages[:, index]  # [layers, blocks, page entries], -1: no page
+        self._push_free(owned.flatten(1), owned.flatten(1) >= 0)
         self.block_pages[:, index] = -1
         self.block_fill[:, index] = 0
         self.token_count[:, block_slots(index, self.block_size)] = 0
+
+    def discard(self, slots: torch.Tensor) -> None:
+        """Forget the bytes of the tokens at `slots`, which are the last written to their blocks (a sequence's
+        rejected drafts): every layer's block fill goes back to where the first of them began, so the tokens written
+        there next take their place instead of following them, and pages past the fill go back to the free stack (a
+        block owns the pages its fill needs and no more, which the GPU writer counts on)."""
+        starts = self.token_offset[:, slots].long()  # [layers, n]
+        blocks = slots // self.block_size
+        self.block_fill.scatter_reduce_(1, blocks.expand_as(starts), starts, reduce="amin")
+        self.token_count[:, slots] = 0
+        touched = blocks.unique()
+        owned = self.block_pages[:, touched]  # [layers, blocks, page entries]
+        needed = -(-self.block_fill[:, touched] // self.page_bytes)
+        spare = (torch.arange(owned.shape[2], device=owned.device) >= needed[..., None]) & (owned >= 0)
+        self._push_free(owned.flatten(1), spare.flatten(1))
+        self.block_pages[:, touched] = owned.masked_fill(spare, -1)
+
+    def _push_free(self, pages: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Put the `chosen` of `pages` [layers, X] on top of their layer's free stack, in order; all layers in a few
+        operations, since this runs for every batch of blocks handed out."""
+        places = self.free_count[:, None] + chosen.cumsum(1) - 1
+        layers = torch.arange(len(pages), device=pages.device)[:, None].expand_as(pages)
+        self.free_stack[layers[chosen], places[chosen]] = pages[chosen]
+        self.free_count += chosen.sum(1)
 
     def write(self, layer: int, slots: torch.Tensor, data: torch.Tensor, counts: torch.Tensor) -> None:
         """Append each token's `counts[i]` bytes (taken in order from `data`) to its block's pages.

@@ -40,6 +40,11 @@ class KVStorage(ABC):
         """Forget what newly allocated blocks held: a padding row read from a block's unwritten tail
         must be finite (0 weight times NaN is NaN)."""
 
+    def discard_tokens(self, slots: torch.Tensor) -> None:
+        """Forget the tokens at `slots` [n], the last written to their blocks (a sequence's rejected drafts), so that
+        tokens written there next replace them. Storage where a slot written again holds the new token alone needs
+        nothing."""
+
     def gather_keys(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `keys`; storage that can copy whole blocks overrides this for keys that are whole blocks."""
         return self.gather(layer, keys.slots, keys.positions, dtype)
