@@ -283,12 +283,18 @@ def test_speculative_decoding_against_plain_decoding_and_transformers(tiny_llama
         assert hf["plain"]["output_tokens"] > 0 and hf["prompt_lookup"]["output_tokens"] > 0
     assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--speculative-tokens", "0,2"]) == 2
     assert "--speculative-tokens takes positive integers" in capsys.readouterr().err
-    batched = run_json(capsys, "bench", "speculative", "--model", str(tiny_llama), *TINY, "--tasks", "rewrite",
-                       "--prompts", "3", "--batch", "2", "--max-tokens", "16", "--speculative-tokens", "3",
-                       "--prompt-lookup-min", "1", "--json")
-    assert "transformers" not in batched["tasks"]["rewrite"]  # its prompt lookup takes one sequence at a time
-    runs = batched["tasks"]["rewrite"]["kvstrata"]
+    batched = ["bench", "speculative", "--model", str(tiny_llama), *TINY, "--tasks", "rewrite", "--prompts", "3",
+               "--batch", "2", "--max-tokens", "16", "--speculative-tokens", "3", "--prompt-lookup-min", "1", "--json"]
+    once = run_json(capsys, *batched)
+    assert "transformers" not in once["tasks"]["rewrite"]  # its prompt lookup takes one sequence at a time
+    runs = once["tasks"]["rewrite"]["kvstrata"]
     assert runs["speculative_3"]["outputs_equal_to_plain"] == 3 and runs["speculative_3"]["draft_tokens"] > 0
+    twice = run_json(capsys, *batched, "--rounds", "2")["tasks"]["rewrite"]["kvstrata"]
+    for name, run in runs.items():  # the same greedy work each round, counted over both
+        assert [twice[name][key] for key in ("output_tokens", "steps", "draft_tokens")] == \
+            [2 * run[key] for key in ("output_tokens", "steps", "draft_tokens")]
+    assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--rounds", "0"]) == 2
+    assert "--batch and --rounds must be at least 1" in capsys.readouterr().err
     assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--tasks", "poem"]) == 2
     assert "--tasks takes rewrite, extract, free (got 'poem')" in capsys.readouterr().err
 

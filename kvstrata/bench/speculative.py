@@ -37,9 +37,9 @@ TASKS = {
 def run_speculative_bench(args: argparse.Namespace) -> None:
     counts = _speculative_tokens(args.speculative_tokens)
     unknown = [task for task in args.tasks.split(",") if task not in TASKS]
-    if unknown or min(args.prompts, args.max_tokens, args.batch) < 1:
-        raise KvstrataError(f"--tasks takes {', '.join(TASKS)} (got {args.tasks!r}); --prompts, --max-tokens and "
-                            f"--batch must be at least 1")
+    if unknown or min(args.prompts, args.max_tokens, args.batch, args.rounds) < 1:
+        raise KvstrataError(f"--tasks takes {', '.join(TASKS)} (got {args.tasks!r}); --prompts, --max-tokens, "
+                            f"--batch and --rounds must be at least 1")
     config = engine_config_from_args(args)
     plain = LLMEngine(dataclasses.replace(config, num_speculative_tokens=0))
     engines = {0: plain} | {k: LLMEngine(dataclasses.replace(config, num_speculative_tokens=k), plain.loaded)
@@ -54,7 +54,7 @@ def run_speculative_bench(args: argparse.Namespace) -> None:
     for task in args.tasks.split(","):
         prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": TASKS[task].format(p)}],
                                                add_generation_prompt=True) for p in passages]
-        runs = {k: _run(engine, prompts, params, args.batch) for k, engine in engines.items()}
+        runs = _rounds(engines, prompts, params, args.batch, args.rounds)
         expected = runs[0].pop("outputs")
         for k, one in list(runs.items())[1:]:
             one["outputs_equal_to_plain"] = sum(a == b for a, b in zip(one.pop("outputs"), expected))
@@ -71,7 +71,8 @@ def run_speculative_bench(args: argparse.Namespace) -> None:
         "machine": machine_info(),
         **engine_info(plain),
         "workload": {"text": str(args.text), "prompts": args.prompts, "skip_passages": args.skip_passages,
-                     "max_tokens": args.max_tokens, "batch": args.batch, "speculative_tokens": counts,
+                     "max_tokens": args.max_tokens, "batch": args.batch, "rounds": args.rounds,
+                     "speculative_tokens": counts,
                      "threads": torch.get_num_threads()},
         "tasks": tasks,
     }, args.json)
@@ -102,18 +103,38 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
             for tokens in generate_together(engine, prompts[first : first + batch], [params] * batch)]
 
 
+def _rounds(engines: dict[int, LLMEngine], prompts: list[list[int]], params: SamplingParams, batch: int,
+            rounds: int) -> dict[int, dict]:
+    """Each engine's runs of the prompts, every engine once a round in an order reversed each round (so the
+    machine's drift falls on all alike): seconds, tokens, steps and drafts summed over the rounds, the first
+    round's outputs."""
+    totals = {}
+    for round_index in range(rounds):
+        for k in list(engines)[:: -1 if round_index % 2 else 1]:
+            one = _run(engines[k], prompts, params, batch)
+            if k in totals:
+                for key in ("seconds", "output_tokens", "steps", "draft_tokens", "accepted_tokens"):
+                    totals[k][key] += one[key]
+            else:
+                totals[k] = one
+    return {k: _rates(totals[k]) for k in engines}
+
+
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, batch: int) -> dict:
     engine.reset_prefix_cache()
     engine.step_stats.clear()
     start = time.perf_counter()
     outputs = _generate(engine, prompts, params, batch)
     seconds = time.perf_counter() - start
-    tokens = sum(len(one) for one in outputs)
-    drafted = sum(step.num_draft_tokens for step in engine.step_stats)
-    accepted = sum(step.num_accepted_tokens for step in engine.step_stats)
-    return {"seconds": sig(seconds), "output_tokens": tokens, "tokens_per_s": sig(tokens / seconds),
-            "steps": len(engine.step_stats), "draft_tokens": drafted, "accepted_tokens": accepted,
-            "acceptance": sig(accepted / drafted) if drafted else None, "outputs": outputs}
+    return {"seconds": seconds, "output_tokens": sum(len(one) for one in outputs), "steps": len(engine.step_stats),
+            "draft_tokens": sum(step.num_draft_tokens for step in engine.step_stats),
+            "accepted_tokens": sum(step.num_accepted_tokens for step in engine.step_stats), "outputs": outputs}
+
+
+def _rates(run: dict) -> dict:
+    drafted, accepted = run["draft_tokens"], run["accepted_tokens"]
+    return {**run, "seconds": sig(run["seconds"]), "tokens_per_s": sig(run["output_tokens"] / run["seconds"]),
+            "acceptance": sig(accepted / drafted) if drafted else None}
 
 
 @torch.inference_mode()

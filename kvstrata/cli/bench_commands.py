@@ -93,6 +93,9 @@ def add_bench_commands(commands) -> None:
     speculative.add_argument("--batch", type=int, default=1,
                              help="requests sent at once, each group run to its end (default: 1; above 1 without "
                                   "transformers, whose prompt lookup takes one sequence)")
+    speculative.add_argument("--rounds", type=int, default=1,
+                             help="runs of every engine per task, in an order reversed each round; tokens/s over all "
+                                  "of them (default: 1)")
     speculative.add_argument("--no-transformers", action="store_true", help="skip transformers")
     _add_output_flags(speculative)
     add_engine_arguments(speculative)
