@@ -140,6 +140,6 @@ def test_generate_with_speculative_decoding_prints_what_plain_decoding_prints(ti
     plain = capsys.readouterr().out
     assert main([*tiny, "--num-speculative-tokens", "3", "--prompt-lookup-min", "1"]) == 0
     assert capsys.readouterr().out == plain
-    assert main([*tiny, "--num-speculative-tokens", "3", "--kv-format", "oaken"]) == 2
-    assert "num_speculative_tokens 3 needs a kv_format of fp32, fp16, bf16, int8, int4, not 'oaken'" in (
+    assert main([*tiny, "--num-speculative-tokens", "3", "--kv-format", "kivi4"]) == 2
+    assert "num_speculative_tokens 3 needs a kv_format of fp32, fp16, bf16, int8, int4, oaken, not 'kivi4'" in (
         capsys.readouterr().err)
