@@ -186,12 +186,8 @@ def append_on_gpu_as_write(pages: SparsePages, max_bytes: int):
     return write
 
 
-@pytest.mark.parametrize("writer", ["compiled", "torch", "gpu"])
-def test_sparse_pages_keep_every_tokens_bytes_and_grow_when_short(writer):
-    rng = random.Random(0)
-    num_layers, num_blocks, block_size, page_bytes, max_bytes = 2, 6, 8, 16, 20
-    pages = SparsePages(num_layers, num_blocks, block_size, page_bytes, initial_pages=3,
-                        max_bytes_per_token=max_bytes, device=torch.device("cpu"))
+def use_writer(pages: SparsePages, writer: str, max_bytes: int) -> None:
+    """Make `pages.write` the compiled writer, the torch one or the GPU one (skipping where it cannot run)."""
     if writer == "torch":
         pages.compiled = None
     elif writer == "gpu":
@@ -199,6 +195,15 @@ def test_sparse_pages_keep_every_tokens_bytes_and_grow_when_short(writer):
         pages.write = append_on_gpu_as_write(pages, max_bytes)
     elif pages.compiled is None:
         pytest.skip("no C++ compiler: the compiled writer could not be built")
+
+
+@pytest.mark.parametrize("writer", ["compiled", "torch", "gpu"])
+def test_sparse_pages_keep_every_tokens_bytes_and_grow_when_short(writer):
+    rng = random.Random(0)
+    num_layers, num_blocks, block_size, page_bytes, max_bytes = 2, 6, 8, 16, 20
+    pages = SparsePages(num_layers, num_blocks, block_size, page_bytes, initial_pages=3,
+                        max_bytes_per_token=max_bytes, device=torch.device("cpu"))
+    use_writer(pages, writer, max_bytes)
     slots = num_blocks * block_size
     written = []
     for layer in range(num_layers):
@@ -256,13 +261,7 @@ def test_discarded_drafts_leave_no_bytes_or_pages_behind_and_their_slots_are_wri
     num_layers, block_size, page_bytes, max_bytes = 2, 8, 16, 20
     pages = SparsePages(num_layers, 3, block_size, page_bytes, initial_pages=4, max_bytes_per_token=max_bytes,
                         device=torch.device("cpu"))
-    if writer == "torch":
-        pages.compiled = None
-    elif writer == "gpu":
-        skip_unless_interpreted_gpu_writer()
-        pages.write = append_on_gpu_as_write(pages, max_bytes)
-    elif pages.compiled is None:
-        pytest.skip("no C++ compiler: the compiled writer could not be built")
+    use_writer(pages, writer, max_bytes)
     gen = torch.Generator().manual_seed(3)
     written = [{} for _ in range(num_layers)]
 
