@@ -119,6 +119,13 @@ def test_bad_benchmark_flags(tiny_llama):
     assert main(["bench", "sarathi", "--model", str(tiny_llama), "--only", "fig99"]) == 2
 
 
+@pytest.mark.parametrize("bench", ["cascade", "speculative", "lpm", "offload"])
+def test_a_benchmark_that_draws_nothing_refuses_plot(bench, tiny_llama, tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", bench, "--model", str(tiny_llama), "--plot", str(tmp_path / "out.png")])
+    assert refused.value.code == 2 and "unrecognized arguments: --plot" in capsys.readouterr().err
+
+
 def test_missing_text_file_is_a_clear_error(tiny_llama, tmp_path, capsys):
     for argv in (["bench", "throughput"], ["bench", "sarathi"], ["eval", "ppl"], ["eval", "needle"]):
         assert main([*argv, "--model", str(tiny_llama), "--text", str(tmp_path / "none.txt")]) == 2

@@ -10,9 +10,11 @@ from kvstrata.cli.engine_args import add_engine_arguments
 from kvstrata.data import EMMA
 
 
-def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+def _add_output_flags(parser: argparse.ArgumentParser, plot: bool = False) -> None:
+    """--json and --text; and --plot where the benchmark draws one (elsewhere argparse refuses it)."""
     parser.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    if plot:
+        parser.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     parser.add_argument("--text", type=Path, default=EMMA, help="UTF-8 text the prompts are cut from")
 
 
@@ -37,7 +39,7 @@ def add_bench_commands(commands) -> None:
     roofline.add_argument("--concurrent", type=int, default=32, help="requests run together; 0 skips (default: 32)")
     roofline.add_argument("--concurrent-prompt-len", type=int, default=256)
     roofline.add_argument("--concurrent-output-len", type=int, default=128)
-    _add_output_flags(roofline)
+    _add_output_flags(roofline, plot=True)
     add_engine_arguments(roofline)
 
     decode = bench.add_parser(
@@ -219,7 +221,7 @@ def add_bench_commands(commands) -> None:
     throughput.add_argument("--hf-batch-size", type=int, default=None, help="transformers batch (default: all)")
     throughput.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     throughput.add_argument("--seed", type=int, default=0)
-    _add_output_flags(throughput)
+    _add_output_flags(throughput, plot=True)
     add_engine_arguments(throughput)
 
     sarathi = bench.add_parser(
@@ -241,7 +243,7 @@ def add_bench_commands(commands) -> None:
     sarathi.add_argument("--chunks", default="64,128,256", help="pd_sweep sarathi chunk sizes")
     sarathi.add_argument("--overhead-prompt-len", type=int, default=1024, help="chunk_overhead prompt length")
     sarathi.add_argument("--overhead-chunks", default="64,128,256,512,1024", help="chunk_overhead chunk sizes")
-    _add_output_flags(sarathi)
+    _add_output_flags(sarathi, plot=True)
     add_engine_arguments(sarathi)
     _add_infinigen_commands(bench)
     _add_impress_commands(bench)
