@@ -385,7 +385,7 @@ def test_cascade_reads_each_shared_prefix_once_for_the_same_outputs(tiny_llama, 
         assert case["cascade_over_plain"]["decode_tokens_per_s"] == pytest.approx(
             medians["cascade"]["decode_tokens_per_s"] / medians["plain"]["decode_tokens_per_s"], rel=2e-3)
     assert main(["bench", "cascade", "--model", str(tiny_llama), "--prefixes", "0"]) == 2
-    assert "--prefixes '0' must be positive integers" in capsys.readouterr().err
+    assert "--prefixes takes positive integers, comma-separated, got '0'" in capsys.readouterr().err
     assert main(["bench", "cascade", "--model", str(tiny_llama), "--cascade-min-tokens", "0"]) == 2
     assert "the benchmark compares it with that" in capsys.readouterr().err
     assert main(["bench", "cascade", "--model", str(tiny_llama), "--max-tokens", "1"]) == 2

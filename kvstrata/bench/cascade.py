@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kvstrata.bench.flag_lists import positive_ints
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.workload import medians, read_text, run_together
 from kvstrata.cli.engine_args import engine_config_from_args
@@ -34,8 +35,8 @@ from kvstrata.kv.kernels import paged_decode
 
 
 def run_cascade_bench(args: argparse.Namespace) -> None:
-    requests, prefixes = _counts(args.requests, "requests"), _counts(args.prefixes, "prefixes")
-    lengths = _counts(args.prefix_tokens, "prefix-tokens")
+    requests, prefixes = positive_ints(args.requests, "requests"), positive_ints(args.prefixes, "prefixes")
+    lengths = positive_ints(args.prefix_tokens, "prefix-tokens")
     # two tokens at least: the first comes from the prompt's step, the decodes time the rest
     for flag, least in (("question_tokens", 1), ("max_tokens", 2), ("rounds", 1)):
         if getattr(args, flag) < least:
@@ -69,16 +70,6 @@ def run_cascade_bench(args: argparse.Namespace) -> None:
           "workload": {"text": str(args.text), "question_tokens": args.question_tokens, "max_tokens": args.max_tokens,
                        "rounds": args.rounds, "threads": torch.get_num_threads()},
           "cases": cases}, args.json)
-
-
-def _counts(spec: str, flag: str) -> list[int]:
-    try:
-        values = [int(part) for part in str(spec).split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise KvstrataError(f"--{flag} {spec!r} must be positive integers, comma-separated")
-    return values
 
 
 def _prompts(ids: list[int], count: int, documents: int, prefix_tokens: int,

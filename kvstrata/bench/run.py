@@ -17,6 +17,7 @@ from kvstrata.bench.decode import (
     package_version,
     transformers_decoder,
 )
+from kvstrata.bench.flag_lists import positive_ints
 from kvstrata.bench.machine_limits import gemm_gflops, gemv_bandwidth_gbs, read_bandwidth_gbs
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.roofline import (
@@ -208,16 +209,6 @@ def run_throughput(args: argparse.Namespace) -> None:
     emit(report, args.json)
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise KvstrataError(f"--{flag} takes comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise KvstrataError(f"--{flag} takes positive integers, got {text!r}")
-    return values
-
-
 def run_sarathi(args: argparse.Namespace) -> None:
     base = engine_config_from_args(args)
     parts = [p for p in args.only.split(",") if p]
@@ -229,17 +220,19 @@ def run_sarathi(args: argparse.Namespace) -> None:
     report = {"benchmark": "sarathi", "machine": machine_info(), **engine_info(engine), "workload": command_flags(args)}
     if "per_token_cost" in parts:
         report["per_token_cost"] = sarathi.per_token_cost(
-            engine, source, _ints(args.batches, "batches"), args.prompt_len, args.context
+            engine, source, positive_ints(args.batches, "batches"), args.prompt_len, args.context
         )
     if "piggyback" in parts:
-        report["piggyback"] = sarathi.piggyback(engine, source, args.chunk, _ints(args.decodes, "decodes"), args.context)
+        report["piggyback"] = sarathi.piggyback(
+            engine, source, args.chunk, positive_ints(args.decodes, "decodes"), args.context
+        )
     if "chunk_overhead" in parts:
         report["chunk_overhead"] = sarathi.chunk_overhead(
-            engine, source, args.overhead_prompt_len, _ints(args.overhead_chunks, "overhead-chunks")
+            engine, source, args.overhead_prompt_len, positive_ints(args.overhead_chunks, "overhead-chunks")
         )
     if "pd_sweep" in parts:
         ratios = [float(r) for r in args.ratios.split(",") if r]
-        chunks = _ints(args.chunks, "chunks")
+        chunks = positive_ints(args.chunks, "chunks")
         report["pd_sweep"] = sarathi.pd_sweep(base, engine.loaded, source, args.seq_len, args.batch, args.requests,
                                               ratios, chunks)
         report["pd_sweep_predicted_peak"] = {c: round(c / (args.batch - 1), 1) if args.batch > 1 else None

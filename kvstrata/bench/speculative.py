@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kvstrata.bench.flag_lists import positive_ints
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.transformers_model import transformers_model
 from kvstrata.bench.workload import generate_together, read_text
@@ -35,7 +36,7 @@ TASKS = {
 
 
 def run_speculative_bench(args: argparse.Namespace) -> None:
-    counts = _speculative_tokens(args.speculative_tokens)
+    counts = positive_ints(args.speculative_tokens, "speculative-tokens")
     unknown = [task for task in args.tasks.split(",") if task not in TASKS]
     if unknown or min(args.prompts, args.max_tokens, args.batch, args.rounds) < 1:
         raise KvstrataError(f"--tasks takes {', '.join(TASKS)} (got {args.tasks!r}); --prompts, --max-tokens, "
@@ -76,16 +77,6 @@ def run_speculative_bench(args: argparse.Namespace) -> None:
                      "threads": torch.get_num_threads()},
         "tasks": tasks,
     }, args.json)
-
-
-def _speculative_tokens(spec: str) -> list[int]:
-    try:
-        counts = [int(part) for part in spec.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise KvstrataError(f"--speculative-tokens takes positive integers, comma-separated, got {spec!r}")
-    return counts
 
 
 def _passages(text: str, count: int, skip: int) -> list[str]:
