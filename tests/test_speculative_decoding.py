@@ -138,6 +138,7 @@ def test_oaken_drafts_give_the_plain_output_and_leave_no_rejected_bytes_behind(t
     for pages in speculating.engine.kv_cache.sparse.values():
         per_block = pages.token_count.long().unflatten(1, (-1, pages.block_size)).sum(2)
         assert torch.equal(pages.block_fill, per_block)
+        assert torch.equal((pages.block_pages >= 0).sum(2), -(-per_block // pages.page_bytes))  # no spare pages
 
 
 def test_preempted_sequences_with_drafts_still_give_the_plain_output(tiny_llama):
@@ -240,12 +241,15 @@ def test_blocks_filled_with_accepted_drafts_serve_later_prompts(speculating, tin
     assert cached.token_ids == uncached.generate([prompt], GREEDY)[0].token_ids
 
 
-def test_steps_draft_nothing_while_the_batch_is_at_the_size_that_turns_drafts_off(tiny_llama, plain):
-    """Five requests of different lengths drain the batch one by one: only the steps run below three sequences
-    draft, and the output is plain decoding's."""
+def test_steps_draft_nothing_while_the_batch_is_at_the_size_that_turns_drafts_off(tiny_llama, plain, speculating):
+    """Five requests of different lengths drain the batch one by one: without the limit steps of three sequences
+    and more draft; with it only the steps run below three do (a step's sequences are the running ones here: every
+    one decodes or prefills in it), and the output is plain decoding's."""
+    params = [SamplingParams(max_tokens=12 * (i + 1), temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    run(speculating, PROMPTS, params)
+    assert any(step.num_draft_tokens and step.num_seqs >= 3 for step in speculating.engine.step_stats)
     limited = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, num_speculative_tokens=3,
                   speculative_disable_by_batch_size=3)
-    params = [SamplingParams(max_tokens=12 * (i + 1), temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
     outputs, drafted, _ = run(limited, PROMPTS, params)
     steps = limited.engine.step_stats
     assert drafted > 0 and any(step.num_seqs >= 3 for step in steps)

@@ -561,7 +561,8 @@ class LLMEngine:
         for seq, first, end in sequence_rows(to_sample):
             accepted = accepted_tokens(seq.draft_token_ids, tokens[first:end])
             num_drafts, num_accepted = num_drafts + len(seq.draft_token_ids), num_accepted + len(accepted) - 1
-            if rejected := rejected_draft_positions(seq, len(accepted)):
+            rejected = rejected_draft_positions(seq, len(accepted)) if self.kv_cache.keeps_discarded_tokens else ()
+            if rejected:
                 rejected_slots += token_slots(np.asarray([seq.block_table]), 0, np.asarray(rejected),
                                               self.config.block_size).tolist()
             seq.draft_token_ids = []

@@ -44,6 +44,7 @@ class QuantizedPagedKVCache(KVStorage):
         # on a GPU, formats with Triton kernels (kv/gpu) encode, and decode what is gathered, a launch or two each
         self.gpu_kernels = in_place_decode and gpu.runs_on(device)
         self.sparse: dict[str, SparsePages] = {}
+        self.keeps_discarded_tokens = kv_format.has_sparse  # a token written again appends its outliers
         if kv_format.has_sparse:
             pages = int(slots * kv_format.expected_sparse_bytes * SPARSE_HEADROOM / SPARSE_PAGE_BYTES) + 1
             self.sparse = {kind: SparsePages(num_layers, num_blocks, block_size, SPARSE_PAGE_BYTES, pages,

@@ -4,9 +4,10 @@ Two tables, as in the paper's MMU (papers/oaken.md §4), in software: each cache
 of sparse pages (block -> pages), and each token slot has an (offset, count) entry locating its
 bytes in its block's pages. A token's bytes may straddle a page boundary: offsets are logical,
 within the block, and pages translate them. Pages go back to the free list when the block is
-handed out again. The pool starts at the size the budget expects and grows if the data hold more
-outliers than that, so nothing is ever dropped; `grown_pages` counts such growth. Each layer's free pages are a
-stack in a tensor, so that the compiled writers (kv/kernels/sparse_write.cpp) take pages themselves.
+handed out again, or when the tokens that filled them are discarded (a sequence's rejected drafts).
+The pool starts at the size the budget expects and grows if the data hold more outliers than that, so
+nothing is ever dropped; `grown_pages` counts such growth. Each layer's free pages are a stack in a
+tensor, so that the compiled writers (kv/kernels/sparse_write.cpp) take pages themselves.
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ class SparsePages:
         self.token_count[:, block_slots(index, self.block_size)] = 0
 
     def discard(self, slots: torch.Tensor) -> None:
-        """Forget the bytes of the tokens at `slots`, which are the last written to their blocks (a sequence's
-        rejected drafts): every layer's block fill goes back to where the first of them began, so the tokens written
-        there next take their place instead of following them, and pages past the fill go back to the free stack (a
-        block owns the pages its fill needs and no more, which the GPU writer counts on)."""
+        """Forget the bytes of the tokens at `slots`, which must be the last written to their blocks (a sequence's
+        rejected drafts; nothing checks it): every layer's block fill goes back to where the first of them began, so
+        the tokens written there next take their place instead of following them, and pages past the fill go back to
+        the free stack (a block owns the pages its fill needs and no more, which the GPU writer counts on). On a GPU
+        this waits for the device (the blocks' `unique`, the masks' indexing): once a step, and only where drafts
+        were rejected."""
         starts = self.token_offset[:, slots].long()  # [layers, n]
         blocks = slots // self.block_size
         self.block_fill.scatter_reduce_(1, blocks.expand_as(starts), starts, reduce="amin")

@@ -40,6 +40,9 @@ class KVStorage(ABC):
         """Forget what newly allocated blocks held: a padding row read from a block's unwritten tail
         must be finite (0 weight times NaN is NaN)."""
 
+    # whether `discard_tokens` does anything: where it does not, the engine does not work out the slots to give it
+    keeps_discarded_tokens = False
+
     def discard_tokens(self, slots: torch.Tensor) -> None:
         """Forget the tokens at `slots` [n], the last written to their blocks (a sequence's rejected drafts), so that
         tokens written there next replace them. Storage where a slot written again holds the new token alone needs
