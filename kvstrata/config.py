@@ -463,10 +463,9 @@ class EngineConfig:
                                 f"from which steps draft nothing), got {limit!r}")
         if not k:
             return
-        # drafts' KV is written and, where rejected, written over: only where attention reads every cached token and
-        # a slot written again holds the new token alone (not KIVI's window); a host pool would copy a sequence's
-        # whole context to the device once for each of its drafts
-        needs = [(self.kv_offload != "none", f"kv_offload none, not {self.kv_offload!r}"),
+        # drafts' KV is written and, where rejected, written over: only where attention reads every cached token (not
+        # H2O's or InfiniGen's selections) and a slot written again holds the new token alone (not KIVI's window)
+        needs = [(self.kv_offload not in ("none", "full"), f"kv_offload none or full, not {self.kv_offload!r}"),
                  (self.prefix_loading != "full", f"prefix_loading full, not {self.prefix_loading!r}"),
                  (self.kv_format not in (None, *SLOT_REWRITING_KV_FORMATS),
                   f"a kv_format of {', '.join(SLOT_REWRITING_KV_FORMATS)}, not {self.kv_format!r}")]

@@ -116,6 +116,7 @@ def test_greedy_output_is_the_output_without_drafts_and_transformers(plain, spec
     {"scheduler": "prefill-first"}, {"scheduler": "static"}, {"kv_format": "int8"}, {"kv_format": "int4"},
     {"kv_format": "fp16", "dtype": "float16"}, {"enable_prefix_caching": False},
     {"chunk_size": 16}, {"num_speculative_tokens": 1}, {"prompt_lookup_min": 1, "prompt_lookup_max": 1},
+    {"kv_offload": "full"}, {"kv_offload": "full", "paged_kernel": False},
 ])
 def test_greedy_output_is_unchanged_under_every_setting_drafts_allow(tiny_llama, options):
     kwargs = dict(kv_cache_memory="8MiB", max_model_len=256, **options)
@@ -139,6 +140,28 @@ def test_oaken_drafts_give_the_plain_output_and_leave_no_rejected_bytes_behind(t
         per_block = pages.token_count.long().unflatten(1, (-1, pages.block_size)).sum(2)
         assert torch.equal(pages.block_fill, per_block)
         assert torch.equal((pages.block_pages >= 0).sum(2), -(-per_block // pages.page_bytes))  # no spare pages
+
+
+def test_a_host_pool_copies_a_sequence_s_context_once_for_all_its_drafts(tiny_llama):
+    """Under --kv-offload full every layer copies what its decodes read from the host pool to the device: a sequence
+    verifying three drafts has four rows, and its blocks are copied once, as a plain decode's are."""
+    engine = LLMEngine(EngineConfig(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, kv_offload="full",
+                                    num_speculative_tokens=3, prompt_lookup_min=1))
+    engine.add_request(PROMPTS[3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    pool, block_size = engine.kv_cache, engine.config.block_size
+    row_bytes = 2 * pool.kv_shape[0] * pool.kv_shape[1] * 4  # K and V of a token, float32 on the device
+    stats = engine.attention.stats
+    drafted = 0
+    while engine.has_unfinished_requests():
+        seq = engine.scheduler.running[0] if engine.scheduler.running else None
+        tokens_before, copied_before = (seq.num_tokens if seq else 0), stats.copied_bytes.sum()
+        engine.step()
+        step = engine.step_stats[-1]
+        if step.num_draft_tokens:  # positions up to tokens_before + drafts - 1, in whole blocks, once per layer
+            blocks = -(-(tokens_before + step.num_draft_tokens) // block_size)
+            assert stats.copied_bytes.sum() - copied_before == pool.num_layers * blocks * block_size * row_bytes
+            drafted += 1
+    assert drafted > 3
 
 
 def test_preempted_sequences_with_drafts_still_give_the_plain_output(tiny_llama):

@@ -108,6 +108,20 @@ class AttentionBatch:
         return self.positions.shape[0]
 
 
+def keys_per_sequence(keys: CachedKeys) -> tuple[CachedKeys, torch.Tensor] | None:
+    """Whole-block decode keys in which a sequence verifying drafts has a row per token (consecutive rows with one
+    block table; two sequences never share a table, as each writes its newest token to a block of its own): the keys
+    once per sequence, to its last row's length, and each row's sequence. None where every row is a sequence."""
+    tables = keys.block_tables
+    firsts = torch.ones(len(tables), dtype=torch.bool, device=tables.device)
+    firsts[1:] = (tables[1:] != tables[:-1]).any(1)
+    if bool(firsts.all()):
+        return None
+    starts = firsts.nonzero().flatten()
+    lasts = torch.cat((starts[1:], starts.new_tensor([len(tables)]))) - 1
+    return whole_block_keys(tables[starts], keys.context_lens[lasts], keys.block_size), firsts.cumsum(0) - 1
+
+
 def whole_block_keys(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> CachedKeys:
     """Every cached key of sequences whose blocks are the rows of `block_tables` [n, B] (padded rows may
     repeat a block: positions at or beyond a row's context length are padding)."""

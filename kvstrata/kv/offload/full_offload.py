@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
+from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys, keys_per_sequence
 from kvstrata.kv.attention_policy import AttentionPolicy, attend_keys, outputs_of_groups
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.offload.transfers import OffloadStats, WorkingBuffers, to_host
@@ -34,11 +34,14 @@ class FullOffload(AttentionPolicy):
         # each copy waits for the device
         self._step_on_host: tuple[torch.Tensor, torch.Tensor] | None = None
         self._keys_on_host: dict[int, tuple[CachedKeys, CachedKeys]] = {}
+        # the step's decodes verifying drafts: their keys once per sequence, and each row's sequence
+        self._per_sequence: tuple[AttentionGroup, tuple[CachedKeys, torch.Tensor] | None] | None = None
 
     def begin_step(self, batch: AttentionBatch) -> None:
         super().begin_step(batch)
         self._step_on_host = None
         self._keys_on_host.clear()
+        self._per_sequence = None
 
     def attention(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   batch: AttentionBatch) -> torch.Tensor:
@@ -60,29 +63,45 @@ class FullOffload(AttentionPolicy):
     def attend_group(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      group: AttentionGroup) -> torch.Tensor:
         keys = self.select_keys(layer, group)
-        k, v = self.fetch(layer, keys, q.dtype)
+        # sequences verifying drafts have a row per token: their contexts are copied once, each row reads its own
+        per_sequence = self.keys_per_sequence(group) if keys is group.keys else None
+        fetched_keys, sequence_of_row = per_sequence or (keys, None)
+        k, v = self.fetch(layer, fetched_keys, q.dtype)
         if group.is_decode:
-            rows = int((self.keys_on_host(keys).positions >= 0).sum()) * self.storage.kv_shape[0]
+            rows = int((self.keys_on_host(fetched_keys).positions >= 0).sum()) * self.storage.kv_shape[0]
             self.stats.decode_rows(layer, fetched=rows, cached=rows)
         readable = self.readable(layer, keys)
         if (group.is_decode and readable is None and keys.block_tables is not None and self.kernel is not None
                 and q.dtype == torch.float32):
-            return self._attend_whole_contexts(q, k, v, group)
+            return self._attend_whole_contexts(q, k, v, group, sequence_of_row)
+        if sequence_of_row is not None:
+            k, v = k[sequence_of_row], v[sequence_of_row]
         if readable is None:
             return attend_keys(q, k, v, group, keys)
         queries = q.view(group.num_sequences, -1, *q.shape[1:])
         return attend(queries, k, v, keys.mask_for(group) & readable[:, None]).flatten(0, 1)
 
-    def _attend_whole_contexts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               group: AttentionGroup) -> torch.Tensor:
+    def keys_per_sequence(self, group: AttentionGroup) -> tuple[CachedKeys, torch.Tensor] | None:
+        """`keys_per_sequence` of the step's decodes, worked out once a step (None: no sequence verifies drafts)."""
+        if not group.is_decode or group.keys.block_tables is None:
+            return None
+        if self._per_sequence is None or self._per_sequence[0] is not group:
+            self._per_sequence = (group, keys_per_sequence(group.keys))
+        return self._per_sequence[1]
+
+    def _attend_whole_contexts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
+                               sequence_of_row: torch.Tensor | None = None) -> torch.Tensor:
         """Decodes over their whole copied contexts (k, v [n, Tk, kv_heads, D], whole blocks: sequence s's tokens are
-        its first context_lens[s] rows), compiled (kv/kernels/fetched_attention.cpp)."""
+        its first context_lens[s] rows; row r reads sequence sequence_of_row[r], by default sequence r), compiled
+        (kv/kernels/fetched_attention.cpp)."""
         n, width, kv_heads, dim = k.shape
         # views where the storage gathers heads outermost (the float pools); a copy where it gathers token-major rows
         rows = [x.permute(2, 0, 1, 3).reshape(kv_heads, n * width, dim) for x in (k, v)]
-        starts = (torch.arange(n) * width).expand(kv_heads, n)
+        sequence_of_row = torch.arange(n) if sequence_of_row is None else sequence_of_row
+        starts = (sequence_of_row * width).expand(kv_heads, -1)
+        lens = group.context_lens.expand(kv_heads, -1)
         with torch.profiler.record_function("kvstrata::fetched_attention"):  # named in profiles
-            return self.kernel.fetched_attention(q, *rows, starts, group.context_lens.expand(kv_heads, n), dim**-0.5)
+            return self.kernel.fetched_attention(q, *rows, starts, lens, dim**-0.5)
 
     def readable(self, layer: int, keys: CachedKeys) -> torch.Tensor | None:
         """Which of `keys` [n, Tk] this layer may still read (None: all; InfiniGen's capped pool gives some up)."""
