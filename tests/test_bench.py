@@ -300,6 +300,10 @@ def test_speculative_decoding_against_plain_decoding_and_transformers(tiny_llama
     for name, run in runs.items():  # the same greedy work each round, counted over both
         assert [twice[name][key] for key in ("output_tokens", "steps", "draft_tokens")] == \
             [2 * run[key] for key in ("output_tokens", "steps", "draft_tokens")]
+    offloaded = run_json(capsys, *batched, "--kv-offload", "full")["tasks"]["rewrite"]["kvstrata"]
+    assert "kv_copied_bytes" not in runs["plain"]
+    assert 0 < offloaded["speculative_3"]["kv_copied_bytes_per_token"] < offloaded["plain"]["kv_copied_bytes_per_token"]
+    assert offloaded["plain"]["modeled_transfer_s_per_token"] > 0
     assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--rounds", "0"]) == 2
     assert "--batch and --rounds must be at least 1" in capsys.readouterr().err
     assert main(["bench", "speculative", "--model", str(tiny_llama), *TINY, "--tasks", "poem"]) == 2

@@ -2,13 +2,14 @@
 transformers' `generate(prompt_lookup_num_tokens=...)`, one request at a time (the latency it is for), or --batch
 requests at once (what drafts cost a batch).
 
-Each task is a chat request about a passage of --text: `rewrite` (correct it and write it out: the output copies
-the passage), `extract` (quote the sentences that answer a question), `free` (write freely from it: little to copy
-but what the output repeats of itself). Every engine (plain, then one per --speculative-tokens value; the weights
-loaded once) runs the task's prompts, --batch at a time, greedy, to --max-tokens tokens or the model's end. Reported
-per task: output tokens/s, the ratio to plain decoding, the drafts verified and accepted, and how many outputs equal
-plain decoding's; transformers' tokens/s with and without prompt lookup (the largest --speculative-tokens value,
---prompt-lookup-max as its longest n-gram) and kvstrata's best ratio to it.
+Each task is a chat request about a passage of --text: `rewrite` (correct it and write it out: the output copies the
+passage), `extract` (quote the sentences that answer a question), `free` (write freely from it: little to copy but
+what the output repeats of itself). Every engine (plain, then one per --speculative-tokens value; the weights loaded
+once) runs the task's prompts, --batch at a time, greedy, to --max-tokens tokens or the model's end. Reported per
+task: output tokens/s, the ratio to plain decoding, the drafts verified and accepted, and how many outputs equal plain
+decoding's (under --kv-offload also the KV bytes copied from the host pool per output token, and the --kv-link model's
+seconds for them: modeled); transformers' tokens/s with and without prompt lookup (the largest --speculative-tokens
+value, --prompt-lookup-max as its longest n-gram) and kvstrata's best ratio to it.
 """
 
 from __future__ import annotations
@@ -104,28 +105,45 @@ def _rounds(engines: dict[int, LLMEngine], prompts: list[list[int]], params: Sam
         for k in list(engines)[:: -1 if round_index % 2 else 1]:
             one = _run(engines[k], prompts, params, batch)
             if k in totals:
-                for key in ("seconds", "output_tokens", "steps", "draft_tokens", "accepted_tokens"):
-                    totals[k][key] += one[key]
+                for key in ("seconds", "output_tokens", "steps", "draft_tokens", "accepted_tokens", *OFFLOAD_KEYS):
+                    if key in one:
+                        totals[k][key] += one[key]
             else:
                 totals[k] = one
     return {k: _rates(totals[k]) for k in engines}
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, batch: int) -> dict:
+    """One run of the prompts; under --kv-offload also the KV bytes copied from the host pool and the link model's
+    time for them (modeled)."""
     engine.reset_prefix_cache()
     engine.step_stats.clear()
+    offload = getattr(engine.attention, "stats", None)
+    before = _offload_counts(offload)
     start = time.perf_counter()
     outputs = _generate(engine, prompts, params, batch)
     seconds = time.perf_counter() - start
+    moved = {key: after - before[key] for key, after in _offload_counts(offload).items()}
     return {"seconds": seconds, "output_tokens": sum(len(one) for one in outputs), "steps": len(engine.step_stats),
             "draft_tokens": sum(step.num_draft_tokens for step in engine.step_stats),
-            "accepted_tokens": sum(step.num_accepted_tokens for step in engine.step_stats), "outputs": outputs}
+            "accepted_tokens": sum(step.num_accepted_tokens for step in engine.step_stats), **moved,
+            "outputs": outputs}
+
+
+OFFLOAD_KEYS = ("kv_copied_bytes", "modeled_transfer_s")
+
+
+def _offload_counts(stats) -> dict:
+    if stats is None:
+        return {}
+    return dict(zip(OFFLOAD_KEYS, (int(stats.copied_bytes.sum()), float(stats.modeled_transfer_s.sum()))))
 
 
 def _rates(run: dict) -> dict:
-    drafted, accepted = run["draft_tokens"], run["accepted_tokens"]
-    return {**run, "seconds": sig(run["seconds"]), "tokens_per_s": sig(run["output_tokens"] / run["seconds"]),
-            "acceptance": sig(accepted / drafted) if drafted else None}
+    drafted, accepted, tokens = run["draft_tokens"], run["accepted_tokens"], run["output_tokens"]
+    per_token = {f"{key}_per_token": sig(run[key] / tokens) for key in OFFLOAD_KEYS if key in run}
+    return {**run, "seconds": sig(run["seconds"]), "tokens_per_s": sig(tokens / run["seconds"]),
+            "acceptance": sig(accepted / drafted) if drafted else None, **per_token}
 
 
 @torch.inference_mode()
