@@ -109,9 +109,9 @@ class AttentionBatch:
 
 
 def keys_per_sequence(keys: CachedKeys) -> tuple[CachedKeys, torch.Tensor] | None:
-    """Whole-block decode keys in which a sequence verifying drafts has a row per token (consecutive rows with one
-    block table; two sequences never share a table, as each writes its newest token to a block of its own): the keys
-    once per sequence, to its last row's length, and each row's sequence. None where every row is a sequence."""
+    """Whole-block decode keys in which a sequence verifying drafts has a row per token, consecutive rows with one
+    block table: the keys once per run of rows with one table (to the run's last, longest row: each row reads a
+    prefix of them) and each row's run. None where no two neighbouring rows share a table."""
     tables = keys.block_tables
     firsts = torch.ones(len(tables), dtype=torch.bool, device=tables.device)
     firsts[1:] = (tables[1:] != tables[:-1]).any(1)

@@ -91,8 +91,8 @@ class FullOffload(AttentionPolicy):
 
     def _attend_whole_contexts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
                                sequence_of_row: torch.Tensor | None = None) -> torch.Tensor:
-        """Decodes over their whole copied contexts (k, v [n, Tk, kv_heads, D], whole blocks: sequence s's tokens are
-        its first context_lens[s] rows; row r reads sequence sequence_of_row[r], by default sequence r), compiled
+        """Decodes over their whole copied contexts (k, v [m, Tk, kv_heads, D], whole blocks, a context each: row r
+        reads the first context_lens[r] tokens of context sequence_of_row[r], by default context r), compiled
         (kv/kernels/fetched_attention.cpp)."""
         n, width, kv_heads, dim = k.shape
         # views where the storage gathers heads outermost (the float pools); a copy where it gathers token-major rows
