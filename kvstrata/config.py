@@ -267,10 +267,10 @@ class EngineConfig:
     )
     speculative_disable_by_batch_size: int | None = field(
         default=None,
-        metadata=_option("speculative decoding: while this many sequences (2 or more) or more are running, decode "
-                         "steps draft nothing (vLLM's --speculative-disable-by-batch-size): a full batch already "
-                         "multiplies many rows per weight read, so drafts cost it more than they save (default: always "
-                         "draft)"),
+        metadata=_option("speculative decoding: while at least this many sequences are running (a number of 2 or "
+                         "more), decode steps draft nothing (vLLM's --speculative-disable-by-batch-size): a full batch "
+                         "already multiplies many rows per weight read, so drafts cost it more than they save "
+                         "(default: always draft)"),
     )
     enable_lora: bool = field(
         default=False,
