@@ -14,6 +14,7 @@ from kvstrata.engine.ngram_proposer import NgramProposer
 from kvstrata.engine.sequence import Sequence
 from kvstrata.engine.structured_output import StructuredOutput
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.attention_batch import keys_per_sequence, whole_block_keys
 from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
 from tests.helpers import hf_greedy
 from tests.tiny_models import VOCAB_SIZE
@@ -116,7 +117,7 @@ def test_greedy_output_is_the_output_without_drafts_and_transformers(plain, spec
     {"scheduler": "prefill-first"}, {"scheduler": "static"}, {"kv_format": "int8"}, {"kv_format": "int4"},
     {"kv_format": "fp16", "dtype": "float16"}, {"enable_prefix_caching": False},
     {"chunk_size": 16}, {"num_speculative_tokens": 1}, {"prompt_lookup_min": 1, "prompt_lookup_max": 1},
-    {"kv_offload": "full"}, {"kv_offload": "full", "paged_kernel": False},
+    {"kv_offload": "full"}, {"kv_offload": "full", "paged_kernel": False}, {"kv_offload": "full", "kv_format": "int4"},
 ])
 def test_greedy_output_is_unchanged_under_every_setting_drafts_allow(tiny_llama, options):
     kwargs = dict(kv_cache_memory="8MiB", max_model_len=256, **options)
@@ -126,11 +127,13 @@ def test_greedy_output_is_unchanged_under_every_setting_drafts_allow(tiny_llama,
     assert accepted > 0
 
 
-def test_oaken_drafts_give_the_plain_output_and_leave_no_rejected_bytes_behind(tiny_llama_kv64, oaken_calibrations):
+@pytest.mark.parametrize("kv_offload", ["none", "full"])
+def test_oaken_drafts_give_the_plain_output_and_leave_no_rejected_bytes_behind(kv_offload, tiny_llama_kv64,
+                                                                               oaken_calibrations):
     """Oaken appends a token's outliers to its block's sparse pages; a rejected draft's are discarded, so every
     block holds the bytes of the tokens it keeps and no more, and the tokens written in their place read back their
-    own."""
-    kwargs = {"kv_cache_memory": "8MiB", "max_model_len": 256, "kv_format": "oaken",
+    own: on the device and in a host pool."""
+    kwargs = {"kv_cache_memory": "8MiB", "max_model_len": 256, "kv_format": "oaken", "kv_offload": kv_offload,
               "oaken_calibration": str(oaken_calibrations[DEFAULT_RATIOS])}
     expected, _, _ = run(LLM(str(tiny_llama_kv64), **kwargs))
     speculating = LLM(str(tiny_llama_kv64), num_speculative_tokens=3, **kwargs)
@@ -140,6 +143,17 @@ def test_oaken_drafts_give_the_plain_output_and_leave_no_rejected_bytes_behind(t
         per_block = pages.token_count.long().unflatten(1, (-1, pages.block_size)).sum(2)
         assert torch.equal(pages.block_fill, per_block)
         assert torch.equal((pages.block_pages >= 0).sum(2), -(-per_block // pages.page_bytes))  # no spare pages
+
+
+def test_keys_per_sequence_copies_each_run_of_one_table_once_to_its_longest_row():
+    """Rows A A B C C C (A and C verifying drafts, a row per token): three contexts, each to its longest row, and
+    each row pointed at its own; rows that are each a sequence of their own need nothing."""
+    tables = torch.tensor([[3, 4], [3, 4], [7, 0], [5, 6], [5, 6], [5, 6]])
+    keys = whole_block_keys(tables, torch.tensor([20, 21, 9, 30, 32, 31]), block_size=16)  # C's longest in the middle
+    runs, run_of_row = keys_per_sequence(keys)
+    assert runs.block_tables.tolist() == [[3, 4], [7, 0], [5, 6]]
+    assert runs.context_lens.tolist() == [21, 9, 32] and run_of_row.tolist() == [0, 0, 1, 2, 2, 2]
+    assert keys_per_sequence(whole_block_keys(tables[1:4], torch.tensor([21, 9, 30]), block_size=16)) is None
 
 
 def test_a_host_pool_copies_a_sequence_s_context_once_for_all_its_drafts(tiny_llama):
@@ -286,6 +300,7 @@ def test_steps_draft_nothing_while_the_batch_is_at_the_size_that_turns_drafts_of
     ({"num_speculative_tokens": 2, "speculative_disable_by_batch_size": "8"}, "got '8'"),
     ({"num_speculative_tokens": 2, "kv_format": "kivi4"}, "'kivi4'"),
     ({"num_speculative_tokens": 2, "kv_offload": "infinigen"}, "'infinigen'"),
+    ({"num_speculative_tokens": 2, "kv_offload": "h2o"}, "kv_offload none or full, not 'h2o'"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min 3"),
     ({"prompt_lookup_min": 0}, "prompt_lookup_min"),
 ])

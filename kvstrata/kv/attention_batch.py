@@ -110,16 +110,16 @@ class AttentionBatch:
 
 def keys_per_sequence(keys: CachedKeys) -> tuple[CachedKeys, torch.Tensor] | None:
     """Whole-block decode keys in which a sequence verifying drafts has a row per token, consecutive rows with one
-    block table: the keys once per run of rows with one table (to the run's last, longest row: each row reads a
-    prefix of them) and each row's run. None where no two neighbouring rows share a table."""
+    block table: the keys once per run of rows with one table (to the run's longest row: each row reads a prefix of
+    them) and each row's run. None where no two neighbouring rows share a table."""
     tables = keys.block_tables
     firsts = torch.ones(len(tables), dtype=torch.bool, device=tables.device)
     firsts[1:] = (tables[1:] != tables[:-1]).any(1)
     if bool(firsts.all()):
         return None
-    starts = firsts.nonzero().flatten()
-    lasts = torch.cat((starts[1:], starts.new_tensor([len(tables)]))) - 1
-    return whole_block_keys(tables[starts], keys.context_lens[lasts], keys.block_size), firsts.cumsum(0) - 1
+    run_of_row = firsts.cumsum(0) - 1
+    lens = keys.context_lens.new_zeros(int(run_of_row[-1]) + 1).scatter_reduce(0, run_of_row, keys.context_lens, "amax")
+    return whole_block_keys(tables[firsts], lens, keys.block_size), run_of_row
 
 
 def whole_block_keys(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> CachedKeys:
