@@ -217,6 +217,9 @@ def test_requests_running_when_the_grace_period_ends_get_error_responses_and_the
         with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=120) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
+            deadline = time.monotonic() + 60  # the plain request runs too (on a loaded machine it can start later)
+            while metric(url, "kvstrata:num_requests_running") < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
             process.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         waiting.join()
