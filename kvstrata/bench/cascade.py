@@ -26,7 +26,7 @@ import torch
 
 from kvstrata.bench.flag_lists import positive_ints
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
-from kvstrata.bench.workload import medians, read_text, run_together
+from kvstrata.bench.workload import medians, read_text, run_together, take_turns
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
@@ -86,10 +86,7 @@ def _prompts(ids: list[int], count: int, documents: int, prefix_tokens: int,
 
 def _compare(engines: dict, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    results = {name: [] for name in engines}
-    for round_ in range(args.rounds):  # the first to run in a round goes second in the next
-        for name in list(engines)[:: 1 if round_ % 2 == 0 else -1]:
-            results[name].append(_run(engines[name], prompts, params))
+    results = take_turns(engines, args.rounds, lambda engine: _run(engine, prompts, params), alternate=True)
     runs = {name: [figures for figures, _ in one] for name, one in results.items()}
     cascade, plain = (results[name][-1][1] for name in ("cascade", "plain"))
     plain_rounds = [outputs for _, outputs in results["plain"]]
@@ -113,10 +110,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
     kernel = paged_decode.kernel()
     reads = kernel.shared_prefix_reads() if kernel is not None else 0
     start = time.perf_counter()
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    outputs = run_together(engine, prompts, [params] * len(prompts))
     seconds = time.perf_counter() - start
     decodes = [step for step in engine.step_stats if step.prefill_tokens == 0]
     figures = {
@@ -126,4 +120,4 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
         "preemptions": sum(step.num_preempted for step in engine.step_stats),
         "shared_prefix_reads": (kernel.shared_prefix_reads() if kernel is not None else 0) - reads,
     }
-    return figures, [list(finished[request_id].token_ids) for request_id in ids]
+    return figures, [list(out.token_ids) for out in outputs]

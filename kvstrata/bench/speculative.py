@@ -23,7 +23,7 @@ import torch
 from kvstrata.bench.flag_lists import positive_ints
 from kvstrata.bench.report import emit, engine_info, machine_info, sig
 from kvstrata.bench.transformers_model import transformers_model
-from kvstrata.bench.workload import generate_together, read_text
+from kvstrata.bench.workload import generate_together, read_text, take_turns
 from kvstrata.cli.engine_args import engine_config_from_args
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
@@ -100,17 +100,16 @@ def _rounds(engines: dict[int, LLMEngine], prompts: list[list[int]], params: Sam
     """Each engine's runs of the prompts, every engine once a round in an order reversed each round (so the
     machine's drift falls on all alike): seconds, tokens, steps and drafts summed over the rounds, the first
     round's outputs."""
-    totals = {}
-    for round_index in range(rounds):
-        for k in list(engines)[:: -1 if round_index % 2 else 1]:
-            one = _run(engines[k], prompts, params, batch)
-            if k in totals:
-                for key in ("seconds", "output_tokens", "steps", "draft_tokens", "accepted_tokens", *OFFLOAD_KEYS):
-                    if key in one:
-                        totals[k][key] += one[key]
-            else:
-                totals[k] = one
-    return {k: _rates(totals[k]) for k in engines}
+    runs = take_turns(engines, rounds, lambda engine: _run(engine, prompts, params, batch), alternate=True)
+    return {k: _rates(_summed(one)) for k, one in runs.items()}
+
+
+def _summed(runs: list[dict]) -> dict:
+    """The first run, its seconds and counts summed over all the runs."""
+    first, *others = runs
+    keys = [key for key in ("seconds", "output_tokens", "steps", "draft_tokens", "accepted_tokens", *OFFLOAD_KEYS)
+            if key in first]
+    return {**first, **{key: first[key] + sum(one[key] for one in others) for key in keys}}
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, batch: int) -> dict:

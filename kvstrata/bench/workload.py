@@ -53,13 +53,14 @@ def warm_up(engines, prompt: list[int]) -> None:
         run_together(engine, [prompt], [SamplingParams(max_tokens=2, temperature=0.0)])
 
 
-def take_turns(engines: dict, rounds: int, run: Callable) -> dict[str, list]:
-    """`run(engine)` for each engine in turn, `rounds` times over, so that the machine's drift falls on all alike;
-    each engine's results, by its name."""
+def take_turns(engines: dict, rounds: int, run: Callable, alternate: bool = False) -> dict[str, list]:
+    """`run(engine)` for each engine in turn, `rounds` times over, so that the machine's drift falls on all alike
+    (with `alternate`, each round in the order opposite to the round before); each engine's results, by its name."""
     results = {name: [] for name in engines}
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            results[name].append(run(engine))
+    for round_index in range(rounds):
+        names = list(engines)[:: -1 if alternate and round_index % 2 else 1]
+        for name in names:
+            results[name].append(run(engines[name]))
     return results
 
 

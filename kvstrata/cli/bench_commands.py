@@ -197,10 +197,12 @@ def add_bench_commands(commands) -> None:
     )
     cascade.add_argument("--requests", default="32", help="requests, comma-separated (default: 32)")
     cascade.add_argument("--prefixes", default="1", help="prefixes the requests share, comma-separated (default: 1)")
-    cascade.add_argument("--prefix-tokens", default="2048", help="tokens of the prefix, comma-separated (default: 2048)")
+    cascade.add_argument("--prefix-tokens", default="2048",
+                         help="tokens of the prefix, comma-separated (default: 2048)")
     cascade.add_argument("--question-tokens", type=int, default=32, help="each request's own tokens (default: 32)")
     cascade.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default: 64)")
-    cascade.add_argument("--kv-formats", default="fp32,int4,oaken", help="KV formats compared (default: fp32,int4,oaken)")
+    cascade.add_argument("--kv-formats", default="fp32,int4,oaken",
+                         help="KV formats compared (default: fp32,int4,oaken)")
     cascade.add_argument("--rounds", type=int, default=2, help="rounds of cascade then plain (default: 2)")
     _add_output_flags(cascade)
     add_engine_arguments(cascade)

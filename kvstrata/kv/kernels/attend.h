@@ -399,9 +399,9 @@ inline void softmax_columns(float* x, int64_t tokens, int64_t columns, float* pe
 // read, and decoded where the storage keeps another form, once for all rows instead of once per row, in chunks over
 // torch's threads; a chunk is attended by every row's queries of a KV head together, as two matrix products (the
 // chunk's keys [tokens, dim] by the queries [n * group, dim], the weights by the values). Each row then reads its own
-// tokens, and its parts are merged by their peaks and totals. The products sum in the matrix library's order, which may depend on how many rows there are. Arguments as
-// `run` has them below; the prefix is read in items of prefix_row_heads KV heads, the rows' own tokens in items of
-// row_heads.
+// tokens, and its parts are merged by their peaks and totals. The products sum in the matrix library's order, which
+// may depend on how many rows there are. Arguments as `run` has them below; the prefix is read in items of
+// prefix_row_heads KV heads, the rows' own tokens in items of row_heads.
 template <typename MakeRows>
 void attend_shared_prefix(const at::Tensor& q, at::Tensor& out, const int64_t* tables, const int64_t* lens,
                           int64_t width, int64_t kv_heads, int64_t row_heads, int64_t prefix_row_heads,
