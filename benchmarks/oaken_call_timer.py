@@ -20,9 +20,11 @@ CACHE_CALLS = {
                               ("kvstrata.kv.paged_cache", "PagedKVCache.gather_keys"),
                               ("kvstrata.kv.quantized_cache", "QuantizedPagedKVCache.gather_keys"),
                               ("kvstrata.kv.kivi_cache", "KiviPagedKVCache.gather_keys")],
-    "encode": [("kvstrata.kv.formats.integer", "Int8Format.encode"), ("kvstrata.kv.formats.integer", "Int4Format.encode"),
+    "encode": [("kvstrata.kv.formats.scaled_bytes", "ScaledByteFormat.encode"),
+               ("kvstrata.kv.formats.integer", "Int4Format.encode"),
                ("kvstrata.kv.formats.oaken.format", "OakenFormat.encode")],
-    "decode": [("kvstrata.kv.formats.integer", "Int8Format.decode"), ("kvstrata.kv.formats.integer", "Int4Format.decode"),
+    "decode": [("kvstrata.kv.formats.scaled_bytes", "ScaledByteFormat.decode"),
+               ("kvstrata.kv.formats.integer", "Int4Format.decode"),
                ("kvstrata.kv.formats.oaken.format", "OakenFormat.decode")],
     "attention math": [("kvstrata.kv.attention_policy", "attend")],
     # decodes read where the blocks lie (kv/kernels): decoding and attention math in one call

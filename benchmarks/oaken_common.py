@@ -16,7 +16,7 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.sparse_pages import SparsePages
 
 # Every --kv-format compared; a name the engine does not (yet) know is skipped with a note.
-FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "kivi4", "kivi2", "oaken")
+FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "fp8", "fp8_e5m2", "kivi4", "kivi2", "oaken")
 PERSUASION = Path(__file__).parent / "data" / "persuasion.txt"
 
 

@@ -31,7 +31,7 @@ KV_FORMATS = tuple(KV_FORMAT_REGISTRY)
 OAKEN_KEYS = ("pre-rope", "post-rope")
 KV_OFFLOADS = ("none", "full", "infinigen", "h2o")
 # a token stored again in a slot replaces it (Oaken's once its rejected drafts are discarded: KVStorage.discard_tokens)
-SLOT_REWRITING_KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "oaken")
+SLOT_REWRITING_KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "fp8", "fp8_e5m2", "oaken")
 HOST_EVICTIONS = ("counter", "lru", "fifo")
 PREFIX_LOADINGS = ("full", *PREFIX_LOADING)
 NO_COMPILE_BESIDE_LOADS = ("no compile (the load thread runs the model beside the engine thread, and compiled layers "
@@ -102,8 +102,9 @@ class EngineConfig:
     kv_format: str | None = field(
         default=None,
         metadata=_option("how the paged cache stores K and V: fp32, fp16, bf16, int8 (per-token absmax), int4 "
-                         "(asymmetric, groups of 64), kivi4/kivi2 (keys per channel, values per token, newest tokens "
-                         "in full precision), oaken (online-offline hybrid, ~4.8 bits) (default: the dtype)",
+                         "(asymmetric, groups of 64), fp8/fp8_e5m2 (float8 e4m3fn/e5m2, a scale per token), "
+                         "kivi4/kivi2 (keys per channel, values per token, newest tokens in full precision), oaken "
+                         "(online-offline hybrid, ~4.8 bits) (default: the dtype)",
                          choices=KV_FORMATS),
     )
     int4_group_size: int = field(

@@ -13,6 +13,7 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.cli.main import main
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.kv.formats.float8 import Float8Format
 from kvstrata.kv.formats.float16_params import params_from_bytes
 from kvstrata.kv.formats.integer import INT4_GROUP, Int4Format, Int8Format
 from kvstrata.kv.formats.oaken.codec import encode_tokens
@@ -24,7 +25,7 @@ from kvstrata.model.rotary import apply_rope
 from tests.helpers import prefill_in_chunks
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-QUANTIZED = ("int8", "int4", "oaken")
+QUANTIZED = ("int8", "int4", "fp8", "oaken")
 BLOCK_SIZE = 16
 
 
@@ -57,6 +58,7 @@ def round_trip(fmt, x: torch.Tensor):
 @pytest.mark.parametrize("width", [32, 64, 96, 128, 4096])
 def test_record_bytes(width):
     assert Int8Format(width).record_bytes == width + 2
+    assert Float8Format(width).record_bytes == Float8Format(width, "fp8_e5m2").record_bytes == width + 2
     assert Int4Format(width).record_bytes == width // 2 + 4 * math.ceil(width / INT4_GROUP)
     assert Int4Format(width, 16).record_bytes == width // 2 + 4 * math.ceil(width / 16)
 
@@ -74,6 +76,24 @@ def test_int8_decodes_within_half_a_step(width):
     assert (y[x == 0] == 0).all()  # every exact zero, in every row
     constant = x[-5:-1]
     assert ((y[-5:-1] - constant).abs() <= constant.abs() / 254).all()
+
+
+@pytest.mark.parametrize(("name", "mantissa_bits", "code_max"), [("fp8", 3, 448), ("fp8_e5m2", 2, 57344)])
+@pytest.mark.parametrize("width", [32, 64, 96])
+def test_float8_decodes_within_half_a_float8_step_of_each_value(name, mantissa_bits, code_max, width):
+    """Each value comes back within half a step of the float8 number nearest value / scale (relative 2^-(m+1), or
+    half the smallest subnormal step near zero) times the token's scale, absmax / code_max rounded up to a float16."""
+    fmt = Float8Format(width, name)
+    x = sample_rows(width, seed=4)
+    dense, y = round_trip(fmt, x)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    absmax = x.abs().amax(dim=1, keepdim=True)
+    scale = params_from_bytes(dense[:, width:])
+    assert (scale >= absmax / code_max).all() and (scale <= absmax / code_max * (1 + 2**-10) + 2**-24).all()
+    subnormal_step = torch.finfo(fmt.dtype).smallest_normal * 2.0**-mantissa_bits
+    bound = torch.maximum(x.abs() * 2.0 ** -(mantissa_bits + 1), scale * subnormal_step / 2)
+    assert ((y - x).abs() <= bound * (1 + 1e-6) + 1e-30).all()
+    assert (y[x == 0] == 0).all()
 
 
 @pytest.mark.parametrize(("width", "group"), [(32, 64), (64, 64), (96, 64), (128, 64), (96, 32), (128, 16), (72, 16)])
@@ -105,7 +125,8 @@ def test_int4_zero_groups_stay_zero():
     assert (y[:, 64:128] == 0).all()
 
 
-@pytest.mark.parametrize("fmt", [Int8Format(96), Int4Format(96)], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", [Int8Format(96), Int4Format(96), Float8Format(96), Float8Format(96, "fp8_e5m2")],
+                         ids=["int8", "int4", "fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_values_decode_to_nan_in_their_own_token(fmt, bad):
     """Stored without a host check, and never silently finite: the token's values (int8: its row; int4: the
@@ -115,13 +136,14 @@ def test_non_finite_values_decode_to_nan_in_their_own_token(fmt, bad):
     clean = round_trip(fmt, x)[1]
     x[2, 7] = bad
     y = round_trip(fmt, x)[1]
-    poisoned = slice(0, 96) if isinstance(fmt, Int8Format) else slice(0, fmt.group)
+    poisoned = slice(0, fmt.group) if isinstance(fmt, Int4Format) else slice(0, 96)
     assert y[2, poisoned].isnan().all() and not y[2, poisoned.stop:].isnan().any()
     assert torch.equal(y[[0, 1, 3]], clean[[0, 1, 3]])
 
 
 def test_values_beyond_float16_parameters_decode_to_nan():
-    for fmt, x in ((Int8Format(64), torch.full((1, 64), 1e7)), (Int4Format(64), torch.full((1, 64), -1e6))):
+    for fmt, x in ((Int8Format(64), torch.full((1, 64), 1e7)), (Int4Format(64), torch.full((1, 64), -1e6)),
+                   (Float8Format(64), torch.full((1, 64), 1e8)), (Float8Format(64, "fp8_e5m2"), torch.full((1, 64), 1e10))):
         assert round_trip(fmt, x)[1].isnan().all()
 
 

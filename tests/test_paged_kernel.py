@@ -8,6 +8,7 @@ import torch
 
 from kvstrata import compiled_extension
 from kvstrata.kv.attention_batch import whole_block_keys
+from kvstrata.kv.formats.float8 import Float8Format
 from kvstrata.kv.formats.integer import Int8Format
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.reference_attention import attend
@@ -46,11 +47,12 @@ def test_kernel_equals_the_reference_attention_over_the_gathered_blocks(heads, d
 
 
 @needs_kernel
-def test_int8_kernel_equals_the_reference_attention_over_the_decoded_records():
-    """Over int8 records (codes, then a float16 scale), the kernel equals the reference attention over the K/V the
-    int8 format decodes from the same records, for GQA and sequences of mixed lengths."""
+@pytest.mark.parametrize("form", ["int8", "fp8", "fp8_e5m2"])
+def test_scaled_byte_kernel_equals_the_reference_attention_over_the_decoded_records(form):
+    """Over records of one-byte codes and a float16 scale (int8, fp8, fp8_e5m2), the kernel equals the reference
+    attention over the K/V the format decodes from the same records, for GQA and sequences of mixed lengths."""
     kv_heads, dim, block, num_blocks = 3, 64, 16, 12
-    fmt = Int8Format(kv_heads * dim)
+    fmt = Int8Format(kv_heads * dim) if form == "int8" else Float8Format(kv_heads * dim, form)
     gen = torch.Generator().manual_seed(3)
     k = torch.randn(num_blocks * block, kv_heads * dim, generator=gen) * 3
     v = torch.randn(num_blocks * block, kv_heads * dim, generator=gen)
@@ -60,12 +62,21 @@ def test_int8_kernel_equals_the_reference_attention_over_the_decoded_records():
     lens = torch.tensor([1, 20, 64])
     tables = torch.tensor([[5, 0, 0, 0], [2, 7, 0, 0], [11, 3, 8, 1]])
     q = torch.randn(3, 9, dim, generator=gen)
-    got = KERNEL.paged_decode_attention_int8(q, k_records, v_records, tables, lens, block, kv_heads, dim**-0.5)
+    got = KERNEL.paged_decode_attention_scaled_bytes(q, k_records, v_records, tables, lens, block, kv_heads, form,
+                                                     dim**-0.5)
     keys = whole_block_keys(tables, lens, block)
     k_dec = fmt.decode(k_records[keys.slots.reshape(-1)], None, 0, "k", None).view(3, -1, kv_heads, dim)
     v_dec = fmt.decode(v_records[keys.slots.reshape(-1)], None, 0, "v", None).view(3, -1, kv_heads, dim)
     want = attend(q[:, None], k_dec, v_dec, (keys.positions != -1)[:, None])[:, 0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_scaled_byte_reader_refuses_unknown_codes_by_name():
+    records = torch.zeros(16, 3 * 64 + 2, dtype=torch.uint8)
+    tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.tensor([4])
+    with pytest.raises(RuntimeError, match="paged_read_scaled_bytes: codes 'fp4'; int8, fp8 or fp8_e5m2"):
+        KERNEL.paged_read_scaled_bytes(records, records, tables, lens, 16, 3, 64, "fp4")
 
 
 @needs_kernel

@@ -15,6 +15,7 @@ import torch
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.base import KVFormat
+from kvstrata.kv.formats.float8 import Float8Format
 from kvstrata.kv.formats.integer import Int4Format, Int8Format
 from kvstrata.kv.kivi_cache import KiviPagedKVCache, window_slots_needed
 from kvstrata.kv.paged_cache import PagedKVCache
@@ -133,6 +134,8 @@ KV_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], StorageLayout]] = {
     "bf16": lambda shape, options: FloatLayout(shape, torch.bfloat16, options),
     "int8": lambda shape, options: QuantizedLayout(shape, Int8Format(shape.width), options),
     "int4": lambda shape, options: QuantizedLayout(shape, Int4Format(shape.width, options.int4_group_size), options),
+    "fp8": lambda shape, options: QuantizedLayout(shape, Float8Format(shape.width, "fp8"), options),
+    "fp8_e5m2": lambda shape, options: QuantizedLayout(shape, Float8Format(shape.width, "fp8_e5m2"), options),
     "kivi4": lambda shape, options: KiviLayout(shape, 4, options),
     "kivi2": lambda shape, options: KiviLayout(shape, 2, options),
     "oaken": _oaken,

@@ -12,44 +12,22 @@ import torch
 
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.base import EncodedTokens, KVFormat
-from kvstrata.kv.formats.float16_params import float16_up, params_from_bytes, params_to_bytes
+from kvstrata.kv.formats.float16_params import params_from_bytes, params_to_bytes
 from kvstrata.kv.formats.nibbles import pack_nibbles, unpack_nibbles
+from kvstrata.kv.formats.scaled_bytes import ScaledByteFormat
 
 INT4_GROUP = 64
 
 
-class Int8Format(KVFormat):
+class Int8Format(ScaledByteFormat):
     name = "int8"
+    code_max = 127
 
-    @property
-    def record_bytes(self) -> int:
-        return self.width + 2
+    def codes(self, scaled):
+        return torch.round(scaled).clamp(-127, 127).to(torch.int8).view(torch.uint8)
 
-    def encode(self, x, layer, kind, positions) -> EncodedTokens:
-        scale = float16_up(x.abs().amax(dim=1, keepdim=True) / 127)  # NaN for a token float16 cannot scale
-        safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-        codes = torch.round(x / safe).clamp(-127, 127).to(torch.int8)
-        return EncodedTokens(torch.cat((codes.view(torch.uint8), params_to_bytes(scale)), dim=1))
-
-    def decode(self, dense, sparse, layer, kind, positions) -> torch.Tensor:
-        codes = dense[:, : self.width].contiguous().view(torch.int8).float()
-        return codes * params_from_bytes(dense[:, self.width :])
-
-    def store_in_place(self, kernel, layer, slots, positions, k, v, records, sparse):
-        """The compiled store (kv/kernels/integer_store.cpp): `encode`'s bytes, written at the slots."""
-        kernel.integer_store(k, v, slots, records["k"], records["v"], 8, 0)
-        return True
-
-    def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size,
-                        min_shared_tokens=0):
-        return kernel.paged_decode_attention_int8(q, records["k"], records["v"], block_tables, context_lens,
-                                                  block_size, self.width // q.shape[-1], q.shape[-1] ** -0.5,
-                                                  min_shared_tokens)
-
-    def read_in_place(self, kernel, layer, records, sparse, block_tables, context_lens, block_size):
-        # records are read whole: one "head" of all the token's values
-        return kernel.paged_read_int8(records["k"], records["v"], block_tables, context_lens, block_size, 1,
-                                      self.width)
+    def values(self, codes):
+        return codes.view(torch.int8).float()
 
     def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
         from kvstrata.kv.gpu import integer_rows  # imports Triton: only where the GPU kernels run
@@ -93,8 +71,8 @@ class Int4Format(KVFormat):
         return dequantize_asymmetric(codes, params, 2).view(dense.shape[0], -1)[:, : self.width]
 
     def store_in_place(self, kernel, layer, slots, positions, k, v, records, sparse):
-        """The compiled store (kv/kernels/integer_store.cpp): `encode`'s bytes, written at the slots."""
-        kernel.integer_store(k, v, slots, records["k"], records["v"], 4, self.group)
+        """The compiled store (kv/kernels/record_store.cpp): `encode`'s bytes, written at the slots."""
+        kernel.record_store(k, v, slots, records["k"], records["v"], "int4", self.group)
         return True
 
     def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size,

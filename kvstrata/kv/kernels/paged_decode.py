@@ -1,5 +1,5 @@
 """Loads the compiled CPU kernels of kv/, building them on first use: decode attention read where the cache lies
-(attend.h and one reader per storage) and their whole-block reads, the int8 and int4 store, Oaken's encoder and
+(attend.h and one reader per storage) and their whole-block reads, the int8, fp8 and int4 store, Oaken's encoder and
 fused store, the sparse-page writer, KIVI's window store, and InfiniGen's selection of the tokens a layer fetches,
 their gather and attention over them.
 
@@ -18,7 +18,7 @@ from kvstrata.kv import fused_decode
 
 NAME = "kvstrata_paged_decode"
 HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_decode.cpp", "integer_rows.cpp", "integer_store.cpp", "kivi_rows.cpp",
+SOURCES = [HERE / name for name in ("paged_decode.cpp", "record_rows.cpp", "record_store.cpp", "kivi_rows.cpp",
                                     "kivi_window_store.cpp", "oaken_rows.cpp", "oaken_encode.cpp", "oaken_store.cpp",
                                     "sparse_write.cpp", "infinigen_select.cpp", "gather_rows.cpp",
                                     "fetched_attention.cpp")]

@@ -1,8 +1,15 @@
-// Per-token integer records [slots, record_bytes] (kv/formats/integer.py), one item's KV heads of a token decoded
-// at a time:
-//   int8: kv_heads * dim codes, then the token's float16 scale: value = code * scale;
+// Per-token records [slots, record_bytes] (kv/formats/scaled_bytes.py, integer.py), one item's KV heads of a token
+// decoded at a time:
+//   int8, fp8, fp8_e5m2: kv_heads * dim one-byte codes, then the token's float16 scale: value = code's value * scale,
+//         a code's value the int8 integer or the float8 (e4m3fn, e5m2) number its bits are;
 //   int4: ceil(width / 2) bytes of nibbles (value i in byte i / 2, the low nibble for even i), then per group
 //         of `group_size` values a float16 (minimum, step): value = minimum + code * step.
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <array>
+#include <string>
+
 #include "attend.h"
 
 namespace kvstrata {
@@ -20,13 +27,40 @@ struct RecordRows {
   void prefetch(bool keys, int64_t t) const { prefetch_bytes(record(keys ? k : v, t), record_bytes); }
 };
 
-struct Int8Rows : RecordRows {
+// The value of each of a float8 type's 256 codes, made once.
+template <typename Float8>
+const float* float8_values() {
+  static const std::array<float, 256> values = [] {
+    std::array<float, 256> table;
+    for (int code = 0; code < 256; ++code) {
+      table[code] = static_cast<float>(Float8(static_cast<uint8_t>(code), Float8::from_bits()));
+    }
+    return table;
+  }();
+  return values.data();
+}
+
+// What the codes of a scaled-byte record are: int8 integers (no table), or float8 numbers looked up in a table.
+static const float* code_values(const std::string& code, const char* what) {
+  if (code == "int8") return nullptr;
+  if (code == "fp8") return float8_values<c10::Float8_e4m3fn>();
+  if (code == "fp8_e5m2") return float8_values<c10::Float8_e5m2>();
+  TORCH_CHECK(false, what, ": codes '", code, "'; int8, fp8 or fp8_e5m2");
+}
+
+struct ScaledByteRows : RecordRows {
   int64_t width;  // codes per record; the scale follows them
+  const float* values;  // a float8 code's value; nullptr: int8 codes
   void decode(const uint8_t* records, int64_t t, float* out) const {
     const uint8_t* rec = record(records, t);
     const float scale = half_at(rec + width);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(rec) + head_offset;
-    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(codes[d]) * scale;
+    if (values == nullptr) {
+      const int8_t* codes = reinterpret_cast<const int8_t*>(rec) + head_offset;
+      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(codes[d]) * scale;
+    } else {
+      const uint8_t* codes = rec + head_offset;
+      for (int64_t d = 0; d < dim; ++d) out[d] = values[codes[d]] * scale;
+    }
   }
   void key(int64_t t, float* out) const { decode(k, t, out); }
   void value(int64_t t, float* out) const { decode(v, t, out); }
@@ -64,14 +98,15 @@ static void check_records(const at::Tensor& k, const at::Tensor& v, int64_t bloc
 }
 
 // The readers of an item (make_rows for `run` and `read_rows`), once the records are checked.
-static auto int8_rows(const at::Tensor& k_records, const at::Tensor& v_records, int64_t block, int64_t kv_heads,
-                      int64_t dim, const char* what) {
+static auto scaled_byte_rows(const at::Tensor& k_records, const at::Tensor& v_records, int64_t block,
+                             int64_t kv_heads, int64_t dim, const std::string& code, const char* what) {
+  const float* values = code_values(code, what);
   const int64_t width = kv_heads * dim, record_bytes = width + 2;
   check_records(k_records, v_records, block, record_bytes, what);
   const uint8_t* k = k_records.data_ptr<uint8_t>();
   const uint8_t* v = v_records.data_ptr<uint8_t>();
   return [=](const int64_t* table, int64_t h, int64_t row_heads) {
-    return Int8Rows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, width};
+    return ScaledByteRows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, width, values};
   };
 }
 
@@ -88,10 +123,12 @@ static auto int4_rows(const at::Tensor& k_records, const at::Tensor& v_records, 
   };
 }
 
-at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
-                                       at::Tensor block_tables, at::Tensor context_lens, int64_t block,
-                                       int64_t kv_heads, double scale, int64_t min_shared_tokens) {
-  const auto rows = int8_rows(k_records, v_records, block, kv_heads, q.size(2), "paged_decode_attention_int8");
+at::Tensor paged_decode_attention_scaled_bytes(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
+                                               at::Tensor block_tables, at::Tensor context_lens, int64_t block,
+                                               int64_t kv_heads, std::string code, double scale,
+                                               int64_t min_shared_tokens) {
+  const auto rows = scaled_byte_rows(k_records, v_records, block, kv_heads, q.size(2), code,
+                                     "paged_decode_attention_scaled_bytes");
   return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true,
              min_shared_tokens);
 }
@@ -106,9 +143,10 @@ at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::T
              min_shared_tokens);
 }
 
-std::vector<at::Tensor> paged_read_int8(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
-                                        at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim) {
-  const auto rows = int8_rows(k_records, v_records, block, kv_heads, dim, "paged_read_int8");
+std::vector<at::Tensor> paged_read_scaled_bytes(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
+                                                at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,
+                                                std::string code) {
+  const auto rows = scaled_byte_rows(k_records, v_records, block, kv_heads, dim, code, "paged_read_scaled_bytes");
   return read_rows(block_tables, context_lens, kv_heads, dim, block, k_records.size(0) / block, rows);
 }
 

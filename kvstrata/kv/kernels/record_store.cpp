@@ -1,13 +1,21 @@
-// The int8 and int4 formats' store of one layer's new K and V in one call (Int8Format / Int4Format.store_in_place):
-// each token encoded as kv/formats/integer.py encodes it, with the same bytes, and its record written at its slot.
-// The torch path runs dozens of small torch operators per side on this in every layer.
+// The int8, fp8, fp8_e5m2 and int4 formats' store of one layer's new K and V in one call (their store_in_place):
+// each token encoded as kv/formats/scaled_bytes.py and integer.py encode it, with the same bytes, and its record
+// written at its slot. The torch path runs dozens of small torch operators per side on this in every layer.
 //
 // int8: scale = absmax / 127 rounded up to float16, code = round(value / scale) in [-127, 127].
+// fp8, fp8_e5m2: scale = absmax / the float8 type's largest value (448, 57344) rounded up to float16, code = value /
+// scale rounded to the float8 type (to nearest, ties to even), as torch converts float32 to it.
 // int4, per group of `group_size` values: minimum rounded down to float16, step = (maximum - minimum) / 15 rounded
 // up, code = round((value - minimum) / step) in [0, 15]; where the width is odd, the last byte's high nibble holds
 // the last value's code again (the torch path pads the last group with copies of its last value).
 // Every rounding is the torch path's: float32 arithmetic, no fused multiply-add, round half to even. A token whose
 // parameters float16 cannot hold gets NaN parameters and zero codes (it decodes to NaN, as from the torch path).
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <functional>
+#include <string>
+
 #include "float16_params.h"
 
 #include "attend.h"
@@ -19,20 +27,35 @@ namespace {
 constexpr float kInt8Levels = 127.0f;
 constexpr float kInt4Levels = 15.0f;
 
-void encode_int8(const float* x, int64_t width, uint8_t* record) {
+// One byte per value and the token's float16 scale (absmax / code_max, rounded up) after them; code_of(value / scale,
+// scale finite) gives a value's byte.
+template <typename CodeOf>
+void encode_scaled_bytes(const float* x, int64_t width, float code_max, uint8_t* record, CodeOf code_of) {
   float absmax = 0.0f;
   bool nan = false;
   for (int64_t i = 0; i < width; ++i) {
     nan |= std::isnan(x[i]);
     absmax = std::max(absmax, std::abs(x[i]));
   }
-  const uint16_t scale = nan ? kHalfNaN : half_up(absmax / kInt8Levels);
+  const uint16_t scale = nan ? kHalfNaN : half_up(absmax / code_max);
   const float value = half_value(scale), safe = value > 0 ? value : 1.0f;
-  for (int64_t i = 0; i < width; ++i) {
-    const float code = half_finite(scale) ? std::clamp(std::nearbyint(x[i] / safe), -kInt8Levels, kInt8Levels) : 0;
-    record[i] = static_cast<uint8_t>(static_cast<int8_t>(code));
-  }
+  for (int64_t i = 0; i < width; ++i) record[i] = code_of(x[i] / safe, half_finite(scale));
   std::memcpy(record + width, &scale, sizeof(scale));
+}
+
+void encode_int8(const float* x, int64_t width, uint8_t* record) {
+  encode_scaled_bytes(x, width, kInt8Levels, record, [](float scaled, bool finite) {
+    const float code = finite ? std::clamp(std::nearbyint(scaled), -kInt8Levels, kInt8Levels) : 0;
+    return static_cast<uint8_t>(static_cast<int8_t>(code));
+  });
+}
+
+// A float8 type's codes, whatever the scale (a NaN scale gives the torch path's codes of value / 1; they decode to
+// NaN all the same).
+template <typename Float8>
+void encode_float8(const float* x, int64_t width, uint8_t* record) {
+  const float code_max = static_cast<float>(std::numeric_limits<Float8>::max());
+  encode_scaled_bytes(x, width, code_max, record, [](float scaled, bool) { return Float8(scaled).x; });
 }
 
 void encode_int4(const float* x, int64_t width, int64_t group_size, uint8_t* record) {
@@ -65,27 +88,37 @@ void encode_int4(const float* x, int64_t width, int64_t group_size, uint8_t* rec
   if (width % 2) record[code_bytes - 1] |= last_code << 4;
 }
 
+// The encoder of a token of `form`, given its values, their number and its record.
+std::function<void(const float*, int64_t, uint8_t*)> encoder_of(const std::string& form, int64_t group_size) {
+  if (form == "int8") return encode_int8;
+  if (form == "fp8") return encode_float8<c10::Float8_e4m3fn>;
+  if (form == "fp8_e5m2") return encode_float8<c10::Float8_e5m2>;
+  TORCH_CHECK(form == "int4" && group_size > 0, "record_store: form '", form, "' and group size ", group_size,
+              "; int8, fp8, fp8_e5m2, or int4 with a positive group size");
+  return [group_size](const float* x, int64_t width, uint8_t* record) { encode_int4(x, width, group_size, record); };
+}
+
 }  // namespace
 
-void integer_store(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_records, at::Tensor v_records,
-                   int64_t bits, int64_t group_size) {
-  TORCH_CHECK(bits == 8 || (bits == 4 && group_size > 0), "integer_store: bits ", bits, " and group size ",
-              group_size, "; 8, or 4 with a positive group size");
+void record_store(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_records, at::Tensor v_records,
+                  std::string form, int64_t group_size) {
+  const auto encode = encoder_of(form, group_size);
+  const bool int4 = form == "int4";
   TORCH_CHECK(k.scalar_type() == at::kFloat && k.dim() == 2 && k.sizes() == v.sizes() &&
-                  v.scalar_type() == at::kFloat, "integer_store: K and V must be float32 [n, width] alike");
+                  v.scalar_type() == at::kFloat, "record_store: K and V must be float32 [n, width] alike");
   const int64_t n = k.size(0), width = k.size(1);
-  const int64_t record_bytes = bits == 8 ? width + 2 : (width + 1) / 2 + 4 * ((width + group_size - 1) / group_size);
+  const int64_t record_bytes = int4 ? (width + 1) / 2 + 4 * ((width + group_size - 1) / group_size) : width + 2;
   for (const at::Tensor& records : {k_records, v_records}) {
     TORCH_CHECK(records.scalar_type() == at::kByte && records.is_contiguous() && records.dim() == 2 &&
                     records.size(1) == record_bytes,
-                "integer_store: records must be contiguous uint8 [slots, ", record_bytes, "]");
+                "record_store: records must be contiguous uint8 [slots, ", record_bytes, "]");
   }
-  TORCH_CHECK(k_records.size(0) == v_records.size(0), "integer_store: K and V records of different sizes");
+  TORCH_CHECK(k_records.size(0) == v_records.size(0), "record_store: K and V records of different sizes");
   const at::Tensor slot_values = slots.to(at::kLong).contiguous();
-  TORCH_CHECK(slot_values.numel() == n, "integer_store: one slot per token, got ", slot_values.numel(), " for ", n);
+  TORCH_CHECK(slot_values.numel() == n, "record_store: one slot per token, got ", slot_values.numel(), " for ", n);
   const int64_t* slot = slot_values.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {  // before anything is written
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < k_records.size(0), "integer_store: slot ", slot[t], " is outside the ",
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < k_records.size(0), "record_store: slot ", slot[t], " is outside the ",
                 k_records.size(0), " slots");
   }
   const at::Tensor k_values = k.contiguous(), v_values = v.contiguous();
@@ -94,12 +127,7 @@ void integer_store(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_re
   at::parallel_for(0, 2 * n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {  // item: token item / 2, K (even) or V (odd)
       const int64_t t = item / 2, side = item % 2;
-      uint8_t* record = outs[side] + slot[t] * record_bytes;
-      if (bits == 8) {
-        encode_int8(xs[side] + t * width, width, record);
-      } else {
-        encode_int4(xs[side] + t * width, width, group_size, record);
-      }
+      encode(xs[side] + t * width, width, outs[side] + slot[t] * record_bytes);
     }
   });
 }

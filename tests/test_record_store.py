@@ -1,10 +1,12 @@
-"""The int8 and int4 formats' compiled store (kv/kernels/integer_store.cpp) writes the bytes of their torch encoders
-(kv/formats/integer.py) at the tokens' slots, on extreme tokens and in the engine's cache after generating."""
+"""The int8, fp8, fp8_e5m2 and int4 formats' compiled store (kv/kernels/record_store.cpp) writes the bytes of their
+torch encoders (kv/formats/scaled_bytes.py, integer.py) at the tokens' slots, on extreme tokens and in the engine's
+cache after generating."""
 
 import pytest
 import torch
 
 from kvstrata import SamplingParams
+from kvstrata.kv.formats.float8 import Float8Format
 from kvstrata.kv.formats.integer import Int4Format, Int8Format
 from kvstrata.kv.kernels import paged_decode
 from tests.format_cases import NONFINITE_TOKENS, build, extreme_tokens
@@ -22,30 +24,35 @@ def compiled_store(fmt, x: torch.Tensor, slots: torch.Tensor, total_slots: int) 
     return records[0]
 
 
-@pytest.mark.parametrize("fmt", [Int8Format(64), Int8Format(33), Int4Format(64, 64), Int4Format(96, 64),
+@pytest.mark.parametrize("fmt", [Int8Format(64), Int8Format(33), Float8Format(64), Float8Format(33),
+                                 Float8Format(64, "fp8_e5m2"), Int4Format(64, 64), Int4Format(96, 64),
                                  Int4Format(192, 32), Int4Format(33, 16)],
-                         ids=["int8", "int8-odd", "int4-one-group", "int4-short-last-group", "int4-g32",
-                              "int4-odd-g16"])
+                         ids=["int8", "int8-odd", "fp8", "fp8-odd", "fp8_e5m2", "int4-one-group",
+                              "int4-short-last-group", "int4-g32", "int4-odd-g16"])
 def test_the_compiled_store_writes_the_torch_encoders_bytes(fmt):
     """Random, zero, largest, tiny and non-finite tokens at shuffled slots. An odd width's last byte holds the last
-    value's code in both nibbles, as the torch encoder pads it. A token float16 cannot scale decodes to NaN (its codes
-    are not compared: NaN has none); slots not written keep what they held."""
+    value's code in both nibbles, as the torch encoder pads it. A token float16 cannot scale decodes to NaN on both
+    paths (its codes are not compared: NaN has none): the NaN token, and the token beyond float16's range where the
+    format's parameters cannot hold it (int8's absmax / 127, int4's step; a float8 scale, absmax / 448 or / 57,344,
+    can). Slots not written keep what they held."""
     gen = torch.Generator().manual_seed(2)
     x = extreme_tokens(fmt.width, gen)
     slots = torch.randperm(40, generator=gen)[: len(x)]
     records = compiled_store(fmt, x, slots, 40)
     reference = fmt.encode(x, 0, "k", torch.arange(len(x))).dense
-    finite = ~torch.isin(torch.arange(len(x)), torch.tensor(NONFINITE_TOKENS))
-    assert torch.equal(records[slots][finite], reference[finite])
+    unscalable = fmt.decode(reference, None, 0, "k", torch.arange(len(x))).isnan().any(dim=1)
+    _, nan_token = NONFINITE_TOKENS
+    assert unscalable.nonzero().flatten().tolist() == \
+        ([nan_token] if isinstance(fmt, Float8Format) else list(NONFINITE_TOKENS))
+    assert torch.equal(records[slots][~unscalable], reference[~unscalable])
     decoded = fmt.decode(records[slots], None, 0, "k", torch.arange(len(x)))
-    for token in NONFINITE_TOKENS:
-        assert decoded[token].isnan().any()
+    assert torch.equal(decoded.isnan().any(dim=1), unscalable)
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[slots] = False
     assert (records[untouched] == 7).all()
 
 
-@pytest.mark.parametrize("case", ["int8", "int4", "int4-group16"])
+@pytest.mark.parametrize("case", ["int8", "int4", "int4-group16", "fp8", "fp8_e5m2"])
 def test_the_engines_cache_holds_the_torch_paths_bytes(case, tiny_llama_kv64, oaken_calibrations):
     compiled, torch_path = (build(tiny_llama_kv64, oaken_calibrations, case) for _ in range(2))
     torch_path.engine.kv_cache.store_kernel = None
@@ -61,10 +68,13 @@ def test_the_engines_cache_holds_the_torch_paths_bytes(case, tiny_llama_kv64, oa
 def test_bad_store_arguments_are_refused_by_name():
     x, slots = torch.zeros(2, 64), torch.tensor([0, 1])
     records = torch.zeros(4, 66, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="bits 3 and group size 0; 8, or 4 with a positive group size"):
-        KERNEL.integer_store(x, x, slots, records, records, 3, 0)
+    with pytest.raises(RuntimeError, match="form 'int3' and group size 0; int8, fp8, fp8_e5m2, or int4 with a "
+                                           "positive group size"):
+        KERNEL.record_store(x, x, slots, records, records, "int3", 0)
+    with pytest.raises(RuntimeError, match="form 'int4' and group size 0"):
+        KERNEL.record_store(x, x, slots, records, records, "int4", 0)
     with pytest.raises(RuntimeError, match="slot 4 is outside the 4 slots"):
-        KERNEL.integer_store(x, x, torch.tensor([0, 4]), records, records, 8, 0)
+        KERNEL.record_store(x, x, torch.tensor([0, 4]), records, records, "fp8", 0)
     with pytest.raises(RuntimeError, match=r"records must be contiguous uint8 \[slots, 36\]"):
-        KERNEL.integer_store(x, x, slots, records, records, 4, 64)
+        KERNEL.record_store(x, x, slots, records, records, "int4", 64)
     assert (records == 0).all()  # nothing written
