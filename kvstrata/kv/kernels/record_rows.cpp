@@ -4,10 +4,6 @@
 //         a code's value the int8 integer or the float8 (e4m3fn, e5m2) number its bits are;
 //   int4: ceil(width / 2) bytes of nibbles (value i in byte i / 2, the low nibble for even i), then per group
 //         of `group_size` values a float16 (minimum, step): value = minimum + code * step.
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
-
-#include <array>
 #include <string>
 
 #include "attend.h"
@@ -27,39 +23,54 @@ struct RecordRows {
   void prefetch(bool keys, int64_t t) const { prefetch_bytes(record(keys ? k : v, t), record_bytes); }
 };
 
-// The value of each of a float8 type's 256 codes, made once.
-template <typename Float8>
-const float* float8_values() {
-  static const std::array<float, 256> values = [] {
-    std::array<float, 256> table;
-    for (int code = 0; code < 256; ++code) {
-      table[code] = static_cast<float>(Float8(static_cast<uint8_t>(code), Float8::from_bits()));
-    }
-    return table;
-  }();
-  return values.data();
+// What the codes of a scaled-byte record are.
+enum class ByteCode { kInt8, kFloat8E4M3, kFloat8E5M2 };
+
+static ByteCode byte_code(const std::string& code, const char* what) {
+  if (code == "int8") return ByteCode::kInt8;
+  if (code == "fp8") return ByteCode::kFloat8E4M3;
+  TORCH_CHECK(code == "fp8_e5m2", what, ": codes '", code, "'; int8, fp8 or fp8_e5m2");
+  return ByteCode::kFloat8E5M2;
 }
 
-// What the codes of a scaled-byte record are: int8 integers (no table), or float8 numbers looked up in a table.
-static const float* code_values(const std::string& code, const char* what) {
-  if (code == "int8") return nullptr;
-  if (code == "fp8") return float8_values<c10::Float8_e4m3fn>();
-  if (code == "fp8_e5m2") return float8_values<c10::Float8_e5m2>();
-  TORCH_CHECK(false, what, ": codes '", code, "'; int8, fp8 or fp8_e5m2");
+// A float8 code as the bits of a float16: e5m2 is float16's upper byte; e4m3fn's sign, exponent and mantissa moved
+// into float16's places give its value / 2^8 (float16's exponent bias is 8 more than e4m3fn's), subnormals
+// included. (e4m3fn's NaN code would read as 480 / 2^8; the encoder writes it only for a token holding a NaN, whose
+// scale is then NaN too.)
+constexpr float kE4M3Gap = 256.0f;
+
+inline __m128i float8_as_halves(__m128i codes, bool e5m2) {  // 8 codes widened to 16 bits each
+  if (e5m2) return _mm_slli_epi16(codes, 8);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x80)), 8);
+  return _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x7f)), 7));
+}
+
+// n float8 codes times `factor` (the token's scale, times 2^8 for e4m3fn), eight at a time.
+inline void widen_float8(const uint8_t* codes, int64_t n, bool e5m2, float factor, float* out) {
+  const __m256 factors = _mm256_set1_ps(factor);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + d)));
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(float8_as_halves(wide, e5m2)), factors));
+  }
+  for (; d < n; ++d) {
+    const uint16_t half = _mm_extract_epi16(float8_as_halves(_mm_cvtsi32_si128(codes[d]), e5m2), 0);
+    out[d] = _cvtsh_ss(half) * factor;
+  }
 }
 
 struct ScaledByteRows : RecordRows {
   int64_t width;  // codes per record; the scale follows them
-  const float* values;  // a float8 code's value; nullptr: int8 codes
+  ByteCode code;
   void decode(const uint8_t* records, int64_t t, float* out) const {
     const uint8_t* rec = record(records, t);
     const float scale = half_at(rec + width);
-    if (values == nullptr) {
+    if (code == ByteCode::kInt8) {
       const int8_t* codes = reinterpret_cast<const int8_t*>(rec) + head_offset;
       for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(codes[d]) * scale;
     } else {
-      const uint8_t* codes = rec + head_offset;
-      for (int64_t d = 0; d < dim; ++d) out[d] = values[codes[d]] * scale;
+      const bool e5m2 = code == ByteCode::kFloat8E5M2;
+      widen_float8(rec + head_offset, dim, e5m2, e5m2 ? scale : scale * kE4M3Gap, out);
     }
   }
   void key(int64_t t, float* out) const { decode(k, t, out); }
@@ -100,13 +111,13 @@ static void check_records(const at::Tensor& k, const at::Tensor& v, int64_t bloc
 // The readers of an item (make_rows for `run` and `read_rows`), once the records are checked.
 static auto scaled_byte_rows(const at::Tensor& k_records, const at::Tensor& v_records, int64_t block,
                              int64_t kv_heads, int64_t dim, const std::string& code, const char* what) {
-  const float* values = code_values(code, what);
+  const ByteCode codes = byte_code(code, what);
   const int64_t width = kv_heads * dim, record_bytes = width + 2;
   check_records(k_records, v_records, block, record_bytes, what);
   const uint8_t* k = k_records.data_ptr<uint8_t>();
   const uint8_t* v = v_records.data_ptr<uint8_t>();
   return [=](const int64_t* table, int64_t h, int64_t row_heads) {
-    return ScaledByteRows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, width, values};
+    return ScaledByteRows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, width, codes};
   };
 }
 
