@@ -3,7 +3,8 @@
 stores the same float8 codes with one scale per layer; here the scale is per token (2 bytes of a record's 194 on the
 default model), which needs no calibration and follows each token's range. Unlike int8's evenly spaced codes, a
 float8 code keeps its relative precision (at worst 1/16 of the value for e4m3fn, 1/8 for e5m2, down to the
-subnormals) for a token's small values beside its largest.
+subnormals) for a token's small values beside its largest; on the default model that loses to int8's finer steps
+near a token's largest values (docs/BENCHMARKS.md, "fp8").
 """
 
 from __future__ import annotations

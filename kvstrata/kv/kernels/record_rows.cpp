@@ -35,8 +35,8 @@ static ByteCode byte_code(const std::string& code, const char* what) {
 
 // A float8 code as the bits of a float16: e5m2 is float16's upper byte; e4m3fn's sign, exponent and mantissa moved
 // into float16's places give its value / 2^8 (float16's exponent bias is 8 more than e4m3fn's), subnormals
-// included. (e4m3fn's NaN code would read as 480 / 2^8; the encoder writes it only for a token holding a NaN, whose
-// scale is then NaN too.)
+// included. (e4m3fn's NaN codes read as +-480 x scale; the encoder writes them only for a token holding a NaN,
+// whose scale is then NaN too.)
 constexpr float kE4M3Gap = 256.0f;
 
 inline __m128i float8_as_halves(__m128i codes, bool e5m2) {  // 8 codes widened to 16 bits each
