@@ -9,7 +9,8 @@
 // up, code = round((value - minimum) / step) in [0, 15]; where the width is odd, the last byte's high nibble holds
 // the last value's code again (the torch path pads the last group with copies of its last value).
 // Every rounding is the torch path's: float32 arithmetic, no fused multiply-add, round half to even. A token whose
-// parameters float16 cannot hold gets NaN parameters and zero codes (it decodes to NaN, as from the torch path).
+// parameters float16 cannot hold gets NaN parameters (it decodes to NaN, as from the torch path) and, for int8 and
+// int4, zero codes.
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
@@ -50,8 +51,8 @@ void encode_int8(const float* x, int64_t width, uint8_t* record) {
   });
 }
 
-// A float8 type's codes, whatever the scale (a NaN scale gives the torch path's codes of value / 1; they decode to
-// NaN all the same).
+// A float8 type's codes. Where the scale is NaN, value / 1 is converted as it is: beyond the type's largest value
+// torch saturates and this conversion gives NaN (e4m3fn) or infinity (e5m2), and the token decodes to NaN either way.
 template <typename Float8>
 void encode_float8(const float* x, int64_t width, uint8_t* record) {
   const float code_max = static_cast<float>(std::numeric_limits<Float8>::max());
