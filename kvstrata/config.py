@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.cache_factory import KV_FORMATS as KV_FORMAT_REGISTRY
+from kvstrata.kv.cache_factory import check_kv_format, split_sides
 from kvstrata.kv.impress.important_tokens import SHARED_SET_RULES
 from kvstrata.kv.impress.prefix_selection import ATTENDED, PREFIX_LOADING
 from kvstrata.kv.offload.infinigen import InfiniGenSettings
@@ -104,8 +105,8 @@ class EngineConfig:
         metadata=_option("how the paged cache stores K and V: fp32, fp16, bf16, int8 (per-token absmax), int4 "
                          "(asymmetric, groups of 64), fp8/fp8_e5m2 (float8 e4m3fn/e5m2, a scale per token), "
                          "kivi4/kivi2 (keys per channel, values per token, newest tokens in full precision), oaken "
-                         "(online-offline hybrid, ~4.8 bits) (default: the dtype)",
-                         choices=KV_FORMATS),
+                         "(online-offline hybrid, ~4.8 bits), or KEYS/VALUES, two of int8, int4, fp8, fp8_e5m2 (K "
+                         "in one, V in the other, e.g. int8/int4) (default: the dtype)"),
     )
     int4_group_size: int = field(
         default=64, metadata=_option("int4: values per float16 (min, step) pair; smaller groups cost more bits")
@@ -385,7 +386,7 @@ class EngineConfig:
         if self.chat_template is not None:  # the text itself from here on, so that replicas need no file
             self.chat_template = read_chat_template(self.chat_template)
         choices = (("device", DEVICES), ("dtype", DTYPES), ("scheduler", SCHEDULERS),
-                   ("scheduling_policy", SCHEDULING_POLICIES), ("kv_format", KV_FORMATS),
+                   ("scheduling_policy", SCHEDULING_POLICIES),
                    ("generation_config", GENERATION_CONFIGS), ("lora_dtype", LORA_DTYPES),
                    ("oaken_keys", OAKEN_KEYS), ("kv_store_level", ("auto", *STREAMED_LEVELS)),
                    ("kv_offload", KV_OFFLOADS), ("kv_host_eviction", HOST_EVICTIONS),
@@ -393,8 +394,13 @@ class EngineConfig:
                    ("impress_attend", ATTENDED),
                    ("kv_store_eviction", EVICTION_POLICIES))
         for name, allowed in choices:
-            if getattr(self, name) not in allowed and not (name == "kv_format" and self.kv_format is None):
+            if getattr(self, name) not in allowed:
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.kv_format is not None:
+            check_kv_format(self.kv_format)
+            sides = split_sides(self.kv_format)
+            if sides is not None and sides[0] == sides[1]:
+                self.kv_format = sides[0]  # one format for both: the same cache, prefix hashes and all
         parse_tier_forms(self.kv_store_format, [])
         if self.kv_store_link_gbps is not None:
             parse_trace(self.kv_store_link_gbps)
@@ -464,12 +470,15 @@ class EngineConfig:
                                 f"from which steps draft nothing), got {limit!r}")
         if not k:
             return
+        formats = (split_sides(self.kv_format) or [self.kv_format]) if self.kv_format else []
+        rewrites_slots = set(formats) <= set(SLOT_REWRITING_KV_FORMATS)
+        wanted_format = (f"a kv_format of {', '.join(SLOT_REWRITING_KV_FORMATS)} (or two of them, KEYS/VALUES), not "
+                         f"{self.kv_format!r}")
         # drafts' KV is written and, where rejected, written over: only where attention reads every cached token (not
         # H2O's or InfiniGen's selections) and a slot written again holds the new token alone (not KIVI's window)
         needs = [(self.kv_offload not in ("none", "full"), f"kv_offload none or full, not {self.kv_offload!r}"),
                  (self.prefix_loading != "full", f"prefix_loading full, not {self.prefix_loading!r}"),
-                 (self.kv_format not in (None, *SLOT_REWRITING_KV_FORMATS),
-                  f"a kv_format of {', '.join(SLOT_REWRITING_KV_FORMATS)}, not {self.kv_format!r}")]
+                 (not rewrites_slots, wanted_format)]
         missing = [what for lacking, what in needs if lacking]
         if missing:
             raise KvstrataError(f"num_speculative_tokens {k} needs {'; '.join(missing)}")

@@ -141,5 +141,5 @@ def test_generate_with_speculative_decoding_prints_what_plain_decoding_prints(ti
     assert main([*tiny, "--num-speculative-tokens", "3", "--prompt-lookup-min", "1"]) == 0
     assert capsys.readouterr().out == plain
     assert main([*tiny, "--num-speculative-tokens", "3", "--kv-format", "kivi4"]) == 2
-    assert ("num_speculative_tokens 3 needs a kv_format of fp32, fp16, bf16, int8, int4, fp8, fp8_e5m2, oaken, not "
-            "'kivi4'") in capsys.readouterr().err
+    assert ("num_speculative_tokens 3 needs a kv_format of fp32, fp16, bf16, int8, int4, fp8, fp8_e5m2, oaken (or two "
+            "of them, KEYS/VALUES), not 'kivi4'") in capsys.readouterr().err

@@ -136,7 +136,7 @@ def test_non_finite_values_decode_to_nan_in_their_own_token(fmt, bad):
     clean = round_trip(fmt, x)[1]
     x[2, 7] = bad
     y = round_trip(fmt, x)[1]
-    poisoned = slice(0, fmt.group) if isinstance(fmt, Int4Format) else slice(0, 96)
+    poisoned = slice(0, fmt.group_size) if isinstance(fmt, Int4Format) else slice(0, 96)
     assert y[2, poisoned].isnan().all() and not y[2, poisoned.stop:].isnan().any()
     assert torch.equal(y[[0, 1, 3]], clean[[0, 1, 3]])
 
@@ -413,7 +413,7 @@ def test_smaller_formats_get_more_blocks_from_the_same_budget(tiny_llama_kv64, c
     assert max(per_token[f] for f in QUANTIZED) < per_token["fp16"]
     # int4 with smaller groups: more (min, step) pairs per token
     int4_16 = make_llm(tiny_llama_kv64, "int4", calibration, kv_cache_memory=budget, int4_group_size=16).engine
-    assert int4_16.kv_cache.format.group == 16
+    assert int4_16.kv_cache.format.group_size == 16
     assert bytes_per_token(int4_16) == per_token["int4"] + 2 * mc.num_layers * 4 * (width // 16 - width // 64)
 
 

@@ -9,7 +9,8 @@ import torch
 from kvstrata import compiled_extension
 from kvstrata.kv.attention_batch import whole_block_keys
 from kvstrata.kv.formats.float8 import Float8Format
-from kvstrata.kv.formats.integer import Int8Format
+from kvstrata.kv.formats.integer import Int4Format, Int8Format
+from kvstrata.kv.formats.split import SplitFormat
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.reference_attention import attend
 
@@ -46,29 +47,41 @@ def test_kernel_equals_the_reference_attention_over_the_gathered_blocks(heads, d
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def record_format(name: str, width: int):
+    """A record format by its --kv-format name, KEYS/VALUES for a split one (int4 in groups of 32)."""
+    def one(side):
+        return {"int8": lambda: Int8Format(width), "int4": lambda: Int4Format(width, 32)}.get(
+            side, lambda: Float8Format(width, side))()
+    keys, _, values = name.partition("/")
+    return SplitFormat(one(keys), one(values)) if values else one(keys)
+
+
 @needs_kernel
-@pytest.mark.parametrize("form", ["int8", "fp8", "fp8_e5m2"])
-def test_scaled_byte_kernel_equals_the_reference_attention_over_the_decoded_records(form):
-    """Over records of one-byte codes and a float16 scale (int8, fp8, fp8_e5m2), the kernel equals the reference
-    attention over the K/V the format decodes from the same records, for GQA and sequences of mixed lengths."""
+@pytest.mark.parametrize("name", ["int8", "fp8", "fp8_e5m2", "int4", "int8/int4", "int4/fp8"])
+def test_record_kernel_equals_the_reference_attention_over_the_decoded_records(name):
+    """Over per-token records (one-byte codes and a float16 scale: int8, fp8, fp8_e5m2; int4's groups; K and V in
+    two of them), the kernel equals the reference attention over the K/V the format decodes from the same records,
+    for GQA and sequences of mixed lengths; its whole-block read gives those K/V."""
     kv_heads, dim, block, num_blocks = 3, 64, 16, 12
-    fmt = Int8Format(kv_heads * dim) if form == "int8" else Float8Format(kv_heads * dim, form)
+    fmt = record_format(name, kv_heads * dim)
     gen = torch.Generator().manual_seed(3)
     k = torch.randn(num_blocks * block, kv_heads * dim, generator=gen) * 3
     v = torch.randn(num_blocks * block, kv_heads * dim, generator=gen)
     positions = torch.arange(num_blocks * block)
-    k_records = fmt.encode(k, 0, "k", positions).dense
-    v_records = fmt.encode(v, 0, "v", positions).dense
+    records = {"k": fmt.encode(k, 0, "k", positions).dense, "v": fmt.encode(v, 0, "v", positions).dense}
     lens = torch.tensor([1, 20, 64])
     tables = torch.tensor([[5, 0, 0, 0], [2, 7, 0, 0], [11, 3, 8, 1]])
     q = torch.randn(3, 9, dim, generator=gen)
-    got = KERNEL.paged_decode_attention_scaled_bytes(q, k_records, v_records, tables, lens, block, kv_heads, form,
-                                                     dim**-0.5)
+    got = fmt.attend_in_place(KERNEL, 0, q, records, {}, tables, lens, block)
     keys = whole_block_keys(tables, lens, block)
-    k_dec = fmt.decode(k_records[keys.slots.reshape(-1)], None, 0, "k", None).view(3, -1, kv_heads, dim)
-    v_dec = fmt.decode(v_records[keys.slots.reshape(-1)], None, 0, "v", None).view(3, -1, kv_heads, dim)
+    k_dec, v_dec = (fmt.decode(records[kind][keys.slots.reshape(-1)], None, 0, kind, None).view(3, -1, kv_heads, dim)
+                    for kind in "kv")
     want = attend(q[:, None], k_dec, v_dec, (keys.positions != -1)[:, None])[:, 0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    read_k, read_v = fmt.read_in_place(KERNEL, 0, records, {}, tables, lens, block)
+    real = (keys.positions != -1)[..., None]
+    torch.testing.assert_close(read_k, torch.where(real, k_dec.flatten(2), 0), rtol=0, atol=0)
+    torch.testing.assert_close(read_v, torch.where(real, v_dec.flatten(2), 0), rtol=0, atol=0)
 
 
 @needs_kernel
@@ -81,7 +94,7 @@ def test_the_float8_reader_gives_every_codes_value(form):
     scale = torch.tensor([3.0], dtype=torch.float16).view(torch.uint8)
     records = torch.cat((torch.arange(256, dtype=torch.uint8), scale))[None].expand(16, -1).contiguous()
     tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.tensor([1])
-    got = KERNEL.paged_read_scaled_bytes(records, records, tables, lens, 16, 4, 64, form)[0][0, 0]
+    got = KERNEL.paged_read_records(records, records, tables, lens, 16, 4, 64, form, 0, form, 0)[0][0, 0]
     want = fmt.decode(records[:1], None, 0, "k", None)[0]
     checked = torch.ones(256, dtype=torch.bool)
     if form == "fp8":
@@ -91,11 +104,15 @@ def test_the_float8_reader_gives_every_codes_value(form):
 
 
 @needs_kernel
-def test_a_scaled_byte_reader_refuses_unknown_codes_by_name():
+def test_a_record_reader_refuses_unknown_forms_and_mismatched_records_by_name():
     records = torch.zeros(16, 3 * 64 + 2, dtype=torch.uint8)
     tables, lens = torch.zeros(1, 1, dtype=torch.long), torch.tensor([4])
-    with pytest.raises(RuntimeError, match="paged_read_scaled_bytes: codes 'fp4'; int8, fp8 or fp8_e5m2"):
-        KERNEL.paged_read_scaled_bytes(records, records, tables, lens, 16, 3, 64, "fp4")
+    with pytest.raises(RuntimeError, match="paged_read_records: record form 'fp4'; int8, fp8, fp8_e5m2 or int4"):
+        KERNEL.paged_read_records(records, records, tables, lens, 16, 3, 64, "int8", 0, "fp4", 0)
+    with pytest.raises(RuntimeError, match="paged_read_records: V records of 194 bytes, int4's are 120"):
+        KERNEL.paged_read_records(records, records, tables, lens, 16, 3, 64, "int8", 0, "int4", 32)
+    with pytest.raises(RuntimeError, match="paged_read_records: int4 records need a positive group size, got 0"):
+        KERNEL.paged_read_records(records, records, tables, lens, 16, 3, 64, "int4", 0, "int8", 0)
 
 
 @needs_kernel

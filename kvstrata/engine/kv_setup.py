@@ -47,7 +47,7 @@ def stored_form(config, model_dtype: torch.dtype) -> str:
         "kivi2": (config.kivi_residual,),
         "oaken": (config.oaken_calibration, config.oaken_ratios, config.oaken_keys, config.oaken_key_centering,
                   config.oaken_group_shift, config.oaken_outliers, config.oaken_scales),
-    }.get(name)
+    }.get("int4" if "int4" in name.split("/") else name)  # K/V split in two formats: int4's groups, if either
     computed = FLOAT_FORMAT_OF_DTYPE[model_dtype]
     return f"{name}@{computed}" if options is None else f"{name}{options}@{computed}"
 

@@ -1,5 +1,6 @@
 """The registry of KV formats (`--kv-format`): each name gives a layout that says what a token costs the
-budget, what memory is reserved up front, and builds the storage.
+budget, what memory is reserved up front, and builds the storage. K and V may be in two record formats, named
+KEYS/VALUES (e.g. int8/int4: kv/formats/split.py).
 
 Formats that need something made above kv/ (Oaken's calibrated thresholds) receive it through
 `FormatOptions.oaken_format`, so kv/ never reaches into the engine.
@@ -17,6 +18,8 @@ from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.base import KVFormat
 from kvstrata.kv.formats.float8 import Float8Format
 from kvstrata.kv.formats.integer import Int4Format, Int8Format
+from kvstrata.kv.formats.records import RecordFormat
+from kvstrata.kv.formats.split import SplitFormat
 from kvstrata.kv.kivi_cache import KiviPagedKVCache, window_slots_needed
 from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.kv.quantized_cache import QuantizedPagedKVCache
@@ -128,14 +131,24 @@ def _oaken(shape: CacheShape, options: FormatOptions) -> StorageLayout:
     return QuantizedLayout(shape, options.oaken_format(), options)
 
 
+# the formats of per-token records (kv/formats/records.py): each a cache's format alone, or one side of a split one
+RECORD_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], RecordFormat]] = {
+    "int8": lambda shape, options: Int8Format(shape.width),
+    "int4": lambda shape, options: Int4Format(shape.width, options.int4_group_size),
+    "fp8": lambda shape, options: Float8Format(shape.width, "fp8"),
+    "fp8_e5m2": lambda shape, options: Float8Format(shape.width, "fp8_e5m2"),
+}
+
+
+def _records(name: str) -> Callable[[CacheShape, FormatOptions], StorageLayout]:
+    return lambda shape, options: QuantizedLayout(shape, RECORD_FORMATS[name](shape, options), options)
+
+
 KV_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], StorageLayout]] = {
     "fp32": lambda shape, options: FloatLayout(shape, torch.float32, options),
     "fp16": lambda shape, options: FloatLayout(shape, torch.float16, options),
     "bf16": lambda shape, options: FloatLayout(shape, torch.bfloat16, options),
-    "int8": lambda shape, options: QuantizedLayout(shape, Int8Format(shape.width), options),
-    "int4": lambda shape, options: QuantizedLayout(shape, Int4Format(shape.width, options.int4_group_size), options),
-    "fp8": lambda shape, options: QuantizedLayout(shape, Float8Format(shape.width, "fp8"), options),
-    "fp8_e5m2": lambda shape, options: QuantizedLayout(shape, Float8Format(shape.width, "fp8_e5m2"), options),
+    **{name: _records(name) for name in RECORD_FORMATS},
     "kivi4": lambda shape, options: KiviLayout(shape, 4, options),
     "kivi2": lambda shape, options: KiviLayout(shape, 2, options),
     "oaken": _oaken,
@@ -143,7 +156,30 @@ KV_FORMATS: dict[str, Callable[[CacheShape, FormatOptions], StorageLayout]] = {
 FLOAT_FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def split_sides(name: str) -> tuple[str, str] | None:
+    """The (keys, values) formats a KEYS/VALUES name gives, None for any other name; a side that is not a record
+    format is refused with what is allowed."""
+    keys, slash, values = name.partition("/")
+    if not slash:
+        return None
+    for side, what in ((keys, "K"), (values, "V")):
+        if side not in RECORD_FORMATS:
+            raise KvstrataError(f"kv_format {name!r}: {what}'s format {side!r} is not one of "
+                                f"{', '.join(RECORD_FORMATS)} (K and V in two formats, KEYS/VALUES, take those)")
+    return keys, values
+
+
+def check_kv_format(name: str) -> None:
+    """Refuses, naming what is allowed, a name that is neither a format nor KEYS/VALUES of two record formats."""
+    if name not in KV_FORMATS and split_sides(name) is None:
+        raise KvstrataError(f"kv_format {name!r} is not one of {', '.join(KV_FORMATS)}, or KEYS/VALUES of two of "
+                            f"{', '.join(RECORD_FORMATS)} (e.g. int8/int4)")
+
+
 def storage_layout(name: str, shape: CacheShape, options: FormatOptions) -> StorageLayout:
-    if name not in KV_FORMATS:
-        raise KvstrataError(f"kv_format {name!r} is not one of {', '.join(KV_FORMATS)}")
-    return KV_FORMATS[name](shape, options)
+    check_kv_format(name)
+    sides = split_sides(name)
+    if sides is None:
+        return KV_FORMATS[name](shape, options)
+    keys, values = (RECORD_FORMATS[side](shape, options) for side in sides)
+    return QuantizedLayout(shape, SplitFormat(keys, values), options)

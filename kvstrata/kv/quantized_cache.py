@@ -1,8 +1,8 @@
 """Paged KV storage that keeps every token in a quantized format (kv/formats): each new token is
 encoded when it is written and the tokens attention reads are decoded when they are gathered.
 
-Per layer and per K/V: fixed-size records [blocks * block_size, record_bytes] (uint8), and for
-formats with outliers kept apart, sparse pages (kv/sparse_pages.py).
+Per layer and per K/V: fixed-size records [blocks * block_size, record_bytes] (uint8; K's and V's may differ in
+size, kv/formats/split.py), and for formats with outliers kept apart, sparse pages (kv/sparse_pages.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class QuantizedPagedKVCache(KVStorage):
         self.kv_shape = (num_kv_heads, head_dim)
         self.device = device
         slots = num_blocks * block_size
-        self.records = {kind: torch.zeros(num_layers, slots, kv_format.record_bytes, dtype=torch.uint8, device=device)
-                        for kind in ("k", "v")}
+        self.records = {kind: torch.zeros(num_layers, slots, kv_format.record_bytes_of(kind), dtype=torch.uint8,
+                                          device=device) for kind in ("k", "v")}
         # each layer's records as the stores and readers take them, views made once rather than on every call
         self._layer_records = [{kind: records[layer] for kind, records in self.records.items()}
                                for layer in range(num_layers)]
@@ -56,10 +56,10 @@ class QuantizedPagedKVCache(KVStorage):
     @staticmethod
     def bytes_per_token(kv_format: KVFormat, num_layers: int) -> float:
         """What one token costs the budget: K and V records, expected sparse bytes and their table entry."""
-        per_kind = kv_format.record_bytes
+        per_layer = kv_format.record_bytes_of("k") + kv_format.record_bytes_of("v")
         if kv_format.has_sparse:
-            per_kind += kv_format.expected_sparse_bytes * SPARSE_HEADROOM + SparsePages.TABLE_BYTES
-        return 2 * num_layers * per_kind
+            per_layer += 2 * (kv_format.expected_sparse_bytes * SPARSE_HEADROOM + SparsePages.TABLE_BYTES)
+        return num_layers * per_layer
 
     def grown_bytes(self) -> int:
         return sum(pages.grown_bytes() for pages in self.sparse.values())

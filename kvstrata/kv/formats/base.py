@@ -35,7 +35,11 @@ class KVFormat(ABC):
     @property
     @abstractmethod
     def record_bytes(self) -> int:
-        """Fixed bytes per token (payload and per-token parameters)."""
+        """Fixed bytes per token of K or V (payload and per-token parameters), where both sides' are alike."""
+
+    def record_bytes_of(self, kind: str) -> int:
+        """Fixed bytes per token of K (kind "k") or V: differ only for a split format (split.py)."""
+        return self.record_bytes
 
     @property
     def expected_sparse_bytes(self) -> float:
@@ -84,8 +88,15 @@ class KVFormat(ABC):
 
     def store_on_gpu(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, records: dict[str, torch.Tensor], sparse: dict[str, SparsePages]) -> bool:
-        """`store_in_place` by the GPU kernels (kv/gpu), a launch or two per K/V and no wait for the device. False
-        where the format has none: the storage then encodes and writes them itself."""
+        """`store_in_place` by the GPU kernels (kv/gpu), a launch or two per K/V and no wait for the device; here
+        side by side (`store_side_on_gpu`). False where the format has none: the storage then encodes and writes
+        both sides itself (over any side written here)."""
+        return (self.store_side_on_gpu("k", k, slots, records["k"])
+                and self.store_side_on_gpu("v", v, slots, records["v"]))
+
+    def store_side_on_gpu(self, kind: str, x: torch.Tensor, slots: torch.Tensor, records: torch.Tensor) -> bool:
+        """One side's new values x [N, width] (K's: kind "k", or V's) encoded and written at `slots` of this layer's
+        `records` of that side by the GPU kernels; False where the format has no such kernel."""
         return False
 
     def gather_on_gpu(self, layer: int, kind: str, records: torch.Tensor, sparse: SparsePages | None,

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
-from kvstrata.kv.formats.base import EncodedTokens, KVFormat
+from kvstrata.kv.formats.base import EncodedTokens
 from kvstrata.kv.formats.float16_params import params_from_bytes, params_to_bytes
 from kvstrata.kv.formats.nibbles import pack_nibbles, unpack_nibbles
+from kvstrata.kv.formats.records import RecordFormat
 from kvstrata.kv.formats.scaled_bytes import ScaledByteFormat
 
 INT4_GROUP = 64
@@ -29,11 +30,10 @@ class Int8Format(ScaledByteFormat):
     def values(self, codes):
         return codes.view(torch.int8).float()
 
-    def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
+    def store_side_on_gpu(self, kind, x, slots, records):
         from kvstrata.kv.gpu import integer_rows  # imports Triton: only where the GPU kernels run
 
-        for kind, x in (("k", k), ("v", v)):
-            integer_rows.int8_encode(x, slots, records[kind])
+        integer_rows.int8_encode(x, slots, records)
         return True
 
     def gather_on_gpu(self, layer, kind, records, sparse, slots, positions, dtype):
@@ -42,12 +42,12 @@ class Int8Format(ScaledByteFormat):
         return integer_rows.int8_decode(records, slots, positions, self.width, dtype)
 
 
-class Int4Format(KVFormat):
+class Int4Format(RecordFormat):
     name = "int4"
 
     def __init__(self, width: int, group: int = INT4_GROUP):
         super().__init__(width)
-        self.group = group
+        self.group_size = group
         self.groups = -(-width // group)
         self.padded = self.groups * group
         self.code_bytes = -(-width // 2)  # only the real values' codes are stored, not the last group's padding
@@ -59,42 +59,26 @@ class Int4Format(KVFormat):
     def encode(self, x, layer, kind, positions) -> EncodedTokens:
         # a short last group is padded with copies of its last value, which widen neither its range nor its step
         padding = x[:, -1:].expand(-1, self.padded - self.width)
-        grouped = torch.cat((x, padding), dim=1).view(x.shape[0], self.groups, self.group)
+        grouped = torch.cat((x, padding), dim=1).view(x.shape[0], self.groups, self.group_size)
         codes, params = quantize_asymmetric(grouped, 2, 4)
         codes = codes.view(x.shape[0], -1)[:, : 2 * self.code_bytes]
         return EncodedTokens(torch.cat((pack_nibbles(codes), params_to_bytes(params.view(x.shape[0], -1))), dim=1))
 
     def decode(self, dense, sparse, layer, kind, positions) -> torch.Tensor:
         codes = unpack_nibbles(dense[:, : self.code_bytes])
-        codes = torch.nn.functional.pad(codes, (0, self.padded - codes.shape[1])).view(-1, self.groups, self.group)
+        codes = torch.nn.functional.pad(codes, (0, self.padded - codes.shape[1])).view(-1, self.groups, self.group_size)
         params = params_from_bytes(dense[:, self.code_bytes :]).view(-1, self.groups, 2)
         return dequantize_asymmetric(codes, params, 2).view(dense.shape[0], -1)[:, : self.width]
 
-    def store_in_place(self, kernel, layer, slots, positions, k, v, records, sparse):
-        """The compiled store (kv/kernels/record_store.cpp): `encode`'s bytes, written at the slots."""
-        kernel.record_store(k, v, slots, records["k"], records["v"], "int4", self.group)
-        return True
-
-    def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size,
-                        min_shared_tokens=0):
-        return kernel.paged_decode_attention_int4(q, records["k"], records["v"], block_tables, context_lens,
-                                                  block_size, self.width // q.shape[-1], self.group,
-                                                  q.shape[-1] ** -0.5, min_shared_tokens)
-
-    def read_in_place(self, kernel, layer, records, sparse, block_tables, context_lens, block_size):
-        return kernel.paged_read_int4(records["k"], records["v"], block_tables, context_lens, block_size, 1,
-                                      self.width, self.group)
-
-    def store_on_gpu(self, layer, slots, positions, k, v, records, sparse):
+    def store_side_on_gpu(self, kind, x, slots, records):
         from kvstrata.kv.gpu import integer_rows  # imports Triton: only where the GPU kernels run
 
-        if self.group & (self.group - 1):  # the kernel takes a group's values in pairs, a power of two of them
+        if self.group_size & (self.group_size - 1):  # the kernel takes a group's values in pairs, a power of two
             return False
-        for kind, x in (("k", k), ("v", v)):
-            integer_rows.int4_encode(x, slots, records[kind], self.group, self.code_bytes)
+        integer_rows.int4_encode(x, slots, records, self.group_size, self.code_bytes)
         return True
 
     def gather_on_gpu(self, layer, kind, records, sparse, slots, positions, dtype):
         from kvstrata.kv.gpu import integer_rows
 
-        return integer_rows.int4_decode(records, slots, positions, self.width, self.group, self.code_bytes, dtype)
+        return integer_rows.int4_decode(records, slots, positions, self.width, self.group_size, self.code_bytes, dtype)

@@ -650,14 +650,10 @@ bool avx512_path();
 // The storages' entry points (one file each), bound in paged_decode.cpp.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
                                   at::Tensor context_lens, double scale, int64_t min_shared_tokens);
-at::Tensor paged_decode_attention_scaled_bytes(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
-                                               at::Tensor block_tables, at::Tensor context_lens, int64_t block,
-                                               int64_t kv_heads, std::string code, double scale,
-                                               int64_t min_shared_tokens);
-at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
-                                       at::Tensor block_tables, at::Tensor context_lens, int64_t block,
-                                       int64_t kv_heads, int64_t group_size, double scale,
-                                       int64_t min_shared_tokens);
+at::Tensor paged_decode_attention_records(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
+                                          at::Tensor block_tables, at::Tensor context_lens, int64_t block,
+                                          int64_t kv_heads, std::string k_form, int64_t k_group, std::string v_form,
+                                          int64_t v_group, double scale, int64_t min_shared_tokens);
 at::Tensor paged_decode_attention_kivi(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                                        at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
                                        int64_t bits, int64_t kv_heads, double scale);
@@ -667,12 +663,9 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
                                         int64_t block, int64_t kv_heads, double scale, int64_t min_shared_tokens);
 // The same readers' rows read out (read_rows): K and V of whole-block keys, for a prefill chunk's attention.
-std::vector<at::Tensor> paged_read_scaled_bytes(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
-                                                at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,
-                                                std::string code);
-std::vector<at::Tensor> paged_read_int4(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
-                                        at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,
-                                        int64_t group_size);
+std::vector<at::Tensor> paged_read_records(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
+                                           at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,
+                                           std::string k_form, int64_t k_group, std::string v_form, int64_t v_group);
 std::vector<at::Tensor> paged_read_kivi(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                                         at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
                                         int64_t bits, int64_t kv_heads, int64_t dim);
@@ -683,7 +676,7 @@ std::vector<at::Tensor> paged_read_oaken(std::vector<at::Tensor> keys, std::vect
                                          int64_t block, int64_t kv_heads, int64_t dim);
 
 void record_store(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_records, at::Tensor v_records,
-                  std::string form, int64_t group_size);
+                  std::string k_form, int64_t k_group, std::string v_form, int64_t v_group);
 int64_t sparse_write(std::vector<at::Tensor> layer_tensors, at::Tensor slots, at::Tensor bytes, at::Tensor counts,
                      int64_t block_size, int64_t page_bytes);
 void kivi_window_store(at::Tensor k, at::Tensor v, at::Tensor rows, at::Tensor places, at::Tensor window_k,

@@ -160,14 +160,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &kvstrata::paged_decode_attention,
         "decode attention read in place from float32, float16 or bfloat16 KV pools", arg("q"), arg("k_pool"),
         arg("v_pool"), arg("block_tables"), arg("context_lens"), arg("scale"), arg("min_shared_tokens") = 0);
-  m.def("paged_decode_attention_scaled_bytes", &kvstrata::paged_decode_attention_scaled_bytes,
-        "decode attention read in place from KV records of one-byte codes (int8, fp8, fp8_e5m2) and a scale per token,"
-        " dequantized one row at a time", arg("q"), arg("k_records"), arg("v_records"), arg("block_tables"),
-        arg("context_lens"), arg("block"), arg("kv_heads"), arg("code"), arg("scale"), arg("min_shared_tokens") = 0);
-  m.def("paged_decode_attention_int4", &kvstrata::paged_decode_attention_int4,
-        "decode attention read in place from int4 KV records (groups of min and step), one row at a time", arg("q"),
-        arg("k_records"), arg("v_records"), arg("block_tables"), arg("context_lens"), arg("block"), arg("kv_heads"),
-        arg("group_size"), arg("scale"), arg("min_shared_tokens") = 0);
+  // a record format's K and V each in its form (int8, fp8, fp8_e5m2, int4; a group size, int4's only)
+  m.def("paged_decode_attention_records", &kvstrata::paged_decode_attention_records,
+        "decode attention read in place from per-token KV records (int8, fp8, fp8_e5m2, int4; K and V each in its "
+        "own), dequantized one row at a time", arg("q"), arg("k_records"), arg("v_records"), arg("block_tables"),
+        arg("context_lens"), arg("block"), arg("kv_heads"), arg("k_form"), arg("k_group"), arg("v_form"),
+        arg("v_group"), arg("scale"), arg("min_shared_tokens") = 0);
   m.def("paged_decode_attention_kivi", &kvstrata::paged_decode_attention_kivi,
         "decode attention read in place from KIVI's quantized blocks and its float16 window");
   m.def("paged_decode_attention_oaken", &kvstrata::paged_decode_attention_oaken,
@@ -179,14 +177,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prefixes read once for all the decodes sharing them so far (one per group of sequences and call)");
   m.def("allow_avx512", &kvstrata::allow_avx512,
         "whether the readers may take their AVX-512 code where the CPU has it (tests turn it off); returns the last");
-  m.def("paged_read_scaled_bytes", &kvstrata::paged_read_scaled_bytes,
-        "whole-block K and V decoded from KV records of one-byte codes (int8, fp8, fp8_e5m2) and a scale per token");
-  m.def("paged_read_int4", &kvstrata::paged_read_int4, "whole-block K and V decoded from int4 KV records");
+  m.def("paged_read_records", &kvstrata::paged_read_records,
+        "whole-block K and V decoded from per-token KV records (int8, fp8, fp8_e5m2, int4; K and V each in its own)");
   m.def("paged_read_kivi", &kvstrata::paged_read_kivi, "whole-block K and V decoded from KIVI's blocks and window");
   m.def("paged_read_oaken", &kvstrata::paged_read_oaken,
         "whole-block K and V decoded from Oaken's dense records and sparse pages");
   m.def("record_store", &kvstrata::record_store,
-        "int8's, fp8's, fp8_e5m2's or int4's store of one layer's new K and V: encode, write");
+        "a record format's store of one layer's new K and V, each in its form (int8, fp8, fp8_e5m2, int4): encode, "
+        "write", arg("k"), arg("v"), arg("slots"), arg("k_records"), arg("v_records"), arg("k_form"), arg("k_group"),
+        arg("v_form"), arg("v_group"));
   m.def("sparse_write", &kvstrata::sparse_write, "SparsePages.write for one layer (pages from its free stack)");
   m.def("oaken_store", &kvstrata::oaken_store, "Oaken's store of one layer's new K and V: encode and write both");
   m.def("kivi_window_store", &kvstrata::kivi_window_store, "KIVI's store of one layer's new K and V into its window");

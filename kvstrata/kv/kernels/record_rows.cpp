@@ -1,37 +1,14 @@
-// Per-token records [slots, record_bytes] (kv/formats/scaled_bytes.py, integer.py), one item's KV heads of a token
-// decoded at a time:
-//   int8, fp8, fp8_e5m2: kv_heads * dim one-byte codes, then the token's float16 scale: value = code's value * scale,
-//         a code's value the int8 integer or the float8 (e4m3fn, e5m2) number its bits are;
-//   int4: ceil(width / 2) bytes of nibbles (value i in byte i / 2, the low nibble for even i), then per group
-//         of `group_size` values a float16 (minimum, step): value = minimum + code * step.
+// Per-token records [slots, record_bytes] (kv/formats/records.py; their forms: record_form.h), one item's KV heads of
+// a token decoded at a time. K and V are read each in its own form:
+//   int8, fp8, fp8_e5m2: value = the code's value * the token's scale, a code's value the int8 integer or the float8
+//         (e4m3fn, e5m2) number its bits are;
+//   int4: value i in byte i / 2 (the low nibble for even i); value = its group's minimum + code * step.
 #include <string>
 
 #include "attend.h"
+#include "record_form.h"
 
 namespace kvstrata {
-
-// What both readers share: the K and V records of an item's KV heads (`dim` values from head_offset in a token).
-struct RecordRows {
-  const uint8_t* k;
-  const uint8_t* v;
-  const int64_t* table;
-  BlockSlots slots;
-  int64_t dim, record_bytes, head_offset;
-  const uint8_t* record(const uint8_t* records, int64_t t) const {
-    return records + slots.of(table, t) * record_bytes;
-  }
-  void prefetch(bool keys, int64_t t) const { prefetch_bytes(record(keys ? k : v, t), record_bytes); }
-};
-
-// What the codes of a scaled-byte record are.
-enum class ByteCode { kInt8, kFloat8E4M3, kFloat8E5M2 };
-
-static ByteCode byte_code(const std::string& code, const char* what) {
-  if (code == "int8") return ByteCode::kInt8;
-  if (code == "fp8") return ByteCode::kFloat8E4M3;
-  TORCH_CHECK(code == "fp8_e5m2", what, ": codes '", code, "'; int8, fp8 or fp8_e5m2");
-  return ByteCode::kFloat8E5M2;
-}
 
 // A float8 code as the bits of a float16: e5m2 is float16's upper byte; e4m3fn's sign, exponent and mantissa moved
 // into float16's places give its value / 2^8 (float16's exponent bias is 8 more than e4m3fn's), subnormals
@@ -59,112 +36,104 @@ inline void widen_float8(const uint8_t* codes, int64_t n, bool e5m2, float facto
   }
 }
 
-struct ScaledByteRows : RecordRows {
-  int64_t width;  // codes per record; the scale follows them
-  ByteCode code;
-  void decode(const uint8_t* records, int64_t t, float* out) const {
-    const uint8_t* rec = record(records, t);
-    const float scale = half_at(rec + width);
-    if (code == ByteCode::kInt8) {
-      const int8_t* codes = reinterpret_cast<const int8_t*>(rec) + head_offset;
-      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(codes[d]) * scale;
+// `dim` values of an int4 record from value head_offset on, group after group.
+inline void decode_int4(const uint8_t* rec, const RecordLayout& layout, int64_t head_offset, int64_t dim, float* out) {
+  const int64_t group_size = layout.group_size;
+  for (int64_t d = 0; d < dim;) {
+    const int64_t group = (head_offset + d) / group_size;
+    const int64_t end = std::min(dim, (group + 1) * group_size - head_offset);
+    const uint8_t* params = rec + layout.code_bytes + 4 * group;
+    const float low = half_at(params), step = half_at(params + 2);
+    if ((head_offset + d) % 2 == 0 && (end - d) % 2 == 0) {  // whole bytes
+      widen_nibbles(rec + (head_offset + d) / 2, (end - d) / 2, low, step, out + d);
+      d = end;
+    }
+    for (; d < end; ++d) out[d] = low + nibble_at(rec, head_offset + d) * step;
+  }
+}
+
+// `dim` values of a scaled-byte record (int8, fp8, fp8_e5m2) from value head_offset on.
+inline void decode_scaled_bytes(const uint8_t* rec, const RecordLayout& layout, int64_t head_offset, int64_t dim,
+                                float* out) {
+  const float scale = half_at(rec + layout.width);
+  if (layout.form == RecordForm::kInt8) {
+    const int8_t* codes = reinterpret_cast<const int8_t*>(rec) + head_offset;
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(codes[d]) * scale;
+  } else {
+    const bool e5m2 = layout.form == RecordForm::kFloat8E5M2;
+    widen_float8(rec + head_offset, dim, e5m2, e5m2 ? scale : scale * kE4M3Gap, out);
+  }
+}
+
+// One side's records (K's or V's) in its form.
+struct RecordSide {
+  const uint8_t* records;
+  RecordLayout layout;
+  const uint8_t* record(int64_t slot) const { return records + slot * layout.record_bytes; }
+  void decode(int64_t slot, int64_t head_offset, int64_t dim, float* out) const {
+    if (layout.form == RecordForm::kInt4) {
+      decode_int4(record(slot), layout, head_offset, dim, out);
     } else {
-      const bool e5m2 = code == ByteCode::kFloat8E5M2;
-      widen_float8(rec + head_offset, dim, e5m2, e5m2 ? scale : scale * kE4M3Gap, out);
+      decode_scaled_bytes(record(slot), layout, head_offset, dim, out);
     }
   }
-  void key(int64_t t, float* out) const { decode(k, t, out); }
-  void value(int64_t t, float* out) const { decode(v, t, out); }
 };
 
-struct Int4Rows : RecordRows {
-  int64_t code_bytes, group_size;  // the groups' (minimum, step) pairs follow the codes
-  void decode(const uint8_t* records, int64_t t, float* out) const {
-    const uint8_t* rec = record(records, t);
-    for (int64_t d = 0; d < dim;) {  // group after group of the row's values
-      const int64_t group = (head_offset + d) / group_size;
-      const int64_t end = std::min(dim, (group + 1) * group_size - head_offset);
-      const float low = half_at(rec + code_bytes + 4 * group), step = half_at(rec + code_bytes + 4 * group + 2);
-      if ((head_offset + d) % 2 == 0 && (end - d) % 2 == 0) {  // whole bytes
-        widen_nibbles(rec + (head_offset + d) / 2, (end - d) / 2, low, step, out + d);
-        d = end;
-      }
-      for (; d < end; ++d) {
-        const int64_t i = head_offset + d;
-        out[d] = low + nibble_at(rec, i) * step;
-      }
-    }
+// The reader of an item: its KV heads' `dim` values from head_offset in a token, K and V each from its own side.
+struct RecordRows {
+  RecordSide k, v;
+  const int64_t* table;
+  BlockSlots slots;
+  int64_t dim, head_offset;
+  void key(int64_t t, float* out) const { k.decode(slots.of(table, t), head_offset, dim, out); }
+  void value(int64_t t, float* out) const { v.decode(slots.of(table, t), head_offset, dim, out); }
+  void prefetch(bool keys, int64_t t) const {
+    const RecordSide& side = keys ? k : v;
+    prefetch_bytes(side.record(slots.of(table, t)), side.layout.record_bytes);
   }
-  void key(int64_t t, float* out) const { decode(k, t, out); }
-  void value(int64_t t, float* out) const { decode(v, t, out); }
 };
 
-static void check_records(const at::Tensor& k, const at::Tensor& v, int64_t block, int64_t record_bytes,
-                          const char* what) {
-  TORCH_CHECK(k.scalar_type() == at::kByte && v.scalar_type() == at::kByte && k.is_contiguous() &&
-                  v.is_contiguous() && k.sizes() == v.sizes() && k.dim() == 2,
-              what, ": K and V records must be contiguous uint8 [slots, record_bytes]");
-  TORCH_CHECK(k.size(1) == record_bytes, what, ": records of ", k.size(1), " bytes, the format's are ", record_bytes);
-  TORCH_CHECK(block > 0 && k.size(0) % block == 0, what, ": slots must fill whole blocks");
-}
-
-// The readers of an item (make_rows for `run` and `read_rows`), once the records are checked.
-static auto scaled_byte_rows(const at::Tensor& k_records, const at::Tensor& v_records, int64_t block,
-                             int64_t kv_heads, int64_t dim, const std::string& code, const char* what) {
-  const ByteCode codes = byte_code(code, what);
-  const int64_t width = kv_heads * dim, record_bytes = width + 2;
-  check_records(k_records, v_records, block, record_bytes, what);
-  const uint8_t* k = k_records.data_ptr<uint8_t>();
-  const uint8_t* v = v_records.data_ptr<uint8_t>();
+// The readers of an item (make_rows for `run` and `read_rows`), once both sides' records are checked.
+static auto record_rows(const at::Tensor& k_records, const at::Tensor& v_records, int64_t block, int64_t kv_heads,
+                        int64_t dim, const std::string& k_form, int64_t k_group, const std::string& v_form,
+                        int64_t v_group, const char* what) {
+  const int64_t width = kv_heads * dim;
+  RecordSide sides[2];
+  const at::Tensor* records[2] = {&k_records, &v_records};
+  const std::string* forms[2] = {&k_form, &v_form};
+  const int64_t groups[2] = {k_group, v_group};
+  for (int side = 0; side < 2; ++side) {
+    const at::Tensor& r = *records[side];
+    const RecordLayout layout = record_layout(*forms[side], width, groups[side], what);
+    TORCH_CHECK(r.scalar_type() == at::kByte && r.is_contiguous() && r.dim() == 2, what, ": ", side ? "V" : "K",
+                " records must be contiguous uint8 [slots, record_bytes]");
+    TORCH_CHECK(r.size(1) == layout.record_bytes, what, ": ", side ? "V" : "K", " records of ", r.size(1),
+                " bytes, ", *forms[side], "'s are ", layout.record_bytes);
+    sides[side] = {r.data_ptr<uint8_t>(), layout};
+  }
+  TORCH_CHECK(k_records.size(0) == v_records.size(0), what, ": K and V records of different slot counts");
+  TORCH_CHECK(block > 0 && k_records.size(0) % block == 0, what, ": slots must fill whole blocks");
+  const RecordSide k = sides[0], v = sides[1];
   return [=](const int64_t* table, int64_t h, int64_t row_heads) {
-    return ScaledByteRows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, width, codes};
+    return RecordRows{k, v, table, BlockSlots{block}, row_heads * dim, h * dim};
   };
 }
 
-static auto int4_rows(const at::Tensor& k_records, const at::Tensor& v_records, int64_t block, int64_t kv_heads,
-                      int64_t dim, int64_t group_size, const char* what) {
-  TORCH_CHECK(group_size > 0, what, ": group size must be positive");
-  const int64_t width = kv_heads * dim, code_bytes = (width + 1) / 2;
-  const int64_t record_bytes = code_bytes + 4 * ((width + group_size - 1) / group_size);
-  check_records(k_records, v_records, block, record_bytes, what);
-  const uint8_t* k = k_records.data_ptr<uint8_t>();
-  const uint8_t* v = v_records.data_ptr<uint8_t>();
-  return [=](const int64_t* table, int64_t h, int64_t row_heads) {
-    return Int4Rows{{k, v, table, BlockSlots{block}, row_heads * dim, record_bytes, h * dim}, code_bytes, group_size};
-  };
-}
-
-at::Tensor paged_decode_attention_scaled_bytes(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
-                                               at::Tensor block_tables, at::Tensor context_lens, int64_t block,
-                                               int64_t kv_heads, std::string code, double scale,
-                                               int64_t min_shared_tokens) {
-  const auto rows = scaled_byte_rows(k_records, v_records, block, kv_heads, q.size(2), code,
-                                     "paged_decode_attention_scaled_bytes");
+at::Tensor paged_decode_attention_records(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
+                                          at::Tensor block_tables, at::Tensor context_lens, int64_t block,
+                                          int64_t kv_heads, std::string k_form, int64_t k_group, std::string v_form,
+                                          int64_t v_group, double scale, int64_t min_shared_tokens) {
+  const auto rows = record_rows(k_records, v_records, block, kv_heads, q.size(2), k_form, k_group, v_form, v_group,
+                                "paged_decode_attention_records");
   return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true,
              min_shared_tokens);
 }
 
-at::Tensor paged_decode_attention_int4(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
-                                       at::Tensor block_tables, at::Tensor context_lens, int64_t block,
-                                       int64_t kv_heads, int64_t group_size, double scale,
-                                       int64_t min_shared_tokens) {
-  const auto rows =
-      int4_rows(k_records, v_records, block, kv_heads, q.size(2), group_size, "paged_decode_attention_int4");
-  return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true,
-             min_shared_tokens);
-}
-
-std::vector<at::Tensor> paged_read_scaled_bytes(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
-                                                at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,
-                                                std::string code) {
-  const auto rows = scaled_byte_rows(k_records, v_records, block, kv_heads, dim, code, "paged_read_scaled_bytes");
-  return read_rows(block_tables, context_lens, kv_heads, dim, block, k_records.size(0) / block, rows);
-}
-
-std::vector<at::Tensor> paged_read_int4(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
-                                        at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,
-                                        int64_t group_size) {
-  const auto rows = int4_rows(k_records, v_records, block, kv_heads, dim, group_size, "paged_read_int4");
+std::vector<at::Tensor> paged_read_records(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
+                                           at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,
+                                           std::string k_form, int64_t k_group, std::string v_form, int64_t v_group) {
+  const auto rows = record_rows(k_records, v_records, block, kv_heads, dim, k_form, k_group, v_form, v_group,
+                                "paged_read_records");
   return read_rows(block_tables, context_lens, kv_heads, dim, block, k_records.size(0) / block, rows);
 }
 

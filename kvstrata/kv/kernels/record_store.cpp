@@ -1,6 +1,7 @@
-// The int8, fp8, fp8_e5m2 and int4 formats' store of one layer's new K and V in one call (their store_in_place):
-// each token encoded as kv/formats/scaled_bytes.py and integer.py encode it, with the same bytes, and its record
-// written at its slot. The torch path runs dozens of small torch operators per side on this in every layer.
+// The record formats' store of one layer's new K and V in one call (kv/formats/records.py, store_in_place): each
+// token's K and V encoded, each in its side's form (record_form.h), as kv/formats/scaled_bytes.py and integer.py
+// encode them, with the same bytes, and written at its slot. The torch path runs dozens of small torch operators per
+// side on this in every layer.
 //
 // int8: scale = absmax / 127 rounded up to float16, code = round(value / scale) in [-127, 127].
 // fp8, fp8_e5m2: scale = absmax / the float8 type's largest value (448, 57344) rounded up to float16, code = value /
@@ -20,6 +21,7 @@
 #include "float16_params.h"
 
 #include "attend.h"
+#include "record_form.h"
 
 namespace kvstrata {
 
@@ -89,30 +91,34 @@ void encode_int4(const float* x, int64_t width, int64_t group_size, uint8_t* rec
   if (width % 2) record[code_bytes - 1] |= last_code << 4;
 }
 
-// The encoder of a token of `form`, given its values, their number and its record.
-std::function<void(const float*, int64_t, uint8_t*)> encoder_of(const std::string& form, int64_t group_size) {
-  if (form == "int8") return encode_int8;
-  if (form == "fp8") return encode_float8<c10::Float8_e4m3fn>;
-  if (form == "fp8_e5m2") return encode_float8<c10::Float8_e5m2>;
-  TORCH_CHECK(form == "int4" && group_size > 0, "record_store: form '", form, "' and group size ", group_size,
-              "; int8, fp8, fp8_e5m2, or int4 with a positive group size");
+// The encoder of a token of `layout`'s form, given its values, their number and its record.
+std::function<void(const float*, int64_t, uint8_t*)> encoder_of(const RecordLayout& layout) {
+  switch (layout.form) {
+    case RecordForm::kInt8: return encode_int8;
+    case RecordForm::kFloat8E4M3: return encode_float8<c10::Float8_e4m3fn>;
+    case RecordForm::kFloat8E5M2: return encode_float8<c10::Float8_e5m2>;
+    case RecordForm::kInt4: break;
+  }
+  const int64_t group_size = layout.group_size;
   return [group_size](const float* x, int64_t width, uint8_t* record) { encode_int4(x, width, group_size, record); };
 }
 
 }  // namespace
 
 void record_store(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_records, at::Tensor v_records,
-                  std::string form, int64_t group_size) {
-  const auto encode = encoder_of(form, group_size);
-  const bool int4 = form == "int4";
+                  std::string k_form, int64_t k_group, std::string v_form, int64_t v_group) {
   TORCH_CHECK(k.scalar_type() == at::kFloat && k.dim() == 2 && k.sizes() == v.sizes() &&
                   v.scalar_type() == at::kFloat, "record_store: K and V must be float32 [n, width] alike");
   const int64_t n = k.size(0), width = k.size(1);
-  const int64_t record_bytes = int4 ? (width + 1) / 2 + 4 * ((width + group_size - 1) / group_size) : width + 2;
-  for (const at::Tensor& records : {k_records, v_records}) {
-    TORCH_CHECK(records.scalar_type() == at::kByte && records.is_contiguous() && records.dim() == 2 &&
-                    records.size(1) == record_bytes,
-                "record_store: records must be contiguous uint8 [slots, ", record_bytes, "]");
+  const RecordLayout layouts[2] = {record_layout(k_form, width, k_group, "record_store"),
+                                   record_layout(v_form, width, v_group, "record_store")};
+  const at::Tensor* records[2] = {&k_records, &v_records};
+  for (int side = 0; side < 2; ++side) {
+    const at::Tensor& r = *records[side];
+    TORCH_CHECK(r.scalar_type() == at::kByte && r.is_contiguous() && r.dim() == 2 &&
+                    r.size(1) == layouts[side].record_bytes,
+                "record_store: ", side ? "V" : "K", " records must be contiguous uint8 [slots, ",
+                layouts[side].record_bytes, "]");
   }
   TORCH_CHECK(k_records.size(0) == v_records.size(0), "record_store: K and V records of different sizes");
   const at::Tensor slot_values = slots.to(at::kLong).contiguous();
@@ -125,10 +131,12 @@ void record_store(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_rec
   const at::Tensor k_values = k.contiguous(), v_values = v.contiguous();
   const float* xs[2] = {k_values.data_ptr<float>(), v_values.data_ptr<float>()};
   uint8_t* outs[2] = {k_records.data_ptr<uint8_t>(), v_records.data_ptr<uint8_t>()};
+  const std::function<void(const float*, int64_t, uint8_t*)> encoders[2] = {encoder_of(layouts[0]),
+                                                                           encoder_of(layouts[1])};
   at::parallel_for(0, 2 * n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {  // item: token item / 2, K (even) or V (odd)
       const int64_t t = item / 2, side = item % 2;
-      encode(xs[side] + t * width, width, outs[side] + slot[t] * record_bytes);
+      encoders[side](xs[side] + t * width, width, outs[side] + slot[t] * layouts[side].record_bytes);
     }
   });
 }
