@@ -13,6 +13,7 @@ CASES = {
     "fp32": ("fp32", {}), "fp16": ("fp16", {}), "bf16": ("bf16", {}), "int8": ("int8", {}),
     "int4": ("int4", {}), "int4-group16": ("int4", {"int4_group_size": 16}),
     "fp8": ("fp8", {}),  # fp8_e5m2 differs from it only in its codes' meaning: tests/test_record_store.py, test_paged_kernel.py
+    "int8/int4": ("int8/int4", {}),  # K and V records of two sizes and forms
     # a residual of 32 leaves each sequence's older blocks quantized and its newest in the float16 window
     "kivi4": ("kivi4", {"kivi_residual": 32}), "kivi2": ("kivi2", {"kivi_residual": 32}),
     "oaken": ("oaken", {}), "oaken-pre-rope": ("oaken", {"oaken_keys": "pre-rope"}),

@@ -25,7 +25,7 @@ from kvstrata.model.rotary import apply_rope
 from tests.helpers import prefill_in_chunks
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-QUANTIZED = ("int8", "int4", "fp8", "oaken")
+QUANTIZED = ("int8", "int4", "fp8", "oaken", "int8/int4")
 BLOCK_SIZE = 16
 
 
@@ -400,9 +400,10 @@ def test_smaller_formats_get_more_blocks_from_the_same_budget(tiny_llama_kv64, c
         if kv_format in QUANTIZED:
             fmt = engine.kv_cache.format
             sparse = fmt.expected_sparse_bytes * 1.25 + SparsePages.TABLE_BYTES if fmt.has_sparse else 0
-            assert per_token[kv_format] == 2 * mc.num_layers * (fmt.record_bytes + sparse)
-            assert engine.kv_cache.records["k"].shape == (mc.num_layers, blocks[kv_format] * BLOCK_SIZE,
-                                                          fmt.record_bytes)
+            assert per_token[kv_format] == mc.num_layers * sum(fmt.record_bytes_of(kind) + sparse for kind in "kv")
+            for kind in "kv":
+                assert engine.kv_cache.records[kind].shape == (mc.num_layers, blocks[kv_format] * BLOCK_SIZE,
+                                                               fmt.record_bytes_of(kind))
     width = mc.num_kv_heads * mc.head_dim
     assert per_token["fp32"] == 2 * mc.num_layers * width * 4
     assert per_token["fp16"] == per_token["bf16"] == per_token["fp32"] / 2

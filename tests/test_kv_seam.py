@@ -587,6 +587,11 @@ def test_stored_form_names_exactly_the_options_that_change_stored_bytes():
     assert form(kv_format="int8", kivi_residual=32) == form(kv_format="int8", kivi_residual=128)
     assert stored_form(EngineConfig(), torch.bfloat16) == "bf16@bf16"
     assert stored_form(EngineConfig(kv_format="bf16"), torch.float32) != stored_form(EngineConfig(), torch.bfloat16)
+    # K and V in two formats: int4's groups where either side is int4; the sides' order matters
+    assert form(kv_format="int8/int4", int4_group_size=32) != form(kv_format="int8/int4", int4_group_size=64)
+    assert form(kv_format="int8/fp8", int4_group_size=32) == form(kv_format="int8/fp8", int4_group_size=64)
+    assert form(kv_format="int8/int4") != form(kv_format="int4/int8")
+    assert form(kv_format="int8/int8") == form(kv_format="int8")  # one format for both is that format
 
 
 def test_the_format_registry_is_the_one_list_of_formats():
@@ -601,7 +606,20 @@ def test_the_format_registry_is_the_one_list_of_formats():
         EngineConfig(kv_format="int3")
 
 
-@pytest.mark.parametrize("name", [n for n in cache_factory.KV_FORMATS if n != "oaken"])
+@pytest.mark.parametrize(("name", "refused"), [("int8/oaken", "V's format 'oaken'"), ("fp16/int4", "K's format 'fp16'"),
+                                               ("int8/", "V's format ''"), ("int8/int4/fp8", "V's format 'int4/fp8'")])
+def test_k_and_v_formats_are_two_record_formats(name, refused):
+    """KEYS/VALUES takes two of the record formats; any other side is refused, named, with the allowed ones. A
+    split layout charges each side's record."""
+    with pytest.raises(KvstrataError, match=f"kv_format '{name}': {refused} is not one of int8, int4, fp8, fp8_e5m2"):
+        EngineConfig(kv_format=name)
+    shape = CacheShape(num_layers=2, num_kv_heads=2, head_dim=32, block_size=BLOCK_SIZE)
+    split = storage_layout("int8/int4", shape, FormatOptions(int4_group_size=32))
+    assert split.bytes_per_token == 2 * ((64 + 2) + (32 + 2 * 4))
+    assert EngineConfig(kv_format="fp8/fp8").kv_format == "fp8"
+
+
+@pytest.mark.parametrize("name", [*(n for n in cache_factory.KV_FORMATS if n != "oaken"), "int8/int4", "fp8/int8"])
 def test_every_registered_format_stores_and_gathers_by_slot(name):
     """Each registered layout builds a KVStorage that gives back, by slot, close to what was stored."""
     shape = CacheShape(num_layers=2, num_kv_heads=2, head_dim=32, block_size=BLOCK_SIZE)
@@ -614,8 +632,8 @@ def test_every_registered_format_stores_and_gathers_by_slot(name):
     storage.write(table, PreloadedKV(0, k, v), 0, 20)
     # int4: 16 steps over a group's range; fp8 (e4m3fn, e5m2): 1/16 (1/8) of a value at most; KIVI: 20 tokens lie
     # in the float16 window of 128
-    tolerance = {"fp32": 0, "fp16": 2e-3, "bf16": 2e-2, "int8": 5e-2, "int4": 0.3, "fp8": 0.3,
-                 "fp8_e5m2": 0.6}.get(name, 2e-3)
+    tolerance = {"fp32": 0, "fp16": 2e-3, "bf16": 2e-2, "int8": 5e-2, "int4": 0.3, "fp8": 0.3, "fp8_e5m2": 0.6,
+                 "int8/int4": 0.3, "fp8/int8": 0.3}.get(name, 2e-3)
     for layer in range(2):
         got_k, got_v = storage.read(layer, table, 20)
         assert (got_k - k[layer]).abs().max() <= tolerance and (got_v - v[layer]).abs().max() <= tolerance

@@ -54,7 +54,7 @@ def test_the_compiled_store_writes_the_torch_encoders_bytes(fmt):
         assert (records[untouched] == 7).all()
 
 
-@pytest.mark.parametrize("case", ["int8", "int4", "int4-group16", "fp8"])
+@pytest.mark.parametrize("case", ["int8", "int4", "int4-group16", "fp8", "int8/int4"])
 def test_the_engines_cache_holds_the_torch_paths_bytes(case, tiny_llama_kv64, oaken_calibrations):
     compiled, torch_path = (build(tiny_llama_kv64, oaken_calibrations, case) for _ in range(2))
     torch_path.engine.kv_cache.store_kernel = None

@@ -115,8 +115,9 @@ def test_greedy_output_is_the_output_without_drafts_and_transformers(plain, spec
 
 @pytest.mark.parametrize("options", [
     {"scheduler": "prefill-first"}, {"scheduler": "static"}, {"kv_format": "int8"}, {"kv_format": "int4"},
-    {"kv_format": "fp8"}, {"kv_format": "fp16", "dtype": "float16"}, {"enable_prefix_caching": False},
-    {"chunk_size": 16}, {"num_speculative_tokens": 1}, {"prompt_lookup_min": 1, "prompt_lookup_max": 1},
+    {"kv_format": "fp8"}, {"kv_format": "int8/int4"}, {"kv_format": "fp16", "dtype": "float16"},
+    {"enable_prefix_caching": False}, {"chunk_size": 16}, {"num_speculative_tokens": 1},
+    {"prompt_lookup_min": 1, "prompt_lookup_max": 1},
     {"kv_offload": "full"}, {"kv_offload": "full", "paged_kernel": False}, {"kv_offload": "full", "kv_format": "int4"},
 ])
 def test_greedy_output_is_unchanged_under_every_setting_drafts_allow(tiny_llama, options):
