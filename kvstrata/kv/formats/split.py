@@ -1,8 +1,9 @@
 """K and V in two record formats (`--kv-format KEYS/VALUES`, e.g. int8/int4; llama.cpp's --cache-type-k and
 --cache-type-v): each side's records are its format's, of its own size, written and read by the same compiled kernels
-as a single format's (records.py). Keys are the side quantization hurts most (a few channels carry most of their
-range, and per-token scales spread every other channel's error over it), so giving them more bits than the values
-buys back most of a 4-bit cache's loss (docs/BENCHMARKS.md, "K and V in different formats")."""
+as a single format's (records.py). Keys are the side a few bits hurt most: a few of their channels are far larger
+than the rest (KIVI's observation) and set the range that a token's or a group's codes span. On the default model
+int8 keys with int4 values lose under a tenth of what int4 for both does, and int4 keys with int8 values nearly all
+of it (docs/BENCHMARKS.md, "K and V in different formats")."""
 
 from __future__ import annotations
 
