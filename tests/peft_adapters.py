@@ -23,8 +23,9 @@ def save_peft_adapter(base: torch.nn.Module, directory: Path, seed: int, **setti
     return directory
 
 
-def peft_reference(base: torch.nn.Module, directory: Path) -> torch.nn.Module:
-    """`base` running the adapter saved in `directory`, as PEFT runs it (unmerged)."""
+def peft_reference(base: torch.nn.Module, directory: Path, adapter_name: str = "default") -> torch.nn.Module:
+    """`base` running the adapter saved in `directory`, as PEFT runs it (unmerged); more adapters join it by
+    `load_adapter` and are chosen by `set_adapter`."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(base, str(directory)).eval()
+    return PeftModel.from_pretrained(base, str(directory), adapter_name=adapter_name).eval()
