@@ -34,6 +34,8 @@ KV_OFFLOADS = ("none", "full", "infinigen", "h2o")
 # a token stored again in a slot replaces it (Oaken's once its rejected drafts are discarded: KVStorage.discard_tokens)
 SLOT_REWRITING_KV_FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "fp8", "fp8_e5m2", "oaken")
 HOST_EVICTIONS = ("counter", "lru", "fifo")
+# vLLM's --kv-cache-dtype values and the kv_format each stands for (None: the model's dtype)
+VLLM_KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}
 PREFIX_LOADINGS = ("full", *PREFIX_LOADING)
 NO_COMPILE_BESIDE_LOADS = ("no compile (the load thread runs the model beside the engine thread, and compiled layers "
                            "are not run from two threads)")
@@ -107,6 +109,12 @@ class EngineConfig:
                          "kivi4/kivi2 (keys per channel, values per token, newest tokens in full precision), oaken "
                          "(online-offline hybrid, ~4.8 bits), or KEYS/VALUES, two of int8, int4, fp8, fp8_e5m2 (K "
                          "in one, V in the other, e.g. int8/int4) (default: the dtype)"),
+    )
+    kv_cache_dtype: str | None = field(
+        default=None,
+        metadata=_option("vLLM's name for the KV format, for commands written for vLLM: auto (the dtype), bfloat16, "
+                         "fp8 or fp8_e4m3 (kv_format fp8, scaled per token where vLLM scales per layer), fp8_e5m2; "
+                         "read once into kv_format", choices=tuple(VLLM_KV_CACHE_DTYPES)),
     )
     int4_group_size: int = field(
         default=64, metadata=_option("int4: values per float16 (min, step) pair; smaller groups cost more bits")
@@ -396,6 +404,7 @@ class EngineConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise KvstrataError(f"{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        self._read_kv_cache_dtype()
         if self.kv_format is not None:
             check_kv_format(self.kv_format)
             sides = split_sides(self.kv_format)
@@ -437,6 +446,21 @@ class EngineConfig:
         for name in ("max_model_len", "tile", "max_prefill_tokens", "threads"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
+
+    def _read_kv_cache_dtype(self) -> None:
+        """vLLM's kv_cache_dtype into kv_format, then cleared: the config holds one name for the format, so that a
+        copy with another kv_format (the full-precision twin Oaken calibrates on) is not turned back."""
+        dtype, self.kv_cache_dtype = self.kv_cache_dtype, None
+        if dtype is None:
+            return
+        if dtype not in VLLM_KV_CACHE_DTYPES:
+            raise KvstrataError(f"kv_cache_dtype {dtype!r} is not one of {', '.join(VLLM_KV_CACHE_DTYPES)}")
+        named = VLLM_KV_CACHE_DTYPES[dtype]
+        if self.kv_format is None:
+            self.kv_format = named
+        elif named is not None and named != self.kv_format:
+            raise KvstrataError(f"kv_cache_dtype {dtype!r} (kv_format {named}) and kv_format {self.kv_format!r} "
+                                f"disagree; give one of them")
 
     def _check_prefix_loading(self) -> None:
         if not (isinstance(self.impress_ratio, (int, float)) and 0 < self.impress_ratio <= 1):

@@ -133,6 +133,19 @@ def test_chat_session(tiny_llama):
     assert result.stdout.count(">") >= 3
 
 
+def test_vllms_kv_cache_dtype_flag_runs_the_format_it_names(tiny_llama, capsys):
+    tiny = ["generate", "Emma Woodhouse", "--model", str(tiny_llama), "--max-tokens", "12", "--kv-cache-memory", "8MiB",
+            "--temperature", "0"]
+    assert main([*tiny, "--kv-format", "fp8_e5m2"]) == 0
+    named = capsys.readouterr().out
+    assert main([*tiny, "--kv-format", "fp8"]) == 0
+    assert capsys.readouterr().out != named  # the two formats differ on this prompt, so the flag below is told apart
+    assert main([*tiny, "--kv-cache-dtype", "fp8_e5m2"]) == 0
+    assert capsys.readouterr().out == named
+    assert main([*tiny, "--kv-cache-dtype", "fp8", "--kv-format", "int8"]) == 2
+    assert "kv_cache_dtype 'fp8' (kv_format fp8) and kv_format 'int8' disagree" in capsys.readouterr().err
+
+
 def test_generate_with_speculative_decoding_prints_what_plain_decoding_prints(tiny_llama, capsys):
     tiny = ["generate", "Emma Woodhouse", "--model", str(tiny_llama), "--max-tokens", "24", "--kv-cache-memory", "8MiB",
             "--temperature", "0"]

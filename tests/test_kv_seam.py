@@ -5,6 +5,7 @@ namespaced block hashes, the format registry, the import rule of kv/ and the run
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -604,6 +605,23 @@ def test_the_format_registry_is_the_one_list_of_formats():
     assert all(name in str(raised.value) for name in cache_factory.KV_FORMATS)
     with pytest.raises(KvstrataError, match="int3"):
         EngineConfig(kv_format="int3")
+
+
+def test_vllms_kv_cache_dtype_names_a_kv_format():
+    """vLLM's --kv-cache-dtype is read into kv_format and cleared (a copy of the config with another kv_format keeps
+    it, as the full-precision twin Oaken calibrates on needs); a value vLLM has and kvstrata not, or one that
+    contradicts kv_format, is refused by name."""
+    assert EngineConfig(kv_cache_dtype="fp8").kv_format == EngineConfig(kv_cache_dtype="fp8_e4m3").kv_format == "fp8"
+    assert EngineConfig(kv_cache_dtype="fp8_e5m2").kv_format == "fp8_e5m2"
+    assert EngineConfig(kv_cache_dtype="bfloat16").kv_format == "bf16"
+    assert EngineConfig(kv_cache_dtype="auto").kv_format is None
+    assert EngineConfig(kv_cache_dtype="auto", kv_format="int4").kv_format == "int4"
+    assert EngineConfig(kv_cache_dtype="fp8", kv_format="fp8").kv_format == "fp8"
+    assert dataclasses.replace(EngineConfig(kv_cache_dtype="fp8"), kv_format=None).kv_format is None
+    with pytest.raises(KvstrataError, match="kv_cache_dtype 'fp8_inc' is not one of auto, bfloat16, fp8"):
+        EngineConfig(kv_cache_dtype="fp8_inc")
+    with pytest.raises(KvstrataError, match=r"kv_cache_dtype 'fp8' \(kv_format fp8\) and kv_format 'int8' disagree"):
+        EngineConfig(kv_cache_dtype="fp8", kv_format="int8")
 
 
 @pytest.mark.parametrize(("name", "refused"), [("int8/oaken", "V's format 'oaken'"), ("fp16/int4", "K's format 'fp16'"),
