@@ -76,8 +76,8 @@ def test_gpu_reader_gathers_what_the_torch_path_decodes(case, tiny_llama_kv64, o
 
 # the formats with a GPU encoder: int8, int4 (and the two as K and V), and Oaken with scales per token and keys
 # quantized after RoPE
-@pytest.mark.parametrize("case", ["int8", "int4", "int4-group16", "int8/int4", "oaken", "oaken-uncentered", "oaken-fp16-outliers",
-                                  "oaken-unshifted", "oaken-4-groups"])
+@pytest.mark.parametrize("case", ["int8", "int4", "int4-group16", "int8/int4", "oaken", "oaken-uncentered",
+                                  "oaken-fp16-outliers", "oaken-unshifted", "oaken-4-groups"])
 def test_gpu_encoders_write_the_torch_encoders_bytes(case, tiny_llama_kv64, oaken_calibrations):
     """Layer 0's K/V, which no read of the cache feeds, are written as the same bytes over chunked prefills: records,
     and each token's sparse bytes (the pages they lie in may differ)."""

@@ -608,9 +608,9 @@ def test_the_format_registry_is_the_one_list_of_formats():
 
 
 def test_vllms_kv_cache_dtype_names_a_kv_format():
-    """vLLM's --kv-cache-dtype is read into kv_format and cleared (a copy of the config with another kv_format keeps
-    it, as the full-precision twin Oaken calibrates on needs); a value vLLM has and kvstrata not, or one that
-    contradicts kv_format, is refused by name."""
+    """vLLM's --kv-cache-dtype is read into kv_format and cleared, so that a copy of the config given another
+    kv_format keeps that one (as the full-precision twin Oaken calibrates on needs); a value vLLM has and kvstrata
+    not, or one that contradicts kv_format, is refused by name."""
     assert EngineConfig(kv_cache_dtype="fp8").kv_format == EngineConfig(kv_cache_dtype="fp8_e4m3").kv_format == "fp8"
     assert EngineConfig(kv_cache_dtype="fp8_e5m2").kv_format == "fp8_e5m2"
     assert EngineConfig(kv_cache_dtype="bfloat16").kv_format == "bf16"
@@ -627,14 +627,16 @@ def test_vllms_kv_cache_dtype_names_a_kv_format():
 @pytest.mark.parametrize(("name", "refused"), [("int8/oaken", "V's format 'oaken'"), ("fp16/int4", "K's format 'fp16'"),
                                                ("int8/", "V's format ''"), ("int8/int4/fp8", "V's format 'int4/fp8'")])
 def test_k_and_v_formats_are_two_record_formats(name, refused):
-    """KEYS/VALUES takes two of the record formats; any other side is refused, named, with the allowed ones. A
-    split layout charges each side's record."""
+    """KEYS/VALUES takes two of the record formats; any other side is refused, named, with the allowed ones."""
     with pytest.raises(KvstrataError, match=f"kv_format '{name}': {refused} is not one of int8, int4, fp8, fp8_e5m2"):
         EngineConfig(kv_format=name)
+
+
+def test_a_split_layout_charges_each_sides_record():
     shape = CacheShape(num_layers=2, num_kv_heads=2, head_dim=32, block_size=BLOCK_SIZE)
     split = storage_layout("int8/int4", shape, FormatOptions(int4_group_size=32))
-    assert split.bytes_per_token == 2 * ((64 + 2) + (32 + 2 * 4))
-    assert EngineConfig(kv_format="fp8/fp8").kv_format == "fp8"
+    assert split.bytes_per_token == 2 * ((64 + 2) + (32 + 2 * 4))  # layers x (int8's record + int4's)
+    assert EngineConfig(kv_format="fp8/fp8").kv_format == "fp8"  # one format for both is that format
 
 
 @pytest.mark.parametrize("name", [*(n for n in cache_factory.KV_FORMATS if n != "oaken"), "int8/int4", "fp8/int8"])

@@ -8,9 +8,8 @@ import torch
 
 from kvstrata import compiled_extension
 from kvstrata.kv.attention_batch import whole_block_keys
+from kvstrata.kv.cache_factory import CacheShape, FormatOptions, storage_layout
 from kvstrata.kv.formats.float8 import Float8Format
-from kvstrata.kv.formats.integer import Int4Format, Int8Format
-from kvstrata.kv.formats.split import SplitFormat
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.kv.reference_attention import attend
 
@@ -47,13 +46,10 @@ def test_kernel_equals_the_reference_attention_over_the_gathered_blocks(heads, d
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def record_format(name: str, width: int):
-    """A record format by its --kv-format name, KEYS/VALUES for a split one (int4 in groups of 32)."""
-    def one(side):
-        return {"int8": lambda: Int8Format(width), "int4": lambda: Int4Format(width, 32)}.get(
-            side, lambda: Float8Format(width, side))()
-    keys, _, values = name.partition("/")
-    return SplitFormat(one(keys), one(values)) if values else one(keys)
+def record_format(name: str, kv_heads: int, dim: int):
+    """A record format as the engine builds it for --kv-format `name` (int4 in groups of 32)."""
+    shape = CacheShape(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, block_size=16)
+    return storage_layout(name, shape, FormatOptions(int4_group_size=32)).format
 
 
 @needs_kernel
@@ -63,7 +59,7 @@ def test_record_kernel_equals_the_reference_attention_over_the_decoded_records(n
     two of them), the kernel equals the reference attention over the K/V the format decodes from the same records,
     for GQA and sequences of mixed lengths; its whole-block read gives those K/V."""
     kv_heads, dim, block, num_blocks = 3, 64, 16, 12
-    fmt = record_format(name, kv_heads * dim)
+    fmt = record_format(name, kv_heads, dim)
     gen = torch.Generator().manual_seed(3)
     k = torch.randn(num_blocks * block, kv_heads * dim, generator=gen) * 3
     v = torch.randn(num_blocks * block, kv_heads * dim, generator=gen)
