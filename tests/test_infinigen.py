@@ -323,7 +323,7 @@ def test_each_sequence_reads_its_own_count_of_tokens():
     assert chosen_columns(selection) == {0, 2}
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "int4", "fp8", "fp16"])
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "fp8", "int8/int4", "fp16"])
 def test_infinigen_over_a_quantized_host_pool(kv_format, tiny_llama, skew_files):
     """Any --kv-format can be the host pool: selecting everything gives that format's greedy output without offload,
     and the bytes counted in stored form are the format's (fewer than the float32 rows copied)."""
