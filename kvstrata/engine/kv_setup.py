@@ -41,15 +41,17 @@ def stored_form(config, model_dtype: torch.dtype) -> str:
     computed in: block hashes are namespaced by it (and by the model's fingerprint), so KV of one form never
     stands in for another's."""
     name = kv_format_name(config, model_dtype)
-    options = {
+    options_of = {
         "int4": (config.int4_group_size,),
         "kivi4": (config.kivi_residual,),  # which blocks hold quantized and which float16 K/V
         "kivi2": (config.kivi_residual,),
         "oaken": (config.oaken_calibration, config.oaken_ratios, config.oaken_keys, config.oaken_key_centering,
                   config.oaken_group_shift, config.oaken_outliers, config.oaken_scales),
-    }.get("int4" if "int4" in name.split("/") else name)  # K/V split in two formats: int4's groups, if either
+    }
+    # each side's options where K and V are in two formats (KEYS/VALUES)
+    options = tuple(option for side in name.split("/") for option in options_of.get(side, ()))
     computed = FLOAT_FORMAT_OF_DTYPE[model_dtype]
-    return f"{name}@{computed}" if options is None else f"{name}{options}@{computed}"
+    return f"{name}{options}@{computed}" if options else f"{name}@{computed}"
 
 
 def oaken_format_for(engine) -> OakenFormat:
