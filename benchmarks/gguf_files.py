@@ -1,7 +1,7 @@
 """GGUF files laid out as llama.cpp's converter writes them, for the figures and tests of architectures no model
 of which ships with the project (nothing is downloaded): Llama (q and k rows reordered for llama.cpp's RoPE, Llama
-3.1's frequency scaling as a factor per frequency), Qwen2 (q/k/v biases) and Qwen3 (per-head norms, the head width
-as `key_length`).
+3.1's frequency scaling as a factor per frequency), Qwen2 (q/k/v biases), Qwen3 (per-head norms, the head width
+as `key_length`) and Phi-3 (q/k/v in one product, gate and up in another, its sliding window).
 
     .venv/bin/python -m benchmarks.gguf_files --out /tmp/qwen3-0.6b-random.gguf
 
@@ -9,6 +9,8 @@ writes a model of Qwen3-0.6B's shape (28 layers, 16 query and 8 KV heads of 128,
 weights, its embeddings and products as Q8_0 blocks as Qwen's own GGUF files of that size ship, and a byte-level
 tokenizer of the first 4,096 tokens trained on Emma (the rest of the vocabulary unused, as Qwen pads its own), for
 `kvstrata bench decode --model FILE` (the decode speed of the architecture's layers; its text means nothing).
+`--shape phi3-mini` writes Phi-3-mini-4k's shape instead (32 layers of 32 heads of 96, each its own KV head,
+32,064 tokens, a sliding window of 2,047), its q/k/v and gate/up fused.
 """
 
 from __future__ import annotations
@@ -25,11 +27,18 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvstrata.data import EMMA
-from kvstrata.model.gguf_convert import GGUF_SAMPLING, GLOBAL_TENSORS, LAYER_TENSORS, ROPE_FACTORS
+from kvstrata.model.gguf_convert import (
+    ARCHITECTURE_LAYER_TENSORS,
+    GGUF_SAMPLING,
+    GLOBAL_TENSORS,
+    LAYER_TENSORS,
+    ROPE_FACTORS,
+)
 
 # Hugging Face's names -> llama.cpp's: the converter's maps turned around (a layer's tensor after "model.layers.N."
 # and "blk.N."; the RoPE factors under the key the converter takes them out as)
-LAYER_NAMES = {hf: gguf for gguf, hf in LAYER_TENSORS.items()}
+LAYER_NAMES = {hf: gguf for tensors in (LAYER_TENSORS, *ARCHITECTURE_LAYER_TENSORS.values())
+               for gguf, hf in tensors.items()}
 GLOBAL_NAMES = {hf: gguf for gguf, hf in GLOBAL_TENSORS.items()}
 SAMPLING_KEYS = {hf: gguf for gguf, hf in GGUF_SAMPLING.items()}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -42,6 +51,14 @@ QWEN3_0_6B = {  # Qwen3-0.6B's config.json, the fields a GGUF file carries
     "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
     "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
 }
+
+PHI3_MINI = {  # Phi-3-mini-4k-instruct's config.json, the fields a GGUF file carries
+    "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 96, "vocab_size": 32064,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "sliding_window": 2047,
+}
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "phi3-mini": PHI3_MINI}
 
 
 def byte_level_tokenizer(vocab_size: int, text: str) -> Tokenizer:
@@ -66,8 +83,8 @@ class RawBlocks:
 
 # K-quant super-blocks of 256 values: their bytes, and where their float16 scales lie (d and dmin; d)
 K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
-# roughly llama.cpp's "Q4_K_M" mix: Q6_K for v, the down products and the (tied) embeddings, Q4_K elsewhere
-Q4_K_M_SIX_BIT = ("self_attn.v_proj.weight", "mlp.down_proj.weight", "model.embed_tokens.weight")
+# roughly llama.cpp's "Q4_K_M" mix: Q6_K for v, the down products, the embeddings and the head, Q4_K elsewhere
+Q4_K_M_SIX_BIT = ("self_attn.v_proj.weight", "mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight")
 
 
 def random_k_blocks(kind: str, rows: int, columns: int, gen: np.random.Generator) -> RawBlocks:
@@ -140,6 +157,8 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    if arch == "phi3" and config.get("sliding_window") is not None:
+        writer.add_sliding_window(config["sliding_window"])
     vocab = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
     unused = config["vocab_size"] - len(vocab)
     writer.add_tokenizer_model("gpt2")
@@ -151,6 +170,7 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
     writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in merges])
     writer.add_eos_token_id(tokenizer.token_to_id("<|im_end|>"))
     writer.add_bos_token_id(tokenizer.token_to_id("<|endoftext|>"))
+    writer.add_pad_token_id(tokenizer.token_to_id("<|endoftext|>"))  # else transformers takes Phi-3's 32,000
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, value in (sampling or {}).items():
@@ -178,7 +198,8 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
 
 
 def random_state(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights of a Qwen3 model of `config` (norms near 1, products of a trained model's scale)."""
+    """Random weights of a Qwen3 or Phi-3 model of `config` (norms near 1, products of a trained model's scale;
+    Phi-3's q/k/v and gate/up fused, without Qwen3's head norms)."""
     gen = np.random.default_rng(seed)
     hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     head_dim, inner = config["head_dim"], config["intermediate_size"]
@@ -188,15 +209,26 @@ def random_state(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
     state = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden),
              "model.norm.weight": torch.ones(hidden)}
+    if not config["tie_word_embeddings"]:
+        state["lm_head.weight"] = normal(config["vocab_size"], hidden)
+    phi3 = config["model_type"] == "phi3"
     shapes = {"self_attn.q_proj.weight": (heads * head_dim, hidden), "self_attn.k_proj.weight": (kv_heads * head_dim,
               hidden), "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
               "self_attn.o_proj.weight": (hidden, heads * head_dim), "mlp.gate_proj.weight": (inner, hidden),
               "mlp.up_proj.weight": (inner, hidden), "mlp.down_proj.weight": (hidden, inner)}
+    norms = {"input_layernorm": hidden, "post_attention_layernorm": hidden}
+    if not phi3:
+        norms.update({"self_attn.q_norm": head_dim, "self_attn.k_norm": head_dim})
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
-        state.update({prefix + name: normal(*shape) for name, shape in shapes.items()})
-        for norm, size in (("input_layernorm", hidden), ("post_attention_layernorm", hidden),
-                           ("self_attn.q_norm", head_dim), ("self_attn.k_norm", head_dim)):
+        products = {name: normal(*shape) for name, shape in shapes.items()}
+        if phi3:
+            products["self_attn.qkv_proj.weight"] = torch.cat([products.pop(f"self_attn.{p}_proj.weight")
+                                                               for p in "qkv"])
+            products["mlp.gate_up_proj.weight"] = torch.cat([products.pop(f"mlp.{p}_proj.weight")
+                                                             for p in ("gate", "up")])
+        state.update({prefix + name: weight for name, weight in products.items()})
+        for norm, size in norms.items():
             state[f"{prefix}{norm}.weight"] = 1.0 + normal(size, scale=0.1)
     return state
 
@@ -206,12 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="the GGUF file to write")
     parser.add_argument("--product-type", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1", "Q4_K_M"],
                         help="the embeddings' and products' blocks; Q4_K_M: random Q4_K and Q6_K blocks in that mix")
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=list(SHAPES), help="the model's architecture and size")
     args = parser.parse_args(argv)
+    config = SHAPES[args.shape]
     tokenizer = byte_level_tokenizer(4096, EMMA.read_text())
-    state = random_state(QWEN3_0_6B)
+    state = random_state(config)
     if args.product_type == "Q4_K_M":
         state = as_q4_k_m(state, np.random.default_rng(1))
-    write_gguf(QWEN3_0_6B, state, tokenizer, args.out, "Q8_0" if args.product_type == "Q4_K_M" else args.product_type)
+    write_gguf(config, state, tokenizer, args.out, "Q8_0" if args.product_type == "Q4_K_M" else args.product_type)
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.0f} MiB)", file=sys.stderr)
 
 

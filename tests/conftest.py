@@ -18,6 +18,7 @@ from tests.tiny_models import (
     save_tiny_checkpoint,
     tiny_llama_config,
     tiny_opt_config,
+    tiny_phi3_config,
     tiny_qwen2_config,
     tiny_qwen3_config,
 )
@@ -59,6 +60,11 @@ def tiny_qwen3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tiny_phi3_config(), tmp_path_factory.mktemp("tiny-phi3"), seed=9)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_gguf_style(tiny_qwen2, tmp_path_factory) -> Path:
     """Qwen2 (q/k/v biases) with its products as Q4_1 blocks, as a GGUF file of it converts."""
     return save_gguf_style_copy(tiny_qwen2, tmp_path_factory.mktemp("tiny-qwen2-gguf-style"))
@@ -68,6 +74,12 @@ def tiny_qwen2_gguf_style(tiny_qwen2, tmp_path_factory) -> Path:
 def tiny_qwen3_gguf_style(tiny_qwen3, tmp_path_factory) -> Path:
     """Qwen3 (per-head q/k norms) with its products as Q4_1 blocks, as a GGUF file of it converts."""
     return save_gguf_style_copy(tiny_qwen3, tmp_path_factory.mktemp("tiny-qwen3-gguf-style"))
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_gguf_style(tiny_phi3, tmp_path_factory) -> Path:
+    """Phi-3 (q/k/v and gate/up fused as its checkpoint holds them) with its products as Q4_1 blocks."""
+    return save_gguf_style_copy(tiny_phi3, tmp_path_factory.mktemp("tiny-phi3-gguf-style"))
 
 
 @pytest.fixture(scope="session")

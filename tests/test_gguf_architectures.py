@@ -1,6 +1,6 @@
-"""GGUF files of Qwen2 and Qwen3 (llama.cpp's layout: q and k rows as they are, Qwen2's q/k/v biases, Qwen3's
-per-head norms and a head width apart from hidden / heads) and of Llama 3.1 (its RoPE scaling as a factor per
-frequency) convert into checkpoints that compute what transformers computes on the same weights, with the file's
+"""GGUF files of Qwen2, Qwen3 and Phi-3 (llama.cpp's layout: q and k rows as they are, Qwen2's q/k/v biases, Qwen3's
+per-head norms and a head width apart from hidden / heads, Phi-3's fused products and sliding window) and of Llama
+3.1 (its RoPE scaling as a factor per frequency) convert into checkpoints that compute what transformers computes on the same weights, with the file's
 tokenizer and chat template; what the converter cannot read is refused by name."""
 
 import json
@@ -18,7 +18,13 @@ from kvstrata.errors import KvstrataError
 from kvstrata.model import block_linear
 from kvstrata.model.loader import converted_checkpoint
 from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks
-from tests.tiny_models import byte_level_tokenizer, save_tiny_checkpoint, save_tiny_gguf, tiny_llama_config
+from tests.tiny_models import (
+    byte_level_tokenizer,
+    save_tiny_checkpoint,
+    save_tiny_gguf,
+    tiny_llama_config,
+    tiny_phi3_config,
+)
 
 
 def round_trip(model, kind=GGMLQuantizationType.Q8_0) -> None:
@@ -37,7 +43,7 @@ def tiny_llama31(tmp_path_factory):
     return save_tiny_checkpoint(tiny_llama_config(rope_scaling=scaling), tmp_path_factory.mktemp("llama31"), seed=8)
 
 
-@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3", "tiny_llama31"])
+@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_llama31"])
 def test_a_gguf_file_computes_what_transformers_computes(name, request, tmp_path):
     checkpoint = request.getfixturevalue(name)
     path = save_tiny_gguf(checkpoint, tmp_path / f"{name}.gguf")
@@ -91,10 +97,12 @@ def test_mixed_block_kinds_of_one_fused_product_stay_on_block_kernels(tiny_qwen3
     assert (loaded.model.native_decode is not None) == (block_linear.kernel() is not None)
 
 
-def test_transformers_reads_the_written_qwen2_file_as_the_engine_does(tiny_qwen2, tmp_path):
+@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_phi3"])
+def test_transformers_reads_the_written_file_as_the_engine_does(name, request, tmp_path):
     """An independent reading of llama.cpp's layout: transformers' own GGUF loader (it cannot read a Qwen3 head
-    width apart from hidden / heads, so Qwen2) gives the engine's logits on the file the tests write."""
-    path = save_tiny_gguf(tiny_qwen2, tmp_path / "qwen2.gguf")
+    width apart from hidden / heads, so Qwen2; and Phi-3's fused products) gives the engine's logits on the file the
+    tests write."""
+    path = save_tiny_gguf(request.getfixturevalue(name), tmp_path / f"{name}.gguf")
     theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name)
     ids = list(range(3, 60))
     ours, _ = prefill_in_chunks(LLM(str(path), kv_cache_memory="8MiB", weights="fp32").engine, ids, chunk=len(ids))
@@ -113,8 +121,8 @@ def test_the_file_s_tokenizer_and_chat_template_come_with_it(tiny_qwen3, tmp_pat
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def a_gguf_file(path, arch: str, tokens: tuple[str, ...] = (), **metadata):
-    """A GGUF file of `arch` holding one tensor, the vocabulary `tokens` and `metadata` (GGUF key: a string or an
+def a_gguf_file(path, arch: str, tokens: tuple[str, ...] = (), tensor: str = "token_embd.weight", **metadata):
+    """A GGUF file of `arch` holding one `tensor`, the vocabulary `tokens` and `metadata` (GGUF key: a string or an
     unsigned integer)."""
     import gguf
 
@@ -123,7 +131,7 @@ def a_gguf_file(path, arch: str, tokens: tuple[str, ...] = (), **metadata):
         writer.add_token_list(list(tokens))
     for key, value in metadata.items():
         (writer.add_uint32 if isinstance(value, int) else writer.add_string)(key, value)
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.add_tensor(tensor, torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -144,12 +152,54 @@ def test_a_generation_ends_at_the_file_s_end_tokens_and_the_turn_ends_llama_cpp_
     assert end_of_generation_ids(gguf.GGUFReader(str(path))) == [3, 5, 1, 2]
 
 
+def test_a_phi3_file_s_sliding_window_caps_the_context(tmp_path):
+    """Phi-3-mini's config names a window of 2,047 tokens; the engine attends to whole contexts, so a file that
+    names one is served up to it, where the window changes nothing (transformers attends through the window)."""
+    checkpoint = save_tiny_checkpoint(tiny_phi3_config(sliding_window=48), tmp_path / "phi3", seed=9)
+    path = save_tiny_gguf(checkpoint, tmp_path / "phi3.gguf")
+    config = json.loads((converted_checkpoint(path) / "config.json").read_text())
+    assert (config["sliding_window"], config["use_sliding_window"]) == (48, True)
+    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    round_trip(reference)
+    llm = LLM(str(path), kv_cache_memory="8MiB", weights="fp32")
+    assert llm.engine.max_model_len == 48
+    ids = list(range(3, 51))
+    ours, _ = prefill_in_chunks(llm.engine, ids, chunk=20)
+    assert torch.allclose(ours, hf_logits(reference, ids), atol=1e-4, rtol=0)
+    with pytest.raises(KvstrataError, match="max_model_len 64 exceeds the model's context of 48 tokens"):
+        LLM(str(path), kv_cache_memory="8MiB", max_model_len=64)
+
+
+def test_a_window_of_zero_is_none(tmp_path):
+    """llama.cpp writes a Phi-3 file's sliding window as 0 where the model has none (Phi-4)."""
+    import gguf
+
+    from kvstrata.model.gguf_convert import gguf_config
+
+    shape = {"phi3.embedding_length": 64, "phi3.attention.head_count": 4}
+    for window, capped in ((0, False), (2047, True)):
+        path = a_gguf_file(tmp_path / f"window{window}.gguf", "phi3", ("a", "b"), **shape,
+                           **{"phi3.attention.sliding_window": window})
+        config = gguf_config(gguf.GGUFReader(str(path)), has_output_weight=True)
+        assert ("sliding_window" in config) == capped, window
+
+
 def test_what_the_converter_cannot_read_is_refused_by_name(tmp_path):
-    with pytest.raises(KvstrataError, match="architecture 'phi3' is not supported; supported: llama, qwen2, qwen3"):
-        LLM(str(a_gguf_file(tmp_path / "phi.gguf", "phi3")), kv_cache_memory="8MiB")
+    with pytest.raises(KvstrataError, match="architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3, "
+                                            "phi3"):
+        LLM(str(a_gguf_file(tmp_path / "gemma.gguf", "gemma2")), kv_cache_memory="8MiB")
     yarn = a_gguf_file(tmp_path / "yarn.gguf", "qwen3", **{"qwen3.rope.scaling.type": "yarn"})
     with pytest.raises(KvstrataError, match="GGUF rope scaling 'yarn' .* is not supported"):
         LLM(str(yarn), kv_cache_memory="8MiB")
+    partial = a_gguf_file(tmp_path / "partial.gguf", "phi3", **{"phi3.embedding_length": 64,
+                                                                "phi3.attention.head_count": 4,
+                                                                "phi3.rope.dimension_count": 12})
+    with pytest.raises(KvstrataError, match="rope.dimension_count 12 is not supported: RoPE must turn every channel "
+                                            r"of a head \(16\)"):
+        LLM(str(partial), kv_cache_memory="8MiB")
+    with pytest.raises(KvstrataError, match="'rope_factors_long.weight': LongRoPE scaling .* is not supported"):
+        LLM(str(a_gguf_file(tmp_path / "long.gguf", "phi3", tensor="rope_factors_long.weight")),
+            kv_cache_memory="8MiB")
 
 
 def test_frequency_factors_of_the_wrong_count_are_refused():
@@ -157,4 +207,14 @@ def test_frequency_factors_of_the_wrong_count_are_refused():
 
     raw = {**tiny_llama_config().to_dict(), "kvstrata_rope_freq_factors": [1.0, 2.0]}
     with pytest.raises(KvstrataError, match="kvstrata_rope_freq_factors must be 8 positive numbers"):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_a_checkpoint_whose_rope_turns_part_of_each_head_is_refused():
+    """Phi-4-mini's RoPE turns 3/4 of each head's channels; the engine's turns all of them."""
+    from kvstrata.model.config import ModelConfig
+
+    raw = tiny_phi3_config().to_dict()
+    raw["rope_parameters"] = {**raw["rope_parameters"], "partial_rotary_factor": 0.75}
+    with pytest.raises(KvstrataError, match="partial_rotary_factor 0.75 is not supported; supported: 1.0"):
         ModelConfig.from_hf_dict(raw)

@@ -8,7 +8,8 @@ from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from tests.helpers import hf_logits, prefill_in_chunks
 
-CHECKPOINTS = ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_opt", "tiny_opt_post_norm"]
+CHECKPOINTS = ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_phi3", "tiny_opt",
+               "tiny_opt_post_norm"]
 
 
 def make_engine(path, **options) -> LLMEngine:

@@ -75,6 +75,19 @@ def tiny_qwen3_config():
     )
 
 
+def tiny_phi3_config(**overrides):
+    """Phi-3's fused q/k/v and gate/up products, every query head its own KV head, and a head width of 24, which
+    is not a power of two (Phi-3-mini's is 96)."""
+    from transformers import Phi3Config
+
+    settings = {
+        "vocab_size": VOCAB_SIZE, "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512, "bos_token_id": 1,
+        "eos_token_id": 2, "pad_token_id": 0,
+    }
+    return Phi3Config(**{**settings, **overrides})
+
+
 def save_tiny_checkpoint(config, directory: Path, seed: int = 0) -> Path:
     """Random weights (scaled up so logits are far from ties) saved as a Hugging Face checkpoint."""
     from transformers import AutoModelForCausalLM

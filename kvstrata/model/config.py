@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvstrata.errors import KvstrataError
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "opt")
 # generation_config.json's sampling settings, which stand for those a request leaves unset (as vLLM's
 # --generation-config auto takes them)
@@ -133,6 +133,10 @@ def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise KvstrataError(f"rope type {rope_type!r} is not supported; supported: default, llama3")
+    rotated_share = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if rotated_share != 1.0:  # Phi-4-mini's RoPE turns 3/4 of each head's channels and leaves the rest
+        raise KvstrataError(f"partial_rotary_factor {rotated_share!r} is not supported; supported: 1.0 (RoPE over "
+                            f"every channel of a head)")
     scaling = None
     if rope_type == "llama3":
         scaling = RopeScaling(
@@ -141,7 +145,8 @@ def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
             high_freq_factor=rope["high_freq_factor"],
             original_max_position_embeddings=rope["original_max_position_embeddings"],
         )
-    uses_window = raw.get("use_sliding_window", arch == "mistral")
+    # Mistral's and Phi-3's configs name a window they use; Qwen2's names one it leaves off (use_sliding_window)
+    uses_window = raw.get("use_sliding_window", arch in ("mistral", "phi3"))
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],

@@ -1,7 +1,8 @@
 """Convert a GGUF file into a Hugging Face style checkpoint directory.
 
-Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2 and qwen3. Q4_0, Q4_1, Q8_0 and Q4_K tensors
-keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets);
+Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2, qwen3 and phi3 (Phi-3's 4k-context models
+and Phi-4: q/k/v and gate/up fused, as its checkpoints keep them; a sliding window in the metadata caps the
+context, as config.json's does). Q4_0, Q4_1, Q8_0 and Q4_K tensors keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets);
 the other quantized types (Q6_K and Q5_K beside Q4_K in a "Q4_K_M" file, Q5_0, the IQ types, ...), for which
 the block kernels have no reader, are dequantized by the `gguf` package and quantized again as Q8_0, 8-bit codes
 per 32 values, finer than any of them (the error added is about half a Q8_0 step, a 254th of the group's largest
@@ -26,7 +27,8 @@ from kvstrata.model.quantized_checkpoint import save_checkpoint_tensors
 KEPT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # read into GroupQuantized without loss
 
 # GGUF's architecture name: transformers' class (config.json names it, as transformers' own checkpoints do)
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM"}
 # Llama 3.1's frequency scaling as llama.cpp ships it: a factor per RoPE frequency, which divides it (config.json
 # carries them as this key)
 ROPE_FACTORS = "kvstrata_rope_freq_factors"
@@ -39,6 +41,7 @@ LAYER_TENSORS = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's q, k and v in one product
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -46,6 +49,10 @@ LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# where an architecture's tensor of one name holds something else: Phi-3's ffn_up is gate and up in one product
+ARCHITECTURE_LAYER_TENSORS = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
+# LongRoPE's factors (Phi-3's 128k-context models, Phi-3.5): a per-frequency scaling that changes with the length
+LONG_ROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -83,12 +90,22 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
     if arch not in GGUF_ARCHITECTURES:
         raise KvstrataError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
     p = f"{arch}."
-    heads = _field(reader, p + "attention.head_count")
-    hidden = _field(reader, p + "embedding_length")
     scaling = _field(reader, p + "rope.scaling.type")
     if scaling not in (None, "none"):  # converted without it, the model would attend at the wrong angles
         raise KvstrataError(f"GGUF rope scaling {scaling!r} (e.g. YaRN's long context) is not supported; supported: "
                             f"none, and Llama 3.1's frequency factors")
+    for tensor in reader.tensors:
+        if tensor.name in LONG_ROPE_TENSORS:
+            raise KvstrataError(f"GGUF tensor {tensor.name!r}: LongRoPE scaling (Phi-3's 128k-context models, Phi-3.5) "
+                                f"is not supported; supported: none, and Llama 3.1's frequency factors")
+    heads = _field(reader, p + "attention.head_count")
+    hidden = _field(reader, p + "embedding_length")
+    head_dim = _field(reader, p + "attention.key_length", hidden // heads)
+    rotated = _field(reader, p + "rope.dimension_count", head_dim)
+    if rotated != head_dim:  # Phi-4-mini's RoPE turns 3/4 of each head's channels
+        raise KvstrataError(f"GGUF rope.dimension_count {rotated} is not supported: RoPE must turn every channel of a "
+                            f"head ({head_dim})")
+    window = _field(reader, p + "attention.sliding_window") or None  # llama.cpp writes 0 for none (Phi-4)
     return {
         "model_type": arch,
         "architectures": [GGUF_ARCHITECTURES[arch]],
@@ -98,13 +115,14 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
         "num_hidden_layers": _field(reader, p + "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": _field(reader, p + "attention.head_count_kv", heads),
-        "head_dim": _field(reader, p + "attention.key_length", hidden // heads),
+        "head_dim": head_dim,
         "max_position_embeddings": _field(reader, p + "context_length", 2048),
         "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
         "tie_word_embeddings": not has_output_weight,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": end_of_generation_ids(reader) or None,
+        **({} if window is None else {"sliding_window": window, "use_sliding_window": True}),
     }
 
 
@@ -144,19 +162,20 @@ def _quantized(kind: str) -> bool:
 def gguf_state_dict(reader, config: dict) -> dict[str, torch.Tensor | GroupQuantized]:
     interleaved = config["model_type"] == "llama"  # q and k rows, for llama.cpp's RoPE
     heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
+    layer_tensors = {**LAYER_TENSORS, **ARCHITECTURE_LAYER_TENSORS.get(config["model_type"], {})}
     state = {}
     for tensor in reader.tensors:
         name = tensor.name
         if name in GLOBAL_TENSORS:
             state[GLOBAL_TENSORS[name]] = _read_tensor(tensor)
             continue
-        _, layer, short = name.split(".", 2)
-        if short not in LAYER_TENSORS:
+        block, layer, short = (*name.split(".", 2), None, None)[:3]  # blk.N.<layer_tensors' name>
+        if block != "blk" or short not in layer_tensors:
             raise KvstrataError(f"unexpected tensor {name!r} in GGUF file")
         values = _read_tensor(tensor)
         if interleaved and short in heads:
             values = _undo_rope_interleave(values, heads[short])
-        state[f"model.layers.{layer}.{LAYER_TENSORS[short]}"] = values
+        state[f"model.layers.{layer}.{layer_tensors[short]}"] = values
     return state
 
 

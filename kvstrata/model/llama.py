@@ -183,7 +183,8 @@ class LlamaForCausalLM(nn.Module):
         for i in range(config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
-            out[dst + "self_attn.qkv_proj.weight"] = cat_rows([hf[attn + f"{p}_proj.weight"] for p in "qkv"])
+            out[dst + "self_attn.qkv_proj.weight"] = _fused(hf, attn + "qkv_proj.weight",
+                                                            [attn + f"{p}_proj.weight" for p in "qkv"])
             if config.attention_bias:
                 out[dst + "self_attn.qkv_proj.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
             out[dst + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
@@ -192,11 +193,18 @@ class LlamaForCausalLM(nn.Module):
                 out[dst + "self_attn.k_norm.weight"] = hf[attn + "k_norm.weight"]
             if attn + "o_proj.bias" in hf:
                 out[dst + "self_attn.o_proj.bias"] = hf[attn + "o_proj.bias"]
-            out[dst + "mlp.gate_up_proj.weight"] = cat_rows([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
+            out[dst + "mlp.gate_up_proj.weight"] = _fused(hf, src + "mlp.gate_up_proj.weight",
+                                                          [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"])
             out[dst + "mlp.down_proj.weight"] = hf[src + "mlp.down_proj.weight"]
             out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
             out[dst + "post_attention_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
         return out
+
+
+def _fused(hf: dict, fused: str, parts: list[str]):
+    """A fused product as the checkpoint ships it (Phi-3's q/k/v and gate/up, in the order fused here), else its
+    parts' rows one after another."""
+    return hf[fused] if fused in hf else cat_rows([hf[part] for part in parts])
 
 
 class CompiledOrEager:
