@@ -427,3 +427,21 @@ def test_adapters_loaded_and_unloaded_by_request_where_the_server_allows_it(tiny
     expected = LLM(str(tiny_llama), kv_cache_memory="8MiB", max_model_len=256, lora_modules=f"all={adapters['all']}")
     assert reply.json()["choices"][0]["text"] == expected.generate(
         [PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora_name="all"))[0].text
+
+
+def test_a_phi3_adapter_on_its_fused_projections_gives_what_peft_gives(tiny_phi3, tmp_path):
+    """Phi-3's checkpoints fuse q/k/v and gate/up, and its adapters target those fused modules: each is one part
+    whose update adds to every row of the product."""
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_phi3))
+    adapter = save_peft_adapter(base, tmp_path / "phi3", seed=4, r=4, lora_alpha=8,
+                                target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    llm = LLM(str(tiny_phi3), kv_cache_memory="8MiB", max_model_len=256, lora_modules=f"fused={adapter}")
+    prompt = PROMPTS[1]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=3, lora_name="fused")
+    ours = [p.logprob for p in llm.generate([prompt], params)[0].prompt_logprobs[1:]]
+    log_probs = hf_logits(peft_reference(base, adapter), prompt).log_softmax(-1)
+    reference = [log_probs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    base_only = [p.logprob for p in llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3))[0]
+                 .prompt_logprobs[1:]]
+    assert torch.allclose(torch.tensor(ours), torch.tensor(reference), atol=1e-4)
+    assert not torch.allclose(torch.tensor(ours), torch.tensor(base_only), atol=1e-2)  # the update is felt

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from kvstrata.model.config import ModelConfig
-from kvstrata.model.lora import CONFIG_FILE, PARTS, WEIGHT_FILE, input_sizes, part_sizes, scaling
+from kvstrata.model.lora import CONFIG_FILE, PARTS, WEIGHT_FILE, WHOLE, input_sizes, part_rows, part_sizes, scaling
 
-ALL_MODULES = tuple(PARTS)
+ALL_MODULES = tuple(module for module, (_, _, index) in PARTS.items() if index != WHOLE)  # a Llama's projections
 
 
 def write_random_adapter(directory: Path, config: ModelConfig, rank: int = 8, alpha: float = 16.0,
@@ -29,7 +29,8 @@ def write_random_adapter(directory: Path, config: ModelConfig, rank: int = 8, al
             parent, fused, index = PARTS[module]
             name = f"base_model.model.model.layers.{layer}.{parent}.{module}"
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, inputs[fused], generator=generator) * std
-            tensors[f"{name}.lora_B.weight"] = torch.randn(sizes[fused][index], rank, generator=generator) * std
+            rows = part_rows(sizes[fused], index)
+            tensors[f"{name}.lora_B.weight"] = torch.randn(rows.stop - rows.start, rank, generator=generator) * std
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / WEIGHT_FILE))
     settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules),

@@ -5,7 +5,8 @@ scaling * B A, with scaling = lora_alpha / r (lora_alpha / sqrt(r) under rsLoRA)
 The model fuses q, k and v into one product and gate and up into another (model/llama.py), so an adapter's
 updates are grouped the same way: for a fused projection, the targeted parts' A matrices stacked ([sum of r, in]),
 so that one product gives every part's x A.T, and each part's B apart, with the rows of the fused output it adds
-to.
+to. Phi-3's adapters target the fused projections themselves (qkv_proj, gate_up_proj, as its checkpoints hold
+them): such a module is one part whose B adds to every row.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from kvstrata.model.config import ModelConfig
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILE = "adapter_model.safetensors"
 PICKLED_WEIGHT_FILE = "adapter_model.bin"  # PEFT's older form: read with torch.load(weights_only=True)
+WHOLE = -1  # the place of a PEFT module that is the fused projection itself (Phi-3's qkv_proj and gate_up_proj)
 # PEFT's module names: the block that holds each, and its fused projection in the model and place in it
 PARTS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
          "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", 0),
          "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
-         "down_proj": ("mlp", "down_proj", 0)}
+         "down_proj": ("mlp", "down_proj", 0), "qkv_proj": ("self_attn", "qkv_proj", WHOLE),
+         "gate_up_proj": ("mlp", "gate_up_proj", WHOLE)}
 _WEIGHT_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight")
 # adapter_config.json settings whose effect is not a plain low-rank update of the projections
 _REFUSED_SETTINGS = {
@@ -76,6 +79,14 @@ def part_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return {"qkv_proj": (q, kv, kv), "o_proj": (config.hidden_size,),
             "gate_up_proj": (config.intermediate_size, config.intermediate_size), "down_proj": (config.hidden_size,)}
+
+
+def part_rows(sizes: tuple[int, ...], index: int) -> slice:
+    """The output rows of a fused projection (its parts' `sizes`) that part `index` (or WHOLE) adds to."""
+    if index == WHOLE:
+        return slice(0, sum(sizes))
+    offset = sum(sizes[:index])
+    return slice(offset, offset + sizes[index])
 
 
 def input_sizes(config: ModelConfig) -> dict[str, int]:
@@ -175,7 +186,8 @@ def _checked_parts(path: Path, pairs: dict[tuple[int, str], dict[str, torch.Tens
             raise KvstrataError(f"{where} has lora_{next(iter(pair))} without lora_{'B' if 'A' in pair else 'A'}")
         a, b = pair["A"].double(), pair["B"].double()
         _, fused, index = PARTS[module]
-        out = sizes[fused][index]
+        rows = part_rows(sizes[fused], index)
+        out = rows.stop - rows.start
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inputs[fused] or b.shape != (out, a.shape[0]) or not len(a):
             raise KvstrataError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
                                 f"model (A must be [r, {inputs[fused]}] and B [{out}, r], r >= 1)")
@@ -205,9 +217,7 @@ def _fused(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], sizes: tuple[int
     placed = functools.partial(torch.Tensor.to, device=device, dtype=dtype)
     stacked, updates, rank = [], [], 0
     for index, (a, b) in sorted(parts.items()):
-        offset = sum(sizes[:index])
-        updates.append(PartUpdate(slice(offset, offset + sizes[index]), slice(rank, rank + a.shape[0]),
-                                  placed(b)))
+        updates.append(PartUpdate(part_rows(sizes, index), slice(rank, rank + a.shape[0]), placed(b)))
         stacked.append(a)
         rank += a.shape[0]
     return FusedUpdate(placed(torch.cat(stacked)), updates)
