@@ -1,7 +1,8 @@
 """GGUF files laid out as llama.cpp's converter writes them, for the figures and tests of architectures no model
 of which ships with the project (nothing is downloaded): Llama (q and k rows reordered for llama.cpp's RoPE, Llama
 3.1's frequency scaling as a factor per frequency), Qwen2 (q/k/v biases), Qwen3 (per-head norms, the head width
-as `key_length`) and Phi-3 (q/k/v in one product, gate and up in another, its sliding window).
+as `key_length`) and Phi-3 (q/k/v in one product, gate and up in another, its sliding window, LongRoPE's
+factors).
 
     .venv/bin/python -m benchmarks.gguf_files --out /tmp/qwen3-0.6b-random.gguf
 
@@ -32,6 +33,7 @@ from kvstrata.model.gguf_convert import (
     GGUF_SAMPLING,
     GLOBAL_TENSORS,
     LAYER_TENSORS,
+    LONG_ROPE_FACTORS,
     ROPE_FACTORS,
 )
 
@@ -159,6 +161,13 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     if arch == "phi3" and config.get("sliding_window") is not None:
         writer.add_sliding_window(config["sliding_window"])
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3.5's: factors as tensors, the rest as keys
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            writer.add_rope_scaling_attn_factors(rope["attention_factor"])
+        for tensor_name, setting in LONG_ROPE_FACTORS.items():
+            state[GLOBAL_TENSORS[tensor_name]] = torch.tensor(rope[setting])
     vocab = [token for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
     unused = config["vocab_size"] - len(vocab)
     writer.add_tokenizer_model("gpt2")

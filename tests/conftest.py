@@ -19,6 +19,7 @@ from tests.tiny_models import (
     tiny_llama_config,
     tiny_opt_config,
     tiny_phi3_config,
+    tiny_phi35_config,
     tiny_qwen2_config,
     tiny_qwen3_config,
 )
@@ -74,6 +75,11 @@ def tiny_qwen2_gguf_style(tiny_qwen2, tmp_path_factory) -> Path:
 def tiny_qwen3_gguf_style(tiny_qwen3, tmp_path_factory) -> Path:
     """Qwen3 (per-head q/k norms) with its products as Q4_1 blocks, as a GGUF file of it converts."""
     return save_gguf_style_copy(tiny_qwen3, tmp_path_factory.mktemp("tiny-qwen3-gguf-style"))
+
+
+@pytest.fixture(scope="session")
+def tiny_phi35(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tiny_phi35_config(), tmp_path_factory.mktemp("tiny-phi35"), seed=10)
 
 
 @pytest.fixture(scope="session")

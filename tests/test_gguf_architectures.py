@@ -121,8 +121,8 @@ def test_the_file_s_tokenizer_and_chat_template_come_with_it(tiny_qwen3, tmp_pat
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def a_gguf_file(path, arch: str, tokens: tuple[str, ...] = (), tensor: str = "token_embd.weight", **metadata):
-    """A GGUF file of `arch` holding one `tensor`, the vocabulary `tokens` and `metadata` (GGUF key: a string or an
+def a_gguf_file(path, arch: str, tokens: tuple[str, ...] = (), **metadata):
+    """A GGUF file of `arch` holding one tensor, the vocabulary `tokens` and `metadata` (GGUF key: a string or an
     unsigned integer)."""
     import gguf
 
@@ -131,7 +131,7 @@ def a_gguf_file(path, arch: str, tokens: tuple[str, ...] = (), tensor: str = "to
         writer.add_token_list(list(tokens))
     for key, value in metadata.items():
         (writer.add_uint32 if isinstance(value, int) else writer.add_string)(key, value)
-    writer.add_tensor(tensor, torch.zeros(4, 4).numpy())
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -170,6 +170,38 @@ def test_a_phi3_file_s_sliding_window_caps_the_context(tmp_path):
         LLM(str(path), kv_cache_memory="8MiB", max_model_len=64)
 
 
+@pytest.mark.parametrize("max_model_len, tokens", [(None, 100), (64, 50)])
+def test_long_rope_takes_the_factors_of_the_context_served(tiny_phi35, max_model_len, tokens, tmp_path):
+    """Served past the 64 pretrained positions (the model's 512 by default), LongRoPE's long factors, as transformers
+    takes them for a forward past 64 tokens; served up to them, the short ones; the attention factor either way.
+    Through the checkpoint and through its GGUF file (the factors as llama.cpp writes them)."""
+    ids = list(range(3, 3 + tokens))
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_phi35))
+    llm = LLM(str(tiny_phi35), kv_cache_memory="8MiB", max_model_len=max_model_len)
+    ours, _ = prefill_in_chunks(llm.engine, ids, chunk=40)
+    assert torch.allclose(ours, hf_logits(reference, ids), atol=1e-4, rtol=0)
+    other = LLM(str(tiny_phi35), kv_cache_memory="8MiB", max_model_len=100 if max_model_len else 64)
+    assert not torch.allclose(ours[:50], prefill_in_chunks(other.engine, ids[:50], chunk=40)[0], atol=1e-2)
+    path = save_tiny_gguf(tiny_phi35, tmp_path / "phi35.gguf")
+    round_trip(reference)
+    from_file = LLM(str(path), kv_cache_memory="8MiB", max_model_len=max_model_len, weights="fp32")
+    assert torch.allclose(prefill_in_chunks(from_file.engine, ids, chunk=40)[0], hf_logits(reference, ids), atol=1e-4,
+                          rtol=0)
+
+
+def test_a_model_loaded_for_another_context_s_factors_is_refused(tiny_phi35):
+    from kvstrata.config import EngineConfig
+    from kvstrata.engine.llm_engine import LLMEngine
+    from kvstrata.model.loader import load_model
+
+    long = load_model(str(tiny_phi35), torch.device("cpu"), torch.float32)
+    short = load_model(str(tiny_phi35), torch.device("cpu"), torch.float32, context_len=64)
+    assert long.fingerprint != short.fingerprint  # KV of one never stands for the other's (prefix cache, KV store)
+    with pytest.raises(KvstrataError, match="max_model_len 64 takes LongRoPE's short factors .* load it with "
+                                            "context_len 64"):
+        LLMEngine(EngineConfig(model=str(tiny_phi35), kv_cache_memory="8MiB", max_model_len=64), loaded=long)
+
+
 def test_a_window_of_zero_is_none(tmp_path):
     """llama.cpp writes a Phi-3 file's sliding window as 0 where the model has none (Phi-4)."""
     import gguf
@@ -197,9 +229,6 @@ def test_what_the_converter_cannot_read_is_refused_by_name(tmp_path):
     with pytest.raises(KvstrataError, match="rope.dimension_count 12 is not supported: RoPE must turn every channel "
                                             r"of a head \(16\)"):
         LLM(str(partial), kv_cache_memory="8MiB")
-    with pytest.raises(KvstrataError, match="'rope_factors_long.weight': LongRoPE scaling .* is not supported"):
-        LLM(str(a_gguf_file(tmp_path / "long.gguf", "phi3", tensor="rope_factors_long.weight")),
-            kv_cache_memory="8MiB")
 
 
 def test_frequency_factors_of_the_wrong_count_are_refused():

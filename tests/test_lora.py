@@ -429,13 +429,16 @@ def test_adapters_loaded_and_unloaded_by_request_where_the_server_allows_it(tiny
         [PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora_name="all"))[0].text
 
 
-def test_a_phi3_adapter_on_its_fused_projections_gives_what_peft_gives(tiny_phi3, tmp_path):
+@pytest.mark.parametrize("name", ["tiny_phi3", "tiny_phi35"])
+def test_a_phi3_adapter_on_its_fused_projections_gives_what_peft_gives(name, request, tmp_path):
     """Phi-3's checkpoints fuse q/k/v and gate/up, and its adapters target those fused modules: each is one part
-    whose update adds to every row of the product."""
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_phi3))
+    whose update adds to every row of the product. Under LongRoPE (Phi-3.5) the update's query rows carry the
+    attention factor, as the model's own do (served up to the 64 pretrained positions: the short factors)."""
+    checkpoint = request.getfixturevalue(name)
+    base = AutoModelForCausalLM.from_pretrained(str(checkpoint))
     adapter = save_peft_adapter(base, tmp_path / "phi3", seed=4, r=4, lora_alpha=8,
                                 target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
-    llm = LLM(str(tiny_phi3), kv_cache_memory="8MiB", max_model_len=256, lora_modules=f"fused={adapter}")
+    llm = LLM(str(checkpoint), kv_cache_memory="8MiB", max_model_len=64, lora_modules=f"fused={adapter}")
     prompt = PROMPTS[1]
     params = SamplingParams(max_tokens=1, prompt_logprobs=3, lora_name="fused")
     ours = [p.logprob for p in llm.generate([prompt], params)[0].prompt_logprobs[1:]]

@@ -88,6 +88,14 @@ def tiny_phi3_config(**overrides):
     return Phi3Config(**{**settings, **overrides})
 
 
+def tiny_phi35_config():
+    """Phi-3.5's LongRoPE: frequency factors for contexts up to 64 pretrained positions and others past them, to 512
+    (an attention factor of sqrt(1 + ln 8 / ln 64))."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i / 4 for i in range(12)],
+            "short_factor": [1.0 + i / 20 for i in range(12)]}
+    return tiny_phi3_config(original_max_position_embeddings=64, rope_parameters=rope)
+
+
 def save_tiny_checkpoint(config, directory: Path, seed: int = 0) -> Path:
     """Random weights (scaled up so logits are far from ties) saved as a Hugging Face checkpoint."""
     from transformers import AutoModelForCausalLM

@@ -87,7 +87,7 @@ class LLMEngine:
         use_torch_threads(self.threads)
         self.device = _device(config.device)
         dtype = getattr(torch, config.dtype)
-        self.loaded = loaded or load_model(config.model, self.device, dtype, config.weights)
+        self.loaded = loaded or load_model(config.model, self.device, dtype, config.weights, config.max_model_len)
         if config.compile:
             self._compile_model()
         if hasattr(self.loaded.model, "native_decode"):
@@ -100,6 +100,7 @@ class LLMEngine:
         self._bad_word_tokens_of = functools.lru_cache(maxsize=64)(functools.partial(bad_word_token_ids,
                                                                                        self.tokenizer))
         self.max_model_len = self._max_model_len()
+        self._check_rope_fits_context()
         layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
         # the concurrency counts whole blocks, as vLLM's start-up line does
@@ -178,6 +179,18 @@ class LLMEngine:
         if asked is not None and asked > limit:
             raise KvstrataError(f"max_model_len {asked} exceeds the model's context of {limit} tokens")
         return asked or limit
+
+    def _check_rope_fits_context(self) -> None:
+        """A model loaded for another engine (`loaded`) rotates keys as that engine's context asked: under LongRoPE
+        the factors for contexts up to the pretrained length or past it (ModelConfig.for_context)."""
+        mc = self.loaded.config
+        if mc.for_context(self.max_model_len).rope_freq_factors == mc.rope_freq_factors:
+            return
+        pretrained = mc.long_rope.original_max_position_embeddings
+        wanted = "short" if self.max_model_len <= pretrained else "long"
+        raise KvstrataError(f"max_model_len {self.max_model_len} takes LongRoPE's {wanted} factors (the short ones "
+                            f"serve up to {pretrained} tokens), but the model was loaded with the others; load it "
+                            f"with context_len {self.max_model_len}")
 
     def _num_blocks(self, bytes_per_token: float, reserved_bytes: int) -> int:
         bs = self.config.block_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,17 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LongRope:
+    """LongRoPE (Phi-3's 128k-context models, Phi-3.5): factors that divide RoPE's frequencies, one set for contexts
+    up to the pretrained length and one beyond it, and a factor on both q's and k's rotation."""
+
+    short_factors: tuple[float, ...]
+    long_factors: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -41,6 +53,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     rope_freq_factors: tuple[float, ...] | None = None  # each RoPE frequency divided by its own (Llama 3.1 GGUFs)
+    long_rope: LongRope | None = None  # its factors become rope_freq_factors by the context served (for_context)
     attention_bias: bool = False
     qk_norm: bool = False  # an RMSNorm over each head's queries and keys before RoPE (Qwen3)
     tie_word_embeddings: bool = False
@@ -53,6 +66,22 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     # the model maker's sampling settings (generation_config.json's SAMPLING_DEFAULT_FIELDS), as (name, value)
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+
+    def for_context(self, tokens: int) -> ModelConfig:
+        """This config for contexts of up to `tokens` tokens: LongRoPE's long factors where that passes the
+        pretrained length, else its short ones (llama.cpp chooses by its context size too; transformers by each
+        forward's length, which a cache kept across forwards cannot follow). Without LongRoPE, itself."""
+        if self.long_rope is None:
+            return self
+        rope = self.long_rope
+        long = tokens > rope.original_max_position_embeddings
+        return dataclasses.replace(self, rope_freq_factors=rope.long_factors if long else rope.short_factors)
+
+    @property
+    def query_scale(self) -> float:
+        """What every attention logit is multiplied by beyond 1 / sqrt(head_dim): LongRoPE's factor on q's and on
+        k's rotation, squared (the model puts it on q's weights alone, so that keys stay plain rotations)."""
+        return 1.0 if self.long_rope is None else self.long_rope.attention_factor**2
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -107,6 +136,26 @@ def _frequency_factors(raw: dict, head_dim: int) -> tuple[float, ...] | None:
     return tuple(float(f) for f in factors)
 
 
+def _long_rope(rope: dict, raw: dict, head_dim: int) -> LongRope:
+    """LongRoPE's settings as transformers reads them: the attention factor given, else from the ratio of the
+    context to the pretrained one, sqrt(1 + ln(ratio) / ln(pretrained)) (1 where the ratio is not above 1)."""
+    original = rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if not isinstance(original, int) or original < 1:
+        raise KvstrataError(f"LongRoPE's original_max_position_embeddings {original!r} must be a positive integer")
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        values = rope.get(name)
+        if not (isinstance(values, list) and len(values) == head_dim // 2
+                and all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values)):
+            raise KvstrataError(f"LongRoPE's {name} must be {head_dim // 2} positive numbers, one per RoPE frequency")
+        factors[name] = tuple(float(v) for v in values)
+    ratio = rope.get("factor") or raw.get("max_position_embeddings", original) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
+    return LongRope(factors["short_factor"], factors["long_factor"], original, float(attention))
+
+
 def _sampling_defaults(generation: dict, path: Path) -> tuple[tuple[str, float], ...]:
     defaults = []
     for name in SAMPLING_DEFAULT_FIELDS:
@@ -131,8 +180,9 @@ def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
     heads = raw["num_attention_heads"]
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise KvstrataError(f"rope type {rope_type!r} is not supported; supported: default, llama3")
+    if rope_type not in ("default", "llama3", "longrope", "su"):  # "su": LongRoPE's first name in Phi-3's configs
+        raise KvstrataError(f"rope type {rope_type!r} is not supported; supported: default, llama3, longrope")
+    head_dim = raw.get("head_dim") or hidden // heads
     rotated_share = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if rotated_share != 1.0:  # Phi-4-mini's RoPE turns 3/4 of each head's channels and leaves the rest
         raise KvstrataError(f"partial_rotary_factor {rotated_share!r} is not supported; supported: 1.0 (RoPE over "
@@ -154,13 +204,14 @@ def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
         num_layers=raw["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
         intermediate_size=raw["intermediate_size"],
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
         rope_scaling=scaling,
-        rope_freq_factors=_frequency_factors(raw, raw.get("head_dim") or hidden // heads),
+        rope_freq_factors=_frequency_factors(raw, head_dim),
+        long_rope=_long_rope(rope, raw, head_dim) if rope_type in ("longrope", "su") else None,
         # Qwen2 always has q/k/v biases; Llama and Mistral say so in the config.
         attention_bias=arch == "qwen2" or raw.get("attention_bias", False),
         qk_norm=arch == "qwen3",

@@ -22,6 +22,8 @@ def model_fingerprint(state: dict[str, torch.Tensor | GroupQuantized], config: M
     digest = hashlib.sha256()
     shape = (config.architecture, config.num_layers, config.num_kv_heads, config.head_dim, config.vocab_size)
     digest.update(repr(shape).encode())
+    if config.long_rope is not None:  # the same weights rotate keys otherwise for long contexts than for short
+        digest.update(repr(config.rope_freq_factors).encode())
     for name, tensor in sorted(state.items()):
         if isinstance(tensor, GroupQuantized):
             sample = tensor.sample(256)

@@ -1,8 +1,8 @@
 """Convert a GGUF file into a Hugging Face style checkpoint directory.
 
-Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2, qwen3 and phi3 (Phi-3's 4k-context models
-and Phi-4: q/k/v and gate/up fused, as its checkpoints keep them; a sliding window in the metadata caps the
-context, as config.json's does). Q4_0, Q4_1, Q8_0 and Q4_K tensors keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets);
+Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2, qwen3 and phi3 (Phi-3, Phi-3.5 and Phi-4:
+q/k/v and gate/up fused, as its checkpoints keep them; LongRoPE's factors into config.json; a sliding window in
+the metadata caps the context, as config.json's does). Q4_0, Q4_1, Q8_0 and Q4_K tensors keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets);
 the other quantized types (Q6_K and Q5_K beside Q4_K in a "Q4_K_M" file, Q5_0, the IQ types, ...), for which
 the block kernels have no reader, are dequantized by the `gguf` package and quantized again as Q8_0, 8-bit codes
 per 32 values, finer than any of them (the error added is about half a Q8_0 step, a 254th of the group's largest
@@ -51,13 +51,15 @@ LAYER_TENSORS = {
 }
 # where an architecture's tensor of one name holds something else: Phi-3's ffn_up is gate and up in one product
 ARCHITECTURE_LAYER_TENSORS = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
-# LongRoPE's factors (Phi-3's 128k-context models, Phi-3.5): a per-frequency scaling that changes with the length
-LONG_ROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# LongRoPE's factors (Phi-3's 128k-context models, Phi-3.5), for contexts up to the pretrained length and past it:
+# config.json carries them as its rope_parameters' short_factor and long_factor, as transformers' checkpoints do
+LONG_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": ROPE_FACTORS,
+    **{name: name for name in LONG_ROPE_FACTORS},  # taken out of the weights into config.json (convert_gguf)
 }
 # Turn and text ends llama.cpp stops generating at wherever its vocabulary has them, beside the tokens the eos, eot
 # and eom fields name: a file's eos field alone often misses one (Llama 3.1's names <|eot_id|>, and the model ends a
@@ -93,11 +95,7 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
     scaling = _field(reader, p + "rope.scaling.type")
     if scaling not in (None, "none"):  # converted without it, the model would attend at the wrong angles
         raise KvstrataError(f"GGUF rope scaling {scaling!r} (e.g. YaRN's long context) is not supported; supported: "
-                            f"none, and Llama 3.1's frequency factors")
-    for tensor in reader.tensors:
-        if tensor.name in LONG_ROPE_TENSORS:
-            raise KvstrataError(f"GGUF tensor {tensor.name!r}: LongRoPE scaling (Phi-3's 128k-context models, Phi-3.5) "
-                                f"is not supported; supported: none, and Llama 3.1's frequency factors")
+                            f"none, Llama 3.1's frequency factors and LongRoPE's (Phi-3.5)")
     heads = _field(reader, p + "attention.head_count")
     hidden = _field(reader, p + "embedding_length")
     head_dim = _field(reader, p + "attention.key_length", hidden // heads)
@@ -123,7 +121,18 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": end_of_generation_ids(reader) or None,
         **({} if window is None else {"sliding_window": window, "use_sliding_window": True}),
+        **_long_rope_settings(reader, p),
     }
+
+
+def _long_rope_settings(reader, p: str) -> dict:
+    """config.json's LongRoPE settings where the file has its factors (convert_gguf adds them), else none."""
+    if not any(tensor.name in LONG_ROPE_FACTORS for tensor in reader.tensors):
+        return {}
+    pretrained = _field(reader, p + "rope.scaling.original_context_length")
+    return {"original_max_position_embeddings": pretrained,
+            "rope_parameters": {"rope_type": "longrope", "original_max_position_embeddings": pretrained,
+                                "attention_factor": _field(reader, p + "rope.scaling.attn_factor")}}
 
 
 def end_of_generation_ids(reader) -> list[int]:
@@ -199,6 +208,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     state = gguf_state_dict(reader, config)
     if ROPE_FACTORS in state:
         config[ROPE_FACTORS] = state.pop(ROPE_FACTORS).tolist()
+    for tensor_name, setting in LONG_ROPE_FACTORS.items():
+        if tensor_name in state:
+            config["rope_parameters"][setting] = state.pop(tensor_name).tolist()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_checkpoint_tensors(state, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -46,6 +46,22 @@ class GroupQuantized:
         return GroupQuantized(self.codes[index], self.scales[index], offsets, self.bits, self.group_size)
 
 
+def scale_rows(weight: torch.Tensor | GroupQuantized, rows: int, factor: float) -> torch.Tensor | GroupQuantized:
+    """`weight` with its first `rows` rows (or values, for a bias) multiplied by `factor`; a quantized one keeps its
+    codes, its scales and offsets multiplied. The same object where factor is 1."""
+    if factor == 1.0:
+        return weight
+    if isinstance(weight, torch.Tensor):
+        scaled = weight.clone()
+        scaled[:rows] *= factor
+        return scaled
+    scales, offsets = weight.scales.clone(), None if weight.offsets is None else weight.offsets.clone()
+    for params in (scales, offsets):
+        if params is not None:
+            params[:rows] *= factor
+    return GroupQuantized(weight.codes, scales, offsets, weight.bits, weight.group_size)
+
+
 def cat_rows(parts: list) -> torch.Tensor | GroupQuantized:
     """Stack matrices along their output rows (fusing q/k/v or gate/up). Quantized parts stay
     quantized when they share their layout; parts in GGUF blocks of different kinds (a "Q4_K_M" file's 4-bit q

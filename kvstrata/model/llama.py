@@ -17,7 +17,7 @@ from kvstrata.kv.attention_batch import AttentionBatch
 from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.kv.fused_decode import FusedDecode, store_and_attend
 from kvstrata.model.config import ModelConfig
-from kvstrata.model.group_quantized import cat_rows
+from kvstrata.model.group_quantized import cat_rows, scale_rows
 from kvstrata.model.rotary import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
@@ -180,13 +180,15 @@ class LlamaForCausalLM(nn.Module):
         out["lm_head.weight"] = (
             out["embed_tokens.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
         )
+        query_rows = config.num_heads * config.head_dim
         for i in range(config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
-            out[dst + "self_attn.qkv_proj.weight"] = _fused(hf, attn + "qkv_proj.weight",
-                                                            [attn + f"{p}_proj.weight" for p in "qkv"])
+            qkv = _fused(hf, attn + "qkv_proj.weight", [attn + f"{p}_proj.weight" for p in "qkv"])
+            out[dst + "self_attn.qkv_proj.weight"] = scale_rows(qkv, query_rows, config.query_scale)
             if config.attention_bias:
-                out[dst + "self_attn.qkv_proj.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
+                bias = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
+                out[dst + "self_attn.qkv_proj.bias"] = scale_rows(bias, query_rows, config.query_scale)
             out[dst + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
             if config.qk_norm:
                 out[dst + "self_attn.q_norm.weight"] = hf[attn + "q_norm.weight"]

@@ -181,10 +181,14 @@ def _warn_requantized(checkpoint: Path) -> None:
                     "32 values)", ", ".join(types))
 
 
-def load_model(model: str | None, device: torch.device, dtype: torch.dtype, weights: str = "auto") -> LoadedModel:
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype, weights: str = "auto",
+               context_len: int | None = None) -> LoadedModel:
+    """`context_len`: the longest context it will serve (LongRoPE's factors depend on it: ModelConfig.for_context);
+    None: the model's own."""
     check_weight_format(weights, device)
     checkpoint, name = resolve_checkpoint(model)
     config = ModelConfig.from_checkpoint(checkpoint)
+    config = config.for_context(context_len or config.max_position_embeddings)
     _warn_requantized(checkpoint)
     cls = LlamaForCausalLM if config.architecture in LLAMA_FAMILY else OPTForCausalLM
     with torch.device("meta"), _parameter_init_skipped():

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from kvstrata.errors import KvstrataError
 from kvstrata.model.config import ModelConfig
+from kvstrata.model.group_quantized import scale_rows
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILE = "adapter_model.safetensors"
@@ -193,7 +194,11 @@ def _checked_parts(path: Path, pairs: dict[tuple[int, str], dict[str, torch.Tens
                                 f"model (A must be [r, {inputs[fused]}] and B [{out}, r], r >= 1)")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise KvstrataError(f"{where}: the weights hold values that are not finite")
-        parts[(layer, module)] = (a, b * scaling(settings, a.shape[0]))
+        b = b * scaling(settings, a.shape[0])
+        if fused == "qkv_proj":  # its query rows carry LongRoPE's factor, as the model's own (ModelConfig.query_scale)
+            query_rows = max(0, min(rows.stop, config.num_heads * config.head_dim) - rows.start)
+            b = scale_rows(b, query_rows, config.query_scale)
+        parts[(layer, module)] = (a, b)
     return parts
 
 
