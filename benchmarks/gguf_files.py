@@ -2,7 +2,7 @@
 of which ships with the project (nothing is downloaded): Llama (q and k rows reordered for llama.cpp's RoPE, Llama
 3.1's frequency scaling as a factor per frequency), Qwen2 (q/k/v biases), Qwen3 (per-head norms, the head width
 as `key_length`) and Phi-3 (q/k/v in one product, gate and up in another, its sliding window, LongRoPE's
-factors).
+factors, Phi-4-mini's RoPE over part of each head).
 
     .venv/bin/python -m benchmarks.gguf_files --out /tmp/qwen3-0.6b-random.gguf
 
@@ -162,6 +162,7 @@ def write_gguf(config: dict, state: dict[str, torch.Tensor], tokenizer: Tokenize
     if arch == "phi3" and config.get("sliding_window") is not None:
         writer.add_sliding_window(config["sliding_window"])
     rope = config.get("rope_parameters") or {}
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3.5's: factors as tensors, the rest as keys
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         if rope.get("attention_factor") is not None:

@@ -19,6 +19,7 @@ from tests.tiny_models import (
     tiny_llama_config,
     tiny_opt_config,
     tiny_phi3_config,
+    tiny_phi4_mini_config,
     tiny_phi35_config,
     tiny_qwen2_config,
     tiny_qwen3_config,
@@ -83,9 +84,20 @@ def tiny_phi35(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi4_mini(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tiny_phi4_mini_config(), tmp_path_factory.mktemp("tiny-phi4-mini"), seed=11)
+
+
+@pytest.fixture(scope="session")
 def tiny_phi3_gguf_style(tiny_phi3, tmp_path_factory) -> Path:
     """Phi-3 (q/k/v and gate/up fused as its checkpoint holds them) with its products as Q4_1 blocks."""
     return save_gguf_style_copy(tiny_phi3, tmp_path_factory.mktemp("tiny-phi3-gguf-style"))
+
+
+@pytest.fixture(scope="session")
+def tiny_phi4_mini_gguf_style(tiny_phi4_mini, tmp_path_factory) -> Path:
+    """Phi-4-mini (RoPE over part of each head, LongRoPE, grouped queries) with its products as Q4_1 blocks."""
+    return save_gguf_style_copy(tiny_phi4_mini, tmp_path_factory.mktemp("tiny-phi4-mini-gguf-style"))
 
 
 @pytest.fixture(scope="session")

@@ -170,21 +170,27 @@ def test_a_phi3_file_s_sliding_window_caps_the_context(tmp_path):
         LLM(str(path), kv_cache_memory="8MiB", max_model_len=64)
 
 
+@pytest.mark.parametrize("name", ["tiny_phi35", "tiny_phi4_mini"])
 @pytest.mark.parametrize("max_model_len, tokens", [(None, 100), (64, 50)])
-def test_long_rope_takes_the_factors_of_the_context_served(tiny_phi35, max_model_len, tokens, tmp_path):
+def test_long_rope_takes_the_factors_of_the_context_served(name, max_model_len, tokens, request, tmp_path):
     """Served past the 64 pretrained positions (the model's 512 by default), LongRoPE's long factors, as transformers
-    takes them for a forward past 64 tokens; served up to them, the short ones; the attention factor either way.
-    Through the checkpoint and through its GGUF file (the factors as llama.cpp writes them)."""
+    takes them for a forward past 64 tokens; served up to them, the short ones; the attention factor either way; and
+    with Phi-4-mini's RoPE over half of each head. Through the checkpoint and through its GGUF file (the factors
+    and the channels turned as llama.cpp writes them)."""
+    checkpoint = request.getfixturevalue(name)
     ids = list(range(3, 3 + tokens))
-    reference = AutoModelForCausalLM.from_pretrained(str(tiny_phi35))
-    llm = LLM(str(tiny_phi35), kv_cache_memory="8MiB", max_model_len=max_model_len)
+    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    llm = LLM(str(checkpoint), kv_cache_memory="8MiB", max_model_len=max_model_len)
     ours, _ = prefill_in_chunks(llm.engine, ids, chunk=40)
     assert torch.allclose(ours, hf_logits(reference, ids), atol=1e-4, rtol=0)
-    other = LLM(str(tiny_phi35), kv_cache_memory="8MiB", max_model_len=100 if max_model_len else 64)
+    other = LLM(str(checkpoint), kv_cache_memory="8MiB", max_model_len=100 if max_model_len else 64)
     assert not torch.allclose(ours[:50], prefill_in_chunks(other.engine, ids[:50], chunk=40)[0], atol=1e-2)
-    path = save_tiny_gguf(tiny_phi35, tmp_path / "phi35.gguf")
+    path = save_tiny_gguf(checkpoint, tmp_path / f"{name}.gguf")
     round_trip(reference)
     from_file = LLM(str(path), kv_cache_memory="8MiB", max_model_len=max_model_len, weights="fp32")
+    if max_model_len is not None:  # transformers' short factors: a forward within the pretrained positions
+        out = from_file.generate([ids[:20]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+        assert out.token_ids == hf_greedy(reference, ids[:20], 12)  # decoded through the cache
     assert torch.allclose(prefill_in_chunks(from_file.engine, ids, chunk=40)[0], hf_logits(reference, ids), atol=1e-4,
                           rtol=0)
 
@@ -223,12 +229,6 @@ def test_what_the_converter_cannot_read_is_refused_by_name(tmp_path):
     yarn = a_gguf_file(tmp_path / "yarn.gguf", "qwen3", **{"qwen3.rope.scaling.type": "yarn"})
     with pytest.raises(KvstrataError, match="GGUF rope scaling 'yarn' .* is not supported"):
         LLM(str(yarn), kv_cache_memory="8MiB")
-    partial = a_gguf_file(tmp_path / "partial.gguf", "phi3", **{"phi3.embedding_length": 64,
-                                                                "phi3.attention.head_count": 4,
-                                                                "phi3.rope.dimension_count": 12})
-    with pytest.raises(KvstrataError, match="rope.dimension_count 12 is not supported: RoPE must turn every channel "
-                                            r"of a head \(16\)"):
-        LLM(str(partial), kv_cache_memory="8MiB")
 
 
 def test_frequency_factors_of_the_wrong_count_are_refused():
@@ -239,11 +239,11 @@ def test_frequency_factors_of_the_wrong_count_are_refused():
         ModelConfig.from_hf_dict(raw)
 
 
-def test_a_checkpoint_whose_rope_turns_part_of_each_head_is_refused():
-    """Phi-4-mini's RoPE turns 3/4 of each head's channels; the engine's turns all of them."""
+def test_a_rope_over_an_odd_number_of_channels_is_refused():
+    """RoPE turns channels in pairs: a share of a head's 24 channels that turns 3 of them is refused."""
     from kvstrata.model.config import ModelConfig
 
     raw = tiny_phi3_config().to_dict()
-    raw["rope_parameters"] = {**raw["rope_parameters"], "partial_rotary_factor": 0.75}
-    with pytest.raises(KvstrataError, match="partial_rotary_factor 0.75 is not supported; supported: 1.0"):
+    raw["rope_parameters"] = {**raw["rope_parameters"], "partial_rotary_factor": 0.125}
+    with pytest.raises(KvstrataError, match="partial_rotary_factor 0.125 turns 3 of a head's 24 channels"):
         ModelConfig.from_hf_dict(raw)

@@ -429,11 +429,12 @@ def test_adapters_loaded_and_unloaded_by_request_where_the_server_allows_it(tiny
         [PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, lora_name="all"))[0].text
 
 
-@pytest.mark.parametrize("name", ["tiny_phi3", "tiny_phi35"])
+@pytest.mark.parametrize("name", ["tiny_phi3", "tiny_phi35", "tiny_phi4_mini"])
 def test_a_phi3_adapter_on_its_fused_projections_gives_what_peft_gives(name, request, tmp_path):
     """Phi-3's checkpoints fuse q/k/v and gate/up, and its adapters target those fused modules: each is one part
     whose update adds to every row of the product. Under LongRoPE (Phi-3.5) the update's query rows carry the
-    attention factor, as the model's own do (served up to the 64 pretrained positions: the short factors)."""
+    attention factor, and under a RoPE over part of each head (Phi-4-mini) its q and k rows take the model's channel
+    order, as the model's own do (served up to the 64 pretrained positions: the short factors)."""
     checkpoint = request.getfixturevalue(name)
     base = AutoModelForCausalLM.from_pretrained(str(checkpoint))
     adapter = save_peft_adapter(base, tmp_path / "phi3", seed=4, r=4, lora_alpha=8,

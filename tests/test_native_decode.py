@@ -33,10 +33,11 @@ def a_step(model, lens: list[int], seed: int = 0):
     return x, lengths - 1, FusedDecode(k_pools, v_pools, slots, tables, lengths)
 
 
-@pytest.fixture(params=["tiny_gguf_style", "tiny_qwen2_gguf_style", "tiny_qwen3_gguf_style", "tiny_phi3_gguf_style"])
+@pytest.fixture(params=["tiny_gguf_style", "tiny_qwen2_gguf_style", "tiny_qwen3_gguf_style", "tiny_phi3_gguf_style",
+                        "tiny_phi4_mini_gguf_style"])
 def block_model(request):
-    """A Llama, and Qwen2, Qwen3 and Phi-3 (their biases, head norms, fused products as shipped and a head of 24
-    channels), with their products on GGUF blocks."""
+    """A Llama, and Qwen2, Qwen3, Phi-3 and Phi-4-mini (their biases, head norms, fused products as shipped, a head
+    of 24 channels, a RoPE over half of them), with their products on GGUF blocks."""
     return request.getfixturevalue(request.param)
 
 

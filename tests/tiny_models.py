@@ -96,6 +96,14 @@ def tiny_phi35_config():
     return tiny_phi3_config(original_max_position_embeddings=64, rope_parameters=rope)
 
 
+def tiny_phi4_mini_config():
+    """Phi-4-mini's RoPE over part of each head (here half: 12 of 24 channels, 3/4 in the model), beside LongRoPE's
+    factors (one per frequency turned) and grouped-query attention."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "long_factor": [1.0 + i / 2 for i in range(6)], "short_factor": [1.0 + i / 10 for i in range(6)]}
+    return tiny_phi3_config(num_key_value_heads=2, original_max_position_embeddings=64, rope_parameters=rope)
+
+
 def save_tiny_checkpoint(config, directory: Path, seed: int = 0) -> Path:
     """Random weights (scaled up so logits are far from ties) saved as a Hugging Face checkpoint."""
     from transformers import AutoModelForCausalLM

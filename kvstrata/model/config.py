@@ -54,6 +54,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     rope_freq_factors: tuple[float, ...] | None = None  # each RoPE frequency divided by its own (Llama 3.1 GGUFs)
     long_rope: LongRope | None = None  # its factors become rope_freq_factors by the context served (for_context)
+    rotary_dim: int | None = None  # channels of a head RoPE turns, where not all (Phi-4-mini: 3/4; rotary.py)
     attention_bias: bool = False
     qk_norm: bool = False  # an RMSNorm over each head's queries and keys before RoPE (Qwen3)
     tie_word_embeddings: bool = False
@@ -79,8 +80,8 @@ class ModelConfig:
 
     @property
     def query_scale(self) -> float:
-        """What every attention logit is multiplied by beyond 1 / sqrt(head_dim): LongRoPE's factor on q's and on
-        k's rotation, squared (the model puts it on q's weights alone, so that keys stay plain rotations)."""
+        """What the turned channels' share of every attention logit is multiplied by: LongRoPE's factor on q's and
+        on k's rotation, squared (the model puts it on q's weights alone, so that keys stay plain rotations)."""
         return 1.0 if self.long_rope is None else self.long_rope.attention_factor**2
 
     @property
@@ -136,18 +137,31 @@ def _frequency_factors(raw: dict, head_dim: int) -> tuple[float, ...] | None:
     return tuple(float(f) for f in factors)
 
 
-def _long_rope(rope: dict, raw: dict, head_dim: int) -> LongRope:
+def _rotary_dim(share, head_dim: int) -> int:
+    """The channels of a head RoPE turns (transformers' int(head_dim * partial_rotary_factor)): an even number,
+    2 to head_dim."""
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+        raise KvstrataError(f"partial_rotary_factor {share!r} must be a number in (0, 1]")
+    rotary_dim = int(head_dim * share)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise KvstrataError(f"partial_rotary_factor {share!r} turns {rotary_dim} of a head's {head_dim} channels; RoPE "
+                            f"turns them in pairs, so it must be an even number, at least 2")
+    return rotary_dim
+
+
+def _long_rope(rope: dict, raw: dict, rotary_dim: int) -> LongRope:
     """LongRoPE's settings as transformers reads them: the attention factor given, else from the ratio of the
-    context to the pretrained one, sqrt(1 + ln(ratio) / ln(pretrained)) (1 where the ratio is not above 1)."""
+    context to the pretrained one, sqrt(1 + ln(ratio) / ln(pretrained)) (1 where the ratio is not above 1); a factor
+    per frequency RoPE turns."""
     original = rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
     if not isinstance(original, int) or original < 1:
         raise KvstrataError(f"LongRoPE's original_max_position_embeddings {original!r} must be a positive integer")
     factors = {}
     for name in ("short_factor", "long_factor"):
         values = rope.get(name)
-        if not (isinstance(values, list) and len(values) == head_dim // 2
+        if not (isinstance(values, list) and len(values) == rotary_dim // 2
                 and all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values)):
-            raise KvstrataError(f"LongRoPE's {name} must be {head_dim // 2} positive numbers, one per RoPE frequency")
+            raise KvstrataError(f"LongRoPE's {name} must be {rotary_dim // 2} positive numbers, one per RoPE frequency")
         factors[name] = tuple(float(v) for v in values)
     ratio = rope.get("factor") or raw.get("max_position_embeddings", original) / original
     attention = rope.get("attention_factor")
@@ -183,10 +197,7 @@ def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
     if rope_type not in ("default", "llama3", "longrope", "su"):  # "su": LongRoPE's first name in Phi-3's configs
         raise KvstrataError(f"rope type {rope_type!r} is not supported; supported: default, llama3, longrope")
     head_dim = raw.get("head_dim") or hidden // heads
-    rotated_share = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if rotated_share != 1.0:  # Phi-4-mini's RoPE turns 3/4 of each head's channels and leaves the rest
-        raise KvstrataError(f"partial_rotary_factor {rotated_share!r} is not supported; supported: 1.0 (RoPE over "
-                            f"every channel of a head)")
+    rotary_dim = _rotary_dim(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)), head_dim)
     scaling = None
     if rope_type == "llama3":
         scaling = RopeScaling(
@@ -211,7 +222,8 @@ def _llama_family_config(arch: str, raw: dict) -> ModelConfig:
         rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
         rope_scaling=scaling,
         rope_freq_factors=_frequency_factors(raw, head_dim),
-        long_rope=_long_rope(rope, raw, head_dim) if rope_type in ("longrope", "su") else None,
+        long_rope=_long_rope(rope, raw, rotary_dim) if rope_type in ("longrope", "su") else None,
+        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         # Qwen2 always has q/k/v biases; Llama and Mistral say so in the config.
         attention_bias=arch == "qwen2" or raw.get("attention_bias", False),
         qk_norm=arch == "qwen3",

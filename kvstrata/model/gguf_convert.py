@@ -1,8 +1,8 @@
 """Convert a GGUF file into a Hugging Face style checkpoint directory.
 
 Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2, qwen3 and phi3 (Phi-3, Phi-3.5 and Phi-4:
-q/k/v and gate/up fused, as its checkpoints keep them; LongRoPE's factors into config.json; a sliding window in
-the metadata caps the context, as config.json's does). Q4_0, Q4_1, Q8_0 and Q4_K tensors keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets);
+q/k/v and gate/up fused, as its checkpoints keep them; LongRoPE's factors into config.json; a RoPE over part of
+each head; a sliding window in the metadata caps the context, as config.json's does). Q4_0, Q4_1, Q8_0 and Q4_K tensors keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets);
 the other quantized types (Q6_K and Q5_K beside Q4_K in a "Q4_K_M" file, Q5_0, the IQ types, ...), for which
 the block kernels have no reader, are dequantized by the `gguf` package and quantized again as Q8_0, 8-bit codes
 per 32 values, finer than any of them (the error added is about half a Q8_0 step, a 254th of the group's largest
@@ -99,10 +99,7 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
     heads = _field(reader, p + "attention.head_count")
     hidden = _field(reader, p + "embedding_length")
     head_dim = _field(reader, p + "attention.key_length", hidden // heads)
-    rotated = _field(reader, p + "rope.dimension_count", head_dim)
-    if rotated != head_dim:  # Phi-4-mini's RoPE turns 3/4 of each head's channels
-        raise KvstrataError(f"GGUF rope.dimension_count {rotated} is not supported: RoPE must turn every channel of a "
-                            f"head ({head_dim})")
+    rotated = _field(reader, p + "rope.dimension_count", head_dim)  # Phi-4-mini's RoPE turns 3/4 of each head
     window = _field(reader, p + "attention.sliding_window") or None  # llama.cpp writes 0 for none (Phi-4)
     return {
         "model_type": arch,
@@ -121,6 +118,7 @@ def gguf_config(reader, has_output_weight: bool) -> dict:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": end_of_generation_ids(reader) or None,
         **({} if window is None else {"sliding_window": window, "use_sliding_window": True}),
+        **({} if rotated == head_dim else {"partial_rotary_factor": rotated / head_dim}),
         **_long_rope_settings(reader, p),
     }
 

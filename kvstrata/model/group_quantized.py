@@ -46,20 +46,13 @@ class GroupQuantized:
         return GroupQuantized(self.codes[index], self.scales[index], offsets, self.bits, self.group_size)
 
 
-def scale_rows(weight: torch.Tensor | GroupQuantized, rows: int, factor: float) -> torch.Tensor | GroupQuantized:
-    """`weight` with its first `rows` rows (or values, for a bias) multiplied by `factor`; a quantized one keeps its
-    codes, its scales and offsets multiplied. The same object where factor is 1."""
-    if factor == 1.0:
-        return weight
+def scale_rows(weight: torch.Tensor | GroupQuantized, factors: torch.Tensor) -> torch.Tensor | GroupQuantized:
+    """`weight` with each row (or value, for a bias) multiplied by its one of `factors`; a quantized one keeps its
+    codes, its scales and offsets multiplied."""
     if isinstance(weight, torch.Tensor):
-        scaled = weight.clone()
-        scaled[:rows] *= factor
-        return scaled
-    scales, offsets = weight.scales.clone(), None if weight.offsets is None else weight.offsets.clone()
-    for params in (scales, offsets):
-        if params is not None:
-            params[:rows] *= factor
-    return GroupQuantized(weight.codes, scales, offsets, weight.bits, weight.group_size)
+        return weight * (factors if weight.dim() == 1 else factors[:, None]).to(weight.dtype)
+    offsets = None if weight.offsets is None else weight.offsets * factors[:, None]
+    return GroupQuantized(weight.codes, weight.scales * factors[:, None], offsets, weight.bits, weight.group_size)
 
 
 def cat_rows(parts: list) -> torch.Tensor | GroupQuantized:

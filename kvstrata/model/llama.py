@@ -17,8 +17,8 @@ from kvstrata.kv.attention_batch import AttentionBatch
 from kvstrata.kv.attention_policy import AttentionPolicy
 from kvstrata.kv.fused_decode import FusedDecode, store_and_attend
 from kvstrata.model.config import ModelConfig
-from kvstrata.model.group_quantized import cat_rows, scale_rows
-from kvstrata.model.rotary import RotaryEmbedding, apply_rope
+from kvstrata.model.group_quantized import cat_rows
+from kvstrata.model.rotary import RotaryEmbedding, apply_rope, as_the_layers_attend, qkv_row_order
 
 if TYPE_CHECKING:
     from kvstrata.model.native_decode import NativeDecode
@@ -180,19 +180,20 @@ class LlamaForCausalLM(nn.Module):
         out["lm_head.weight"] = (
             out["embed_tokens.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
         )
-        query_rows = config.num_heads * config.head_dim
+        order = qkv_row_order(config)
         for i in range(config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
             qkv = _fused(hf, attn + "qkv_proj.weight", [attn + f"{p}_proj.weight" for p in "qkv"])
-            out[dst + "self_attn.qkv_proj.weight"] = scale_rows(qkv, query_rows, config.query_scale)
+            out[dst + "self_attn.qkv_proj.weight"] = as_the_layers_attend(qkv, config, order)
             if config.attention_bias:
                 bias = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
-                out[dst + "self_attn.qkv_proj.bias"] = scale_rows(bias, query_rows, config.query_scale)
+                out[dst + "self_attn.qkv_proj.bias"] = as_the_layers_attend(bias, config, order)
             out[dst + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
             if config.qk_norm:
-                out[dst + "self_attn.q_norm.weight"] = hf[attn + "q_norm.weight"]
-                out[dst + "self_attn.k_norm.weight"] = hf[attn + "k_norm.weight"]
+                head = slice(None) if order is None else order[: config.head_dim]
+                out[dst + "self_attn.q_norm.weight"] = hf[attn + "q_norm.weight"][head]
+                out[dst + "self_attn.k_norm.weight"] = hf[attn + "k_norm.weight"][head]
             if attn + "o_proj.bias" in hf:
                 out[dst + "self_attn.o_proj.bias"] = hf[attn + "o_proj.bias"]
             out[dst + "mlp.gate_up_proj.weight"] = _fused(hf, src + "mlp.gate_up_proj.weight",

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from kvstrata.errors import KvstrataError
 from kvstrata.model.config import ModelConfig
-from kvstrata.model.group_quantized import scale_rows
+from kvstrata.model.rotary import as_the_layers_attend, qkv_row_order
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILE = "adapter_model.safetensors"
@@ -195,11 +195,21 @@ def _checked_parts(path: Path, pairs: dict[tuple[int, str], dict[str, torch.Tens
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise KvstrataError(f"{where}: the weights hold values that are not finite")
         b = b * scaling(settings, a.shape[0])
-        if fused == "qkv_proj":  # its query rows carry LongRoPE's factor, as the model's own (ModelConfig.query_scale)
-            query_rows = max(0, min(rows.stop, config.num_heads * config.head_dim) - rows.start)
-            b = scale_rows(b, query_rows, config.query_scale)
+        if fused == "qkv_proj":
+            b = _as_the_layers_attend(b, rows, config)
         parts[(layer, module)] = (a, b)
     return parts
+
+
+def _as_the_layers_attend(b: torch.Tensor, rows: slice, config: ModelConfig) -> torch.Tensor:
+    """A q/k/v part's B (its `rows` of the fused product) with its rows as the model's own are (LongRoPE's factor
+    on q's, RoPE's channel order: rotary.as_the_layers_attend). Both keep each part's rows within the part."""
+    order = qkv_row_order(config)
+    if config.query_scale == 1.0 and order is None:
+        return b
+    whole = b.new_zeros(sum(part_sizes(config)["qkv_proj"]), b.shape[1])
+    whole[rows] = b
+    return as_the_layers_attend(whole, config, order)[rows]
 
 
 def scaling(settings: dict, rank: int) -> float:

@@ -1,4 +1,10 @@
-"""Rotary position embeddings (RoPE), computed in fp32 for the positions of one step."""
+"""Rotary position embeddings (RoPE), computed in fp32 for the positions of one step.
+
+RoPE turns each head's channel i with channel i + head_dim / 2 (the halves layout of Hugging Face checkpoints). A
+model whose RoPE turns only its first `rotary_dim` channels (Phi-4-mini) pairs i with i + rotary_dim / 2 instead
+and leaves the rest alone. Its q and k rows are put in another order at load (`qkv_row_order`): the turned pairs
+at i and i + head_dim / 2, the channels left alone between them, which turn by 0 (their frequencies are 0). q.k is
+the same sum in another order, so every layer computes what the model's own order computes, through one RoPE."""
 
 from __future__ import annotations
 
@@ -7,17 +13,48 @@ import math
 import torch
 
 from kvstrata.model.config import ModelConfig, RopeScaling
+from kvstrata.model.group_quantized import GroupQuantized, scale_rows
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
+    """[head_dim / 2]: those of the turned channels, then 0 for each pair RoPE leaves alone."""
+    dim = config.rotary_dim or config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     if config.rope_scaling is not None:
         inv_freq = _llama3_scaled(inv_freq, config.rope_scaling)
     if config.rope_freq_factors is not None:  # the same scaling as llama.cpp ships it, worked out per frequency
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, device="cpu")
-    return inv_freq
+    return torch.nn.functional.pad(inv_freq, (0, (config.head_dim - dim) // 2))
+
+
+def qkv_row_order(config: ModelConfig) -> torch.Tensor | None:
+    """Where each row of the fused q/k/v product comes from, for a model whose RoPE turns part of each head (see
+    the module's docstring); None for every other model. Each head's q and k rows are reordered within the head,
+    v's stay."""
+    if config.rotary_dim is None:
+        return None
+    dim, turned = config.head_dim, config.rotary_dim
+    left = (dim - turned) // 2  # channels left alone in each half of the new order
+    head = torch.cat((torch.arange(turned // 2), turned + torch.arange(left),
+                      turned // 2 + torch.arange(turned // 2), turned + left + torch.arange(left)))
+    heads = config.num_heads + config.num_kv_heads  # q's, then k's
+    rows = (torch.arange(heads)[:, None] * dim + head).reshape(-1)
+    return torch.cat((rows, torch.arange(heads * dim, heads * dim + config.num_kv_heads * dim)))
+
+
+def as_the_layers_attend(qkv: torch.Tensor | GroupQuantized, config: ModelConfig, order: torch.Tensor | None):
+    """Rows of the fused q/k/v product (or of its bias, or of an adapter's update of it) as the layers use them: the
+    query channels RoPE turns carrying LongRoPE's attention factor (ModelConfig.query_scale; transformers multiplies
+    q's and k's turned channels by its root and leaves the others), each head's q and k channels in RoPE's order
+    (`order`: qkv_row_order)."""
+    if config.query_scale != 1.0:
+        factors = torch.ones(config.num_heads + 2 * config.num_kv_heads, config.head_dim)
+        factors[: config.num_heads, : config.rotary_dim or config.head_dim] = config.query_scale
+        qkv = scale_rows(qkv, factors.reshape(-1))
+    if order is None:
+        return qkv
+    return qkv.select_rows(order) if isinstance(qkv, GroupQuantized) else qkv[order]
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
