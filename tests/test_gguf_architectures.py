@@ -1,7 +1,8 @@
 """GGUF files of Qwen2, Qwen3 and Phi-3 (llama.cpp's layout: q and k rows as they are, Qwen2's q/k/v biases, Qwen3's
-per-head norms and a head width apart from hidden / heads, Phi-3's fused products and sliding window) and of Llama
-3.1 (its RoPE scaling as a factor per frequency) convert into checkpoints that compute what transformers computes on the same weights, with the file's
-tokenizer and chat template; what the converter cannot read is refused by name."""
+per-head norms and a head width apart from hidden / heads, Phi-3's fused products, sliding window and LongRoPE,
+Phi-4-mini's RoPE over part of each head) and of Llama 3.1 (its RoPE scaling as a factor per frequency) convert
+into checkpoints that compute what transformers computes on the same weights, with the file's tokenizer and chat
+template; what the converter cannot read is refused by name."""
 
 import json
 

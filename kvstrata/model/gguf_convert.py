@@ -1,10 +1,11 @@
 """Convert a GGUF file into a Hugging Face style checkpoint directory.
 
-Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2, qwen3 and phi3 (Phi-3, Phi-3.5 and Phi-4:
-q/k/v and gate/up fused, as its checkpoints keep them; LongRoPE's factors into config.json; a RoPE over part of
-each head; a sliding window in the metadata caps the context, as config.json's does). Q4_0, Q4_1, Q8_0 and Q4_K tensors keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / NAME.scales / NAME.offsets);
-the other quantized types (Q6_K and Q5_K beside Q4_K in a "Q4_K_M" file, Q5_0, the IQ types, ...), for which
-the block kernels have no reader, are dequantized by the `gguf` package and quantized again as Q8_0, 8-bit codes
+Architectures: llama (Llama, Mistral and SmolLM2 ship as it), qwen2, qwen3 and phi3 (Phi-3, Phi-3.5, Phi-4 and
+Phi-4-mini: q/k/v and gate/up fused, as its checkpoints keep them; LongRoPE's factors into config.json; a RoPE over
+part of each head; a sliding window in the metadata caps the context, as config.json's does). Q4_0, Q4_1, Q8_0
+and Q4_K tensors keep their codes and per-group scales (`GroupQuantized`, stored as NAME.codes / NAME.scales /
+NAME.offsets); the other quantized types (Q6_K and Q5_K beside Q4_K in a "Q4_K_M" file, Q5_0, the IQ types,
+...), for which the block kernels have no reader, are dequantized by the `gguf` package and quantized again as Q8_0, 8-bit codes
 per 32 values, finer than any of them (the error added is about half a Q8_0 step, a 254th of the group's largest
 magnitude), and named in config.json (`kvstrata_requantized_gguf_types`); every `--weights` then reads those
 values. Tensors are renamed; llama.cpp stores a llama model's q and k projections with rows interleaved for its

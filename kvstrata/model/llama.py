@@ -180,15 +180,15 @@ class LlamaForCausalLM(nn.Module):
         out["lm_head.weight"] = (
             out["embed_tokens.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
         )
-        order = qkv_row_order(config)
+        order = qkv_row_order(config)  # q and k norms' channels follow it too
         for i in range(config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
             qkv = _fused(hf, attn + "qkv_proj.weight", [attn + f"{p}_proj.weight" for p in "qkv"])
-            out[dst + "self_attn.qkv_proj.weight"] = as_the_layers_attend(qkv, config, order)
+            out[dst + "self_attn.qkv_proj.weight"] = as_the_layers_attend(qkv, config)
             if config.attention_bias:
                 bias = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
-                out[dst + "self_attn.qkv_proj.bias"] = as_the_layers_attend(bias, config, order)
+                out[dst + "self_attn.qkv_proj.bias"] = as_the_layers_attend(bias, config)
             out[dst + "self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
             if config.qk_norm:
                 head = slice(None) if order is None else order[: config.head_dim]

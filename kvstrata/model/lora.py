@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from kvstrata.errors import KvstrataError
 from kvstrata.model.config import ModelConfig
-from kvstrata.model.rotary import as_the_layers_attend, qkv_row_order
+from kvstrata.model.rotary import as_the_layers_attend
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILE = "adapter_model.safetensors"
@@ -204,12 +204,11 @@ def _checked_parts(path: Path, pairs: dict[tuple[int, str], dict[str, torch.Tens
 def _as_the_layers_attend(b: torch.Tensor, rows: slice, config: ModelConfig) -> torch.Tensor:
     """A q/k/v part's B (its `rows` of the fused product) with its rows as the model's own are (LongRoPE's factor
     on q's, RoPE's channel order: rotary.as_the_layers_attend). Both keep each part's rows within the part."""
-    order = qkv_row_order(config)
-    if config.query_scale == 1.0 and order is None:
+    if config.query_scale == 1.0 and config.rotary_dim is None:
         return b
     whole = b.new_zeros(sum(part_sizes(config)["qkv_proj"]), b.shape[1])
     whole[rows] = b
-    return as_the_layers_attend(whole, config, order)[rows]
+    return as_the_layers_attend(whole, config)[rows]
 
 
 def scaling(settings: dict, rank: int) -> float:

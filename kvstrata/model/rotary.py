@@ -43,15 +43,16 @@ def qkv_row_order(config: ModelConfig) -> torch.Tensor | None:
     return torch.cat((rows, torch.arange(heads * dim, heads * dim + config.num_kv_heads * dim)))
 
 
-def as_the_layers_attend(qkv: torch.Tensor | GroupQuantized, config: ModelConfig, order: torch.Tensor | None):
+def as_the_layers_attend(qkv: torch.Tensor | GroupQuantized, config: ModelConfig) -> torch.Tensor | GroupQuantized:
     """Rows of the fused q/k/v product (or of its bias, or of an adapter's update of it) as the layers use them: the
     query channels RoPE turns carrying LongRoPE's attention factor (ModelConfig.query_scale; transformers multiplies
     q's and k's turned channels by its root and leaves the others), each head's q and k channels in RoPE's order
-    (`order`: qkv_row_order)."""
+    (qkv_row_order)."""
     if config.query_scale != 1.0:
         factors = torch.ones(config.num_heads + 2 * config.num_kv_heads, config.head_dim)
         factors[: config.num_heads, : config.rotary_dim or config.head_dim] = config.query_scale
         qkv = scale_rows(qkv, factors.reshape(-1))
+    order = qkv_row_order(config)
     if order is None:
         return qkv
     return qkv.select_rows(order) if isinstance(qkv, GroupQuantized) else qkv[order]
