@@ -25,6 +25,7 @@ from tests.tiny_models import (
     save_tiny_gguf,
     tiny_llama_config,
     tiny_phi3_config,
+    tiny_phi35_config,
 )
 
 
@@ -237,6 +238,21 @@ def test_frequency_factors_of_the_wrong_count_are_refused():
 
     raw = {**tiny_llama_config().to_dict(), "kvstrata_rope_freq_factors": [1.0, 2.0]}
     with pytest.raises(KvstrataError, match="kvstrata_rope_freq_factors must be 8 positive numbers"):
+        ModelConfig.from_hf_dict(raw)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"short_factor": [1.0] * 5}, "LongRoPE's short_factor must be 12 positive numbers"),
+    ({"long_factor": [1.0] * 11 + [0.0]}, "LongRoPE's long_factor must be 12 positive numbers"),
+    ({"original_max_position_embeddings": None}, "original_max_position_embeddings None must be a positive integer"),
+])
+def test_malformed_long_rope_settings_are_refused_by_name(change, message):
+    from kvstrata.model.config import ModelConfig
+
+    raw = tiny_phi35_config().to_dict()
+    raw.pop("original_max_position_embeddings")
+    raw["rope_parameters"] = {**raw["rope_parameters"], **change}
+    with pytest.raises(KvstrataError, match=message):
         ModelConfig.from_hf_dict(raw)
 
 
