@@ -154,22 +154,22 @@ def test_a_generation_ends_at_the_file_s_end_tokens_and_the_turn_ends_llama_cpp_
     assert end_of_generation_ids(gguf.GGUFReader(str(path))) == [3, 5, 1, 2]
 
 
-def test_a_phi3_file_s_sliding_window_caps_the_context(tmp_path):
-    """Phi-3-mini's config names a window of 2,047 tokens; the engine attends to whole contexts, so a file that
-    names one is served up to it, where the window changes nothing (transformers attends through the window)."""
-    checkpoint = save_tiny_checkpoint(tiny_phi3_config(sliding_window=48), tmp_path / "phi3", seed=9)
+def test_a_phi3_file_s_sliding_window_is_read_as_transformers_reads_it(tmp_path):
+    """Phi-3-mini-4k's config names a window of 2,047 tokens, and llama.cpp's converter writes it into the file:
+    past it, each query reads only its window's keys (tests/test_sliding_window.py), as transformers does."""
+    checkpoint = save_tiny_checkpoint(tiny_phi3_config(sliding_window=16), tmp_path / "phi3", seed=9)
     path = save_tiny_gguf(checkpoint, tmp_path / "phi3.gguf")
     config = json.loads((converted_checkpoint(path) / "config.json").read_text())
-    assert (config["sliding_window"], config["use_sliding_window"]) == (48, True)
+    assert (config["sliding_window"], config["use_sliding_window"]) == (16, True)
     reference = AutoModelForCausalLM.from_pretrained(str(checkpoint))
     round_trip(reference)
     llm = LLM(str(path), kv_cache_memory="8MiB", weights="fp32")
-    assert llm.engine.max_model_len == 48
-    ids = list(range(3, 51))
+    assert llm.engine.max_model_len == 512
+    ids = list(range(3, 63))
     ours, _ = prefill_in_chunks(llm.engine, ids, chunk=20)
     assert torch.allclose(ours, hf_logits(reference, ids), atol=1e-4, rtol=0)
-    with pytest.raises(KvstrataError, match="max_model_len 64 exceeds the model's context of 48 tokens"):
-        LLM(str(path), kv_cache_memory="8MiB", max_model_len=64)
+    out = llm.generate([ids[:30]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(reference, ids[:30], 12)
 
 
 @pytest.mark.parametrize("name", ["tiny_phi35", "tiny_phi4_mini"])

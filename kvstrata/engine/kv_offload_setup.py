@@ -22,6 +22,7 @@ from kvstrata.kv.offload.infinigen import InfiniGenAttention
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.offload.skew import InfiniGenSkew, cached_skew_path, shipped_or_cached_skew, skew_from_windows
 from kvstrata.kv.offload.transfers import OffloadStats
+from kvstrata.kv.sliding_window import SlidingWindowAttention
 
 DEFAULT_WINDOWS = 4
 DEFAULT_WINDOW_TOKENS = 1024
@@ -29,6 +30,8 @@ DEFAULT_WINDOW_TOKENS = 1024
 
 def attention_policy(engine, layout: StorageLayout, num_slots: int) -> AttentionPolicy:
     c, mc = engine.config, engine.loaded.config
+    if mc.sliding_window is not None and engine.max_model_len > mc.sliding_window:
+        return _sliding_window(engine)
     if c.kv_offload == "none":
         if c.prefix_loading != "full":  # a prefix loaded by importance leaves tokens some layers never read
             return SkipUnreadTokens(engine.kv_cache, num_slots)
@@ -46,6 +49,18 @@ def attention_policy(engine, layout: StorageLayout, num_slots: int) -> Attention
     return InfiniGenAttention(engine.kv_cache, engine.device, row_bytes, stats, infinigen_skew_for(engine),
                               engine.loaded.model.layer_queries, c.infinigen_settings(), num_slots, cap,
                               compiled_kernels=c.paged_kernel)
+
+
+def _sliding_window(engine) -> SlidingWindowAttention:
+    """The model's sliding window, for an engine that serves contexts past it; the policies that choose a layer's
+    keys themselves (offload, a prefix loaded by importance) attend beyond any window, so they are refused there."""
+    c, window = engine.config, engine.loaded.config.sliding_window
+    for option, value, plain in (("kv_offload", c.kv_offload, "none"), ("prefix_loading", c.prefix_loading, "full")):
+        if value != plain:
+            raise KvstrataError(f"{option} {value!r} does not read a sliding window; this model's is {window} tokens "
+                                f"and max_model_len {engine.max_model_len} passes it: give {option} {plain!r} or "
+                                f"max_model_len {window} or less")
+    return SlidingWindowAttention(engine.kv_cache, window)
 
 
 def infinigen_skew_for(engine) -> InfiniGenSkew:

@@ -173,8 +173,7 @@ class LLMEngine:
             raise ParameterError("lora_name", str(exc)) from None
 
     def _max_model_len(self) -> int:
-        mc = self.loaded.config
-        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+        limit = self.loaded.config.max_position_embeddings
         asked = self.config.max_model_len
         if asked is not None and asked > limit:
             raise KvstrataError(f"max_model_len {asked} exceeds the model's context of {limit} tokens")

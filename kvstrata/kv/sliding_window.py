@@ -1,0 +1,58 @@
+"""Sliding-window attention (Mistral v0.1, Phi-3-mini-4k): a query at position p reads the keys at positions
+p - window + 1 .. p, as transformers masks it. The cache keeps every token; what changes is what is read.
+
+A step whose every query lies within the window of position 0 reads nothing the window hides, so it runs as full
+attention, with its fused and in-place readers. Past that, decodes gather only their window's keys and prompt
+chunks (and rows verifying drafts) mask the keys before it; both go through the gather path every format has.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.kv.attention_batch import AttentionBatch, AttentionGroup, CachedKeys
+from kvstrata.kv.attention_policy import AttentionPolicy, attend_keys
+from kvstrata.kv.reference_attention import attend
+from kvstrata.kv.storage import KVStorage
+
+
+class SlidingWindowAttention(AttentionPolicy):
+    def __init__(self, storage: KVStorage, window: int):
+        super().__init__(storage)
+        self.window = window
+        self._past_window = False  # this step has a query at position `window` or later (begin_step)
+        # per group of the step: its keys, and their mask where the window hides some that causality shows
+        self._keys: dict[int, tuple[CachedKeys, torch.Tensor | None]] = {}
+
+    def begin_step(self, batch: AttentionBatch) -> None:
+        super().begin_step(batch)
+        self._past_window = bool((batch.positions >= self.window).any())
+        self._keys = {}
+
+    def fused_decode(self, batch, dtype):
+        if self._past_window or len(batch.groups) != 1 or not batch.groups[0].is_decode:
+            return None
+        return self.storage.fused_decode(batch, dtype)
+
+    def _attend_group(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        if not self._past_window:
+            return super()._attend_group(layer, q, group)
+        if id(group) not in self._keys:  # the same keys and mask in every layer of the step
+            self._keys[id(group)] = self._window_keys(group)
+        keys, mask = self._keys[id(group)]
+        k, v = self.storage.gather_keys(layer, keys, q.dtype)
+        if mask is None:  # the window hides nothing from this group: full attention's calls
+            return attend_keys(q, k, v, group, keys)
+        return attend(q.view(group.num_sequences, -1, *q.shape[1:]), k, v, mask).flatten(0, 1)
+
+    def _window_keys(self, group: AttentionGroup) -> tuple[CachedKeys, torch.Tensor | None]:
+        """The keys `group` reads: a decode row's last `window` (padding where its context is shorter), which the
+        causal mask then takes as they are; every key for other groups, with the causal mask less what the window
+        hides (None where it hides nothing)."""
+        if group.is_decode:
+            lens = group.context_lens
+            columns = lens[:, None] - self.window + torch.arange(self.window, device=lens.device)
+            return group.keys.take(columns.clamp(min=0), columns >= 0), None
+        causal = group.keys.mask_for(group)
+        visible = group.keys.positions[:, None, :] > group.q_positions[:, :, None] - self.window
+        return group.keys, (causal & visible if bool((causal & ~visible).any()) else None)
