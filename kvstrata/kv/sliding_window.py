@@ -2,8 +2,9 @@
 p - window + 1 .. p, as transformers masks it. The cache keeps every token; what changes is what is read.
 
 A step whose every query lies within the window of position 0 reads nothing the window hides, so it runs as full
-attention, with its fused and in-place readers. Past that, decodes gather only their window's keys and prompt
-chunks (and rows verifying drafts) mask the keys before it; both go through the gather path every format has.
+attention, with its fused and in-place readers. Past that, decode rows (a row per token verifying drafts too)
+gather only their window's keys, and prompt chunks mask the keys before it; both go through the gather path every
+format has.
 """
 
 from __future__ import annotations
