@@ -46,6 +46,36 @@ def test_kernel_equals_the_reference_attention_over_the_gathered_blocks(heads, d
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize(("lens", "window"), [([1, 17, 48, 100], 16), ([1, 17, 48, 100], 1), ([600], 300),
+                                              ([600], 37)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_window_attends_each_row_s_last_tokens(lens, window, dtype):
+    """With a sliding window the kernel equals the reference attention over each row's last `window` tokens (all of a
+    shorter row's): rows of one part each (four sequences), and a lone long row split into parts from its window's
+    first token (on 2 threads)."""
+    num_blocks = 40
+    k_pool, v_pool = (pool.to(dtype).float() for pool in random_pools(num_blocks=num_blocks))
+    lens = torch.tensor(lens)
+    gen = torch.Generator().manual_seed(2)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[: -(-int(lens.max()) // 16)] for _ in lens])
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = KERNEL.paged_decode_attention(q, k_pool.to(dtype), v_pool.to(dtype), tables, lens, 64**-0.5, 0, window)
+        everything = KERNEL.paged_decode_attention(q, k_pool.to(dtype), v_pool.to(dtype), tables, lens, 64**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    keys = whole_block_keys(tables, lens, 16)
+    k = k_pool[:, tables].flatten(2, 3).permute(1, 2, 0, 3)
+    v = v_pool[:, tables].flatten(2, 3).permute(1, 2, 0, 3)
+    in_window = (keys.positions != -1) & (keys.positions >= (lens - window)[:, None])
+    want = attend(q[:, None], k, v, in_window[:, None])[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[-1], everything[-1], atol=1e-3)  # the window left keys out
+
+
 def record_format(name: str, kv_heads: int, dim: int):
     """A record format as the engine builds it for --kv-format `name` (int4 in groups of 32)."""
     shape = CacheShape(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, block_size=16)

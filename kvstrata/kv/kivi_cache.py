@@ -248,13 +248,13 @@ class KiviPagedKVCache(KVStorage):
         self._quantize_blocks(layer, plan.completed_leaving)
         self._layers_quantized = layer + 1
 
-    def attend_in_place(self, layer, q, keys, context_lens):
+    def attend_in_place(self, layer, q, keys, context_lens, window=0):
         if self.decode_kernel is None or q.dtype != torch.float32:
             return None
         with torch.profiler.record_function("kvstrata::paged_decode_attention_kivi"):  # named in profiles
             return self.decode_kernel.paged_decode_attention_kivi(
                 q, *self._reader_tensors(layer), self._read_window, keys.block_tables, context_lens, self.bits,
-                self.kv_shape[0], q.shape[-1] ** -0.5)
+                self.kv_shape[0], q.shape[-1] ** -0.5, window)
 
     def gather_keys(self, layer, keys, dtype):
         """Whole-block keys (a prefill chunk's) are decoded where they lie by the compiled reader (the decodes')."""

@@ -99,13 +99,13 @@ class PagedKVCache(KVStorage):
                     torch.index_select(pool[head], 0, slots[head].reshape(-1), out=out[head])
         return tuple(rows.view(kv_heads, n, width, self.kv_shape[1]).to(dtype) for rows in gathered)
 
-    def attend_in_place(self, layer, q, keys, context_lens):
+    def attend_in_place(self, layer, q, keys, context_lens, window=0):
         if self.decode_kernel is None or q.dtype != torch.float32:
             return None
         with torch.profiler.record_function("kvstrata::paged_decode_attention"):  # named in profiles
             return self.decode_kernel.paged_decode_attention(q, self.k[layer], self.v[layer], keys.block_tables,
                                                              context_lens, q.shape[-1] ** -0.5,
-                                                             self.cascade_min_tokens)
+                                                             self.cascade_min_tokens, window)
 
     def fused_decode(self, batch, dtype):
         keys = batch.groups[0].keys

@@ -93,13 +93,13 @@ class QuantizedPagedKVCache(KVStorage):
             if kind in self.sparse:
                 self.sparse[kind].write(layer, slots, encoded.sparse, encoded.sparse_bytes)
 
-    def attend_in_place(self, layer, q, keys, context_lens):
+    def attend_in_place(self, layer, q, keys, context_lens, window=0):
         if self.decode_kernel is None or q.dtype != torch.float32:
             return None
         with torch.profiler.record_function(f"kvstrata::paged_decode_attention_{self.format.name}"):  # in profiles
             return self.format.attend_in_place(
                 self.decode_kernel, layer, q, self._layer_records[layer],
-                self.sparse, keys.block_tables, context_lens, self.block_size, self.cascade_min_tokens)
+                self.sparse, keys.block_tables, context_lens, self.block_size, self.cascade_min_tokens, window)
 
     def gather_keys(self, layer, keys, dtype):
         """Whole-block keys (a prefill chunk's) are decoded where they lie by the format's compiled reader, where the

@@ -2,9 +2,9 @@
 p - window + 1 .. p, as transformers masks it. The cache keeps every token; what changes is what is read.
 
 A step whose every query lies within the window of position 0 reads nothing the window hides, so it runs as full
-attention, with its fused and in-place readers. Past that, decode rows (a row per token verifying drafts too)
-gather only their window's keys, and prompt chunks mask the keys before it; both go through the gather path every
-format has.
+attention, with its fused and in-place readers. Past that, decode rows (a row per token verifying drafts too) read
+only their window's keys: in place, by the compiled readers' window, where the storage has one, else gathered;
+prompt chunks mask the keys before it.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class SlidingWindowAttention(AttentionPolicy):
     def _attend_group(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         if not self._past_window:
             return super()._attend_group(layer, q, group)
+        if group.is_decode:
+            out = self.storage.attend_in_place(layer, q, group.keys, group.context_lens, self.window)
+            if out is not None:
+                return out
         if id(group) not in self._keys:  # the same keys and mask in every layer of the step
             self._keys[id(group)] = self._window_keys(group)
         keys, mask = self._keys[id(group)]

@@ -60,11 +60,12 @@ class KVStorage(ABC):
         per_head = [self.gather(layer, slots[h], positions[h], dtype) for h in range(self.kv_shape[0])]
         return tuple(torch.stack([kv[which][:, :, h] for h, kv in enumerate(per_head)]) for which in (0, 1))
 
-    def attend_in_place(self, layer: int, q: torch.Tensor, keys: CachedKeys,
-                        context_lens: torch.Tensor) -> torch.Tensor | None:
+    def attend_in_place(self, layer: int, q: torch.Tensor, keys: CachedKeys, context_lens: torch.Tensor,
+                        window: int = 0) -> torch.Tensor | None:
         """Decode attention of q [n, heads, head_dim] over whole-block `keys` (each sequence's first
-        context_lens tokens), read where the storage keeps them; None where this storage has no such path
-        (the policy then gathers the keys and calls the reference attention)."""
+        context_lens tokens, or its last `window` of them: a sliding window; 0: all), read where the storage keeps
+        them; None where this storage has no such path (the policy then gathers the keys and calls the reference
+        attention)."""
         return None
 
     def fused_decode(self, batch: AttentionBatch, dtype: torch.dtype) -> FusedDecode | None:

@@ -71,11 +71,12 @@ class KVFormat(ABC):
     def attend_in_place(self, kernel, layer: int, q: torch.Tensor, records: dict[str, torch.Tensor],
                         sparse: dict[str, SparsePages], block_tables: torch.Tensor,
                         context_lens: torch.Tensor, block_size: int,
-                        min_shared_tokens: int = 0) -> torch.Tensor | None:
-        """Decode attention of q [n, heads, head_dim] (float32) over each sequence's first context_lens tokens, read
-        by the compiled `kernel` from this layer's records (`records[kind]` uint8 [slots, record_bytes]) and the cache's
-        sparse pages (`sparse[kind]`) where they lie, a prefix of min_shared_tokens or more that the sequences share
-        once for all (0: never); None where the format has no such reader."""
+                        min_shared_tokens: int = 0, window: int = 0) -> torch.Tensor | None:
+        """Decode attention of q [n, heads, head_dim] (float32) over each sequence's first context_lens tokens (its
+        last `window` of them where that is not 0), read by the compiled `kernel` from this layer's records
+        (`records[kind]` uint8 [slots, record_bytes]) and the cache's sparse pages (`sparse[kind]`) where they lie,
+        a prefix of min_shared_tokens or more that the sequences share once for all (0: never); None where the
+        format has no such reader."""
         return None
 
     def read_in_place(self, kernel, layer: int, records: dict[str, torch.Tensor], sparse: dict[str, SparsePages],

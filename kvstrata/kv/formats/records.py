@@ -24,10 +24,10 @@ class RecordFormat(KVFormat):
         return True
 
     def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size,
-                        min_shared_tokens=0):
+                        min_shared_tokens=0, window=0):
         return kernel.paged_decode_attention_records(q, records["k"], records["v"], block_tables, context_lens,
                                                      block_size, self.width // q.shape[-1], *self._kernel_forms(),
-                                                     q.shape[-1] ** -0.5, min_shared_tokens)
+                                                     q.shape[-1] ** -0.5, min_shared_tokens, window)
 
     def read_in_place(self, kernel, layer, records, sparse, block_tables, context_lens, block_size):
         # records are read whole: one "head" of all the token's values

@@ -206,12 +206,12 @@ void attend_span(Rows& rows, const float* queries, float* outputs, int64_t first
   });
 }
 
-// The whole item: its first `len` tokens, outputs divided by their totals (peaks and totals: a place per head).
+// The whole item: its tokens [first, len), outputs divided by their totals (peaks and totals: a place per head).
 template <typename Rows>
-void attend_head(Rows& rows, const float* queries, float* outputs, int64_t len, int64_t group, int64_t row_heads,
-                 int64_t dim, float scale, SpanScratch& scratch, std::vector<float>& peaks,
+void attend_head(Rows& rows, const float* queries, float* outputs, int64_t first, int64_t len, int64_t group,
+                 int64_t row_heads, int64_t dim, float scale, SpanScratch& scratch, std::vector<float>& peaks,
                  std::vector<float>& totals) {
-  attend_span(rows, queries, outputs, 0, len, group, row_heads, dim, scale, scratch, peaks.data(), totals.data());
+  attend_span(rows, queries, outputs, first, len, group, row_heads, dim, scale, scratch, peaks.data(), totals.data());
   for (int64_t g = 0; g < group * row_heads; ++g) {
     const float inverse = 1.0f / totals[g];
     for (int64_t d = 0; d < dim; ++d) outputs[g * dim + d] *= inverse;
@@ -494,15 +494,18 @@ void attend_shared_prefix(const at::Tensor& q, at::Tensor& out, const int64_t* t
 // in the same order of sums, so drafts do not change the numbers a decode gives. Where kCascadeMinSequences or more
 // sequences share their first min_shared_tokens tokens or more in the same blocks (0: never looked for), those are
 // read once for all of them (attend_shared_prefix), and the other rows as above; the prefix's matrix products may sum
-// in an order that depends on how many rows share it, drafts included.
+// in an order that depends on how many rows share it, drafts included. A `window` (0: none) limits each row to its
+// last `window` tokens (a sliding window): row s attends tokens [max(0, context_lens[s] - window), context_lens[s]),
+// and no prefix is shared then.
 template <typename MakeRows>
 at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, int64_t kv_heads, int64_t block,
                int64_t num_blocks, double scale, MakeRows make_rows, bool whole_tokens = false,
-               int64_t min_shared_tokens = 0) {
+               int64_t min_shared_tokens = 0, int64_t window = 0) {
   q = q.contiguous();
   block_tables = block_tables.to(at::kLong).contiguous();
   context_lens = context_lens.to(at::kLong).contiguous();
   check_inputs(q, block_tables, context_lens, kv_heads, block, num_blocks);
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window ", window, " must be 0 (none) or positive");
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), group = heads / kv_heads;
   const int64_t threads = at::get_num_threads();
   const int64_t sequences = count_sequences(block_tables.data_ptr<int64_t>(), n, block_tables.size(1));
@@ -514,7 +517,9 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   if (n == 0) return out;
-  if (min_shared_tokens > 0 && sequences >= kCascadeMinSequences) {
+  // row s's first token
+  auto first_of = [&](int64_t s) { return window > 0 ? std::max<int64_t>(0, lens[s] - window) : int64_t{0}; };
+  if (window == 0 && min_shared_tokens > 0 && sequences >= kCascadeMinSequences) {
     const auto groups = shared_prefix_groups(tables, lens, n, width, block, min_shared_tokens);
     if (!groups.empty()) {
       std::vector<bool> grouped(n, false);
@@ -543,11 +548,14 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
       return out;
     }
   }
-  const int64_t longest = *std::max_element(lens, lens + n);
+  int64_t longest = 0;
+  for (int64_t s = 0; s < n; ++s) longest = std::max(longest, lens[s] - first_of(s));
   const int64_t parts = sequences * items >= 2 * threads ? 1 : std::clamp<int64_t>(
       (4 * threads + sequences * items - 1) / (sequences * items), 1, std::max<int64_t>(1, longest / kMinPartTokens));
   // a row's own parts: as many as its length allows, each of at least kMinPartTokens tokens
-  auto parts_of = [&](int64_t s) { return std::min(parts, std::max<int64_t>(1, lens[s] / kMinPartTokens)); };
+  auto parts_of = [&](int64_t s) {
+    return std::min(parts, std::max<int64_t>(1, (lens[s] - first_of(s)) / kMinPartTokens));
+  };
   if (parts == 1) {
     at::parallel_for(0, n * items, 1, [&](int64_t begin, int64_t end) {
       SpanScratch scratch;
@@ -555,15 +563,15 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
       for (int64_t item = begin; item < end; ++item) {
         const int64_t s = item / items, h = item % items * row_heads;
         auto rows = make_rows(tables + s * width, h, row_heads);
-        attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, lens[s], group,
-                    row_heads, dim, static_cast<float>(scale), scratch, peaks, totals);
+        attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, first_of(s),
+                    lens[s], group, row_heads, dim, static_cast<float>(scale), scratch, peaks, totals);
       }
     });
     return out;
   }
-  // part p of an item of sequence s holds its tokens [p * span, (p + 1) * span); parts past its own stay empty, and a
-  // row of one part is attended whole, as unsplit
-  auto span_of = [&](int64_t s) { return (lens[s] + parts_of(s) - 1) / parts_of(s); };
+  // part p of an item of sequence s holds its tokens [first + p * span, first + (p + 1) * span); parts past its own
+  // stay empty, and a row of one part is attended whole, as unsplit
+  auto span_of = [&](int64_t s) { return (lens[s] - first_of(s) + parts_of(s) - 1) / parts_of(s); };
   const int64_t units = n * items * parts;
   std::vector<float> partial(units * item_heads * dim), peaks(units * item_heads), totals(units * item_heads);
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
@@ -574,12 +582,12 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
       if (parts_of(s) == 1) {  // attended whole, as unsplit
         if (part == 0) {
           auto rows = make_rows(tables + s * width, h, row_heads);
-          attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, lens[s], group,
-                      row_heads, dim, static_cast<float>(scale), scratch, item_peaks, item_totals);
+          attend_head(rows, qp + (s * heads + h * group) * dim, op + (s * heads + h * group) * dim, first_of(s),
+                      lens[s], group, row_heads, dim, static_cast<float>(scale), scratch, item_peaks, item_totals);
         }
         continue;
       }
-      const int64_t first = part * span_of(s), last = std::min(lens[s], first + span_of(s));
+      const int64_t first = first_of(s) + part * span_of(s), last = std::min(lens[s], first + span_of(s));
       if (first >= last) continue;
       auto rows = make_rows(tables + s * width, h, row_heads);
       attend_span(rows, qp + (s * heads + h * group) * dim, partial.data() + unit * item_heads * dim, first, last,
@@ -592,7 +600,7 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   for (int64_t item = 0; item < n * items; ++item) {
     const int64_t s = item / items, h = item % items * row_heads;
     if (parts_of(s) == 1) continue;  // attended whole above
-    const int64_t used = (lens[s] + span_of(s) - 1) / span_of(s);  // the parts that hold tokens
+    const int64_t used = (lens[s] - first_of(s) + span_of(s) - 1) / span_of(s);  // the parts that hold tokens
     for (int64_t g = 0; g < item_heads; ++g) {
       for (int64_t p = 0; p < used; ++p) {
         const int64_t at = (item * parts + p) * item_heads + g;
@@ -648,20 +656,22 @@ std::vector<at::Tensor> read_rows(at::Tensor block_tables, at::Tensor context_le
 bool avx512_path();
 
 // The storages' entry points (one file each), bound in paged_decode.cpp.
+// `window`: each row's last tokens it attends (0: all of them; run's sliding window).
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
-                                  at::Tensor context_lens, double scale, int64_t min_shared_tokens);
+                                  at::Tensor context_lens, double scale, int64_t min_shared_tokens, int64_t window);
 at::Tensor paged_decode_attention_records(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
                                           at::Tensor block_tables, at::Tensor context_lens, int64_t block,
                                           int64_t kv_heads, std::string k_form, int64_t k_group, std::string v_form,
-                                          int64_t v_group, double scale, int64_t min_shared_tokens);
+                                          int64_t v_group, double scale, int64_t min_shared_tokens, int64_t window);
 at::Tensor paged_decode_attention_kivi(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                                        at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
-                                       int64_t bits, int64_t kv_heads, double scale);
+                                       int64_t bits, int64_t kv_heads, double scale, int64_t window);
 at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                                         std::vector<double> key_shift, std::vector<double> value_shift,
                                         std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos,
                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
-                                        int64_t block, int64_t kv_heads, double scale, int64_t min_shared_tokens);
+                                        int64_t block, int64_t kv_heads, double scale, int64_t min_shared_tokens,
+                                        int64_t window);
 // The same readers' rows read out (read_rows): K and V of whole-block keys, for a prefill chunk's attention.
 std::vector<at::Tensor> paged_read_records(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,
                                            at::Tensor context_lens, int64_t block, int64_t kv_heads, int64_t dim,

@@ -60,8 +60,8 @@ at::Tensor fetched_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tenso
       const int64_t s = item / kv_heads, g = item % kv_heads;
       const int64_t first = first_row[g * n + s], len = row_count[g * n + s];
       SegmentRows segment_rows{kp + (g * rows + first) * dim, vp + (g * rows + first) * dim, dim};
-      attend_head(segment_rows, qp + (s * heads + g * group) * dim, op + (s * heads + g * group) * dim, len, group,
-                  1, dim, static_cast<float>(scale), scratch, peaks, totals);
+      attend_head(segment_rows, qp + (s * heads + g * group) * dim, op + (s * heads + g * group) * dim, 0, len,
+                  group, 1, dim, static_cast<float>(scale), scratch, peaks, totals);
     }
   });
   return out;

@@ -154,16 +154,16 @@ static int64_t check_kivi(const std::vector<at::Tensor>& keys, const std::vector
 
 at::Tensor paged_decode_attention_kivi(at::Tensor q, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                                        at::Tensor window_slot, at::Tensor block_tables, at::Tensor context_lens,
-                                       int64_t bits, int64_t kv_heads, double scale) {
+                                       int64_t bits, int64_t kv_heads, double scale, int64_t window) {
   const int64_t dim = q.size(2), width = kv_heads * dim;
   const int64_t value_group = check_kivi(keys, values, window_slot, bits, width, "paged_decode_attention_kivi");
   const int64_t num_blocks = keys[1].size(0), block = keys[0].size(0) / num_blocks;
   if (bits == 2) {
     return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
-               kivi_rows<2>(keys, values, window_slot, block, dim, width, value_group), true);
+               kivi_rows<2>(keys, values, window_slot, block, dim, width, value_group), true, 0, window);
   }
   return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
-             kivi_rows<4>(keys, values, window_slot, block, dim, width, value_group), true);
+             kivi_rows<4>(keys, values, window_slot, block, dim, width, value_group), true, 0, window);
 }
 
 std::vector<at::Tensor> paged_read_kivi(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,

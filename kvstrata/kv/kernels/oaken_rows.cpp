@@ -349,11 +349,12 @@ at::Tensor paged_decode_attention_oaken(at::Tensor q, std::vector<at::Tensor> ke
                                         std::vector<double> key_shift, std::vector<double> value_shift,
                                         std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos,
                                         at::Tensor sin, at::Tensor block_tables, at::Tensor context_lens,
-                                        int64_t block, int64_t kv_heads, double scale, int64_t min_shared_tokens) {
+                                        int64_t block, int64_t kv_heads, double scale, int64_t min_shared_tokens,
+                                        int64_t window) {
   const auto rows = oaken_rows(keys, values, key_shift, value_shift, layout, key_mean, cos, sin, context_lens, block,
                                kv_heads, q.size(2), "paged_decode_attention_oaken");
   return run(q, block_tables, context_lens, kv_heads, block, keys[0].size(0) / block, scale, rows, true,
-             min_shared_tokens);
+             min_shared_tokens, window);
 }
 
 std::vector<at::Tensor> paged_read_oaken(std::vector<at::Tensor> keys, std::vector<at::Tensor> values,

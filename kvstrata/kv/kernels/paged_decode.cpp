@@ -46,7 +46,7 @@ struct FloatRows<float> : PoolRows<float> {
 
 template <typename T>
 at::Tensor attend_float(at::Tensor q, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor block_tables,
-                        at::Tensor context_lens, double scale, int64_t min_shared_tokens) {
+                        at::Tensor context_lens, double scale, int64_t min_shared_tokens, int64_t window) {
   const int64_t kv_heads = k_pool.size(0), num_blocks = k_pool.size(1), block = k_pool.size(2);
   const int64_t dim = q.size(2);
   TORCH_CHECK(k_pool.size(3) == dim, "paged_decode_attention: head_dim of q and the pools differ");
@@ -56,21 +56,22 @@ at::Tensor attend_float(at::Tensor q, const at::Tensor& k_pool, const at::Tensor
   return run(q, block_tables, context_lens, kv_heads, block, num_blocks, scale,
              [&](const int64_t* table, int64_t h, int64_t /* row_heads: 1 */) {
     return FloatRows<T>{{k, v, table, BlockSlots{block}, dim, h * num_blocks * block}};
-  }, false, min_shared_tokens);
+  }, false, min_shared_tokens, window);
 }
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
-                                  at::Tensor context_lens, double scale, int64_t min_shared_tokens) {
+                                  at::Tensor context_lens, double scale, int64_t min_shared_tokens, int64_t window) {
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   k_pool.sizes() == v_pool.sizes() && k_pool.dim() == 4,
               "paged_decode_attention: K and V pools must be contiguous [kv_heads, blocks, block, dim] of one dtype");
   switch (k_pool.scalar_type()) {
     case at::kFloat:
-      return attend_float<float>(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens);
+      return attend_float<float>(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens, window);
     case at::kHalf:
-      return attend_float<at::Half>(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens);
+      return attend_float<at::Half>(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens, window);
     case at::kBFloat16:
-      return attend_float<at::BFloat16>(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens);
+      return attend_float<at::BFloat16>(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens,
+                                        window);
     default: TORCH_CHECK(false, "paged_decode_attention: pools must be float32, float16 or bfloat16");
   }
 }
@@ -125,7 +126,7 @@ at::Tensor store_and_decode_attention(const at::Tensor& q, const at::Tensor& k_n
       default: TORCH_CHECK(false, "store_and_decode_attention: pools must be float32, float16 or bfloat16");
     }
   }
-  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens);
+  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens, 0);
 }
 
 std::atomic<bool> avx512_allowed{true};
@@ -155,24 +156,28 @@ TORCH_LIBRARY(kvstrata, m) {
 TORCH_LIBRARY_IMPL(kvstrata, CPU, m) { m.impl("store_and_decode_attention", &kvstrata::store_and_decode_attention); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // min_shared_tokens (0: never) is where a prefix the sequences share is read once for all (attend.h's run)
+  // min_shared_tokens (0: never) is where a prefix the sequences share is read once for all; window (0: none) the
+  // last tokens each row attends (attend.h's run)
   using pybind11::arg;
   m.def("paged_decode_attention", &kvstrata::paged_decode_attention,
         "decode attention read in place from float32, float16 or bfloat16 KV pools", arg("q"), arg("k_pool"),
-        arg("v_pool"), arg("block_tables"), arg("context_lens"), arg("scale"), arg("min_shared_tokens") = 0);
+        arg("v_pool"), arg("block_tables"), arg("context_lens"), arg("scale"), arg("min_shared_tokens") = 0,
+        arg("window") = 0);
   // a record format's K and V each in its form (int8, fp8, fp8_e5m2, int4; a group size, int4's only)
   m.def("paged_decode_attention_records", &kvstrata::paged_decode_attention_records,
         "decode attention read in place from per-token KV records (int8, fp8, fp8_e5m2, int4; K and V each in its "
         "own), dequantized one row at a time", arg("q"), arg("k_records"), arg("v_records"), arg("block_tables"),
         arg("context_lens"), arg("block"), arg("kv_heads"), arg("k_form"), arg("k_group"), arg("v_form"),
-        arg("v_group"), arg("scale"), arg("min_shared_tokens") = 0);
+        arg("v_group"), arg("scale"), arg("min_shared_tokens") = 0, arg("window") = 0);
   m.def("paged_decode_attention_kivi", &kvstrata::paged_decode_attention_kivi,
-        "decode attention read in place from KIVI's quantized blocks and its float16 window");
+        "decode attention read in place from KIVI's quantized blocks and its float16 window", arg("q"), arg("keys"),
+        arg("values"), arg("window_slot"), arg("block_tables"), arg("context_lens"), arg("bits"), arg("kv_heads"),
+        arg("scale"), arg("window") = 0);
   m.def("paged_decode_attention_oaken", &kvstrata::paged_decode_attention_oaken,
         "decode attention read in place from Oaken's dense records and sparse pages", arg("q"), arg("keys"),
         arg("values"), arg("key_shift"), arg("value_shift"), arg("layout"), arg("key_mean"), arg("cos"), arg("sin"),
         arg("block_tables"), arg("context_lens"), arg("block"), arg("kv_heads"), arg("scale"),
-        arg("min_shared_tokens") = 0);
+        arg("min_shared_tokens") = 0, arg("window") = 0);
   m.def("shared_prefix_reads", [] { return kvstrata::shared_prefix_reads().load(); },
         "prefixes read once for all the decodes sharing them so far (one per group of sequences and call)");
   m.def("allow_avx512", &kvstrata::allow_avx512,

@@ -122,11 +122,11 @@ static auto record_rows(const at::Tensor& k_records, const at::Tensor& v_records
 at::Tensor paged_decode_attention_records(at::Tensor q, at::Tensor k_records, at::Tensor v_records,
                                           at::Tensor block_tables, at::Tensor context_lens, int64_t block,
                                           int64_t kv_heads, std::string k_form, int64_t k_group, std::string v_form,
-                                          int64_t v_group, double scale, int64_t min_shared_tokens) {
+                                          int64_t v_group, double scale, int64_t min_shared_tokens, int64_t window) {
   const auto rows = record_rows(k_records, v_records, block, kv_heads, q.size(2), k_form, k_group, v_form, v_group,
                                 "paged_decode_attention_records");
   return run(q, block_tables, context_lens, kv_heads, block, k_records.size(0) / block, scale, rows, true,
-             min_shared_tokens);
+             min_shared_tokens, window);
 }
 
 std::vector<at::Tensor> paged_read_records(at::Tensor k_records, at::Tensor v_records, at::Tensor block_tables,

@@ -135,11 +135,11 @@ class OakenFormat(KVFormat):
         return entry[1]
 
     def attend_in_place(self, kernel, layer, q, records, sparse, block_tables, context_lens, block_size,
-                        min_shared_tokens=0):
+                        min_shared_tokens=0, window=0):
         """The compiled reader decodes each row as `decode` does, keys put back as `_cached_key` puts them."""
         return kernel.paged_decode_attention_oaken(
             q, *self._reader_arguments(layer, records, sparse, context_lens), block_tables, context_lens, block_size,
-            self.head_shape[0], q.shape[-1] ** -0.5, min_shared_tokens)
+            self.head_shape[0], q.shape[-1] ** -0.5, min_shared_tokens, window)
 
     def read_in_place(self, kernel, layer, records, sparse, block_tables, context_lens, block_size):
         return kernel.paged_read_oaken(*self._reader_arguments(layer, records, sparse, context_lens), block_tables,
