@@ -63,3 +63,8 @@ def greedy_mixed_batches(engine: LLMEngine) -> list[list[int]]:
     while engine.has_unfinished_requests():
         finished.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
     return [list(finished[key]) for key in sorted(finished)]
+
+
+def use_policy(engine: LLMEngine, policy) -> None:
+    """`engine` attends through `policy` (an AttentionPolicy) from its next step on."""
+    engine.attention = engine.runner.policy = policy

@@ -37,6 +37,7 @@ from kvstrata.kv.reference_attention import (
     prompt_chunk_in_two_calls,
 )
 from kvstrata.kv.storage import KVStorage
+from tests.helpers import use_policy
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 3  # the tiny Llama: 3 layers, 2 KV heads of 16
@@ -77,10 +78,6 @@ def prefill_and_sample(engine: LLMEngine, seqs: list[Sequence]) -> None:
     for seq in seqs:
         logits = run_step(engine, [(seq, seq.num_pending_tokens)])
         seq.token_ids.append(int(logits[-1].argmax()))
-
-
-def use_policy(engine: LLMEngine, policy: AttentionPolicy) -> None:
-    engine.attention = engine.runner.policy = policy
 
 
 def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:

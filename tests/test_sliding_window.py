@@ -8,8 +8,9 @@ from transformers import AutoModelForCausalLM, MistralConfig
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
+from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.sliding_window import SlidingWindowAttention
-from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks
+from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks, use_policy
 from tests.tiny_models import VOCAB_SIZE, save_tiny_checkpoint, tiny_phi3_config
 
 WINDOW = 16
@@ -49,21 +50,16 @@ def test_decodes_past_the_window_give_transformers_greedy_output(windowed):
     assert [o.token_ids for o in outs] == [hf_greedy(reference, p, GREEDY.max_tokens) for p in prompts]
 
 
-def test_the_window_hides_what_full_attention_would_read(windowed, monkeypatch):
+def test_the_window_hides_what_full_attention_would_read(windowed):
     """The same model with the window taken away (full attention over every key) gives other logits past the
     window and the same ones within it: the test above could fail."""
     ids = prompt(40)
     windowed_logits, _ = prefill_in_chunks(LLM(str(windowed), kv_cache_memory="8MiB").engine, ids, chunk=40)
-    monkeypatch.setattr(SlidingWindowAttention, "begin_step", _never_past_the_window)
-    full, _ = prefill_in_chunks(LLM(str(windowed), kv_cache_memory="8MiB").engine, ids, chunk=40)
-    assert torch.allclose(windowed_logits[:WINDOW], full[:WINDOW], atol=1e-5)
-    assert not torch.allclose(windowed_logits[WINDOW:], full[WINDOW:], atol=1e-2)
-
-
-def _never_past_the_window(policy, batch):
-    super(SlidingWindowAttention, policy).begin_step(batch)
-    policy._past_window = False
-    policy._keys = {}
+    full = LLM(str(windowed), kv_cache_memory="8MiB").engine
+    use_policy(full, FullAttention(full.kv_cache))
+    full_logits, _ = prefill_in_chunks(full, ids, chunk=40)
+    assert torch.allclose(windowed_logits[:WINDOW], full_logits[:WINDOW], atol=1e-5)
+    assert not torch.allclose(windowed_logits[WINDOW:], full_logits[WINDOW:], atol=1e-2)
 
 
 @pytest.mark.parametrize("kv_format", ["int8", "int8/int4", "kivi4"])
