@@ -94,3 +94,38 @@ def test_every_allocation_is_reported_and_shared_blocks_are_not():
     assert manager.match_prefix(again) == 8  # two cached blocks shared, not handed out anew
     manager.grow(again, 1)
     assert len(seen) == 4  # one block allocated for the last token
+
+
+def test_blocks_behind_a_sliding_window_go_back_to_the_pool_and_stay_cached():
+    """A query at position p reads keys p - window + 1 .. p: the blocks wholly before the next query's window are given
+    back (their entries repeat the first block kept), stay findable in the prefix cache until handed out again, and
+    are not released a second time when the sequence is freed."""
+    manager = KVCacheManager(num_blocks=8, block_size=4, window=6)
+    s = seq(range(100, 117))  # 17 tokens in 5 blocks
+    manager.grow(s, 17)
+    s.num_computed_tokens = 17
+    manager.commit(s, 17)
+    blocks = list(s.block_table)
+    manager.release_behind_window(s)  # the next query, at 17, reads 12 .. 17: blocks 0-2 are behind it
+    assert s.block_table == [blocks[3]] * 4 + [blocks[4]] and s.num_released_blocks == 3
+    assert manager.pool.num_used == 2 and manager.held_blocks(s) == blocks[3:]
+    manager.release_behind_window(s)  # nothing more behind it: nothing released twice
+    assert manager.pool.num_used == 2
+
+    other = seq(range(100, 113), seq_id=1)
+    assert manager.match_prefix(other) == 12 and other.block_table == blocks[:3]
+    manager.free(s)
+    assert manager.pool.num_used == 3 and min(manager.pool.ref_counts) == 0
+    assert (s.block_table, s.num_released_blocks) == ([], 0)
+
+
+def test_a_discarded_sequence_takes_the_blocks_it_gave_back_out_of_the_prefix_cache():
+    manager = KVCacheManager(num_blocks=8, block_size=4, window=4)
+    s = seq(range(12))
+    manager.grow(s, 12)
+    s.num_computed_tokens = 12
+    manager.commit(s, 12)
+    manager.release_behind_window(s)
+    assert s.num_released_blocks == 2 and manager.pool.lookup(s.block_hashes[0]) is not None
+    manager.discard(s)
+    assert all(manager.pool.lookup(h) is None for h in s.block_hashes)

@@ -705,12 +705,25 @@ def test_cli_commands_are_registered_only_under_cli():
 # --- 12: persistent block tables ---------------------------------------------------------------------------------
 
 
+def test_block_tables_rewrite_the_entries_given_back_behind_a_window():
+    """Entries a sequence gave back (KVCacheManager.release_behind_window) and the columns past its blocks repeat
+    the first block it still holds."""
+    tables = BlockTables(max_blocks_per_seq=5, rows=1)
+    a = SimpleNamespace(num_released_blocks=0, block_table=[4, 7, 8])
+    tables.rows_for([a])
+    a.block_table[:2] = [8, 8]
+    a.num_released_blocks = 2
+    a.block_table.append(9)
+    tables.rows_for([a])
+    assert tables.table[0].tolist() == [8, 8, 8, 9, 8]
+
+
 def test_block_tables_keep_rows_write_only_new_blocks_and_recycle_rows():
     """A sequence keeps its row across calls and only blocks it gained are written; columns past its blocks repeat
     its first block; a replaced block list (preemption) rewrites the row; more sequences than rows grow the table;
     rows of sequences absent from a call are taken back least recently used first."""
     tables = BlockTables(max_blocks_per_seq=5, rows=2)
-    a, b = SimpleNamespace(block_table=[4, 7]), SimpleNamespace(block_table=[9])
+    a, b = SimpleNamespace(num_released_blocks=0, block_table=[4, 7]), SimpleNamespace(num_released_blocks=0, block_table=[9])
     assert tables.rows_for([a, b]).tolist() == [0, 1]
     assert tables.table[:2].tolist() == [[4, 7, 4, 4, 4], [9, 9, 9, 9, 9]]
 
@@ -723,16 +736,16 @@ def test_block_tables_keep_rows_write_only_new_blocks_and_recycle_rows():
     assert tables.rows_for([a]).tolist() == [0]
     assert tables.table[0].tolist() == [3, 3, 3, 3, 3]
 
-    c = SimpleNamespace(block_table=[5, 6])
+    c = SimpleNamespace(num_released_blocks=0, block_table=[5, 6])
     rows = tables.rows_for([a, b, c]).tolist()
     assert len(set(rows)) == 3 and len(tables.table) >= 3
     assert [tables.table[r, :2].tolist() for r in rows] == [[3, 3], [9, 9], [5, 6]]
 
-    fillers = [SimpleNamespace(block_table=[20 + i]) for i in range(len(tables.table) - 3)]  # kept alive: rows are
+    fillers = [SimpleNamespace(num_released_blocks=0, block_table=[20 + i]) for i in range(len(tables.table) - 3)]  # kept alive: rows are
     for filler in fillers:  # keyed by id(); they use up every row
         tables.rows_for([filler])
     assert tables.rows_for([a])[0] == rows[0]  # a is now the most recent; b, then c, the least recent
-    d = SimpleNamespace(block_table=[1, 2])
+    d = SimpleNamespace(num_released_blocks=0, block_table=[1, 2])
     row_d = tables.rows_for([d])[0]
     assert row_d == rows[1]  # b's row went to d
     assert tables.table[row_d].tolist() == [1, 2, 1, 1, 1]

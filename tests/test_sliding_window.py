@@ -84,6 +84,66 @@ def test_speculative_drafts_past_the_window_keep_the_greedy_output(windowed):
     assert drafting.token_ids == plain.token_ids
 
 
+def run_with_peak_blocks(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, int]:
+    """The final outputs of `prompts` run together, and the most blocks the pool had in use after a step."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs, peak = {}, 0
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+        peak = max(peak, engine.kv_manager.pool.num_used)
+    return [outputs[i] for i in ids], peak
+
+
+def test_blocks_behind_the_window_go_back_to_the_pool(windowed):
+    """Past the window a sequence keeps only the blocks its next query reads: 40 + 60 tokens in blocks of 16 hold
+    at most 2 blocks after each step (7 without giving any back), with transformers' greedy output. The blocks
+    given back stay in the prefix cache: the same prompt again reads them."""
+    engine = LLM(str(windowed), kv_cache_memory="8MiB").engine
+    ids = prompt(40)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    [out], peak = run_with_peak_blocks(engine, [ids], params)
+    assert out.token_ids == hf_greedy(AutoModelForCausalLM.from_pretrained(str(windowed)), ids, 60)
+    assert peak == 2 and engine.kv_manager.pool.num_used == 0
+    [again], _ = run_with_peak_blocks(engine, [ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert again.num_cached_tokens == 32 and again.token_ids == out.token_ids[:4]
+
+
+@pytest.mark.parametrize("options", [{"kv_format": "fp32"}, {"kv_format": "int8/int4"},
+                                     {"kv_format": "kivi4", "kivi_residual": 16}])
+def test_giving_blocks_back_changes_no_output(windowed, options):
+    """Prompts shorter and longer than the window, decoded together far past it (prompt chunks of 24, so a prompt's
+    later chunks run after blocks were given back), give the same tokens as when every block is kept, in fewer
+    blocks. KIVI's full-precision residual as long as the window: the first block kept (which the entries given
+    back repeat) leaves it no sooner."""
+    prompts = [prompt(n, seed=n) for n in (5, 30, 70)]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+
+    def run(give_back: bool):
+        engine = LLM(str(windowed), kv_cache_memory="16MiB", chunk_size=24, **options).engine
+        if not give_back:
+            engine.kv_manager.window = None
+        return run_with_peak_blocks(engine, prompts, params)
+
+    (kept, peak_kept), (given_back, peak) = run(False), run(True)
+    assert [o.token_ids for o in given_back] == [o.token_ids for o in kept] and peak < peak_kept
+
+
+def test_a_kv_store_copies_the_whole_prompt_before_its_blocks_go_back(windowed):
+    """The KV store copies a prompt's chunks once the prompt is computed, so its blocks stay until then (a
+    100-token prompt in chunks of 24 holds the 6 blocks of its first 96 tokens after its fourth chunk); the same
+    prompt loaded from the store (the device pool's prefix cache forgotten) gives the output of the request that
+    computed it."""
+    engine = LLM(str(windowed), kv_cache_memory="8MiB", chunk_size=24, kv_store="host:64MiB",
+                 kv_store_chunk_tokens=16).engine
+    ids = prompt(100)
+    [computed], peak = run_with_peak_blocks(engine, [ids], GREEDY)
+    assert peak == 6
+    engine.kv_store.flush()
+    engine.reset_prefix_cache()
+    [loaded], _ = run_with_peak_blocks(engine, [ids], GREEDY)
+    assert engine.kv_store.stats.loaded_tokens == 96 and loaded.token_ids == computed.token_ids
+
+
 @pytest.mark.parametrize("options", [{"kv_offload": "full"}, {"kv_offload": "infinigen"}, {"kv_offload": "h2o"}])
 def test_policies_that_choose_their_keys_are_refused_past_the_window(windowed, options):
     option, value = next(iter(options.items()))

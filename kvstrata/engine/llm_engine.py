@@ -118,6 +118,7 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching and config.kv_offload != "h2o",
             on_allocate=self.attention.reset_blocks, write_kv=self.attention.write,
             namespace=f"{self.model_fingerprint}/{self._weights_tag()}/{stored_form(config, dtype)}/".encode(),
+            window=self.attention.window,
         )
         self.attention.attach_block_pool(self.kv_manager.pool)
         self.kv_store = self.make_kv_store_link()  # tiers below the device pool, or None
@@ -554,6 +555,8 @@ class LLMEngine:
                 self.kv_store.store_prompt(seq, max(seq.num_cached_prompt_tokens or 0, seq.num_store_tokens))
                 if seq.num_store_tokens:
                     seq.preloaded = []  # placed: free the host copy (after a preemption the prompt is prefilled)
+            if self.kv_store is None or seq.num_computed_tokens >= seq.num_prompt_tokens:  # the store reads it whole
+                self.kv_manager.release_behind_window(seq)
             outputs.extend(self._place_preloaded(seq))
         outputs.extend(self._record_prompt_logprobs(result.prompt_rows))
         outputs.extend(self._pool(result.pooled))

@@ -49,6 +49,9 @@ class Sequence:
     # The KV cache holds this many of `token_ids`, in the blocks of `block_table`.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # leading blocks given back under a sliding window (KVCacheManager.release_behind_window): their entries in
+    # `block_table` repeat the first block it still holds
+    num_released_blocks: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     # speculative decoding: tokens guessed to follow its last one, scheduled with it to be verified in one step
     draft_token_ids: list[int] = field(default_factory=list)

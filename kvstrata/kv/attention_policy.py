@@ -22,6 +22,8 @@ from kvstrata.kv.storage import KVStorage
 class AttentionPolicy:
     """Reads every cached key (full attention) unless a subclass selects fewer."""
 
+    window: int | None = None  # a query reads only the keys of its last `window` positions; None: all of them
+
     def __init__(self, storage: KVStorage):
         self.storage = storage
 

@@ -22,6 +22,7 @@ class Sequence(Protocol):
     request_id: str
     token_ids: list[int]
     block_table: list[int]
+    num_released_blocks: int
     block_hashes: list[BlockHash]
     num_computed_tokens: int
     cache_salt: bytes | None
@@ -58,8 +59,12 @@ class KVCacheManager:
         on_allocate: Callable[[list[int]], None] | None = None,
         write_kv: Callable[[list[int], Preloaded, int, int], None] | None = None,
         namespace: bytes = b"",
+        window: int | None = None,
     ):
         self.pool = BlockPool(num_blocks)
+        # A sliding window: a query reads only the keys of its last `window` positions, so the blocks before
+        # them go back to the pool (release_behind_window). None: every key stays readable.
+        self.window = window
         # Block hashes name the model and KV format too: blocks of other weights or another format never match.
         self.namespace = namespace
         self.on_allocate = on_allocate  # told of blocks handed out for new content (the cache resets them)
@@ -188,22 +193,47 @@ class KVCacheManager:
             self.commit(seq, end - start)
         return True
 
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Under a sliding window, give back the leading blocks of `seq` that none of its later queries reads (the
+        next one is at position `num_computed_tokens` and reads from `window` - 1 positions before it). Their
+        table entries then repeat the first block kept, so a padded read stays in memory `seq` holds; the blocks
+        stay in the prefix cache until the pool hands them out again."""
+        if self.window is None:
+            return
+        behind = (seq.num_computed_tokens - self.window + 1) // self.block_size
+        behind = min(behind, len(seq.block_table) - 1)  # a window shorter than a block keeps the block written
+        if behind <= seq.num_released_blocks:
+            return
+        for block in seq.block_table[seq.num_released_blocks : behind]:
+            self.pool.release(block)
+        seq.block_table[:behind] = [seq.block_table[behind]] * behind
+        seq.num_released_blocks = behind
+
+    def held_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks `seq` holds a reference to: its table less the entries released behind a window."""
+        return seq.block_table[seq.num_released_blocks :]
+
     def blocks_freed_by(self, seqs: list[Sequence]) -> int:
         """Blocks that freeing every one of `seqs` would return to the pool: those no other sequence holds."""
-        held = Counter(block for seq in seqs for block in seq.block_table)
+        held = Counter(block for seq in seqs for block in self.held_blocks(seq))
         return sum(1 for block, count in held.items() if self.pool.ref_counts[block] == count)
 
     def discard(self, seq: Sequence) -> None:
         """Free a failed sequence's blocks and take those only it held out of the prefix cache: what it
         wrote may be corrupt (a bad preloaded context) and must not be served to another request."""
-        for block in seq.block_table:
+        for block in self.held_blocks(seq):
             if self.pool.ref_counts[block] == 1:
+                self.pool.forget(block)
+        for block_hash in seq.block_hashes[: seq.num_released_blocks]:  # given back behind a window, still cached
+            block = self.pool.lookup(block_hash)
+            if block is not None and self.pool.ref_counts[block] == 0:
                 self.pool.forget(block)
         self.free(seq)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`; the tail goes first, so shared heads stay cached longest."""
-        for block in reversed(seq.block_table):
+        for block in reversed(self.held_blocks(seq)):
             self.pool.release(block)
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0

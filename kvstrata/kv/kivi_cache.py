@@ -153,11 +153,16 @@ class KiviPagedKVCache(KVStorage):
         self._release_window(torch.tensor(idle, dtype=torch.long, device=self.device))
 
     def _old_blocks(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """Blocks of the sequences whose tables are the rows of `block_tables` [n, B] (padded rows may repeat
-        blocks) that lie wholly before their newest `residual` tokens (context_lens [n]), each once."""
+        """Blocks of the sequences whose tables are the rows of `block_tables` [n, B] that lie wholly before their
+        newest `residual` tokens (context_lens [n]), each once. A block may fill several columns of a row (padding,
+        and the entries given back behind a sliding window repeat one the sequence holds): it is old only where
+        none of its columns holding the context is newer."""
         old_blocks = (context_lens - self.residual).clamp(min=0) // self.block_size
-        columns = torch.arange(block_tables.shape[1], device=self.device)
-        return torch.unique(block_tables[columns[None, :] < old_blocks[:, None]])
+        used_blocks = (context_lens + self.block_size - 1) // self.block_size
+        columns = torch.arange(block_tables.shape[1], device=self.device)[None, :]
+        old = torch.unique(block_tables[columns < old_blocks[:, None]])
+        newer = block_tables[(columns >= old_blocks[:, None]) & (columns < used_blocks[:, None])]
+        return old[~torch.isin(old, newer)]
 
     def _quantize_blocks(self, layer: int, blocks: torch.Tensor) -> None:
         """Quantize window blocks from their slots."""
