@@ -8,6 +8,7 @@ Rates are per wall-clock second of the whole run: prefill = prompt tokens, decod
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -39,8 +40,12 @@ def _figures(requests: Requests, wall: float, ttft: list[float], tpot: list[floa
     }
 
 
-def run_kvstrata(config: EngineConfig, loaded: LoadedModel, requests: Requests) -> dict:
+def run_kvstrata(config: EngineConfig, loaded: LoadedModel, requests: Requests,
+                 prepare: Callable[[LLMEngine], None] | None = None) -> dict:
+    """`prepare`: told the engine before anything runs on it (a benchmark's baseline changes it there)."""
     engine = LLMEngine(config, loaded=loaded)
+    if prepare is not None:
+        prepare(engine)
     # Warm up on a reversed snippet: no prompt of the run shares its prefix-cache blocks.
     engine.add_request(requests[0][0][15::-1], SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
