@@ -256,17 +256,18 @@ def test_each_layer_attends_to_exactly_the_keys_its_policy_selected(tiny_llama, 
 
 
 class LastWindow(AttentionPolicy):
-    """Decodes attend to the last `window` cached tokens of their sequence; prefill chunks to every token."""
+    """Decodes attend to the last `last` cached tokens of their sequence; prefill chunks to every token (so it
+    leaves the policy's `window`, which prompt chunks would obey too, unset)."""
 
-    def __init__(self, storage: KVStorage, window: int):
+    def __init__(self, storage: KVStorage, last: int):
         super().__init__(storage)
-        self.window = window
+        self.last = last
 
     def select_keys(self, layer, group):
         if not group.is_decode:
             return group.keys
         lens = group.context_lens
-        columns = lens[:, None] - self.window + torch.arange(self.window, device=lens.device)
+        columns = lens[:, None] - self.last + torch.arange(self.last, device=lens.device)
         valid = columns >= 0
         return group.keys.take(columns.clamp(min=0), valid)
 

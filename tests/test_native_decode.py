@@ -61,6 +61,24 @@ def test_the_loop_computes_what_the_layers_compute(block_model):
 
 
 @needs_kernels
+@torch.inference_mode()
+def test_the_loop_reads_a_sliding_window_as_the_layers_do(tiny_phi3_gguf_style):
+    """Given a window (FusedDecode.window), each row of the loop reads only its last `window` tokens, as the layers'
+    one-operator step does; the 80-token row's output is not what it is without the window."""
+    model = new_engine(tiny_phi3_gguf_style).loaded.model
+    x, positions, step = a_step(model, [1, 16, 17, 80])
+    windowed = step._replace(window=20)
+    theirs = windowed._replace(k_pools=step.k_pools.clone(), v_pools=step.v_pools.clone())
+    want = model.norm(decode_all_layers(model, x, *model.rotary.cos_sin(positions, x.dtype), theirs))
+    got = model.native_decode(x, positions, windowed)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    every_key = model.native_decode(x, positions, step._replace(k_pools=step.k_pools.clone(),
+                                                                v_pools=step.v_pools.clone()))
+    torch.testing.assert_close(every_key[:3], got[:3], rtol=2e-3, atol=2e-3)
+    assert not torch.allclose(every_key[3], got[3], atol=1e-2)
+
+
+@needs_kernels
 def test_the_loop_generates_what_the_layers_generate(tiny_gguf_style, monkeypatch):
     original, calls = NativeDecode.__call__, []
 

@@ -50,6 +50,22 @@ def test_decodes_past_the_window_give_transformers_greedy_output(windowed):
     assert [o.token_ids for o in outs] == [hf_greedy(reference, p, GREEDY.max_tokens) for p in prompts]
 
 
+def test_a_step_of_decodes_past_the_window_stays_one_operator_per_layer(windowed, monkeypatch):
+    """Past the window, a step of decodes alone still takes the fused path (kv/fused_decode.py), given the window;
+    within it, without one (the test above checks the tokens)."""
+    engine = LLM(str(windowed), kv_cache_memory="8MiB").engine
+    policy, windows = engine.attention, []
+
+    def fused_decode(batch, dtype):
+        fused = SlidingWindowAttention.fused_decode(policy, batch, dtype)
+        windows.append(None if fused is None else fused.window)
+        return fused
+
+    monkeypatch.setattr(policy, "fused_decode", fused_decode)
+    run_with_peak_blocks(engine, [prompt(8)], GREEDY)
+    assert windows == [None] + [0] * 8 + [WINDOW] * 7  # the prompt; decodes at positions 8-15, then 16-22
+
+
 def test_the_window_hides_what_full_attention_would_read(windowed):
     """The same model with the window taken away (full attention over every key) gives other logits past the
     window and the same ones within it: the test above could fail."""

@@ -23,6 +23,7 @@ class FusedDecode(NamedTuple):
     block_tables: torch.Tensor  # [n, B]
     context_lens: torch.Tensor  # [n] tokens in each sequence's cache once the new one is stored
     min_shared_tokens: int = 0  # a prefix this long or longer that the sequences share is read once for all; 0: never
+    window: int = 0  # each sequence reads only its last `window` cached tokens (a sliding window); 0: all of them
 
 
 def store_and_attend(layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -31,12 +32,13 @@ def store_and_attend(layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: to
     head_dim] over each sequence's cached keys."""
     return torch.ops.kvstrata.store_and_decode_attention(q, k_new, v_new, step.k_pools, step.v_pools, layer, step.slots,
                                                          step.block_tables, step.context_lens, q.shape[-1] ** -0.5,
-                                                         step.min_shared_tokens)
+                                                         step.min_shared_tokens, step.window)
 
 
 def register_fake() -> None:
     """What the operator returns, for torch.compile's tracing (shapes only); called once the kernels are loaded."""
 
     @torch.library.register_fake("kvstrata::store_and_decode_attention")
-    def _(q, k_new, v_new, k_pools, v_pools, layer, slots, block_tables, context_lens, scale, min_shared_tokens):
+    def _(q, k_new, v_new, k_pools, v_pools, layer, slots, block_tables, context_lens, scale, min_shared_tokens,
+          window):
         return q.new_empty(q.shape)  # the kernel's output is contiguous whatever q's strides

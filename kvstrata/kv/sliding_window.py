@@ -1,10 +1,12 @@
 """Sliding-window attention (Mistral v0.1, Phi-3-mini-4k): a query at position p reads the keys at positions
-p - window + 1 .. p, as transformers masks it. The cache keeps every token; what changes is what is read.
+p - window + 1 .. p, as transformers masks it. `window` also tells the cache manager which blocks no later query
+reads: those go back to the pool as the window moves on (KVCacheManager.release_behind_window).
 
 A step whose every query lies within the window of position 0 reads nothing the window hides, so it runs as full
-attention, with its fused and in-place readers. Past that, decode rows (a row per token verifying drafts too) read
-only their window's keys: in place, by the compiled readers' window, where the storage has one, else gathered;
-prompt chunks mask the keys before it.
+attention. Past that, a step of decodes alone reads each row's window in the one-operator step where the storage has
+it (kv/fused_decode.py), and other decode rows (a row per token verifying drafts too) read only their window's keys:
+in place, by the compiled readers' window, where the storage has one, else gathered; prompt chunks mask the keys
+before it.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class SlidingWindowAttention(AttentionPolicy):
         self._keys = {}
 
     def fused_decode(self, batch, dtype):
-        if self._past_window or len(batch.groups) != 1 or not batch.groups[0].is_decode:
+        if len(batch.groups) != 1 or not batch.groups[0].is_decode:
             return None
-        return self.storage.fused_decode(batch, dtype)
+        fused = self.storage.fused_decode(batch, dtype)
+        return fused._replace(window=self.window) if fused is not None and self._past_window else fused
 
     def _attend_group(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         if not self._past_window:

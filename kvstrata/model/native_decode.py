@@ -68,7 +68,7 @@ class NativeDecode:
         """The final norm of the last layer's output [n, hidden] for hidden states x [n, hidden] at `positions` [n]
         (RoPE's angles are computed inside); stores every layer's new K/V in the step's pools."""
         return self.layers.forward(x, positions, step.k_pools, step.v_pools, step.slots, step.block_tables,
-                                   step.context_lens, step.min_shared_tokens)
+                                   step.context_lens, step.min_shared_tokens, step.window)
 
     @property
     def dense_parts(self):

@@ -98,11 +98,12 @@ void store_rows(const at::Tensor& pool, const at::Tensor& rows, const int64_t* s
 
 // Writes k_new and v_new [n, kv_heads, dim] at `slots` [n] of layer `layer` of the pools [layers, kv_heads,
 // blocks, block, dim], then attends each of the n decoding sequences over its first context_lens tokens (a prefix
-// of min_shared_tokens or more that they share read once for all; 0: never).
+// of min_shared_tokens or more that they share read once for all; 0: never), or over its last `window` of them
+// (a sliding window; 0: none).
 at::Tensor store_and_decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                                       at::Tensor& k_pools, at::Tensor& v_pools, int64_t layer, const at::Tensor& slots,
                                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                      int64_t min_shared_tokens) {
+                                      int64_t min_shared_tokens, int64_t window) {
   TORCH_CHECK(k_pools.dim() == 5 && layer >= 0 && layer < k_pools.size(0) && k_pools.is_contiguous() &&
                   v_pools.is_contiguous() && k_pools.sizes() == v_pools.sizes() &&
                   k_pools.scalar_type() == v_pools.scalar_type(),
@@ -126,7 +127,7 @@ at::Tensor store_and_decode_attention(const at::Tensor& q, const at::Tensor& k_n
       default: TORCH_CHECK(false, "store_and_decode_attention: pools must be float32, float16 or bfloat16");
     }
   }
-  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens, 0);
+  return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, min_shared_tokens, window);
 }
 
 std::atomic<bool> avx512_allowed{true};
@@ -149,8 +150,8 @@ std::atomic<int64_t>& shared_prefix_reads() {
 
 TORCH_LIBRARY(kvstrata, m) {
   m.def("store_and_decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_pools, Tensor(b!) v_pools, "
-        "int layer, Tensor slots, Tensor block_tables, Tensor context_lens, float scale, int min_shared_tokens=0) "
-        "-> Tensor");
+        "int layer, Tensor slots, Tensor block_tables, Tensor context_lens, float scale, int min_shared_tokens=0, "
+        "int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvstrata, CPU, m) { m.impl("store_and_decode_attention", &kvstrata::store_and_decode_attention); }

@@ -73,14 +73,15 @@ void rotate(const float* from, const float* cos, const float* sin, int64_t dim, 
 // built apart, and the KV one is loaded before a step takes this path.
 at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor& k_pools,
                             at::Tensor& v_pools, int64_t layer, const at::Tensor& slots, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale, int64_t min_shared_tokens) {
+                            const at::Tensor& context_lens, double scale, int64_t min_shared_tokens,
+                            int64_t window) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvstrata::store_and_decode_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, int64_t,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t)>();
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>();
   return op.call(q, k_new, v_new, k_pools, v_pools, layer, slots, block_tables, context_lens, scale,
-                 min_shared_tokens);
+                 min_shared_tokens, window);
 }
 
 }  // namespace
@@ -133,10 +134,10 @@ class DecodeLayers {
   }
 
   // x [n, hidden] float32 (one token per sequence) at `positions` [n]; the pools and the step's slots, block
-  // tables, context lengths and shared prefix's threshold as kv/fused_decode.py's FusedDecode holds them. Returns
-  // the final norm of the last layer's output [n, hidden]; the pools hold every layer's new K/V.
+  // tables, context lengths, shared prefix's threshold and sliding window as kv/fused_decode.py's FusedDecode holds
+  // them. Returns the final norm of the last layer's output [n, hidden]; the pools hold every layer's new K/V.
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor k_pools, at::Tensor v_pools, at::Tensor slots,
-                     at::Tensor block_tables, at::Tensor context_lens, int64_t min_shared_tokens) {
+                     at::Tensor block_tables, at::Tensor context_lens, int64_t min_shared_tokens, int64_t window) {
     check_hidden(x);
     const int64_t n = x.size(0), dim = head_dim_;
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == n, "DecodeLayers: positions must be [n], one per row");
@@ -153,7 +154,7 @@ class DecodeLayers {
       attention_inputs(layers_[l], h, cos.data(), sin.data(), n, q.data_ptr<float>(), k.data_ptr<float>(),
                        v.data_ptr<float>(), scratch);
       const at::Tensor attended = store_and_attend(q, k, v, k_pools, v_pools, static_cast<int64_t>(l), slots,
-                                                   block_tables, context_lens, scale, min_shared_tokens);
+                                                   block_tables, context_lens, scale, min_shared_tokens, window);
       finish_layer(layers_[l], h, attended.data_ptr<float>(), n, scratch);
     }
     rms_norm(h, final_norm_.data_ptr<float>(), n, hidden_, eps_, h);
