@@ -144,6 +144,30 @@ def test_giving_blocks_back_changes_no_output(windowed, options):
     assert [o.token_ids for o in given_back] == [o.token_ids for o in kept] and peak < peak_kept
 
 
+def test_blocks_given_back_let_more_sequences_run_at_once(windowed):
+    """Six 70-token prompts decoding 50 tokens each, in a float32 pool of 32 blocks (one request of max_model_len
+    512): keeping every block, the six outgrow it (48 blocks) and some are preempted; giving blocks back, all six
+    run together, none is preempted, and the tokens are the same."""
+    prompts = [prompt(70, seed=seed) for seed in range(6)]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    c = LLM(str(windowed), kv_cache_memory="8MiB").engine.loaded.config
+    pool_bytes = 32 * 16 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+
+    def run(give_back: bool):
+        engine = LLM(str(windowed), kv_cache_memory=pool_bytes).engine
+        assert engine.kv_manager.pool.num_blocks == 32
+        if not give_back:
+            engine.kv_manager.window = None
+        outputs, _ = run_with_peak_blocks(engine, prompts, params)
+        steps = engine.step_stats
+        return [o.token_ids for o in outputs], max(s.num_seqs for s in steps), sum(s.num_preempted for s in steps)
+
+    kept, _, preempted_kept = run(False)
+    given_back, most, preempted = run(True)
+    assert given_back == kept
+    assert preempted_kept > 0 and (most, preempted) == (6, 0)
+
+
 def test_a_kv_store_copies_the_whole_prompt_before_its_blocks_go_back(windowed):
     """The KV store copies a prompt's chunks once the prompt is computed, so its blocks stay until then (a
     100-token prompt in chunks of 24 holds the 6 blocks of its first 96 tokens after its fourth chunk); the same
