@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM, MistralConfig
 from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_policy import FullAttention
+from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
+from kvstrata.kv.formats.oaken.thresholds import calibrate as calibrate_oaken
 from kvstrata.kv.sliding_window import SlidingWindowAttention
 from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks, use_policy
 from tests.tiny_models import VOCAB_SIZE, save_tiny_checkpoint, tiny_phi3_config
@@ -81,14 +83,37 @@ def test_the_window_hides_what_full_attention_would_read(windowed):
 @pytest.mark.parametrize("kv_format", ["int8", "int8/int4", "kivi4"])
 def test_every_format_reads_the_window_alike_in_decodes_and_prompt_chunks(windowed, kv_format):
     """One token a step, each a decode past the window (only the window's keys gathered, decoded by the format),
-    gives the logits of one prompt chunk (every key, the window masked). int8's two paths differ by 3e-3 on this
-    model within the window too (the chunk's own keys), hence the tolerance; a key read outside the window moves a
-    logit by 1e-1 and more (the test above)."""
+    gives the logits of one prompt chunk (every key, the window masked) and of chunks of 24 (the second reads its
+    keys from its first query's window on). int8's paths differ by 3e-3 on this model within the window too (the
+    chunk's own keys), hence the tolerance; a key read outside the window moves a logit by 1e-1 and more (the test
+    above)."""
+    assert_chunks_read_the_window_alike(windowed, kv_format=kv_format)
+
+
+def assert_chunks_read_the_window_alike(model, **options):
     def logits(chunk: int) -> torch.Tensor:
-        llm = LLM(str(windowed), kv_cache_memory="16MiB", kv_format=kv_format, max_num_seqs=4)
+        llm = LLM(str(model), kv_cache_memory="16MiB", max_num_seqs=4, **options)
         return prefill_in_chunks(llm.engine, prompt(40), chunk=chunk)[0]
 
-    assert torch.allclose(logits(1), logits(40), atol=5e-3, rtol=0)
+    one_by_one = logits(1)
+    assert torch.allclose(one_by_one, logits(40), atol=5e-3, rtol=0)
+    assert torch.allclose(one_by_one, logits(24), atol=5e-3, rtol=0)
+
+
+def test_oaken_reads_a_chunk_s_keys_past_the_window_at_their_own_positions(tmp_path_factory):
+    """Oaken decodes a key with the mean key rotated to its position, so a chunk that reads its keys from its first
+    query's window on must decode them where they are, not at their column (a tiny Mistral whose token holds 64
+    values, as Oaken's groups need; thresholds calibrated on random tokens)."""
+    config = MistralConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                           sliding_window=WINDOW, bos_token_id=1, eos_token_id=2)
+    model = save_tiny_checkpoint(config, tmp_path_factory.mktemp("mistral-kv64"), seed=12)
+    engine = LLM(str(model), kv_cache_memory="8MiB").engine
+    [thresholds] = calibrate_oaken(engine, prompt(400, seed=1), [DEFAULT_RATIOS], 3, 48, progress=False,
+                                   source="random")
+    path = tmp_path_factory.mktemp("oaken") / "thresholds.json"
+    thresholds.save(path)
+    assert_chunks_read_the_window_alike(model, kv_format="oaken", oaken_calibration=str(path))
 
 
 def test_speculative_drafts_past_the_window_keep_the_greedy_output(windowed):

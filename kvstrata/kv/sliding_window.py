@@ -55,12 +55,17 @@ class SlidingWindowAttention(AttentionPolicy):
 
     def _window_keys(self, group: AttentionGroup) -> tuple[CachedKeys, torch.Tensor | None]:
         """The keys `group` reads: a decode row's last `window` (padding where its context is shorter), which the
-        causal mask then takes as they are; every key for other groups, with the causal mask less what the window
-        hides (None where it hides nothing)."""
+        causal mask then takes as they are; for a prompt chunk, its keys from its first query's window on (all of
+        them for other groups), with the causal mask less what the window hides (None where it hides nothing)."""
+        keys = group.keys
         if group.is_decode:
             lens = group.context_lens
             columns = lens[:, None] - self.window + torch.arange(self.window, device=lens.device)
-            return group.keys.take(columns.clamp(min=0), columns >= 0), None
-        causal = group.keys.mask_for(group)
-        visible = group.keys.positions[:, None, :] > group.q_positions[:, :, None] - self.window
-        return group.keys, (causal & visible if bool((causal & ~visible).any()) else None)
+            return keys.take(columns.clamp(min=0), columns >= 0), None
+        first = 0 if group.chunk_start is None else group.chunk_start - self.window + 1
+        if first > 0:  # no query of the chunk reads a key before `first`: they are neither read nor scored
+            columns = torch.arange(first, keys.width, device=group.q_positions.device)
+            keys = keys.take(columns.expand(group.num_sequences, -1))
+        causal = keys.mask_for(group)
+        visible = keys.positions[:, None, :] > group.q_positions[:, :, None] - self.window
+        return keys, (causal & visible if bool((causal & ~visible).any()) else None)
