@@ -5,8 +5,8 @@ reads: those go back to the pool as the window moves on (KVCacheManager.release_
 A step whose every query lies within the window of position 0 reads nothing the window hides, so it runs as full
 attention. Past that, a step of decodes alone reads each row's window in the one-operator step where the storage has
 it (kv/fused_decode.py), and other decode rows (a row per token verifying drafts too) read only their window's keys:
-in place, by the compiled readers' window, where the storage has one, else gathered; prompt chunks mask the keys
-before it.
+in place, by the compiled readers' window, where the storage has one, else gathered; a prompt chunk reads its keys
+from its first query's window on and masks what the window hides of them.
 """
 
 from __future__ import annotations
