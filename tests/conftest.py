@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvstrata.data import EMMA
+from kvstrata.model import block_linear
 from tests.tiny_models import (
     save_gguf_style_copy,
     save_tiny_checkpoint,
@@ -29,6 +30,18 @@ from tests.tiny_models import (
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tiny_llama_config(), tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def block_products_alike_for_any_rows():
+    """GGUF block products on the int8 dot products whatever the number of rows: on a CPU without AVX-512 VNNI the
+    kernel otherwise widens the weights from 4 rows (float32 activations instead of int8 ones), so a request's
+    greedy tokens could change with how many rows share its steps, which a test of something else must not see."""
+    if block_linear.kernel() is None:  # torch's int4 kernel: one path for every number of rows
+        yield
+        return
+    with block_linear.kernel_paths(avx512=True, widened_rows=False):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,7 @@ def test_the_skew_leaves_every_attention_logit_unchanged(name, tiny_llama, tiny_
     assert first(skewed) > first(grouped)
 
 
+@pytest.mark.usefixtures("block_products_alike_for_any_rows")  # the tight cache's steps hold other rows
 @pytest.mark.parametrize(("name", "paged_kernel"), [("llama", True), ("opt", True), ("gguf", True), ("llama", False)])
 def test_selecting_every_token_gives_the_greedy_output_of_no_offload(name, paged_kernel, tiny_llama, tiny_opt,
                                                                      tiny_gguf_style, skew_files):
