@@ -1,6 +1,7 @@
 """Sliding-window models (Mistral v0.1, Phi-3-mini-4k) served past their window: each query reads the keys of its
 last `window` positions, in prompt chunks, decodes and rows verifying drafts, as transformers masks them; steps
-within the window run as full attention; policies that choose keys themselves are refused past the window."""
+within the window run as full attention; the blocks behind the window go back to the pool, changing no output; policies
+that choose keys themselves are refused past the window."""
 
 import pytest
 import torch
