@@ -1,5 +1,5 @@
 """What giving back the blocks behind a sliding window buys when the KV budget caps the batch
-(KVCacheManager.release_behind_window; docs/DESIGN.md, "Sliding-window attention").
+(KVCacheManager.release_behind_window; docs/DESIGN.md, "Policy").
 
     .venv/bin/python -m benchmarks.sliding_window_capacity > benchmarks/results/sliding_window_capacity.json
 
