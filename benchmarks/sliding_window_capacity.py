@@ -33,6 +33,11 @@ from kvstrata.engine.kv_setup import engine_storage_layout
 from kvstrata.engine.llm_engine import LLMEngine
 
 
+def with_window(loaded, window: int):
+    """The loaded model with a sliding window of `window` tokens imposed (its weights shared)."""
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sliding_window=window))
+
+
 def keep_every_block(engine: LLMEngine) -> None:
     engine.kv_manager.window = None
 
@@ -62,8 +67,7 @@ def main() -> None:
     budget = int(args.full_batch * request_tokens * bytes_per_token)
     config = EngineConfig(threads=args.threads, kv_cache_memory=budget, max_model_len=request_tokens,
                           enable_prefix_caching=False)  # prompts of one text may share blocks by chance
-    loaded = reference.loaded
-    loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sliding_window=args.window))
+    loaded = with_window(reference.loaded, args.window)
     requests = sample_requests(reference.tokenizer, args.requests, parse_length(str(args.prompt_len), "prompt-len"),
                                parse_length(str(args.output_len), "output-len"), EMMA, args.seed)
     del reference

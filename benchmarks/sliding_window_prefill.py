@@ -15,12 +15,12 @@ windowed engine's median over the full one's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
 
 from benchmarks.prefill_ttft import TEXTS, kvstrata_ttft
+from benchmarks.sliding_window_capacity import with_window
 from kvstrata.bench.report import machine_info
 from kvstrata.bench.workload import prompts_from_text
 from kvstrata.config import EngineConfig
@@ -36,8 +36,7 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
 
     full = LLMEngine(EngineConfig(threads=2))
-    loaded = full.loaded
-    loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sliding_window=args.window))
+    loaded = with_window(full.loaded, args.window)
     engines = {"windowed": LLMEngine(full.config, loaded=loaded), "full": full}
     for engine in engines.values():  # warm-up: kernels, buffers
         kvstrata_ttft(engine, prompts_from_text(full.tokenizer, 1, 256)[0])

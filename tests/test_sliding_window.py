@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.bench.workload import run_together
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
@@ -128,12 +129,19 @@ def test_speculative_drafts_past_the_window_keep_the_greedy_output(windowed):
 
 def run_with_peak_blocks(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, int]:
     """The final outputs of `prompts` run together, and the most blocks the pool had in use after a step."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    outputs, peak = {}, 0
-    while engine.has_unfinished_requests():
-        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+    peak, step = 0, engine.step
+
+    def step_and_count():
+        nonlocal peak
+        outputs = step()
         peak = max(peak, engine.kv_manager.pool.num_used)
-    return [outputs[i] for i in ids], peak
+        return outputs
+
+    engine.step = step_and_count  # an instance attribute over the method, for this run only
+    try:
+        return run_together(engine, prompts, [params] * len(prompts)), peak
+    finally:
+        del engine.step
 
 
 def test_blocks_behind_the_window_go_back_to_the_pool(windowed):
