@@ -99,7 +99,8 @@ def test_every_allocation_is_reported_and_shared_blocks_are_not():
 def test_blocks_behind_a_sliding_window_go_back_to_the_pool_and_stay_cached():
     """A query at position p reads keys p - window + 1 .. p: the blocks wholly before the next query's window are given
     back (their entries repeat the first block kept), stay findable in the prefix cache until handed out again, and
-    are not released a second time when the sequence is freed."""
+    are not released a second time when the sequence is freed. A prefix matched later attaches only the blocks its
+    next query reads."""
     manager = KVCacheManager(num_blocks=8, block_size=4, window=6)
     s = seq(range(100, 117))  # 17 tokens in 5 blocks
     manager.grow(s, 17)
@@ -112,11 +113,59 @@ def test_blocks_behind_a_sliding_window_go_back_to_the_pool_and_stay_cached():
     manager.release_behind_window(s)  # nothing more behind it: nothing released twice
     assert manager.pool.num_used == 2
 
-    other = seq(range(100, 113), seq_id=1)
-    assert manager.match_prefix(other) == 12 and other.block_table == blocks[:3]
+    other = seq(range(100, 113), seq_id=1)  # its next query, at 12, reads 7 .. 12: block 0 is behind it
+    assert manager.match_prefix(other) == 12 and other.block_table == [blocks[1]] + blocks[1:3]
+    assert other.num_released_blocks == 1 and manager.pool.ref_counts[blocks[0]] == 0
     manager.free(s)
-    assert manager.pool.num_used == 3 and min(manager.pool.ref_counts) == 0
+    assert manager.pool.num_used == 2 and min(manager.pool.ref_counts) == 0
     assert (s.block_table, s.num_released_blocks) == ([], 0)
+    manager.free(other)
+    assert manager.pool.num_used == 0
+
+
+def test_under_a_sliding_window_a_prefix_whose_head_was_handed_out_is_still_matched():
+    """The head of a windowed prefix goes back to the pool first (given back as its sequence moves on), so it is
+    the first cached block handed out again; the prefix still matches as far as the blocks its next query reads
+    are cached. Without a window it matches nothing once its first block is gone."""
+
+    def computed(window):
+        manager = KVCacheManager(num_blocks=5, block_size=4, window=window)
+        s = seq(range(100, 117))  # 17 tokens in 5 blocks
+        manager.grow(s, 17)
+        s.num_computed_tokens = 17
+        manager.commit(s, 17)
+        blocks = list(s.block_table)
+        manager.release_behind_window(s)
+        manager.free(s)
+        return manager, blocks
+
+    manager, blocks = computed(window=6)
+    newcomer = seq(range(500, 506), seq_id=1)
+    manager.grow(newcomer, 6)  # the last block (never cached), then the least recently freed: the head
+    assert newcomer.block_table == [blocks[4], blocks[0]]
+    again = seq(range(100, 117), seq_id=2)
+    # usable: the 4 blocks before the last token; a query at 16 reads 11 .. 16: blocks 2 and 3
+    assert manager.match_prefix(again) == 16
+    assert again.block_table == [blocks[2]] * 2 + blocks[2:4] and again.num_released_blocks == 2
+    assert [manager.pool.ref_counts[b] for b in blocks] == [1, 0, 1, 1, 1]  # the newcomer's and again's
+
+    manager, blocks = computed(window=None)
+    manager.pool.forget(blocks[0])
+    assert manager.match_prefix(seq(range(100, 117), seq_id=2)) == 0
+
+
+def test_under_a_sliding_window_a_prefix_is_matched_only_where_its_next_query_reads_cached_blocks():
+    """A gap in the blocks that a query would read ends the prefix before it: of 6 usable blocks with block 4 gone,
+    under a window of 6 a query at 24 reads blocks 4-5, at 20 blocks 3-4, at 16 blocks 2-3: 16 tokens match."""
+    manager = KVCacheManager(num_blocks=8, block_size=4, window=6)
+    s = seq(range(100, 125))  # 25 tokens in 7 blocks
+    manager.grow(s, 25)
+    s.num_computed_tokens = 25
+    manager.commit(s, 25)
+    manager.pool.forget(s.block_table[4])
+    manager.free(s)
+    again = seq(range(100, 125), seq_id=1)
+    assert manager.match_prefix(again) == 16 and again.num_released_blocks == 2
 
 
 def test_a_discarded_sequence_takes_the_blocks_it_gave_back_out_of_the_prefix_cache():

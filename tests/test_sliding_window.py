@@ -11,6 +11,7 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.bench.workload import run_together
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_policy import FullAttention
+from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
 from kvstrata.kv.formats.oaken.thresholds import calibrate as calibrate_oaken
 from kvstrata.kv.sliding_window import SlidingWindowAttention
@@ -216,6 +217,39 @@ def test_a_kv_store_copies_the_whole_prompt_before_its_blocks_go_back(windowed):
     engine.reset_prefix_cache()
     [loaded], _ = run_with_peak_blocks(engine, [ids], GREEDY)
     assert engine.kv_store.stats.loaded_tokens == 96 and loaded.token_ids == computed.token_ids
+
+
+@pytest.mark.parametrize("options", [{"kv_format": "fp32"}, {"kv_format": "int8/int4"},
+                                     {"kv_format": "kivi4", "kivi_residual": 16}])
+def test_a_prompt_whose_head_left_the_pool_reuses_the_blocks_its_window_reads(windowed, options):
+    """The first blocks of a 70-token prompt taken out of the prefix cache (as the pool hands out first the blocks
+    given back behind a window): the same prompt again reads the cached block its first new query's window covers
+    (tokens 48-63), so 64 of its tokens are not computed, and it gives the tokens it gave the first time."""
+    engine = LLM(str(windowed), kv_cache_memory="8MiB", **options).engine
+    ids = prompt(70)
+    [first], _ = run_with_peak_blocks(engine, [ids], GREEDY)
+    pool = engine.kv_manager.pool
+    for block_hash in full_block_hashes(ids, 16, [], engine.kv_manager.namespace)[:3]:
+        pool.forget(pool.lookup(block_hash))
+    [again], _ = run_with_peak_blocks(engine, [ids], GREEDY)
+    assert again.num_cached_tokens == 64 and again.token_ids == first.token_ids
+
+
+def test_a_kv_store_writes_no_chunk_over_blocks_a_windowed_match_left_behind(windowed):
+    """A prompt that matches 96 cached tokens under the window holds only their last block; the store chunk of
+    tokens 64-127 reaches into the entries behind the window, so it is not written (its copy would hold another
+    block's KV). Loaded from the store later (the device pool's prefix cache forgotten), the prompt gives the
+    tokens it gave when computed."""
+    engine = LLM(str(windowed), kv_cache_memory="8MiB", kv_store="host:64MiB", kv_store_chunk_tokens=64).engine
+    head = prompt(110)
+    run_with_peak_blocks(engine, [head], GREEDY)
+    ids = head[:96] + prompt(44, seed=1)
+    [computed], _ = run_with_peak_blocks(engine, [ids], GREEDY)
+    assert computed.num_cached_tokens == 96
+    engine.kv_store.flush()
+    engine.reset_prefix_cache()
+    [loaded], _ = run_with_peak_blocks(engine, [ids], GREEDY)
+    assert engine.kv_store.stats.loaded_tokens == 64 and loaded.token_ids == computed.token_ids
 
 
 @pytest.mark.parametrize("options", [{"kv_offload": "full"}, {"kv_offload": "infinigen"}, {"kv_offload": "h2o"}])

@@ -44,11 +44,13 @@ class StoreWrites:
     def store_prompt(self, seq, reused_tokens: int) -> None:
         """Queue the full chunks of `seq`'s prompt that its prefill computed (those ending after the first
         `reused_tokens`, which came from the device pool or the store) for writing. The KV is copied now,
-        while `seq` holds its blocks; encoding and writing happen on the write thread."""
+        while `seq` holds its blocks; encoding and writing happen on the write thread. A chunk that reaches into
+        blocks `seq` never held (a prefix matched behind a sliding window) is not written."""
         if seq.store_salt is None:
             return
         num_chunks = seq.num_prompt_tokens // self.chunk_tokens
-        first = reused_tokens // self.chunk_tokens
+        first = max(reused_tokens // self.chunk_tokens,
+                    -(-seq.num_released_blocks * self.kv_cache.block_size // self.chunk_tokens))
         if first >= num_chunks:
             return
         shape = self.store.shape

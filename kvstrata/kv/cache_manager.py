@@ -99,10 +99,27 @@ class KVCacheManager:
         if not seq.reads_cached_prefix:
             return 0, 0  # it computes every prompt token (its blocks are cached for others all the same)
         usable = (seq.num_tokens - 1) // self.block_size
-        held = 0
-        while held < usable and self.pool.lookup(seq.block_hashes[held]) is not None:
-            held += 1
-        return held, usable
+        cached = run = 0  # run: how many blocks up to the one looked at are all in the pool
+        for index, block_hash in enumerate(seq.block_hashes[:usable]):
+            if self.pool.lookup(block_hash) is None:
+                if self.window is None:
+                    break  # every later query reads this block
+                run = 0
+                continue
+            run += 1
+            if run >= index + 1 - self._blocks_behind_prefix(index + 1):  # all that the next query reads
+                cached = index + 1
+        return cached, usable
+
+    def _blocks_behind(self, position: int) -> int:
+        """The leading blocks wholly before the window of a query at `position` (it reads from `window` - 1
+        positions before it): no query from there on reads them. 0 without a window."""
+        return 0 if self.window is None else max(0, (position - self.window + 1) // self.block_size)
+
+    def _blocks_behind_prefix(self, num_blocks: int) -> int:
+        """Of the first `num_blocks` blocks, those behind the window of the query right after them; a window
+        shorter than a block keeps the last one."""
+        return min(self._blocks_behind(num_blocks * self.block_size), max(num_blocks - 1, 0))
 
     def prompt_blocks_ahead(self, running: list[Sequence]) -> set[BlockHash]:
         """Hashes of the full blocks that `running` sequences have yet to compute (those of this step included)."""
@@ -131,14 +148,21 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the cached blocks of the longest prefix the device pool holds; return the tokens it covers.
 
-        At least one token is always left to compute, since its logits give the next token.
+        Under a sliding window the prefix counts as cached where the blocks its next query reads are, whatever
+        became of those before them: only those are attached, and the others are entries given back behind the
+        window from the start (release_behind_window). So a prefix stays usable after the pool handed out its
+        head, which goes back to the pool first, as its sequence moves past it. At least one token is always left
+        to compute, since its logits give the next token.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        held, _ = self._cached_blocks(seq)
-        for block_hash in seq.block_hashes[:held]:
+        cached, _ = self._cached_blocks(seq)
+        behind = self._blocks_behind_prefix(cached)
+        for block_hash in seq.block_hashes[behind:cached]:
             block = self.pool.lookup(block_hash)
             self.pool.share(block)
             seq.block_table.append(block)
+        seq.block_table[:0] = seq.block_table[:1] * behind
+        seq.num_released_blocks = behind
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
@@ -198,10 +222,8 @@ class KVCacheManager:
         next one is at position `num_computed_tokens` and reads from `window` - 1 positions before it). Their
         table entries then repeat the first block kept, so a padded read stays in memory `seq` holds; the blocks
         stay in the prefix cache until the pool hands them out again."""
-        if self.window is None:
-            return
-        behind = (seq.num_computed_tokens - self.window + 1) // self.block_size
-        behind = min(behind, len(seq.block_table) - 1)  # a window shorter than a block keeps the block written
+        # a window shorter than a block keeps the block written
+        behind = min(self._blocks_behind(seq.num_computed_tokens), len(seq.block_table) - 1)
         if behind <= seq.num_released_blocks:
             return
         for block in seq.block_table[seq.num_released_blocks : behind]:
