@@ -60,9 +60,9 @@ def engine(**options) -> LLMEngine:
     return LLMEngine(EngineConfig(threads=2, **options))
 
 
-def first_token(engine: LLMEngine, token_ids: list[int], max_tokens: int = 1):
-    """Run one request alone; its output (metrics.ttft counts from add_request)."""
-    engine.add_request(token_ids, SamplingParams(temperature=0, max_tokens=max_tokens))
+def first_token(engine: LLMEngine, token_ids: list[int], max_tokens: int = 1, ignore_eos: bool = False):
+    """Run one request alone, greedy; its final output (metrics.ttft counts from add_request)."""
+    engine.add_request(token_ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos))
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:

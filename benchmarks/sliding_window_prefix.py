@@ -27,23 +27,12 @@ import statistics
 
 import torch
 
-from benchmarks.kv_store_ttft import QUESTIONS, TEXTS
+from benchmarks.kv_store_ttft import QUESTIONS, TEXTS, first_token
 from benchmarks.sliding_window_capacity import with_window
 from kvstrata.bench.report import machine_info
 from kvstrata.config import EngineConfig
 from kvstrata.engine.kv_setup import engine_storage_layout
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.sampling_params import SamplingParams
-
-
-def run_alone(engine: LLMEngine, token_ids: list[int], output_len: int):
-    """One request to its end; its final output (metrics.ttft counts from add_request)."""
-    engine.add_request(token_ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                return output
-    raise RuntimeError("the request did not finish")
 
 
 def main() -> None:
@@ -67,14 +56,14 @@ def main() -> None:
     config = EngineConfig(threads=args.threads, kv_cache_memory=budget, max_model_len=request_tokens)
     engine = LLMEngine(config, loaded=with_window(reference.loaded, args.window))
     del reference
-    run_alone(engine, questions[0] * 8, 2)  # warm-up: kernels, buffers
+    first_token(engine, questions[0] * 8, 2)  # warm-up: kernels, buffers
     engine.reset_prefix_cache()
 
     rows, digest = [], hashlib.sha256()
     for round_index in range(args.rounds):
         for name, document in documents.items():
             prompt = document + questions[round_index % len(questions)]
-            output = run_alone(engine, prompt, args.output_len)
+            output = first_token(engine, prompt, args.output_len, ignore_eos=True)
             digest.update(json.dumps(output.token_ids).encode())
             rows.append({"round": round_index, "document": name, "prompt_tokens": len(prompt),
                          "cached_tokens": output.num_cached_tokens, "ttft_s": round(output.metrics.ttft, 3)})
