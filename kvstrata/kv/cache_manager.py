@@ -86,12 +86,14 @@ class KVCacheManager:
         return self.namespace + (seq.cache_salt or b"")
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Tokens of `seq`'s longest prefix that the device pool holds now, without taking its blocks."""
+        """Tokens of `seq`'s longest prefix that the device pool holds now (under a sliding window: the part of it
+        that the next query reads), without taking its blocks."""
         return self._cached_blocks(seq)[0] * self.block_size
 
     def _cached_blocks(self, seq: Sequence) -> tuple[int, int]:
-        """How many leading blocks of `seq` the pool holds, and how many it could use (all full blocks before
-        its last token, whose logits must be computed)."""
+        """How many leading blocks of `seq` count as cached (all of them in the pool, or under a sliding window
+        those that the query after them reads), and how many it could use (all full blocks before its last token,
+        whose logits must be computed)."""
         if not self.enable_prefix_caching:
             return 0, 0
         if len(seq.block_hashes) < seq.num_tokens // self.block_size:  # hashed once per block, not once per step
@@ -99,7 +101,7 @@ class KVCacheManager:
         if not seq.reads_cached_prefix:
             return 0, 0  # it computes every prompt token (its blocks are cached for others all the same)
         usable = (seq.num_tokens - 1) // self.block_size
-        cached = run = 0  # run: how many blocks up to the one looked at are all in the pool
+        cached = run = 0  # run: the blocks in the pool in a row, up to the one looked at
         for index, block_hash in enumerate(seq.block_hashes[:usable]):
             if self.pool.lookup(block_hash) is None:
                 if self.window is None:
