@@ -235,6 +235,22 @@ def test_a_prompt_whose_head_left_the_pool_reuses_the_blocks_its_window_reads(wi
     assert again.num_cached_tokens == 64 and again.token_ids == first.token_ids
 
 
+def test_requests_about_one_document_in_a_small_pool_give_transformers_greedy_output(windowed):
+    """Eight questions about one 60-token document, all at once, 30 tokens each, in a pool of 8 blocks (the engine's
+    least for max_model_len 128): they share the document's blocks, give them back behind the window, match what
+    is left of them and are preempted, and each gives transformers' greedy tokens."""
+    document = prompt(60)
+    prompts = [document + prompt(4 + seed, seed=seed) for seed in range(1, 9)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    c = LLM(str(windowed), kv_cache_memory="8MiB").engine.loaded.config
+    pool_bytes = 8 * 16 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    engine = LLM(str(windowed), kv_cache_memory=pool_bytes, max_model_len=128).engine
+    outputs, _ = run_with_peak_blocks(engine, prompts, params)
+    reference = AutoModelForCausalLM.from_pretrained(str(windowed))
+    assert [o.token_ids for o in outputs] == [hf_greedy(reference, p, 30) for p in prompts]
+    assert sum(o.num_cached_tokens for o in outputs) > 0 and sum(s.num_preempted for s in engine.step_stats) > 0
+
+
 def test_a_kv_store_writes_no_chunk_over_blocks_a_windowed_match_left_behind(windowed):
     """A prompt that matches 96 cached tokens under the window holds only their last block; the store chunk of
     tokens 64-127 reaches into the entries behind the window, so it is not written (its copy would hold another
