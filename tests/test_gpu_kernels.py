@@ -25,22 +25,28 @@ QUANTIZED = [case for case in CASES if not case.startswith(("fp", "bf"))]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def prefilled(tiny_llama_kv64, oaken_calibrations, case, lens, gpu_kernels):
+def on_the_torch_path(tiny_llama_kv64, oaken_calibrations, case):
+    """An engine whose cache is stored and read by the torch path, on a GPU too."""
     engine = build(tiny_llama_kv64, oaken_calibrations, case, device=DEVICE).engine
-    engine.kv_cache.gpu_kernels = gpu_kernels  # without a GPU, the GPU path runs on the CPU, in the interpreter
+    engine.kv_cache.gpu_kernels = False
+    return engine
+
+
+def prefill_random_prompts(engine, lens):
+    """Chunked prefills of random prompts of `lens` tokens: their sequences."""
     gen = torch.Generator().manual_seed(4)
-    seqs = [prefill_in_chunks(engine, torch.randint(3, 320, (n,), generator=gen).tolist(), 32, seq_id=i)[1]
+    return [prefill_in_chunks(engine, torch.randint(3, 320, (n,), generator=gen).tolist(), 32, seq_id=i)[1]
             for i, n in enumerate(lens)]
-    return engine, seqs
 
 
 @pytest.mark.parametrize("case", ["int8", "int4", "kivi2", "oaken"])
 def test_engine_generates_the_same_on_the_gpu_kernels(case, tiny_llama_kv64, oaken_calibrations):
-    """Greedy output over prefill chunks and many decode steps (KIVI's blocks leave its window, Oaken's pages fill)
-    with every store and read of the cache on the GPU kernels equals the torch path's."""
+    """Greedy output over prefill chunks and decode steps (the longer prompt's first block leaves KIVI's window of 32
+    at 48 tokens, Oaken's pages fill) with every store and read of the cache on the GPU kernels equals the torch
+    path's."""
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 40)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     on_kernels = build(tiny_llama_kv64, oaken_calibrations, case, device=DEVICE)
     storage = on_kernels.engine.kv_cache
     storage.gpu_kernels = True
@@ -53,7 +59,8 @@ def test_engine_generates_the_same_on_the_gpu_kernels(case, tiny_llama_kv64, oak
 @pytest.mark.parametrize("case", QUANTIZED)
 def test_gpu_reader_gathers_what_the_torch_path_decodes(case, tiny_llama_kv64, oaken_calibrations):
     lens = [1, 20, 75]
-    engine, seqs = prefilled(tiny_llama_kv64, oaken_calibrations, case, lens, gpu_kernels=False)
+    engine = on_the_torch_path(tiny_llama_kv64, oaken_calibrations, case)
+    seqs = prefill_random_prompts(engine, lens)
     storage = engine.kv_cache
     width = max(len(s.block_table) for s in seqs)
     tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], device=DEVICE)
@@ -79,14 +86,27 @@ def test_gpu_reader_gathers_what_the_torch_path_decodes(case, tiny_llama_kv64, o
 @pytest.mark.parametrize("case", ["int8", "int4", "int4-group16", "int8/int4", "oaken", "oaken-uncentered",
                                   "oaken-fp16-outliers", "oaken-unshifted", "oaken-4-groups"])
 def test_gpu_encoders_write_the_torch_encoders_bytes(case, tiny_llama_kv64, oaken_calibrations):
-    """Layer 0's K/V, which no read of the cache feeds, are written as the same bytes over chunked prefills: records,
-    and each token's sparse bytes (the pages they lie in may differ)."""
+    """Layer 0's K/V of chunked prefills, as the torch path stored them, stored again on the GPU encoder: the same
+    records, and each token's sparse bytes (the pages they lie in may differ). Only layer 0 goes through the encoder:
+    in Triton's interpreter every layer would take as long as it."""
     lens = [3, 50, 21]
-    on_gpu_path, seqs = prefilled(tiny_llama_kv64, oaken_calibrations, case, lens, gpu_kernels=True)
-    on_torch_path, _ = prefilled(tiny_llama_kv64, oaken_calibrations, case, lens, gpu_kernels=False)
-    got, want = on_gpu_path.kv_cache, on_torch_path.kv_cache
-    slots = torch.cat([slots_of_positions(torch.tensor([s.block_table]), torch.arange(n), got.block_size)[0]
-                       for s, n in zip(seqs, lens)]).to(DEVICE)
+    on_torch_path = on_the_torch_path(tiny_llama_kv64, oaken_calibrations, case)
+    want = on_torch_path.kv_cache
+    store, layer0_stores = want.store, []
+
+    def store_and_record(layer, slots, positions, k, v):
+        if layer == 0:
+            layer0_stores.append((slots.clone(), positions.clone(), k.clone(), v.clone()))
+        store(layer, slots, positions, k, v)
+
+    want.store = store_and_record
+    prefill_random_prompts(on_torch_path, lens)
+    assert len(layer0_stores) == 4  # one store per chunk
+    got = build(tiny_llama_kv64, oaken_calibrations, case, device=DEVICE).engine.kv_cache
+    got.gpu_kernels = True
+    for slots, positions, k, v in layer0_stores:
+        got.store(0, slots, positions, k, v)
+    slots = torch.cat([slots for slots, *_ in layer0_stores])
     for kind in "kv":
         assert torch.equal(got.records[kind][0], want.records[kind][0])
         if kind in got.sparse:
