@@ -364,7 +364,7 @@ def _edge_body():
     return st.builds(lambda b, o: {**b, **o}, base, overrides) | JSON_VALUES
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(body=_edge_body(), chat=st.booleans(), raw=st.booleans())
 def test_no_input_produces_a_server_error(server, body, chat, raw):
     url = server[0] + ("/v1/chat/completions" if chat else "/v1/completions")
