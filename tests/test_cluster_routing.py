@@ -94,6 +94,28 @@ def test_kv_aware_routing_goes_where_the_longest_prefix_is_held_now():
     assert routing.cursors[partial] == ("log-p", 13)
 
 
+def test_under_a_sliding_window_a_document_whose_head_was_handed_out_is_still_reused_where_it_is_held():
+    """A window gives a document's head back to its replica's pool first: the replica still reuses the document
+    (its prefix cache matches where the blocks the next query reads are), and the front counts it so."""
+    routing, idle, up = KVAwareRouting(3, 16, 64), [0] * 3, [True] * 3
+    document = prompt_blocks(list(range(200)), 16)  # 12 blocks
+    question = prompt_blocks(list(range(200)) + list(range(500, 540)), 16)
+    by_hashing = routing.order(question, idle, up)[0]
+    holder, head_only = (by_hashing + 1) % 3, (by_hashing + 2) % 3
+    routing.apply(holder, b"", KVEvents("log-h", 8, stored(document[4:]), snapshot=False))  # its first 4 reused
+    routing.apply(head_only, b"", KVEvents("log-p", 3, stored(document[:3]), snapshot=False))
+    assert routing.order(question, idle, up)[0] == head_only  # no window: every query reads the head
+    routing.apply(holder, b"", KVEvents("log-h", 8, [], snapshot=False), window=64)
+    assert routing.window == 64
+    # a query after the 12 blocks reads the last 4 (64 tokens): the holder can reuse 12 blocks, the other 3
+    assert routing.order(question, idle, up)[0] == holder
+    routing.apply(holder, b"", KVEvents("log-h", 9, [(False, document[9])], snapshot=False), window=64)
+    # now a gap at block 9: the holder reuses blocks up to 9 (5 to 8 read by the query after them), still more
+    assert routing.order(question, idle, up)[0] == holder
+    routing.apply(holder, b"", KVEvents("log-h", 10, [(False, document[6])], snapshot=False), window=64)
+    assert routing.order(question, idle, up)[0] == head_only  # runs of 2 blocks: no query finds its 4 held
+
+
 def test_kv_aware_routing_starts_over_from_a_snapshot_and_forgets_a_failed_replica():
     routing, idle, up = KVAwareRouting(2), [0, 0], [True, True]
     first, second = prompt_blocks(list(range(64)), 16), prompt_blocks(list(range(100, 164)), 16)

@@ -96,7 +96,8 @@ def test_the_same_prefix_meets_the_same_replica_and_distinct_prefixes_spread(clu
 
 def test_a_prompt_goes_where_a_replica_reports_holding_its_prefix(cluster):
     passage = [3 + (5 * i) % 300 for i in range(80)]  # five blocks, beyond the 64-token hashing key
-    namespace, _ = replica(0).kv_events.remote(None, 0).result()
+    namespace, window, _ = replica(0).kv_events.remote(None, 0).result()
+    assert window is None  # the tiny model has no sliding window
     hashing = KVAwareRouting(2, 16, 64)
     by_hashing = hashing.order(prompt_blocks(passage, 16, None, namespace), [0, 0], [True, True])[0]
     holder = 1 - by_hashing
@@ -106,7 +107,7 @@ def test_a_prompt_goes_where_a_replica_reports_holding_its_prefix(cluster):
                ("authorization", AUTH["Authorization"])]
     messages = list(replica(holder).forward.options(stream=True).remote("POST", "/v1/completions", "", headers, body))
     assert messages[0].status == 200
-    _, events = replica(holder).kv_events.remote(None, 0).result()
+    _, _, events = replica(holder).kv_events.remote(None, 0).result()
     held = {block for _, block in events.changes}
     assert set(prompt_blocks(passage, 16, None, namespace)) <= held  # the replica reports the front's own keys
     wait_until(lambda: metric(cluster, "kvstrata:router_kv_blocks", holder) >= len(held), 30,

@@ -307,13 +307,13 @@ class Frontend:
         log_id, cursor = self.routing.cursors[index]
         finished = self.routing.num_finished(index)  # requests that ended before the events were asked for
         try:
-            namespace, events = await asyncio.wait_for(
+            namespace, window, events = await asyncio.wait_for(
                 self.replicas[index].kv_events.remote(log_id, cursor), PROBE_TIMEOUT_SECONDS)
         except Exception as exc:  # noqa: BLE001 - a replica that cannot answer now is asked again later
             log.debug("replica %d sent no KV events: %s", index, type(exc).__name__)
             return
         if self.up[index] and self.routing.cursors[index] == (log_id, cursor):  # not forgotten meanwhile
-            self.routing.apply(index, namespace, events)
+            self.routing.apply(index, namespace, events, window)
             self.routing.settle(index, finished)
             self.kv_blocks.labels(replica=str(index)).set(self.routing.num_held(index))
             self._first_kv_events.set()

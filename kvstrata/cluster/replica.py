@@ -54,12 +54,12 @@ class EngineReplica:
         async for message in call_app(self.app, method, path, query, headers, body):
             yield message
 
-    def kv_events(self, log_id: str | None, cursor: int) -> tuple[bytes, KVEvents]:
+    def kv_events(self, log_id: str | None, cursor: int) -> tuple[bytes, int | None, KVEvents]:
         """The changes to the prefix cache after `cursor` (or a snapshot: kv_events.py), with the namespace its
-        block hashes are chained from."""
+        block hashes are chained from and the sliding window it matches prefixes under (None: none)."""
         if self.events is None:
             raise RuntimeError("this replica was started without KV events (the front's routing is not kv-aware)")
-        return self.engine.kv_manager.namespace, self.events.since(log_id, cursor)
+        return self.engine.kv_manager.namespace, self.engine.kv_manager.window, self.events.since(log_id, cursor)
 
     def identity(self) -> dict:
         """What the front checks before sending a replica requests (the fingerprint of the model it serves),

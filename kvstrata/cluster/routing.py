@@ -19,6 +19,7 @@ from collections import Counter, OrderedDict
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.block_hash import BlockHash, chained_block_hash, full_block_hashes, tenant_salt
 from kvstrata.kv.kv_events import KVEvents
+from kvstrata.kv.window_blocks import longest_readable_prefix
 
 POLICIES = ("prefix", "kv-aware", "round-robin", "least-loaded")
 VIRTUAL_NODES = 64  # points per replica on the hash ring: spreads keys evenly over few replicas
@@ -100,6 +101,7 @@ class RingRouting(Routing):
         super().__init__(num_replicas)
         if load_factor < 1:
             raise KvstrataError(f"the load factor must be at least 1, got {load_factor}")
+        self.block_size = block_size
         self.key_blocks = max(1, key_tokens // block_size)
         self.load_factor = load_factor
         ring = sorted((_point(f"{replica}/{v}".encode()), replica)
@@ -178,10 +180,13 @@ class KVAwareRouting(RingRouting):
     (`routed`, `finished`, `settle`); without that, the questions arriving while the first one on a passage is
     still queued would be spread by hashing and computed twice. Among replicas holding equally much, the less
     loaded, then the ring's order; a prompt nobody holds goes by consistent hashing; bounded load as under
-    `prefix`."""
+    `prefix`. Under a sliding window (`window`) a prefix counts as held where the blocks its next query reads are,
+    as the replicas' prefix caches match it: a replica whose pool handed out a document's head, which the window
+    gives back first, still reuses the document."""
 
     def __init__(self, num_replicas: int, block_size: int = 16, key_tokens: int = 256):
         super().__init__(num_replicas, block_size, key_tokens)
+        self.window: int | None = None  # the replicas' sliding window, as their events say
         self._holders: dict[BlockHash, set[int]] = {}  # who holds or is computing each block
         self._held: list[set[BlockHash]] = [set() for _ in range(num_replicas)]  # as the replica reported
         self._in_flight: list[Counter[BlockHash]] = [Counter() for _ in range(num_replicas)]  # requests sent with it
@@ -213,11 +218,14 @@ class KVAwareRouting(RingRouting):
                     self._release(block, replica)
         del self._finished[replica][:count]
 
-    def apply(self, replica: int, namespace: bytes, events: KVEvents) -> None:
+    def apply(self, replica: int, namespace: bytes, events: KVEvents, window: int | None = None) -> None:
+        """A replica's news, with the namespace its block hashes are chained from and the sliding window its
+        prefix cache matches under."""
         if events.snapshot:  # what was reported before is replaced; requests in flight still count
             self._drop_reported(replica)
         held = self._held[replica]
-        self.namespace = namespace  # every replica serves one model in one KV form: one namespace
+        # every replica serves one model in one KV form and one configuration: one namespace, one window
+        self.namespace, self.window = namespace, window
         for stored, block in events.changes:
             if stored:
                 held.add(block)
@@ -241,14 +249,15 @@ class KVAwareRouting(RingRouting):
                 del self._holders[block]
 
     def holder(self, blocks, ring, open_, loads):
-        holding: set[int] = {r for r in range(self.num_replicas) if open_(r)}
-        longest: set[int] = set()
-        for block in blocks:
-            holding = holding & self._holders.get(block, set())
-            if not holding:
-                break
-            longest = holding
-        return min(longest, key=lambda r: (loads[r], ring.index(r))) if longest else None
+        def reusable_blocks(replica: int) -> int:  # the longest prefix whose next query finds what it reads
+            held = (replica in self._holders.get(block, ()) for block in blocks)
+            return longest_readable_prefix(held, self.block_size, self.window)
+
+        reusable = {r: reusable_blocks(r) for r in range(self.num_replicas) if open_(r)}
+        most = max(reusable.values(), default=0)
+        if most == 0:
+            return None
+        return min((r for r, n in reusable.items() if n == most), key=lambda r: (loads[r], ring.index(r)))
 
     def forget(self, replica):
         """What the replica reported is gone with it; its requests in flight still end (`finished`) and settle as

@@ -14,6 +14,7 @@ from kvstrata.errors import RequestFailed
 from kvstrata.kv.block_hash import BlockHash, full_block_hashes
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.preloaded import Preloaded
+from kvstrata.kv.window_blocks import blocks_behind, blocks_behind_prefix, longest_readable_prefix
 
 
 class Sequence(Protocol):
@@ -101,27 +102,8 @@ class KVCacheManager:
         if not seq.reads_cached_prefix:
             return 0, 0  # it computes every prompt token (its blocks are cached for others all the same)
         usable = (seq.num_tokens - 1) // self.block_size
-        cached = run = 0  # run: the blocks in the pool in a row, up to the one looked at
-        for index, block_hash in enumerate(seq.block_hashes[:usable]):
-            if self.pool.lookup(block_hash) is None:
-                if self.window is None:
-                    break  # every later query reads this block
-                run = 0
-                continue
-            run += 1
-            if run >= index + 1 - self._blocks_behind_prefix(index + 1):  # all that the next query reads
-                cached = index + 1
-        return cached, usable
-
-    def _blocks_behind(self, position: int) -> int:
-        """The leading blocks wholly before the window of a query at `position` (it reads from `window` - 1
-        positions before it): no query from there on reads them. 0 without a window."""
-        return 0 if self.window is None else max(0, (position - self.window + 1) // self.block_size)
-
-    def _blocks_behind_prefix(self, num_blocks: int) -> int:
-        """Of the first `num_blocks` blocks, those behind the window of the query right after them; a window
-        shorter than a block keeps the last one."""
-        return min(self._blocks_behind(num_blocks * self.block_size), max(num_blocks - 1, 0))
+        held = (self.pool.lookup(block_hash) is not None for block_hash in seq.block_hashes[:usable])
+        return longest_readable_prefix(held, self.block_size, self.window), usable
 
     def prompt_blocks_ahead(self, running: list[Sequence]) -> set[BlockHash]:
         """Hashes of the full blocks that `running` sequences have yet to compute (those of this step included)."""
@@ -158,7 +140,7 @@ class KVCacheManager:
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         cached, _ = self._cached_blocks(seq)
-        behind = self._blocks_behind_prefix(cached)
+        behind = blocks_behind_prefix(cached, self.block_size, self.window)
         for block_hash in seq.block_hashes[behind:cached]:
             block = self.pool.lookup(block_hash)
             self.pool.share(block)
@@ -225,7 +207,7 @@ class KVCacheManager:
         table entries then repeat the first block kept, so a padded read stays in memory `seq` holds; the blocks
         stay in the prefix cache until the pool hands them out again."""
         # a window shorter than a block keeps the block written
-        behind = min(self._blocks_behind(seq.num_computed_tokens), len(seq.block_table) - 1)
+        behind = min(blocks_behind(seq.num_computed_tokens, self.block_size, self.window), len(seq.block_table) - 1)
         if behind <= seq.num_released_blocks:
             return
         for block in seq.block_table[seq.num_released_blocks : behind]:
