@@ -6,6 +6,7 @@ A query at position p reads the keys at p - window + 1 .. p; without a window (N
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 
@@ -24,11 +25,11 @@ def longest_readable_prefix(held: Iterable[bool], block_size: int, window: int |
     """The longest prefix, in blocks, whose next query finds every block it reads held, given whether each of a
     prompt's blocks is held, in order. Without a window that is the run of held blocks from the first; with one, a
     block the window has passed may be missing. Without a window `held` is read only up to its first gap."""
+    if window is None:  # every later query reads a missing block
+        return sum(1 for _ in itertools.takewhile(bool, held))
     longest = run = 0  # run: the held blocks in a row, up to the one looked at
     for index, is_held in enumerate(held):
         if not is_held:
-            if window is None:
-                break  # every later query reads this block
             run = 0
             continue
         run += 1
