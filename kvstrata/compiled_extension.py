@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a build that was killed
+STALE_LOCK_S = 600  # a build takes about two minutes on 2 cores; a lock this old was left by a build that was killed
 # -fopenmp: at::parallel_for spreads work over torch's threads; AVX2, FMA and F16C: every x86-64 server CPU of the
 # last decade has them.
 FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]

@@ -8,7 +8,8 @@
 // agree. The state is 64-bit and renormalizes 32 bits at a time (rANS with L = 2^31): the stream is a sequence
 // of uint32 words, the final state (two words) first. Groups are encoded last to first so they decode first to
 // last. A decoder that runs out of words, or whose final state is not the initial one, reports a corrupt stream.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -70,18 +71,18 @@ Model build_model(const double* probabilities, int64_t n, bool with_lookup) {
   return model;
 }
 
-bool is_vector(const torch::Tensor& t, torch::ScalarType dtype) {
+bool is_vector(const at::Tensor& t, at::ScalarType dtype) {
   return t.dtype() == dtype && t.dim() == 1 && t.is_contiguous();
 }
 
 // Checked with plain loops: the arrays are small, and torch reductions would cost more than the check (the decoder
 // runs beside others, and each torch call holds the GIL). Returns the number of symbols.
-int64_t check_layout(const torch::Tensor& sizes, const torch::Tensor& group_models, const torch::Tensor& lengths,
-                     const torch::Tensor& probabilities) {
-  TORCH_CHECK(is_vector(sizes, torch::kInt64) && is_vector(group_models, torch::kInt64) &&
+int64_t check_layout(const at::Tensor& sizes, const at::Tensor& group_models, const at::Tensor& lengths,
+                     const at::Tensor& probabilities) {
+  TORCH_CHECK(is_vector(sizes, at::kLong) && is_vector(group_models, at::kLong) &&
               sizes.numel() == group_models.numel(), "sizes and group models: int64 [groups]");
-  TORCH_CHECK(is_vector(lengths, torch::kInt64), "model lengths: int64 [models]");
-  TORCH_CHECK(is_vector(probabilities, torch::kFloat64), "probabilities: float64, every model's concatenated");
+  TORCH_CHECK(is_vector(lengths, at::kLong), "model lengths: int64 [models]");
+  TORCH_CHECK(is_vector(probabilities, at::kDouble), "probabilities: float64, every model's concatenated");
   const int64_t* length = lengths.data_ptr<int64_t>();
   int64_t covered = 0;
   for (int64_t m = 0; m < lengths.numel(); ++m) {
@@ -103,7 +104,7 @@ int64_t check_layout(const torch::Tensor& sizes, const torch::Tensor& group_mode
 // Each model built once, when a group first uses it.
 class Models {
  public:
-  Models(const torch::Tensor& lengths, const torch::Tensor& probabilities, bool with_lookup)
+  Models(const at::Tensor& lengths, const at::Tensor& probabilities, bool with_lookup)
       : length_(lengths.data_ptr<int64_t>()), probability_(probabilities.data_ptr<double>()),
         first_(lengths.numel() + 1, 0), built_(lengths.numel()), with_lookup_(with_lookup) {
     for (int64_t m = 0; m < lengths.numel(); ++m) first_[m + 1] = first_[m] + length_[m];
@@ -126,10 +127,10 @@ class Models {
 
 }  // namespace
 
-torch::Tensor rans_encode(torch::Tensor symbols, torch::Tensor sizes, torch::Tensor group_models,
-                          torch::Tensor lengths, torch::Tensor probabilities) {
+at::Tensor rans_encode(at::Tensor symbols, at::Tensor sizes, at::Tensor group_models,
+                          at::Tensor lengths, at::Tensor probabilities) {
   const int64_t total = check_layout(sizes, group_models, lengths, probabilities);
-  TORCH_CHECK(is_vector(symbols, torch::kInt32) && symbols.numel() == total, "symbols: int32 [sum of sizes]");
+  TORCH_CHECK(is_vector(symbols, at::kInt) && symbols.numel() == total, "symbols: int32 [sum of sizes]");
   const int64_t groups = sizes.numel();
   const int64_t* size = sizes.data_ptr<int64_t>();
   const int64_t* model_of = group_models.data_ptr<int64_t>();
@@ -162,21 +163,21 @@ torch::Tensor rans_encode(torch::Tensor symbols, torch::Tensor sizes, torch::Ten
     words.push_back(static_cast<uint32_t>(state >> 32));
     std::reverse(words.begin(), words.end());
   }
-  auto out = torch::empty({static_cast<int64_t>(words.size())}, torch::kInt32);
+  auto out = at::empty({static_cast<int64_t>(words.size())}, at::kInt);
   std::memcpy(out.data_ptr<int32_t>(), words.data(), words.size() * sizeof(uint32_t));
   return out;
 }
 
 // Each decoded symbol comes back plus its group's offset (the model's lowest symbol, and what else the caller
 // took off the group), so the caller adds nothing.
-torch::Tensor rans_decode(torch::Tensor words, torch::Tensor sizes, torch::Tensor group_models,
-                          torch::Tensor lengths, torch::Tensor probabilities, torch::Tensor group_offsets) {
+at::Tensor rans_decode(at::Tensor words, at::Tensor sizes, at::Tensor group_models,
+                          at::Tensor lengths, at::Tensor probabilities, at::Tensor group_offsets) {
   const int64_t total = check_layout(sizes, group_models, lengths, probabilities);
-  TORCH_CHECK(is_vector(words, torch::kInt32), "words: int32 [n]");
-  TORCH_CHECK(is_vector(group_offsets, torch::kInt32) && group_offsets.numel() == sizes.numel(),
+  TORCH_CHECK(is_vector(words, at::kInt), "words: int32 [n]");
+  TORCH_CHECK(is_vector(group_offsets, at::kInt) && group_offsets.numel() == sizes.numel(),
               "group offsets: int32 [groups]");
   const int64_t groups = sizes.numel();
-  auto out = torch::empty({total}, torch::kInt32);
+  auto out = at::empty({total}, at::kInt);
   const int64_t* size = sizes.data_ptr<int64_t>();
   const int64_t* model_of = group_models.data_ptr<int64_t>();
   const int32_t* offset = group_offsets.data_ptr<int32_t>();

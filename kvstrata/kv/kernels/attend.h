@@ -9,8 +9,14 @@
 // h / (heads / kv_heads).
 #pragma once
 
-#include <ATen/ATen.h>
+// The tensor type and the few operators used, not <torch/extension.h>: its headers took most of the build's time.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/tensor.h>
 
 #include <immintrin.h>
 
@@ -416,7 +422,7 @@ void attend_shared_prefix(const at::Tensor& q, at::Tensor& out, const int64_t* t
   const int64_t chunks = (shared + chunk_tokens - 1) / chunk_tokens;
   // each KV head's queries of every row [n * group, dim], scaled
   const at::Tensor queries =
-      q.view({n, kv_heads, group, dim}).transpose(0, 1).reshape({kv_heads, columns, dim}) * scale;
+      q.view({n, kv_heads, group, dim}).transpose(0, 1).reshape({kv_heads, columns, dim}).mul(scale);
   // chunk c's sums for KV head h: outputs [columns, dim], peaks and totals [columns], at (c * kv_heads + h)
   thread_local std::vector<float> kept_outputs, kept_peaks, kept_totals;
   const at::Tensor outputs_held = kept_tensor(kept_outputs, {chunks * kv_heads * columns * dim});

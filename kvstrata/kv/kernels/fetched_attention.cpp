@@ -5,8 +5,6 @@
 // sequence to the longest one's rows, or mask them.
 //
 // q [n, heads, dim] float32; k, v [kv_heads, rows, dim] float32; starts, lengths [kv_heads, n] int64.
-#include <torch/extension.h>
-
 #include "attend.h"
 
 namespace kvstrata {

@@ -2,8 +2,6 @@
 // [kv_heads, slots, dim] (K and V, any element type), out[g][i] = pool[g][slots[g][i]]. The rows a decode step
 // fetches are scattered over the pool, so each is a few cache lines read from memory; the next rows' lines are
 // requested ahead while one is copied, and the heads' rows are spread over torch's threads.
-#include <torch/extension.h>
-
 #include <cstring>
 
 #include "attend.h"

@@ -16,8 +16,6 @@
 // [kv_heads, R] (a sequence's chosen tokens ascending, then its own token; after the head's last row, position -1
 // and the first sequence's own slot), offsets
 // [kv_heads, n + 1] (sequence s: rows offsets[g][s] .. offsets[g][s + 1] - 1) and per_query_head [n].
-#include <torch/extension.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>

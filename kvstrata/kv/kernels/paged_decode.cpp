@@ -2,7 +2,7 @@
 // every storage's reader (attend.h says what they compute). The float pools' decode attention is also a torch
 // operator that stores the step's new K/V first (kv/fused_decode.py): one call per layer, which a compiled
 // model step (torch.compile) keeps in its graph.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <atomic>

@@ -2,7 +2,7 @@
 // as the formats are. A cache's K and V may each have their own (a split format, kv/formats/split.py).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <string>

@@ -2,7 +2,7 @@
 // changes, so that a writer can find out first whether the free pages suffice (sparse_write.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

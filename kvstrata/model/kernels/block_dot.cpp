@@ -17,9 +17,10 @@
 //
 // Without AVX-512 VNNI, products of kWidenedFromRows rows or more go to widened_rows.cpp instead (float32
 // multiply-adds over each weight row widened once), which outruns these dot products there from 4 rows.
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
@@ -199,7 +200,7 @@ int64_t check_block_weight(const char* op, const at::Tensor& codes, const at::Te
                   codes.size(1) * 8 / bits % kBlock == 0,
               op, ": codes must be contiguous bytes [N, K * bits / 8] on the CPU, K a multiple of 32");
   const int64_t n = codes.size(0), k = codes.size(1) * 8 / bits;
-  TORCH_CHECK((scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16) && scales.is_contiguous() &&
+  TORCH_CHECK((scales.dtype() == at::kFloat || scales.dtype() == at::kHalf) && scales.is_contiguous() &&
                   scales.is_cpu() && scales.numel() == n * (k / kBlock),
               op, ": scales must be float32 or float16 [N, K / 32]");
   TORCH_CHECK(bits == 8 || (mins.dtype() == scales.dtype() && mins.is_contiguous() && mins.numel() == scales.numel()),
@@ -216,15 +217,15 @@ void block_product(const float* x, int64_t m, int64_t k, const uint8_t* codes, c
   }
 }
 
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits) {
+at::Tensor block_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins, int64_t bits) {
   const int64_t k = check_block_weight("block_linear", codes, scales, mins, bits);
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32 && x.size(1) == k, "block_linear: x must be float32 [M, ",
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == at::kFloat && x.size(1) == k, "block_linear: x must be float32 [M, ",
               k, "]");
   const int64_t m = x.size(0), n = codes.size(0);
   const auto input = x.contiguous();
-  auto y = torch::empty({m, n}, x.options());
+  auto y = at::empty({m, n}, x.options());
   block_product(input.data_ptr<float>(), m, k, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
-                bits == 4 ? mins.data_ptr() : nullptr, scales.dtype() == torch::kFloat16, static_cast<int>(bits), n,
+                bits == 4 ? mins.data_ptr() : nullptr, scales.dtype() == at::kHalf, static_cast<int>(bits), n,
                 y.data_ptr<float>());
   return y;
 }
@@ -256,12 +257,12 @@ void widen(const uint8_t* bytes, const S* scale, const S* min, int64_t bits, int
 }
 
 template <typename W>
-void widen_into(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& mins, int64_t bits,
-                int64_t blocks, torch::Tensor& out) {
+void widen_into(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
+                int64_t blocks, at::Tensor& out) {
   const auto* bytes = static_cast<const uint8_t*>(codes.data_ptr());
   const int64_t n = codes.size(0);
   auto* w = out.data_ptr<W>();
-  if (scales.dtype() == torch::kFloat16) {
+  if (scales.dtype() == at::kHalf) {
     const auto* min = bits == 4 ? static_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
     widen(bytes, static_cast<const uint16_t*>(scales.data_ptr()), min, bits, n, blocks, w);
   } else {
@@ -274,12 +275,12 @@ void widen_into(const torch::Tensor& codes, const torch::Tensor& scales, const t
 // The weights as dense bfloat16 or float32 [N, K] into `out`, for products of many rows (prefill chunks), where a
 // dense GEMM (oneDNN's bfloat16 one where the CPU has bfloat16 dot products, float32 elsewhere) outruns the dot
 // products by more than widening a layer's weights per call costs.
-void block_to_dense(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t bits, torch::Tensor out) {
+void block_to_dense(at::Tensor codes, at::Tensor scales, at::Tensor mins, int64_t bits, at::Tensor out) {
   const int64_t n = codes.size(0), k = check_block_weight("block_to_dense", codes, scales, mins, bits);
-  TORCH_CHECK((out.dtype() == torch::kBFloat16 || out.dtype() == torch::kFloat32) && out.is_contiguous() &&
+  TORCH_CHECK((out.dtype() == at::kBFloat16 || out.dtype() == at::kFloat) && out.is_contiguous() &&
                   out.size(0) == n && out.size(1) == k,
               "block_to_dense: out must be bfloat16 or float32 [N, K]");
-  if (out.dtype() == torch::kBFloat16) {
+  if (out.dtype() == at::kBFloat16) {
     widen_into<c10::BFloat16>(codes, scales, mins, bits, k / kBlock, out);
   } else {
     widen_into<float>(codes, scales, mins, bits, k / kBlock, out);

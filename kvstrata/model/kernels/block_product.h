@@ -1,7 +1,7 @@
 // The products over GGUF-style blocks (block_dot.cpp), for the other kernels of the weights' extension.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -13,9 +13,10 @@
 // operations, each of which costs torch (eager or compiled) microseconds of dispatch, allocation and thread
 // start-up for nanoseconds of arithmetic. Here the small operations are plain loops over a few thousand floats,
 // and only the products (block_dot.cpp) and the attention run on torch's threads.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <vector>
