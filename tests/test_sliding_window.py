@@ -9,11 +9,13 @@ from transformers import AutoModelForCausalLM, MistralConfig
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.bench.workload import run_together
+from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
 from kvstrata.kv.formats.oaken.thresholds import calibrate as calibrate_oaken
+from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.sliding_window import SlidingWindowAttention
 from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks, use_policy
 from tests.tiny_models import VOCAB_SIZE, save_tiny_checkpoint, tiny_phi3_config
@@ -201,6 +203,35 @@ def test_blocks_given_back_let_more_sequences_run_at_once(windowed):
     given_back, most, preempted = run(True)
     assert given_back == kept
     assert preempted_kept > 0 and (most, preempted) == (6, 0)
+
+
+def test_a_pool_smaller_than_one_whole_context_serves_past_the_window(windowed):
+    """Under SARATHI a request past the window holds its window, a chunk and a block (16 + 16 + 16 tokens here), so
+    an engine starts on a pool of 4 blocks where one request of max_model_len 512 needs 32: a 100-token prompt
+    decoding 60 tokens, and the same prompt on 48 tokens of KV given ready-made, give transformers' greedy output
+    in it. Ready-made KV is placed at once, so 80 tokens of it are refused. The schedulers that compute a prompt in
+    one step, and a KV store (which copies a prompt whole), still need max_model_len."""
+    c = LLM(str(windowed), kv_cache_memory="8MiB").engine.loaded.config
+    pool_bytes = 4 * 16 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    llm = LLM(str(windowed), kv_cache_memory=pool_bytes, chunk_size=16)
+    engine = llm.engine
+    ids = prompt(100)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    [out], peak = run_with_peak_blocks(engine, [ids], params)
+    assert out.token_ids == hf_greedy(AutoModelForCausalLM.from_pretrained(str(windowed)), ids, 60) and peak <= 3
+    engine.reset_prefix_cache()
+    k, v = compute_kv(engine, ids[:48])
+    request = engine.add_request(ids, params, preloaded=[PreloadedKV(0, k, v)], cache_salt=b"ready-made")
+    [loaded] = llm._run_to_completion([request], False)
+    assert loaded.num_cached_tokens == 48 and loaded.token_ids == out.token_ids
+    with pytest.raises(KvstrataError, match="places 80 tokens at once; the KV cache holds 64"):
+        engine.add_request(ids, params, preloaded=[PreloadedKV(0, torch.cat([k, k[:, :32]], 1),
+                                                               torch.cat([v, v[:, :32]], 1))])
+    with pytest.raises(KvstrataError, match=r"past its sliding window \(16 tokens, a chunk of 64 .* --chunk-size"):
+        LLM(str(windowed), kv_cache_memory=pool_bytes, chunk_size=64)
+    for options in ({"scheduler": "prefill-first"}, {"kv_store": "host:64MiB"}):
+        with pytest.raises(KvstrataError, match="fewer than one request of max_model_len 512 holds"):
+            LLM(str(windowed), kv_cache_memory=pool_bytes, chunk_size=16, **options)
 
 
 def test_a_kv_store_copies_the_whole_prompt_before_its_blocks_go_back(windowed):

@@ -107,7 +107,7 @@ class LLMEngine:
         log.info("KV cache: %s tokens (%d blocks of %d) in %s, %.1f bytes a token; maximum concurrency for "
                  "%d-token requests: %.2fx", f"{num_blocks * config.block_size:,}", num_blocks, config.block_size,
                  kv_format_name(config, dtype), layout.bytes_per_token, self.max_model_len,
-                 num_blocks / -(-self.max_model_len // config.block_size))
+                 num_blocks / -(-self._tokens_a_request_holds() // config.block_size))
         # the KV storage: on the compute device, or a pool in host memory under --kv-offload full|infinigen
         in_host_pool = config.kv_offload in ("full", "infinigen")
         self.kv_cache = layout.build(num_blocks, torch.device("cpu") if in_host_pool else self.device)
@@ -192,21 +192,37 @@ class LLMEngine:
                             f"serve up to {pretrained} tokens), but the model was loaded with the others; load it "
                             f"with context_len {self.max_model_len}")
 
+    def _tokens_a_request_holds(self) -> int:
+        """The most tokens of KV one request holds at once: its whole context, max_model_len; or, served past a
+        sliding window under SARATHI, its window, the chunk in flight and a block where they meet, since the blocks
+        behind the window go back after each step. Not so with a KV store (it copies a prompt whole before its
+        blocks go back) nor under the schedulers that compute a prompt in one step."""
+        c, window = self.config, self.loaded.config.sliding_window
+        if window is None or window >= self.max_model_len or c.scheduler != "sarathi" or c.kv_store is not None:
+            return self.max_model_len
+        return min(self.max_model_len, window + c.chunk_size + c.block_size)
+
     def _num_blocks(self, bytes_per_token: float, reserved_bytes: int) -> int:
         bs = self.config.block_size
         block_bytes = math.ceil(bs * bytes_per_token)
         num_blocks = max(self.config.kv_cache_memory - reserved_bytes, 0) // block_bytes
-        needed = -(-self.max_model_len // bs)
+        holds = self._tokens_a_request_holds()
+        needed = -(-holds // bs)
         if num_blocks < needed:
             least = needed * block_bytes + reserved_bytes
-            reserved, lower = "", "--max-model-len"
+            request, lower = f"of max_model_len {self.max_model_len}", "--max-model-len"
+            if holds < self.max_model_len:
+                request = (f"past its sliding window ({self.loaded.config.sliding_window} tokens, a chunk of "
+                           f"{self.config.chunk_size} and a block of {bs})")
+                lower = "--chunk-size"
+            reserved = ""
             if reserved_bytes:
                 reserved = (f" ({reserved_bytes} reserved for KIVI's full-precision window of max_num_seqs "
                             f"{self.config.max_num_seqs} sequences)")
                 lower += " or --max-num-seqs"
             raise KvstrataError(
                 f"kv_cache_memory of {self.config.kv_cache_memory} bytes{reserved} holds {num_blocks * bs} tokens, "
-                f"fewer than one request of max_model_len {self.max_model_len}; give at least {least} bytes "
+                f"fewer than one request {request} holds; give at least {least} bytes "
                 f"({least / 2**20:.1f} MiB) or lower {lower}"
             )
         return num_blocks
@@ -409,6 +425,7 @@ class LLMEngine:
             raise KvstrataError("prompt_logprobs needs every prompt token computed; this request's preloaded KV "
                                 "(a saved context) would stand in for some")
         preloaded = self._check_preloaded(preloaded or [], len(token_ids))
+        self._check_preloaded_fits(preloaded, len(token_ids))
         seq_id = next(self._seq_ids)
         request_id = str(seq_id) if request_id is None else request_id
         if request_id in self._sequences:
@@ -464,6 +481,15 @@ class LLMEngine:
                 moved[id(s)] = (dataclasses.replace(s, k=s.k.to(self.device, dtype), v=s.v.to(self.device, dtype))
                                 if isinstance(s, PreloadedKV) else s)
         return [moved[id(s)] for s in preloaded]
+
+    def _check_preloaded_fits(self, preloaded: list[Preloaded], num_tokens: int) -> None:
+        """Preloaded KV is placed at once, up to the prompt's last token, and only then do blocks behind a sliding
+        window go back: a pool sized for the window (`_tokens_a_request_holds`) may be too small for it."""
+        end = min(preloaded[-1].end, num_tokens - 1) if preloaded else 0
+        if self.kv_manager.blocks_needed(end) > self.kv_manager.pool.num_blocks:
+            held = self.kv_manager.pool.num_blocks * self.config.block_size
+            raise KvstrataError(f"this request's preloaded KV (a saved context) places {end} tokens at once; the KV "
+                                f"cache holds {held}: give a larger kv_cache_memory or a shorter context")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; None if it is unknown or already done."""
