@@ -11,6 +11,7 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.bench.workload import run_together
 from kvstrata.engine.direct_forward import compute_kv
 from kvstrata.errors import KvstrataError
+from kvstrata.eval.cache_scorer import CacheScorer
 from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.block_hash import full_block_hashes
 from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
@@ -130,6 +131,12 @@ def test_speculative_drafts_past_the_window_keep_the_greedy_output(windowed):
     assert drafting.token_ids == plain.token_ids
 
 
+def float32_pool_bytes(windowed, blocks: int) -> int:
+    """The KV budget of a float32 pool of `blocks` blocks of 16 tokens."""
+    c = LLM(str(windowed), kv_cache_memory="8MiB").engine.loaded.config
+    return blocks * 16 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+
+
 def run_with_peak_blocks(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, int]:
     """The final outputs of `prompts` run together, and the most blocks the pool had in use after a step."""
     peak, step = 0, engine.step
@@ -187,8 +194,7 @@ def test_blocks_given_back_let_more_sequences_run_at_once(windowed):
     run together, none is preempted, and the tokens are the same."""
     prompts = [prompt(70, seed=seed) for seed in range(6)]
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    c = LLM(str(windowed), kv_cache_memory="8MiB").engine.loaded.config
-    pool_bytes = 32 * 16 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    pool_bytes = float32_pool_bytes(windowed, 32)
 
     def run(give_back: bool):
         engine = LLM(str(windowed), kv_cache_memory=pool_bytes).engine
@@ -211,8 +217,7 @@ def test_a_pool_smaller_than_one_whole_context_serves_past_the_window(windowed):
     decoding 60 tokens, and the same prompt on 48 tokens of KV given ready-made, give transformers' greedy output
     in it. Ready-made KV is placed at once, so 80 tokens of it are refused. The schedulers that compute a prompt in
     one step, and a KV store (which copies a prompt whole), still need max_model_len."""
-    c = LLM(str(windowed), kv_cache_memory="8MiB").engine.loaded.config
-    pool_bytes = 4 * 16 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    pool_bytes = float32_pool_bytes(windowed, 4)
     llm = LLM(str(windowed), kv_cache_memory=pool_bytes, chunk_size=16)
     engine = llm.engine
     ids = prompt(100)
@@ -232,6 +237,16 @@ def test_a_pool_smaller_than_one_whole_context_serves_past_the_window(windowed):
     for options in ({"scheduler": "prefill-first"}, {"kv_store": "host:64MiB"}):
         with pytest.raises(KvstrataError, match="fewer than one request of max_model_len 512 holds"):
             LLM(str(windowed), kv_cache_memory=pool_bytes, chunk_size=16, **options)
+
+
+def test_an_evaluation_window_longer_than_the_pool_scores_past_the_sliding_window(windowed):
+    """Scoring through the cache gives back the blocks behind the window as the engine's steps do: 60 tokens of a
+    100-token window scored after a 40-token context, in a pool of 4 blocks (64 tokens), give transformers' logits."""
+    engine = LLM(str(windowed), kv_cache_memory=float32_pool_bytes(windowed, 4), chunk_size=16).engine
+    ids = prompt(100)
+    ours = CacheScorer(engine).next_token_logits(ids, context_len=40, tokens_per_step=8)
+    theirs = hf_logits(AutoModelForCausalLM.from_pretrained(str(windowed)), ids)[39:99]
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=0) and engine.kv_manager.pool.num_used == 0
 
 
 def test_a_kv_store_copies_the_whole_prompt_before_its_blocks_go_back(windowed):
@@ -273,8 +288,7 @@ def test_requests_about_one_document_in_a_small_pool_give_transformers_greedy_ou
     document = prompt(60)
     prompts = [document + prompt(4 + seed, seed=seed) for seed in range(1, 9)]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    c = LLM(str(windowed), kv_cache_memory="8MiB").engine.loaded.config
-    pool_bytes = 8 * 16 * 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    pool_bytes = float32_pool_bytes(windowed, 8)
     engine = LLM(str(windowed), kv_cache_memory=pool_bytes, max_model_len=128).engine
     outputs, _ = run_with_peak_blocks(engine, prompts, params)
     reference = AutoModelForCausalLM.from_pretrained(str(windowed))

@@ -24,7 +24,10 @@ class CacheScorer:
         self.engine = engine
 
     def _forward(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
-        return forward_tokens(self.engine, seq, num_tokens)
+        logits = forward_tokens(self.engine, seq, num_tokens)
+        # as the engine's steps do: past a sliding window a window to score holds about the window, not its length
+        self.engine.kv_manager.release_behind_window(seq)
+        return logits
 
     @torch.inference_mode()
     def next_token_logits(
