@@ -213,22 +213,26 @@ def test_blocks_given_back_let_more_sequences_run_at_once(windowed):
 
 def test_a_pool_smaller_than_one_whole_context_serves_past_the_window(windowed):
     """Under SARATHI a request past the window holds its window, a chunk and a block (16 + 16 + 16 tokens here), so
-    an engine starts on a pool of 4 blocks where one request of max_model_len 512 needs 32: a 100-token prompt
-    decoding 60 tokens, and the same prompt on 48 tokens of KV given ready-made, give transformers' greedy output
-    in it. Ready-made KV is placed at once, so 80 tokens of it are refused. The schedulers that compute a prompt in
-    one step, and a KV store (which copies a prompt whole), still need max_model_len."""
+    an engine starts on a pool of 4 blocks where one request of max_model_len 512 needs 32: prompts of 30, 70 and
+    100 tokens decoding 40 each (up to 140 tokens), run together and so preempted, and the longest again on 48 tokens
+    of KV given ready-made, give transformers' greedy output in it. Ready-made KV is placed at once, so 80 tokens of
+    it are refused. The schedulers that compute a prompt in one step, and a KV store (which copies a prompt whole),
+    still need max_model_len."""
     pool_bytes = float32_pool_bytes(windowed, 4)
     llm = LLM(str(windowed), kv_cache_memory=pool_bytes, chunk_size=16)
     engine = llm.engine
-    ids = prompt(100)
-    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    [out], peak = run_with_peak_blocks(engine, [ids], params)
-    assert out.token_ids == hf_greedy(AutoModelForCausalLM.from_pretrained(str(windowed)), ids, 60) and peak <= 3
+    prompts = [prompt(n, seed=n) for n in (30, 70, 100)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outputs, _ = run_with_peak_blocks(engine, prompts, params)
+    reference = AutoModelForCausalLM.from_pretrained(str(windowed))
+    assert [o.token_ids for o in outputs] == [hf_greedy(reference, p, 40) for p in prompts]
+    assert sum(s.num_preempted for s in engine.step_stats) > 0
     engine.reset_prefix_cache()
+    ids = prompts[2]
     k, v = compute_kv(engine, ids[:48])
     request = engine.add_request(ids, params, preloaded=[PreloadedKV(0, k, v)], cache_salt=b"ready-made")
     [loaded] = llm._run_to_completion([request], False)
-    assert loaded.num_cached_tokens == 48 and loaded.token_ids == out.token_ids
+    assert loaded.num_cached_tokens == 48 and loaded.token_ids == outputs[2].token_ids
     with pytest.raises(KvstrataError, match="places 80 tokens at once; the KV cache holds 64"):
         engine.add_request(ids, params, preloaded=[PreloadedKV(0, torch.cat([k, k[:, :32]], 1),
                                                                torch.cat([v, v[:, :32]], 1))])
