@@ -128,7 +128,7 @@ class Models {
 }  // namespace
 
 at::Tensor rans_encode(at::Tensor symbols, at::Tensor sizes, at::Tensor group_models,
-                          at::Tensor lengths, at::Tensor probabilities) {
+                       at::Tensor lengths, at::Tensor probabilities) {
   const int64_t total = check_layout(sizes, group_models, lengths, probabilities);
   TORCH_CHECK(is_vector(symbols, at::kInt) && symbols.numel() == total, "symbols: int32 [sum of sizes]");
   const int64_t groups = sizes.numel();
@@ -171,7 +171,7 @@ at::Tensor rans_encode(at::Tensor symbols, at::Tensor sizes, at::Tensor group_mo
 // Each decoded symbol comes back plus its group's offset (the model's lowest symbol, and what else the caller
 // took off the group), so the caller adds nothing.
 at::Tensor rans_decode(at::Tensor words, at::Tensor sizes, at::Tensor group_models,
-                          at::Tensor lengths, at::Tensor probabilities, at::Tensor group_offsets) {
+                       at::Tensor lengths, at::Tensor probabilities, at::Tensor group_offsets) {
   const int64_t total = check_layout(sizes, group_models, lengths, probabilities);
   TORCH_CHECK(is_vector(words, at::kInt), "words: int32 [n]");
   TORCH_CHECK(is_vector(group_offsets, at::kInt) && group_offsets.numel() == sizes.numel(),
