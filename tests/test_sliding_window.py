@@ -223,7 +223,7 @@ def test_a_pool_smaller_than_one_whole_context_serves_past_the_window(windowed):
     engine = llm.engine
     prompts = [prompt(n, seed=n) for n in (30, 70, 100)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    outputs, _ = run_with_peak_blocks(engine, prompts, params)
+    outputs = run_together(engine, prompts, [params] * len(prompts))
     reference = AutoModelForCausalLM.from_pretrained(str(windowed))
     assert [o.token_ids for o in outputs] == [hf_greedy(reference, p, 40) for p in prompts]
     assert sum(s.num_preempted for s in engine.step_stats) > 0
