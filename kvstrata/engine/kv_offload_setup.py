@@ -23,6 +23,7 @@ from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.offload.skew import InfiniGenSkew, cached_skew_path, shipped_or_cached_skew, skew_from_windows
 from kvstrata.kv.offload.transfers import OffloadStats
 from kvstrata.kv.sliding_window import SlidingWindowAttention
+from kvstrata.kv.window_blocks import window_in_force
 
 DEFAULT_WINDOWS = 4
 DEFAULT_WINDOW_TOKENS = 1024
@@ -30,7 +31,7 @@ DEFAULT_WINDOW_TOKENS = 1024
 
 def attention_policy(engine, layout: StorageLayout, num_slots: int) -> AttentionPolicy:
     c, mc = engine.config, engine.loaded.config
-    if mc.sliding_window is not None and engine.max_model_len > mc.sliding_window:
+    if window_in_force(mc.sliding_window, engine.max_model_len) is not None:
         return _sliding_window(engine)
     if c.kv_offload == "none":
         if c.prefix_loading != "full":  # a prefix loaded by importance leaves tokens some layers never read

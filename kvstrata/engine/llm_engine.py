@@ -52,6 +52,7 @@ from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.slots import token_slots
 from kvstrata.kv.store.prefill_speed import PrefillSpeed, PrefillWork
+from kvstrata.kv.window_blocks import window_in_force
 from kvstrata.model.linear_layers import multiplied_weights
 from kvstrata.model.loader import LoadedModel, load_model
 from kvstrata.model.lora import LoRAAdapter
@@ -197,8 +198,8 @@ class LLMEngine:
         sliding window under SARATHI, its window, the chunk in flight and a block where they meet, since the blocks
         behind the window go back after each step. Not so with a KV store (it copies a prompt whole before its
         blocks go back) nor under the schedulers that compute a prompt in one step."""
-        c, window = self.config, self.loaded.config.sliding_window
-        if window is None or window >= self.max_model_len or c.scheduler != "sarathi" or c.kv_store is not None:
+        c, window = self.config, window_in_force(self.loaded.config.sliding_window, self.max_model_len)
+        if window is None or c.scheduler != "sarathi" or c.kv_store is not None:
             return self.max_model_len
         return min(self.max_model_len, window + c.chunk_size + c.block_size)
 

@@ -10,6 +10,12 @@ import itertools
 from collections.abc import Iterable
 
 
+def window_in_force(window: int | None, max_model_len: int) -> int | None:
+    """A model's sliding window where some context passes it (max_model_len beyond it); None where every query
+    reads every earlier key."""
+    return window if window is not None and max_model_len > window else None
+
+
 def blocks_behind(position: int, block_size: int, window: int | None) -> int:
     """The leading blocks wholly before the window of a query at `position`: no query from there on reads them."""
     return 0 if window is None else max(0, (position - window + 1) // block_size)
