@@ -16,7 +16,7 @@ from ray import serve
 
 from kvstrata.bench.redis_server import RedisServer, free_port
 from kvstrata.cluster.frontend import REPLICA_HEADER
-from kvstrata.cluster.launch import APP_NAME, deploy, undeploy
+from kvstrata.cluster.launch import APP_NAME, PROXY_READY_SECONDS, PROXY_READY_VARIABLE, deploy, undeploy
 from kvstrata.cluster.routing import KVAwareRouting, prompt_blocks
 from kvstrata.config import EngineConfig
 from kvstrata.server.options import ServerOptions
@@ -35,7 +35,6 @@ def redis(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, redis):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = EngineConfig(model=str(tiny_llama), kv_store=f"host:64MiB,{redis.url}", kv_store_chunk_tokens=64)
     url = deploy(config, ServerOptions(api_key=KEY), replicas=2, routing="kv-aware", host="127.0.0.1", port=free_port(),
                  model_name=MODEL, routing_prefix_tokens=64)
@@ -92,6 +91,21 @@ def test_the_same_prefix_meets_the_same_replica_and_distinct_prefixes_spread(clu
         homes.append(first.headers[REPLICA_HEADER])
     assert set(homes) == {"0", "1"}
     assert metric(cluster, "kvstrata:prefix_cache_hits_total") > 0  # the second questions reused the first's blocks
+
+
+def test_the_replicas_run_at_the_priority_of_the_machine_s_other_processes(cluster):
+    """At Ray's own default (niceness 15) two busy loops beside it kept Serve's proxy from starting for minutes."""
+    for index in (0, 1):
+        pid = replica(index).identity.remote().result()["pid"]
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_ray_s_workers_give_serve_s_proxy_a_minute_to_start(cluster):
+    @ray.remote(num_cpus=0)
+    def setting(name: str) -> str | None:
+        return os.environ.get(name)
+
+    assert ray.get(setting.remote(PROXY_READY_VARIABLE)) == str(PROXY_READY_SECONDS)
 
 
 def test_a_prompt_goes_where_a_replica_reports_holding_its_prefix(cluster):

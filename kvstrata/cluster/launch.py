@@ -20,6 +20,11 @@ from kvstrata.server.options import ServerOptions
 
 APP_NAME = "kvstrata"
 HEALTH_CHECK_SECONDS = 2.0  # how soon Ray Serve notices a replica that stopped answering
+# Serve's controller kills an HTTP proxy that is not ready within 5 s three times over, and `serve.start` then
+# fails: on a busy 2-core machine the proxy's start-up alone can take longer. The allowance matches the 60 s
+# that `serve.start` itself waits for the proxy.
+PROXY_READY_VARIABLE = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_SECONDS = 60
 
 
 def _ray():
@@ -32,13 +37,17 @@ def _ray():
 
 
 def connect_ray(address: str | None) -> None:
-    """Start a local Ray instance (address None) or join a cluster, unless this process already did; the
-    replicas see this process's KVSTRATA_* settings."""
+    """Start a local Ray instance (address None) or join a cluster, unless this process already did. The replicas
+    see this process's KVSTRATA_* settings, and Serve's controller waits PROXY_READY_SECONDS for its HTTP proxy
+    unless RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S says otherwise. A local instance runs its workers, the replicas
+    among them, at the priority of the machine's other processes: at Ray's default niceness of 15 any busy
+    process starves them (a proxy that did not start in minutes beside two busy loops)."""
     ray, _ = _ray()
     if not ray.is_initialized():
         env = {k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_")}
-        ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": env} if env else None)
+        env[PROXY_READY_VARIABLE] = os.environ.get(PROXY_READY_VARIABLE, str(PROXY_READY_SECONDS))
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env},
+                 _system_config=None if address else {"worker_niceness": 0})
 
 
 def deploy(config: EngineConfig, options: ServerOptions, replicas: int, routing: str, host: str, port: int,
