@@ -426,11 +426,14 @@ def test_an_engine_with_an_objective_adapts_to_a_slow_link(tiny_llama, redis_ser
                          kv_store_link_gbps="0.005")
     reader.kv_store.estimate.prefill = PrefillSpeed(per_token=1.0)  # recomputing is out of the question
     reader.kv_store.observe_prefill = lambda work, seconds: None  # and stays so
+    # Every chunk is told to have decoded in 0.1 ms, so the choices answer to the link alone: where the decoders
+    # lag behind it, as they do on a busy machine, float16 chunks would rightly be mixed in.
+    observe_decode = reader.kv_store.estimate.observe_decode
+    reader.kv_store.estimate.observe_decode = lambda level, seconds: observe_decode(level, 1e-4)
     outputs = run_rounds(reader, rounds=1)
     assert all(isinstance(tokens, list) and len(tokens) == 6 for tokens in outputs.values())
     chosen = reader.kv_store.stats.chunks_by_option
-    # (float16 chunks may be mixed in when nothing fits and decoding lags behind the link: a few)
-    assert sum(chosen.values()) == len(PROMPTS) * (199 // CHUNK) and chosen.get("float16", 0) < len(PROMPTS)
+    assert sum(chosen.values()) == len(PROMPTS) * (199 // CHUNK) and "float16" not in chosen
     # Each load's first plan was held against the time its first token took, but the first load's: it chose
     # before any decode time was measured, so its plan was a guess.
     assert len(reader.kv_store.estimate.plan_errors) == len(PROMPTS) - 1
