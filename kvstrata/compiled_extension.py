@@ -1,10 +1,11 @@
 """Builds and loads the project's C++ kernels through torch's extension mechanism (g++, cached per source and flag
-set), and `python -m kvstrata.compiled_extension` builds them all now (the README's set-up runs it).
+set), and `python -P kvstrata/compiled_extension.py` builds them all now (the README's set-up runs it).
 
-Three extensions: the KV kernels (kv/kernels/: decode attention read where the cache lies, Oaken's encoder, the
-sparse-page writer), the weight kernels (model/kernels/: products over GGUF's quantized blocks, and their widening to
-dense weights for prefill-sized products) and CacheGen's rANS coder (cachegen/kernels/). A loader returns None where its extension cannot be built (no
-compiler): callers then take their torch path (the coder: constriction's).
+Three extensions (EXTENSIONS): the KV kernels (kv/kernels/: decode attention read where the cache lies, Oaken's
+encoder, the sparse-page writer), the weight kernels (model/kernels/: products over GGUF's quantized blocks, and their
+widening to dense weights for prefill-sized products) and CacheGen's rANS coder (cachegen/kernels/). A loader returns
+None where its extension cannot be built (no compiler): callers then take their torch path (the coder:
+constriction's). This module needs torch alone, so the set-up builds the kernels while pip installs the rest.
 """
 
 from __future__ import annotations
@@ -15,12 +16,24 @@ import subprocess
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 STALE_LOCK_S = 600  # a build takes about two minutes on 2 cores; a lock this old was left by a build that was killed
 # -fopenmp: at::parallel_for spreads work over torch's threads; AVX2, FMA and F16C: every x86-64 server CPU of the
 # last decade has them.
 FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+KVSTRATA = Path(__file__).parent
+# name: what a warning calls it, and its sources under kvstrata/
+EXTENSIONS = {
+    "kvstrata_paged_decode": ("KV kernels", [
+        f"kv/kernels/{name}.cpp" for name in ("paged_decode", "record_rows", "record_store", "kivi_rows",
+                                              "kivi_window_store", "oaken_rows", "oaken_encode", "oaken_store",
+                                              "sparse_write", "infinigen_select", "gather_rows", "fetched_attention")]),
+    "kvstrata_weight_kernels": ("weight kernels", [
+        f"model/kernels/{name}.cpp" for name in ("block_dot", "widened_rows", "decode_layers")]),
+    "kvstrata_rans": ("rANS coder", ["cachegen/kernels/rans.cpp"]),
+}
 
 
 def clear_stale_lock(build_directory: Path) -> None:
@@ -44,14 +57,16 @@ def header_flag(sources: list[Path]) -> str:
     return f"-DKVSTRATA_HEADERS={hashlib.sha256(headers).hexdigest()[:16]}"
 
 
-def load_extension(name: str, sources: list[Path], what: str = "kernels"):
-    """The compiled module, or None (with a warning naming `what`) where it cannot be built."""
+def load_extension(name: str):
+    """The compiled module `name` (one of EXTENSIONS), or None (with a warning naming it) where it cannot be built."""
+    what, sources = EXTENSIONS[name]
+    paths = [KVSTRATA / source for source in sources]
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         clear_stale_lock(Path(_get_build_directory(name, False)))
-        flags = [*FLAGS, header_flag(sources)]
-        return load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, verbose=False)
+        flags = [*FLAGS, header_flag(paths)]
+        return load(name=name, sources=[str(path) for path in paths], extra_cflags=flags, verbose=False)
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as exc:  # no compiler, no headers
         warnings.warn(f"the compiled {what} could not be built ({exc}); using the torch path", stacklevel=3)
         return None
@@ -70,13 +85,10 @@ def switches_set(*switches: tuple[Callable[[bool], bool], bool]):
 
 
 def main() -> None:
-    from kvstrata.cachegen import entropy
-    from kvstrata.kv.kernels import paged_decode
-    from kvstrata.model import block_linear
-
-    kernels = (("KV kernels", paged_decode.kernel), ("weight kernels", block_linear.kernel),
-               ("rANS coder", entropy.compiled_coder))
-    failed = [what for what, kernel in kernels if kernel() is None]
+    # side by side: one extension's last source or its link leaves a core idle that the others use
+    with ThreadPoolExecutor(len(EXTENSIONS)) as pool:
+        built = dict(zip(EXTENSIONS, pool.map(load_extension, EXTENSIONS)))
+    failed = [EXTENSIONS[name][0] for name, module in built.items() if module is None]
     if failed:
         raise SystemExit(f"kvstrata: building the compiled {', '.join(failed)} failed (see the warnings above)")
     print("kvstrata: compiled kernels built")

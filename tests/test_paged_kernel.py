@@ -300,3 +300,10 @@ def test_a_changed_header_beside_a_source_changes_the_build_flags(tmp_path):
     assert compiled_extension.header_flag([source]) == before
     header.write_text("int rows = 8;\n")
     assert compiled_extension.header_flag([source]) != before
+
+
+def test_every_kernel_source_is_built_by_one_extension():
+    """The set-up builds EXTENSIONS: a source missing from them would be left out of every build."""
+    listed = [source for _, sources in compiled_extension.EXTENSIONS.values() for source in sources]
+    root = compiled_extension.KVSTRATA
+    assert sorted(listed) == sorted(str(path.relative_to(root)) for path in root.glob("*/**/kernels/*.cpp"))

@@ -17,13 +17,13 @@ from __future__ import annotations
 import functools
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import constriction
 import numpy as np
 import torch
 
 from kvstrata.cachegen.errors import CorruptStreamError
+from kvstrata.compiled_extension import load_extension
 
 COMPILED_SECTION = "rans"
 CONSTRICTION_SECTION = "symbols"
@@ -33,9 +33,7 @@ CODER_SECTIONS = (COMPILED_SECTION, CONSTRICTION_SECTION)
 @functools.cache
 def compiled_coder():
     """The compiled rANS coder, or None (with a warning) where it cannot be built."""
-    from kvstrata.compiled_extension import load_extension  # the set-up runs that module as a script
-
-    return load_extension("kvstrata_rans", [Path(__file__).parent / "kernels" / "rans.cpp"], what="rANS coder")
+    return load_extension("kvstrata_rans")
 
 
 @dataclass

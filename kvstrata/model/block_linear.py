@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,7 +25,6 @@ from kvstrata.compiled_extension import load_extension, switches_set
 from kvstrata.model.group_quantized import GroupQuantized
 
 BLOCK = 32
-KERNELS = Path(__file__).parent / "kernels"
 # from here a dense GEMM's gain pays for widening the weights (benchmarks/gemm_forms.py: bfloat16 1.1x at 128 rows,
 # 1.3-1.4x at 256 and 1,024 against torch's int4 kernel, which the dot products match at 32 rows; float32 on an
 # AVX2 CPU in docs/BENCHMARKS.md, "Prefill-sized products without bfloat16 dot products")
@@ -35,9 +33,7 @@ DENSE_FROM_ROWS = 128
 
 @functools.cache
 def kernel():
-    compiled = load_extension("kvstrata_weight_kernels", [KERNELS / "block_dot.cpp", KERNELS / "widened_rows.cpp",
-                                                         KERNELS / "decode_layers.cpp"],
-                              what="weight kernels")
+    compiled = load_extension("kvstrata_weight_kernels")
     if compiled is not None:
         _register_fakes()
     return compiled

@@ -4,29 +4,21 @@ fused store, the sparse-page writer, KIVI's window store, and InfiniGen's select
 their gather and attention over them.
 
 `kernel()` is None where they cannot be built (no C++ compiler): callers then take the torch path (gather and
-decode the blocks, then the reference attention; the torch encoder and writer). `python -m kvstrata.compiled_extension`
-builds them (the README's set-up does).
+decode the blocks, then the reference attention; the torch encoder and writer). The README's set-up builds them
+(kvstrata/compiled_extension.py).
 """
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 from kvstrata.compiled_extension import load_extension, switches_set
 from kvstrata.kv import fused_decode
 
-NAME = "kvstrata_paged_decode"
-HERE = Path(__file__).parent
-SOURCES = [HERE / name for name in ("paged_decode.cpp", "record_rows.cpp", "record_store.cpp", "kivi_rows.cpp",
-                                    "kivi_window_store.cpp", "oaken_rows.cpp", "oaken_encode.cpp", "oaken_store.cpp",
-                                    "sparse_write.cpp", "infinigen_select.cpp", "gather_rows.cpp",
-                                    "fetched_attention.cpp")]
-
 
 @functools.cache
 def kernel():
-    compiled = load_extension(NAME, SOURCES, what="KV kernels")
+    compiled = load_extension("kvstrata_paged_decode")
     if compiled is not None:
         fused_decode.register_fake()
     return compiled
