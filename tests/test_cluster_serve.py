@@ -94,7 +94,7 @@ def test_the_same_prefix_meets_the_same_replica_and_distinct_prefixes_spread(clu
 
 
 def test_the_replicas_run_at_the_priority_of_the_machine_s_other_processes(cluster):
-    """At Ray's own default (niceness 15) two busy loops beside it kept Serve's proxy from starting for minutes."""
+    """At Ray's own default (niceness 15) two busy loops beside it kept Serve's proxy from starting for over a minute."""
     for index in (0, 1):
         pid = replica(index).identity.remote().result()["pid"]
         assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)

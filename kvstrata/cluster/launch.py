@@ -41,7 +41,7 @@ def connect_ray(address: str | None) -> None:
     see this process's KVSTRATA_* settings, and Serve's controller waits PROXY_READY_SECONDS for its HTTP proxy
     unless RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S says otherwise. A local instance runs its workers, the replicas
     among them, at the priority of the machine's other processes: at Ray's default niceness of 15 any busy
-    process starves them (a proxy that did not start in minutes beside two busy loops)."""
+    process starves them (beside two busy loops, a proxy that had not started after a minute)."""
     ray, _ = _ray()
     if not ray.is_initialized():
         env = {k: v for k, v in os.environ.items() if k.startswith("KVSTRATA_")}
