@@ -308,7 +308,10 @@ class EngineConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_option("reuse the KV blocks of prompts that share a prefix")
     )
-    threads: int | None = field(default=None, metadata=_option("CPU threads for torch (default: all cores)"))
+    threads: int | None = field(
+        default=None,
+        metadata=_option("CPU threads for torch (default: OMP_NUM_THREADS, else every core this process may use)"),
+    )
     kv_store: str | None = field(
         default=None,
         metadata=_option("tiers below the paged cache that keep prefix KV, top first, comma-separated: host:SIZE, "

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from kvstrata.cluster.asgi_call import ResponseStart, call_app
 from kvstrata.config import EngineConfig
+from kvstrata.engine.torch_threads import default_threads
 from kvstrata.kv.kv_events import KVEventLog, KVEvents
 from kvstrata.kv.store.spec import disk_part
 from kvstrata.server.options import ServerOptions
@@ -31,7 +32,7 @@ def per_replica_store(spec: str | None, index: int) -> str | None:
 
 def replica_config(config: EngineConfig, index: int, num_replicas: int) -> EngineConfig:
     """Replicas on one machine split its cores unless --threads says otherwise."""
-    threads = config.threads or max(1, (os.cpu_count() or 1) // num_replicas)
+    threads = config.threads or max(1, default_threads() // num_replicas)
     return replace(config, threads=threads, kv_store=per_replica_store(config.kv_store, index))
 
 

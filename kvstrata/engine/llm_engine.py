@@ -11,7 +11,6 @@ import functools
 import itertools
 import logging
 import math
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.scheduler import PrefillFirstScheduler, SarathiScheduler, Scheduler, StaticScheduler
 from kvstrata.engine.scheduler.policy import scheduling_policy
 from kvstrata.engine.sequence import Sequence, SequenceStatus
-from kvstrata.engine.torch_threads import keep_torch_threads, use_torch_threads
+from kvstrata.engine.torch_threads import default_threads, keep_torch_threads, use_torch_threads
 from kvstrata.errors import KvstrataError, ParameterError, RequestFailed
 from kvstrata.kv.block_hash import tenant_salt
 from kvstrata.kv.cache_manager import KVCacheManager
@@ -84,7 +83,7 @@ def _device(name: str) -> torch.device:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        self.threads = config.threads or os.cpu_count() or 1
+        self.threads = config.threads or default_threads()
         use_torch_threads(self.threads)
         self.device = _device(config.device)
         dtype = getattr(torch, config.dtype)

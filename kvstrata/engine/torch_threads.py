@@ -10,7 +10,22 @@ threads start, one.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from kvstrata.errors import KvstrataError
+
+
+def default_threads() -> int:
+    """The threads an engine runs on unless --threads says: OMP_NUM_THREADS where set (torch's own default reads
+    it too), else every core this process may run on (its CPU affinity, which a container or `taskset` narrows)."""
+    setting = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if setting:
+        if not setting.isdigit() or int(setting) < 1:
+            raise KvstrataError(f"OMP_NUM_THREADS={setting!r} is not a positive whole number of threads")
+        return int(setting)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def use_torch_threads(count: int) -> None:
