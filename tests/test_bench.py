@@ -9,6 +9,8 @@ import torch
 
 from kvstrata.cli.main import main
 
+pytestmark = pytest.mark.slow
+
 TINY = ["--kv-cache-memory", "8MiB"]
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from kvstrata import LLM, SamplingParams
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
 def test_near_lossless_context_keeps_greedy_generation_identical(emma_text, tmp_path):

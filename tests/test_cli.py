@@ -9,6 +9,8 @@ import pytest
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.cli.main import main
 
+pytestmark = pytest.mark.slow
+
 
 def run_cli(*args):
     env = dict(os.environ)

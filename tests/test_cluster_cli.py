@@ -7,8 +7,11 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from kvstrata.bench.redis_server import free_port
+
+pytestmark = pytest.mark.slow
 
 
 def test_serve_with_replicas_answers_and_stops_cleanly_on_sigterm(tiny_llama):

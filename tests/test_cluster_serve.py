@@ -21,6 +21,8 @@ from kvstrata.cluster.routing import KVAwareRouting, prompt_blocks
 from kvstrata.config import EngineConfig
 from kvstrata.server.options import ServerOptions
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny"
 KEY = "cluster-key"  # the deployment asks for an API key: the front and the replicas check it
 AUTH = {"Authorization": f"Bearer {KEY}"}

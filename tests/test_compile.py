@@ -5,6 +5,8 @@ import pytest
 from kvstrata import LLM, SamplingParams
 from kvstrata.errors import KvstrataError
 
+pytestmark = pytest.mark.slow
+
 
 def test_compiled_and_eager_layers_generate_the_same_tokens(tiny_llama):
     # Prompts of different lengths, decoded together: prefill chunks and decode batches of several

@@ -21,6 +21,8 @@ from tests.test_oaken_codec import calibrated_bounds, kv
 pytest.importorskip("triton")
 from kvstrata.kv.gpu import integer_rows, oaken_encode, oaken_rows  # need Triton
 
+pytestmark = pytest.mark.slow
+
 QUANTIZED = [case for case in CASES if not case.startswith(("fp", "bf"))]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -22,6 +22,8 @@ from tests.helpers import ask_alone, hf_greedy, hf_logits
 from tests.peft_adapters import peft_reference, save_peft_adapter
 from tests.server_harness import running_server
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 40, 75)]
 

@@ -12,7 +12,7 @@ from kvstrata.engine.beam_search import BeamSearchParams
 from kvstrata.model.loader import default_model_path
 from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -19,6 +19,8 @@ from kvstrata.bench.serve import wait_healthy
 from kvstrata.server.options import ServerOptions
 from tests.server_harness import free_port, running_server
 
+pytestmark = pytest.mark.slow
+
 MODEL = "test-model"
 
 

@@ -25,6 +25,8 @@ from kvstrata.server.request_prep import RequestPreparer
 from kvstrata.server.serve import add_serve_arguments, server_options_from_args
 from tests.server_harness import free_port, running_server
 
+pytestmark = pytest.mark.slow
+
 MODEL = "test-model"
 PROMPTS = ["Emma Woodhouse", "It is a truth", "Mr. Knightley said", "The family of Dashwood", "Sir Walter Elliot",
            "Catherine Morland", "Fanny Price was"]

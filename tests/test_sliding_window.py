@@ -21,6 +21,8 @@ from kvstrata.kv.sliding_window import SlidingWindowAttention
 from tests.helpers import hf_greedy, hf_logits, prefill_in_chunks, use_policy
 from tests.tiny_models import VOCAB_SIZE, save_tiny_checkpoint, tiny_phi3_config
 
+pytestmark = pytest.mark.slow
+
 WINDOW = 16
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 

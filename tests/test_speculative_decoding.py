@@ -19,6 +19,8 @@ from kvstrata.kv.formats.oaken.thresholds import DEFAULT_RATIOS
 from tests.helpers import hf_greedy
 from tests.tiny_models import VOCAB_SIZE
 
+pytestmark = pytest.mark.slow
+
 # Prompts whose greedy continuations on the tiny model repeat themselves (drafts are accepted) and change (drafts
 # are rejected); and a prompt that itself repeats a pattern.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(60, 97)), [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8],
