@@ -47,6 +47,21 @@ def test_the_operator_stores_the_new_rows_and_attends_like_the_reference(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [0, 8])
+def test_the_operator_traces_into_one_compiled_graph(window):
+    """torch.compile traces the operator through its fake (shapes only), which is called without the trailing
+    arguments left at their defaults (no shared prefix, no window): one graph, computing what the eager call does."""
+    gen = torch.Generator().manual_seed(1)
+    k_pools, v_pools = (torch.randn(2, 1, 4, 16, 8, generator=gen) for _ in range(2))
+    q, k_new, v_new = (torch.randn(2, 1, 8, generator=gen) for _ in range(3))
+    tables, lens, slots = torch.tensor([[0, 1], [2, 3]]), torch.tensor([20, 9]), torch.tensor([19, 40])
+    compiled = torch.compile(store_and_attend, fullgraph=True, backend="eager", dynamic=False)
+    got = compiled(0, q, k_new, v_new, FusedDecode(k_pools, v_pools, slots, tables, lens, window=window))
+    want = store_and_attend(0, q, k_new, v_new, FusedDecode(k_pools, v_pools, slots, tables, lens, window=window))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@needs_kernel
 def test_a_slot_outside_the_pools_is_refused_by_name():
     k_pools, v_pools = torch.zeros(2, 1, 4, 16, 8), torch.zeros(2, 1, 4, 16, 8)
     q, rows = torch.zeros(1, 1, 8), torch.zeros(1, 1, 8)

@@ -36,9 +36,10 @@ def store_and_attend(layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: to
 
 
 def register_fake() -> None:
-    """What the operator returns, for torch.compile's tracing (shapes only); called once the kernels are loaded."""
+    """What the operator returns, for torch.compile's tracing (shapes only); called once the kernels are loaded.
+    The schema's defaults are repeated: a traced call leaves out the trailing arguments that equal them."""
 
     @torch.library.register_fake("kvstrata::store_and_decode_attention")
-    def _(q, k_new, v_new, k_pools, v_pools, layer, slots, block_tables, context_lens, scale, min_shared_tokens,
-          window):
+    def _(q, k_new, v_new, k_pools, v_pools, layer, slots, block_tables, context_lens, scale, min_shared_tokens=0,
+          window=0):
         return q.new_empty(q.shape)  # the kernel's output is contiguous whatever q's strides
