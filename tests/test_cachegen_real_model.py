@@ -11,7 +11,7 @@ def test_near_lossless_context_keeps_greedy_generation_identical(emma_text, tmp_
     # Float32 weights, so that no product rounds its activations: the default blocks round them to int8 in
     # products of few rows (model/block_linear.py), and through that rounding a perturbation of the KV of any size
     # moves the next token's log-probabilities by a floor of its own, which alone can flip a near tie.
-    llm = LLM(threads=2, weights="fp32")
+    llm = LLM(threads=1, weights="fp32")
     context = llm.engine.tokenize(emma_text[20000:32000])[:1000]
     question = llm.engine.tokenize(" What did Emma think of it?")
     params = SamplingParams(max_tokens=64, temperature=0.0)
