@@ -43,11 +43,13 @@ def test_an_engine_runs_on_omp_num_threads_where_set_else_on_the_cores_it_may_us
         assert torch.get_num_threads() == 1
         monkeypatch.setenv("OMP_NUM_THREADS", " 3 ")
         assert default_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "4,2")  # OpenMP's nesting levels: the outer one
+        assert default_threads() == 4
         monkeypatch.delenv("OMP_NUM_THREADS")
         assert default_threads() == len(os.sched_getaffinity(0))
-        for bad in ("0", "two", "-1", "1.5"):
+        for bad in ("0", "two", "-1", "1.5", ",2"):
             monkeypatch.setenv("OMP_NUM_THREADS", bad)
-            with pytest.raises(KvstrataError, match=f"OMP_NUM_THREADS={bad!r} is not a positive whole number"):
+            with pytest.raises(KvstrataError, match=f"OMP_NUM_THREADS={bad!r} does not start with a positive whole"):
                 LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory="8MiB"))
     finally:
         use_torch_threads(before)

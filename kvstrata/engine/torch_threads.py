@@ -19,12 +19,14 @@ from kvstrata.errors import KvstrataError
 
 def default_threads() -> int:
     """The threads an engine runs on unless --threads says: OMP_NUM_THREADS where set (torch's own default reads
-    it too), else every core this process may run on (its CPU affinity, which a container or `taskset` narrows)."""
-    setting = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if setting:
-        if not setting.isdigit() or int(setting) < 1:
-            raise KvstrataError(f"OMP_NUM_THREADS={setting!r} is not a positive whole number of threads")
-        return int(setting)
+    it too; of a list of nesting levels, "4,2", the first), else every core this process may run on (its CPU
+    affinity, which a container or `taskset` narrows)."""
+    setting = os.environ.get("OMP_NUM_THREADS", "")
+    if setting.strip():
+        first = setting.split(",")[0].strip()
+        if not first.isdigit() or int(first) < 1:
+            raise KvstrataError(f"OMP_NUM_THREADS={setting!r} does not start with a positive whole number of threads")
+        return int(first)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
