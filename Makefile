@@ -27,6 +27,7 @@ demo: $(STAMP)
 
 # Two workers (pytest-xdist), each file's tests on one worker in file order: on a 2-core machine the suite takes
 # about half as long as one process (much of it is Triton's interpreter and HTTP round trips, one core each).
+# Files go out in tests/conftest.py's order (the slow ones first), which --no-loadscope-reorder keeps.
 test: $(STAMP) redis-server
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
