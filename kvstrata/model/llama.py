@@ -135,6 +135,9 @@ class LlamaForCausalLM(nn.Module):
             return native(x, positions, fused)  # RoPE and the final norm included
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if fused is not None:
+            # the block tables widen as contexts grow: under --compile one graph for every width, not a first one
+            # for the width the first step had (a whole-model graph takes minutes to compile on a small CPU)
+            torch._dynamo.maybe_mark_dynamic(fused.block_tables, 1)
             x = self.decode_all_layers(self, x, cos, sin, fused)
         else:
             dense_parts = native.dense_parts if native is not None else None
