@@ -135,9 +135,6 @@ class LlamaForCausalLM(nn.Module):
             return native(x, positions, fused)  # RoPE and the final norm included
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if fused is not None:
-            # the block tables widen as contexts grow: under --compile one graph for every width, not a first one
-            # for the width the first step had (a whole-model graph takes minutes to compile on a small CPU)
-            torch._dynamo.maybe_mark_dynamic(fused.block_tables, 1)
             x = self.decode_all_layers(self, x, cos, sin, fused)
         else:
             dense_parts = native.dense_parts if native is not None else None
@@ -171,7 +168,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.dense_parts = compiled
         # the graph's caller in C++ rather than Python (a few hundred kernel calls per step, each a Python line)
-        self.decode_all_layers = CompiledOrEager(decode_all_layers, options={"cpp_wrapper": True})
+        compiled_step = CompiledOrEager(decode_all_layers, options={"cpp_wrapper": True})
+
+        def decode_all_layers_any_width(model, x, cos, sin, step: FusedDecode):
+            # the block tables widen as contexts grow: one graph for every width, not a first one for the width of
+            # the first step (each compile of a whole-model graph is long)
+            torch._dynamo.maybe_mark_dynamic(step.block_tables, 1)
+            return compiled_step(model, x, cos, sin, step)
+
+        self.decode_all_layers = decode_all_layers_any_width
 
     @staticmethod
     def state_dict_from_hf(hf: dict, config: ModelConfig) -> dict:
