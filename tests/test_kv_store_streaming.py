@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstrata.engine import kv_store_link
 from kvstrata.engine.kv_store_link import PIECE_BYTES, KVStoreLink
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.errors import KvstrataError
@@ -336,35 +335,6 @@ def test_a_link_that_slows_during_a_chunk_s_read_sends_the_rest_of_it_at_the_lev
     link, reads, asked = link_reading(lambda n: 1.0, TEXT)
     assert link._read_chunk([chunk], 0, "float16", 0, PrefillWork(), seq, ()) == (None, TEXT)
     assert len(reads) == 1
-    link.close()
-
-
-def test_a_chunk_is_read_when_a_decoder_would_take_it_so_its_option_follows_the_link_as_late_as_it_can(monkeypatch):
-    # Two decoders have just started a low chunk each (0.2 s); the next chunk's read takes 0.05 s at the option
-    # chosen: it is held back 0.15 s, then chosen again, and read.
-    slept = []
-    link, _, asked = link_reading(lambda n: 1e-3, "low")
-    link.estimate.decode_seconds, link.estimate.decoders = {"low": 0.2}, 2
-    chunk, seq = Located("c", 0, {"float16": 10**9, "low": 5 * 10**7}), SimpleNamespace(arrival_time=time.perf_counter())
-    running = [Future(), Future()]
-    decoding, levels, started = dict(enumerate(running)), {0: "low", 1: "low"}, dict.fromkeys((0, 1), time.perf_counter())
-
-    def sleep(seconds):  # the decoders finish meanwhile
-        slept.append(seconds)
-        for future in running:
-            future.set_result(None)
-
-    monkeypatch.setattr(kv_store_link.time, "sleep", sleep)
-    link._wait_for_a_decoder([chunk], 2, PrefillWork(), seq, decoding, levels, started)
-    assert slept == [pytest.approx(0.15, abs=0.02)] and len(asked) == 2
-    # A read that takes longer than the decoders are busy, and a chunk left to text, start at once.
-    running[:] = [Future(), Future()]
-    decoding, started = dict(enumerate(running)), dict.fromkeys((0, 1), time.perf_counter())
-    link._pick = lambda *args: "float16"
-    link._wait_for_a_decoder([chunk], 2, PrefillWork(), seq, decoding, levels, started)
-    link._pick = lambda *args: TEXT
-    link._wait_for_a_decoder([chunk], 2, PrefillWork(), seq, decoding, levels, started)
-    assert len(slept) == 1
     link.close()
 
 

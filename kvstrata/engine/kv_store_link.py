@@ -63,7 +63,6 @@ PROBE_BYTES = 256 * 2**10  # a load's first read, at the best level, that tells 
 PIECE_BYTES = 2**20  # an adapting chunk is read in pieces of about this size (KVStoreLink._read_chunk)
 SLOWED = 0.5  # a piece that got less than this share of the throughput estimated: the link slowed (not jitter)
 SLOW_PIECE_SECONDS = 0.01  # unless it took less: such a read is loopback and the cores' other work, not the link
-SHORTEST_WAIT = 0.002  # a read is held back for a decoder only if it would start at least this much later
 
 
 @dataclass
@@ -221,8 +220,6 @@ class KVStoreLink:
         for index, where in enumerate(found):
             chunk = first + index
             probe = self._probe(where) if index == 0 and self._adapts(where) else None
-            if self._adapts(where):
-                self._wait_for_a_decoder(found[index:], chunk, recomputed, seq, decoding, levels, started)
             level, seconds_left = None, self._seconds_left(seq)
             if where.level_bytes is not None:
                 busy = self._decoders_busy(decoding, levels, started)
@@ -409,26 +406,6 @@ class KVStoreLink:
         for seconds in queued:
             busy[busy.index(min(busy))] += seconds
         return tuple(busy)
-
-    def _wait_for_a_decoder(self, remaining: list[Located], chunk: int, recomputed: PrefillWork, seq,
-                            decoding: dict[int, Future], levels: dict[int, str | None],
-                            started: dict[int, float]) -> None:
-        """Holds remaining[0]'s read back while every decoder stays busy, with the chunks already read, for longer
-        than that read takes at the option the link allows now: read then, it is decoded no later, and its option
-        is chosen on a throughput measured that much later. Read at once, chunks queue behind the decoders at
-        options chosen on the link as it was when they were read: a load that began on a slow spell of a link
-        that then rose read every chunk at `low` in that spell, where the rest could have gone at float16 (little
-        to decode) once the link was fast."""
-        while self.estimate.bytes_per_second is not None:
-            busy = self._decoders_busy(decoding, levels, started)
-            option = self._pick(remaining, chunk, recomputed, self._seconds_left(seq), busy)
-            if option == TEXT:
-                return
-            read_seconds = remaining[0].level_bytes[option] / self.estimate.bytes_per_second
-            hold = min(busy) - read_seconds
-            if hold < SHORTEST_WAIT:
-                return
-            time.sleep(hold)
 
     def _read_chunk(self, remaining: list[Located], chunk: int, level: str | None, first_layer: int,
                     recomputed: PrefillWork, seq, busy: tuple[float, ...]) -> tuple[Fetched | None, str | None]:
