@@ -114,8 +114,9 @@ def _block_layer(type_name: str, columns: int, scale_dtype: torch.dtype, seed: i
 
 @needs_block_kernels
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-# 4-bit runs in groups of four blocks, 8-bit in pairs on AVX-512: one group; a group and a pair; three blocks
-@pytest.mark.parametrize("columns", [128, 192, 96])
+# 4-bit runs in groups of four blocks, 8-bit in pairs on AVX-512: one group; a group and a pair; three blocks;
+# and 18 blocks, beyond the sixteen whose offsets the AVX-512 path adds at once
+@pytest.mark.parametrize("columns", [128, 192, 96, 576])
 @pytest.mark.parametrize("rows", [1, 3, 6])  # rows of activations: one, a partial group of four, more than four
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, columns, rows, scale_dtype,

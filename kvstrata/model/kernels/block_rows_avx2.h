@@ -3,6 +3,9 @@
 // y[r, n] for R rows of activations and T consecutive output rows from n: R x T independent accumulators, so
 // the multiply-adds of successive blocks do not wait on each other, and each block of activations is read once
 // per T output rows.
+// Output rows per tile (T), whatever the bits and the rows of activations.
+constexpr int tile_outputs(int, int) { return 4; }
+
 // eight int32 partial sums of unsigned bytes u times signed bytes s; each pair's sum must stay within int16
 // (maddubs saturates), which 4-bit codes, and 8-bit magnitudes against signs moved onto the activations, do
 inline __m256i dot(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
