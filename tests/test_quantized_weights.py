@@ -131,6 +131,19 @@ def test_block_kernel_computes_int8_dot_products_of_the_gguf_blocks(type_name, c
 
 
 @needs_block_kernels
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(type_name, instruction_set):
+    """The dot products of one row of activations are the same bits whether it is multiplied alone or beside up to
+    five others (tiles of other shapes, 82 output rows leaving tiles of four and of three incomplete): a request's
+    greedy output must not change with the batch it is decoded in."""
+    _, _, linear = _block_layer(type_name, 576, torch.float16, seed=7)
+    x = torch.randn(6, 576)
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(6)])
+    for rows in range(2, 7):
+        assert torch.equal(linear(x[:rows]), alone[:rows])
+
+
+@needs_block_kernels
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("path", ["avx512", "avx2", "widened rows"])
 def test_a_non_finite_activation_spoils_its_own_row_alone(type_name, path):

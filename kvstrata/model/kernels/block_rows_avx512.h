@@ -93,7 +93,7 @@ inline void byte_tile(const Activations a, const uint8_t* codes, const S* scales
 
 // The sums of the lanes of four vectors, as the four lanes of one: pairs of vectors interleaved and added, then
 // the four 128-bit quarters added, so that four outputs take a few shuffles instead of four whole reductions.
-inline __m128 sum_lanes_of_4(const __m512* v) {
+inline __m128 sum_lanes_of_4(const __m512 (&v)[4]) {
   // in each quarter: [v0 lanes 0+2, v1 lanes 0+2, v0 lanes 1+3, v1 lanes 1+3], the same of v2 and v3
   const __m512 pair01 = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
   const __m512 pair23 = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
@@ -129,10 +129,14 @@ inline void block_tile(const Activations a, const uint8_t* codes, const S* scale
       for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(block_mins, x_sums[r], acc[r][t]);
     }
   }
+  // every output's lanes summed in the same order, whatever T: a row's outputs do not depend on the rows beside it
   for (int r = 0; r < R; ++r) {
-    int t = 0;
-    for (; t + 4 <= T; t += 4) _mm_storeu_ps(y + r * n_total + n + t, sum_lanes_of_4(acc[r] + t));
-    for (; t < T; ++t) y[r * n_total + n + t] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < T; t += 4) {
+      const int count = T - t < 4 ? T - t : 4;
+      __m512 four[4];
+      for (int i = 0; i < 4; ++i) four[i] = i < count ? acc[r][t + i] : _mm512_setzero_ps();
+      _mm_mask_storeu_ps(y + r * n_total + n + t, static_cast<__mmask8>((1u << count) - 1), sum_lanes_of_4(four));
+    }
   }
 }
 
