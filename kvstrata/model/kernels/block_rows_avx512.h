@@ -14,7 +14,7 @@
 // Output rows per tile (T) for R rows of activations: the R x T accumulators and the R rows' codes and scales
 // must stay in the 32 vector registers. 4-bit codes take two vectors a row: 4 x 4 sent the accumulators to the
 // stack, and tiles of 3 (with the offsets added per 16 blocks below) ran the default model's products of 4-64
-// rows 1.18-1.35x faster on an AMD Zen 5 (docs/BENCHMARKS.md, "The weight products' tiles on AVX-512").
+// rows 1.14-1.37x faster on an AMD Zen 5 (docs/BENCHMARKS.md, "The weight products' tiles on AVX-512").
 constexpr int tile_outputs(int bits, int rows) { return bits == 4 && rows > 2 ? 3 : 4; }
 
 // the first `count` (at most 4) of four scales, float32 or float16 bits (block_dot.cpp's to_float)
