@@ -22,11 +22,32 @@ def shared_prefix_prompts() -> list[list[int]]:
     return [prefix + torch.randint(3, 300, (3,), generator=gen).tolist() for _ in range(9)]
 
 
-def generate_counting(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
-    """Greedy tokens of the prompts sent together, and the prefixes read once for the decodes sharing them."""
+def generate_counting(llm: LLM, prompts: list[list[int]]) -> tuple[list, int]:
+    """Greedy outputs of the prompts sent together (with each step's two likeliest tokens), and the prefixes read
+    once for the decodes sharing them."""
     reads = KERNEL.shared_prefix_reads()
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    return [list(out.token_ids) for out in outputs], KERNEL.shared_prefix_reads() - reads
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2))
+    return outputs, KERNEL.shared_prefix_reads() - reads
+
+
+# Reading a prefix once changes the order of attention's sums, so its outputs differ from the plain ones by rounding;
+# where the products round their activations to int8 (GGUF blocks, the native loop), such a difference moves the
+# log-probabilities by a floor of its own (docs/DESIGN.md), which can flip a near tie: of the nine requests here, one
+# parted at a tie of 0.001 against 0.012 (in nats) once the weight kernels' sums were reordered.
+NEAR_TIE = 0.02
+
+
+def assert_same_greedy_tokens_but_near_ties(outputs, others):
+    """Each output's tokens equal the other run's, or part at a near tie: where they first part, each run's token
+    is the other's runner-up, within NEAR_TIE of its likeliest (after that the two continue from other tokens)."""
+    for out, other in zip(outputs, others):
+        for step, (token, other_token) in enumerate(zip(out.token_ids, other.token_ids)):
+            if token != other_token:
+                top, other_top = out.logprobs[step].top, other.logprobs[step].top
+                assert other_token in top and token in other_top, (step, top, other_top)
+                assert top[token] - top[other_token] < NEAR_TIE, (step, top)
+                assert other_top[other_token] - other_top[token] < NEAR_TIE, (step, other_top)
+                break
 
 
 @pytest.mark.parametrize(("model", "kv_format"), [("tiny_gguf_style", "fp32"), ("tiny_llama_kv64", "int4"),
@@ -35,7 +56,7 @@ def generate_counting(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int
 def test_requests_sharing_a_prefix_read_it_once_and_generate_the_same(model, kv_format, request, oaken_calibrations):
     """Nine requests sharing 64 prompt tokens: with cascade_min_tokens 32 their decodes read the prefix once for all
     (in the compiled loop over all layers, and layer by layer for the quantized formats) and give the greedy tokens
-    they give with it off, where nothing is read that way."""
+    they give with it off, where nothing is read that way, but where a near tie flips."""
     path = request.getfixturevalue(model)
     options = {"kv_format": kv_format, "threads": 2, "kv_cache_memory": "16MiB",
                "oaken_calibration": str(oaken_calibrations[DEFAULT_RATIOS]) if kv_format == "oaken" else None}
@@ -43,7 +64,7 @@ def test_requests_sharing_a_prefix_read_it_once_and_generate_the_same(model, kv_
     cascade, cascade_reads = generate_counting(LLM(str(path), cascade_min_tokens=32, **options), prompts)
     plain, plain_reads = generate_counting(LLM(str(path), cascade_min_tokens=0, **options), prompts)
     assert cascade_reads > 0 and plain_reads == 0
-    assert cascade == plain
+    assert_same_greedy_tokens_but_near_ties(cascade, plain)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
