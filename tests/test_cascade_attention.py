@@ -33,7 +33,7 @@ def generate_counting(llm: LLM, prompts: list[list[int]]) -> tuple[list, int]:
 # Reading a prefix once changes the order of attention's sums, so its outputs differ from the plain ones by rounding;
 # where the products round their activations to int8 (GGUF blocks, the native loop), such a difference moves the
 # log-probabilities by a floor of its own (docs/DESIGN.md), which can flip a near tie: of the nine requests here, one
-# parted at a tie of 0.001 against 0.012 (in nats) once the weight kernels' sums were reordered.
+# parted at such a tie once the weight kernels' sums were reordered.
 NEAR_TIE = 0.02
 
 
