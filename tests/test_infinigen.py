@@ -25,6 +25,7 @@ from kvstrata.kv.offload.host_pool import COUNTER_LIMIT, EVICTION_POLICIES, Host
 from kvstrata.kv.offload.link import parse_link
 from kvstrata.kv.offload.skew import ForeignSkewError, InfiniGenSkew
 from kvstrata.kv.offload.speculation import select_tokens
+from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.kv.preloaded import PreloadedKV
 from kvstrata.kv.reference_attention import attend_per_kv_head
 from tests.infinigen_cases import EVERYTHING, engine_for, generate, random_prompts
@@ -117,16 +118,43 @@ def test_select_tokens_on_hand_made_scores():
     assert chosen_columns(mean) == {0, 2}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_float_pool_copies_its_stored_blocks_into_the_buffers_it_is_handed(dtype):
+    """`full`'s transfer on the CPU: whole blocks as stored (no decode, the pool's dtype) land in the caller's
+    buffers, holding what gather_keys reads."""
+    pool = PagedKVCache(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype,
+                        device=torch.device("cpu"))
+    pool.k.copy_(torch.randn(pool.k.shape))
+    pool.v.copy_(torch.randn(pool.v.shape))
+    tables = torch.tensor([[3, 1], [0, 5]])
+    handed = {}
+
+    def empty(name, shape, buffer_dtype):
+        handed[name] = torch.full(shape, math.nan, dtype=buffer_dtype)
+        return handed[name]
+
+    copied = pool.copy_stored_blocks(1, tables, empty)
+    gathered = pool.gather_keys(1, whole_block_keys(tables, torch.tensor([8, 7]), 4), dtype)
+    for name, got, want in zip(("k", "v"), copied, gathered):
+        assert got.dtype == dtype and got.untyped_storage().data_ptr() == handed[name].untyped_storage().data_ptr()
+        assert got.shape == want.shape == (2, 8, 2, 8) and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("mode", ["full", "infinigen"])
 def test_byte_counters_equal_the_bytes_copied(mode, tiny_llama, skew_files, monkeypatch):
-    copied = []
-    copy = transfers.WorkingBuffers.copy
+    copied = []  # bytes copied into the device buffers, or handed out there to be written (a float pool's blocks)
+    copy, empty = transfers.WorkingBuffers.copy, transfers.WorkingBuffers.empty
 
     def counting_copy(buffers, name, x, stream=None):
         copied.append(x.nbytes)
         return copy(buffers, name, x, stream)
 
+    def counting_empty(buffers, name, shape, dtype):
+        copied.append(math.prod(shape) * dtype.itemsize)
+        return empty(buffers, name, shape, dtype)
+
     monkeypatch.setattr(transfers.WorkingBuffers, "copy", counting_copy)
+    monkeypatch.setattr(transfers.WorkingBuffers, "empty", counting_empty)
     engine = engine_for(tiny_llama, kv_offload=mode, infinigen_calibration=str(skew_files["llama"]),
                         infinigen_full_layers=1, infinigen_alpha=2.0, kv_link="2")
     generate(engine, random_prompts(8, 100, 40), 8)

@@ -119,16 +119,33 @@ class PagedKVCache(KVStorage):
         if keys.block_tables is None:
             return super().gather_keys(layer, keys, dtype)
         n, width = keys.block_tables.shape
-        return tuple(_seam_layout(gather_rows_per_head(cache[layer], keys.block_tables.reshape(-1)), n,
-                                  width * self.block_size, dtype) for cache in (self.k, self.v))
+        return tuple(_seam_layout(rows, n, width * self.block_size, dtype)
+                     for rows in self._whole_blocks(layer, keys.block_tables))
+
+    def copy_stored_blocks(self, layer, block_tables, empty):
+        n, width = block_tables.shape
+        return tuple(_seam_layout(rows, n, width * self.block_size, rows.dtype)
+                     for rows in self._whole_blocks(layer, block_tables, empty))
+
+    def _whole_blocks(self, layer: int, block_tables: torch.Tensor, empty=None) -> list[torch.Tensor]:
+        """K and V of the blocks of `block_tables`, [kv_heads, blocks, block_size, head_dim] each in the storage
+        dtype, in tensors from `empty` (KVStorage.copy_stored_blocks) where given."""
+        index = block_tables.reshape(-1)
+        out = []
+        for name, cache in (("k", self.k), ("v", self.v)):
+            shape = (self.kv_shape[0], len(index), self.block_size, self.kv_shape[1])
+            into = empty(name, shape, cache.dtype) if empty is not None else None
+            out.append(gather_rows_per_head(cache[layer], index, into))
+        return out
 
 
-def gather_rows_per_head(per_head: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` of every head of [kv_heads, rows, ...], as [kv_heads, len(index), ...]: one contiguous
-    index_select per head into its part of the result (on CPU several times faster than one index_select
-    along dim 1)."""
-    out = torch.empty(per_head.shape[0], len(index), *per_head.shape[2:], dtype=per_head.dtype,
-                      device=per_head.device)
+def gather_rows_per_head(per_head: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `index` of every head of [kv_heads, rows, ...], as [kv_heads, len(index), ...] (in `out` where given):
+    one contiguous index_select per head into its part of the result (on CPU several times faster than one
+    index_select along dim 1)."""
+    if out is None:
+        out = torch.empty(per_head.shape[0], len(index), *per_head.shape[2:], dtype=per_head.dtype,
+                          device=per_head.device)
     for head in range(per_head.shape[0]):
         torch.index_select(per_head[head], 0, index, out=out[head])
     return out

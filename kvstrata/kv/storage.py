@@ -8,6 +8,7 @@ when a step begins and ends and which blocks the pool hands out for new content.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -51,6 +52,15 @@ class KVStorage(ABC):
     def gather_keys(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `keys`; storage that can copy whole blocks overrides this for keys that are whole blocks."""
         return self.gather(layer, keys.slots, keys.positions, dtype)
+
+    def copy_stored_blocks(self, layer: int, block_tables: torch.Tensor,
+                           empty: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V of the whole blocks of `block_tables` [n, W] copied as they are stored, nothing decoded, into
+        tensors that `empty(name, shape, dtype)` hands out ("k" and "v": a caller's buffers, kept from call to
+        call); seen as `gather_keys` gives them ([n, W * block_size, kv_heads, head_dim]), in the storage's dtype.
+        None where the storage keeps a form it must decode (the caller then gathers the keys)."""
+        return None
 
     def gather_per_head(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

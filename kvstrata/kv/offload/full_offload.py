@@ -3,7 +3,10 @@
 Every layer's KV lives in the host pool (the engine's storage, allocated on the host in any `--kv-format`);
 the step's new K/V are written there, and before each layer's attention the K/V it reads are gathered in the
 pool and copied to the compute device. On a CPU-only machine host and device are both main memory, but the
-working copy is still a separate allocation and every byte of it is copied and counted.
+working copy is still a separate allocation and every byte of it is copied and counted. There a float pool's
+whole blocks are copied straight into the working copy, and that copy is the transfer: FlexGen keeps each
+sequence's KV in one piece on the host and a paged pool (vLLM's swap) sends its blocks one by one, so neither
+gathers on the host first. Other pools are decoded (gathered) on the host, then copied.
 """
 
 from __future__ import annotations
@@ -116,8 +119,17 @@ class FullOffload(AttentionPolicy):
 
     def fetch(self, layer: int, keys: CachedKeys, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather `keys` in the host pool and copy them to the device ([n, Tk, kv_heads, D] each)."""
-        k, v = self.storage.gather_keys(layer, self.keys_on_host(keys), dtype)
-        rows = keys.positions.numel() * k.shape[2]
+        on_host = self.keys_on_host(keys)
+        rows = keys.positions.numel() * self.storage.kv_shape[0]
+        if self.device.type == "cpu" and on_host.block_tables is not None:
+            # host and device are one memory: whole blocks copied as stored into the working buffers are the
+            # transfer, as a paged pool sends its blocks to a GPU (block by block, no gather on the host beside it)
+            with self.stats.copying():
+                copied = self.storage.copy_stored_blocks(layer, on_host.block_tables, self.buffers.empty)
+            if copied is not None:
+                self.stats.fetched(layer, sum(x.nbytes for x in copied), round(rows * self.row_bytes))
+                return tuple(x.to(dtype) for x in copied)
+        k, v = self.storage.gather_keys(layer, on_host, dtype)
         self.stats.fetched(layer, k.nbytes + v.nbytes, round(rows * self.row_bytes))
         return self.stats.copy_to(self.buffers, ("k", "v"), k, v)
 

@@ -9,7 +9,9 @@ its decodes attended).
 
 from __future__ import annotations
 
+import math
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -43,10 +45,17 @@ class OffloadStats:
                 stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, ...]:
         """The tensors copied into the named device buffers (on `stream`, a GPU's side stream, where given), the
         time it took the host counted (on a GPU the copies are asynchronous: staging them, not their transfer)."""
+        with self.copying():
+            return tuple(buffers.copy(name, x, stream) for name, x in zip(names, tensors))
+
+    @contextmanager
+    def copying(self):
+        """Counts the time the host spends in the block as copying to the device."""
         start = time.perf_counter()
-        copies = tuple(buffers.copy(name, x, stream) for name, x in zip(names, tensors))
-        self.copy_seconds += time.perf_counter() - start
-        return copies
+        try:
+            yield
+        finally:
+            self.copy_seconds += time.perf_counter() - start
 
     def decode_rows(self, layer: int, fetched: int, cached: int) -> None:
         self.decode_fetched_rows[layer] += fetched
@@ -88,15 +97,25 @@ class WorkingBuffers:
         `stream` where given (else the current one); the caller orders its readers after it."""
         if self.device.type == "cuda":
             x = x.pin_memory()
-        flat = self._flat.get(name)
-        if flat is None or flat.numel() < x.numel() or flat.dtype != x.dtype:
-            flat = self._flat[name] = torch.empty(int(1.25 * x.numel()), dtype=x.dtype, device=self.device)
+        flat = self._flat_buffer(name, x.numel(), x.dtype)
         out = flat.as_strided(x.shape, x.stride()) if _dense(x) else flat[: x.numel()].view(x.shape)
         if stream is None:
             return out.copy_(x, non_blocking=True)
         flat.record_stream(stream)  # a buffer given up is not handed out again before this copy has written it
         with torch.cuda.stream(stream):
             return out.copy_(x, non_blocking=True)
+
+    def empty(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Buffer `name` as a contiguous tensor of `shape` to write into (what it held is lost)."""
+        return self._flat_buffer(name, math.prod(shape), dtype)[: math.prod(shape)].view(shape)
+
+    def _flat_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Buffer `name` with room for `numel` elements of `dtype`; a larger one (by a quarter, so that contexts
+        growing step by step rarely need another) where it had less room or another dtype."""
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < numel or flat.dtype != dtype:
+            flat = self._flat[name] = torch.empty(int(1.25 * numel), dtype=dtype, device=self.device)
+        return flat
 
 
 def _dense(x: torch.Tensor) -> bool:
