@@ -118,12 +118,14 @@ def test_select_tokens_on_hand_made_scores():
     assert chosen_columns(mean) == {0, 2}
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_float_pool_copies_its_stored_blocks_into_the_buffers_it_is_handed(dtype):
-    """`full`'s transfer on the CPU: whole blocks as stored (no decode, the pool's dtype) land in the caller's
-    buffers, holding what gather_keys reads."""
+def test_a_float_pool_copies_what_it_stores_into_the_buffers_it_is_handed(dtype, compiled):
+    """Offload on the CPU: whole blocks (`full`'s transfer) and each head's own rows (InfiniGen's gather) as stored,
+    no decode, in the pool's dtype, land in the caller's buffers, holding what gather_keys and gather_per_head read."""
     pool = PagedKVCache(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype,
-                        device=torch.device("cpu"))
+                        device=torch.device("cpu"), in_place_decode=compiled)
+    assert (pool.decode_kernel is not None) == compiled
     pool.k.copy_(torch.randn(pool.k.shape))
     pool.v.copy_(torch.randn(pool.v.shape))
     tables = torch.tensor([[3, 1], [0, 5]])
@@ -138,6 +140,12 @@ def test_a_float_pool_copies_its_stored_blocks_into_the_buffers_it_is_handed(dty
     for name, got, want in zip(("k", "v"), copied, gathered):
         assert got.dtype == dtype and got.untyped_storage().data_ptr() == handed[name].untyped_storage().data_ptr()
         assert got.shape == want.shape == (2, 8, 2, 8) and torch.equal(got, want)
+    slots = torch.tensor([[5, 0, 17], [9, 9, 2]])
+    copied = pool.copy_stored_rows(1, slots, empty)
+    gathered = pool.gather_per_head(1, slots[:, None], torch.zeros_like(slots[:, None]), dtype)
+    for name, got, want in zip(("k", "v"), copied, gathered):
+        assert got.dtype == dtype and got.untyped_storage().data_ptr() == handed[name].untyped_storage().data_ptr()
+        assert got.shape == (2, 3, 8) and torch.equal(got, want[:, 0])
 
 
 @pytest.mark.parametrize("mode", ["full", "infinigen"])
@@ -439,10 +447,14 @@ def test_gathering_rows_compiled_equals_index_select():
     gen = torch.Generator().manual_seed(6)
     k, v = torch.randn(2, 3, 40, 8, generator=gen).unbind(0)
     slots = torch.randint(0, 40, (3, 17), generator=gen)
-    for pool, got in zip((k, v), kernel.gather_rows([k, v], slots)):
+    outs = [torch.empty(3, 17, 8), torch.empty(3, 17, 8)]
+    kernel.gather_rows([k, v], slots, outs)
+    for pool, got in zip((k, v), outs):
         assert torch.equal(got, torch.stack([pool[h].index_select(0, slots[h]) for h in range(3)]))
     with pytest.raises(RuntimeError, match="slot 40 out of range"):
-        kernel.gather_rows([k, v], torch.full((3, 2), 40))
+        kernel.gather_rows([k, v], torch.full((3, 2), 40), [torch.empty(3, 2, 8), torch.empty(3, 2, 8)])
+    with pytest.raises(RuntimeError, match="each out must be"):
+        kernel.gather_rows([k, v], slots, [torch.empty(3, 16, 8), torch.empty(3, 17, 8)])
 
 
 def test_the_compiled_selection_survives_nan_partial_keys(tiny_llama, skew_files):

@@ -87,17 +87,27 @@ class PagedKVCache(KVStorage):
         """Each head's own rows: only the selected tokens are read (compiled: K and V of every head in one call;
         else one index_select per head)."""
         kv_heads, n, width = slots.shape
+        return tuple(rows.view(kv_heads, n, width, self.kv_shape[1]).to(dtype)
+                     for rows in self._rows_per_head(layer, slots.reshape(kv_heads, -1)))
+
+    def copy_stored_rows(self, layer, slots, empty):
+        return tuple(self._rows_per_head(layer, slots, empty))
+
+    def _rows_per_head(self, layer: int, slots: torch.Tensor, empty=None) -> list[torch.Tensor]:
+        """K and V of each head's own rows `slots` [kv_heads, R], [kv_heads, R, head_dim] each in the storage dtype,
+        in tensors from `empty` (KVStorage.copy_stored_rows) where given."""
+        kv_heads, rows = slots.shape
         pools = [cache[layer].view(kv_heads, -1, self.kv_shape[1]) for cache in (self.k, self.v)]
+        outs = [_empty_like_rows(empty, name, (kv_heads, rows, self.kv_shape[1]), pool)
+                for name, pool in zip(("k", "v"), pools)]
         if self.decode_kernel is not None:
             with torch.profiler.record_function("kvstrata::gather_rows"):  # named in profiles
-                gathered = self.decode_kernel.gather_rows(pools, slots.reshape(kv_heads, -1))
+                self.decode_kernel.gather_rows(pools, slots, outs)
         else:
-            gathered = [torch.empty(kv_heads, n * width, self.kv_shape[1], dtype=pool.dtype, device=pool.device)
-                        for pool in pools]
-            for pool, out in zip(pools, gathered):
+            for pool, out in zip(pools, outs):
                 for head in range(kv_heads):
-                    torch.index_select(pool[head], 0, slots[head].reshape(-1), out=out[head])
-        return tuple(rows.view(kv_heads, n, width, self.kv_shape[1]).to(dtype) for rows in gathered)
+                    torch.index_select(pool[head], 0, slots[head], out=out[head])
+        return outs
 
     def attend_in_place(self, layer, q, keys, context_lens, window=0):
         if self.decode_kernel is None or q.dtype != torch.float32:
@@ -131,12 +141,9 @@ class PagedKVCache(KVStorage):
         """K and V of the blocks of `block_tables`, [kv_heads, blocks, block_size, head_dim] each in the storage
         dtype, in tensors from `empty` (KVStorage.copy_stored_blocks) where given."""
         index = block_tables.reshape(-1)
-        out = []
-        for name, cache in (("k", self.k), ("v", self.v)):
-            shape = (self.kv_shape[0], len(index), self.block_size, self.kv_shape[1])
-            into = empty(name, shape, cache.dtype) if empty is not None else None
-            out.append(gather_rows_per_head(cache[layer], index, into))
-        return out
+        shape = (self.kv_shape[0], len(index), self.block_size, self.kv_shape[1])
+        return [gather_rows_per_head(cache[layer], index, _empty_like_rows(empty, name, shape, cache))
+                for name, cache in (("k", self.k), ("v", self.v))]
 
 
 def gather_rows_per_head(per_head: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,6 +156,14 @@ def gather_rows_per_head(per_head: torch.Tensor, index: torch.Tensor, out: torch
     for head in range(per_head.shape[0]):
         torch.index_select(per_head[head], 0, index, out=out[head])
     return out
+
+
+def _empty_like_rows(empty, name: str, shape: tuple[int, ...], pool: torch.Tensor) -> torch.Tensor:
+    """Where rows of `pool` are gathered: `empty(name, shape, dtype)`'s tensor (a caller's buffer) where given, else
+    new memory beside the pool."""
+    if empty is not None:
+        return empty(name, shape, pool.dtype)
+    return torch.empty(shape, dtype=pool.dtype, device=pool.device)
 
 
 def _seam_layout(gathered: torch.Tensor, n: int, width: int, dtype: torch.dtype) -> torch.Tensor:

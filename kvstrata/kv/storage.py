@@ -62,6 +62,14 @@ class KVStorage(ABC):
         None where the storage keeps a form it must decode (the caller then gathers the keys)."""
         return None
 
+    def copy_stored_rows(self, layer: int, slots: torch.Tensor,
+                         empty: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V of each KV head's own rows `slots` [kv_heads, R] as they are stored, nothing decoded, into tensors
+        from `empty` as for `copy_stored_blocks`: [kv_heads, R, head_dim] each, in the storage's dtype. None where
+        the storage keeps a form it must decode (the caller then uses `gather_per_head`)."""
+        return None
+
     def gather_per_head(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [kv_heads, n, W, head_dim] where each KV head reads tokens of its own: `slots` and `positions`

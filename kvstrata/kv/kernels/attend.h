@@ -702,7 +702,7 @@ std::vector<int64_t> oaken_store(at::Tensor k, at::Tensor v, at::Tensor position
                                  std::vector<int64_t> layout, at::Tensor key_mean, at::Tensor cos, at::Tensor sin);
 // InfiniGen's speculation of the tokens a layer's decodes fetch (infinigen_select.cpp), their gather from float
 // pools (gather_rows.cpp) and attention over them (fetched_attention.cpp).
-std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor slots);
+void gather_rows(std::vector<at::Tensor> pools, at::Tensor slots, std::vector<at::Tensor> outs);
 at::Tensor fetched_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor starts, at::Tensor lengths,
                              double scale);
 std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partial_keys, at::Tensor block_tables,

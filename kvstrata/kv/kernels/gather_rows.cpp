@@ -1,5 +1,6 @@
 // Rows of float KV pools gathered per KV head in one call (InfiniGen's fetch from the host pool): for every pool
-// [kv_heads, slots, dim] (K and V, any element type), out[g][i] = pool[g][slots[g][i]]. The rows a decode step
+// [kv_heads, slots, dim] (K and V, any element type) and its out [kv_heads, rows, dim] (the caller's: a buffer kept
+// from call to call is not mapped afresh), out[g][i] = pool[g][slots[g][i]]. The rows a decode step
 // fetches are scattered over the pool, so each is a few cache lines read from memory; the next rows' lines are
 // requested ahead while one is copied, and the heads' rows are spread over torch's threads.
 #include <cstring>
@@ -8,7 +9,7 @@
 
 namespace kvstrata {
 
-std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor slots) {
+void gather_rows(std::vector<at::Tensor> pools, at::Tensor slots, std::vector<at::Tensor> outs) {
   TORCH_CHECK(!pools.empty() && slots.dim() == 2 && slots.scalar_type() == at::kLong && slots.is_cpu(),
               "gather_rows: slots must be int64 [kv_heads, rows] on the CPU");
   slots = slots.contiguous();
@@ -19,6 +20,12 @@ std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor sl
                     pool.sizes() == pools[0].sizes() && pool.scalar_type() == pools[0].scalar_type(),
                 "gather_rows: pools must be contiguous CPU [kv_heads, slots, dim] of one shape and dtype");
   }
+  TORCH_CHECK(outs.size() == pools.size(), "gather_rows: one out per pool");
+  for (size_t p = 0; p < pools.size(); ++p) {
+    TORCH_CHECK(outs[p].is_cpu() && outs[p].is_contiguous() && outs[p].scalar_type() == pools[p].scalar_type() &&
+                    outs[p].sizes() == at::IntArrayRef({kv_heads, rows, pools[p].size(2)}),
+                "gather_rows: each out must be a contiguous CPU [kv_heads, rows, dim] of its pool's dtype");
+  }
   const int64_t* index = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < kv_heads * rows; ++i) {  // bad input raises here, not inside the parallel region
     TORCH_CHECK(index[i] >= 0 && index[i] < num_slots, "gather_rows: slot ", index[i], " out of range");
@@ -26,10 +33,6 @@ std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor sl
   const int64_t row_bytes = pools[0].size(2) * pools[0].element_size();
   // rows whose lines are requested before they are copied, into L2 (its queue holds more requests than L1's)
   constexpr int64_t kAhead = 24;
-  std::vector<at::Tensor> outs;
-  for (const auto& pool : pools) {
-    outs.push_back(at::empty({kv_heads, rows, pool.size(2)}, pool.options()));
-  }
   for (size_t p = 0; p < pools.size(); ++p) {
     const char* from = static_cast<const char*>(pools[p].data_ptr());
     char* to = static_cast<char*>(outs[p].data_ptr());
@@ -44,7 +47,6 @@ std::vector<at::Tensor> gather_rows(std::vector<at::Tensor> pools, at::Tensor sl
       }
     });
   }
-  return outs;
 }
 
 }  // namespace kvstrata

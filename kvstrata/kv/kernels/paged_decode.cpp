@@ -197,7 +197,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kivi_window_store", &kvstrata::kivi_window_store, "KIVI's store of one layer's new K and V into its window");
   m.def("infinigen_select", &kvstrata::infinigen_select,
         "InfiniGen's speculated logits against the partial keys in place, and the tokens each KV head fetches");
-  m.def("gather_rows", &kvstrata::gather_rows, "rows of float KV pools gathered per KV head, all pools in one call");
+  m.def("gather_rows", &kvstrata::gather_rows,
+        "rows of float KV pools gathered per KV head into the outs given, all pools in one call");
   m.def("fetched_attention", &kvstrata::fetched_attention,
         "decode attention over K/V rows fetched per KV head, a run of rows per sequence");
   m.def("oaken_encode", &kvstrata::oaken_encode, "Oaken's per-token encoder, the bytes of codec.encode_tokens");

@@ -209,8 +209,14 @@ class InfiniGenAttention(FullOffload):
             plan = self._select_in_place(layer, q_partial, group)
         else:
             plan = self._select(layer, q_partial.transpose(0, 1), group)
-        # the plan is on the host, which gathers its rows
-        k, v = self.storage.gather_per_head(layer, plan.slots[:, None], plan.positions[:, None], x.dtype)
+        # two buffers in turn: layer i's fetch must outlive layer i+1's, made before layer i attends
+        buffer = f"speculated{layer % 2}"
+        gathered = self._gather_into_device_buffers(layer, plan, buffer)
+        if gathered is None:  # the plan is on the host, which gathers its rows
+            k, v = (rows[:, 0] for rows in self.storage.gather_per_head(layer, plan.slots[:, None],
+                                                                        plan.positions[:, None], x.dtype))
+        else:
+            k, v = gathered
         if self.cap is not None:
             self.cap.fetched(layer, plan.slots[plan.chosen_rows()].unique())
         rows = int(plan.offsets[:, -1].sum()) - n * kv_heads  # each sequence's last row, its own token, is not fetched
@@ -219,14 +225,25 @@ class InfiniGenAttention(FullOffload):
         self.stats.selected_per_head[layer] += int(plan.per_query_head.sum())
         self.stats.decodes[layer] += n
         offsets = to_device(plan.offsets, self.device)
-        # two buffers in turn: layer i's fetch must outlive layer i+1's, made before layer i attends
-        names = (f"speculated{layer % 2}.k", f"speculated{layer % 2}.v")
+        if gathered is not None:
+            return Fetched(k.to(x.dtype), v.to(x.dtype), plan, offsets)
+        names = (f"{buffer}.k", f"{buffer}.v")
         if self.fetch_stream is None:
-            return Fetched(*self.stats.copy_to(self.buffers, names, k[:, 0], v[:, 0]), plan, offsets)
+            return Fetched(*self.stats.copy_to(self.buffers, names, k, v), plan, offsets)
         # the buffers' last reader, layer i-2's attention, is queued on the compute stream: the copy comes after it
         self.fetch_stream.wait_stream(torch.cuda.current_stream(self.device))
-        k, v = self.stats.copy_to(self.buffers, names, k[:, 0], v[:, 0], stream=self.fetch_stream)
+        k, v = self.stats.copy_to(self.buffers, names, k, v, stream=self.fetch_stream)
         return Fetched(k, v, plan, offsets, self.fetch_stream.record_event())
+
+    def _gather_into_device_buffers(self, layer: int, plan: FetchPlan,
+                                    buffer: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """On the CPU, where host and device are one memory, a float pool's rows of `plan` gathered straight into
+        the device buffers `buffer`.k and .v: host work, standing for the gather and the copy both (the modeled
+        step adds the link's time for the rows on top); None elsewhere (gathered, then copied)."""
+        if self.device.type != "cpu":
+            return None
+        return self.storage.copy_stored_rows(layer, plan.slots, lambda name, shape, dtype: self.buffers.empty(
+            f"{buffer}.{name}", shape, dtype))
 
     def _select(self, layer: int, q_partial: torch.Tensor, group: AttentionGroup) -> FetchPlan:
         """The torch path: q_partial [G, n, group, r]; every cached token's partial key gathered, then scored on the
