@@ -5,9 +5,10 @@ The compute device keeps, per layer, the partial (skewed) key of every cached to
 the skew's heaviest columns (kv/offload/skew.py), written whenever K is. At layer i−1's input the policy asks
 the model for layer i's queries of that input (`layer_queries`, supplied from above kv/), turns them with the
 same partial A, scores them against layer i's partial keys, picks tokens (kv/offload/speculation.py), gathers
-those rows per KV head in the host pool and copies them to the device. Layer i then attends exactly over them
-plus the step's new token. Layers below `full_layers` and every prefill chunk read their full KV, as `full`
-does. Nothing is evicted: every token stays in the host pool and may be picked again later.
+those rows per KV head in the host pool and copies them to the device (on the CPU a float pool's rows are gathered
+straight into the device buffers: one pass). Layer i then attends exactly over them plus the step's new token.
+Layers below `full_layers` and every prefill chunk read their full KV, as `full` does. Nothing is evicted: every
+token stays in the host pool and may be picked again later.
 
 On the CPU, scoring and picking are one compiled call per layer (kv/kernels/infinigen_select.cpp, the float16
 partial keys read where they lie) and layer i attends over its fetched rows with a compiled kernel
