@@ -6,11 +6,12 @@ For each context length one real prefill of that much text gives the K/V; every 
 as preloaded KV (the same text, its own blocks), so the KV each mode reads is real text's and no batch pays its
 prefill. Each mode then decodes `steps` tokens per sequence; a step's time is the median over them.
 
-Measured: tokens/s on this machine; on a CPU host pool and device are both main memory and the copy is a memcpy,
-with `--device cuda` the copies cross the machine's real link to the GPU. Modeled (labelled so, on a CPU only): the
-step with the measured copy time replaced by the link model's time for the bytes the step moved in the host pool's
-format, over PCIe 3 and 4, with no overlap of copy and compute (an upper bound; InfiniGen overlaps its fetch with
-the previous layer).
+Measured: tokens/s on this machine; on a CPU host pool and device are both main memory and the copy is a memcpy
+(a float pool's whole blocks copied into the device buffer; InfiniGen's speculated rows are gathered into it, host
+work that is not counted as copying), with `--device cuda` the copies cross the machine's real link to the GPU.
+Modeled (labelled so, on a CPU only): the step with the measured copy time replaced by the link model's time for the
+bytes the step moved in the host pool's format, over PCIe 3 and 4, with no overlap of copy and compute (an upper
+bound; InfiniGen overlaps its fetch with the previous layer).
 """
 
 from __future__ import annotations
