@@ -107,7 +107,8 @@ class WorkingBuffers:
 
     def empty(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Buffer `name` as a contiguous tensor of `shape` to write into (what it held is lost)."""
-        return self._flat_buffer(name, math.prod(shape), dtype)[: math.prod(shape)].view(shape)
+        numel = math.prod(shape)
+        return self._flat_buffer(name, numel, dtype)[:numel].view(shape)
 
     def _flat_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Buffer `name` with room for `numel` elements of `dtype`; a larger one (by a quarter, so that contexts
