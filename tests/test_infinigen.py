@@ -386,9 +386,9 @@ def test_the_recent_window_is_always_read():
                           (0.5, 1.0, 40, True, 16), (2.0, 0.3, 8, False, 12)])
 def test_the_compiled_selection_chooses_what_the_torch_path_does(alpha, max_fraction, recent, capped, block_size,
                                                                  tiny_llama, skew_files):
-    """Random partial keys and queries, scattered blocks (of 16 tokens, and of 12: not whole vectors of 8 or 16),
+    """Random partial keys and queries, scattered blocks (of 16 tokens, and of 12: not whole vectors of 8),
     sequences of different lengths (one with nothing cached yet), tokens a capped pool gave up: the kernel's plan
-    (positions, slots, offsets, counts) is the torch path's, on AVX-512 and on AVX2."""
+    (positions, slots, offsets, counts) is the torch path's."""
     options = {"kv_host_memory": "4MiB"} if capped else {}
     engine = engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]),
                         infinigen_alpha=alpha, infinigen_max_fraction=max_fraction, infinigen_recent=recent,
@@ -407,17 +407,13 @@ def test_the_compiled_selection_chooses_what_the_torch_path_does(alpha, max_frac
                            whole_block_keys(tables, context_lens, block))
     _, kv_heads, _, partial = policy.partial_rotation.shape
     q_partial = torch.randn(4, kv_heads, engine.loaded.config.num_heads // kv_heads, partial, generator=gen)
+    compiled = policy._select_in_place(layer, q_partial, group)
     reference = policy._select(layer, q_partial.transpose(0, 1), group)
+    assert torch.equal(compiled.per_query_head, reference.per_query_head)
+    assert torch.equal(compiled.offsets, reference.offsets) and torch.equal(compiled.positions, reference.positions)
     chosen = reference.chosen_rows()  # padding rows, and the own token's (written at attention), may read any slot
-    for avx512 in (True, False):  # the AVX-512 scoring and counting where the CPU has them, and the AVX2 code
-        with paged_decode.kernel_paths(avx512=avx512):
-            compiled = policy._select_in_place(layer, q_partial, group)
-        assert torch.equal(compiled.per_query_head, reference.per_query_head)
-        assert torch.equal(compiled.offsets, reference.offsets)
-        assert torch.equal(compiled.positions, reference.positions)
-        assert torch.equal(compiled.chosen_rows(), chosen)
-        assert torch.equal(compiled.slots[chosen], reference.slots[chosen])
-        assert (compiled.offsets[:, 1] == 1).all()  # sequence 0 has nothing cached: its own token is its one row
+    assert torch.equal(compiled.chosen_rows(), chosen) and torch.equal(compiled.slots[chosen], reference.slots[chosen])
+    assert (compiled.offsets[:, 1] == 1).all()  # sequence 0 has nothing cached: its own token is its one row
 
 
 def test_attention_over_fetched_rows_compiled_equals_the_masked_torch_product():

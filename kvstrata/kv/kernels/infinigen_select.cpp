@@ -5,8 +5,7 @@
 // sequence takes the floored mean of those counts, capped at max_fraction of the sequence's cached tokens (at
 // least one); each query head's top tokens by that count, the newest `recent` tokens, per KV head the union.
 // Where logits tie exactly at a head's cut, the earliest tokens are taken (torch's topk leaves that order open); a
-// NaN logit (a corrupt cache) counts as -inf, never preferred (torch ranks NaN first). The scoring and the counting
-// passes take 16 logits at a time where the CPU has AVX-512 (8 on AVX2), to the same bits.
+// NaN logit (a corrupt cache) counts as -inf, never preferred (torch ranks NaN first).
 //
 // q_partial [n, kv_heads, group, r] float32: the skewed partial queries, already scaled by head_dim^-0.5;
 // partial_keys [kv_heads, blocks, r, block] float16: the layer's partial keys, channels outermost within a block
@@ -22,7 +21,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "attend.h"
@@ -125,59 +123,21 @@ void score_block(const float* queries, int64_t r, const at::Half* keys, int64_t 
   }
 }
 
+// score_block for 1 to kHeadsTogether heads.
+void score_block(int64_t heads, const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t count,
+                 const uint8_t* gone, float* out, int64_t stride, RowScan* scans) {
+  switch (heads) {
+    case 1: return score_block<1>(queries, r, keys, block, count, gone, out, stride, scans);
+    case 2: return score_block<2>(queries, r, keys, block, count, gone, out, stride, scans);
+    case 3: return score_block<3>(queries, r, keys, block, count, gone, out, stride, scans);
+    default: return score_block<kHeadsTogether>(queries, r, keys, block, count, gone, out, stride, scans);
+  }
+}
+
 struct Counts {
   int64_t at_least = 0;  // logits >= x
   int64_t above = 0;     // logits > x
 };
-
-// The same scoring and counting 16 logits at a time where the CPU has AVX-512 (avx512_path). Each logit is the same
-// chain of multiply-adds over the channels as in the AVX2 code, so both give the same bits; the scans and the
-// stores take the 16 as two halves of 8.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl")
-namespace avx512 {
-
-inline __m256 high_half(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
-
-template <int Heads>
-void score_block(const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t count,
-                 const uint8_t* gone, float* out, int64_t stride, RowScan* scans) {
-  int64_t j = 0;
-  for (; j + 16 <= count; j += 16) {
-    __m512 acc[Heads];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    for (int64_t d = 0; d < r; ++d) {
-      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + d * block + j));
-      const __m512 channel = _mm512_cvtph_ps(halves);
-      for (int h = 0; h < Heads; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(queries[h * r + d]), channel, acc[h]);
-    }
-    const int low_gone = gone_bits(gone ? gone + j : nullptr), high_gone = gone_bits(gone ? gone + j + 8 : nullptr);
-    for (int h = 0; h < Heads; ++h) {
-      _mm256_storeu_ps(out + h * stride + j, scans[h].clean_and_add(_mm512_castps512_ps256(acc[h]), low_gone));
-      _mm256_storeu_ps(out + h * stride + j + 8, scans[h].clean_and_add(high_half(acc[h]), high_gone));
-    }
-  }
-  if (j < count) {
-    kvstrata::score_block<Heads>(queries, r, keys + j, block, count - j, gone ? gone + j : nullptr, out + j, stride,
-                                 scans);
-  }
-}
-
-Counts count_at(const float* row, int64_t len, float x) {
-  const __m512 limit = _mm512_set1_ps(x);
-  Counts counts;
-  int64_t t = 0;
-  for (; t + 16 <= len; t += 16) {
-    const __m512 v = _mm512_loadu_ps(row + t);
-    counts.at_least += __builtin_popcount(_mm512_cmp_ps_mask(v, limit, _CMP_GE_OQ));
-    counts.above += __builtin_popcount(_mm512_cmp_ps_mask(v, limit, _CMP_GT_OQ));
-  }
-  for (; t < len; ++t) counts.at_least += row[t] >= x, counts.above += row[t] > x;
-  return counts;
-}
-
-}  // namespace avx512
-#pragma GCC pop_options
 
 Counts count_at(const float* row, int64_t len, float x) {
   const __m256 limit = _mm256_set1_ps(x);
@@ -192,26 +152,6 @@ Counts count_at(const float* row, int64_t len, float x) {
   return counts;
 }
 
-// score_block for 1 to kHeadsTogether heads, on AVX-512 where `wide`.
-void score_block(bool wide, int64_t heads, const float* queries, int64_t r, const at::Half* keys, int64_t block,
-                 int64_t count, const uint8_t* gone, float* out, int64_t stride, RowScan* scans) {
-  const auto score = [&](auto heads_together) {
-    constexpr int kHeads = decltype(heads_together)::value;
-    if (wide) return avx512::score_block<kHeads>(queries, r, keys, block, count, gone, out, stride, scans);
-    score_block<kHeads>(queries, r, keys, block, count, gone, out, stride, scans);
-  };
-  switch (heads) {
-    case 1: return score(std::integral_constant<int, 1>());
-    case 2: return score(std::integral_constant<int, 2>());
-    case 3: return score(std::integral_constant<int, 3>());
-    default: return score(std::integral_constant<int, kHeadsTogether>());
-  }
-}
-
-Counts count_at(bool wide, const float* row, int64_t len, float x) {
-  return wide ? avx512::count_at(row, len, x) : count_at(row, len, x);
-}
-
 // Values between which a row's k-th largest logit lies: at least k logits are >= low, and above_high < k are > high.
 struct Bracket {
   float low, high;
@@ -223,8 +163,8 @@ struct Bracket {
 // one vector pass; each cut goes where the counts, taken as linear in the value across the bracket, reach k (kept
 // off the ends, so a cut removes a tenth of the bracket at least). `threshold` (the alpha cut) with
 // `above_threshold` logits above it, known already, narrows the first bracket.
-Bracket bracket_kth_largest(bool wide, const float* row, int64_t len, int64_t k, const RowSummary& summary,
-                            float threshold, int64_t above_threshold) {
+Bracket bracket_kth_largest(const float* row, int64_t len, int64_t k, const RowSummary& summary, float threshold,
+                            int64_t above_threshold) {
   Bracket bracket{summary.least, summary.top, 0};
   int64_t at_least_low = summary.finite;
   if (threshold > bracket.low && threshold < bracket.high) {
@@ -238,7 +178,7 @@ Bracket bracket_kth_largest(bool wide, const float* row, int64_t len, int64_t k,
     const float share = static_cast<float>(at_least_low - k) / static_cast<float>(at_least_low - bracket.above_high);
     const float middle = bracket.low + (bracket.high - bracket.low) * std::clamp(share, 0.1f, 0.9f);
     if (!(middle > bracket.low && middle < bracket.high)) break;  // the bracket is as narrow as floats go
-    const Counts counts = count_at(wide, row, len, middle);
+    const Counts counts = count_at(row, len, middle);
     if (counts.at_least >= k) {
       bracket.low = middle, at_least_low = counts.at_least;
     } else {
@@ -259,7 +199,7 @@ struct Bracketed {
 // Sets the bits (token t: bit t % 8 of byte t / 8) of the `k` tokens of `row` with the highest logits, ties broken
 // towards earlier tokens, gone ones (a capped pool's; `gone` may be null; their logits are -inf) never. One pass
 // marks the logits above the k-th's bracket and keeps those inside it, for the k-th to be found among them.
-void mark_top(bool wide, const float* row, int64_t len, int64_t k, const RowSummary& summary, float threshold,
+void mark_top(const float* row, int64_t len, int64_t k, const RowSummary& summary, float threshold,
               int64_t above_threshold, const uint8_t* gone, uint8_t* chosen, Bracketed& inside_bracket) {
   if (summary.finite < k) {  // every finite logit, then the earliest -inf ones that are still there
     int64_t taken = 0;
@@ -271,7 +211,7 @@ void mark_top(bool wide, const float* row, int64_t len, int64_t k, const RowSumm
     }
     return;
   }
-  const Bracket bracket = bracket_kth_largest(wide, row, len, k, summary, threshold, above_threshold);
+  const Bracket bracket = bracket_kth_largest(row, len, k, summary, threshold, above_threshold);
   auto& [values, tokens, ranked] = inside_bracket;
   values.clear(), tokens.clear();
   const __m256 lows = _mm256_set1_ps(bracket.low), highs = _mm256_set1_ps(bracket.high);
@@ -347,7 +287,6 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
   const at::Half* keys = partial_keys.data_ptr<at::Half>();
   const int64_t heads = kv_heads * group;
   const float within = static_cast<float>(alpha);  // float32 arithmetic, as the torch path's
-  const bool wide = avx512_path();
   const BlockSlots slots{block};
 
   // 1. How many of each sequence's cached tokens are there to fetch, and (under a cap) which are gone.
@@ -378,14 +317,14 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
         const float* queries = qp + ((s * kv_heads + g) * group + h0) * r;
         for (int64_t first = 0; first < len; first += block) {
           const at::Half* block_keys = keys + (g * num_blocks + tables[s * width + first / block]) * r * block;
-          score_block(wide, together, queries, r, block_keys, block, std::min(block, len - first),
+          score_block(together, queries, r, block_keys, block, std::min(block, len - first),
                       gone ? gone + first : nullptr, rows + h0 * longest + first, longest, scans.data() + h0);
         }
       }
       for (int64_t h = 0; h < group; ++h) {
         const RowSummary summary = scans[h].summary();
         summaries[s * heads + g * group + h] = summary;
-        counts[s * heads + g * group + h] = count_at(wide, rows + h * longest, len, summary.top - within).above;
+        counts[s * heads + g * group + h] = count_at(rows + h * longest, len, summary.top - within).above;
       }
     }
   });
@@ -414,7 +353,7 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
       if (per_head[s] > 0) {
         for (int64_t h = s * heads + g * group; h < s * heads + (g + 1) * group; ++h) {
           const float threshold = summaries[h].top - within;
-          mark_top(wide, logits.get() + h * longest, len, per_head[s], summaries[h], threshold, counts[h], gone,
+          mark_top(logits.get() + h * longest, len, per_head[s], summaries[h], threshold, counts[h], gone,
                    marks.data(), inside_bracket);
         }
       }
