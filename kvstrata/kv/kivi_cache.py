@@ -12,6 +12,9 @@ takes its slot in the first step that writes into it. Blocks that never leave th
 sequence's tail) keep their full-precision slot while slots are to spare; when none is free, the slots of
 window blocks no sequence holds are taken back (a block the prefix cache keeps is quantized first). The
 pool grows only if the running sequences themselves need more slots, and `grown_slots` counts that.
+
+Every query of a step reads a block as it stands after the step (one leaving the window in it reads quantized), so
+where a prompt's chunks end changes which of its tokens its own queries read at full precision.
 """
 
 from __future__ import annotations
