@@ -3,12 +3,12 @@ throughput when the budget caps the batch (papers/oaken.md §1, §5 Fig. 11, §7
 
     .venv/bin/python -m benchmarks.oaken_capacity > benchmarks/results/oaken_capacity.json
 
-Capacity: for every format, the engine's blocks x block size at `--budget` (KIVI also reserves its
-full-precision window for `--max-num-seqs` sequences out of the budget). Throughput: at `--throughput-budget`,
+Capacity: for every format, the engine's blocks x block size at `--budget` (KIVI's full-precision window is
+made of the same blocks, lent to it as sequences need them: `block_group` is how many a window slot takes). Throughput: at `--throughput-budget`,
 `--requests` requests with greedy `--output-len`-token outputs and prompts sized so the fp32 cache holds only
 `--fp32-batch` of them at once, all arriving at time 0, through kvstrata.bench.throughput.run_kvstrata
 (sarathi scheduler); output tokens/s per format and the ratio to fp32. `requests_fitting_at_once` is the budget's
-arithmetic (requests of full length it holds); each run also reports how many sequences the scheduler ran at
+arithmetic (requests of full length it holds, each with its window under KIVI); each run also reports how many sequences the scheduler ran at
 once, `most_sequences_in_a_step` (it admits on what a request holds now), and how often it took one out to make
 room, `preemptions` (that sequence's work is done again). During each run the cache's store / load,
 the formats' encode / decode and the attention math are timed by wrappers (benchmarks/oaken_call_timer.py), so
@@ -40,6 +40,7 @@ from kvstrata.config import DEVICES, EngineConfig, parse_memory_size
 from kvstrata.data import EMMA
 from kvstrata.engine.kv_setup import engine_storage_layout
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.kv.kivi_cache import KiviPagedKVCache
 
 
 def capacity(base: EngineConfig, loaded, name: str) -> dict:
@@ -49,9 +50,16 @@ def capacity(base: EngineConfig, loaded, name: str) -> dict:
     layout = engine_storage_layout(engine, getattr(torch, base.dtype), name)
     blocks = engine.kv_manager.pool.num_blocks
     row = {"format": name, "blocks": blocks, "tokens": blocks * base.block_size,
-           "bytes_per_token": sig(layout.bytes_per_token), "reserved_bytes": getattr(layout, "reserved_bytes", 0)}
+           "bytes_per_token": sig(layout.bytes_per_token), "block_group": layout.block_group}
     del engine
     return row
+
+
+def window_blocks(storage) -> tuple[int, int]:
+    """KIVI's float16 window in blocks of the pool: a request's most, and what a step adds; (0, 0) elsewhere."""
+    if not isinstance(storage, KiviPagedKVCache):
+        return 0, 0
+    return storage.slots_per_sequence * storage.group_size, storage.slots_a_step_adds * storage.group_size
 
 
 def with_ratios(rows: list[dict], key: str) -> list[dict]:
@@ -66,7 +74,9 @@ def throughput(base: EngineConfig, loaded, name: str, requests, request_tokens: 
     engine, note = build_engine(base, loaded, kv_format=name)  # checks the configuration, and sizes the batch
     if engine is None:
         return {"format": name, "note": note}
-    held = engine.kv_manager.pool.num_blocks * base.block_size
+    blocks, request_blocks = engine.kv_manager.pool.num_blocks, -(-request_tokens // base.block_size)
+    window = window_blocks(engine.kv_cache)
+    fitting = (blocks - window[1]) // (request_blocks + window[0])
     del engine
     config = dataclasses.replace(base, kv_format=name)
     start = time.perf_counter()
@@ -76,8 +86,8 @@ def throughput(base: EngineConfig, loaded, name: str, requests, request_tokens: 
     print(f"{name}: {figures['decode_tokens_per_s']} output tokens/s ({wall:.0f} s)", file=sys.stderr, flush=True)
     # On a GPU the wrapped calls return before their kernels finish, so only the wall time means something.
     breakdown = timer.report(wall) if base.device == "cpu" else {}
-    return {"format": name, "tokens_held": held,
-            "requests_fitting_at_once": min(base.max_num_seqs, len(requests), held // request_tokens),
+    return {"format": name, "tokens_held": blocks * base.block_size,
+            "requests_fitting_at_once": min(base.max_num_seqs, len(requests), fitting),
             "output_tokens_per_s": figures["decode_tokens_per_s"], **figures,
             "time_breakdown": {"wall_s_incl_warmup": round(wall, 3), **breakdown}}
 

@@ -16,9 +16,10 @@ from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError
 from kvstrata.kv import attention_policy
 from kvstrata.kv.attention_batch import whole_block_keys
+from kvstrata.kv.block_groups import GroupedBlockPool
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, pack_nibbles, unpack_codes, unpack_nibbles
-from kvstrata.kv.kivi_cache import KiviPagedKVCache, window_slots_needed
+from kvstrata.kv.kivi_cache import KiviPagedKVCache
 from kvstrata.kv.reference_attention import attend
 from tests.helpers import prefill_in_chunks
 
@@ -31,7 +32,7 @@ MAX_SEQS = 4
 NUM_LAYERS, WIDTH = 3, 64  # the tiny Llama below: 4 KV heads x 16
 WINDOW_BLOCKS = -(-RESIDUAL // BLOCK_SIZE) + 1  # most float16 blocks a sequence holds after a step
 # and one more for a sequence writing 33+ tokens in a step (here at most one: chunks of 32, or a context written)
-WINDOW_SLOTS = MAX_SEQS * WINDOW_BLOCKS + 1
+STEP_SLOTS = 1
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -191,24 +192,27 @@ def test_every_layer_attends_to_what_the_cache_holds_after_the_step(kv_format, t
 
 def check_window(engine: LLMEngine) -> None:
     """Every running sequence's blocks wholly before its newest RESIDUAL tokens are quantized, the others are in the
-    window (at most WINDOW_BLOCKS of them); every window slot is either held by one block or free."""
-    cache = engine.kv_cache
+    window (at most WINDOW_BLOCKS of them); every window slot is a group the pool lends, held by one block or free,
+    and no sequence holds a block of a lent group (its codes are the slot's float16 rows)."""
+    cache, pool = engine.kv_cache, engine.kv_manager.pool
+    lent_blocks = {g * cache.group_size + i for g in pool.lent for i in range(cache.group_size)}
     for seq in engine.scheduler.running:
         table = torch.tensor(seq.block_table, dtype=torch.long)
         old = quantized_tokens(seq.num_computed_tokens) // BLOCK_SIZE
         assert (cache.window_slot[table[:old]] == -1).all(), seq.request_id
         assert (cache.window_slot[table[old:]] >= 0).all(), seq.request_id
         assert len(table) - old <= WINDOW_BLOCKS
+        assert not lent_blocks & set(seq.block_table)
     held = cache.window_slot[cache.window_slot >= 0].tolist()
-    assert sorted(held + cache.free_slots) == list(range(cache.window_k.shape[1]))
+    assert sorted(held + cache.free_slots) == sorted(pool.lent)
 
 
 @pytest.mark.parametrize("kv_format", KIVI)
 def test_blocks_leave_the_window_as_sequences_decode(kv_format, tiny_llama_kv64):
     llm = make_llm(tiny_llama_kv64, kv_format)
-    engine, cache = llm.engine, llm.engine.kv_cache
-    window_slots = WINDOW_SLOTS
-    assert cache.window_k.shape == (NUM_LAYERS, window_slots, BLOCK_SIZE, WIDTH) and len(cache.free_slots) == 13
+    engine, cache, pool = llm.engine, llm.engine.kv_cache, llm.engine.kv_manager.pool
+    most_slots = MAX_SEQS * WINDOW_BLOCKS + STEP_SLOTS  # 13
+    assert not pool.lent and not cache.free_slots  # nothing lent before a sequence asks
     gen = torch.Generator().manual_seed(11)
     lengths = (100, 70, 45, 90)  # MAX_SEQS sequences at once
     ids = [engine.add_request(torch.randint(3, 320, (n,), generator=gen).tolist(), greedy(40)) for n in lengths]
@@ -222,23 +226,22 @@ def test_blocks_leave_the_window_as_sequences_decode(kv_format, tiny_llama_kv64)
                 finished[out.request_id] = out
         assert len(engine.scheduler.running) <= MAX_SEQS
         check_window(engine)
-        assert cache.grown_slots == 0
+        assert len(pool.lent) <= most_slots
     assert all(len(finished[i].token_ids) == 40 for i in ids)
-    # 31 blocks went through 13 window slots: the slots of blocks that left came back and were handed out again
-    assert len(handed_out) == sum(-(-(n + 39) // BLOCK_SIZE) for n in lengths) == 31 > window_slots
-    assert cache.window_k.shape[1] == window_slots and cache.grown_slots == 0
-    assert engine.kv_manager.pool.num_used == 0
+    # 31 blocks went through at most 13 window slots: the slots of blocks that left came back and were handed out
+    assert len(handed_out) == sum(-(-(n + 39) // BLOCK_SIZE) for n in lengths) == 31 > most_slots
+    assert pool.num_used == len(pool.lent) * cache.group_size  # the lent groups alone
 
 
 @pytest.mark.parametrize("kv_format", KIVI)
 def test_long_chunks_quantize_their_leaving_blocks_without_window_slots(kv_format, tiny_llama_kv64):
     """Chunks of 100 tokens fill blocks that leave the window in the same step: they are quantized straight from the
-    step's K/V, so two sequences run in the 10 slots window_slots_needed counts (3 each, and one per sequence that
-    completes a leaving block in a step: at most 4 in a step of 100 tokens) and the window never grows. Had every
-    written block taken a slot, one chunk alone would need 7. (What the quantized blocks hold: the layer-0 test.)"""
+    step's K/V, so two sequences run in at most 10 slots (3 each, and one per sequence that completes a leaving
+    block in a step: at most 4 in a step of 100 tokens). Had every written block taken a slot, one chunk alone
+    would need 7. (What the quantized blocks hold: the layer-0 test.)"""
     llm = make_llm(tiny_llama_kv64, kv_format, chunk_size=100, max_num_seqs=2)
-    cache = llm.engine.kv_cache
-    assert cache.window_k.shape[1] == window_slots_needed(2, 100, RESIDUAL, BLOCK_SIZE) == 2 * WINDOW_BLOCKS + 4
+    cache, pool = llm.engine.kv_cache, llm.engine.kv_manager.pool
+    assert cache.slots_a_step_adds == 4
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (230, 75, 180, 140)]
     engine = llm.engine
@@ -247,25 +250,31 @@ def test_long_chunks_quantize_their_leaving_blocks_without_window_slots(kv_forma
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
         check_window(engine)
-        assert cache.grown_slots == 0
+        assert len(pool.lent) <= 2 * WINDOW_BLOCKS + 4
     assert [len(finished[i].token_ids) for i in ids] == [20] * 4
 
 
-def test_finished_sequences_give_their_window_slots_back(tiny_llama_kv64):
-    """A finished sequence's newest blocks stay in the prefix cache holding float16 slots; when the window runs short
-    they are taken back (a cached block is quantized first) instead of the pool growing past the budget."""
+def test_finished_sequences_keep_their_window_slots_while_blocks_are_to_spare(tiny_llama_kv64):
+    """A finished sequence's newest blocks keep their float16 slots while the pool has blocks to spare, so a prompt
+    sharing them reads them as their own sequence did; when the pool runs short, those slots go back to it and the
+    blocks leave the prefix cache (recomputed if asked for again), never read quantized before their time."""
     llm = make_llm(tiny_llama_kv64, "kivi4", max_num_seqs=2)
-    cache = llm.engine.kv_cache
-    assert cache.window_k.shape[1] == 2 * WINDOW_BLOCKS + 1
-    gen = torch.Generator().manual_seed(1)
-    batches = [[torch.randint(3, 320, (70,), generator=gen).tolist() for _ in range(4)] for _ in range(4)]
-    for batch in batches:
-        outputs = llm.generate(batch, greedy(8))
-        assert all(len(o.token_ids) == 8 for o in outputs)
-        assert cache.grown_slots == 0 and cache.window_k.shape[1] == 2 * WINDOW_BLOCKS + 1
-    # the first batch's blocks, quantized when their slots were taken back, are still shared
-    again = llm.generate([batches[0][0] + [7]], greedy(8))[0]
-    assert again.num_cached_tokens == 64 and len(again.token_ids) == 8
+    cache, pool = llm.engine.kv_cache, llm.engine.kv_manager.pool
+    prompt = torch.randint(3, 320, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    first = llm.generate([prompt], greedy(8))[0]  # 78 tokens: blocks 0-1 quantized, blocks 2-4 in the window
+    idle = (cache.window_slot >= 0).nonzero().flatten().tolist()
+    assert len(idle) == 3 and all(pool.ref_counts[b] == 0 for b in idle)
+    again = llm.generate([prompt + first.token_ids[:1]], greedy(8))[0]
+    assert again.num_cached_tokens == 64 and again.token_ids[:7] == first.token_ids[1:]
+
+    idle = (cache.window_slot >= 0).nonzero().flatten().tolist()
+    cached = [b for b in idle if pool.hash_of_block[b] is not None]
+    assert cached and all(pool.ref_counts[b] == 0 for b in idle)
+    assert cache.reserve(0, keep_free=pool.num_blocks)  # the pool short of blocks: idle slots go back
+    assert (cache.window_slot < 0).all() and len(pool.lent) == cache.slots_a_step_adds
+    assert all(pool.hash_of_block[b] is None for b in cached)
+    third = llm.generate([prompt + first.token_ids[:1]], greedy(8))[0]
+    assert third.num_cached_tokens == 32 and third.token_ids == again.token_ids  # blocks 0-1, still quantized
 
 
 # --- the engine ---------------------------------------------------------------------------------------------------
@@ -276,7 +285,8 @@ def test_greedy_generation_and_prefix_sharing(kv_format, tiny_llama_kv64, prompt
     llm = make_llm(tiny_llama_kv64, kv_format)
     outputs = llm.generate(prompts, GREEDY)
     assert all(len(o.token_ids) == 12 and o.finish_reason == "length" and o.text for o in outputs)
-    assert llm.engine.kv_manager.pool.num_used == 0
+    pool = llm.engine.kv_manager.pool
+    assert pool.num_used == len(pool.lent) * llm.engine.kv_cache.group_size  # finished: only the window's groups
 
     # KIVI quantizes a block in place once it leaves its sequence's window, so a later request sharing it sees the
     # quantized block; the first request stops (92 + 3 tokens) before block 3 leaves, so the shared blocks are in the
@@ -308,10 +318,13 @@ def test_preemption_gives_the_same_outputs(kv_format, tiny_llama_kv64):
 
     layout = engine_storage_layout(roomy.engine, torch.float32, kv_format)
     block_bytes = math.ceil(BLOCK_SIZE * layout.bytes_per_token)
+    # room for the first two or three requests and their windows, whose first decodes then need a block more than
+    # is free (each lent slot takes 16 / bits blocks)
+    blocks = {"kivi4": 48, "kivi2": 64}[kv_format]
     cramped = make_llm(tiny_llama_kv64, kv_format, scheduler="prefill-first", max_model_len=128,
-                       kv_cache_memory=layout.reserved_bytes + 10 * block_bytes)
+                       kv_cache_memory=blocks * block_bytes)
     engine = cramped.engine
-    assert engine.kv_manager.pool.num_blocks == 10
+    assert engine.kv_manager.pool.num_blocks == blocks
     ids = [engine.add_request(prompt, GREEDY) for prompt in batch]
     outputs = {}
     while engine.has_unfinished_requests():
@@ -319,40 +332,45 @@ def test_preemption_gives_the_same_outputs(kv_format, tiny_llama_kv64):
         check_window(engine)
     assert sum(s.num_preempted for s in engine.step_stats) > 0
     assert [outputs[i].token_ids for i in ids] == expected
-    assert engine.kv_manager.pool.num_used == 0 and engine.kv_cache.grown_slots == 0
+    assert engine.kv_manager.pool.num_used == len(engine.kv_manager.pool.lent) * engine.kv_cache.group_size
 
 
 @pytest.mark.parametrize("kv_format", KIVI)
-def test_blocks_per_budget_count_the_reserved_window(kv_format, tiny_llama_kv64):
+def test_the_budget_holds_blocks_and_window_alike(kv_format, tiny_llama_kv64):
+    """The window takes no memory of its own: its slots are groups of the pool's blocks (16 / bits of them), viewed
+    as float16, so the budget counts quantized blocks alone, in whole groups."""
     budget = 4 * 2**20
     engine = make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=budget).engine
     bits = BITS[kv_format]
+    group = 16 // bits
     layout = engine_storage_layout(engine, torch.float32, kv_format)
-    window_slots = WINDOW_SLOTS
-    assert layout.window_slots == window_slots == window_slots_needed(MAX_SEQS, CHUNK_SIZE, RESIDUAL, BLOCK_SIZE) == 13
-    assert layout.reserved_bytes == window_slots * BLOCK_SIZE * NUM_LAYERS * 2 * WIDTH * 2  # float16 K and V
+    assert layout.block_group == group
     # codes of K and V, a key (min, step) per channel per block, a value (min, step) per 32 channels per token
     assert layout.bytes_per_token == NUM_LAYERS * (2 * WIDTH * bits / 8 + WIDTH * 4 / BLOCK_SIZE + WIDTH // 32 * 4)
     block_bytes = math.ceil(BLOCK_SIZE * layout.bytes_per_token)
     num_blocks = engine.kv_manager.pool.num_blocks
-    assert num_blocks == (budget - layout.reserved_bytes) // block_bytes
+    assert num_blocks == budget // block_bytes // group * group
     cache = engine.kv_cache
     assert cache.key_codes.shape == cache.value_codes.shape == (NUM_LAYERS, num_blocks * BLOCK_SIZE, WIDTH * bits // 8)
     assert cache.key_params.shape == (NUM_LAYERS, num_blocks, WIDTH, 2)
     assert cache.value_params.shape == (NUM_LAYERS, num_blocks * BLOCK_SIZE, WIDTH // 32, 2)
-    assert cache.window_k.shape == (NUM_LAYERS, window_slots, BLOCK_SIZE, WIDTH)
+    assert cache.window_k.shape == (NUM_LAYERS, num_blocks // group, BLOCK_SIZE, WIDTH)
+    # slot 1 of layer 2 is the key codes of blocks group .. 2 * group - 1 of that layer
+    slot = cache.window_k[2, 1]
+    assert slot.data_ptr() == cache.key_codes[2, group * BLOCK_SIZE].data_ptr() and slot.dtype == torch.float16
+    assert cache.window_v[2, 1].data_ptr() == cache.value_codes[2, group * BLOCK_SIZE].data_ptr()
     fp16_blocks = make_llm(tiny_llama_kv64, "fp16", kv_cache_memory=budget).engine.kv_manager.pool.num_blocks
     assert num_blocks > 2 * fp16_blocks
 
-    # one request of max_model_len 128 needs 8 blocks on top of the reserve
-    least = layout.reserved_bytes + 8 * block_bytes
+    # one request of max_model_len 128 needs 8 blocks, and its window (3 slots and the step's 1) beside them
+    assert layout.blocks_beside_a_sequence == (WINDOW_BLOCKS + STEP_SLOTS) * group
+    needed = 8 + layout.blocks_beside_a_sequence
+    least = needed * block_bytes
     just_enough = make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=least, max_model_len=128).engine
-    assert just_enough.kv_manager.pool.num_blocks == 8
-    for short in (least - 1, layout.reserved_bytes, 8 * block_bytes):
-        with pytest.raises(KvstrataError, match=rf"\({layout.reserved_bytes} reserved for KIVI's full-precision window"
-                                                rf" of max_num_seqs \d+ sequences\).*give at least {least} bytes"
-                                                rf".*or lower --max-model-len or --max-num-seqs"):
-            make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=short, max_model_len=128)
+    assert just_enough.kv_manager.pool.num_blocks == needed
+    with pytest.raises(KvstrataError, match=rf"fewer than one request of max_model_len 128 holds \(and KIVI's float16 "
+                                            rf"window beside it, {needed - 8} blocks\); give at least {least} bytes"):
+        make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=least - 1, max_model_len=128)
 
 
 # --- a saved CacheGen context ---------------------------------------------------------------------------------------
@@ -390,30 +408,36 @@ def test_a_saved_context_resumes_on_kivi4(tiny_llama_kv64, emma_text, tmp_path):
     assert writes == [(0, 30, 0), (30, 60, 1), (60, 90, 3), (90, 95, 3)]  # blocks 0-2 quantized as they were placed
     assert sum(s.prefill_tokens for s in llm.engine.step_stats) == len(question)
     assert len(out.token_ids) == GREEDY.max_tokens and out.text
-    assert cache.grown_slots == 0
 
 
-def test_grown_bytes_count_the_window_slots_added():
-    cache = KiviPagedKVCache(4, 32, num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=32,
-                             device=torch.device("cpu"), window_slots=1)
-    assert cache.grown_bytes() == 0
-    cache._take_slot()
-    cache._take_slot()  # no slot free and no block pool to take one back from: the window grows
-    assert cache.grown_slots > 0
-    assert cache.grown_bytes() == cache.grown_slots * 2 * 2 * 16 * 64 * 2  # K and V, layers, block, width, float16
-
-
-def test_the_readers_views_follow_the_window_when_it_grows():
-    cache = KiviPagedKVCache(4, 32, num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=32,
-                             device=torch.device("cpu"), window_slots=1)
-    keys, values = cache._reader_tensors(1)
-    assert keys[2].data_ptr() == cache.window_k[1].data_ptr() and values[2].data_ptr() == cache.window_v[1].data_ptr()
-    cache._take_slot()
-    cache._take_slot()  # the window grows: new tensors
-    assert cache.grown_slots > 0
-    keys, values = cache._reader_tensors(1)
-    assert keys[2].shape == cache.window_k[1].shape and keys[2].data_ptr() == cache.window_k[1].data_ptr()
-    assert values[2].data_ptr() == cache.window_v[1].data_ptr()
+def test_a_slot_is_a_group_the_pool_lends_none_of_whose_blocks_is_held():
+    """A slot is lent where no block of its group is held, the highest group first, evicting what its free blocks
+    cached; the pool hands out blocks of groups that hold some before it opens an empty one; slots go back to the
+    pool where it runs short; with every group holding a block, the window has no slot to give."""
+    cache = KiviPagedKVCache(4, 32, num_layers=2, num_blocks=16, block_size=16, num_kv_heads=2, head_dim=32,
+                             device=torch.device("cpu"), chunk_size=32)
+    pool = GroupedBlockPool(16, cache.group_size)
+    cache.attach_block_pool(pool)
+    held = [pool.allocate() for _ in range(5)]
+    assert held == [0, 1, 2, 3, 4]  # group 0 filled, then group 1 opened
+    assert {pool.allocate(), pool.allocate()} < {5, 6, 7}  # group 1's free blocks before an empty group's
+    pool.register(14, b"cached")  # a free block of group 3 caching a prefix
+    pool.share(14)
+    pool.release(14)
+    evicted = []
+    pool.eviction_listeners.append(lambda block, block_hash: evicted.append((block, block_hash)))
+    assert cache.reserve(1, keep_free=0)  # one slot for one sequence (two with what a step adds)
+    assert sorted(pool.lent) == [2, 3] and evicted == [(14, b"cached")] and pool.lookup(b"cached") is None
+    assert pool.num_free == 16 - 7 - 8
+    assert not cache.reserve(2, keep_free=0)  # a third slot: one block is free
+    assert cache.reserve(0, keep_free=pool.num_free + 4)  # short of blocks: a spare slot goes back
+    assert len(pool.lent) == 1 and pool.num_free == 5
+    slot = cache._take_slot()
+    assert pool.lent == {slot}
+    for _ in range(pool.num_free):
+        pool.allocate()  # every group holds a block now
+    with pytest.raises(KvstrataError, match="no group of free blocks"):
+        cache._take_slot()
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -421,8 +445,8 @@ def test_the_readers_views_follow_the_window_when_it_grows():
 def test_the_compiled_reader_reads_rows_of_any_width(bits, threads):
     """KV heads of 12 (rows of 12 or 24 values, not whole vectors of 16 codes) read by the compiled reader equal the
     torch decode, over random codes and parameters, with one block still in the float16 window."""
-    cache = KiviPagedKVCache(bits, 32, num_layers=1, num_blocks=6, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=12,
-                             device=torch.device("cpu"), window_slots=1)
+    cache = KiviPagedKVCache(bits, 32, num_layers=1, num_blocks=8, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=12,
+                             device=torch.device("cpu"), chunk_size=32)
     if cache.decode_kernel is None:
         pytest.skip("no C++ compiler: the kernels could not be built")
     gen = torch.Generator().manual_seed(3)

@@ -23,6 +23,7 @@ from kvstrata.engine.sequence import Sequence
 from kvstrata.errors import KvstrataError
 from kvstrata.kv import attention_policy, cache_factory, reference_attention
 from kvstrata.kv.attention_policy import AttentionPolicy
+from kvstrata.kv.block_groups import GroupedBlockPool
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.cache_factory import CacheShape, FormatOptions, storage_layout
 from kvstrata.kv.kernels import paged_decode
@@ -641,8 +642,12 @@ def test_a_split_layout_charges_each_sides_record():
 def test_every_registered_format_stores_and_gathers_by_slot(name):
     """Each registered layout builds a KVStorage that gives back, by slot, close to what was stored."""
     shape = CacheShape(num_layers=2, num_kv_heads=2, head_dim=32, block_size=BLOCK_SIZE)
-    storage = storage_layout(name, shape, FormatOptions(max_num_seqs=2, chunk_size=32)).build(4, torch.device("cpu"))
+    layout = storage_layout(name, shape, FormatOptions(chunk_size=32))
+    storage = layout.build(32, torch.device("cpu"))
     assert isinstance(storage, KVStorage)
+    pool = GroupedBlockPool(32, layout.block_group)  # KIVI's window borrows groups of blocks that no one holds
+    storage.attach_block_pool(pool)
+    assert [pool.allocate() for _ in range(4)] == [0, 1, 2, 3]
     storage.reset_blocks([0, 1, 2, 3])
     gen = torch.Generator().manual_seed(14)
     k, v = torch.randn(2, 20, 2, 32, generator=gen), torch.randn(2, 20, 2, 32, generator=gen)

@@ -25,7 +25,7 @@ def engine_storage_layout(engine, model_dtype: torch.dtype, kv_format: str | Non
     """The layout of `kv_format` (default: the engine's own) for the engine's model."""
     c, mc = engine.config, engine.loaded.config
     shape = CacheShape(mc.num_layers, mc.num_kv_heads, mc.head_dim, c.block_size)
-    options = FormatOptions(c.int4_group_size, c.kivi_residual, c.max_num_seqs, c.chunk_size,
+    options = FormatOptions(c.int4_group_size, c.kivi_residual, c.chunk_size,
                             oaken_format=lambda: oaken_format_for(engine), in_place_decode=c.paged_kernel,
                             cascade_min_tokens=c.cascade_min_tokens)
     return storage_layout(kv_format or kv_format_name(c, model_dtype), shape, options)

@@ -47,6 +47,7 @@ from kvstrata.engine.sequence import Sequence, SequenceStatus
 from kvstrata.engine.torch_threads import default_threads, keep_torch_threads, use_torch_threads
 from kvstrata.errors import KvstrataError, ParameterError, RequestFailed
 from kvstrata.kv.block_hash import tenant_salt
+from kvstrata.kv.cache_factory import StorageLayout
 from kvstrata.kv.cache_manager import KVCacheManager
 from kvstrata.kv.preloaded import Preloaded, PreloadedKV
 from kvstrata.kv.slots import token_slots
@@ -102,7 +103,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self._check_rope_fits_context()
         layout = engine_storage_layout(self, dtype)
-        num_blocks = self._num_blocks(layout.bytes_per_token, layout.reserved_bytes)
+        num_blocks = self._num_blocks(layout)
         # the concurrency counts whole blocks, as vLLM's start-up line does
         log.info("KV cache: %s tokens (%d blocks of %d) in %s, %.1f bytes a token; maximum concurrency for "
                  "%d-token requests: %.2fx", f"{num_blocks * config.block_size:,}", num_blocks, config.block_size,
@@ -119,6 +120,7 @@ class LLMEngine:
             on_allocate=self.attention.reset_blocks, write_kv=self.attention.write,
             namespace=f"{self.model_fingerprint}/{self._weights_tag()}/{stored_form(config, dtype)}/".encode(),
             window=self.attention.window,
+            borrower=self.kv_cache if layout.block_group > 1 else None, group_size=layout.block_group,
         )
         self.attention.attach_block_pool(self.kv_manager.pool)
         self.kv_store = self.make_kv_store_link()  # tiers below the device pool, or None
@@ -202,28 +204,26 @@ class LLMEngine:
             return self.max_model_len
         return min(self.max_model_len, window + c.chunk_size + c.block_size)
 
-    def _num_blocks(self, bytes_per_token: float, reserved_bytes: int) -> int:
-        bs = self.config.block_size
-        block_bytes = math.ceil(bs * bytes_per_token)
-        num_blocks = max(self.config.kv_cache_memory - reserved_bytes, 0) // block_bytes
+    def _num_blocks(self, layout: StorageLayout) -> int:
+        bs, group = self.config.block_size, layout.block_group
+        block_bytes = math.ceil(bs * layout.bytes_per_token)
+        num_blocks = self.config.kv_cache_memory // block_bytes // group * group
         holds = self._tokens_a_request_holds()
-        needed = -(-holds // bs)
+        needed = -(-holds // bs) + layout.blocks_beside_a_sequence
         if num_blocks < needed:
-            least = needed * block_bytes + reserved_bytes
+            least = -(-needed // group) * group * block_bytes
             request, lower = f"of max_model_len {self.max_model_len}", "--max-model-len"
             if holds < self.max_model_len:
                 request = (f"past its sliding window ({self.loaded.config.sliding_window} tokens, a chunk of "
                            f"{self.config.chunk_size} and a block of {bs})")
                 lower = "--chunk-size"
-            reserved = ""
-            if reserved_bytes:
-                reserved = (f" ({reserved_bytes} reserved for KIVI's full-precision window of max_num_seqs "
-                            f"{self.config.max_num_seqs} sequences)")
-                lower += " or --max-num-seqs"
+            window = ""
+            if layout.blocks_beside_a_sequence:
+                window = f" (and KIVI's float16 window beside it, {layout.blocks_beside_a_sequence} blocks)"
             raise KvstrataError(
-                f"kv_cache_memory of {self.config.kv_cache_memory} bytes{reserved} holds {num_blocks * bs} tokens, "
-                f"fewer than one request {request} holds; give at least {least} bytes "
-                f"({least / 2**20:.1f} MiB) or lower {lower}"
+                f"kv_cache_memory of {self.config.kv_cache_memory} bytes holds {num_blocks * bs} tokens, fewer than "
+                f"one request {request} holds{window}; give at least {least} bytes ({least / 2**20:.1f} MiB) or "
+                f"lower {lower}"
             )
         return num_blocks
 

@@ -40,15 +40,31 @@ class BlockPool:
 
     def allocate(self) -> int:
         """Take a free block (evicting whatever prefix it cached); the caller checked `num_free`."""
-        block, _ = self.free.popitem(last=False)
+        block = self._pick_free()
         self.allocations.append(block)
+        self._evict(block)
+        self.ref_counts[block] = 1
+        self._became_held(block)
+        return block
+
+    def _pick_free(self) -> int:
+        """Take the next free block out of `free`."""
+        block, _ = self.free.popitem(last=False)
+        return block
+
+    def _evict(self, block: int) -> None:
+        """Drop what a block taken from `free` cached, telling the listeners first."""
         cached = self.hash_of_block[block]
         if cached is not None:
             for listener in self.eviction_listeners:
                 listener(block, cached)
             self.forget(block)
-        self.ref_counts[block] = 1
-        return block
+
+    def _became_held(self, block: int) -> None:
+        """A free block gained its first reference (block_groups.py follows this)."""
+
+    def _became_free(self, block: int) -> None:
+        """A block lost its last reference."""
 
     def drain_allocations(self) -> list[int]:
         """Blocks handed out since the last call: whatever they held before is stale."""
@@ -60,9 +76,10 @@ class BlockPool:
 
     def share(self, block: int) -> None:
         """Add a reference to a cached block found by `lookup`."""
-        if self.ref_counts[block] == 0:
-            del self.free[block]
         self.ref_counts[block] += 1
+        if self.ref_counts[block] == 1:
+            del self.free[block]
+            self._became_held(block)
 
     def release(self, block: int) -> None:
         self.ref_counts[block] -= 1
@@ -70,6 +87,7 @@ class BlockPool:
             self.free[block] = None
             if self.hash_of_block[block] is None:
                 self.free.move_to_end(block, last=False)
+            self._became_free(block)
 
     def register(self, block: int, block_hash: BlockHash) -> None:
         """Index a full block by its chained hash, unless an identical block is already indexed."""

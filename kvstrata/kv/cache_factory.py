@@ -1,5 +1,5 @@
 """The registry of KV formats (`--kv-format`): each name gives a layout that says what a token costs the
-budget, what memory is reserved up front, and builds the storage. K and V may be in two record formats, named
+budget, how the pool's blocks are grouped, and builds the storage. K and V may be in two record formats, named
 KEYS/VALUES (e.g. int8/int4: kv/formats/split.py).
 
 Formats that need something made above kv/ (Oaken's calibrated thresholds) receive it through
@@ -20,7 +20,7 @@ from kvstrata.kv.formats.float8 import Float8Format
 from kvstrata.kv.formats.integer import Int4Format, Int8Format
 from kvstrata.kv.formats.records import RecordFormat
 from kvstrata.kv.formats.split import SplitFormat
-from kvstrata.kv.kivi_cache import KiviPagedKVCache, window_slots_needed
+from kvstrata.kv.kivi_cache import KiviPagedKVCache, blocks_per_slot, slots_a_step_adds, slots_per_sequence
 from kvstrata.kv.paged_cache import PagedKVCache
 from kvstrata.kv.quantized_cache import QuantizedPagedKVCache
 from kvstrata.kv.storage import KVStorage
@@ -42,8 +42,7 @@ class CacheShape:
 class FormatOptions:
     int4_group_size: int = 64
     kivi_residual: int = 128
-    max_num_seqs: int = 128  # KIVI's window holds every running sequence's newest blocks ...
-    chunk_size: int = 1024  # ... and those a step's prefill chunks complete
+    chunk_size: int = 1024  # KIVI's window holds the blocks a step's prefill chunks complete, besides
     oaken_format: Callable[[], KVFormat] | None = None  # resolves the model's calibration (engine/kv_setup.py)
     in_place_decode: bool = True  # decodes on the CPU: the compiled decode-attention kernels where they build
     cascade_min_tokens: int = 0  # ... which read a prefix this long that the decodes share once for all (0: never)
@@ -59,8 +58,14 @@ class StorageLayout(ABC):
         """What one token costs the KV budget."""
 
     @property
-    def reserved_bytes(self) -> int:
-        """Memory taken from the budget before blocks are counted."""
+    def block_group(self) -> int:
+        """The pool's blocks come in aligned groups of this many (KIVI's window borrows them whole): the number of
+        blocks is a multiple of it."""
+        return 1
+
+    @property
+    def blocks_beside_a_sequence(self) -> int:
+        """Blocks a lone sequence may need besides its own (KIVI's window)."""
         return 0
 
     @abstractmethod
@@ -103,10 +108,8 @@ class QuantizedLayout(StorageLayout):
 class KiviLayout(StorageLayout):
     def __init__(self, shape: CacheShape, bits: int, options: FormatOptions):
         super().__init__(shape)
-        self.bits, self.residual = bits, options.kivi_residual
+        self.bits, self.residual, self.chunk_size = bits, options.kivi_residual, options.chunk_size
         self.in_place_decode = options.in_place_decode
-        self.window_slots = window_slots_needed(options.max_num_seqs, options.chunk_size, options.kivi_residual,
-                                                shape.block_size)
 
     @property
     def bytes_per_token(self) -> float:
@@ -114,15 +117,20 @@ class KiviLayout(StorageLayout):
         return KiviPagedKVCache.bytes_per_token(self.bits, s.width, s.block_size, s.num_layers)
 
     @property
-    def reserved_bytes(self) -> int:
-        """KIVI's full-precision window: every running sequence's newest blocks (kivi_cache.window_slots_needed)."""
-        s = self.shape
-        return self.window_slots * s.block_size * KiviPagedKVCache.window_bytes_per_token(s.width, s.num_layers)
+    def block_group(self) -> int:
+        return blocks_per_slot(self.bits)
+
+    @property
+    def blocks_beside_a_sequence(self) -> int:
+        """A sequence's float16 window and what a step adds, each slot a group of blocks."""
+        slots = slots_per_sequence(self.residual, self.shape.block_size) + slots_a_step_adds(self.chunk_size,
+                                                                                             self.residual)
+        return slots * self.block_group
 
     def build(self, num_blocks, device) -> KVStorage:
         s = self.shape
         return KiviPagedKVCache(self.bits, self.residual, s.num_layers, num_blocks, s.block_size, s.num_kv_heads,
-                                s.head_dim, device, self.window_slots, self.in_place_decode)
+                                s.head_dim, device, self.chunk_size, self.in_place_decode)
 
 
 def _oaken(shape: CacheShape, options: FormatOptions) -> StorageLayout:

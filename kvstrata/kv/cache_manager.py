@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvstrata.errors import RequestFailed
+from kvstrata.kv.block_groups import GroupBorrower, GroupedBlockPool
 from kvstrata.kv.block_hash import BlockHash, full_block_hashes
 from kvstrata.kv.block_pool import BlockPool
 from kvstrata.kv.preloaded import Preloaded
@@ -61,8 +62,14 @@ class KVCacheManager:
         write_kv: Callable[[list[int], Preloaded, int, int], None] | None = None,
         namespace: bytes = b"",
         window: int | None = None,
+        borrower: GroupBorrower | None = None,
+        group_size: int = 1,
     ):
-        self.pool = BlockPool(num_blocks)
+        # A storage that borrows groups of blocks (KIVI's window) has them lent as sequences grow, counted here
+        self.pool = BlockPool(num_blocks) if borrower is None else GroupedBlockPool(num_blocks, group_size)
+        self.borrower = borrower
+        self._groups_of: dict[int, int] = {}  # id of a sequence -> the groups it may hold (`borrower`)
+        self._groups_wanted = 0  # their sum over the sequences that hold blocks
         # A sliding window: a query reads only the keys of its last `window` positions, so the blocks before
         # them go back to the pool (release_behind_window). None: every key stays readable.
         self.window = window
@@ -150,15 +157,21 @@ class KVCacheManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
-    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        extra = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return extra <= self.pool.num_free
-
     def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens of `seq`; False (and no change) if the pool is short."""
-        if not self.can_grow(seq, num_new_tokens):
+        """Make room for `num_new_tokens` more tokens of `seq` (and for the groups its storage may borrow for it);
+        False (and no change to `seq`) if the pool is short."""
+        blocks = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        extra = blocks - len(seq.block_table)
+        if self.borrower is not None:
+            groups = self.borrower.groups_for(blocks)
+            wanted = self._groups_wanted - self._groups_of.get(id(seq), 0) + groups
+            if not self.borrower.reserve(wanted, keep_free=extra):
+                return False
+        if extra > self.pool.num_free:
             return False
-        while len(seq.block_table) < self.blocks_needed(seq.num_computed_tokens + num_new_tokens):
+        if self.borrower is not None:
+            self._groups_of[id(seq)], self._groups_wanted = groups, wanted
+        while len(seq.block_table) < blocks:
             seq.block_table.append(self.pool.allocate())
         allocated = self.pool.drain_allocations()
         if allocated and self.on_allocate is not None:
@@ -238,8 +251,11 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`; the tail goes first, so shared heads stay cached longest."""
+        self._groups_wanted -= self._groups_of.pop(id(seq), 0)
         for block in reversed(self.held_blocks(seq)):
             self.pool.release(block)
+        if self.borrower is not None:
+            self.borrower.give_back_spare(self._groups_wanted)
         seq.block_table = []
         seq.num_released_blocks = 0
         seq.num_computed_tokens = 0

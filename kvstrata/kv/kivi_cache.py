@@ -3,15 +3,20 @@
 
 A key channel's minimum and step are taken over the tokens of one cache block (KIVI's token group:
 16 tokens by default, 32 as in the KIVI paper with --block-size 32); values are quantized per token in
-groups of 32 channels. A block stays in full precision (float16, as KIVI's residual) in a separate
-pool until it lies wholly outside the sequence's newest `residual` tokens; then the whole block is
+groups of 32 channels. A block stays in full precision (float16, as KIVI's residual) in a window slot
+until it lies wholly outside the sequence's newest `residual` tokens; then the whole block is
 quantized at once, the same step for every layer. A block that a step both fills and leaves (most of a
 long prefill chunk) never takes a window slot: its K/V are quantized straight from the step's, as KIVI
-quantizes a prompt, so the window holds only what sequences keep in it (`window_slots_needed`). A block
-takes its slot in the first step that writes into it. Blocks that never leave the window (a finished
-sequence's tail) keep their full-precision slot while slots are to spare; when none is free, the slots of
-window blocks no sequence holds are taken back (a block the prefix cache keeps is quantized first). The
-pool grows only if the running sequences themselves need more slots, and `grown_slots` counts that.
+quantizes a prompt, so the window holds only what sequences keep in it. A block takes its slot in the
+first step that writes into it. Blocks that never leave the window (a finished sequence's tail) keep their
+full-precision slot while slots are to spare; when none is free, the slots of window blocks no sequence holds
+are taken back (a block the prefix cache keeps is quantized first).
+
+The window takes no memory of its own: a block's float16 K rows take the bytes of the 4-bit key codes of four
+blocks (2-bit: eight), so a slot is a group of the pool's own blocks, lent by the pool (kv/block_groups.py) and
+viewed as float16 in the code tensors. The cache manager has the slots that the running sequences may need lent
+before each step (`groups_for`, `reserve`), and spare ones go back to the pool where it runs short of blocks: the
+KV budget holds quantized blocks and window alike, whatever the number of sequences.
 
 Every query of a step reads a block as it stands after the step (one leaving the window in it reads quantized), so
 where a prompt's chunks end changes which of its tokens its own queries read at full precision.
@@ -19,13 +24,15 @@ where a prompt's chunks end changes which of its tokens its own queries read at 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvstrata.errors import KvstrataError
 from kvstrata.kv import gpu
 from kvstrata.kv.attention_batch import AttentionBatch
-from kvstrata.kv.block_pool import BlockPool
+from kvstrata.kv.block_groups import GroupedBlockPool
 from kvstrata.kv.formats.asymmetric import dequantize_asymmetric, quantize_asymmetric
 from kvstrata.kv.formats.nibbles import pack_codes, unpack_codes
 from kvstrata.kv.kernels import paged_decode
@@ -38,15 +45,22 @@ PARAM_BYTES = 4  # float16 minimum + float16 step
 NO_ROWS = torch.empty(0, dtype=torch.long)  # the window store's "every row of the step"
 
 
-def window_slots_needed(max_num_seqs: int, chunk_size: int, residual: int, block_size: int) -> int:
-    """Window slots that `max_num_seqs` running sequences can hold at once, with steps of at most `chunk_size` new
-    tokens. Between steps a sequence keeps the blocks not wholly before its newest `residual` tokens: at most
-    ceil(residual / block_size) + 1. Within a step, a block the step completes and that leaves the window at the
-    step's end (it held the sequence's last tokens before the step) keeps its slot until then, besides the blocks
-    that stay: one more slot for each sequence given at least residual + 1 new tokens, of which a step holds at
-    most ceil(chunk_size / (residual + 1)) (and a context being written, one)."""
-    per_sequence = -(-residual // block_size) + 1
-    return max_num_seqs * per_sequence + -(-chunk_size // (residual + 1))
+def slots_per_sequence(residual: int, block_size: int) -> int:
+    """Window slots a sequence holds between steps at most: its blocks not wholly before its newest `residual`
+    tokens."""
+    return -(-residual // block_size) + 1
+
+
+def slots_a_step_adds(chunk_size: int, residual: int) -> int:
+    """Window slots a step with at most `chunk_size` new tokens holds besides: a block the step completes and that
+    leaves the window at the step's end (it held the sequence's last tokens before the step) keeps its slot until
+    then, one for each sequence given at least residual + 1 new tokens (and a context being written, one)."""
+    return -(-chunk_size // (residual + 1))
+
+
+def blocks_per_slot(bits: int) -> int:
+    """Blocks whose codes hold one block's float16 K (or V) rows: 16 / bits."""
+    return 16 // bits
 
 
 @dataclass
@@ -62,7 +76,7 @@ class StepWrites:
 
 class KiviPagedKVCache(KVStorage):
     def __init__(self, bits: int, residual: int, num_layers: int, num_blocks: int, block_size: int,
-                 num_kv_heads: int, head_dim: int, device: torch.device, window_slots: int,
+                 num_kv_heads: int, head_dim: int, device: torch.device, chunk_size: int,
                  in_place_decode: bool = True):
         self.bits, self.residual = bits, residual
         self.block_size, self.num_layers, self.device = block_size, num_layers, device
@@ -78,13 +92,20 @@ class KiviPagedKVCache(KVStorage):
         self.value_params = torch.zeros(num_layers, slots, width // self.value_group, 2, dtype=torch.float16,
                                         device=device)
         self.window_slot = torch.full((num_blocks,), -1, dtype=torch.long, device=device)  # -1: quantized
-        self.window_k = torch.zeros(num_layers, window_slots, block_size, width, dtype=torch.float16, device=device)
-        self.window_v = torch.zeros_like(self.window_k)
-        self.free_slots = list(range(window_slots - 1, -1, -1))
-        self.grown_slots = 0
-        self.block_pool: BlockPool | None = None  # which blocks no sequence holds (attach_block_pool)
+        # slot g: the codes of blocks g * blocks_per_slot .. (g + 1) * blocks_per_slot - 1, while the pool lends them
+        self.group_size = blocks_per_slot(bits)
+        if num_blocks % self.group_size:
+            raise ValueError(f"KIVI at {bits} bits needs whole groups of {self.group_size} blocks, not {num_blocks}")
+        slots = num_blocks // self.group_size
+        self.window_k, self.window_v = (codes.view(num_layers, slots, -1).view(torch.float16)
+                                        .view(num_layers, slots, block_size, width)
+                                        for codes in (self.key_codes, self.value_codes))
+        self.slots_per_sequence = slots_per_sequence(residual, block_size)
+        self.slots_a_step_adds = slots_a_step_adds(chunk_size, residual)
+        self.free_slots: list[int] = []  # lent and holding no block
+        self.block_pool: GroupedBlockPool | None = None  # lends the slots; which blocks no sequence holds
         self._writes: StepWrites | None = None  # this step's (begin_step)
-        self._reader_views: tuple | None = None  # (the window they were made of, per layer: _reader_tensors)
+        self._reader_views: list | None = None  # per layer: _reader_tensors
         # each block's window slot as this step's reads see it: blocks leaving in this step are quantized in a
         # layer before that layer reads them (store comes first), so they read as quantized
         self._read_window = self.window_slot
@@ -104,13 +125,6 @@ class KiviPagedKVCache(KVStorage):
         value_params = width // value_group(width) * PARAM_BYTES
         return num_layers * (2 * codes + key_params + value_params)
 
-    @staticmethod
-    def window_bytes_per_token(width: int, num_layers: int) -> int:
-        return num_layers * 2 * width * torch.float16.itemsize
-
-    def grown_bytes(self) -> int:
-        return 2 * self.grown_slots * self.window_k[:, 0].numel() * self.window_k.element_size()
-
     # --- block lifecycle ----------------------------------------------------------------------
 
     def reset_blocks(self, blocks: list[int]) -> None:
@@ -126,33 +140,63 @@ class KiviPagedKVCache(KVStorage):
         self.window_k.index_fill_(1, index, 0)  # an unwritten offset is read (masked out) as 0, never stale NaN
         self.window_v.index_fill_(1, index, 0)
 
-    def attach_block_pool(self, pool: BlockPool) -> None:
+    def attach_block_pool(self, pool: GroupedBlockPool) -> None:
         self.block_pool = pool
 
+    # --- window slots lent by the pool (kv/block_groups.py's GroupBorrower) -------------------
+
+    def groups_for(self, num_blocks: int) -> int:
+        return min(self.slots_per_sequence, num_blocks)
+
+    def reserve(self, groups: int, keep_free: int) -> bool:
+        groups += self.slots_a_step_adds
+        pool = self.block_pool
+        if len(pool.lent) > groups and pool.num_free < keep_free:
+            self._reclaim_slots()  # idle blocks' slots may go back too
+            self._give_back(groups, lambda: pool.num_free < keep_free)
+        while len(pool.lent) < groups:
+            if pool.num_free - self.group_size < keep_free or not self._lend_slot():
+                return False
+        return True
+
+    def give_back_spare(self, groups: int) -> None:
+        self._give_back(groups + self.slots_a_step_adds, lambda: True)
+
+    def _lend_slot(self) -> bool:
+        """One more slot, a group the pool lends; False where none is free. Its blocks' own window slots (idle
+        blocks, whose cached content the pool just evicted) go back."""
+        group = self.block_pool.lend_group()
+        if group is None:
+            return False
+        blocks = torch.arange(group * self.group_size, (group + 1) * self.group_size, device=self.device)
+        self._release_window(blocks[self.window_slot[blocks] >= 0])
+        self.free_slots.append(group)
+        return True
+
+    def _give_back(self, groups: int, wanted: Callable[[], bool]) -> None:
+        """Return slots that hold no block to the pool while more than `groups` are lent and it `wanted` them."""
+        pool = self.block_pool
+        while self.free_slots and len(pool.lent) > groups and wanted():
+            pool.take_back_group(self.free_slots.pop())
+
     def _take_slot(self) -> int:
-        if not self.free_slots:
+        """A free slot; else one more lent while the pool has a free group (idle blocks keep theirs, for a prompt
+        that shares them); else the idle blocks' slots (the cache manager had enough lent for what runs)."""
+        if not self.free_slots and not self._lend_slot():
             self._reclaim_slots()
         if not self.free_slots:
-            extra = max(self.window_k.shape[1] // 4, 1)
-            start = self.window_k.shape[1]
-            self.window_k = torch.cat((self.window_k, torch.zeros_like(self.window_k[:, :extra])), dim=1)
-            self.window_v = torch.cat((self.window_v, torch.zeros_like(self.window_v[:, :extra])), dim=1)
-            self.free_slots.extend(range(start + extra - 1, start - 1, -1))
-            self.grown_slots += extra
+            raise KvstrataError("KIVI's window found no group of free blocks for a slot: the KV cache is full")
         return self.free_slots.pop()
 
     def _reclaim_slots(self) -> None:
-        """Free the slots of window blocks that no sequence holds: a cached one (a later prompt may share it) is
-        quantized first, any other is stale."""
+        """Free the slots of window blocks that no sequence holds. A cached one leaves the prefix cache: quantized
+        before its time, it would read otherwise to a later prompt sharing it than it did to its own sequence (a
+        preempted one recomputed, too), so what a block holds never depends on when its slot went back."""
         pool = self.block_pool
-        if pool is None:
-            return
         held = (self.window_slot >= 0).nonzero().flatten().tolist()
         idle = [b for b in held if pool.ref_counts[b] == 0]
-        cached = torch.tensor([b for b in idle if pool.hash_of_block[b] is not None], dtype=torch.long,
-                              device=self.device)
-        for layer in range(self.num_layers):
-            self._quantize_blocks(layer, cached)
+        for block in idle:
+            pool.forget(block)
         self._release_window(torch.tensor(idle, dtype=torch.long, device=self.device))
 
     def _old_blocks(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
@@ -274,12 +318,12 @@ class KiviPagedKVCache(KVStorage):
 
     def _reader_tensors(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The compiled reader's keys and values of a layer: [codes, params, window] each, views made once per layer
-        (every layer of every step passes them) and again after the window grows."""
-        if self._reader_views is None or self._reader_views[0] is not self.window_k:
-            views = [([self.key_codes[n], self.key_params[n], self.window_k[n]],
-                      [self.value_codes[n], self.value_params[n], self.window_v[n]]) for n in range(self.num_layers)]
-            self._reader_views = (self.window_k, views)
-        return self._reader_views[1][layer]
+        (every layer of every step passes them)."""
+        if self._reader_views is None:
+            self._reader_views = [([self.key_codes[n], self.key_params[n], self.window_k[n]],
+                                   [self.value_codes[n], self.value_params[n], self.window_v[n]])
+                                  for n in range(self.num_layers)]
+        return self._reader_views[layer]
 
     def gather(self, layer, slots, positions, dtype):
         shape = (*slots.shape, *self.kv_shape)
