@@ -104,11 +104,12 @@ class LLMEngine:
         self._check_rope_fits_context()
         layout = engine_storage_layout(self, dtype)
         num_blocks = self._num_blocks(layout)
-        # the concurrency counts whole blocks, as vLLM's start-up line does
+        # the concurrency counts whole blocks, as vLLM's start-up line does (and KIVI's window beside each request)
+        request_blocks = -(-self._tokens_a_request_holds() // config.block_size) + layout.blocks_beside_a_sequence
         log.info("KV cache: %s tokens (%d blocks of %d) in %s, %.1f bytes a token; maximum concurrency for "
                  "%d-token requests: %.2fx", f"{num_blocks * config.block_size:,}", num_blocks, config.block_size,
                  kv_format_name(config, dtype), layout.bytes_per_token, self.max_model_len,
-                 num_blocks / -(-self._tokens_a_request_holds() // config.block_size))
+                 num_blocks / request_blocks)
         # the KV storage: on the compute device, or a pool in host memory under --kv-offload full|infinigen
         in_host_pool = config.kv_offload in ("full", "infinigen")
         self.kv_cache = layout.build(num_blocks, torch.device("cpu") if in_host_pool else self.device)
