@@ -368,6 +368,9 @@ def test_the_budget_holds_blocks_and_window_alike(kv_format, tiny_llama_kv64):
     least = needed * block_bytes
     just_enough = make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=least, max_model_len=128).engine
     assert just_enough.kv_manager.pool.num_blocks == needed
+    # nothing is set aside per sequence --max-num-seqs allows: the engine's default of 128 builds on the same budget
+    roomy_batch = make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=least, max_model_len=128, max_num_seqs=128)
+    assert roomy_batch.engine.kv_manager.pool.num_blocks == needed
     with pytest.raises(KvstrataError, match=rf"fewer than one request of max_model_len 128 holds \(and KIVI's float16 "
                                             rf"window beside it, {needed - 8} blocks\); give at least {least} bytes"):
         make_llm(tiny_llama_kv64, kv_format, kv_cache_memory=least - 1, max_model_len=128)
