@@ -9,8 +9,8 @@ quantized at once, the same step for every layer. A block that a step both fills
 long prefill chunk) never takes a window slot: its K/V are quantized straight from the step's, as KIVI
 quantizes a prompt, so the window holds only what sequences keep in it. A block takes its slot in the
 first step that writes into it. Blocks that never leave the window (a finished sequence's tail) keep their
-full-precision slot while slots are to spare; when none is free, the slots of window blocks no sequence holds
-are taken back (a block the prefix cache keeps is quantized first).
+full-precision slot while the pool has groups to spare; when it runs short, the slots of window blocks no
+sequence holds go back, and those blocks leave the prefix cache (`_reclaim_slots`).
 
 The window takes no memory of its own: a block's float16 K rows take the bytes of the 4-bit key codes of four
 blocks (2-bit: eight), so a slot is a group of the pool's own blocks, lent by the pool (kv/block_groups.py) and
