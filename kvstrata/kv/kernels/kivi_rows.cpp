@@ -24,19 +24,18 @@ struct KiviRows {
   std::vector<float> codes, key_minimum, key_step;
   int64_t params_block = -1;  // the block whose key params key_minimum and key_step hold: 16 tokens share them
 
-  // The row's codes of one token, as floats.
-  void unpack(const uint8_t* token_codes) {
-    if (head_offset % kPerByte == 0 && dim % kPerByte == 0) {  // whole bytes
-      const uint8_t* bytes = token_codes + head_offset / kPerByte;
-      if constexpr (Bits == 4) {
-        widen_nibbles(bytes, dim / 2, 0.0f, 1.0f, codes.data());
-      } else {
-        for (int64_t j = 0; j < dim / kPerByte; ++j) {
-          for (int64_t i = 0; i < kPerByte; ++i) codes[j * kPerByte + i] = static_cast<float>((bytes[j] >> (Bits * i)) & kMask);
-        }
-      }
-      return;
+  // `n_bytes` bytes of codes as low + code * step (low and step: one for all, or one per value).
+  template <typename Param>
+  static void widen(const uint8_t* bytes, int64_t n_bytes, Param low, Param step, float* out) {
+    if constexpr (Bits == 4) {
+      widen_nibbles(bytes, n_bytes, low, step, out);
+    } else {
+      widen_crumbs(bytes, n_bytes, low, step, out);
     }
+  }
+
+  // The row's codes of one token, as floats (a row that does not start or end on a whole byte).
+  void unpack(const uint8_t* token_codes) {
     for (int64_t d = 0; d < dim; ++d) {
       const int64_t c = head_offset + d;
       codes[d] = static_cast<float>((token_codes[c / kPerByte] >> (Bits * (c % kPerByte))) & kMask);
@@ -72,8 +71,8 @@ struct KiviRows {
       params_block = block_id;
     }
     const uint8_t* token_codes = key_codes + slots.of(table, t) * (width * Bits / 8);
-    if (Bits == 4 && head_offset % 2 == 0 && dim % 2 == 0) {  // straight from the codes' bytes
-      widen_nibbles(token_codes + head_offset / 2, dim / 2, key_minimum.data(), key_step.data(), out);
+    if (head_offset % kPerByte == 0 && dim % kPerByte == 0) {  // straight from the codes' bytes
+      widen(token_codes + head_offset / kPerByte, dim / kPerByte, key_minimum.data(), key_step.data(), out);
       return;
     }
     unpack(token_codes);
@@ -85,13 +84,13 @@ struct KiviRows {
     const int64_t slot = slots.of(table, t);
     const uint8_t* token_codes = value_codes + slot * (width * Bits / 8);
     const at::Half* token_params = value_params + slot * (width / value_group) * 2;
-    const bool whole_nibbles = Bits == 4 && head_offset % 2 == 0 && value_group % 2 == 0 && dim % 2 == 0;
-    if (!whole_nibbles) unpack(token_codes);
+    const bool whole_bytes = head_offset % kPerByte == 0 && value_group % kPerByte == 0 && dim % kPerByte == 0;
+    if (!whole_bytes) unpack(token_codes);
     for (int64_t d = 0; d < dim;) {  // group after group of the row's channels
       const int64_t g = (head_offset + d) / value_group, end = std::min(dim, (g + 1) * value_group - head_offset);
       const float low = static_cast<float>(token_params[2 * g]), step = static_cast<float>(token_params[2 * g + 1]);
-      if (whole_nibbles) {  // straight from the codes' bytes
-        widen_nibbles(token_codes + (head_offset + d) / 2, (end - d) / 2, low, step, out + d);
+      if (whole_bytes) {  // straight from the codes' bytes
+        widen(token_codes + (head_offset + d) / kPerByte, (end - d) / kPerByte, low, step, out + d);
         d = end;
       }
       for (; d < end; ++d) out[d] = low + codes[d] * step;

@@ -1,5 +1,5 @@
 // The vector arithmetic the KV readers spend their time in, with F16C and AVX2 (built with -mf16c -mavx2): float16
-// and 4-bit codes widened to float32, e^x of eight floats, and dot products.
+// and 4-bit and 2-bit codes widened to float32, e^x of eight floats, and dot products.
 #pragma once
 
 #include <immintrin.h>
@@ -71,6 +71,45 @@ inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, const float* lo
     _mm256_storeu_ps(out + i + 8, _mm256_fmadd_ps(second, _mm256_loadu_ps(step + i + 8), _mm256_loadu_ps(low + i + 8)));
   }
   for (int64_t i = 2 * j; i < 2 * n_bytes; ++i) out[i] = low[i] + nibble_at(bytes, i) * step[i];
+}
+
+// The 16 2-bit codes of 4 bytes (value 4j + i at bits 2i of byte j: code c at bit 2c of the little-endian word) as
+// floats, in order: codes 0-7 in first, 8-15 in second.
+inline void crumb_codes(const uint8_t* bytes, __m256& first, __m256& second) {
+  uint32_t word;
+  std::memcpy(&word, bytes, sizeof(word));
+  const __m256i all = _mm256_set1_epi32(static_cast<int>(word)), mask = _mm256_set1_epi32(3);
+  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  first = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(all, shifts), mask));
+  second = _mm256_cvtepi32_ps(
+      _mm256_and_si256(_mm256_srlv_epi32(all, _mm256_add_epi32(shifts, _mm256_set1_epi32(16))), mask));
+}
+
+inline float crumb_at(const uint8_t* bytes, int64_t i) { return static_cast<float>((bytes[i / 4] >> (2 * (i % 4))) & 3); }
+
+// 4 * n_bytes 2-bit codes as low + code * step (low and step: one for all, or arrays of one per value).
+inline void widen_crumbs(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out) {
+  const __m256 lows = _mm256_set1_ps(low), steps = _mm256_set1_ps(step);
+  int64_t j = 0;
+  for (; j + 4 <= n_bytes; j += 4) {
+    __m256 first, second;
+    crumb_codes(bytes + j, first, second);
+    _mm256_storeu_ps(out + 4 * j, _mm256_fmadd_ps(first, steps, lows));
+    _mm256_storeu_ps(out + 4 * j + 8, _mm256_fmadd_ps(second, steps, lows));
+  }
+  for (int64_t i = 4 * j; i < 4 * n_bytes; ++i) out[i] = std::fma(crumb_at(bytes, i), step, low);
+}
+
+inline void widen_crumbs(const uint8_t* bytes, int64_t n_bytes, const float* low, const float* step, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n_bytes; j += 4) {
+    __m256 first, second;
+    crumb_codes(bytes + j, first, second);
+    const int64_t i = 4 * j;
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(first, _mm256_loadu_ps(step + i), _mm256_loadu_ps(low + i)));
+    _mm256_storeu_ps(out + i + 8, _mm256_fmadd_ps(second, _mm256_loadu_ps(step + i + 8), _mm256_loadu_ps(low + i + 8)));
+  }
+  for (int64_t i = 4 * j; i < 4 * n_bytes; ++i) out[i] = std::fma(crumb_at(bytes, i), step[i], low[i]);
 }
 
 // n (minimum, step) pairs of float16 (at any address) widened into two arrays.
