@@ -42,7 +42,7 @@ class CacheShape:
 class FormatOptions:
     int4_group_size: int = 64
     kivi_residual: int = 128
-    chunk_size: int = 1024  # KIVI's window holds the blocks a step's prefill chunks complete, besides
+    chunk_size: int = 1024  # the most new tokens a step writes: what it may add to KIVI's window
     oaken_format: Callable[[], KVFormat] | None = None  # resolves the model's calibration (engine/kv_setup.py)
     in_place_decode: bool = True  # decodes on the CPU: the compiled decode-attention kernels where they build
     cascade_min_tokens: int = 0  # ... which read a prefix this long that the decodes share once for all (0: never)
