@@ -60,17 +60,24 @@ inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, floa
   widen_nibbles(bytes, n_bytes, low, step, out, [](__m256 x) { return x; });
 }
 
-// 2 * n_bytes 4-bit codes as low[i] + code * step[i]: every value with a minimum and a step of its own.
-inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, const float* low, const float* step, float* out) {
-  int64_t j = 0;
-  for (; j + 8 <= n_bytes; j += 8) {
+// n codes as low[i] + code * step[i], every value with a minimum and a step of its own: 16 a vector, which
+// `codes16(bytes, first, second)` reads from BytesPer16 bytes, and the tail one by one, `code_at(bytes, i)`.
+template <int BytesPer16, typename Codes16, typename CodeAt>
+inline void widen_codes(const uint8_t* bytes, int64_t n, const float* low, const float* step, float* out,
+                        Codes16 codes16, CodeAt code_at) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
     __m256 first, second;
-    nibble_codes(bytes + j, first, second);
-    const int64_t i = 2 * j;
+    codes16(bytes + i / 16 * BytesPer16, first, second);
     _mm256_storeu_ps(out + i, _mm256_fmadd_ps(first, _mm256_loadu_ps(step + i), _mm256_loadu_ps(low + i)));
     _mm256_storeu_ps(out + i + 8, _mm256_fmadd_ps(second, _mm256_loadu_ps(step + i + 8), _mm256_loadu_ps(low + i + 8)));
   }
-  for (int64_t i = 2 * j; i < 2 * n_bytes; ++i) out[i] = low[i] + nibble_at(bytes, i) * step[i];
+  for (; i < n; ++i) out[i] = low[i] + code_at(bytes, i) * step[i];
+}
+
+// 2 * n_bytes 4-bit codes as low[i] + code * step[i].
+inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, const float* low, const float* step, float* out) {
+  widen_codes<8>(bytes, 2 * n_bytes, low, step, out, nibble_codes, nibble_at);
 }
 
 // The 16 2-bit codes of 4 bytes (value 4j + i at bits 2i of byte j: code c at bit 2c of the little-endian word) as
@@ -97,19 +104,11 @@ inline void widen_crumbs(const uint8_t* bytes, int64_t n_bytes, float low, float
     _mm256_storeu_ps(out + 4 * j, _mm256_fmadd_ps(first, steps, lows));
     _mm256_storeu_ps(out + 4 * j + 8, _mm256_fmadd_ps(second, steps, lows));
   }
-  for (int64_t i = 4 * j; i < 4 * n_bytes; ++i) out[i] = std::fma(crumb_at(bytes, i), step, low);
+  for (int64_t i = 4 * j; i < 4 * n_bytes; ++i) out[i] = low + crumb_at(bytes, i) * step;
 }
 
 inline void widen_crumbs(const uint8_t* bytes, int64_t n_bytes, const float* low, const float* step, float* out) {
-  int64_t j = 0;
-  for (; j + 4 <= n_bytes; j += 4) {
-    __m256 first, second;
-    crumb_codes(bytes + j, first, second);
-    const int64_t i = 4 * j;
-    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(first, _mm256_loadu_ps(step + i), _mm256_loadu_ps(low + i)));
-    _mm256_storeu_ps(out + i + 8, _mm256_fmadd_ps(second, _mm256_loadu_ps(step + i + 8), _mm256_loadu_ps(low + i + 8)));
-  }
-  for (int64_t i = 4 * j; i < 4 * n_bytes; ++i) out[i] = std::fma(crumb_at(bytes, i), step[i], low[i]);
+  widen_codes<4>(bytes, 4 * n_bytes, low, step, out, crumb_codes, crumb_at);
 }
 
 // n (minimum, step) pairs of float16 (at any address) widened into two arrays.
