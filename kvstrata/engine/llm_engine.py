@@ -121,7 +121,7 @@ class LLMEngine:
             on_allocate=self.attention.reset_blocks, write_kv=self.attention.write,
             namespace=f"{self.model_fingerprint}/{self._weights_tag()}/{stored_form(config, dtype)}/".encode(),
             window=self.attention.window,
-            borrower=self.kv_cache if layout.block_group > 1 else None, group_size=layout.block_group,
+            borrower=self.kv_cache if layout.block_group > 1 else None,
         )
         self.attention.attach_block_pool(self.kv_manager.pool)
         self.kv_store = self.make_kv_store_link()  # tiers below the device pool, or None

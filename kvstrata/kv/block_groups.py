@@ -20,6 +20,8 @@ class GroupBorrower(Protocol):
     """Storage that keeps state in groups the pool lends (KIVI's window): the cache manager has what the running
     sequences may need lent before a step, so a step never runs short."""
 
+    group_size: int  # blocks a group holds
+
     def groups_for(self, num_blocks: int) -> int:
         """Groups a sequence of `num_blocks` blocks may hold at once."""
 

@@ -63,10 +63,9 @@ class KVCacheManager:
         namespace: bytes = b"",
         window: int | None = None,
         borrower: GroupBorrower | None = None,
-        group_size: int = 1,
     ):
         # A storage that borrows groups of blocks (KIVI's window) has them lent as sequences grow, counted here
-        self.pool = BlockPool(num_blocks) if borrower is None else GroupedBlockPool(num_blocks, group_size)
+        self.pool = BlockPool(num_blocks) if borrower is None else GroupedBlockPool(num_blocks, borrower.group_size)
         self.borrower = borrower
         self._groups_of: dict[int, int] = {}  # id of a sequence -> the groups it may hold (`borrower`)
         self._groups_wanted = 0  # their sum over the sequences that hold blocks

@@ -24,7 +24,6 @@ where a prompt's chunks end changes which of its tokens its own queries read at 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -153,14 +152,14 @@ class KiviPagedKVCache(KVStorage):
         pool = self.block_pool
         if len(pool.lent) > groups and pool.num_free < keep_free:
             self._reclaim_slots()  # idle blocks' slots may go back too
-            self._give_back(groups, lambda: pool.num_free < keep_free)
+            self._give_back(groups, keep_free)
         while len(pool.lent) < groups:
             if pool.num_free - self.group_size < keep_free or not self._lend_slot():
                 return False
         return True
 
     def give_back_spare(self, groups: int) -> None:
-        self._give_back(groups + self.slots_a_step_adds, lambda: True)
+        self._give_back(groups + self.slots_a_step_adds, keep_free=self.block_pool.num_blocks)  # every spare one
 
     def _lend_slot(self) -> bool:
         """One more slot, a group the pool lends; False where none is free. Its blocks' own window slots (idle
@@ -173,10 +172,11 @@ class KiviPagedKVCache(KVStorage):
         self.free_slots.append(group)
         return True
 
-    def _give_back(self, groups: int, wanted: Callable[[], bool]) -> None:
-        """Return slots that hold no block to the pool while more than `groups` are lent and it `wanted` them."""
+    def _give_back(self, groups: int, keep_free: int) -> None:
+        """Return slots that hold no block to the pool while more than `groups` are lent and fewer than `keep_free`
+        blocks are free."""
         pool = self.block_pool
-        while self.free_slots and len(pool.lent) > groups and wanted():
+        while self.free_slots and len(pool.lent) > groups and pool.num_free < keep_free:
             pool.take_back_group(self.free_slots.pop())
 
     def _take_slot(self) -> int:
