@@ -95,46 +95,25 @@ inline int gone_bits(const uint8_t* gone) {
       _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))), _mm256_setzero_si256())));
 }
 
-// Logits of `Heads` query heads (queries [Heads, r]) for the tokens of a block from `j`, 8 x `Vectors` at a time
-// while that many are left, whose partial keys are float16 [r, block], into rows `stride` apart, each head's values
-// added to its scan as they are stored; returns the first token left. Each head keeps `Vectors` accumulators in
-// registers over all r channels: with 2 (a whole block of 16), twice the multiply-add chains run side by side and
-// each channel's 32 bytes are read in one go (docs/BENCHMARKS.md, "InfiniGen's scoring a block at a time"). `gone`
-// (or null): a byte per token of the block, set for tokens a capped pool gave up.
-template <int Heads, int Vectors>
-int64_t score_tokens(const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t j, int64_t count,
-                     const uint8_t* gone, float* out, int64_t stride, RowScan* scans) {
-  for (; j + 8 * Vectors <= count; j += 8 * Vectors) {
-    __m256 acc[Heads][Vectors];
-    for (auto& head : acc)
-      for (auto& a : head) a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < r; ++d) {
-      __m256 channel[Vectors];
-      for (int v = 0; v < Vectors; ++v) {
-        channel[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + d * block + j + 8 * v)));
-      }
-      for (int h = 0; h < Heads; ++h) {
-        const __m256 query = _mm256_set1_ps(queries[h * r + d]);
-        for (int v = 0; v < Vectors; ++v) acc[h][v] = _mm256_fmadd_ps(query, channel[v], acc[h][v]);
-      }
-    }
-    for (int v = 0; v < Vectors; ++v) {
-      const int gone_lanes = gone_bits(gone ? gone + j + 8 * v : nullptr);
-      for (int h = 0; h < Heads; ++h) {
-        _mm256_storeu_ps(out + h * stride + j + 8 * v, scans[h].clean_and_add(acc[h][v], gone_lanes));
-      }
-    }
-  }
-  return j;
-}
-
-// Logits of `Heads` query heads against the first `count` tokens of a block (score_tokens' arguments): 16 tokens at
-// a time, then 8, then one by one.
+// Logits of `Heads` query heads (queries [Heads, r]) against the first `count` tokens of a block whose partial keys
+// are float16 [r, block], into rows `stride` apart, each head's values added to its scan as they are stored.
+// Eight tokens at a time keep one accumulator per head in a register over all r channels; the reads of a channel
+// stay within its `block` values. `gone` (or null): a byte per token of the block, set for tokens a capped pool
+// gave up.
 template <int Heads>
 void score_block(const float* queries, int64_t r, const at::Half* keys, int64_t block, int64_t count,
                  const uint8_t* gone, float* out, int64_t stride, RowScan* scans) {
-  int64_t j = score_tokens<Heads, 2>(queries, r, keys, block, 0, count, gone, out, stride, scans);
-  j = score_tokens<Heads, 1>(queries, r, keys, block, j, count, gone, out, stride, scans);
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    __m256 acc[Heads];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < r; ++d) {
+      const __m256 channel = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + d * block + j)));
+      for (int h = 0; h < Heads; ++h) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(queries[h * r + d]), channel, acc[h]);
+    }
+    const int gone_lanes = gone_bits(gone ? gone + j : nullptr);
+    for (int h = 0; h < Heads; ++h) _mm256_storeu_ps(out + h * stride + j, scans[h].clean_and_add(acc[h], gone_lanes));
+  }
   for (; j < count; ++j) {
     for (int h = 0; h < Heads; ++h) {
       float sum = 0.0f;
@@ -153,13 +132,6 @@ void score_block(int64_t heads, const float* queries, int64_t r, const at::Half*
     case 3: return score_block<3>(queries, r, keys, block, count, gone, out, stride, scans);
     default: return score_block<kHeadsTogether>(queries, r, keys, block, count, gone, out, stride, scans);
   }
-}
-
-// Asks for a block's partial keys (`values` float16 values) ahead of their use: a sequence's blocks lie where its
-// block table says, not always one after another, where the hardware's prefetcher would follow.
-inline void prefetch_block(const at::Half* first, int64_t values) {
-  const char* bytes = reinterpret_cast<const char*>(first);
-  for (int64_t at = 0; at < values * 2; at += 64) _mm_prefetch(bytes + at, _MM_HINT_T0);
 }
 
 struct Counts {
@@ -343,11 +315,9 @@ std::vector<at::Tensor> infinigen_select(at::Tensor q_partial, at::Tensor partia
       for (int64_t h0 = 0; h0 < group; h0 += kHeadsTogether) {
         const int64_t together = std::min(kHeadsTogether, group - h0);
         const float* queries = qp + ((s * kv_heads + g) * group + h0) * r;
-        // the partial keys of the sequence's block `entry` (of its block table) for KV head g
-        auto keys_of = [&](int64_t entry) { return keys + (g * num_blocks + tables[s * width + entry]) * r * block; };
         for (int64_t first = 0; first < len; first += block) {
-          if (first + block < len) prefetch_block(keys_of(first / block + 1), r * block);
-          score_block(together, queries, r, keys_of(first / block), block, std::min(block, len - first),
+          const at::Half* block_keys = keys + (g * num_blocks + tables[s * width + first / block]) * r * block;
+          score_block(together, queries, r, block_keys, block, std::min(block, len - first),
                       gone ? gone + first : nullptr, rows + h0 * longest + first, longest, scans.data() + h0);
         }
       }
