@@ -39,45 +39,43 @@ inline void nibble_codes(const uint8_t* bytes, __m256& first, __m256& second) {
 
 inline float nibble_at(const uint8_t* bytes, int64_t i) { return static_cast<float>((bytes[i / 2] >> (4 * (i % 2))) & 15); }
 
-// 2 * n_bytes 4-bit codes (laid out as nibble_codes reads them) as finish(low + code * step), finish taking and
-// giving 8 floats (a scalar tail goes through lane 0).
-template <typename Finish>
-inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out, Finish finish) {
-  const __m256 lows = _mm256_set1_ps(low), steps = _mm256_set1_ps(step);
-  int64_t j = 0;
-  for (; j + 8 <= n_bytes; j += 8) {  // 8 bytes: 16 codes in order
-    __m256 first, second;
-    nibble_codes(bytes + j, first, second);
-    _mm256_storeu_ps(out + 2 * j, finish(_mm256_fmadd_ps(first, steps, lows)));
-    _mm256_storeu_ps(out + 2 * j + 8, finish(_mm256_fmadd_ps(second, steps, lows)));
-  }
-  for (int64_t i = 2 * j; i < 2 * n_bytes; ++i) {
-    out[i] = _mm256_cvtss_f32(finish(_mm256_set1_ps(low + nibble_at(bytes, i) * step)));
-  }
-}
+// A minimum or step for 8 values from value i, and for value i alone: one for all (a float), or one per value (an
+// array).
+inline __m256 eight_from(float p, int64_t) { return _mm256_set1_ps(p); }
+inline __m256 eight_from(const float* p, int64_t i) { return _mm256_loadu_ps(p + i); }
+inline float one_at(float p, int64_t) { return p; }
+inline float one_at(const float* p, int64_t i) { return p[i]; }
 
-inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out) {
-  widen_nibbles(bytes, n_bytes, low, step, out, [](__m256 x) { return x; });
-}
-
-// n codes as low[i] + code * step[i], every value with a minimum and a step of its own: 16 a vector, which
-// `codes16(bytes, first, second)` reads from BytesPer16 bytes, and the tail one by one, `code_at(bytes, i)`.
-template <int BytesPer16, typename Codes16, typename CodeAt>
-inline void widen_codes(const uint8_t* bytes, int64_t n, const float* low, const float* step, float* out,
-                        Codes16 codes16, CodeAt code_at) {
+// n codes as finish(low + code * step), low and step one for all or one per value (eight_from): 16 a vector, which
+// `codes16(bytes, first, second)` reads from BytesPer16 bytes, and the tail one by one, `code_at(bytes, i)`, through
+// lane 0 of finish (which takes and gives 8 floats).
+template <int BytesPer16, typename Param, typename Codes16, typename CodeAt, typename Finish>
+inline void widen_codes(const uint8_t* bytes, int64_t n, Param low, Param step, float* out, Codes16 codes16,
+                        CodeAt code_at, Finish finish) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m256 first, second;
     codes16(bytes + i / 16 * BytesPer16, first, second);
-    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(first, _mm256_loadu_ps(step + i), _mm256_loadu_ps(low + i)));
-    _mm256_storeu_ps(out + i + 8, _mm256_fmadd_ps(second, _mm256_loadu_ps(step + i + 8), _mm256_loadu_ps(low + i + 8)));
+    _mm256_storeu_ps(out + i, finish(_mm256_fmadd_ps(first, eight_from(step, i), eight_from(low, i))));
+    _mm256_storeu_ps(out + i + 8, finish(_mm256_fmadd_ps(second, eight_from(step, i + 8), eight_from(low, i + 8))));
   }
-  for (; i < n; ++i) out[i] = low[i] + code_at(bytes, i) * step[i];
+  for (; i < n; ++i) {
+    out[i] = _mm256_cvtss_f32(finish(_mm256_set1_ps(one_at(low, i) + code_at(bytes, i) * one_at(step, i))));
+  }
 }
 
-// 2 * n_bytes 4-bit codes as low[i] + code * step[i].
-inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, const float* low, const float* step, float* out) {
-  widen_codes<8>(bytes, 2 * n_bytes, low, step, out, nibble_codes, nibble_at);
+inline __m256 as_is(__m256 x) { return x; }
+
+// 2 * n_bytes 4-bit codes (laid out as nibble_codes reads them) as finish(low + code * step).
+template <typename Finish>
+inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out, Finish finish) {
+  widen_codes<8>(bytes, 2 * n_bytes, low, step, out, nibble_codes, nibble_at, finish);
+}
+
+// 2 * n_bytes 4-bit codes as low + code * step (low and step: one for all, or one per value).
+template <typename Param>
+inline void widen_nibbles(const uint8_t* bytes, int64_t n_bytes, Param low, Param step, float* out) {
+  widen_codes<8>(bytes, 2 * n_bytes, low, step, out, nibble_codes, nibble_at, as_is);
 }
 
 // The 16 2-bit codes of 4 bytes (value 4j + i at bits 2i of byte j: code c at bit 2c of the little-endian word) as
@@ -94,21 +92,10 @@ inline void crumb_codes(const uint8_t* bytes, __m256& first, __m256& second) {
 
 inline float crumb_at(const uint8_t* bytes, int64_t i) { return static_cast<float>((bytes[i / 4] >> (2 * (i % 4))) & 3); }
 
-// 4 * n_bytes 2-bit codes as low + code * step (low and step: one for all, or arrays of one per value).
-inline void widen_crumbs(const uint8_t* bytes, int64_t n_bytes, float low, float step, float* out) {
-  const __m256 lows = _mm256_set1_ps(low), steps = _mm256_set1_ps(step);
-  int64_t j = 0;
-  for (; j + 4 <= n_bytes; j += 4) {
-    __m256 first, second;
-    crumb_codes(bytes + j, first, second);
-    _mm256_storeu_ps(out + 4 * j, _mm256_fmadd_ps(first, steps, lows));
-    _mm256_storeu_ps(out + 4 * j + 8, _mm256_fmadd_ps(second, steps, lows));
-  }
-  for (int64_t i = 4 * j; i < 4 * n_bytes; ++i) out[i] = low + crumb_at(bytes, i) * step;
-}
-
-inline void widen_crumbs(const uint8_t* bytes, int64_t n_bytes, const float* low, const float* step, float* out) {
-  widen_codes<4>(bytes, 4 * n_bytes, low, step, out, crumb_codes, crumb_at);
+// 4 * n_bytes 2-bit codes as low + code * step (low and step: one for all, or one per value).
+template <typename Param>
+inline void widen_crumbs(const uint8_t* bytes, int64_t n_bytes, Param low, Param step, float* out) {
+  widen_codes<4>(bytes, 4 * n_bytes, low, step, out, crumb_codes, crumb_at, as_is);
 }
 
 // n (minimum, step) pairs of float16 (at any address) widened into two arrays.
