@@ -3,6 +3,7 @@ quantization of the full-precision cache, blocks leaving the float16 window as s
 kivi4/kivi2 (prefix sharing, preemption, blocks per budget) and a saved CacheGen context placed into it."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -441,6 +442,30 @@ def test_a_slot_is_a_group_the_pool_lends_none_of_whose_blocks_is_held():
         pool.allocate()  # every group holds a block now
     with pytest.raises(KvstrataError, match="no group of free blocks"):
         cache._take_slot()
+
+
+def test_the_pool_lends_the_highest_group_that_holds_no_block_after_any_history():
+    """Over random allocations, shares, releases, lends and returns, every group lent is the highest one none of whose
+    blocks is held (what a scan of all groups finds), and None exactly where every group holds a block."""
+    rng = random.Random(0)
+    pool = GroupedBlockPool(64, 4)
+    held: list[int] = []
+    for _ in range(3000):
+        action = rng.random()
+        if action < 0.35 and pool.num_free:
+            held.append(pool.allocate())
+        elif action < 0.65 and held:
+            pool.release(held.pop(rng.randrange(len(held))))
+        elif action < 0.75 and held:
+            block = rng.choice(held)
+            pool.share(block)
+            held.append(block)
+        elif action < 0.9:
+            empty = [g for g, count in enumerate(pool.held_in_group) if not count]
+            assert pool.lend_group() == (max(empty) if empty else None)
+        elif pool.lent:
+            pool.take_back_group(rng.choice(sorted(pool.lent)))
+        assert len(pool.empty_groups) <= len(pool.held_in_group)
 
 
 @pytest.mark.parametrize("bits", [4, 2])

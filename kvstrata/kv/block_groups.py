@@ -11,6 +11,7 @@ blocks is kept.
 
 from __future__ import annotations
 
+import heapq
 from typing import Protocol
 
 from kvstrata.kv.block_pool import BlockPool
@@ -42,6 +43,11 @@ class GroupedBlockPool(BlockPool):
         self.held_in_group = [0] * (num_blocks // group_size)  # blocks of each group that are held or lent
         self.free_in_partial_groups: set[int] = set()  # free blocks of groups that hold some: handed out first
         self.lent: set[int] = set()  # groups lent whole
+        # Groups that held no block when queued, highest first (negated for heapq); an entry may have gone stale
+        # since, and is checked when it comes up. `queued` keeps a group in the heap once, so it stays this size.
+        self.empty_groups = [-group for group in range(len(self.held_in_group))]
+        heapq.heapify(self.empty_groups)
+        self.queued = set(range(len(self.held_in_group)))
 
     def _blocks_of(self, group: int) -> range:
         return range(group * self.group_size, (group + 1) * self.group_size)
@@ -67,11 +73,22 @@ class GroupedBlockPool(BlockPool):
             self.free_in_partial_groups.add(block)
         else:
             self.free_in_partial_groups.difference_update(self._blocks_of(group))
+            self._queue_empty(group)
+
+    def _queue_empty(self, group: int) -> None:
+        if group not in self.queued:
+            self.queued.add(group)
+            heapq.heappush(self.empty_groups, -group)
 
     def lend_group(self) -> int | None:
         """Lend a group none of whose blocks is held, the highest such (what its blocks cached is evicted); None
         where every group holds a block."""
-        group = next((g for g in range(len(self.held_in_group) - 1, -1, -1) if not self.held_in_group[g]), None)
+        group = None
+        while self.empty_groups and group is None:
+            candidate = -heapq.heappop(self.empty_groups)
+            self.queued.discard(candidate)
+            if not self.held_in_group[candidate]:
+                group = candidate
         if group is None:
             return None
         for block in self._blocks_of(group):
@@ -90,3 +107,4 @@ class GroupedBlockPool(BlockPool):
             self.free[block] = None
             self.free.move_to_end(block, last=False)
         self.held_in_group[group] = 0
+        self._queue_empty(group)
