@@ -59,10 +59,10 @@ def host_waits_per_step(timer: StepTimer, work) -> float:
     return round(sum("synchroniz" in str(w.message) for w in caught) / STEPS, 1)
 
 
-def kvstrata_step(engine: LLMEngine, prompts: list[list[int]], context: int) -> dict:
+def kvstrata_step(engine: LLMEngine, prompts: list[list[int]], context: int, timed_steps: int) -> dict:
     timer = StepTimer(engine)
     work = [(timer.sequence(p, cached=context), 1) for p in prompts]
-    seconds = timer.time(work, repeats=STEPS)
+    seconds = timer.time(work, repeats=timed_steps)
     on_gpu = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
@@ -115,6 +115,9 @@ def main() -> None:
                              "Triton (GPU) kernels")
     parser.add_argument("--kv-offload", default="none", help="kvstrata's --kv-offload (default: none)")
     parser.add_argument("--no-transformers", action="store_true", help="profile kvstrata alone")
+    parser.add_argument("--timed-steps", type=int, default=STEPS,
+                        help=f"kvstrata's step_ms is the median of this many steps (default {STEPS}), timed before "
+                             f"the {STEPS} profiled ones: more for a steadier figure on a noisy machine")
     parser.add_argument("--device", default="cpu", choices=DEVICES)
     parser.add_argument("--kv-format", default="fp32", help="kvstrata's --kv-format; several, comma-separated, "
                                                              "are profiled one after another")
@@ -127,7 +130,7 @@ def main() -> None:
         engine = LLMEngine(dataclasses.replace(base, kv_format=kv_format), loaded=loaded)  # the weights load once
         loaded = engine.loaded
         prompts = prompts_from_text(engine.tokenizer, args.batch, args.context + 1)
-        steps.append(kvstrata_step(engine, prompts, args.context))
+        steps.append(kvstrata_step(engine, prompts, args.context, args.timed_steps))
     report = {"benchmark": "profile_decode", "machine": machine_info(), "model": engine.loaded.name,
               "workload": vars(args), "kvstrata": steps[0] if len(steps) == 1 else steps}
     if not args.no_transformers:
