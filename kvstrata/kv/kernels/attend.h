@@ -158,12 +158,18 @@ struct SpanScratch {
   std::vector<float> scores, tile;
 };
 
-// read(stable, a, b) over tokens [first, last): once over `rows` where they are stable, else tile by tile over the
-// tile's K rows (keys) or V rows (values), decoded by `rows` into the scratch's tile.
+// Stable rows are read this many tokens at a time (a multiple of 8, so scores are still summed eight keys at a time
+// from `first`, to the same bits): the query heads of a KV head read a run in turn while it is in the level-1 cache
+// (32 KiB of a head's rows of 64). Read head by head over a whole span, a span larger than the level-2 cache came
+// from memory once per query head (docs/BENCHMARKS.md, "Decode attention reads a run of rows for all its heads").
+constexpr int64_t kStableRunTokens = 128;
+
+// read(stable, a, b) over tokens [first, last): over `rows` where they are stable, kStableRunTokens at a time, else
+// tile by tile over the tile's K rows (keys) or V rows (values), decoded by `rows` into the scratch's tile.
 template <typename Rows, typename Read>
 void in_tiles(Rows& rows, bool keys, int64_t first, int64_t last, int64_t width, SpanScratch& scratch, Read read) {
   if constexpr (stable_rows<Rows>::value) {
-    read(rows, first, last);
+    for (int64_t a = first; a < last; a += kStableRunTokens) read(rows, a, std::min(last, a + kStableRunTokens));
   } else {
     scratch.tile.resize(kTileTokens * width + 1);  // and the last row's scratch place
     for (int64_t a = first; a < last; a += kTileTokens) {
