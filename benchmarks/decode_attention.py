@@ -5,8 +5,9 @@
 
 `--placement in-order` gives each sequence consecutive blocks, as a fresh engine's pool does; `scattered` deals them
 out at random over the pool, as a pool that has served many requests of different lengths does. Prints one JSON
-document: per shape, the median time of a call and the K/V bytes it reads per second. Timings only, no ratio: run it
-in the trees to compare, in turn.
+document: per shape, the median time of a call, the K/V bytes it reads per second, and its speed against the torch
+path on the same pool (what `--no-paged-kernel` runs: each sequence's blocks gathered, then the reference attention),
+whose output it must match. To compare two versions of the kernel, run it in each tree, in turn.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from kvstrata.bench.report import machine_info
 from kvstrata.kv.kernels.paged_decode import kernel
+from kvstrata.kv.reference_attention import attend_per_kv_head
 
 KV_HEADS, QUERY_HEADS, HEAD_DIM, BLOCK = 3, 9, 64, 16
 
@@ -33,15 +35,29 @@ def time_shape(batch: int, context: int, scattered: bool, repeats: int) -> dict:
     block_tables = order.view(batch, blocks_per_sequence)
     context_lens = torch.full((batch,), context, dtype=torch.long)
     q = torch.randn(batch, QUERY_HEADS, HEAD_DIM, generator=generator)
+
+    def in_place():
+        return kernel().paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, HEAD_DIM**-0.5, 0, 0)
+
+    def torch_path():
+        k, v = (pool[:, block_tables].flatten(2, 3)[:, :, :context] for pool in (k_pool, v_pool))  # [G, n, T, D]
+        return attend_per_kv_head(q[:, None], k, v, torch.ones(1, batch, 1, context, dtype=torch.bool))[:, 0]
+
+    torch.testing.assert_close(in_place(), torch_path(), rtol=1e-4, atol=1e-5)
+    seconds, torch_seconds = median_seconds(in_place, repeats), median_seconds(torch_path, repeats)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 4
+    return {"batch": batch, "context": context, "ms": round(seconds * 1000, 3),
+            "kv_read_gb_per_s": round(kv_bytes / seconds / 1e9, 2), "torch_path_ms": round(torch_seconds * 1000, 3),
+            "speedup_vs_torch_path": round(torch_seconds / seconds, 2)}
+
+
+def median_seconds(call, repeats: int) -> float:
     times = []
     for _ in range(repeats + 1):  # the first call warms up
         start = time.perf_counter()
-        kernel().paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, HEAD_DIM**-0.5, 0, 0)
+        call()
         times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[1:])
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 4
-    return {"batch": batch, "context": context, "ms": round(seconds * 1000, 3),
-            "kv_read_gb_per_s": round(kv_bytes / seconds / 1e9, 2)}
+    return statistics.median(times[1:])
 
 
 def main() -> None:
