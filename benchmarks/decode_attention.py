@@ -68,7 +68,14 @@ def main() -> None:
     args = parser.parse_args()
     if kernel() is None:
         raise SystemExit("the compiled KV kernels could not be built: nothing to time")
-    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    try:
+        shapes = [(int(batch), int(context)) for batch, context in (shape.split("x") for shape in args.shapes.split(","))]
+    except ValueError:
+        parser.error(f"--shapes {args.shapes!r}: want BATCHxCONTEXT pairs of whole numbers, e.g. 8x4096,32x320")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
+    if any(batch < 1 or context < 1 for batch, context in shapes):
+        parser.error(f"--shapes {args.shapes!r}: every batch and context must be at least 1")
     rows = [time_shape(batch, context, args.placement == "scattered", args.repeats) for batch, context in shapes]
     print(json.dumps({"benchmark": "decode_attention", "machine": machine_info(), "placement": args.placement,
                       "threads": torch.get_num_threads(), "shapes": rows}, indent=2))
