@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--kv-format", default="fp32", help="kvstrata's --kv-format; several, comma-separated, "
                                                              "are profiled one after another")
     args = parser.parse_args()
+    if args.timed_steps < 1:
+        parser.error(f"--timed-steps {args.timed_steps}: at least 1")
     base = EngineConfig(enable_prefix_caching=False, weights=args.weights, compile=args.compile,
                         native_decode=not args.no_native_decode, kv_offload=args.kv_offload, device=args.device,
                         paged_kernel=not args.no_paged_kernel)
