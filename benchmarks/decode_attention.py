@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from kvstrata.bench.report import machine_info
+from kvstrata.bench.stats import median_seconds
 from kvstrata.kv.kernels.paged_decode import kernel
 from kvstrata.kv.reference_attention import attend_per_kv_head
 
@@ -49,15 +48,6 @@ def time_shape(batch: int, context: int, scattered: bool, repeats: int) -> dict:
     return {"batch": batch, "context": context, "ms": round(seconds * 1000, 3),
             "kv_read_gb_per_s": round(kv_bytes / seconds / 1e9, 2), "torch_path_ms": round(torch_seconds * 1000, 3),
             "speedup_vs_torch_path": round(torch_seconds / seconds, 2)}
-
-
-def median_seconds(call, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first call warms up
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
 
 
 def main() -> None:

@@ -18,28 +18,18 @@ activations to int8 per block of 32. Issue 17 asks to pick the fastest kernel pe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
-import time
 
 import torch
 
 from kvstrata.bench.report import machine_info, sig
+from kvstrata.bench.stats import median_seconds
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.model.block_linear import BLOCK, BlockLinear, kernel_paths, widened_dtype
 from kvstrata.model.group_quantized import GroupQuantized
 from kvstrata.model.quantized_linear import Int4Linear
-
-
-def median_ms(run, inputs, repeats: int) -> float:
-    run(inputs)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(inputs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def as_bf16(inputs: dict) -> dict:
@@ -105,7 +95,7 @@ def main() -> None:
             row: dict = {"rows": m}
             timed = [name for name in forms if m >= 4 or forms[name] is not widened_rows]  # the kernel's rows
             for name in timed:
-                ms = median_ms(forms[name], inputs, args.repeats)
+                ms = median_seconds(functools.partial(forms[name], inputs), args.repeats) * 1000
                 row[name] = {"ms": sig(ms), "gflops": sig(2 * m * weights / ms / 1e6)}
             row["fastest"] = min(timed, key=lambda name: row[name]["ms"])
             rows.append(row)

@@ -7,11 +7,9 @@ values when repeated), so one composition can be timed many times.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
+from kvstrata.bench.stats import median_seconds
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.engine.sequence import Sequence
@@ -44,12 +42,7 @@ class StepTimer:
 
     def time(self, work: list[tuple[Sequence, int]], repeats: int = 5) -> float:
         """Median seconds of one step running `work` (sequence, new tokens) from the sequences' states."""
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            start = time.perf_counter()
-            self._run(work)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[1:])
+        return median_seconds(lambda: self._run(work), repeats)
 
     def release(self) -> None:
         for seq in self.sequences:
