@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from kvstrata.bench.stats import call_seconds
 
 
 def _best_seconds(fn, repeats: int) -> float:
     """Fastest of `repeats` runs after a warm-up: a limit is what the machine can reach."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(call_seconds(fn, repeats))
 
 
 def gemm_gflops(device: torch.device, size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:

@@ -9,15 +9,19 @@ from collections.abc import Callable
 import numpy as np
 
 
-def median_seconds(call: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `repeats` calls of `call`, after one untimed call that warms it up."""
+def call_seconds(call: Callable[[], object], repeats: int) -> list[float]:
+    """Wall times of `repeats` calls of `call`, after one untimed call that warms it up."""
     call()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
+    return statistics.median(call_seconds(call, repeats))
 
 
 def summarize(values: list[float], name: str, scale: float = 1.0) -> dict[str, float]:
