@@ -312,6 +312,13 @@ class EngineConfig:
         default=None,
         metadata=_option("CPU threads for torch (default: OMP_NUM_THREADS, else every core this process may use)"),
     )
+    keep_freed_memory: bool = field(
+        default=True,
+        metadata=_option("have the C library keep the memory the process frees for its next use (glibc's malloc: "
+                         "blocks up to 32 MiB), so that each step's buffers are not faulted in page by page again "
+                         "(docs/BENCHMARKS.md, \"Freed memory kept for the next step\"); for the whole process, once "
+                         "an engine has set it; off: the C library's defaults"),
+    )
     kv_store: str | None = field(
         default=None,
         metadata=_option("tiers below the paged cache that keep prefix KV, top first, comma-separated: host:SIZE, "

@@ -29,6 +29,7 @@ from kvstrata.engine.draft_verification import (
     sequence_rows,
     verifies,
 )
+from kvstrata.engine.freed_memory import keep_freed_memory
 from kvstrata.engine.grammar_matcher import GrammarCompiler, allowed_tokens, matcher_error
 from kvstrata.engine.important_prefix_load import ImportantLoading
 from kvstrata.engine.kv_offload_setup import attention_policy
@@ -86,6 +87,8 @@ class LLMEngine:
         self.config = config
         self.threads = config.threads or default_threads()
         use_torch_threads(self.threads)
+        if config.keep_freed_memory and not keep_freed_memory():
+            log.info("keep_freed_memory: not set (glibc's malloc only; this C library is another, or it refused)")
         self.device = _device(config.device)
         dtype = getattr(torch, config.dtype)
         self.loaded = loaded or load_model(config.model, self.device, dtype, config.weights, config.max_model_len)
