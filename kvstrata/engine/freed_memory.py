@@ -2,10 +2,11 @@
 
 torch takes a CPU tensor's memory from the C library's allocator, and every step of the engine allocates and frees
 buffers of the same sizes again: a 1,024-token prompt chunk's MLP activations alone are [1,024, 3,072] float32, 12
-MiB. By default glibc hands such blocks back when they are freed (large ones are mapped and unmapped on their own,
-and the heap's free top is trimmed), so the next step touches fresh pages, each 4 KiB page a fault and a clearing
-by the kernel: about 240,000 faults in a 1,024-token prefill of the default model (docs/BENCHMARKS.md, "Freed memory
-kept for the next step").
+MiB. By default glibc often hands such blocks back when they are freed (large ones are mapped and unmapped on their
+own, and the heap's free top is trimmed; how often depends on thresholds it moves as the process frees blocks and on
+what else lies in the heap), so the next step touches fresh pages, each 4 KiB page a fault and a clearing
+by the kernel: 1-2 million faults a round in the prompt steps of 32 requests of 256 tokens served again and again
+(docs/BENCHMARKS.md, "Freed memory kept for the next step").
 """
 
 from __future__ import annotations
