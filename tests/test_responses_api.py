@@ -108,6 +108,7 @@ def test_the_server_answers_as_its_chat_endpoint_does_whole_and_streamed(tiny_ll
     ({"tools": [{"type": "function", "name": "bad name"}]}, 400, "tools.0.name"),
     ({"tools": FUNCTIONS, "tool_choice": {"type": "function", "name": "other"}}, 400, "tool_choice"),
     ({"input": [{"type": "image", "url": "x"}]}, 400, "input.0"),
+    ({"text": {"format": {"type": "json_schema", "name": "w"}}}, 400, "text.format"),
     ({"model": "other"}, 404, "model"),
 ])
 def test_what_cannot_be_done_is_refused_by_name(tiny_llama, extra, status, param):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
 
 from kvstrata.server.protocol import (
     CacheSalt,
@@ -108,10 +108,16 @@ class TextFormat(BaseModel):
     schema_: dict | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("type json_schema needs a schema (the JSON schema the answer follows)")
+        return self
+
     def response_format(self) -> dict:
         if self.type != "json_schema":
             return {"type": self.type}
-        schema = JsonSchemaFormat(name=self.name, description=self.description, schema=self.schema_ or {},
+        schema = JsonSchemaFormat(name=self.name, description=self.description, schema=self.schema_,
                                   strict=self.strict)
         return {"type": "json_schema", "json_schema": schema.model_dump(by_alias=True, exclude_none=True)}
 
