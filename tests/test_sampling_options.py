@@ -152,6 +152,8 @@ def test_allowed_token_ids_restrict_what_is_generated_and_nothing_else(llm, prom
     assert outputs[2].token_ids == llm.generate([prompts[0]], plain)[0].token_ids
     with pytest.raises(KvstrataError, match="allowed_token_ids names token 320, outside the vocabulary"):
         llm.engine.add_request(prompts[0], SamplingParams(allowed_token_ids=[5, 320]))
+    with pytest.raises(KvstrataError, match="stop_token_ids names token 320, outside the vocabulary"):
+        llm.engine.add_request(prompts[0], SamplingParams(stop_token_ids=[5, 320]))
     with pytest.raises(KvstrataError, match="min_tokens 2 bans every token of allowed_token_ids"):
         llm.engine.add_request(prompts[0], SamplingParams(allowed_token_ids=[5, 6], stop_token_ids=[5, 6],
                                                           min_tokens=2))

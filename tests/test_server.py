@@ -18,6 +18,7 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.bench.serve import wait_healthy
 from kvstrata.server.options import ServerOptions
 from tests.server_harness import free_port, running_server
+from tests.tiny_models import VOCAB_SIZE
 
 pytestmark = pytest.mark.slow
 
@@ -178,7 +179,9 @@ def _metric(url: str, name: str) -> float:
         ({"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": [1] * 250, "min_tokens": 7}, 400, "min_tokens"),  # the default cut to 6
         ({"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
-        ({"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": list(range(1000))}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "min_tokens": 1, "stop_token_ids": list(range(VOCAB_SIZE))}, 400,
+         "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "stop_token_ids": [5, VOCAB_SIZE]}, 400, "stop_token_ids"),
         ({"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
         ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),

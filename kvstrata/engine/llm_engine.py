@@ -339,11 +339,11 @@ class LLMEngine:
 
     def check_sampling(self, params: SamplingParams) -> None:
         """What only the model can tell of a request's sampling parameters: the token ids they name (bad_words' too)
-        lie in the vocabulary (the sampler indexes its logits by them), while min_tokens and bad_words ban tokens
-        some token is left to generate (else a row of the batched sampler has no finite logit), and its structured
-        output compiles (ParameterError "structured_output" otherwise; kept for add_request). A priority other
-        than 0 needs the priority scheduling policy, as vLLM's does; an embedding has at most the model's
-        hidden size of dimensions."""
+        lie in the vocabulary (the sampler indexes its logits by them; a stop token outside it could never end the
+        request), while min_tokens and bad_words ban tokens some token is left to generate (else a row of the
+        batched sampler has no finite logit), and its structured output compiles (ParameterError
+        "structured_output" otherwise; kept for add_request). A priority other than 0 needs the priority
+        scheduling policy, as vLLM's does; an embedding has at most the model's hidden size of dimensions."""
         width = self.loaded.config.word_embed_proj_dim or self.loaded.config.hidden_size  # of the final states
         if params.pooling is not None and (params.pooling.dimensions or 0) > width:
             raise ParameterError("dimensions", f"dimensions {params.pooling.dimensions} exceeds this model's "
@@ -357,6 +357,7 @@ class LLMEngine:
         vocab = self.loaded.config.vocab_size
         bad_words = self._bad_word_tokens(params)
         for param, tokens in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or []),
+                              ("stop_token_ids", params.stop_token_ids),
                               ("bad_words", [token for word in bad_words for token in word])):
             outside = [token for token in tokens if token >= vocab]
             if outside:
