@@ -113,7 +113,7 @@ def test_each_of_n_samples_follows_its_own_matcher(llm):
 
 def test_a_constraint_the_tokenizer_cannot_begin_is_refused_before_it_runs(llm):
     """The tiny tokenizer has no token holding "{": a JSON object cannot begin."""
-    message = "tokenizer cannot begin the structured output's json_object: no token of this tokenizer holds byte 0x7b"
+    message = "the structured output's json_object cannot begin: no token of this tokenizer holds byte 0x7b"
     with pytest.raises(ParameterError, match=message):
         llm.engine.add_request("Emma was", SamplingParams(structured_output=StructuredOutput(json_object=True)))
     assert not llm.engine.has_unfinished_requests()
@@ -160,6 +160,8 @@ def test_options_that_could_leave_no_token_allowed_are_refused(options, message)
 
 @pytest.mark.parametrize("constraint, message", [
     (StructuredOutput(regex="[0-9"), "regex is not valid"),
+    (StructuredOutput(regex="("), r"regex is not valid: .*regex parse error: unclosed group$"),  # the reason kept
+    (StructuredOutput(grammar="root ::= root"), "grammar cannot begin: no token can begin or extend it"),
     (StructuredOutput(grammar="start: undefined_rule"), "grammar is not valid"),
     (StructuredOutput(grammar="root ::= ("), "grammar cannot be read"),
     (StructuredOutput(json={"type": "object", "properties": {"a": {"type": "no such type"}}}), "json is not valid"),

@@ -144,8 +144,8 @@ class GrammarCompiler:
                                                       f"{matcher_error(compiled)}")
         compiled.compute_bitmask()  # can the tokenizer begin it? (the request then fails before it runs)
         if compiled.is_error():
-            raise ParameterError("structured_output", f"this model's tokenizer cannot begin the structured output's "
-                                                      f"{constraint.kind}: {matcher_error(compiled)}")
+            raise ParameterError("structured_output", f"the structured output's {constraint.kind} cannot begin: "
+                                                      f"{matcher_error(compiled)}")
         with self._lock:
             self._compiled[grammar] = compiled
             if len(self._compiled) > COMPILED_KEPT:
@@ -172,10 +172,17 @@ def allowed_tokens(matcher: LLMatcher, vocab_size: int) -> np.ndarray:
 
 
 def matcher_error(matcher: LLMatcher) -> str:
-    """Why a matcher stopped: the first line of its error (the rest is a dump of its parser's state), or where our
-    encoder refused (_TokensInContext.__call__), its message."""
+    """Why a matcher stopped: the first line of its error with the reason a later line gives (a parse error draws
+    where it is between them; after them comes a dump of the parser's state), or where our encoder refused
+    (_TokensInContext.__call__), its message."""
     error = matcher.get_error()
     if not error:
         return "it allows no token"
     refused = _ENCODER_REFUSAL.search(error)
-    return refused.group(1) if refused else error.splitlines()[0][:500]
+    if refused:
+        return refused.group(1)
+    first, *rest = error.split("\n<state>")[0].splitlines()
+    if first == "NoExtensionBias":  # the token mask came out empty
+        return "no token can begin or extend it (it matches no text, or none this tokenizer's tokens spell)"
+    reason = next((line.removeprefix("error: ") for line in rest if line.startswith("error: ")), None)
+    return (first if reason is None else f"{first} {reason}")[:500]
