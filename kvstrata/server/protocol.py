@@ -50,8 +50,8 @@ def _encodable(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"the text holds a lone surrogate {text[exc.start]!r} at character {exc.start}; "
-                         "UTF-8 text cannot") from None
+        raise ValueError(f"the text holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which "
+                         "UTF-8 cannot encode (send the character itself, or both halves of its surrogate pair)") from None
     return text
 
 
