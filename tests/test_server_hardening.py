@@ -149,6 +149,19 @@ def test_lone_surrogates_are_a_400_naming_the_field(server, path, raw, param):
     assert reply.json()["error"]["param"] == param and "lone surrogate" in reply.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", rb'{"model":"test-model","prompt":"abc","temperature":NaN}', "temperature"),
+    ("/v1/completions", rb'{"model":"test-model","prompt":"abc","logit_bias":{"7":-Infinity}}', "logit_bias"),
+    ("/v1/chat/completions", rb'{"model":"test-model","messages":[{"role":"user","content":"hi"}],"top_p":NaN}',
+     "top_p"),
+])
+def test_numbers_json_allows_but_no_setting_takes_are_a_400_saying_so(server, path, raw, param):
+    """Python's JSON reads NaN and Infinity; they fail every range check, and the message says why."""
+    reply = post(server[0], path, raw)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == param and "finite number" in reply.json()["error"]["message"]
+
+
 # --- 3. large bodies, tokenization off the event loop ------------------------------------------------
 
 

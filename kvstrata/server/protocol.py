@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
+    AllowInfNan,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -110,7 +111,7 @@ Text = Annotated[StrictStr, AfterValidator(_encodable)]
 CacheSalt = Annotated[Text, Field(min_length=1)]
 # Further variables the chat template reads (vLLM's chat_template_kwargs; e.g. Qwen3's enable_thinking).
 TemplateKwargs = Annotated[dict[str, object], AfterValidator(_template_variables)]
-Number = StrictFloat  # takes ints too, not bools
+Number = Annotated[StrictFloat, AllowInfNan(False)]  # takes ints too, not bools; NaN and infinities are refused
 JsonSchemaField = dict | Text  # a JSON schema, as an object or as its text
 Choices = Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
