@@ -62,8 +62,10 @@ def _check_stop(value):
         raise ValueError("stop strings must not be empty")
     if value is None or isinstance(value, str):
         return value
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise ValueError(f"stop must be a string or a list of strings, got {type(value).__name__}")
+    if not isinstance(value, list):  # pydantic reports a ValueError, not a TypeError, as the field's error
+        raise ValueError(f"stop must be a string or a list of strings, got {type(value).__name__}")  # noqa: TRY004
+    if (bad := next((i for i, s in enumerate(value) if not isinstance(s, str)), None)) is not None:
+        raise ValueError(f"stop must be a string or a list of strings; entry {bad} is {type(value[bad]).__name__}")
     if len(value) > MAX_STOP_STRINGS:
         raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}")
     if "" in value:
