@@ -301,6 +301,7 @@ def test_methods_head_and_docs(server):
 @pytest.mark.parametrize("body, param, message", [
     ({"prompt": "a", "stop": ["x"] * 1000}, "stop", "at most 16"),
     ({"prompt": "a", "stop": [""]}, "stop", "must not be empty"),
+    ({"prompt": "a", "stop": ["x", 1]}, "stop", "entry 1 is int"),
     ({"prompt": [-1]}, "prompt.0", "greater than or equal to 0"),
     ({"prompt": "a", "max_tokens": 65}, "max_tokens", "--max-tokens-limit of 64"),
 ])
@@ -308,6 +309,17 @@ def test_validation_messages_name_the_real_problem(server, body, param, message)
     reply = post(server[0], "/v1/completions", {"model": MODEL, **body})
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == param and message in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content, headers, message", [
+    (b"", {"content-type": "application/json"}, "request body is empty"),
+    (b'{"model": "test-model", "prompt": "a"}', {"content-type": "text/plain"},
+     "sent as Content-Type application/json, got Content-Type 'text/plain'"),
+    (b'["a"]', {"content-type": "application/json"}, "request body must be a JSON object: "),
+])
+def test_a_body_that_is_not_a_json_object_is_refused_saying_what_was_sent(server, content, headers, message):
+    reply = httpx.post(server[0] + "/v1/completions", content=content, headers=headers, timeout=60)
+    assert reply.status_code == 400 and message in reply.json()["error"]["message"]
 
 
 def test_top_logprobs_without_logprobs_names_the_field(server):

@@ -85,7 +85,7 @@ def _not_started(exc: KvstrataError | ServerError, field: Callable[[str | None],
     return _error(400, str(exc), fallback)
 
 
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
+def _validation_error(exc: RequestValidationError, content_type: str) -> JSONResponse:
     errors = exc.errors()
     first = errors[0]
     if first.get("type") == "json_invalid":
@@ -96,6 +96,11 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     message = _error_message(chosen)
     location = chosen.get("loc", ())[1:]  # drop the leading "body"
     if not location:
+        if chosen["type"] == "missing":
+            return _error(400, "request body is empty: send a JSON object (Content-Type: application/json)")
+        if not _read_as_json(content_type):
+            return _error(400, f"request body must be a JSON object sent as Content-Type application/json, got "
+                               f"Content-Type {content_type!r}")
         return _error(400, f"request body must be a JSON object: {message}")
     # Union members add their type's name to the location; keep field names and list indexes (and the name of a
     # field a body may not have, which is the error).
@@ -105,6 +110,13 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         named.append(location[-1])
     param = ".".join(str(p) for p in named)
     return _error(400, f"{param}: {message}", param)
+
+
+def _read_as_json(content_type: str) -> bool:
+    """Whether FastAPI parses a body of this Content-Type as JSON: none given, application/json or a +json type;
+    any other body reaches validation unparsed."""
+    media = content_type.split(";")[0].strip().lower()
+    return not media or media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _error_message(error: dict) -> str:
@@ -176,7 +188,7 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        return _validation_error(exc)
+        return _validation_error(exc, request.headers.get("content-type", ""))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
