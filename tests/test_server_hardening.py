@@ -322,6 +322,19 @@ def test_a_body_that_is_not_a_json_object_is_refused_saying_what_was_sent(server
     assert reply.status_code == 400 and message in reply.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+     "messages.0.content.1"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://x/y.png"}]}]}, "input.0.content.0"),
+])
+def test_a_content_part_other_than_text_is_refused_by_its_type(server, path, body, param):
+    reply = post(server[0], path, {"model": MODEL, **body})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+    assert "content parts of type" in reply.json()["error"]["message"]
+
+
 def test_top_logprobs_without_logprobs_names_the_field(server):
     reply = post(server[0], "/v1/chat/completions",
                  {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})

@@ -363,9 +363,24 @@ def opens_assistant_turn(body: ChatCompletionRequest | TokenizeRequest) -> bool:
     return not body.continue_final_message
 
 
+def text_part(part, types: tuple[str, ...]):
+    """A message's content part, checked before its fields: a part of another type (an image, audio, a file) is
+    refused by its type, where pydantic would ask for the text field it lacks."""
+    if isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] not in types:
+        allowed = " or ".join(repr(t) for t in types)
+        raise ValueError(f"content parts of type {part['type']!r} are not supported: this model reads text only "
+                         f"(parts of type {allowed})")
+    return part
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: Text
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part):
+        return text_part(part, ("text",))
 
 
 def _json_object(text: str) -> dict:

@@ -25,6 +25,7 @@ from kvstrata.server.protocol import (
     Priority,
     Text,
     integer,
+    text_part,
 )
 
 # The chat request's fields that a Responses request names otherwise (for the errors of what the chat endpoint
@@ -36,6 +37,11 @@ CHAT_FIELDS_AS_NAMED_HERE = {"messages": "input", "max_completion_tokens": "max_
 class ContentText(BaseModel):
     type: Literal["input_text", "output_text"]
     text: Text
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part):
+        return text_part(part, ("input_text", "output_text"))
 
 
 def _joined(content: str | list[ContentText]) -> str:
