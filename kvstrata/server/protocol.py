@@ -52,7 +52,8 @@ def _encodable(text: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"the text holds a lone surrogate {text[exc.start]!r} at character {exc.start}, which "
-                         "UTF-8 cannot encode (send the character itself, or both halves of its surrogate pair)") from None
+                         "UTF-8 cannot encode (send the character itself, or both halves of its surrogate "
+                         "pair)") from None
     return text
 
 
