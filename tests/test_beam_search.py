@@ -214,6 +214,11 @@ def test_a_width_needing_more_alternatives_than_the_engine_reports_is_refused(ll
         llm.beam_search([5] * 250, BeamSearchParams(beam_width=2, max_tokens=7))
 
 
+def test_a_stop_token_outside_the_vocabulary_is_refused_before_the_search(llm):
+    with pytest.raises(ParameterError, match="stop_token_ids names token 320, outside the vocabulary"):
+        llm.beam_search([5, 6], BeamSearchParams(beam_width=2, max_tokens=3, stop_token_ids=(7, 320)))
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     with running_server(str(tiny_llama), MODEL, kv_cache_memory="8MiB", max_model_len=256) as (url, _):

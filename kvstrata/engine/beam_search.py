@@ -242,7 +242,9 @@ def beam_text(tokenizer, prompt_token_ids: list[int], token_ids: tuple[int, ...]
 
 
 def new_searches(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearch]:
-    """A search per prompt (token ids) on `engine` (an LLMEngine), the prompt's length and room checked."""
+    """A search per prompt (token ids) on `engine` (an LLMEngine), the prompt's length and room and the stop token
+    ids checked."""
+    engine.check_token_ids("stop_token_ids", params.stop_token_ids)
     searches = []
     for token_ids in prompts:
         engine.check_prompt_length(token_ids)

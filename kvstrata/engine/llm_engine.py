@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -337,6 +338,13 @@ class LLMEngine:
             raise KvstrataError(f"a token-id prompt must be a list of integers in [0, {vocab}), got {prompt!r:.200}")
         return list(prompt)
 
+    def check_token_ids(self, param: str, tokens: Iterable[int]) -> None:
+        """ParameterError naming `param` where one of the token ids it names lies outside the vocabulary."""
+        vocab = self.loaded.config.vocab_size
+        outside = [token for token in tokens if token >= vocab]
+        if outside:
+            raise ParameterError(param, f"{param} names token {outside[0]}, outside the vocabulary [0, {vocab})")
+
     def check_sampling(self, params: SamplingParams) -> None:
         """What only the model can tell of a request's sampling parameters: the token ids they name (bad_words' too)
         lie in the vocabulary (the sampler indexes its logits by them; a stop token outside it could never end the
@@ -359,9 +367,7 @@ class LLMEngine:
         for param, tokens in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or []),
                               ("stop_token_ids", params.stop_token_ids),
                               ("bad_words", [token for word in bad_words for token in word])):
-            outside = [token for token in tokens if token >= vocab]
-            if outside:
-                raise ParameterError(param, f"{param} names token {outside[0]}, outside the vocabulary [0, {vocab})")
+            self.check_token_ids(param, tokens)
         allowed = params.allowed_token_ids
         choosable = "the vocabulary" if allowed is None else "allowed_token_ids"
 
