@@ -5,12 +5,13 @@ import torch
 
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.fused_decode import FusedDecode
 from kvstrata.kv.kernels import paged_decode
 from kvstrata.model import block_linear
-from kvstrata.model.llama import after_attention, before_attention, decode_all_layers
+from kvstrata.model.llama import LlamaForCausalLM, after_attention, before_attention, decode_all_layers
 from kvstrata.model.native_decode import NativeDecode
-from tests.helpers import greedy_mixed_batches
+from tests.helpers import greedy_mixed_batches, use_policy
 
 needs_kernels = pytest.mark.skipif(paged_decode.kernel() is None or block_linear.kernel() is None,
                                    reason="no C++ compiler: the kernels could not be built")
@@ -94,6 +95,29 @@ def test_the_loop_generates_what_the_layers_generate(tiny_gguf_style, monkeypatc
     assert tokens == greedy_mixed_batches(layered)
 
 
+class LayeredFullAttention(FullAttention):
+    """Every cached key, as FullAttention, but no one-operator step: the model runs every layer around `attention`."""
+
+
+@needs_kernels
+def test_a_step_around_the_policys_attention_gives_the_loops_numbers(tiny_gguf_style, monkeypatch):
+    """A step of decodes beside a prompt's rows, or under a policy that hooks the layers, runs the compiled halves
+    around the policy's attention; rotated by the loop's angles and ended by its final norm (torch's cos, sin and
+    rms_norm round apart), its rows' final hidden states are the loop's to the bit, so a greedy request does not
+    change with what joins its steps."""
+    hidden = []
+    original = LlamaForCausalLM.compute_logits
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits", lambda model, h: hidden.append(h) or original(model, h))
+    greedy_mixed_batches(new_engine(tiny_gguf_style))
+    through_the_loop = hidden[:]
+    hidden.clear()
+    layered = new_engine(tiny_gguf_style)
+    use_policy(layered, LayeredFullAttention(layered.kv_cache))
+    greedy_mixed_batches(layered)
+    assert len(hidden) == len(through_the_loop) > 10
+    assert all(torch.equal(theirs, ours) for theirs, ours in zip(through_the_loop, hidden, strict=True))
+
+
 @needs_kernels
 def test_models_the_loop_does_not_compute_keep_the_layers(tiny_llama, tmp_path):
     from tests.tiny_models import save_tiny_checkpoint, tiny_llama_config
@@ -139,7 +163,7 @@ def test_speculated_queries_are_the_ones_the_layer_computes_in_a_step(tiny_gguf_
     model = new_engine(tiny_gguf_style).loaded.model
     x = model.embed_tokens(torch.randint(0, model.config.vocab_size, (3,), generator=torch.Generator().manual_seed(2)))
     positions = torch.tensor([4, 31, 90])
-    cos, sin = model.rotary.cos_sin(positions, x.dtype)
+    cos, sin = model.native_decode.cos_sin(positions)  # the angles such a step rotates by
     before, _ = model.native_decode.dense_parts
     last = len(model.layers) - 1
     assert torch.equal(model.layer_queries(last, x, positions), before(model.layers[last], x, cos, sin)[0])

@@ -133,14 +133,20 @@ class LlamaForCausalLM(nn.Module):
         native = self._native_for(x)
         if fused is not None and native is not None:
             return native(x, positions, fused)  # RoPE and the final norm included
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self._cos_sin(positions, x, native)
         if fused is not None:
             x = self.decode_all_layers(self, x, cos, sin, fused)
         else:
             dense_parts = native.dense_parts if native is not None else None
             for layer in self.layers:
                 x = layer(x, cos, sin, kv, batch, dense_parts)
-        return self.norm(x)
+        return native.final_norm(x) if native is not None else self.norm(x)  # as the loop ends, where it could run
+
+    def _cos_sin(self, positions: torch.Tensor, x: torch.Tensor, native: NativeDecode | None):
+        """RoPE's cos and sin for rows x: the compiled loop's angles where its halves take the rows (torch's may round
+        apart), so that a row gets the same numbers whether its step runs the loop or the layers around a policy's
+        attention."""
+        return native.cos_sin(positions) if native is not None else self.rotary.cos_sin(positions, x.dtype)
 
     def _native_for(self, x: torch.Tensor) -> NativeDecode | None:
         """The compiled loop (native_decode.py) where the engine set one and it takes these hidden states; not in a
@@ -155,10 +161,9 @@ class LlamaForCausalLM(nn.Module):
     def layer_queries(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s queries [T, heads, head_dim] (after RoPE) of a residual stream x [T, hidden], e.g. an
         earlier layer's input (InfiniGen's speculation)."""
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
         native = self._native_for(x)  # what the layer itself runs in a step of these rows
         before = native.dense_parts[0] if native is not None else self.layers[layer].dense_parts[0]
-        return before(self.layers[layer], x, cos, sin)[0]
+        return before(self.layers[layer], x, *self._cos_sin(positions, x, native))[0]
 
     def compile_dense_parts(self) -> None:
         """Compile every layer's dense parts (one graph shared by all layers; torch makes the token

@@ -70,6 +70,15 @@ class NativeDecode:
         return self.layers.forward(x, positions, step.k_pools, step.v_pools, step.slots, step.block_tables,
                                    step.context_lens, step.min_shared_tokens, step.window)
 
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin [n, 1, head_dim] at `positions` [n], as the loop computes them (torch's may round
+        apart): a step of these rows that runs the layers' halves rotates by them, and gets the loop's numbers."""
+        return tuple(self.layers.cos_sin(positions))
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's final norm of x [n, hidden], as the loop computes it."""
+        return self.layers.final_norm(x)
+
     @property
     def dense_parts(self):
         """A layer's work before and after attention, as llama.py's before_attention and after_attention take and

@@ -162,6 +162,28 @@ class DecodeLayers {
     return out;
   }
 
+  // RoPE's cos and sin [n, 1, head_dim] at `positions` [n], computed as forward computes them: a step whose
+  // attention runs elsewhere rotates by these (torch's cos and sin may round apart), so that its rows get the
+  // numbers they get in a step of the loop.
+  std::vector<at::Tensor> cos_sin(at::Tensor positions) const {
+    TORCH_CHECK(positions.dim() == 1, "DecodeLayers: positions must be [n], one per row");
+    const int64_t n = positions.size(0);
+    const at::Tensor position_values = positions.to(at::kLong).contiguous();
+    at::Tensor cos = at::empty({n, 1, head_dim_}, at::kFloat), sin = at::empty({n, 1, head_dim_}, at::kFloat);
+    angles(position_values.data_ptr<int64_t>(), n, cos.data_ptr<float>(), sin.data_ptr<float>());
+    return {cos, sin};
+  }
+
+  // The final norm of x [n, hidden], as forward ends (torch's rms_norm sums in another order).
+  at::Tensor final_norm(at::Tensor x) const {
+    check_hidden(x);
+    const at::Tensor rows = x.contiguous();
+    at::Tensor out = at::empty({rows.size(0), hidden_}, rows.options());
+    rms_norm(rows.data_ptr<float>(), final_norm_.data_ptr<float>(), rows.size(0), hidden_, eps_,
+             out.data_ptr<float>());
+    return out;
+  }
+
   // One layer's work up to attention, for a step whose attention runs elsewhere (a KV policy in Python): q, k
   // (rotated) and v [n, heads or kv_heads, head_dim] of x [n, hidden] with RoPE's cos and sin [n, (1,) head_dim]
   // (model/rotary.py's cos_sin).
@@ -320,5 +342,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("before_attention", &kvstrata::DecodeLayers::before_attention,
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("after_attention", &kvstrata::DecodeLayers::after_attention,
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("cos_sin", &kvstrata::DecodeLayers::cos_sin, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("final_norm", &kvstrata::DecodeLayers::final_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
