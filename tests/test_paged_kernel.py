@@ -145,8 +145,7 @@ def test_a_record_reader_refuses_unknown_forms_and_mismatched_records_by_name():
 @pytest.mark.parametrize("lone_len", [40, 150, 600])
 def test_rows_sharing_a_block_table_attend_as_their_sequence_alone(lone_len):
     """Speculative decoding's rows: one sequence's last token and three drafts, rows with one block table and lengths
-    lone_len .. lone_len + 3. Each row's output is bit for bit what the row gives decoded alone (a lone sequence's
-    tokens are split across threads, a batch's are not: the rows are counted as one sequence), beside another
+    lone_len .. lone_len + 3. Each row's output is bit for bit what the row gives decoded alone, beside another
     sequence too (then as the two alone)."""
     k_pool, v_pool = random_pools()
     gen = torch.Generator().manual_seed(2)
@@ -164,6 +163,32 @@ def test_rows_sharing_a_block_table_attend_as_their_sequence_alone(lone_len):
     pair = KERNEL.paged_decode_attention(torch.cat([q[:1], q[:1]]), k_pool, v_pool, torch.cat([table, other]),
                                          torch.tensor([lone_len, 300]), 0.125)
     assert torch.equal(with_other[0], pair[0]) and torch.equal(with_other[4], pair[1])
+
+
+@needs_kernel
+def test_a_row_attends_alike_whatever_else_the_step_holds():
+    """Rows of 40, 150, 520 and 600 tokens, each decoded alone, in pairs and all four together on 2 threads: bit for
+    bit the same output. Rows of 512 tokens or more are split over the threads as alone (a lone sequence's tokens
+    need splitting to keep the threads busy), shorter ones never, so a greedy request's decode does not change as
+    other requests come and go."""
+    k_pool, v_pool = random_pools()
+    gen = torch.Generator().manual_seed(3)
+    tables = torch.stack([torch.randperm(40, generator=gen)[:38] for _ in range(4)])
+    lens, q = torch.tensor([40, 150, 520, 600]), torch.randn(4, 9, 64, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = [KERNEL.paged_decode_attention(q[[row]], k_pool, v_pool, tables[[row]], lens[[row]], 0.125)[0]
+                 for row in range(4)]
+        together = KERNEL.paged_decode_attention(q, k_pool, v_pool, tables, lens, 0.125)
+        pairs = [KERNEL.paged_decode_attention(q[list(rows)], k_pool, v_pool, tables[list(rows)], lens[list(rows)],
+                                               0.125) for rows in ((0, 2), (3, 1))]
+    finally:
+        torch.set_num_threads(threads)
+    for row in range(4):
+        assert torch.equal(together[row], alone[row]), row
+    assert all(torch.equal(pairs[0][i], alone[row]) for i, row in enumerate((0, 2)))
+    assert all(torch.equal(pairs[1][i], alone[row]) for i, row in enumerate((3, 1)))
 
 
 def tables_sharing_a_prefix(sequences: int, shared_blocks: int, own_lens: list[int], seed: int = 6):

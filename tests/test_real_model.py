@@ -124,31 +124,36 @@ def test_preemption_keeps_greedy_output(llm):
     assert [o.token_ids for o in outputs] == expected
 
 
-def greedy_beside(llm, joining: str | None) -> tuple[list[int], list[float]]:
-    """A greedy request's 48 tokens and their logprobs; `joining` (a prompt) is added after its fourth step, so that
+def greedy_beside(llm, prompt: list[int], joining: str | None) -> tuple[list[int], list[float]]:
+    """A greedy request's 32 tokens and their logprobs; `joining` (a prompt) is added after its fourth step, so that
     one step carries its decode beside that prompt and the steps after decode both."""
-    engine, params = llm.engine, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=0)
-    engine.add_request(llm.tokenizer.encode("Name three colors and say why you like them."), params, request_id="w")
+    engine, params = llm.engine, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
+    engine.add_request(prompt, params, request_id="watched")
     steps, finished = 0, {}
     while engine.has_unfinished_requests():
         finished.update((out.request_id, out) for out in engine.step() if out.finished)
         steps += 1
         if steps == 4 and joining is not None:
             engine.add_request(llm.tokenizer.encode(joining), params, request_id="joining")
-    return finished["w"].token_ids, [entry.logprob for entry in finished["w"].logprobs]
+    return finished["watched"].token_ids, [entry.logprob for entry in finished["watched"].logprobs]
 
 
-def test_a_greedy_request_is_the_same_whoever_joins_its_steps():
-    """The default weights (int4 blocks, activations rounded to 8 bits): a decode beside a joining prompt runs the
+@pytest.mark.parametrize("context", ["short", "600 tokens"])
+def test_a_greedy_request_is_the_same_whoever_joins_its_steps(context, emma_text):
+    """The default weights (int4 blocks, activations rounded to 8 bits). A decode beside a joining prompt runs the
     layers around the policy's attention, alone the compiled loop; both round alike (the loop's RoPE angles and final
-    norm), so tokens and logprobs are equal to the bit. Before they were (angles and norm from torch), the first two
-    joining prompts changed the watched request's tokens. Products of 4 rows or more run widened in float32 on a CPU
-    without AVX-512 VNNI, so the test keeps every product on the dot products."""
+    norm), and a row's attention is split over the threads by its own length alone, so tokens and logprobs are equal
+    to the bit. Before (angles and norm from torch; a long row split only when its sequence decoded alone), the
+    joining prompts changed the tokens of both requests.
+    Products of 4 rows or more run widened in float32 on a CPU without AVX-512 VNNI, so the test keeps every product
+    on the dot products."""
     llm = LLM(kv_cache_memory="512MiB", enable_prefix_caching=False)
+    text = "Name three colors and say why you like them." if context == "short" else emma_text[:4000]
+    prompt = llm.tokenizer.encode(text)[:600]
     with block_linear.kernel_paths(avx512=True, widened_rows=False):
-        alone = greedy_beside(llm, None)
-        for joining in ("What is the capital of France?", "Write a haiku about rain, please, in English.", "Hi"):
-            assert greedy_beside(llm, joining) == alone, joining
+        alone = greedy_beside(llm, prompt, None)
+        for joining in ("What is the capital of France?", "Write a haiku about rain, please, in English."):
+            assert greedy_beside(llm, prompt, joining) == alone, joining
 
 
 def test_shared_prefix_is_served_from_the_cache(emma_text):

@@ -257,6 +257,9 @@ inline void check_inputs(const at::Tensor& q, const at::Tensor& block_tables, co
 
 // Where an item's tokens are split (below), its parts hold at least this many
 constexpr int64_t kMinPartTokens = 64;
+// Rows of fewer tokens are attended whole: a batch of them would pay for writing and merging their parts' outputs,
+// and alone they are a small part of a step
+constexpr int64_t kSplitFromTokens = 512;
 
 // The sequences of a step of decodes: runs of rows with the same block table are one sequence's (speculative
 // decoding's rows for its last token and drafts), counted once, so that they are split as the sequence alone is.
@@ -499,11 +502,12 @@ void attend_shared_prefix(const at::Tensor& q, at::Tensor& out, const int64_t* t
 // side. A reader of whole-token records (whole_tokens) gets all of a token's KV heads in one item where there are
 // enough sequences to keep every thread busy: the heads then share the record's bookkeeping (its slot, scales,
 // outlier entries), which otherwise each head pays again. Else, and for float pools, each KV head is an item.
-// Where there are fewer than two items per thread (a decode of one sequence: one item per KV head, 3 for the default
-// model on 2 threads), each item's tokens are split into parts attended apart and merged by their peaks and totals,
-// so that every thread has work (the split-softmax of flash-decoding). How a row is split depends only on the
-// number of sequences in the step and its own length: a sequence's rows for its drafts are attended as it is alone,
-// in the same order of sums, so drafts do not change the numbers a decode gives. Where kCascadeMinSequences or more
+// A row of kSplitFromTokens tokens or more has each item's tokens split into parts attended apart and merged by
+// their peaks and totals (the split-softmax of flash-decoding), as many as a decode of that sequence alone needs for
+// every thread to have work (one item per KV head: 3 for the default model, on 2 threads). How a row is split
+// depends only on its own length and the number of threads, not on the other sequences in the step: a decode gives
+// the same numbers as requests come and go, and a sequence's rows for its drafts are attended as it is alone, in the
+// same order of sums, so drafts do not change the numbers a decode gives. Where kCascadeMinSequences or more
 // sequences share their first min_shared_tokens tokens or more in the same blocks (0: never looked for), those are
 // read once for all of them (attend_shared_prefix), and the other rows as above; the prefix's matrix products may sum
 // in an order that depends on how many rows share it, drafts included. A `window` (0: none) limits each row to its
@@ -562,11 +566,14 @@ at::Tensor run(at::Tensor q, at::Tensor block_tables, at::Tensor context_lens, i
   }
   int64_t longest = 0;
   for (int64_t s = 0; s < n; ++s) longest = std::max(longest, lens[s] - first_of(s));
-  const int64_t parts = sequences * items >= 2 * threads ? 1 : std::clamp<int64_t>(
-      (4 * threads + sequences * items - 1) / (sequences * items), 1, std::max<int64_t>(1, longest / kMinPartTokens));
+  // a row of kSplitFromTokens or more is split as a sequence decoded alone is (enough parts of its KV heads for four
+  // per thread), whatever else the step holds, so that its sums do not change with the other sequences in the step
+  const int64_t parts = longest < kSplitFromTokens ? 1 : std::clamp<int64_t>(
+      (4 * threads + kv_heads - 1) / kv_heads, 1, longest / kMinPartTokens);
   // a row's own parts: as many as its length allows, each of at least kMinPartTokens tokens
   auto parts_of = [&](int64_t s) {
-    return std::min(parts, std::max<int64_t>(1, (lens[s] - first_of(s)) / kMinPartTokens));
+    const int64_t tokens = lens[s] - first_of(s);
+    return tokens < kSplitFromTokens ? 1 : std::min(parts, tokens / kMinPartTokens);
   };
   if (parts == 1) {
     at::parallel_for(0, n * items, 1, [&](int64_t begin, int64_t end) {
