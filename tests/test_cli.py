@@ -112,6 +112,26 @@ def test_bad_input_prints_an_error_without_traceback(tmp_path):
     assert result.returncode == 2 and "temperature must be in" in result.stderr
 
 
+@pytest.mark.parametrize("command", [("kv", "save"), ("calibrate", "oaken"), ("calibrate", "infinigen"),
+                                     ("calibrate", "cachegen")])
+def test_commands_that_write_a_file_refuse_bad_counts_and_paths_before_loading_a_model(command, tmp_path, capsys):
+    """A negative count once sliced the text from its end (kv save kept all but the last tokens), and a path under a
+    file was found out after the work; the model named here does not exist, so each refusal comes first."""
+    text, under_a_file = tmp_path / "text.txt", tmp_path / "plain"
+    text.write_text("Emma Woodhouse, handsome, clever, and rich.")
+    under_a_file.write_text("")
+    base = [*command, "--text", str(text), "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]
+    count = "--max-context-tokens" if command[0] == "kv" else "--window-tokens"
+    for extra, said in [((count, "-3"), f"argument {count}: must be an integer >= 1, got '-3'"),
+                        (("--out", str(tmp_path)), f"argument --out: {tmp_path} is a directory"),
+                        (("--out", str(under_a_file / "sub" / "o")), f"{under_a_file} is a file, not a directory")]:
+        with pytest.raises(SystemExit):
+            main([*base, *extra])
+        assert said in capsys.readouterr().err
+    assert main(base) == 2  # the arguments pass: the missing model is what stops it
+    assert "model path" in capsys.readouterr().err
+
+
 def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_refused(tiny_llama):
     base = ("generate", "hi", "--model", str(tiny_llama), "--kv-cache-memory", "8MiB", "--max-tokens", "2")
     without_chat = run_cli(*base, "--chat-template-kwargs", '{"enable_thinking": false}')

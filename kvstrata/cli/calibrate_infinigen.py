@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from kvstrata.cli.arg_types import output_file, positive_int
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.engine.kv_offload_setup import DEFAULT_WINDOW_TOKENS, DEFAULT_WINDOWS
 from kvstrata.errors import KvstrataError
@@ -20,10 +21,10 @@ def add_infinigen_calibrate_command(calibrate_commands) -> None:
                     "|Q~| + |K~| (the partial keys take the top ones).",
     )
     infinigen.add_argument("--text", type=Path, required=True, help="UTF-8 calibration text")
-    infinigen.add_argument("--out", type=Path, required=True, help="the skew file (.npz) to write")
-    infinigen.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
+    infinigen.add_argument("--out", type=output_file, required=True, help="the skew file (.npz) to write")
+    infinigen.add_argument("--windows", type=positive_int, default=DEFAULT_WINDOWS,
                            help=f"windows of text (default: {DEFAULT_WINDOWS})")
-    infinigen.add_argument("--window-tokens", type=int, default=DEFAULT_WINDOW_TOKENS,
+    infinigen.add_argument("--window-tokens", type=positive_int, default=DEFAULT_WINDOW_TOKENS,
                            help=f"tokens per window (default: {DEFAULT_WINDOW_TOKENS})")
     add_engine_arguments(infinigen)
 

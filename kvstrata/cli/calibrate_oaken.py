@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvstrata.cli.arg_types import output_file, positive_int
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
 from kvstrata.errors import KvstrataError
 from kvstrata.kv.formats.oaken.groups import parse_ratios
@@ -25,10 +26,10 @@ def add_oaken_calibrate_command(calibrate_commands) -> None:
                     "and after RoPE, as they are and minus the mean key) and V that separate Oaken's groups.",
     )
     oaken.add_argument("--text", type=Path, required=True, help="UTF-8 calibration text")
-    oaken.add_argument("--out", type=Path, required=True, help="the thresholds file (JSON) to write")
-    oaken.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
+    oaken.add_argument("--out", type=output_file, required=True, help="the thresholds file (JSON) to write")
+    oaken.add_argument("--windows", type=positive_int, default=DEFAULT_WINDOWS,
                        help=f"windows of text (default: {DEFAULT_WINDOWS})")
-    oaken.add_argument("--window-tokens", type=int, default=DEFAULT_WINDOW_TOKENS,
+    oaken.add_argument("--window-tokens", type=positive_int, default=DEFAULT_WINDOW_TOKENS,
                        help=f"tokens per window (default: {DEFAULT_WINDOW_TOKENS})")
     oaken.add_argument("--ratios", default=",".join(f"{r:.2f}" for r in DEFAULT_RATIOS),
                        help="comma-separated group fractions, outermost first, 2 to 5 of them summing to 1 "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kvstrata.cachegen.context import DEFAULT_CHUNK_TOKENS
 from kvstrata.cachegen.levels import ALL_LEVELS, CACHEGEN_LEVELS
+from kvstrata.cli.arg_types import output_file, positive_int
 from kvstrata.cli.calibrate_infinigen import add_infinigen_calibrate_command, run_infinigen_calibrate
 from kvstrata.cli.calibrate_oaken import add_oaken_calibrate_command, run_oaken_calibrate
 from kvstrata.cli.engine_args import add_engine_arguments, engine_config_from_args
@@ -26,12 +27,12 @@ def add_kv_commands(commands) -> None:
                     "Resume from it with `kvstrata generate PROMPT --context PATH`.",
     )
     save.add_argument("--text", type=Path, required=True, help="UTF-8 context text")
-    save.add_argument("--out", type=Path, required=True, help="the KV file to write")
+    save.add_argument("--out", type=output_file, required=True, help="the KV file to write")
     save.add_argument("--levels", default=",".join(CACHEGEN_LEVELS),
                       help=f"comma-separated levels among {', '.join(ALL_LEVELS)} (default: the CacheGen levels)")
-    save.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+    save.add_argument("--chunk-tokens", type=positive_int, default=DEFAULT_CHUNK_TOKENS,
                       help=f"tokens per independently decodable chunk (default: {DEFAULT_CHUNK_TOKENS})")
-    save.add_argument("--max-context-tokens", type=int, default=None, help="keep only the text's first N tokens")
+    save.add_argument("--max-context-tokens", type=positive_int, default=None, help="keep only the text's first N tokens")
     save.add_argument("--profile", type=Path, default=None, help="offline profile for profiled levels")
     add_engine_arguments(save)
 
@@ -53,10 +54,10 @@ def add_calibrate_commands(commands) -> None:
                     "the profile is keyed by the checkpoint, so it serves every weight form.",
     )
     cachegen.add_argument("--text", type=Path, required=True, help="UTF-8 calibration text")
-    cachegen.add_argument("--out", type=Path, required=True, help="the profile file to write")
-    cachegen.add_argument("--windows", type=int, default=100, help="windows of text (default: 100)")
-    cachegen.add_argument("--window-tokens", type=int, default=512, help="tokens per window (default: 512)")
-    cachegen.add_argument("--sensitivity-windows", type=int, default=16,
+    cachegen.add_argument("--out", type=output_file, required=True, help="the profile file to write")
+    cachegen.add_argument("--windows", type=positive_int, default=100, help="windows of text (default: 100)")
+    cachegen.add_argument("--window-tokens", type=positive_int, default=512, help="tokens per window (default: 512)")
+    cachegen.add_argument("--sensitivity-windows", type=positive_int, default=16,
                           help="windows of 1,024 context and 256 scored tokens for the sensitivity (default: 16)")
     add_engine_arguments(cachegen)
     add_oaken_calibrate_command(calibrate)
@@ -74,6 +75,7 @@ def run_kv(args: argparse.Namespace) -> None:
 
     llm = LLM(**vars(engine_config_from_args(args)))
     token_ids = llm.engine.tokenize(read_text(args.text))[: args.max_context_tokens]
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # as the calibrate commands make their file's directories
     profile = CodecProfile.load(args.profile, llm.engine.model_fingerprint) if args.profile else None
     levels = [level.strip() for level in args.levels.split(",") if level.strip()]
     report = llm.save_context(token_ids, args.out, levels, args.chunk_tokens, profile)
