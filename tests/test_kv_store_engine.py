@@ -98,10 +98,13 @@ def test_engines_sharing_one_redis_share_chunks(tiny_llama, reference, redis_ser
     assert tier_hits(other)["redis"] == len(PROMPTS) * (199 // CHUNK) * CHUNK
 
 
-def test_a_dead_redis_loses_nothing(tiny_llama, reference, redis_server):
+def test_a_dead_redis_loses_nothing(tiny_llama, reference, redis_server, caplog):
     url = redis_server.url
     redis_server.stop()
-    engine = make_engine(tiny_llama, kv_store=url, kv_store_timeout_ms=200)
+    with caplog.at_level("WARNING", logger="kvstrata.kv.store"):
+        engine = make_engine(tiny_llama, kv_store=url, kv_store_timeout_ms=200)
+    # said when the engine starts (a mistyped address too), before any prompt is long enough to look a chunk up
+    assert f"redis tier {url}: PING failed" in caplog.text and "asked again every 2 s" in caplog.text
     assert run_rounds(engine) == reference
     assert engine.kv_store.stats.loaded_tokens == 0 and engine.kv_store.store.tiers[0].stats.errors > 0
 

@@ -102,8 +102,15 @@ def make_store(spec: str, forms: str, compute_dtype: torch.dtype, namespace: str
     heat = ChunkHeat()
     tiers = parse_tiers(spec, timeout, make_policy(eviction, heat))
     for tier in tiers:
-        if link_trace is not None and tier.name == "redis":
+        if tier.name != "redis":
+            continue
+        if link_trace is not None:
             tier.link = EmulatedLink(parse_trace(link_trace))
+        try:  # a server that is down, or a mistyped address, is said at the start, not only at a first long prompt
+            tier.ping()
+        except StoreUnavailable as exc:
+            log.warning("%s (the tier is skipped while it stays unreachable, and asked again every %g s)",
+                        exc, tier.retry_seconds)
     tier_forms = [stored_form(name, compute_dtype, profile)
                   for name in parse_tier_forms(forms, [t.name for t in tiers])]
     probes = probe_kv_heads(model_config.num_heads, model_config.num_kv_heads) if probe_keys else 0

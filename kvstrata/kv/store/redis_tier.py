@@ -47,6 +47,10 @@ class RedisTier(Tier):
                 self._down_until = time.monotonic() + self.retry_seconds
             raise StoreUnavailable(f"redis tier {self.url}: {what} failed: {type(exc).__name__}: {exc}") from None
 
+    def ping(self) -> None:
+        """Raises StoreUnavailable where the server does not answer."""
+        self._call("PING", lambda r: r.ping())
+
     def begin_load(self) -> None:
         if self.link is not None:
             self.link.restart()
