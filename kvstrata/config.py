@@ -39,7 +39,8 @@ VLLM_KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m
 PREFIX_LOADINGS = ("full", *PREFIX_LOADING)
 NO_COMPILE_BESIDE_LOADS = ("no compile (the load thread runs the model beside the engine thread, and compiled layers "
                            "are not run from two threads)")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
 
 
 def parse_memory_size(text: str | int) -> int:
@@ -49,7 +50,9 @@ def parse_memory_size(text: str | int) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise KvstrataError(f"memory size {text!r} is not understood; use e.g. 2GiB, 512MiB, 1.5GB or bytes")
+        raise KvstrataError(f"memory size {text!r} is not understood; give a number of bytes, or a number and one of "
+                            f"the units KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), "
+                            f"e.g. 2GiB or 1.5GB")
     return int(float(match.group(1)) * _UNITS[unit])
 
 

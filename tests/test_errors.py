@@ -50,6 +50,9 @@ def test_memory_sizes():
     assert parse_memory_size("512 MiB") == 512 * 2**20
     assert parse_memory_size("1.5GB") == 1_500_000_000
     assert parse_memory_size(4096) == 4096
+    assert parse_memory_size("1TiB") == 2**40 and parse_memory_size("2TB") == 2 * 10**12
+    with pytest.raises(KvstrataError, match="'512M' is not understood; .* KiB, MiB, GiB, TiB"):
+        parse_memory_size("512M")  # the unit would be a guess: megabytes or mebibytes
 
 
 def test_missing_or_wrong_model_path(tmp_path):
