@@ -325,6 +325,13 @@ def test_kv_host_memory_needs_infinigen():
         EngineConfig(kv_host_memory="1GiB", kv_offload="full")
 
 
+def test_a_host_memory_below_one_token_says_what_one_token_takes(tiny_llama, skew_files):
+    with pytest.raises(KvstrataError, match="kv_host_memory of 700 bytes holds no token; a token's K and V take "
+                                            "768 bytes in this format"):
+        engine_for(tiny_llama, kv_offload="infinigen", infinigen_calibration=str(skew_files["llama"]),
+                   kv_host_memory=700)
+
+
 def test_the_top_k_is_wide_enough_where_float32_rounds_the_cap_up():
     """The cap is floor(max_fraction x cached tokens) in float32: 0.29 x 100 gives 29 there, 28 in double. The top-k,
     sized on the host without reading the counts back, must still hold every sequence's count."""

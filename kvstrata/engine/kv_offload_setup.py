@@ -45,6 +45,9 @@ def attention_policy(engine, layout: StorageLayout, num_slots: int) -> Attention
         return H2OAttention(engine.kv_cache, c.h2o_budget, num_slots, stats)
     cap = None
     if c.kv_host_memory is not None:
+        if c.kv_host_memory < layout.bytes_per_token:
+            raise KvstrataError(f"kv_host_memory of {c.kv_host_memory} bytes holds no token; a token's K and V take "
+                                f"{layout.bytes_per_token:g} bytes in this format, so give at least that")
         cap = HostPoolCap(int(c.kv_host_memory // layout.bytes_per_token), c.kv_host_eviction, mc.num_layers,
                           num_slots, c.block_size, engine.kv_cache.device)
     return InfiniGenAttention(engine.kv_cache, engine.device, row_bytes, stats, infinigen_skew_for(engine),
