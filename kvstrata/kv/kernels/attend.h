@@ -262,7 +262,7 @@ constexpr int64_t kMinPartTokens = 64;
 constexpr int64_t kSplitFromTokens = 512;
 
 // The sequences of a step of decodes: runs of rows with the same block table are one sequence's (speculative
-// decoding's rows for its last token and drafts), counted once, so that they are split as the sequence alone is.
+// decoding's rows for its last token and drafts), counted once.
 inline int64_t count_sequences(const int64_t* tables, int64_t n, int64_t width) {
   int64_t sequences = n > 0;
   for (int64_t s = 1; s < n; ++s) {
