@@ -5,6 +5,7 @@ import torch
 
 from kvstrata.config import EngineConfig
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.sampling_params import SamplingParams
 from kvstrata.kv.attention_policy import FullAttention
 from kvstrata.kv.fused_decode import FusedDecode
 from kvstrata.kv.kernels import paged_decode
@@ -116,6 +117,34 @@ def test_a_step_around_the_policys_attention_gives_the_loops_numbers(tiny_gguf_s
     greedy_mixed_batches(layered)
     assert len(hidden) == len(through_the_loop) > 10
     assert all(torch.equal(theirs, ours) for theirs, ours in zip(through_the_loop, hidden, strict=True))
+
+
+@needs_kernels
+def test_decodes_beside_a_long_prompt_chunk_run_apart_on_the_compiled_halves(tiny_gguf_style, monkeypatch):
+    """A step of a long prompt chunk (dense GEMMs, activations in bfloat16) and decodes runs the decodes' rows on the
+    compiled halves apart: each decode's final hidden state is the one it gets decoding alone, to the bit."""
+    hidden, apart = [], []
+    original, split = LlamaForCausalLM.compute_logits, LlamaForCausalLM._forward_decodes_apart
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits", lambda model, h: hidden.append(h[:1]) or original(model, h))
+    monkeypatch.setattr(LlamaForCausalLM, "_forward_decodes_apart",
+                        lambda model, x, *args: apart.append(len(x)) or split(model, x, *args))
+
+    def watched_rows(joining: list[int] | None) -> list[torch.Tensor]:
+        engine = LLMEngine(EngineConfig(model=str(tiny_gguf_style), kv_cache_memory="2MiB", chunk_size=256))
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        engine.add_request(list(range(5, 40)), params)
+        for step in range(12):
+            engine.step()
+            if step == 3 and joining is not None:
+                engine.add_request(joining, params)
+        rows = hidden[:12]
+        hidden.clear()
+        return rows
+
+    alone = watched_rows(None)
+    beside = watched_rows([5 + i % 50 for i in range(200)])
+    assert apart and min(apart) >= block_linear.DENSE_FROM_ROWS  # the watched decode beside the prompt's chunks
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(alone, beside, strict=True))
 
 
 @needs_kernels

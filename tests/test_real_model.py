@@ -142,8 +142,9 @@ def greedy_beside(llm, prompt: list[int], joining: str | None) -> tuple[list[int
 def test_a_greedy_request_is_the_same_whoever_joins_its_steps(context, emma_text):
     """The default weights (int4 blocks, activations rounded to 8 bits). A decode beside a joining prompt runs the
     layers around the policy's attention, alone the compiled loop; both round alike (the loop's RoPE angles and final
-    norm), and a row's attention is split over the threads by its own length alone, so tokens and logprobs are equal
-    to the bit. Before (angles and norm from torch; a long row split only when its sequence decoded alone), the
+    norm; beside a long prompt chunk the decodes' rows run apart on the compiled halves, not in the chunk's bfloat16
+    GEMMs), and a row's attention is split over the threads by its own length alone, so tokens and logprobs are
+    equal to the bit. Before (angles and norm from torch; a long row split only when its sequence decoded alone), the
     joining prompts changed the tokens of both requests.
     Products of 4 rows or more run widened in float32 on a CPU without AVX-512 VNNI, so the test keeps every product
     on the dot products."""
@@ -152,8 +153,9 @@ def test_a_greedy_request_is_the_same_whoever_joins_its_steps(context, emma_text
     prompt = llm.tokenizer.encode(text)[:600]
     with block_linear.kernel_paths(avx512=True, widened_rows=False):
         alone = greedy_beside(llm, prompt, None)
-        for joining in ("What is the capital of France?", "Write a haiku about rain, please, in English."):
-            assert greedy_beside(llm, prompt, joining) == alone, joining
+        long_prompt = emma_text[20000:21500]  # about 350 tokens: chunks of 128 rows or more beside the decode
+        for joining in ("What is the capital of France?", "Write a haiku about rain, please, in English.", long_prompt):
+            assert greedy_beside(llm, prompt, joining) == alone, joining[:40]
 
 
 def test_shared_prefix_is_served_from_the_cache(emma_text):

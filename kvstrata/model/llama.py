@@ -133,6 +133,9 @@ class LlamaForCausalLM(nn.Module):
         native = self._native_for(x)
         if fused is not None and native is not None:
             return native(x, positions, fused)  # RoPE and the final norm included
+        decodes = self._decodes_apart(x, batch, native)
+        if decodes:
+            return self._forward_decodes_apart(x, positions, kv, batch, decodes)
         cos, sin = self._cos_sin(positions, x, native)
         if fused is not None:
             x = self.decode_all_layers(self, x, cos, sin, fused)
@@ -141,6 +144,37 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 x = layer(x, cos, sin, kv, batch, dense_parts)
         return native.final_norm(x) if native is not None else self.norm(x)  # as the loop ends, where it could run
+
+    def _decodes_apart(self, x: torch.Tensor, batch: AttentionBatch, native: NativeDecode | None) -> int:
+        """How many of the step's first rows, its decodes, run on the compiled halves apart from its other rows: where
+        the step is too large for the halves (a long prompt chunk beside decodes) and its decodes alone are not, so
+        that a decode rounds as it does in a step of decodes alone (its products' activations to 8 bits, where the
+        whole step's dense GEMM would take them in bfloat16). 0: the step runs as one."""
+        first = batch.groups[0]
+        if native is not None or first.chunk_start is not None or first.rows.stop >= len(x):
+            return 0
+        return first.rows.stop if self._native_for(x[: first.rows.stop]) is not None else 0
+
+    def _forward_decodes_apart(self, x, positions, kv: AttentionPolicy, batch: AttentionBatch, decodes: int):
+        """forward for a step whose first `decodes` rows run on the compiled halves, the others on the layers' own;
+        attention and the policy's hooks see every row at once."""
+        native = self.native_decode
+        angles = zip(native.cos_sin(positions[:decodes]), self.rotary.cos_sin(positions[decodes:], x.dtype))
+        cos, sin = (torch.cat(pair) for pair in angles)
+        (native_before, native_after), split = native.dense_parts, slice(decodes, None)
+
+        def before(layer, x, cos, sin):
+            head = native_before(layer, x[:decodes], cos[:decodes], sin[:decodes])
+            rest = layer.dense_parts[0](layer, x[split], cos[split], sin[split])
+            return tuple(torch.cat(pair) for pair in zip(head, rest))
+
+        def after(layer, x, attended):
+            return torch.cat((native_after(layer, x[:decodes], attended[:decodes]),
+                              layer.dense_parts[1](layer, x[split], attended[split])))
+
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv, batch, (before, after))
+        return torch.cat((native.final_norm(x[:decodes]), self.norm(x[split])))
 
     def _cos_sin(self, positions: torch.Tensor, x: torch.Tensor, native: NativeDecode | None):
         """RoPE's cos and sin for rows x: the compiled loop's angles where its halves take the rows (torch's may round
