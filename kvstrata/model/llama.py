@@ -145,13 +145,15 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, cos, sin, kv, batch, dense_parts)
         return native.final_norm(x) if native is not None else self.norm(x)  # as the loop ends, where it could run
 
-    def _decodes_apart(self, x: torch.Tensor, batch: AttentionBatch, native: NativeDecode | None) -> int:
+    def _decodes_apart(self, x: torch.Tensor, batch: AttentionBatch | None, native: NativeDecode | None) -> int:
         """How many of the step's first rows, its decodes, run on the compiled halves apart from its other rows: where
         the step is too large for the halves (a long prompt chunk beside decodes) and its decodes alone are not, so
         that a decode rounds as it does in a step of decodes alone (its products' activations to 8 bits, where the
         whole step's dense GEMM would take them in bfloat16). 0: the step runs as one."""
+        if native is not None or batch is None:  # None: a policy that attends a context of its own (no step)
+            return 0
         first = batch.groups[0]
-        if native is not None or first.chunk_start is not None or first.rows.stop >= len(x):
+        if first.chunk_start is not None or first.rows.stop >= len(x):
             return 0
         return first.rows.stop if self._native_for(x[: first.rows.stop]) is not None else 0
 
