@@ -41,7 +41,7 @@ def run_cascade_bench(args: argparse.Namespace) -> None:
     for flag, least in (("question_tokens", 1), ("max_tokens", 2), ("rounds", 1)):
         if getattr(args, flag) < least:
             raise KvstrataError(f"--{flag.replace('_', '-')} must be at least {least}, got {getattr(args, flag)}")
-    base = engine_config_from_args(args)
+    base = engine_config_from_args(args, varied=("kv_format",))
     if base.cascade_min_tokens == 0:
         raise KvstrataError("--cascade-min-tokens 0 turns cascade attention off; the benchmark compares it with that")
     formats = [name.strip() for name in args.kv_formats.split(",") if name.strip()]

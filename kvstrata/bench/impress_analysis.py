@@ -181,7 +181,7 @@ def run_impress_analysis(args) -> None:
     from kvstrata.cli.engine_args import engine_config_from_args
     from kvstrata.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), kv_offload="none"))
+    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args, varied=("kv_offload",)), kv_offload="none"))
     text_ids = engine.tokenize(read_text(args.text))[args.skip_tokens :]
     ratios = tuple(float(r) for r in args.ratios.split(","))
     result = analyze(engine, text_ids, args.prefix, args.questions, args.quote_tokens, ratios)

@@ -167,7 +167,7 @@ def run_infinigen_analysis(args) -> None:
     from kvstrata.engine.kv_offload_setup import infinigen_skew_for
     from kvstrata.engine.llm_engine import LLMEngine
 
-    config = dataclasses.replace(engine_config_from_args(args), kv_offload="none")
+    config = dataclasses.replace(engine_config_from_args(args, varied=("kv_offload",)), kv_offload="none")
     engine = LLMEngine(config)
     token_ids = engine.tokenize(read_text(args.text))[args.skip_tokens : args.skip_tokens + args.context]
     settings = config.infinigen_settings()

@@ -37,7 +37,7 @@ ADAPTER_STD = 0.02  # of the random A and B: an update of a few percent of the p
 def run_lora_bench(args: argparse.Namespace) -> None:
     if min(args.adapters, args.rank, args.requests, args.prompt_tokens, args.max_tokens) < 1:
         raise KvstrataError("--adapters, --rank, --requests, --prompt-tokens and --max-tokens must be at least 1")
-    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), enable_lora=True))
+    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args, varied=("enable_lora",)), enable_lora=True))
     with tempfile.TemporaryDirectory(prefix="kvstrata-lora-") as root:
         directories = [write_random_adapter(Path(root) / f"adapter{i}", engine.loaded.config, rank=args.rank,
                                             alpha=2 * args.rank, seed=i, std=ADAPTER_STD)

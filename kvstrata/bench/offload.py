@@ -144,7 +144,7 @@ def run_offload(args) -> None:
     from kvstrata.bench.workload import read_text
     from kvstrata.cli.engine_args import engine_config_from_args
 
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, varied=("kv_offload",))
     reference = LLMEngine(dataclasses.replace(config, kv_offload="none"))
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]

@@ -163,7 +163,7 @@ def run_decode(args: argparse.Namespace) -> None:
 
 
 def run_throughput(args: argparse.Namespace) -> None:
-    base = engine_config_from_args(args)
+    base = engine_config_from_args(args, varied=("scheduler",))
     schedulers = [s for s in args.schedulers.split(",") if s]
     for scheduler in schedulers:
         if scheduler not in SCHEDULERS:
@@ -210,7 +210,7 @@ def run_throughput(args: argparse.Namespace) -> None:
 
 
 def run_sarathi(args: argparse.Namespace) -> None:
-    base = engine_config_from_args(args)
+    base = engine_config_from_args(args, varied=("scheduler",))
     parts = [p for p in args.only.split(",") if p]
     known = ("per_token_cost", "piggyback", "pd_sweep", "chunk_overhead")
     if unknown := [p for p in parts if p not in known]:

@@ -42,7 +42,7 @@ def run_speculative_bench(args: argparse.Namespace) -> None:
     if unknown or min(args.prompts, args.max_tokens, args.batch, args.rounds) < 1:
         raise KvstrataError(f"--tasks takes {', '.join(TASKS)} (got {args.tasks!r}); --prompts, --max-tokens, "
                             f"--batch and --rounds must be at least 1")
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, varied=("num_speculative_tokens",))
     plain = LLMEngine(dataclasses.replace(config, num_speculative_tokens=0))
     engines = {0: plain} | {k: LLMEngine(dataclasses.replace(config, num_speculative_tokens=k), plain.loaded)
                             for k in counts}

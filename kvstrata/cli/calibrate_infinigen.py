@@ -34,7 +34,7 @@ def run_infinigen_calibrate(args: argparse.Namespace) -> None:
     from kvstrata.engine.kv_offload_setup import calibrate_skew
     from kvstrata.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), kv_offload="none"))
+    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args, varied=("kv_offload",)), kv_offload="none"))
     if engine.tokenizer is None:
         raise KvstrataError("calibration needs a model with a tokenizer")
     skew = calibrate_skew(engine, engine.tokenize(read_text(args.text)), args.windows, args.window_tokens,

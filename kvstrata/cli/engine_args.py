@@ -7,6 +7,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from kvstrata.config import EngineConfig
+from kvstrata.option_dependencies import refuse_options_without_effect
 
 
 def _flag_type(annotation: str):
@@ -38,5 +39,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})
+def engine_config_from_args(args: argparse.Namespace, varied: tuple[str, ...] = ()) -> EngineConfig:
+    """The engine configuration the flags give; an option that would act nowhere is refused (`varied`: options the
+    command sets itself in the engines it builds)."""
+    config = EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})
+    refuse_options_without_effect(config, varied)
+    return config

@@ -63,8 +63,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
+    from kvstrata.eval.compare import compared_options
     from kvstrata.eval.run import run_agreement, run_needle, run_perplexity
 
-    {"ppl": run_perplexity, "agreement": run_agreement, "needle": run_needle}[args.eval](
-        args, engine_config_from_args(args)
-    )
+    config = engine_config_from_args(args, varied=compared_options(args.compare))
+    {"ppl": run_perplexity, "agreement": run_agreement, "needle": run_needle}[args.eval](args, config)

@@ -72,7 +72,7 @@ def _reorder(args: argparse.Namespace) -> None:
     from kvstrata.errors import KvstrataError
     from kvstrata.kv.impress.node_reordering import importance_key, reorder_all
 
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args, varied=("prefix_loading",))
     if config.kv_store is None:
         raise KvstrataError(f"kvstrata kv store reorder needs the store: --kv-store, e.g. {EXAMPLE}")
     # the store as an IMPRESS engine opens it (its probe keys), without the periodic pass of its own

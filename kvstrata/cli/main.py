@@ -165,6 +165,13 @@ def run_generate(args: argparse.Namespace) -> None:
 
     if args.chat_template_kwargs is not None and not args.chat:
         raise KvstrataError("--chat-template-kwargs are the chat template's: give them with --chat")
+    if args.context_level is not None and args.context is None:
+        raise KvstrataError(f"--context-level {args.context_level} picks a level of a saved context: give it with "
+                            f"--context")
+    beam_shaping = [flag for flag, given in (("--length-penalty", args.length_penalty != 1.0),
+                                             ("--early-stopping", args.early_stopping != "false")) if given]
+    if beam_shaping and args.beam_width is None:
+        raise KvstrataError(f"{' and '.join(beam_shaping)} shape beam search: give them with --beam-width")
     params = _sampling_params(args)
     llm = LLM(**vars(engine_config_from_args(args)))
     message = [{"role": "user", "content": args.prompt}]

@@ -19,6 +19,7 @@ from kvstrata.kv.formats.oaken.thresholds import (
     same_ratios,
     stored_thresholds,
 )
+from kvstrata.option_dependencies import FORMAT_OPTIONS
 
 
 def engine_storage_layout(engine, model_dtype: torch.dtype, kv_format: str | None = None) -> StorageLayout:
@@ -41,15 +42,8 @@ def stored_form(config, model_dtype: torch.dtype) -> str:
     computed in: block hashes are namespaced by it (and by the model's fingerprint), so KV of one form never
     stands in for another's."""
     name = kv_format_name(config, model_dtype)
-    options_of = {
-        "int4": (config.int4_group_size,),
-        "kivi4": (config.kivi_residual,),  # which blocks hold quantized and which float16 K/V
-        "kivi2": (config.kivi_residual,),
-        "oaken": (config.oaken_calibration, config.oaken_ratios, config.oaken_keys, config.oaken_key_centering,
-                  config.oaken_group_shift, config.oaken_outliers, config.oaken_scales),
-    }
     # each side's options where K and V are in two formats (KEYS/VALUES)
-    options = tuple(option for side in name.split("/") for option in options_of.get(side, ()))
+    options = tuple(getattr(config, option) for side in name.split("/") for option in FORMAT_OPTIONS.get(side, ()))
     computed = FLOAT_FORMAT_OF_DTYPE[model_dtype]
     return f"{name}{options}@{computed}" if options else f"{name}@{computed}"
 

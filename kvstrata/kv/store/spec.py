@@ -32,12 +32,25 @@ def parse_tiers(spec: str, timeout: float = 1.0, host_policy: EvictionPolicy | N
     return tiers
 
 
-def _tier(part: str, timeout: float, host_policy: EvictionPolicy | None) -> Tier:
+def tier_kinds(spec: str) -> list[str | None]:
+    """The kind of tier (host, disk, redis; None where not understood) each part of a specification names, without
+    opening any."""
+    return [tier_kind(part.strip()) for part in str(spec).split(",")]
+
+
+def tier_kind(part: str) -> str | None:
     if part.startswith(("redis://", "rediss://", "unix://")):
+        return "redis"
+    return next((kind for kind in ("host", "disk") if part.startswith(f"{kind}:")), None)
+
+
+def _tier(part: str, timeout: float, host_policy: EvictionPolicy | None) -> Tier:
+    kind = tier_kind(part)
+    if kind == "redis":
         return RedisTier(part, timeout=timeout)
-    if part.startswith("host:"):
+    if kind == "host":
         return HostTier(_size(part, part[len("host:"):]), host_policy)
-    if part.startswith("disk:"):
+    if kind == "disk":
         directory, size = disk_part(part)
         if not directory:
             raise KvstrataError(f"kv_store part {part!r} needs a directory and a size, e.g. disk:/var/cache/kvstrata:20GiB")
