@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import subprocess
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+BUILD_NOTICE_AFTER_S = 3.0  # loading a build already made takes well under a second
 STALE_LOCK_S = 600  # a build takes about two minutes on 2 cores; a lock this old was left by a build that was killed
 # -fopenmp: at::parallel_for spreads work over torch's threads; AVX2, FMA and F16C: every x86-64 server CPU of the
 # last decade has them.
@@ -66,10 +69,34 @@ def load_extension(name: str):
 
         clear_stale_lock(Path(_get_build_directory(name, False)))
         flags = [*FLAGS, header_flag(paths)]
-        return load(name=name, sources=[str(path) for path in paths], extra_cflags=flags, verbose=False)
+        with _building_notice(what):
+            return load(name=name, sources=[str(path) for path in paths], extra_cflags=flags, verbose=False)
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as exc:  # no compiler, no headers
         warnings.warn(f"the compiled {what} could not be built ({exc}); using the torch path", stacklevel=3)
         return None
+
+
+@contextlib.contextmanager
+def _building_notice(what: str):
+    """A load that outlasts BUILD_NOTICE_AFTER_S is compiling (or waiting on another process that is): say so on
+    stderr, and when it ends, so that a first run's minutes of silence do not look like a hang."""
+    started, told = time.perf_counter(), threading.Event()
+
+    def tell() -> None:
+        told.set()
+        print(f"kvstrata: compiling the {what} (on first use after an install or upgrade; can take minutes)...",
+              file=sys.stderr, flush=True)
+
+    notice = threading.Timer(BUILD_NOTICE_AFTER_S, tell)
+    notice.daemon = True
+    notice.start()
+    try:
+        yield
+    finally:
+        notice.cancel()
+        if told.is_set():
+            print(f"kvstrata: compiled the {what} in {time.perf_counter() - started:.0f} s", file=sys.stderr,
+                  flush=True)
 
 
 @contextlib.contextmanager

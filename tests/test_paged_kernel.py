@@ -316,6 +316,23 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_recent_one_kept(tmp_path
     compiled_extension.clear_stale_lock(tmp_path)  # nothing there: nothing to do
 
 
+def test_a_load_that_compiles_says_so_and_one_found_built_is_silent(monkeypatch, capsys):
+    """A first run compiles for minutes: without a word it looked like a hang."""
+    monkeypatch.setattr(compiled_extension, "BUILD_NOTICE_AFTER_S", 0.0)  # every load "outlasts" it
+    said = ""
+    with compiled_extension._building_notice("weight kernels"):
+        deadline = time.monotonic() + 60
+        while "compiling" not in said and time.monotonic() < deadline:
+            time.sleep(0.01)
+            said += capsys.readouterr().err
+    said += capsys.readouterr().err
+    assert "kvstrata: compiling the weight kernels" in said and "kvstrata: compiled the weight kernels in" in said
+    monkeypatch.setattr(compiled_extension, "BUILD_NOTICE_AFTER_S", 60.0)
+    with compiled_extension._building_notice("weight kernels"):
+        pass
+    assert capsys.readouterr().err == ""
+
+
 def test_a_changed_header_beside_a_source_changes_the_build_flags(tmp_path):
     """torch rebuilds on changed sources or flags only; a kernel whose header changed must not load stale."""
     source, header = tmp_path / "kernel.cpp", tmp_path / "rows.h"
