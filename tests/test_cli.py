@@ -178,3 +178,13 @@ def test_generate_with_speculative_decoding_prints_what_plain_decoding_prints(ti
     assert main([*tiny, "--num-speculative-tokens", "3", "--kv-format", "kivi4"]) == 2
     assert ("num_speculative_tokens 3 needs a kv_format of fp32, fp16, bf16, int8, int4, fp8, fp8_e5m2, oaken (or two "
             "of them, KEYS/VALUES), not 'kivi4'") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [("kv", "save"), ("calibrate", "oaken"), ("calibrate", "cachegen")])
+def test_an_empty_text_file_is_refused_naming_it(command, tiny_llama, tmp_path, capsys):
+    """It was refused for holding fewer than N windows of M tokens, or 'a context must have 1 to 8192 tokens'."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n")
+    flags = ["--text", str(empty), "--model", str(tiny_llama), "--kv-cache-memory", "8MiB", "--out", str(tmp_path / "o")]
+    assert main([*command, *flags]) == 2
+    assert f"text file {empty} holds no text" in capsys.readouterr().err

@@ -16,10 +16,14 @@ from kvstrata.errors import KvstrataError
 
 
 def read_text(path: Path) -> str:
+    """A text file's text, UTF-8; an empty one is refused (every command reads a text to run the model on it)."""
     try:
-        return Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise KvstrataError(f"cannot read text file {path}: {exc}") from exc
+    if not text.strip():
+        raise KvstrataError(f"text file {path} holds no text; give a file with the text to run the model on")
+    return text
 
 
 def prompts_from_text(tokenizer, count: int, length: int, text_file: Path = EMMA) -> list[list[int]]:

@@ -79,7 +79,8 @@ def run_kv(args: argparse.Namespace) -> None:
     profile = CodecProfile.load(args.profile, llm.engine.model_fingerprint) if args.profile else None
     levels = [level.strip() for level in args.levels.split(",") if level.strip()]
     report = llm.save_context(token_ids, args.out, levels, args.chunk_tokens, profile)
-    print(f"saved {report.num_tokens} tokens at {len(levels)} levels to {report.path}: {report.bytes} bytes "
+    plural = "s" if len(levels) != 1 else ""
+    print(f"saved {report.num_tokens} tokens at {len(levels)} level{plural} to {report.path}: {report.bytes} bytes "
           f"(prefill {report.prefill_seconds:.2f} s, encode {report.encode_seconds:.2f} s)")
 
 
