@@ -158,6 +158,17 @@ def test_a_greedy_request_is_the_same_whoever_joins_its_steps(context, emma_text
             assert greedy_beside(llm, prompt, joining) == alone, joining[:40]
 
 
+@pytest.mark.parametrize("kv_format", ["int8/int4", "fp8", "kivi4", "oaken"])
+def test_a_greedy_request_keeps_its_numbers_in_a_quantized_kv_format(kv_format, emma_text):
+    """As above, in the formats whose readers decode K and V from codes (int8 keys and int4 values; float8; KIVI's
+    per-channel keys and full-precision window; Oaken's groups and sparse outliers): a 600-token request, alone and
+    beside a 350-token prompt."""
+    llm = LLM(kv_cache_memory="512MiB", enable_prefix_caching=False, kv_format=kv_format)
+    prompt = llm.tokenizer.encode(emma_text[:4000])[:600]
+    with block_linear.kernel_paths(avx512=True, widened_rows=False):
+        assert greedy_beside(llm, prompt, emma_text[20000:21500]) == greedy_beside(llm, prompt, None)
+
+
 def test_shared_prefix_is_served_from_the_cache(emma_text):
     llm = LLM(kv_cache_memory="512MiB", block_size=8)
     prefix = llm.tokenizer.encode(emma_text[:12000])[:1000]
