@@ -47,7 +47,7 @@ def test_generate_streams_text(tiny_llama, capsys):
                  "--repetition-penalty", "1.3", "--min-tokens", "8", "--min-p", "0.1"]) == 0
     assert capsys.readouterr().out.strip()
     assert main(["generate", "Emma", "--model", str(tiny_llama), "--min-tokens", "300"]) == 2
-    assert "min_tokens 300 exceeds max_tokens 256" in capsys.readouterr().err
+    assert "--min-tokens 300 exceeds --max-tokens 256" in capsys.readouterr().err  # the flags, not the fields
 
 
 def test_generate_prints_the_beams_of_a_search(tiny_llama, capsys):
@@ -165,7 +165,7 @@ def test_vllms_kv_cache_dtype_flag_runs_the_format_it_names(tiny_llama, capsys):
     assert main([*tiny, "--kv-cache-dtype", "fp8_e5m2"]) == 0
     assert capsys.readouterr().out == named
     assert main([*tiny, "--kv-cache-dtype", "fp8", "--kv-format", "int8"]) == 2
-    assert "kv_cache_dtype 'fp8' (kv_format fp8) and kv_format 'int8' disagree" in capsys.readouterr().err
+    assert "--kv-cache-dtype 'fp8' (--kv-format fp8) and --kv-format 'int8' disagree" in capsys.readouterr().err
 
 
 def test_generate_with_speculative_decoding_prints_what_plain_decoding_prints(tiny_llama, capsys):
@@ -176,8 +176,8 @@ def test_generate_with_speculative_decoding_prints_what_plain_decoding_prints(ti
     assert main([*tiny, "--num-speculative-tokens", "3", "--prompt-lookup-min", "1"]) == 0
     assert capsys.readouterr().out == plain
     assert main([*tiny, "--num-speculative-tokens", "3", "--kv-format", "kivi4"]) == 2
-    assert ("num_speculative_tokens 3 needs a kv_format of fp32, fp16, bf16, int8, int4, fp8, fp8_e5m2, oaken (or two "
-            "of them, KEYS/VALUES), not 'kivi4'") in capsys.readouterr().err
+    assert ("--num-speculative-tokens 3 needs a --kv-format of fp32, fp16, bf16, int8, int4, fp8, fp8_e5m2, oaken (or "
+            "two of them, KEYS/VALUES), not 'kivi4'") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [("kv", "save"), ("calibrate", "oaken"), ("calibrate", "cachegen")])
@@ -188,3 +188,11 @@ def test_an_empty_text_file_is_refused_naming_it(command, tiny_llama, tmp_path, 
     flags = ["--text", str(empty), "--model", str(tiny_llama), "--kv-cache-memory", "8MiB", "--out", str(tmp_path / "o")]
     assert main([*command, *flags]) == 2
     assert f"text file {empty} holds no text" in capsys.readouterr().err
+
+
+def test_errors_name_options_as_the_command_line_spells_them():
+    from kvstrata.cli.main import spelled_as_flags
+
+    args = argparse.Namespace(max_tokens=256, kv_host_memory=None, text=None)
+    said = spelled_as_flags("kv_host_memory needs kv_offload infinigen; max_tokens 0 in /tmp/max_tokens/a, text", args)
+    assert said == "--kv-host-memory needs kv_offload infinigen; --max-tokens 0 in /tmp/max_tokens/a, text"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -231,6 +232,16 @@ def run_chat(args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": reply})
 
 
+def spelled_as_flags(message: str, args: argparse.Namespace) -> str:
+    """An error's option names as the command line spells them: the engine and the sampling parameters name their
+    fields (max_tokens, kv_host_memory), which a command's flags are (--max-tokens, --kv-host-memory)."""
+    names = sorted((name for name in vars(args) if "_" in name), key=len, reverse=True)
+    if not names:
+        return message
+    pattern = re.compile(r"(?<![\w./-])(" + "|".join(map(re.escape, names)) + r")(?![\w/-])")  # not in paths
+    return pattern.sub(lambda match: "--" + match.group(1).replace("_", "-"), message)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -240,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         commands[args.command](args)
     except KvstrataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {spelled_as_flags(str(exc), args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
