@@ -507,8 +507,7 @@ class EngineConfig:
                                 f"from which steps draft nothing), got {limit!r}")
         if not k:
             return
-        formats = (split_sides(self.kv_format) or [self.kv_format]) if self.kv_format else []
-        rewrites_slots = set(formats) <= set(SLOT_REWRITING_KV_FORMATS)
+        rewrites_slots = set(self.kv_format_sides()) <= set(SLOT_REWRITING_KV_FORMATS)
         wanted_format = (f"a kv_format of {', '.join(SLOT_REWRITING_KV_FORMATS)} (or two of them, KEYS/VALUES), not "
                          f"{self.kv_format!r}")
         # drafts' KV is written and, where rejected, written over: only where attention reads every cached token (not
@@ -533,6 +532,10 @@ class EngineConfig:
         if len(set(names)) < len(names):
             raise KvstrataError(f"lora_modules names an adapter twice: {', '.join(names)}")
         return pairs
+
+    def kv_format_sides(self) -> list[str]:
+        """The formats `kv_format` names: one, K's and V's (KEYS/VALUES), or none where it is not given (the dtype's)."""
+        return (split_sides(self.kv_format) or [self.kv_format]) if self.kv_format else []
 
     @property
     def lora_enabled(self) -> bool:

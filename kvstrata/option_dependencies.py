@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 from kvstrata.config import EngineConfig
 from kvstrata.errors import KvstrataError
-from kvstrata.kv.cache_factory import RECORD_FORMATS, split_sides
+from kvstrata.kv.cache_factory import RECORD_FORMATS
 from kvstrata.kv.store.forms import LEVELS_FORM, parse_tier_forms
 from kvstrata.kv.store.spec import tier_kinds
 
@@ -38,10 +38,6 @@ class Dependency:
     needs: str  # what makes them act, in flags
 
 
-def _kv_format_sides(c: EngineConfig) -> list[str]:
-    return (split_sides(c.kv_format) or [c.kv_format]) if c.kv_format else []
-
-
 def _store_kinds(c: EngineConfig) -> list[str | None]:
     return tier_kinds(c.kv_store) if c.kv_store else []
 
@@ -60,7 +56,7 @@ def _format_dependencies() -> list[Dependency]:
 
 
 def _in_formats(names: tuple[str, ...]) -> Callable[[EngineConfig], bool]:
-    return lambda c: bool(set(names) & set(_kv_format_sides(c)))
+    return lambda c: bool(set(names) & set(c.kv_format_sides()))
 
 
 def _format_flags(names: list[str]) -> str:
