@@ -304,6 +304,7 @@ def test_methods_head_and_docs(server):
     ({"prompt": "a", "stop": ["x", 1]}, "stop", "entry 1 is int"),
     ({"prompt": [-1]}, "prompt.0", "greater than or equal to 0"),
     ({"prompt": "a", "max_tokens": 65}, "max_tokens", "--max-tokens-limit of 64"),
+    ({"prompt": [1] * 256}, "prompt", "at most 255 (max_model_len 256, one token kept for the output)"),
 ])
 def test_validation_messages_name_the_real_problem(server, body, param, message):
     reply = post(server[0], "/v1/completions", {"model": MODEL, **body})
@@ -316,6 +317,8 @@ def test_validation_messages_name_the_real_problem(server, body, param, message)
     (b'{"model": "test-model", "prompt": "a"}', {"content-type": "text/plain"},
      "sent as Content-Type application/json, got Content-Type 'text/plain'"),
     (b'["a"]', {"content-type": "application/json"}, "request body must be a JSON object: "),
+    (b'{"model": "test-model", "prompt": "a"}', {}, "sent as Content-Type application/json, the request had no "
+                                                     "Content-Type"),  # said "Input should be a valid dictionary"
 ])
 def test_a_body_that_is_not_a_json_object_is_refused_saying_what_was_sent(server, content, headers, message):
     reply = httpx.post(server[0] + "/v1/completions", content=content, headers=headers, timeout=60)
@@ -414,7 +417,7 @@ def test_an_api_key_guards_the_api_but_not_health_or_metrics(tiny_llama, monkeyp
                         max_model_len=256) as (url, _):
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         for headers, message in (({}, "has no API key"), ({"Authorization": "Bearer wrong"}, "is not this server's"),
-                                 ({"Authorization": "s3cret"}, "is not this server's")):
+                                 ({"Authorization": "s3cret"}, "must read Bearer <key>")):
             for path in ("/v1/completions", "/tokenize"):
                 reply = httpx.post(url + path, json=body, headers=headers)
                 assert reply.status_code == 401 and message in reply.json()["error"]["message"]

@@ -19,8 +19,12 @@ def refusal(key: str, path: str, authorization: bytes | None) -> JSONResponse | 
     """The 401 for a request to `path` whose Authorization header does not carry `key`; None if it may pass."""
     if path in OPEN_PATHS or hmac.compare_digest(authorization or b"", f"Bearer {key}".encode()):  # constant time
         return None
-    message = ("the request has no API key; send the header Authorization: Bearer <key>" if not authorization
-               else "the API key in the Authorization header is not this server's")
+    if not authorization:
+        message = "the request has no API key; send the header Authorization: Bearer <key>"
+    elif not authorization.startswith(b"Bearer "):
+        message = "the Authorization header must read Bearer <key>, the word Bearer, a space and the key"
+    else:
+        message = "the API key in the Authorization header is not this server's"
     return JSONResponse(error_body(message, code="invalid_api_key"), status_code=401,
                         headers={"WWW-Authenticate": "Bearer"})
 

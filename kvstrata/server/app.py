@@ -99,8 +99,8 @@ def _validation_error(exc: RequestValidationError, content_type: str) -> JSONRes
         if chosen["type"] == "missing":
             return _error(400, "request body is empty: send a JSON object (Content-Type: application/json)")
         if not _read_as_json(content_type):
-            return _error(400, f"request body must be a JSON object sent as Content-Type application/json, got "
-                               f"Content-Type {content_type!r}")
+            got = f"got Content-Type {content_type!r}" if content_type else "the request had no Content-Type"
+            return _error(400, f"request body must be a JSON object sent as Content-Type application/json, {got}")
         return _error(400, f"request body must be a JSON object: {message}")
     # Union members add their type's name to the location; keep field names and list indexes (and the name of a
     # field a body may not have, which is the error).
@@ -113,10 +113,10 @@ def _validation_error(exc: RequestValidationError, content_type: str) -> JSONRes
 
 
 def _read_as_json(content_type: str) -> bool:
-    """Whether FastAPI parses a body of this Content-Type as JSON: none given, application/json or a +json type;
-    any other body reaches validation unparsed."""
+    """Whether FastAPI parses a body of this Content-Type as JSON: application/json or a +json type; any other body,
+    and one sent without a Content-Type (FastAPI's strict content types), reaches validation unparsed."""
     media = content_type.split(";")[0].strip().lower()
-    return not media or media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _error_message(error: dict) -> str:
