@@ -317,8 +317,8 @@ def test_validation_messages_name_the_real_problem(server, body, param, message)
     (b'{"model": "test-model", "prompt": "a"}', {"content-type": "text/plain"},
      "sent as Content-Type application/json, got Content-Type 'text/plain'"),
     (b'["a"]', {"content-type": "application/json"}, "request body must be a JSON object: "),
-    (b'{"model": "test-model", "prompt": "a"}', {}, "sent as Content-Type application/json, the request had no "
-                                                     "Content-Type"),  # said "Input should be a valid dictionary"
+    (b'{"model": "test-model", "prompt": "a"}', {}, ("sent as Content-Type application/json, the request had no "
+                                                     "Content-Type")),  # said "Input should be a valid dictionary"
 ])
 def test_a_body_that_is_not_a_json_object_is_refused_saying_what_was_sent(server, content, headers, message):
     reply = httpx.post(server[0] + "/v1/completions", content=content, headers=headers, timeout=60)
