@@ -233,6 +233,14 @@ def test_what_the_converter_cannot_read_is_refused_by_name(tmp_path):
         LLM(str(yarn), kv_cache_memory="8MiB")
 
 
+def test_a_file_cut_short_is_refused_with_its_size(tiny_qwen3, tmp_path):
+    whole = save_tiny_gguf(tiny_qwen3, tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(KvstrataError, match=f"not a readable GGUF file \\({len(whole) // 2} bytes; a file cut short"):
+        LLM(str(cut), kv_cache_memory="8MiB")
+
+
 def test_frequency_factors_of_the_wrong_count_are_refused():
     from kvstrata.model.config import ModelConfig
 

@@ -200,7 +200,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     try:
         reader = gguf.GGUFReader(str(gguf_path))
     except Exception as exc:  # the gguf package raises bare ValueErrors and struct errors
-        raise KvstrataError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+        size = Path(gguf_path).stat().st_size
+        raise KvstrataError(f"{gguf_path} is not a readable GGUF file ({size} bytes; a file cut short by an "
+                            f"interrupted download or copy fails so): {exc}") from exc
     names = {t.name for t in reader.tensors}
     config = gguf_config(reader, "output.weight" in names)
     config["kvstrata_requantized_gguf_types"] = requantized_types(reader)
