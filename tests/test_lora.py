@@ -359,6 +359,7 @@ def test_the_server_serves_each_adapter_as_a_model(tiny_llama, adapters):
         listed = httpx.get(f"{url}/v1/models").json()["data"]
         assert [(m["id"], m.get("parent")) for m in listed] == [("test-model", None), ("all", "test-model"),
                                                                  ("some", "test-model")]
+        assert httpx.get(f"{url}/v1/models/some").json()["root"] == str(adapters["some"])
         texts = {}
         for model in ("test-model", "all"):
             body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}

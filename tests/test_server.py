@@ -123,6 +123,9 @@ def test_logit_bias_is_applied_as_offline(client, offline):
 def test_models_health_and_metrics(server, client):
     url, app = server
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # a 404 before: no route for one model
+    with pytest.raises(openai.NotFoundError, match="model 'other' does not exist; this server has 'test-model'"):
+        client.models.retrieve("other")
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     before = _metric(url, "kvstrata:generation_tokens_total")
     reply = client.completions.create(model=MODEL, prompt="Emma", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})

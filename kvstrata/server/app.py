@@ -30,6 +30,7 @@ from kvstrata.server.openapi import (
     EMBEDDING_RESPONSES,
     LORA_UPDATE_RESPONSES,
     METRICS_RESPONSES,
+    MODEL_RESPONSES,
     RERANK_RESPONSES,
     SCORE_RESPONSES,
     TOKENIZE_RESPONSES,
@@ -200,16 +201,23 @@ def build_app(engine: LLMEngine, model_name: str, options: ServerOptions | None 
     async def health():
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models():
+    def model_cards() -> list[dict]:
         created = int(time.time())
         base = {"id": model_name, "object": "model", "created": created, "owned_by": "kvstrata",
                 "max_model_len": engine.max_model_len}
         # each LoRA adapter is a model of its own name, as vLLM lists them: its directory and the model it adapts
-        return {"object": "list", "data": [base, *[
-            {**base, "id": name, "root": str(adapter.path), "parent": model_name}
-            for name, adapter in dict(adapters).items()  # a copy: a load may change them meanwhile
-        ]]}
+        return [base, *[{**base, "id": name, "root": str(adapter.path), "parent": model_name}
+                        for name, adapter in dict(adapters).items()]]  # a copy: a load may change them meanwhile
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id:path}", responses=MODEL_RESPONSES)
+    async def model(model_id: str):
+        """One served model's card (OpenAI's models.retrieve)."""
+        card = next((card for card in model_cards() if card["id"] == model_id), None)
+        return card if card is not None else _unknown_model(model_id)
 
     @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def prometheus_metrics():

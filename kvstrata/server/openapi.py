@@ -170,6 +170,11 @@ LORA_UPDATE_RESPONSES = {
         (401, _ERRORS[401]), (404, "No LoRA adapter of that name is loaded"), (408, _ERRORS[408]),
         (413, _ERRORS[413]))},
 }
+MODEL_RESPONSES = {
+    200: {"description": "The model's card: id, object, created, owned_by, max_model_len (an adapter's also root, "
+                         "its directory, and parent, the model it adapts)"},
+    **{status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in (401, 404)},
+}
 METRICS_RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                            "description": "Prometheus text exposition format"}}
 
