@@ -394,11 +394,12 @@ class LLMEngine:
         if not token_ids:
             raise KvstrataError("the prompt is empty; give at least one token")
         if len(token_ids) > self.max_model_len - generates:
-            kept = ", one token kept for the output" if generates else ""
-            raise KvstrataError(
-                f"the prompt has {len(token_ids)} tokens; the context allows at most {self.max_model_len - generates} "
-                f"(max_model_len {self.max_model_len}{kept})"
-            )
+            raise KvstrataError(self.too_long_for_the_context(len(token_ids), generates))
+
+    def too_long_for_the_context(self, num_tokens: int, generates: bool = True, what: str = "the prompt") -> str:
+        kept = ", one token kept for the output" if generates else ""
+        return (f"{what} has {num_tokens} tokens; the context allows at most {self.max_model_len - generates} "
+                f"(max_model_len {self.max_model_len}{kept})")
 
     def add_request(
         self,

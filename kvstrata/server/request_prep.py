@@ -62,9 +62,7 @@ class RequestPreparer:
             what = "the prompt" if len(body.prompts) == 1 else f"prompt {number} of the batch"
             if isinstance(prompt, list):
                 if len(prompt) >= self.engine.max_model_len:
-                    limit = self.engine.max_model_len
-                    raise ParameterError("prompt", f"{what} has {len(prompt)} tokens; the context allows at most "
-                                                   f"{limit - 1} (max_model_len {limit}, one token kept for the output)")
+                    raise ParameterError("prompt", self.engine.too_long_for_the_context(len(prompt), what=what))
             else:
                 self.check_text_length("prompt", f"{what} text", len(prompt))
 
